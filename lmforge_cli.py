@@ -1,0 +1,83 @@
+"""The ``lmforge`` command line.
+
+Each subcommand lives in the module that owns its stage and exposes two functions:
+
+* ``add_arguments(parser: argparse.ArgumentParser) -> None`` declares its flags;
+* ``run(args: argparse.Namespace) -> int`` does the work and returns the exit status.
+
+Only the chosen subcommand's module is imported, so ``lmforge --help`` stays fast and a
+stage that is missing from an installation never breaks the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``lmforge`` subcommand: its name, the module that implements it, and a one-line help."""
+
+    name: str
+    module: str
+    help: str
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("info", "compress.checkpoints", "Resolve a checkpoint (converting GGUF once) and print its manifest."),
+    Command("generate", "engine.cli", "Generate a completion with the engine (or --backend hf for transformers)."),
+    Command("data", "compress.data", "Load, deduplicate, filter and split dialog or text data."),
+    Command("finetune", "compress.finetune", "Fine-tune a checkpoint (AdamW, warmup+cosine, LoRA optional)."),
+    Command("distill", "compress.distill", "Distill a teacher checkpoint into a smaller student."),
+    Command("quantize", "compress.quantize", "INT8-quantize a checkpoint (dynamic, llm-int8, onnx-int8)."),
+    Command("evaluate", "compress.evaluate", "Compare checkpoints: perplexity, agreement, size, decode latency."),
+    Command("export", "deploy.export", "Export a checkpoint into a Triton model repository."),
+    Command("serve", "deploy.serve", "Start (or --stop) the Triton Inference Server on a model repository."),
+    Command("loadtest", "bench.loadtest", "Load-test a served model with Locust and write a report."),
+    Command("bench", "bench.cli", "Benchmarks: engine throughput and latency, compression figures."),
+    Command("demo", "bench.demo", "The whole job: compress, evaluate, export, serve, load-test, report."),
+    Command("plan", "compress.plan", "Plan memory and parallelism for training or inference at scale."),
+    Command("diagnose", "compress.diagnose", "Find the cause of a misbehaving training run from its metrics."),
+)
+
+
+def available_commands() -> list[Command]:
+    """The commands whose implementing module is present in this installation."""
+    return [c for c in COMMANDS if importlib.util.find_spec(c.module) is not None]
+
+
+def build_parser(commands: list[Command], chosen: str | None) -> argparse.ArgumentParser:
+    """Build the top-level parser; only ``chosen`` gets its full argument set (imports its module)."""
+    parser = argparse.ArgumentParser(
+        prog="lmforge",
+        description="Compress, run, serve on Triton and load-test large language models.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in commands:
+        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        if command.name == chosen:
+            importlib.import_module(command.module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lmforge`` console script; returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = available_commands()
+    names = {c.name: c for c in commands}
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(commands, chosen if chosen in names else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(names[args.command].module)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
