@@ -75,8 +75,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"server stopped (exit status {status})")
         return 0
     server.stop()
-    print(f"server exited (status {status})")
-    return 0 if status in (0, -signal.SIGINT) else 1
+    if status == 0 or "Signal (2) received" in server.log_tail(200):  # `--stop` or a SIGINT
+        print(f"server stopped (exit status {status})")
+        return 0
+    print(f"server exited (status {status}); log {server.log_path}:\n{server.log_tail()}")
+    return 1
 
 
 
