@@ -180,6 +180,7 @@ class TritonPythonModel:
         return None
 
     async def _serve(self, request) -> None:
+        """Answer one request: parse it, stream the engine's outputs, always end with FINAL."""
         sender = request.get_response_sender()
         try:
             parsed = parse_request(
@@ -191,54 +192,61 @@ class TritonPythonModel:
         except ValueError as exc:
             self._send_error(sender, str(exc))
             return
+        request_id = uuid.uuid4().hex
+        stream = None
         try:
-            await self._generate(parsed, sender)
+            stream = self.engine.generate(parsed.prompt, parsed.sampling_params, request_id)
+            final_sent, last = await self._stream(parsed, request_id, stream, sender)
         except ValueError as exc:  # the engine refused the request (e.g. prompt over max_model_len)
             self._send_error(sender, str(exc))
-        except Exception as exc:  # noqa: BLE001 -- answer the client, keep serving the others
-            self.logger.log_error(f"lmforge: request failed: {traceback.format_exc()}")
+            return
+        except asyncio.CancelledError:  # the model is being unloaded
+            await self.engine.abort(request_id)
+            self._close(sender, None)
+            raise
+        except Exception as exc:  # noqa: BLE001 -- answer this client, keep serving the others
+            self.logger.log_error(f"lmforge: request {request_id} failed: {traceback.format_exc()}")
+            await self.engine.abort(request_id)
             self._send_error(sender, f"internal error: {exc!r}")
+            return
+        finally:
+            if hasattr(stream, "aclose"):
+                await stream.aclose()
+        if not final_sent:
+            self._close(sender, last)
+
+    async def _stream(self, request: LLMRequest, request_id: str, stream, sender) -> tuple[bool, object]:
+        """Send the engine's outputs; returns (FINAL sent, last output)."""
+        sent_chars = 0
+        last = None
+        async for output in stream:
+            last = output
+            if sender.is_cancelled():
+                await self.engine.abort(request_id)
+                self.metrics.aborted.increment(1)
+                return False, last
+            completion = output.outputs[0]
+            if output.finished:
+                self.metrics.finished(output)
+            if request.stream:
+                delta = completion.text[sent_chars:]
+                if not delta and not output.finished:
+                    continue
+                sent_chars = len(completion.text)
+                flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
+                sender.send(pb_utils.InferenceResponse(_output_tensors(delta, output, completion.finish_reason)), flags=flags)
+            elif output.finished:
+                text = completion.text if request.exclude_input_in_output else request.prompt + completion.text
+                response = pb_utils.InferenceResponse(_output_tensors(text, output, completion.finish_reason))
+                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            if output.finished:
+                return True, last
+        return False, last
 
     def _send_error(self, sender, message: str) -> None:
         self.metrics.errors.increment(1)
         response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
-    async def _generate(self, request: LLMRequest, sender) -> None:
-        request_id = uuid.uuid4().hex
-        sent_chars = 0
-        final_sent = False
-        last = None
-        try:
-            async for output in self.engine.generate(request.prompt, request.sampling_params, request_id):
-                last = output
-                if sender.is_cancelled():
-                    await self.engine.abort(request_id)
-                    self.metrics.aborted.increment(1)
-                    break
-                completion = output.outputs[0]
-                if output.finished:
-                    self.metrics.finished(output)
-                if request.stream:
-                    delta = completion.text[sent_chars:]
-                    if not delta and not output.finished:
-                        continue
-                    sent_chars = len(completion.text)
-                    flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
-                    sender.send(pb_utils.InferenceResponse(_output_tensors(delta, output, completion.finish_reason)), flags=flags)
-                    final_sent = output.finished
-                elif output.finished:
-                    text = completion.text if request.exclude_input_in_output else request.prompt + completion.text
-                    sender.send(pb_utils.InferenceResponse(_output_tensors(text, output, completion.finish_reason)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                    final_sent = True
-                if output.finished:
-                    break
-        except asyncio.CancelledError:
-            await self.engine.abort(request_id)
-            raise
-        finally:
-            if not final_sent:
-                self._close(sender, last)
 
     def _close(self, sender, last) -> None:
         """Send the FINAL flag of a request that ended without a finished output."""

@@ -238,6 +238,15 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert wait_for(lambda: metric(server, "lmforge_requests_aborted_total") >= aborted_before + 1), "the engine did not abort"
     assert wait_for(lambda: metric(server, "lmforge_num_requests_running") == 0)
     assert wait_for(lambda: metric(server, "lmforge_kv_cache_usage_ratio") == 0.0)  # blocks returned
+    # the same for an HTTP client that closes its SSE stream
+    body = {"text_input": PROMPT, "stream": True, "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": 220, "ignore_eos": True})}
+    response = requests.post(f"{server.http_url}/v2/models/llm/generate_stream", json=body, stream=True, timeout=60)
+    events = (line for line in response.iter_lines() if line.startswith(b"data: "))
+    for _ in range(3):
+        next(events)
+    response.close()
+    assert wait_for(lambda: metric(server, "lmforge_requests_aborted_total") >= aborted_before + 2), "the engine did not abort"
+    assert wait_for(lambda: metric(server, "lmforge_kv_cache_usage_ratio") == 0.0)
     good = generate(server, PROMPT, {"temperature": 0, "max_tokens": 4}, exclude_input_in_output=True)
     assert good.status_code == 200 and good.json()["num_output_tokens"] == 4
 
