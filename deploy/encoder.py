@@ -156,6 +156,40 @@ def prepare_encoder_onnx(checkpoint: str | Path, out_dir: Path, *, max_length: i
     return info
 
 
+def load_tokenizer(model_dir: Path, max_length: int, *, pad_to_length: int | None = None):
+    """The checkpoint's fast tokenizer (``tokenizer.json``, Hugging Face ``tokenizers``), set to
+    truncate at ``max_length`` and pad to the longest text (or to ``pad_to_length``).
+
+    ``tokenizers`` alone imports in milliseconds, which keeps model loading in Triton quick.
+
+    Raises:
+        ValueError: ``tokenizer.json`` is missing (names the file and the fix).
+    """
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: missing; re-run `lmforge export` for this encoder")
+    tokenizer = Tokenizer.from_file(str(path))
+    pad_token = "[PAD]"
+    special = Path(model_dir) / "special_tokens_map.json"
+    if special.is_file():
+        value = json.loads(special.read_text()).get("pad_token", pad_token)
+        pad_token = value["content"] if isinstance(value, dict) else value
+    pad_id = tokenizer.token_to_id(pad_token)
+    tokenizer.enable_truncation(max_length)
+    tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token=pad_token, length=pad_to_length)
+    return tokenizer
+
+
+def tokenize(tokenizer, texts: list[str], input_names: list[str]) -> dict[str, np.ndarray]:
+    """Encode a batch: ``{input_ids, attention_mask, token_type_ids}`` -> ``[batch, seq]`` int64,
+    only the names the graph takes."""
+    encodings = tokenizer.encode_batch(texts)
+    fields = {"input_ids": "ids", "attention_mask": "attention_mask", "token_type_ids": "type_ids"}
+    return {name: np.array([getattr(e, fields[name]) for e in encodings], dtype=np.int64) for name in input_names}
+
+
 class OnnxEncoder:
     """Text -> sentence embeddings with the tokenizer and ONNX Runtime (CPU).
 
@@ -166,23 +200,18 @@ class OnnxEncoder:
 
     def __init__(self, model_dir: str | Path, *, num_threads: int | None = None) -> None:
         import onnxruntime as ort
-        from transformers import AutoTokenizer
 
         self.model_dir = Path(model_dir)
         self.info = EncoderInfo.read(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir, self.info.max_length)
         options = ort.SessionOptions()
         if num_threads:
             options.intra_op_num_threads = num_threads
         self.session = ort.InferenceSession(str(self.model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
 
-    def tokenize(self, texts: list[str], *, pad_to_max_length: bool = False) -> dict[str, np.ndarray]:
-        """Token tensors ``{name: [batch, seq] int64}`` for the graph inputs."""
-        encoded = self.tokenizer(
-            texts, padding="max_length" if pad_to_max_length else True, truncation=True,
-            max_length=self.info.max_length, return_tensors="np",
-        )
-        return {name: encoded[name].astype(np.int64) for name in self.info.input_names}
+    def tokenize(self, texts: list[str]) -> dict[str, np.ndarray]:
+        """Token tensors ``{name: [batch, seq] int64}`` for the graph inputs (padded to the longest)."""
+        return tokenize(self.tokenizer, texts, self.info.input_names)
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """Embeddings ``[len(texts), hidden]`` FP32 (pooled, normalised as the checkpoint says).

@@ -275,10 +275,11 @@ class TritonServer:
         models: names to load (explicit model control); ``None`` loads every model this
             server can serve (``servable_models``), skipping container-only ones.
         log_path: the server log; default ``REPO/tritonserver.log``.
-        pid_path: where the server's pid is written (for ``lmforge serve --stop``); default
-            ``REPO/tritonserver.pid``; ``None``-valued ``write_pid_file=False`` skips it.
+        write_pid_file: write the server's pid to ``REPO/tritonserver.pid`` (for
+            ``lmforge serve --stop``; also refuses a second server on the same repository).
         startup_timeout_s: deadline for the server and all models to become ready.
         grace_s: seconds between SIGINT and SIGKILL on stop.
+        exit_timeout_s: Triton's own drain time for in-flight requests and open connections.
         log_verbose: Triton's ``--log-verbose`` level.
 
     Raises (on ``start``):
@@ -299,6 +300,7 @@ class TritonServer:
         write_pid_file: bool = True,
         startup_timeout_s: float = 300.0,
         grace_s: float = 15.0,
+        exit_timeout_s: int = 10,
         log_verbose: int = 0,
     ) -> None:
         self.repo = Path(repo).resolve()
@@ -311,6 +313,7 @@ class TritonServer:
         self.pid_path = self.repo / PID_FILE_NAME if write_pid_file else None
         self.startup_timeout_s = startup_timeout_s
         self.grace_s = grace_s
+        self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
         self.process: subprocess.Popen | None = None
 
@@ -340,7 +343,7 @@ class TritonServer:
             *[f"--load-model={name}" for name in models],
             "--exit-on-error=false",  # stay up so the repository index can tell why a model failed
             "--strict-readiness=true",
-            "--exit-timeout-secs=10",
+            f"--exit-timeout-secs={self.exit_timeout_s}",  # drain in-flight requests and connections
             f"--http-address={HOST}", f"--http-port={self.ports['http']}",
             f"--grpc-address={HOST}", f"--grpc-port={self.ports['grpc']}",
             f"--metrics-address={HOST}", f"--metrics-port={self.ports['metrics']}",

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from deploy.encoder import POOLED_OUTPUT, OnnxEncoder
+from deploy.encoder import POOLED_OUTPUT, OnnxEncoder, load_tokenizer, tokenize
 
 
 def _version_dir(args: dict) -> Path:
@@ -45,7 +45,8 @@ def _texts(request) -> list[str]:
 
 
 def _error(message: str):
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+    """An error response for bad input (HTTP 400 / gRPC INVALID_ARGUMENT)."""
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
 
 
 class TritonPythonModel:
@@ -82,12 +83,9 @@ class TokenizerModel:
 
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
-        self.max_length = int(config["parameters"]["max_length"]["string_value"])
+        max_length = int(config["parameters"]["max_length"]["string_value"])
         self.output_names = [o["name"] for o in config["output"]]
-        self.encoder_dir = _version_dir(args)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.encoder_dir)
+        self.tokenizer = load_tokenizer(_version_dir(args), max_length, pad_to_length=max_length)
 
     def execute(self, requests):
         responses = []
@@ -97,7 +95,7 @@ class TokenizerModel:
             except (ValueError, UnicodeDecodeError) as exc:
                 responses.append(_error(str(exc)))
                 continue
-            encoded = self.tokenizer(texts, padding="max_length", truncation=True, max_length=self.max_length, return_tensors="np")
-            tensors = [pb_utils.Tensor(name, encoded[name].astype(np.int64)) for name in self.output_names]  # [n, max_length]
+            encoded = tokenize(self.tokenizer, texts, self.output_names)  # name -> [n, max_length]
+            tensors = [pb_utils.Tensor(name, array) for name, array in encoded.items()]
             responses.append(pb_utils.InferenceResponse(tensors))
         return responses

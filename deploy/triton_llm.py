@@ -207,7 +207,7 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 -- answer this client, keep serving the others
             self.logger.log_error(f"lmforge: request {request_id} failed: {traceback.format_exc()}")
             await self.engine.abort(request_id)
-            self._send_error(sender, f"internal error: {exc!r}")
+            self._send_error(sender, f"internal error: {exc!r}", pb_utils.TritonError.INTERNAL)
             return
         finally:
             if hasattr(stream, "aclose"):
@@ -243,9 +243,11 @@ class TritonPythonModel:
                 return True, last
         return False, last
 
-    def _send_error(self, sender, message: str) -> None:
+    def _send_error(self, sender, message: str, code=None) -> None:
+        """An error response with FINAL; bad input is INVALID_ARG (HTTP 400)."""
         self.metrics.errors.increment(1)
-        response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+        code = pb_utils.TritonError.INVALID_ARG if code is None else code
+        response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _close(self, sender, last) -> None:

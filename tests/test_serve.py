@@ -46,7 +46,7 @@ def served_repo(tmp_path_factory, tiny_llama_dir) -> Path:
 @pytest.fixture(scope="session")
 def server(served_repo):
     http, grpc, metrics = free_ports(3)
-    with TritonServer(served_repo, http, grpc, metrics, models=["llm", "minilm"], startup_timeout_s=600) as triton:
+    with TritonServer(served_repo, http, grpc, metrics, models=["llm", "minilm"], startup_timeout_s=600, exit_timeout_s=3) as triton:
         yield triton
 
 
