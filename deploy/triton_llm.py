@@ -31,6 +31,8 @@ import triton_python_backend_utils as pb_utils
 from deploy.llm_request import LLMRequest, parse_request
 
 STATS_INTERVAL_S = 0.05
+#: How often a streaming request asks Triton whether its client cancelled (an IPC round trip).
+CANCEL_CHECK_INTERVAL_S = 0.02
 #: Histogram buckets (seconds) for time to first token and time per output token.
 TTFT_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
@@ -219,12 +221,16 @@ class TritonPythonModel:
         """Send the engine's outputs; returns (FINAL sent, last output)."""
         sent_chars = 0
         last = None
+        next_cancel_check = 0.0
         async for output in stream:
             last = output
-            if sender.is_cancelled():
-                await self.engine.abort(request_id)
-                self.metrics.aborted.increment(1)
-                return False, last
+            now = time.monotonic()
+            if now >= next_cancel_check:  # is_cancelled is an IPC round trip: rate-limited
+                if sender.is_cancelled():
+                    await self.engine.abort(request_id)
+                    self.metrics.aborted.increment(1)
+                    return False, last
+                next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
             completion = output.outputs[0]
             if output.finished:
                 self.metrics.finished(output)
