@@ -51,7 +51,7 @@ MODEL_PY = '''"""Triton Python-backend entry point written by `lmforge export` (
 The serving code lives in the installed lmforge ({module}); this file only points Triton at it.
 """
 
-from {module} import {cls} as TritonPythonModel  # noqa: F401
+from {module} import {imported}  # noqa: F401
 '''
 
 MODEL_PY_CLASSES = {
@@ -212,7 +212,8 @@ def write_model_dir(repo: Path, name: str, config, kind: str | None) -> Path:
     (model_dir / CONFIG_NAME).write_text(to_text(config))
     if kind is not None:
         module, cls = MODEL_PY_CLASSES[kind]
-        (version_dir / "model.py").write_text(MODEL_PY.format(kind=kind, module=module, cls=cls))
+        imported = cls if cls == "TritonPythonModel" else f"{cls} as TritonPythonModel"
+        (version_dir / "model.py").write_text(MODEL_PY.format(kind=kind, module=module, imported=imported))
     return version_dir
 
 

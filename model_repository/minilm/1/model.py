@@ -3,4 +3,4 @@
 The serving code lives in the installed lmforge (deploy.triton_encoder); this file only points Triton at it.
 """
 
-from deploy.triton_encoder import TritonPythonModel as TritonPythonModel  # noqa: F401
+from deploy.triton_encoder import TritonPythonModel  # noqa: F401

@@ -3,4 +3,4 @@
 The serving code lives in the installed lmforge (deploy.triton_llm); this file only points Triton at it.
 """
 
-from deploy.triton_llm import TritonPythonModel as TritonPythonModel  # noqa: F401
+from deploy.triton_llm import TritonPythonModel  # noqa: F401
