@@ -28,6 +28,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -127,7 +128,7 @@ def backend_directory(install: TritonInstallation) -> Path:
     try:
         os.rename(staging, root)
     except OSError:  # another process built it first
-        subprocess.run(["rm", "-rf", str(staging)], check=False)
+        shutil.rmtree(staging, ignore_errors=True)
     return root
 
 
