@@ -159,19 +159,22 @@ class TritonPythonModel:
         self.loop_thread = threading.Thread(target=self._run_loop, name="lmforge-engine-loop", daemon=True)
         self.loop_thread.start()
         self.ongoing: set[asyncio.Future] = set()
-        self.stats_task = asyncio.run_coroutine_threadsafe(self._publish_stats(), self.loop)
+        # get_stats waits for the engine step in progress, so it polls on its own thread,
+        # never on the event loop that sends the responses.
+        self.stop_stats = threading.Event()
+        self.stats_thread = threading.Thread(target=self._publish_stats, name="lmforge-stats", daemon=True)
+        self.stats_thread.start()
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    async def _publish_stats(self) -> None:
-        while True:
+    def _publish_stats(self) -> None:
+        while not self.stop_stats.wait(STATS_INTERVAL_S):
             try:
                 self.metrics.update_stats(self.engine.get_stats())
-            except Exception as exc:  # metrics must never stop serving  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 -- metrics must never stop serving
                 self.logger.log_warn(f"lmforge: stats update failed: {exc!r}")
-            await asyncio.sleep(STATS_INTERVAL_S)
 
     def execute(self, requests):
         """Hand every request to the event loop; responses go through their senders."""
@@ -273,7 +276,8 @@ class TritonPythonModel:
             future.cancel()
         while self.ongoing and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.stats_task.cancel()
+        self.stop_stats.set()
+        self.stats_thread.join(timeout=5)
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             result = shutdown()
