@@ -3,9 +3,11 @@
     python -m bench.serving [--model smollm2-135m] [--concurrency 1 16] [--max-tokens 64]
 
 For each concurrency C, ``--requests-per-level`` (default ``max(4, 2C)``) greedy requests run
-with at most C in flight, first on an in-process ``AsyncLLMEngine``, then through the real
+with at most C in flight on an in-process ``AsyncLLMEngine`` and through the real
 ``tritonserver`` (``/v2/models/NAME/generate_stream``, SSE, one aiohttp client) on a repository
-exported with the same ``EngineConfig``. Printed side by side: output tokens per second (all
+exported with the same ``EngineConfig``. Both are loaded at once and measured in alternation,
+``--rounds`` times, keeping each one's best round, so load from other processes on a shared
+machine biases neither side. Printed side by side: output tokens per second (all
 tokens / wall time), TTFT p50 (ms, from the client's send to the first text), and Triton's
 throughput overhead ``1 - triton_tok_s / engine_tok_s`` (target: <= 10% at 16).
 """
@@ -76,24 +78,6 @@ async def _engine_level(engine, concurrency: int, prompts: list[str], params) ->
     return _summarise("engine", concurrency, [r[0] for r in results], [r[1] for r in results], wall)
 
 
-def bench_engine(model: str, engine_config: dict, levels: list[int], prompts_per_level: dict[int, list[str]], params) -> list[LevelResult]:
-    """The in-process ``AsyncLLMEngine`` at each concurrency level (after one warm-up request)."""
-    from engine import AsyncLLMEngine, EngineConfig
-
-    async def main():
-        engine = AsyncLLMEngine(EngineConfig(model=model, **engine_config))
-        await _engine_level(engine, 1, PROMPTS[:1], params)  # warm-up
-        results = [await _engine_level(engine, c, prompts_per_level[c], params) for c in levels]
-        shutdown = getattr(engine, "shutdown", None)
-        if shutdown is not None:
-            result = shutdown()
-            if asyncio.iscoroutine(result):
-                await result
-        return results
-
-    return asyncio.run(main())
-
-
 async def _triton_level(session, url: str, concurrency: int, prompts: list[str], params: dict) -> LevelResult:
     async def one(prompt: str):
         body = {"text_input": prompt, "stream": True, "sampling_parameters": json.dumps(params)}
@@ -119,26 +103,49 @@ async def _triton_level(session, url: str, concurrency: int, prompts: list[str],
     return _summarise("triton", concurrency, [r[0] for r in results], [r[1] for r in results], wall)
 
 
-def bench_triton(model: str, engine_config: dict, levels: list[int], prompts_per_level: dict[int, list[str]], params: dict, *, ports: list[int]) -> list[LevelResult]:
-    """The same engine behind the real ``tritonserver`` (exported into a temporary repository)."""
+async def _run_rounds(engine, session, url: str, levels: list[int], prompts_per_level: dict[int, list[str]], params: dict, rounds: int):
+    """Alternate engine and Triton at each level, ``rounds`` times; keep each one's best round."""
+    from engine import SamplingParams
+
+    engine_params = SamplingParams(**params)
+    await _engine_level(engine, 1, PROMPTS[:1], engine_params)  # warm-up both
+    await _triton_level(session, url, 1, PROMPTS[:1], params)
+    best: dict[tuple[str, int], LevelResult] = {}
+    for round_index in range(rounds):
+        for c in levels:
+            for result in (await _engine_level(engine, c, prompts_per_level[c], engine_params), await _triton_level(session, url, c, prompts_per_level[c], params)):
+                print(f"  round {round_index + 1}: {result.backend:>6} c={c:<3} {result.output_tok_s:7.1f} tok/s  TTFT p50 {result.ttft_p50_ms:8.1f} ms", flush=True)
+                key = (result.backend, c)
+                if key not in best or result.output_tok_s > best[key].output_tok_s:
+                    best[key] = result
+    return [best[("engine", c)] for c in levels], [best[("triton", c)] for c in levels]
+
+
+def bench(model: str, engine_config: dict, levels: list[int], prompts_per_level: dict[int, list[str]], params: dict, *, ports: list[int], rounds: int):
+    """In-process ``AsyncLLMEngine`` and the same engine behind the real ``tritonserver``
+    (exported into a temporary repository), both loaded, measured in alternation."""
     import aiohttp
 
     from deploy.export import export
     from deploy.triton import TritonServer
+    from engine import AsyncLLMEngine, EngineConfig
 
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-serving-") as tmp:
         export(model, Path(tmp), name="llm", engine=engine_config, kind="llm")
         with TritonServer(tmp, *ports, models=["llm"], write_pid_file=False, startup_timeout_s=600) as server:
             url = f"{server.http_url}/v2/models/llm/generate_stream"
+            engine = AsyncLLMEngine(EngineConfig(model=model, **engine_config))
 
             async def main():
                 timeout = aiohttp.ClientTimeout(total=3600)
                 connector = aiohttp.TCPConnector(limit=max(levels))
                 async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-                    await _triton_level(session, url, 1, PROMPTS[:1], params)  # warm-up
-                    return [await _triton_level(session, url, c, prompts_per_level[c], params) for c in levels]
+                    return await _run_rounds(engine, session, url, levels, prompts_per_level, params, rounds)
 
-            return asyncio.run(main())
+            try:
+                return asyncio.run(main())
+            finally:
+                engine.shutdown()
 
 
 def format_table(engine: list[LevelResult], triton: list[LevelResult]) -> str:
@@ -164,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-threads", type=int, help="EngineConfig.num_threads for both (default: torch's)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="EngineConfig.max_num_seqs (default 16)")
     parser.add_argument("--max-model-len", type=int, default=512, help="EngineConfig.max_model_len (default 512)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; each backend's best is reported (default 2)")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
-    if args.max_tokens < 1 or any(c < 1 for c in args.concurrency):
-        parser.error("--max-tokens and --concurrency must be >= 1")
+    if args.max_tokens < 1 or args.rounds < 1 or any(c < 1 for c in args.concurrency):
+        parser.error("--max-tokens, --rounds and --concurrency must be >= 1")
 
     from compress.checkpoints import resolve_checkpoint
-    from engine import SamplingParams
 
     model = str(resolve_checkpoint(args.model))
     engine_config = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
@@ -178,10 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_config["num_threads"] = args.num_threads
     params = {"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": True}
     prompts = {c: [PROMPTS[i % len(PROMPTS)] for i in range(args.requests_per_level or max(4, 2 * c))] for c in args.concurrency}
-    print(f"model {model}, engine {engine_config}, {args.max_tokens} output tokens per request")
-    engine = bench_engine(model, engine_config, args.concurrency, prompts, SamplingParams(**params))
-    print("in-process engine done; starting Triton")
-    triton = bench_triton(model, engine_config, args.concurrency, prompts, params, ports=free_ports(3))
+    print(f"model {model}, engine {engine_config}, {args.max_tokens} output tokens per request, best of {args.rounds} rounds")
+    engine, triton = bench(model, engine_config, args.concurrency, prompts, params, ports=free_ports(3), rounds=args.rounds)
     print(format_table(engine, triton))
     if args.out:
         Path(args.out).write_text(json.dumps({"engine": [asdict(r) for r in engine], "triton": [asdict(r) for r in triton]}, indent=2) + "\n")

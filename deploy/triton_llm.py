@@ -154,6 +154,9 @@ class TritonPythonModel:
             )
         info = read_model_info(Path(args["model_repository"]) / args["model_version"])
         self.engine = AsyncLLMEngine(EngineConfig(model=info["checkpoint"], **info.get("engine", {})))
+        import torch
+
+        self.logger.log_info(f"lmforge: {args['model_name']} engine ready on {info['checkpoint']} (torch threads {torch.get_num_threads()})")
         self.metrics = LLMMetrics({"model": args["model_name"], "version": args["model_version"]})
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self._run_loop, name="lmforge-engine-loop", daemon=True)
