@@ -333,9 +333,9 @@ def detect_data_bottleneck(log: RunLog) -> list[Finding]:
     worst = sorted(rows, key=lambda r: -r[1])[:5]
     return [Finding(
         "data_loader_bottleneck", f"{fraction:.0%} of step time waits for data",
-        {"data_wait_fraction": round(fraction, 4), "median_data_wait_s": _median([w for _, w, _ in rows]),
-         "median_compute_s": _median([c for _, _, c in rows]),
-         "slowest_steps": [{"step": s, "data_wait_s": w, "compute_s": c} for s, w, c in worst]},
+        {"data_wait_fraction": round(fraction, 4), "median_data_wait_s": round(_median([w for _, w, _ in rows]), 4),
+         "median_compute_s": round(_median([c for _, _, c in rows]), 4),
+         "slowest_steps": [{"step": s, "data_wait_s": round(w, 4), "compute_s": round(c, 4)} for s, w, c in worst]},
         "raise DataLoader num_workers, set pin_memory and prefetch_factor, pre-tokenize the data once instead of "
         "per step, keep the data on local disk; the accelerator idles while it waits",
     )]

@@ -330,8 +330,8 @@ def format_training(model: ModelSpec, setup: TrainingSetup, entries: list[PlanEn
     if feasible:
         best = feasible[0]
         lines.append(
-            f"\nbest: dp={best.split.data} tp={best.split.tensor} pp={best.split.pipeline}, {best.micro_batches} micro-batches "
-            f"of {best.micro_batch_size}, ZeRO-{best.zero_stage}, checkpointing {'on' if best.checkpointing else 'off'}: "
+            f"\nbest: dp={best.split.data} tp={best.split.tensor} pp={best.split.pipeline}, {best.micro_batches} micro-batch"
+            f"{'es' if best.micro_batches != 1 else ''} of {best.micro_batch_size}, ZeRO-{best.zero_stage}, checkpointing {'on' if best.checkpointing else 'off'}: "
             f"shortest step ({best.step_time_s:.3f} s, bubble {best.bubble_fraction:.1%}) with "
             f"{(setup.device_memory_bytes - best.total_bytes) / GIB:.1f} GiB headroom (memory in GiB per device)"
         )
