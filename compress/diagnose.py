@@ -287,15 +287,25 @@ def detect_flat_val(log: RunLog) -> list[Finding]:
 
 
 def warmup_steps(log: RunLog) -> int:
-    """Warm-up length: ``config.warmup_steps`` from run.json, else the step where the lr first peaks."""
-    configured = log.run.get("config", {}).get("warmup_steps")
-    if isinstance(configured, int):
-        return configured
+    """Warm-up length in optimizer steps, from run.json's config or else the logged lr.
+
+    ``config.warmup_steps`` if given; else ``round(warmup_ratio * max_steps)`` (at least 1 when
+    the ratio is > 0), as ``lmforge finetune`` / ``distill`` schedule it; else the step where the
+    logged lr first reaches its peak.
+    """
+    config = log.run.get("config") or {}
+    if isinstance(config.get("warmup_steps"), int):
+        return config["warmup_steps"]
+    ratio, max_steps = config.get("warmup_ratio"), config.get("max_steps")
+    if isinstance(ratio, (int, float)) and isinstance(max_steps, int):
+        return max(1, round(ratio * max_steps)) if ratio > 0 else 0
     lrs = log.series("lr")
     if not lrs:
         return 0
     peak = max(v for _, v in lrs)
-    return next(s for s, v in lrs if v >= 0.999 * peak) - lrs[0][0]
+    if lrs[0][1] >= 0.999 * peak:
+        return 0  # no warm-up: the first logged step already runs at the peak lr
+    return next(s for s, v in lrs if v >= 0.999 * peak) - lrs[0][0] + 1
 
 
 def detect_short_warmup(log: RunLog) -> list[Finding]:

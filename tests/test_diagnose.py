@@ -175,3 +175,14 @@ def test_cli_reports_and_rejects_corrupt_logs(tmp_path, capsys):
     assert f"metrics.jsonl:{len(healthy_records()) + 1}: not JSON" in capsys.readouterr().out
     with pytest.raises(RunDirError, match="not found"):
         diagnose(tmp_path / "missing")
+
+
+def test_warmup_length_from_finetune_config_or_lr(tmp_path):
+    from compress.diagnose import load_run, warmup_steps
+
+    records = healthy_records()
+    run = {"train_data": None, "val_data": None, "config": {"warmup_ratio": 0.05, "max_steps": 200}}
+    assert warmup_steps(load_run(write_run(tmp_path / "a", records, run))) == 10
+    assert warmup_steps(load_run(write_run(tmp_path / "b", records, {"config": {}}))) == WARMUP  # lr peaks at step 10
+    constant = [dict(r, lr=PEAK_LR) if r["split"] == "train" else r for r in records]
+    assert warmup_steps(load_run(write_run(tmp_path / "c", constant, {"config": {}}))) == 0
