@@ -353,11 +353,13 @@ class KVCapacity:
 
 
 def kv_capacity(model: ModelSpec, *, budget_bytes: int, block_size: int, max_model_len: int, dtype_bytes: int,
-                tensor_parallel: int = 1) -> KVCapacity:
+                tensor_parallel: int = 1, max_num_seqs: int | None = None) -> KVCapacity:
     """Blocks of ``block_size`` tokens that fit ``budget_bytes`` and full-length sequences they hold.
 
     ``num_blocks = budget // (block_size x kv_bytes_per_token)``, as a paged engine sizes its cache;
     each sequence of ``max_model_len`` tokens needs ``ceil(max_model_len / block_size)`` blocks.
+    With ``max_num_seqs`` the pool is capped at what that many full-length sequences use (our
+    engine does not allocate blocks its scheduler can never fill).
 
     Raises:
         ValueError: non-positive sizes.
@@ -370,4 +372,6 @@ def kv_capacity(model: ModelSpec, *, budget_bytes: int, block_size: int, max_mod
     block_bytes = block_size * per_token
     num_blocks = budget_bytes // block_bytes
     per_seq = -(-max_model_len // block_size)
+    if max_num_seqs is not None:
+        num_blocks = min(num_blocks, _positive("max_num_seqs", max_num_seqs) * per_seq)
     return KVCapacity(per_token, block_bytes, num_blocks, per_seq, num_blocks // per_seq, num_blocks * block_size)

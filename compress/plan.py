@@ -222,7 +222,8 @@ def plan_training(model: ModelSpec, setup: TrainingSetup, splits: list[Split] | 
 
 
 def inference_capacity(model: ModelSpec, *, device_memory_bytes: int, memory_utilization: float, block_size: int,
-                       max_model_len: int, weight_bytes: int, kv_dtype_bytes: int, tensor_parallel: int = 1) -> KVCapacity:
+                       max_model_len: int, weight_bytes: int, kv_dtype_bytes: int, tensor_parallel: int = 1,
+                       max_num_seqs: int | None = None) -> KVCapacity:
     """KV capacity of one device after the weights: budget = memory x utilization - weights / t.
 
     Raises:
@@ -234,7 +235,7 @@ def inference_capacity(model: ModelSpec, *, device_memory_bytes: int, memory_uti
     weights = math.ceil(total_params(model) * weight_bytes / tensor_parallel)
     budget = int(device_memory_bytes * memory_utilization) - weights
     return kv_capacity(model, budget_bytes=budget, block_size=block_size, max_model_len=max_model_len,
-                       dtype_bytes=kv_dtype_bytes, tensor_parallel=tensor_parallel)
+                       dtype_bytes=kv_dtype_bytes, tensor_parallel=tensor_parallel, max_num_seqs=max_num_seqs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,6 +281,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     infer.add_argument("--max-model-len", type=int, default=2048, help="tokens per sequence (prompt + output)")
     infer.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
     infer.add_argument("--weight-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
+    infer.add_argument("--max-num-seqs", type=int, help="cap the pool at this many full-length sequences (engine field)")
     infer.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of device memory for weights + KV")
     parser.add_argument("--json", dest="json_out", help="also write the full plan to this JSON file")
 
@@ -375,7 +377,7 @@ def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
     cap = inference_capacity(
         model, device_memory_bytes=int(args.device_memory_gib * GIB), memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, max_model_len=args.max_model_len, weight_bytes=DTYPE_BYTES[args.weight_dtype],
-        kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype], tensor_parallel=args.tp or 1,
+        kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype], tensor_parallel=args.tp or 1, max_num_seqs=args.max_num_seqs,
     )
     print(f"model: {total_params(model):,} parameters; KV cache {args.kv_dtype}, block_size {args.block_size}, "
           f"tensor parallel {args.tp or 1}")

@@ -151,6 +151,9 @@ def test_kv_bytes_per_token_equal_a_paged_cache_of_that_shape():
     cache_bytes = _tensor_bytes(torch.empty(cap.num_blocks, block_size, 2, 16, dtype=torch.float16) for _ in range(6))
     assert cache_bytes <= 1_000_000 < cache_bytes + cap.block_bytes
     assert cap.blocks_per_sequence == 7 and cap.max_concurrent_sequences == cap.num_blocks // 7
+    capped = kv_capacity(spec, budget_bytes=1_000_000, block_size=block_size, max_model_len=100, dtype_bytes=2,
+                         max_num_seqs=2)
+    assert capped.num_blocks == 14 < cap.num_blocks and capped.max_concurrent_sequences == 2
 
 
 def test_bad_input_names_the_constraint():
