@@ -300,8 +300,9 @@ def stage_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, 
     keeps every layer's saved tensors; the peak is at the end of the forward. With full
     recomputation each keeps only each layer's input ``[tokens, hidden]``; the peak is the larger
     of the end of the forward (with the output layer's log-softmax) and the backward, which holds
-    one recomputed layer at a time (in fp32 its RMSNorm input is the kept checkpoint itself, so it
-    is not counted twice). Checked against measured saved tensors in tests/test_plan.py.
+    one recomputed layer at a time, whose input is the kept checkpoint (not counted twice).
+    Activation memory here is the bytes of distinct tensors referenced by saved-for-backward slots;
+    checked against that measurement in fp32 and bf16 in tests/test_plan.py.
     """
     tokens = micro_batch * seq_len
     layers = model.num_hidden_layers // pipeline_parallel
@@ -317,8 +318,8 @@ def stage_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, 
     if not checkpointing:
         return in_flight * (layers * full_layer + ids + rotary) + output
     kept = in_flight * (layers * hidden_buffer + ids)
-    shared_input = hidden_buffer if precision is Precision.FP32 else 0
-    return max(kept + output, kept + full_layer - shared_input + rotary)
+    # the recomputed layer's input is its kept checkpoint, already counted in ``kept``
+    return max(kept + output, kept + full_layer - hidden_buffer + rotary)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from compress.plan import Split, TrainingSetup, check_split, plan_training
 from lmforge_cli import main
 
 #: Stated tolerance of predicted vs measured activation bytes (the counts agree exactly on
-#: torch 2.13 / transformers 4.57; the slack absorbs small changes in saved tensors across versions).
+#: torch 2.13 / transformers 4.57, fp32 and bf16; the slack absorbs small changes in saved tensors
+#: across versions).
 ACTIVATION_TOLERANCE = 0.02
 
 
@@ -110,9 +111,10 @@ def _measure_saved_activation_peak(model: torch.nn.Module, ids: torch.Tensor) ->
     return peak[0]
 
 
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("layers,hidden,heads,kv_heads,inter,batch,seq", [(2, 64, 4, 2, 160, 2, 64), (3, 96, 6, 3, 256, 3, 40)])
-def test_activation_bytes_match_measured_peak(checkpointing, layers, hidden, heads, kv_heads, inter, batch, seq):
+def test_activation_bytes_match_measured_peak(precision, checkpointing, layers, hidden, heads, kv_heads, inter, batch, seq):
     """Without checkpointing transformers runs SDPA with ``is_causal`` (the fused path: no mask, K/V at
     KV-head width); gradient checkpointing switches ``use_cache`` off and SDPA gets an explicit mask
     with K/V repeated to the query heads (the masked path). Both are modelled."""
@@ -121,12 +123,12 @@ def test_activation_bytes_match_measured_peak(checkpointing, layers, hidden, hea
     config = tiny_llama_config(vocab_size=256, num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                num_key_value_heads=kv_heads, intermediate_size=inter)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).train()
+    model = LlamaForCausalLM(config).to(torch.float32 if precision is Precision.FP32 else torch.bfloat16).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     measured = _measure_saved_activation_peak(model, torch.randint(0, 256, (batch, seq)))
     predicted = stage_activation_bytes(ModelSpec.from_config(config.to_dict()), micro_batch=batch, seq_len=seq,
-                                       precision=Precision.FP32, checkpointing=checkpointing,
+                                       precision=precision, checkpointing=checkpointing,
                                        fused_attention=not checkpointing)
     assert abs(predicted - measured) <= ACTIVATION_TOLERANCE * measured, (predicted, measured)
 
