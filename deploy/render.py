@@ -60,6 +60,7 @@ class DeployValues:
     shm_size: str = "2Gi"  # /dev/shm for the Python backend's shared-memory tensors
     model_repository: str = "pvc"  # "pvc" (mounted at /models) or an s3:// URL Triton reads itself
     pvc_size: str = "20Gi"
+    pvc_access_mode: str = "ReadWriteMany"  # so a loader pod can fill it; Triton pods mount it read-only
     storage_class: str = ""  # PVC storageClassName; "" = the cluster default
     s3_secret: str = "lmforge-s3-credentials"  # Secret with AWS_ACCESS_KEY_ID/... for s3:// repositories
     queue_time_target_us: int = 50_000  # HPA target: average queue time per request, microseconds
@@ -83,6 +84,8 @@ class DeployValues:
             raise ValueError(f"max_replicas={self.max_replicas} < replicas={self.replicas}; raise --max-replicas")
         if self.gpus < 0:
             raise ValueError(f"gpus={self.gpus}: must be >= 0 (0 renders the CPU variant)")
+        if self.pvc_access_mode not in ("ReadWriteMany", "ReadOnlyMany", "ReadWriteOnce"):
+            raise ValueError(f"pvc_access_mode={self.pvc_access_mode!r}: use ReadWriteMany, ReadOnlyMany or ReadWriteOnce")
         if self.monitor not in ("servicemonitor", "podmonitor"):
             raise ValueError(f"monitor={self.monitor!r}: use 'servicemonitor' or 'podmonitor'")
         if self.model_repository != "pvc" and not self.model_repository.startswith("s3://"):
@@ -180,7 +183,7 @@ def triton_service(v: DeployValues) -> dict[str, Any]:
 
 
 def model_repository_pvc(v: DeployValues) -> dict[str, Any]:
-    spec: dict[str, Any] = {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": v.pvc_size}}}
+    spec: dict[str, Any] = {"accessModes": [v.pvc_access_mode], "resources": {"requests": {"storage": v.pvc_size}}}
     if v.storage_class:
         spec["storageClassName"] = v.storage_class
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _meta(v, f"{v.name}-models", "server"),
