@@ -34,7 +34,7 @@ from compress.memory_model import (
     state_memory,
     total_params,
 )
-from compress.pipeline_schedule import bubble_fraction
+from compress.pipeline_schedule import bubble_fraction, simulate_1f1b
 
 GIB = 2**30
 
@@ -337,6 +337,10 @@ def format_training(model: ModelSpec, setup: TrainingSetup, entries: list[PlanEn
             f"shortest step ({best.step_time_s:.3f} s, bubble {best.bubble_fraction:.1%}) with "
             f"{(setup.device_memory_bytes - best.total_bytes) / GIB:.1f} GiB headroom (memory in GiB per device)"
         )
+        simulated = simulate_1f1b(best.split.pipeline, best.micro_batches)
+        lines.append(f"1F1B schedule simulation for pp={best.split.pipeline}, m={best.micro_batches}: bubble "
+                     f"{simulated.bubble_fraction:.4f} (closed form (p-1)/(m+p-1) = {best.bubble_fraction:.4f}), "
+                     f"micro-batches held per stage {simulated.max_in_flight}")
     reasons: dict[str, list[tuple[PlanEntry, str]]] = {}
     for e in entries:
         for reason in e.infeasible:

@@ -196,7 +196,7 @@ def test_cli_plan_from_checkpoint_and_errors(tiny_llama_dir, capsys):
     assert main(["plan", "--model", str(tiny_llama_dir), "--devices", "4", "--seq-len", "128",
                  "--global-batch", "8", "--device-memory-gib", "1"]) == 0
     out = capsys.readouterr().out
-    assert "best: " in out and "feasible of" in out
+    assert "best: " in out and "feasible of" in out and "1F1B schedule simulation" in out
     assert main(["plan", "--model", str(tiny_llama_dir), "--mode", "inference", "--device-memory-gib", "1",
                  "--block-size", "16", "--max-model-len", "256"]) == 0
     spec = ModelSpec.from_checkpoint(tiny_llama_dir)
