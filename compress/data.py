@@ -394,6 +394,7 @@ def _run_filters(records: list[Record], config: DataConfig) -> tuple[list[Record
 
 
 def _empty_error(inputs: list[str], removals: list[tuple[Record, str]]) -> DataError:
+    removals = sorted(removals, key=lambda item: (item[0].source, item[0].line))
     listing = "; ".join(f"{r.where} {why}" for r, why in removals[:10])
     more = f" (and {len(removals) - 10} more)" if len(removals) > 10 else ""
     return DataError(

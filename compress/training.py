@@ -220,6 +220,14 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     )
 
 
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+    """Scale gradients in place so their global L2 norm is at most ``max_norm`` (``None``: no
+    clipping) and return the norm before clipping (``inf``/``nan`` when a gradient is not finite).
+    Works on DTensor gradients (FSDP2)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy and the number of label tokens.
 
@@ -495,8 +503,7 @@ class TrainingRecipe:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        grad_norm = clip_gradients(params, cfg.max_grad_norm)
         if not math.isfinite(loss_value) or (self.scaler is None and not math.isfinite(grad_norm)):
             self._bad_value = (loss_value, grad_norm)
             return None
