@@ -7,8 +7,8 @@ next-token cross-entropy on assistant tokens only (``compress.packing``). With `
 model gets low-rank adapters (Hu et al. 2021, via ``peft``) on the attention projections; they
 are merged into the weights on save, so ``final/`` is a plain checkpoint.
 
-Default budget (SmolLM2-135M on 2 CPU cores, a few minutes): 30 optimizer steps of 4 packed
-rows of 128 tokens, peak LR 1e-4, 3 warmup steps.
+Default budget (SmolLM2-135M on 2 CPU cores, a few minutes): 24 optimizer steps of 4 packed
+rows of 64 tokens, peak LR 1e-4, 2 warmup steps, validation at steps 0, 12 and 24.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@
   size of this step's update per layer group, ``||w_after - w_before|| / ||w_before||`` (groups:
   ``embed``, ``layers.N``, ``norm``, ``lm_head``; LoRA runs: the adapter weights of each group).
   Recipes may add their own loss parts (``kd_loss``, ``ce_loss``, ``cos_loss``).
+* a run stopped by a non-finite loss ends with ``{"step", "split": "train", "event": "nan",
+  "loss", "grad_norm"}`` (no update was made at that step);
 * validation: ``{"step", "split": "val", "loss"}``, token-weighted mean cross-entropy over the
   validation split; step 0 is the model before training.
 
@@ -68,7 +70,7 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    train = [r for r in records if r.get("split") == "train"]
+    train = [r for r in records if r.get("split") == "train" and "event" not in r]
     val = [r for r in records if r.get("split") == "val"]
     if not train and not val:
         return []

@@ -92,10 +92,10 @@ class TrainConfig:
     model: str = "smollm2-135m"
     data: str = "runs/data"
     run_dir: str = "runs/finetune"
-    max_steps: int = 30
+    max_steps: int = 24
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
-    max_length: int = 128
+    max_length: int = 64
     lr: float = 1e-4
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
@@ -105,7 +105,7 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     precision: str = "bf16"
     gradient_checkpointing: bool = False
-    eval_every: int = 10
+    eval_every: int = 12
     max_val_batches: int | None = None
     save_every: int = 0
     keep_checkpoints: int = 2
