@@ -253,12 +253,15 @@ class AttentionGroup:
             request), ``None`` for decodes (Q = 1, rows in order).
         output_index: ``[n]`` rows of the flattened ``[B * Q]`` output that are real tokens,
             ``None`` for decodes.
+        shared_blocks: ``[C]`` leading blocks common to every request of a decode group (a shared
+            prompt prefix); read once for all, ``block_tables`` and ``mask`` then start at block C.
     """
 
     block_tables: torch.Tensor
     mask: torch.Tensor
     query_index: torch.Tensor | None = None
     output_index: torch.Tensor | None = None
+    shared_blocks: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -367,13 +370,18 @@ class ModelRunner:
         prefill = self._prefill_group(prefills, positions_t[len(decodes):]) if prefills else None
         return StepInputs(as_long(ids), positions_t, as_long(slots), len(decodes), decode, prefill, as_long(logits_index))
 
-    def _block_tables(self, items, num_blocks: int) -> torch.Tensor:
-        rows = [it.seq.block_table[:num_blocks] + [0] * (num_blocks - min(num_blocks, len(it.seq.block_table))) for it in items]
+    def _block_tables(self, items, num_blocks: int, first: int = 0) -> torch.Tensor:
+        """``[B, num_blocks - first]`` block ids of columns ``first..num_blocks`` (padded with block 0)."""
+        width = num_blocks - first
+        rows = []
+        for it in items:
+            row = it.seq.block_table[first:num_blocks]
+            rows.append(row + [0] * (width - len(row)))
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    def _key_mask(self, query_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
-        """``query_pos [B, Q] -> [B, 1, Q, T]``: causal (and sliding-window) mask over key positions."""
-        keys = torch.arange(num_keys, device=self.device)
+    def _key_mask(self, query_pos: torch.Tensor, num_keys: int, first_key: int = 0) -> torch.Tensor:
+        """``query_pos [B, Q] -> [B, 1, Q, T]``: causal (and sliding-window) mask over key positions ``first_key..num_keys``."""
+        keys = torch.arange(first_key, num_keys, device=self.device)
         mask = keys[None, None, :] <= query_pos[:, :, None]
         window = self.spec.sliding_window
         if window is not None:
@@ -381,10 +389,17 @@ class ModelRunner:
         return mask[:, None]
 
     def _decode_group(self, items) -> AttentionGroup:
+        bs = self.block_size
         ctx = [it.seq.num_computed_tokens + 1 for it in items]
-        num_blocks = -(-max(ctx) // self.block_size)
+        num_blocks = -(-max(ctx) // bs)
+        shared = 0
+        if len(items) > 1 and self.spec.sliding_window is None:
+            shared = common_prefix_blocks([it.seq.block_table for it in items], min(ctx) // bs)
         query_pos = torch.tensor([c - 1 for c in ctx], dtype=torch.long, device=self.device)[:, None]  # [D, 1]
-        return AttentionGroup(self._block_tables(items, num_blocks), self._key_mask(query_pos, num_blocks * self.block_size))
+        tables = self._block_tables(items, num_blocks, first=shared)
+        mask = self._key_mask(query_pos, num_blocks * bs, first_key=shared * bs)
+        shared_blocks = torch.tensor(items[0].seq.block_table[:shared], dtype=torch.long, device=self.device) if shared else None
+        return AttentionGroup(tables, mask, shared_blocks=shared_blocks)
 
     def _prefill_group(self, items, positions: torch.Tensor) -> AttentionGroup:
         lengths = [it.num_new_tokens for it in items]
@@ -467,15 +482,37 @@ class ModelRunner:
         return cache[block_tables].view(b, nb * self.block_size, s.num_kv_heads, s.head_dim).transpose(1, 2)
 
     def _decode_attention(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+        """Single-token queries against their paged context.
+
+        The heads of one KV group act as the query rows (``[D, kv_heads, g, head_dim]``), so K/V
+        are never repeated. Blocks shared by the whole batch (``group.shared_blocks``) are read
+        once and scored for all queries in one matrix product, as in cascade attention
+        (FlashInfer, Ye et al. 2024); the per-request rest is gathered through the block tables.
+        Softmax runs over the concatenated scores.
+        """
         s = self.spec
-        d = q.shape[0]
-        g = s.num_heads // s.num_kv_heads
-        # Heads of one KV group act as the query length: [D, kv_heads, g, head_dim]; no K/V repeat.
-        qg = q.view(d, s.num_kv_heads, g, s.head_dim)
-        keys = self._gather(k_cache, group.block_tables)  # [D, kv_heads, T, head_dim]
-        values = self._gather(v_cache, group.block_tables)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=group.mask)  # [D, kv_heads, g, head_dim]
-        return out.reshape(d, s.num_heads * s.head_dim)
+        d, kv, hd = q.shape[0], s.num_kv_heads, s.head_dim
+        g = s.num_heads // kv
+        qg = q.view(d, kv, g, hd) * (hd ** -0.5)  # [D, kv, g, hd]
+        keys = self._gather(k_cache, group.block_tables)  # [D, kv, Tu, hd]
+        scores = torch.matmul(qg, keys.transpose(-1, -2))  # [D, kv, g, Tu]
+        scores = scores.masked_fill(~group.mask, float("-inf"))
+        num_shared = 0
+        if group.shared_blocks is not None:
+            shared_k = k_cache[group.shared_blocks].view(-1, kv, hd).transpose(0, 1)  # [kv, Ts, hd]
+            qs = qg.transpose(0, 1).reshape(kv, d * g, hd)  # [kv, D*g, hd]
+            shared_scores = torch.matmul(qs, shared_k.transpose(-1, -2))  # [kv, D*g, Ts]
+            num_shared = shared_scores.shape[-1]
+            shared_scores = shared_scores.view(kv, d, g, num_shared).transpose(0, 1)  # [D, kv, g, Ts]
+            scores = torch.cat((shared_scores, scores), dim=-1)  # [D, kv, g, Ts + Tu]
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        values = self._gather(v_cache, group.block_tables)  # [D, kv, Tu, hd]
+        out = torch.matmul(probs[..., num_shared:], values)  # [D, kv, g, hd]
+        if num_shared:
+            shared_v = v_cache[group.shared_blocks].view(-1, kv, hd).transpose(0, 1)  # [kv, Ts, hd]
+            shared_p = probs[..., :num_shared].transpose(0, 1).reshape(kv, d * g, num_shared)  # [kv, D*g, Ts]
+            out = out + torch.matmul(shared_p, shared_v).view(kv, d, g, hd).transpose(0, 1)
+        return out.reshape(d, s.num_heads * hd)
 
     def _prefill_attention(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
         s = self.spec
@@ -486,6 +523,18 @@ class ModelRunner:
         out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=group.mask, enable_gqa=True)  # [P, H, max_q, hd]
         out = out.transpose(1, 2).reshape(p * max_q, s.num_heads * s.head_dim)
         return out[group.output_index]
+
+
+def common_prefix_blocks(tables: list[list[int]], limit: int) -> int:
+    """Number of leading block ids (at most ``limit``) equal in every table."""
+    first = tables[0]
+    n = min(limit, len(first))
+    for table in tables[1:]:
+        while n and table[:n] != first[:n]:
+            n -= 1
+        if not n:
+            break
+    return n
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
