@@ -108,9 +108,9 @@ def test_cli_export_and_check(tiny_llama_dir, tmp_path):
 
 def test_committed_repository_parses():
     checked, problems = check_repository(REPO_ROOT / "model_repository")
-    assert problems == [] and {p.parent.name for p in checked} >= {"smollm2", "minilm"}
+    assert problems == [] and {p.parent.name for p in checked} >= {"smollm2_135m", "minilm"}
     loadable, skipped = servable_models(REPO_ROOT / "model_repository")
-    assert "smollm2" in loadable and "minilm" in loadable
+    assert "smollm2_135m" in loadable and "minilm" in loadable
     assert set(skipped) == {"minilm_onnx", "minilm_ensemble"}  # need the full Triton container
 
 
