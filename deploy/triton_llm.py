@@ -144,6 +144,8 @@ class TritonPythonModel:
     """Decoupled LLM model: one ``AsyncLLMEngine`` per instance, on an event-loop thread."""
 
     def initialize(self, args: dict) -> None:
+        import torch
+
         from engine import AsyncLLMEngine, EngineConfig
 
         self.logger = pb_utils.Logger
@@ -154,8 +156,6 @@ class TritonPythonModel:
             )
         info = read_model_info(Path(args["model_repository"]) / args["model_version"])
         self.engine = AsyncLLMEngine(EngineConfig(model=info["checkpoint"], **info.get("engine", {})))
-        import torch
-
         self.logger.log_info(f"lmforge: {args['model_name']} engine ready on {info['checkpoint']} (torch threads {torch.get_num_threads()})")
         self.metrics = LLMMetrics({"model": args["model_name"], "version": args["model_version"]})
         self.loop = asyncio.new_event_loop()
