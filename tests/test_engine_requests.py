@@ -204,3 +204,18 @@ def test_incremental_detokenization_never_splits_characters(tiny_llama_dir):
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tok.decode(ids)
     assert any(d == "" for d in deltas)  # some tokens were held back (partial UTF-8)
+
+
+def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path, tiny_llama_dir):
+    import json
+    import shutil
+
+    from compress.checkpoints import CheckpointError
+
+    target = tmp_path / "gpt2-like"
+    shutil.copytree(tiny_llama_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="gpt2.*llama"):
+        LLM(str(target), **CONFIG)
