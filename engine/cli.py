@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed of the request's sampler")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="engine dtype")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the checkpoint's, capped at 8192)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--stats", action="store_true", help="print tokens/s, TTFT and prefix-cache figures")
     parser.add_argument(
         "--backend", choices=["engine", "hf"], default="engine",
@@ -58,7 +60,7 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=2048)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, num_threads=args.num_threads)
     start = time.perf_counter()
     outputs = llm.generate(args.prompt, params, chat=args.chat)
     elapsed_s = time.perf_counter() - start

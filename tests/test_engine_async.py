@@ -27,9 +27,7 @@ def test_async_streams_abort_and_bad_request(tiny_llama_dir):
             outs.append(out)
             if len(outs) == n:
                 await engine.abort(request_id)
-                assert engine.engine.block_manager.num_used_blocks <= sum(
-                    len(s.block_table) for s in engine.engine.scheduler.running
-                )
+                engine.check_invariants()  # blocks of the aborted request are already free
         return outs
 
     async def bad(engine):

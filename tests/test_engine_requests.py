@@ -204,3 +204,31 @@ def test_incremental_detokenization_never_splits_characters(tiny_llama_dir):
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tok.decode(ids)
     assert any(d == "" for d in deltas)  # some tokens were held back (partial UTF-8)
+
+
+def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path, tiny_llama_dir):
+    import json
+    import shutil
+
+    from compress.checkpoints import CheckpointError
+
+    target = tmp_path / "gpt2-like"
+    shutil.copytree(tiny_llama_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="gpt2.*llama"):
+        LLM(str(target), **CONFIG)
+
+
+def test_cli_generate_uses_the_engine(tiny_llama_dir, capsys):
+    from lmforge_cli import main
+
+    prompt = "Once upon a time"
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", prompt, "--max-tokens", "5"]) == 0
+    engine_text = capsys.readouterr().out.rstrip("\n")
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", prompt, "--max-tokens", "5", "--backend", "hf"]) == 0
+    hf_text = capsys.readouterr().out.rstrip("\n")
+    assert engine_text == hf_text
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", prompt, "--top-p", "1.5"]) == 1
+    assert "top_p" in capsys.readouterr().out
