@@ -145,3 +145,19 @@ def test_bad_inputs_name_the_field_or_file(tiny_llama_dir, tmp_path, capsys):
     assert "--method 'int4'" in capsys.readouterr().out
     assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "dynamic", "--threshold", "5", "--out", str(tmp_path / "o")]) == 1
     assert "--threshold: not an option of --method dynamic" in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_dynamic_int8_smollm2_keeps_perplexity_and_greedy_tokens(smollm2_dir, tmp_path):
+    from compress.evaluate import default_heldout_records, perplexity
+
+    records = default_heldout_records()[0][:8]
+    out = quantize(smollm2_dir, tmp_path / "smollm2-dynamic", method="dynamic")
+    fp32, int8 = load_for_eval(smollm2_dir, num_threads=1), load_for_eval(out, num_threads=1)
+    ppl_fp32, _ = perplexity(fp32.model, fp32.tokenizer, records)
+    ppl_int8, _ = perplexity(int8.model, int8.tokenizer, records)
+    assert ppl_int8 / ppl_fp32 - 1 < 0.03
+    prompts = AGREEMENT_PROMPTS[:2]
+    reference = greedy_tokens(fp32.model, fp32.tokenizer, prompts, max_new_tokens=16)
+    assert agreement(reference, greedy_tokens(int8.model, int8.tokenizer, prompts, max_new_tokens=16)) >= 0.5
+    assert read_manifest(smollm2_dir).size_bytes / read_manifest(out).size_bytes > 2.3
