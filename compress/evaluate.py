@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -212,21 +213,41 @@ def _chatterbot_heldout(every: int = 20) -> list[dict[str, Any]]:
     return dialogs[::every]
 
 
-def default_heldout_records() -> tuple[list[dict[str, Any]], str]:
-    """The held-out English chatterbot-corpus dialogs and a description of where they came from.
+def default_split_records(split: str = "val") -> tuple[list[dict[str, Any]], str]:
+    """A split of the English chatterbot-corpus dialogs and a description of where it came from.
 
-    Uses the validation split of ``compress.data`` (deduplicated and filtered with the training
-    split) when that module is installed, else every 20th dialog of the corpus.
+    Uses ``compress.data`` (deduplicated and filtered across both splits, so nothing leaks) when
+    that module is installed; else every 20th dialog is ``val`` and the rest ``train``.
+
+    Raises:
+        EvaluationError: ``split`` is neither ``train`` nor ``val``.
     """
+    if split not in ("train", "val"):
+        raise EvaluationError(f"split={split!r}: use 'train' or 'val'")
+    records, name = _default_split_cached(split)
+    return [json.loads(json.dumps(r)) for r in records], name  # copies: callers may edit them
+
+
+@functools.lru_cache(maxsize=2)
+def _default_split_cached(split: str) -> tuple[list[dict[str, Any]], str]:
     import tempfile
 
     try:
         from compress.data import DataConfig, prepare
     except ImportError:
-        return _chatterbot_heldout(), "chatterbot:english (every 20th dialog)"
+        if split == "val":
+            return _chatterbot_heldout(), "chatterbot:english (every 20th dialog)"
+        dialogs = _chatterbot_heldout(every=1)
+        return [d for i, d in enumerate(dialogs) if i % 20], "chatterbot:english (all but every 20th dialog)"
     with tempfile.TemporaryDirectory(prefix="lmforge-eval-data-") as tmp:
         prepare(DataConfig(), tmp, verbose=False)
-        return read_records(Path(tmp) / "val.jsonl"), "chatterbot:english (lmforge data validation split)"
+        name = "validation" if split == "val" else "training"
+        return read_records(Path(tmp) / f"{split}.jsonl"), f"chatterbot:english (lmforge data {name} split)"
+
+
+def default_heldout_records() -> tuple[list[dict[str, Any]], str]:
+    """The held-out English chatterbot-corpus dialogs (``default_split_records("val")``)."""
+    return default_split_records("val")
 
 
 # --------------------------------------------------------------------------------------------
