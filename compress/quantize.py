@@ -9,13 +9,15 @@ that runs them.
   ``nn.Linear`` outside ``skip_modules`` (lm_head by default; embeddings are not linear layers),
   stored in the format of ``compress.int8`` and run with PyTorch dynamic quantization
   (``torch.ao.nn.quantized.dynamic.Linear``, activations quantized per tensor at run time).
+  SmoothQuant (``compress.smooth``, calibrated on training dialogs) first moves activation
+  outliers into the weights, which per-tensor activation scales need.
 * ``llm-int8`` (``LlmInt8Config``): bitsandbytes LLM.int8() (Dettmers et al. 2022, "LLM.int8():
   8-bit Matrix Multiplication for Transformers at Scale"): row-wise INT8 weights, and input
   columns with an outlier above ``threshold`` computed in 16-bit. Loaded through
   ``transformers`` ``BitsAndBytesConfig(load_in_8bit=True)``; runs on CPU (bitsandbytes >= 0.48)
   and CUDA.
-* ``onnx-int8`` (``OnnxInt8MethodConfig``): Optimum ONNX export with the KV cache, then ONNX
-  Runtime dynamic INT8 (``compress.onnx``).
+* ``onnx-int8`` (``OnnxInt8MethodConfig``): SmoothQuant, Optimum ONNX export with the KV cache,
+  then ONNX Runtime dynamic INT8 (``compress.onnx``).
 """
 
 from __future__ import annotations

@@ -161,3 +161,25 @@ def test_dynamic_int8_smollm2_keeps_perplexity_and_greedy_tokens(smollm2_dir, tm
     reference = greedy_tokens(fp32.model, fp32.tokenizer, prompts, max_new_tokens=16)
     assert agreement(reference, greedy_tokens(int8.model, int8.tokenizer, prompts, max_new_tokens=16)) >= 0.5
     assert read_manifest(smollm2_dir).size_bytes / read_manifest(out).size_bytes > 2.3
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_smoothquant_keeps_the_fp32_function_and_flattens_outliers(model_type, tmp_path):
+    from compress.smooth import activation_absmax, smooth_model
+
+    model = load_for_eval(make_tiny_llama(tmp_path / model_type, seed=2, model_type=model_type), num_threads=1).model
+    with torch.no_grad():  # plant an outlier channel in the MLP input, as in real LLMs
+        model.model.layers[0].post_attention_layernorm.weight[5] = 40.0
+    ids = torch.tensor([[1, 400, 5000, 31, 77, 900, 12]])  # [1, 7]
+    with torch.no_grad():
+        expected = model(ids).logits
+    name = "model.layers.0.mlp.gate_proj"
+    before = activation_absmax(model, [ids], {name})[name]
+    assert smooth_model(model, [ids], alpha=0.8) == 14  # 7 linear layers in each of 2 layers
+    after = activation_absmax(model, [ids], {name})[name]
+    with torch.no_grad():
+        got = model(ids).logits
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+    assert after.max() / after.median() < before.max() / before.median() / 4
+    with pytest.raises(ValueError, match="smoothquant_alpha=1.5"):
+        smooth_model(model, [ids], alpha=1.5)
