@@ -24,7 +24,6 @@ import dataclasses
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 
 @dataclasses.dataclass(frozen=True)
