@@ -12,7 +12,7 @@ Metrics per checkpoint (also merged into its ``lmforge.json`` under ``metrics``)
 * ``size_bytes`` (weight files on disk), ``linear_weight_bytes`` (bytes of the transformer
   blocks' linear-layer weights with their scales), ``num_parameters`` (stored elements).
 * ``decode_ms_per_token``: batch 1, CPU, greedy, with the KV cache:
-  ``(time(1 + n tokens) - time(1 token)) / n``, median over repeats.
+  ``(time(1 + n tokens) - time(1 token)) / n``, each time the fastest of the repeats.
 
 Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``dynamic``
 (``compress.int8`` format), ``llm-int8`` (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -212,21 +213,41 @@ def _chatterbot_heldout(every: int = 20) -> list[dict[str, Any]]:
     return dialogs[::every]
 
 
-def default_heldout_records() -> tuple[list[dict[str, Any]], str]:
-    """The held-out English chatterbot-corpus dialogs and a description of where they came from.
+def default_split_records(split: str = "val") -> tuple[list[dict[str, Any]], str]:
+    """A split of the English chatterbot-corpus dialogs and a description of where it came from.
 
-    Uses the validation split of ``compress.data`` (deduplicated and filtered with the training
-    split) when that module is installed, else every 20th dialog of the corpus.
+    Uses ``compress.data`` (deduplicated and filtered across both splits, so nothing leaks) when
+    that module is installed; else every 20th dialog is ``val`` and the rest ``train``.
+
+    Raises:
+        EvaluationError: ``split`` is neither ``train`` nor ``val``.
     """
+    if split not in ("train", "val"):
+        raise EvaluationError(f"split={split!r}: use 'train' or 'val'")
+    records, name = _default_split_cached(split)
+    return [json.loads(json.dumps(r)) for r in records], name  # copies: callers may edit them
+
+
+@functools.lru_cache(maxsize=2)
+def _default_split_cached(split: str) -> tuple[list[dict[str, Any]], str]:
     import tempfile
 
     try:
         from compress.data import DataConfig, prepare
     except ImportError:
-        return _chatterbot_heldout(), "chatterbot:english (every 20th dialog)"
+        if split == "val":
+            return _chatterbot_heldout(), "chatterbot:english (every 20th dialog)"
+        dialogs = _chatterbot_heldout(every=1)
+        return [d for i, d in enumerate(dialogs) if i % 20], "chatterbot:english (all but every 20th dialog)"
     with tempfile.TemporaryDirectory(prefix="lmforge-eval-data-") as tmp:
         prepare(DataConfig(), tmp, verbose=False)
-        return read_records(Path(tmp) / "val.jsonl"), "chatterbot:english (lmforge data validation split)"
+        name = "validation" if split == "val" else "training"
+        return read_records(Path(tmp) / f"{split}.jsonl"), f"chatterbot:english (lmforge data {name} split)"
+
+
+def default_heldout_records() -> tuple[list[dict[str, Any]], str]:
+    """The held-out English chatterbot-corpus dialogs (``default_split_records("val")``)."""
+    return default_split_records("val")
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,8 +359,9 @@ def agreement(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[i
 def decode_ms_per_token(model, tokenizer, *, new_tokens: int = 32, repeats: int = 3, prompt: str = AGREEMENT_PROMPTS[0]) -> float:
     """Decode latency (ms per token, batch 1) with the KV cache, prefill subtracted.
 
-    Measures ``generate`` of 1 token and of ``1 + new_tokens`` tokens (EOS suppressed with
-    ``min_new_tokens``); returns the median over ``repeats`` of the difference / ``new_tokens``.
+    Times ``generate`` of 1 token and of ``1 + new_tokens`` tokens (EOS suppressed with
+    ``min_new_tokens``), each the fastest of ``repeats`` runs (the least disturbed by other
+    processes), and returns the difference / ``new_tokens``.
     """
     import torch
 
@@ -352,8 +374,9 @@ def decode_ms_per_token(model, tokenizer, *, new_tokens: int = 32, repeats: int 
         return time.perf_counter() - start
 
     timed(2)  # warm-up (allocations, ONNX Runtime first-run optimizations)
-    samples = [(timed(1 + new_tokens) - timed(1)) / new_tokens * 1000 for _ in range(repeats)]
-    return statistics.median(samples)
+    prefill_s = min(timed(1) for _ in range(repeats))
+    total_s = min(timed(1 + new_tokens) for _ in range(repeats))
+    return (total_s - prefill_s) / new_tokens * 1000
 
 
 def _onnx_linear_weight_bytes(model_path: Path, vocab_size: int | None) -> int:
@@ -429,7 +452,7 @@ class EvalConfig:
         max_records: held-out records scored (the first ones), ``None`` for all.
         max_length: tokens per record (longer records are truncated).
         agreement_tokens: greedy tokens generated per agreement prompt.
-        latency_tokens: decode tokens timed per repeat; latency_repeats: repeats (median).
+        latency_tokens: decode tokens timed per repeat; latency_repeats: repeats (fastest kept).
         measure_latency: skip the latency measurement when False.
         num_threads: CPU threads for every checkpoint (``None``: library defaults). On a busy
             machine 1 thread gives the steadiest latency ratios.

@@ -61,7 +61,7 @@ def test_agreement_counts_positions_over_the_longer_sequence():
 def test_evaluate_writes_metrics_and_table(tiny_llama_dir, tmp_path):
     data = tmp_path / "val.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in [DIALOG, {"text": TEXTS[0]}]) + "\n")
-    config = EvalConfig(agreement_tokens=6, latency_tokens=2, latency_repeats=1, num_threads=1)
+    config = EvalConfig(agreement_tokens=6, latency_tokens=8, latency_repeats=2, num_threads=1)
     results = evaluate([tiny_llama_dir], records=read_records(data), data_name=str(data), config=config, log=lambda _: None)
     metrics = results[str(tiny_llama_dir)]
     assert metrics["greedy_agreement"] == 1.0 and metrics["eval_data"] == str(data)

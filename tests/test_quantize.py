@@ -109,7 +109,7 @@ def test_every_kind_is_evaluable_and_metrics_go_into_manifests(quantized_dirs, t
     records = [{"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How are you?"}]},
                {"text": "The quick brown fox jumps over the lazy dog."}]
     checkpoints = [tiny_llama_dir, *quantized_dirs.values()]
-    config = EvalConfig(agreement_tokens=8, latency_tokens=2, latency_repeats=1, num_threads=1)
+    config = EvalConfig(agreement_tokens=8, latency_tokens=8, latency_repeats=2, num_threads=1)
     results = evaluate(checkpoints, records=records, data_name="inline", config=config, log=lambda _: None)
     kinds = [m["kind"] for m in results.values()]
     assert kinds == ["pytorch", "dynamic", "llm-int8", "onnx"]
@@ -145,3 +145,47 @@ def test_bad_inputs_name_the_field_or_file(tiny_llama_dir, tmp_path, capsys):
     assert "--method 'int4'" in capsys.readouterr().out
     assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "dynamic", "--threshold", "5", "--out", str(tmp_path / "o")]) == 1
     assert "--threshold: not an option of --method dynamic" in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_dynamic_int8_smollm2_smoothquant_tames_activation_outliers(smollm2_dir, tmp_path):
+    from compress.evaluate import default_heldout_records, perplexity
+
+    records = default_heldout_records()[0][:8]
+    smoothed = quantize(smollm2_dir, tmp_path / "smoothed", method="dynamic")
+    plain = quantize(smollm2_dir, tmp_path / "plain", method="dynamic", smoothquant_alpha=None)
+    fp32 = load_for_eval(smollm2_dir, num_threads=1)
+    ppl_fp32, _ = perplexity(fp32.model, fp32.tokenizer, records)
+    change = {}
+    for name, path in (("smoothed", smoothed), ("plain", plain)):
+        loaded = load_for_eval(path, num_threads=1)
+        change[name] = perplexity(loaded.model, loaded.tokenizer, records)[0] / ppl_fp32 - 1
+    # measured: about +17% with SmoothQuant, +200% without (per-tensor INT8 activations)
+    assert change["smoothed"] < change["plain"] / 4
+    prompts = AGREEMENT_PROMPTS[:2]
+    reference = greedy_tokens(fp32.model, fp32.tokenizer, prompts, max_new_tokens=8)
+    smoothed_model = load_for_eval(smoothed, num_threads=1)
+    assert agreement(reference, greedy_tokens(smoothed_model.model, smoothed_model.tokenizer, prompts, max_new_tokens=8)) >= 0.5
+    assert read_manifest(smollm2_dir).size_bytes / read_manifest(smoothed).size_bytes > 2.3
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_smoothquant_keeps_the_fp32_function_and_flattens_outliers(model_type, tmp_path):
+    from compress.smooth import activation_absmax, smooth_model
+
+    model = load_for_eval(make_tiny_llama(tmp_path / model_type, seed=2, model_type=model_type), num_threads=1).model
+    with torch.no_grad():  # plant an outlier channel in the MLP input, as in real LLMs
+        model.model.layers[0].post_attention_layernorm.weight[5] = 40.0
+    ids = torch.tensor([[1, 400, 5000, 31, 77, 900, 12]])  # [1, 7]
+    with torch.no_grad():
+        expected = model(ids).logits
+    name = "model.layers.0.mlp.gate_proj"
+    before = activation_absmax(model, [ids], {name})[name]
+    assert smooth_model(model, [ids], alpha=0.8) == 14  # 7 linear layers in each of 2 layers
+    after = activation_absmax(model, [ids], {name})[name]
+    with torch.no_grad():
+        got = model(ids).logits
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+    assert after.max() / after.median() < before.max() / before.median() / 4
+    with pytest.raises(ValueError, match="smoothquant_alpha=1.5"):
+        smooth_model(model, [ids], alpha=1.5)
