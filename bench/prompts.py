@@ -8,6 +8,7 @@ with a common system prompt).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -77,6 +78,11 @@ def held_out_dialog_prompts() -> list[str]:
     Raises:
         PromptError: the ``chatterbot-corpus`` package is not installed.
     """
+    return list(_held_out_dialog_prompts())
+
+
+@functools.lru_cache(maxsize=1)
+def _held_out_dialog_prompts() -> tuple[str, ...]:
     import yaml
 
     spec = importlib.util.find_spec("chatterbot_corpus")
@@ -95,7 +101,7 @@ def held_out_dialog_prompts() -> list[str]:
             if first and first not in seen and _bucket(key) < HELD_OUT_PERCENT:
                 seen.add(first)
                 prompts.append(first)
-    return prompts
+    return tuple(prompts)
 
 
 def _bucket(text: str) -> int:

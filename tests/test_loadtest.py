@@ -1,0 +1,156 @@
+"""Load-test metrics on known samples, prompt loading, bad input, and Locust against real Triton."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import numpy as np
+import pytest
+
+from bench.loadtest import LoadTestConfig, LoadTestError, check_host, parse_duration, preflight
+from bench.metrics import (
+    LoadStep,
+    RequestSample,
+    goodput,
+    latency_by_concurrency,
+    percentiles,
+    step_summaries,
+    summarize,
+    throughput_timeline,
+)
+from bench.prompts import PromptError, held_out_dialog_prompts, load_prompts, with_system_prompt
+from bench.report import read_samples
+
+
+def _sample(start, ttft, itls, tokens, error=None, concurrency=1):
+    e2e = ttft + sum(itls)
+    return RequestSample(start_s=start, e2e_s=e2e, ttft_s=ttft, itl_s=list(itls), input_tokens=10,
+                         output_tokens=tokens, finish_reason="length", error=error, concurrency=concurrency)
+
+
+def test_percentiles_are_exact_on_known_values():
+    values = np.arange(1, 101, dtype=float)  # 1..100
+    assert percentiles(values) == {"p50": 50.5, "p90": pytest.approx(90.1), "p99": pytest.approx(99.01)}
+    assert percentiles([7.0]) == {"p50": 7.0, "p90": 7.0, "p99": 7.0}
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+
+
+def test_summarize_follows_genai_perf_and_vllm_definitions():
+    samples = [
+        _sample(100.0, 0.2, [0.1, 0.1, 0.1], 4),   # e2e 0.5, tpot (0.5-0.2)/3 = 0.1
+        _sample(100.5, 0.4, [0.3], 2),             # e2e 0.7, tpot 0.3
+        _sample(101.0, 0.1, [], 1),                # one token: no ITL, no TPOT
+        RequestSample(start_s=101.5, e2e_s=0.5, error="HTTP 400: bad", output_tokens=0),
+    ]
+    s = summarize(samples)
+    assert s["requests"] == 4 and s["successful"] == 3 and s["failed"] == 1
+    assert s["duration_s"] == pytest.approx(2.0)  # 100.0 -> 102.0 (failed request ends last)
+    assert s["total_output_tokens"] == 7
+    assert s["output_throughput_tok_s"] == pytest.approx(3.5)
+    assert s["request_throughput_req_s"] == pytest.approx(1.5)
+    assert s["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert s["ttft_ms"]["max"] == pytest.approx(400.0)
+    assert s["itl_ms"]["mean"] == pytest.approx(150.0)  # pooled gaps 0.1, 0.1, 0.1, 0.3
+    assert s["tpot_ms"]["p50"] == pytest.approx(200.0)  # median of 100 and 300
+    assert s["e2e_ms"]["p50"] == pytest.approx(500.0)
+    assert s["errors"] == {"HTTP 400: bad": 1}
+
+
+def test_tpot_is_undefined_for_single_token_or_no_ttft():
+    assert _sample(0, 0.1, [], 1).tpot_s is None
+    assert RequestSample(start_s=0, e2e_s=1.0, output_tokens=5).tpot_s is None
+    assert _sample(0, 0.1, [0.2, 0.2], 3).tpot_s == pytest.approx(0.2)
+
+
+def test_throughput_timeline_conserves_tokens():
+    samples = [_sample(10.0, 0.5, [0.5] * 5, 6), _sample(11.0, 0.2, [0.6] * 4, 5)]
+    t, rate = throughput_timeline(samples, bin_s=1.0)
+    assert t[0] == 0.0 and len(t) == len(rate)
+    assert rate.sum() * 1.0 == pytest.approx(11.0)
+    with pytest.raises(ValueError, match="bin_s"):
+        throughput_timeline(samples, bin_s=0)
+
+
+def test_latency_by_concurrency_groups_levels():
+    samples = [_sample(0, 0.1, [0.1], 2, concurrency=1), _sample(1, 0.3, [0.1], 2, concurrency=2),
+               _sample(2, 0.5, [0.1], 2, concurrency=2)]
+    rows = latency_by_concurrency(samples)
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    assert rows[1]["requests"] == 2 and rows[1]["ttft_ms"]["p50"] == pytest.approx(400.0)
+
+
+def test_goodput_is_best_step_within_the_bound():
+    fast = [_sample(0.0 + i, 0.1, [0.1] * 9, 10) for i in range(5)]
+    faster = [_sample(10.0 + i / 2, 0.2, [0.1] * 9, 10) for i in range(10)]
+    slow = [_sample(20.0 + i / 4, 2.0, [0.1] * 9, 10) for i in range(20)]
+    steps = [LoadStep(1, 0.0, 10.0), LoadStep(3, 10.0, 20.0), LoadStep(5, 20.0, 30.0)]
+    rows = step_summaries(fast + faster + slow, steps, ttft_p90_bound_ms=500.0)
+    assert [r["meets_slo"] for r in rows] == [True, True, False]
+    assert [r["requests"] for r in rows] == [5, 10, 20]
+    best = goodput(rows)
+    assert best["users"] == 3 and best["output_throughput_tok_s"] == pytest.approx(10.0)
+    assert goodput(rows[2:]) is None
+
+
+def test_prompts_from_jsonl_and_held_out_dialogs(tmp_path):
+    path = tmp_path / "p.jsonl"
+    records = [{"prompt": "a"}, {"text": "b"}, {"messages": [{"role": "system", "content": "s"},
+                                                             {"role": "user", "content": "c"},
+                                                             {"role": "assistant", "content": "d"}]}]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    assert load_prompts(path) == ["a", "b", "c"]
+    assert load_prompts(path, limit=2) == ["a", "b"]
+    assert with_system_prompt(["x"], "SYS") == ["SYS\n\nx"]
+    held_out = held_out_dialog_prompts()
+    assert len(held_out) >= 20 and all(p.strip() for p in held_out)
+    assert held_out == held_out_dialog_prompts()  # stable choice
+
+
+def test_bad_prompt_files_name_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{not json\n')
+    with pytest.raises(PromptError, match=r"bad.jsonl:2"):
+        load_prompts(bad)
+    bad.write_text('{"prompt": "ok"}\n{"other": 1}\n')
+    with pytest.raises(PromptError, match=r"bad.jsonl:2: expected"):
+        load_prompts(bad)
+    with pytest.raises(PromptError, match="does not exist"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_durations_and_hosts():
+    assert parse_duration("60s") == 60 and parse_duration("2m") == 120 and parse_duration("1m30s") == 90
+    assert parse_duration("45") == 45 and parse_duration("1h") == 3600
+    with pytest.raises(LoadTestError, match="not a duration"):
+        parse_duration("soon")
+    assert check_host("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+    for host in ("http://example.com:8000", "https://127.0.0.1:8000", "http://127.0.0.1", "http://0.0.0.0:80"):
+        with pytest.raises(LoadTestError, match="127.0.0.1"):
+            check_host(host)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_input_fails_before_the_run():
+    host = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(LoadTestError, match="cannot reach a Triton server"):
+        preflight(LoadTestConfig(host=host, model="m"))
+    with pytest.raises(LoadTestError, match="users=0"):
+        preflight(LoadTestConfig(host=host, model="m", users=0))
+    with pytest.raises(LoadTestError, match="max_tokens"):
+        preflight(LoadTestConfig(host=host, model="m", max_tokens=0))
+    with pytest.raises(LoadTestError, match="max_users"):
+        preflight(LoadTestConfig(host=host, model="m", users=4, shape="steps", max_users=2))
+
+
+def test_samples_file_tolerates_a_cut_last_line(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    good = json.dumps({"kind": "request", **_sample(0, 0.1, [0.1], 2).to_json()})
+    path.write_text(good + "\n" + json.dumps({"kind": "step", "users": 2, "start_s": 1.0}) + "\n" + good[:30])
+    samples, records = read_samples(path)
+    assert len(samples) == 1 and records == [{"kind": "step", "users": 2, "start_s": 1.0}]
