@@ -36,6 +36,9 @@ from typing import Any
 from compress.checkpoints import DEFAULT_MODEL, read_manifest, resolve_checkpoint
 
 
+SMOKE_MODEL = "tiny-random"
+
+
 class DemoStageError(RuntimeError):
     """A stage failed; ``stage`` names it and the cause is chained."""
 
@@ -58,7 +61,7 @@ class DemoConfig:
     finetune_steps: int = 30
     micro_batch_size: int = 4
     max_length: int = 128
-    eval_batches: int | None = 8
+    eval_records: int | None = 100
     loadtest_s: float = 30.0
     users: int = 4
     max_tokens: int = 32
@@ -68,9 +71,10 @@ class DemoConfig:
     smoke: bool = False
 
     @classmethod
-    def smoke_config(cls, out: str) -> "DemoConfig":
-        return cls(model="tiny-random", out=out, finetune_steps=2, micro_batch_size=2, max_length=64,
-                   eval_batches=2, loadtest_s=4.0, users=2, max_tokens=8, num_prompts=16,
+    def smoke_config(cls, out: str, model: str | None = None, data: list[str] | None = None) -> "DemoConfig":
+        """Tiny budgets; ``model`` ``None`` builds a tiny random Llama, else that checkpoint is used."""
+        return cls(model=model or SMOKE_MODEL, data=data, out=out, finetune_steps=2, micro_batch_size=2, max_length=64,
+                   eval_records=8, loadtest_s=4.0, users=2, max_tokens=8, num_prompts=16,
                    batching_compare=False, smoke=True)
 
     def validate(self) -> None:
@@ -150,7 +154,7 @@ class Demo:
         return self.results.get("fine-tune") or self.results["load"]
 
     def load(self) -> Path:
-        if self.config.smoke:
+        if self.config.model == SMOKE_MODEL:
             from compress.checkpoints import make_tiny_llama
 
             return make_tiny_llama(self.out / "tiny-random", seed=0)
@@ -169,7 +173,7 @@ class Demo:
         config = finetune.FinetuneConfig(
             model=str(self.results["load"]), data=str(self.results["data"]), run_dir=str(self.out / "finetune"),
             max_steps=c.finetune_steps, micro_batch_size=c.micro_batch_size, max_length=c.max_length,
-            eval_every=0, max_val_batches=c.eval_batches, device="cpu", progress=sys.stderr.isatty())
+            eval_every=0, max_val_batches=4, device="cpu", progress=sys.stderr.isatty())
         result, final = finetune.FinetuneRecipe(config).run()
         if result.status != "completed" or final is None:
             raise RuntimeError(f"fine-tuning ended with status {result.status}: {result.message}")
@@ -184,7 +188,7 @@ class Demo:
         models = {"fp32": self.tuned()}
         if self.results.get("quantize"):
             models["int8"] = self.results["quantize"]
-        return evaluate_models(evaluate, models, self.results.get("data"), self.config)
+        return evaluate_models(evaluate, models, self.results.get("data"), self.config, self.log)
 
     def export(self) -> dict[str, str]:
         export = _require("deploy.export", "export to Triton")
@@ -255,11 +259,23 @@ def _require(module: str, what: str):
     return importlib.import_module(module)
 
 
-def evaluate_models(evaluate, models: dict[str, Path], data: Path | None, config: DemoConfig) -> dict:
-    """Perplexity on the held-out split and size of each model, via ``compress.evaluate``."""
-    val = str(Path(data) / "val.jsonl") if data else None
-    return evaluate.evaluate_checkpoints(list(models.values()), val_data=val, max_batches=config.eval_batches,
-                                         labels=list(models))
+def evaluate_models(evaluate, models: dict[str, Path], data: Path | None, config: DemoConfig,
+                    log: Callable[[str], None] = print) -> dict:
+    """Perplexity on the held-out split, greedy agreement, size and decode latency of each model.
+
+    Uses ``compress.evaluate.evaluate`` (the first model is the agreement reference) and prints
+    its table. Returns ``{label: metrics}`` with the labels of ``models``.
+    """
+    records, name = None, None
+    if data is not None and (Path(data) / "val.jsonl").is_file():
+        records, name = evaluate.read_records(Path(data) / "val.jsonl"), f"{data}/val.jsonl"
+    eval_config = evaluate.EvalConfig(max_records=config.eval_records, agreement_tokens=config.max_tokens,
+                                      latency_tokens=config.max_tokens, measure_latency=not config.smoke)
+    results = evaluate.evaluate(list(models.values()), records=records, data_name=name, config=eval_config,
+                                log=lambda m: log("      " + m))
+    log("      " + evaluate.format_table(results).replace("\n", "\n      "))
+    by_path = {str(resolve_checkpoint(path)): label for label, path in models.items()}
+    return {by_path[path]: metrics for path, metrics in results.items()}
 
 
 def _describe(value: Any) -> str:
@@ -345,20 +361,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--finetune-steps", type=int, default=d.finetune_steps, help="optimizer steps of the fine-tune")
     parser.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     parser.add_argument("--max-length", type=int, default=d.max_length, help="tokens per training row")
-    parser.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches for perplexity")
+    parser.add_argument("--eval-records", type=int, default=d.eval_records, help="held-out records scored for perplexity")
     parser.add_argument("--loadtest-s", type=float, default=d.loadtest_s, help="seconds of load per model")
     parser.add_argument("--users", type=int, default=d.users, help="Locust users per fp32/INT8 load test")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
     parser.add_argument("--batching-users", type=int, default=d.batching_users, help="users of the batching on/off comparison")
     parser.add_argument("--no-batching-compare", action="store_true", help="skip the max_num_seqs=1 comparison")
-    parser.add_argument("--smoke", action="store_true", help="tiny random model and tiny budgets (end-to-end check, ~1 min)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny budgets and (unless --model is given) a tiny random model: an end-to-end check")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     if args.smoke:
-        return DemoConfig.smoke_config(args.out if args.out != DemoConfig.out else "reports/demo-smoke")
+        return DemoConfig.smoke_config(args.out if args.out != DemoConfig.out else "reports/demo-smoke",
+                                       model=None if args.model == DEFAULT_MODEL else args.model, data=args.data)
     return DemoConfig(model=args.model, data=args.data, out=args.out, finetune_steps=args.finetune_steps,
-                      micro_batch_size=args.micro_batch_size, max_length=args.max_length, eval_batches=args.eval_batches,
+                      micro_batch_size=args.micro_batch_size, max_length=args.max_length, eval_records=args.eval_records,
                       loadtest_s=args.loadtest_s, users=args.users, max_tokens=args.max_tokens,
                       batching_compare=not args.no_batching_compare, batching_users=args.batching_users)
 

@@ -72,8 +72,10 @@ def _record_prompt(record: object, where: str) -> str:
 def held_out_dialog_prompts() -> list[str]:
     """The first user turn of each held-out English chatterbot-corpus conversation.
 
-    Held out means the ~10% of conversations whose hash falls in the validation bucket, so the
-    choice is stable and independent of file order. Prompts are deduplicated, order kept.
+    Held out means the validation split of ``compress.data`` (deduplicated and filtered together
+    with the training split, so no prompt was trained on) when that module is installed; else
+    the ~10% of conversations whose hash falls in a fixed bucket (stable, independent of file
+    order). Prompts are deduplicated, order kept.
 
     Raises:
         PromptError: the ``chatterbot-corpus`` package is not installed.
@@ -83,6 +85,23 @@ def held_out_dialog_prompts() -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def _held_out_dialog_prompts() -> tuple[str, ...]:
+    if importlib.util.find_spec("compress.data") is not None:
+        return _data_split_prompts()
+    return _hashed_split_prompts()
+
+
+def _data_split_prompts() -> tuple[str, ...]:
+    import tempfile
+
+    from compress.data import DataConfig, prepare
+
+    with tempfile.TemporaryDirectory(prefix="lmforge-prompts-") as tmp:
+        prepare(DataConfig(), tmp, verbose=False)
+        prompts = _jsonl_prompts(Path(tmp) / "val.jsonl")
+    return tuple(dict.fromkeys(p.strip() for p in prompts if p.strip()))
+
+
+def _hashed_split_prompts() -> tuple[str, ...]:
     import yaml
 
     spec = importlib.util.find_spec("chatterbot_corpus")

@@ -154,3 +154,112 @@ def test_samples_file_tolerates_a_cut_last_line(tmp_path):
     path.write_text(good + "\n" + json.dumps({"kind": "step", "users": 2, "start_s": 1.0}) + "\n" + good[:30])
     samples, records = read_samples(path)
     assert len(samples) == 1 and records == [{"kind": "step", "users": 2, "start_s": 1.0}]
+
+
+# --------------------------------------------------------------------------------------------
+# Against the real Triton server (the tiny random Llama, exported and served once per module)
+# --------------------------------------------------------------------------------------------
+
+ENGINE_CONFIG = {"max_model_len": 256, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 256, "num_threads": 1}
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def triton(tiny_llama_dir, tmp_path_factory):
+    from deploy.export import export
+    from deploy.triton import TritonServer, free_ports
+
+    repo = tmp_path_factory.mktemp("loadtest_repo")
+    export(tiny_llama_dir, repo, name="llm", engine=ENGINE_CONFIG)
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(repo, http, grpc, metrics, models=["llm"], startup_timeout_s=600) as server:
+        yield server
+
+
+def _config(server, **changes) -> LoadTestConfig:
+    base = dict(host=server.http_url, model="llm", users=2, spawn_rate=2.0, run_time_s=4.0,
+                max_tokens=MAX_TOKENS, ignore_eos=True, num_prompts=8, request_timeout_s=30.0)
+    return LoadTestConfig(**{**base, **changes})
+
+
+@pytest.mark.integration
+def test_locust_streams_from_triton_with_plausible_metrics(triton, tmp_path):
+    import csv
+
+    from bench.loadtest import run_loadtest
+    from bench.report import PLOT_FILES
+
+    summary = run_loadtest(_config(triton), tmp_path, log=lambda _m: None)
+    samples, _ = read_samples(tmp_path / "samples.jsonl")
+    assert len(samples) >= 2 and all(s.ok for s in samples), summary["metrics"]["errors"]
+    for s in samples:
+        assert 0 < s.ttft_s <= s.e2e_s
+        assert s.output_tokens == MAX_TOKENS and s.input_tokens > 0 and s.finish_reason == "length"
+        assert len(s.itl_s) >= 1 and all(gap > 0 for gap in s.itl_s)
+    m = summary["metrics"]
+    assert m["failed"] == 0 and m["output_throughput_tok_s"] > 0
+    assert m["ttft_ms"]["p50"] <= m["e2e_ms"]["p50"] and m["itl_ms"]["p50"] > 0
+    assert summary["server"] == {"unreachable_during_run": None, "ready_after_run": True}
+    for name in ("summary.json", "samples.jsonl", "locust_stats.csv", "locust_stats_history.csv",
+                 "locust_failures.csv", "locust_exceptions.csv", *PLOT_FILES):
+        assert (tmp_path / name).stat().st_size > 0, name
+    with (tmp_path / "locust_stats.csv").open() as handle:
+        rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(handle)}
+    assert int(rows[("POST", "generate_stream")]["Request Count"]) >= len(samples)
+    assert int(rows[("TTFT", "generate_stream")]["Request Count"]) >= len(samples)
+
+
+@pytest.mark.integration
+def test_non_streaming_endpoint_measures_end_to_end(triton, tmp_path):
+    from bench.loadtest import run_loadtest
+
+    summary = run_loadtest(_config(triton, endpoint="generate", run_time_s=3.0), tmp_path, log=lambda _m: None)
+    samples, _ = read_samples(tmp_path / "samples.jsonl")
+    assert samples and all(s.ok and s.ttft_s is None and s.e2e_s > 0 for s in samples)
+    assert all(s.output_tokens == MAX_TOKENS for s in samples)
+    assert summary["metrics"]["ttft_ms"]["p50"] is None and summary["metrics"]["e2e_ms"]["p50"] > 0
+
+
+@pytest.mark.integration
+def test_step_shape_reports_goodput(triton, tmp_path):
+    from bench.loadtest import run_loadtest
+
+    config = _config(triton, users=1, shape="steps", step_users=1, step_s=2.5, max_users=2,
+                     ttft_p90_bound_ms=60_000.0, run_time_s=20.0)
+    summary = run_loadtest(config, tmp_path, log=lambda _m: None)
+    assert [row["users"] for row in summary["steps"]] == [1, 2]
+    assert all(row["meets_slo"] for row in summary["steps"])
+    assert summary["goodput"]["output_throughput_tok_s"] > 0
+    assert "limit" in summary["stop_reason"]
+
+
+@pytest.mark.integration
+def test_unknown_model_is_refused_before_the_run(triton):
+    with pytest.raises(LoadTestError, match=r"'nope' is not ready.*llm"):
+        preflight(_config(triton, model="nope"))
+
+
+@pytest.mark.integration
+def test_server_that_dies_mid_run_keeps_the_measurements(triton, tmp_path):
+    """Last in this module: it stops the module's server."""
+    import threading
+    import time
+
+    from bench.loadtest import run_loadtest
+
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(
+        summary=run_loadtest(_config(triton, run_time_s=60.0), tmp_path, log=lambda _m: None)))
+    started = time.monotonic()
+    worker.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(read_samples(tmp_path / "samples.jsonl")[0]) < 3:
+        time.sleep(0.2)
+    triton.stop()
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    summary = result["summary"]
+    assert summary["metrics"]["successful"] >= 3
+    assert summary["server"]["ready_after_run"] is False
+    assert any("stopped answering" in note for note in summary["notes"])
+    assert time.monotonic() - started < 60  # ended early, not at the 60 s run time
