@@ -224,7 +224,8 @@ class Demo:
                 for label, u in plan:
                     config = LoadTestConfig(host=server.http_url, model=name, users=u, spawn_rate=float(u),
                                             run_time_s=self.config.loadtest_s, max_tokens=self.config.max_tokens,
-                                            prompts=prompts, num_prompts=self.config.num_prompts, ignore_eos=True)
+                                            prompts=prompts, num_prompts=self.config.num_prompts, ignore_eos=True,
+                                            chat_template=str(self.tuned()))
                     summary = run_loadtest(config, self.out / "loadtest" / label, log=lambda m: self.log("      " + m))
                     runs[label] = summary
                     self.log("      " + _one_line(label, summary))

@@ -29,13 +29,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summaries, summarize
-from bench.prompts import PromptError, load_prompts
+from bench.prompts import PromptError, load_prompts, render_chat
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
 
 LOCUST_PREFIX = "locust"
 CHECK_TIMEOUT_S = 3.0
 MAX_RUN_TIME_S = 6 * 3600.0
 CHILD_GRACE_S = 60.0
+RENDERED_PROMPTS = "prompts.jsonl"
 
 
 class LoadTestError(RuntimeError):
@@ -46,7 +47,8 @@ class LoadTestError(RuntimeError):
 class LoadTestConfig:
     """One load test. Durations in seconds; sampling fields as ``SamplingParams``.
 
-    ``shape="steps"`` raises users from ``users`` by ``step_users`` every ``step_s`` seconds
+    ``chat_template`` (a checkpoint) renders each prompt, after the optional system prompt, with
+    that tokenizer's chat template before sending. ``shape="steps"`` raises users from ``users`` by ``step_users`` every ``step_s`` seconds
     until TTFT p90 exceeds ``ttft_p90_bound_ms`` (or ``max_users`` / ``run_time_s`` is reached).
     """
 
@@ -59,6 +61,7 @@ class LoadTestConfig:
     prompts: str | None = None
     num_prompts: int | None = None
     system_prompt: str | None = None
+    chat_template: str | None = None
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -176,6 +179,20 @@ def _models(host: str) -> str:
         return "unknown (repository index not available)"
 
 
+def write_chat_prompts(config: LoadTestConfig, path: Path) -> None:
+    """Render the prompts with ``config.chat_template`` into ``path`` (JSONL of ``{"prompt"}``).
+
+    Raises:
+        LoadTestError: the prompts or the chat template cannot be read.
+    """
+    try:
+        prompts = load_prompts(config.prompts, limit=config.num_prompts)
+        rendered = render_chat(prompts, config.chat_template, config.system_prompt)
+    except PromptError as exc:
+        raise LoadTestError(str(exc)) from exc
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rendered), encoding="utf-8")
+
+
 def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
     command = [
         sys.executable, "-m", "bench.locust_runner",
@@ -185,8 +202,10 @@ def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
         "--temperature", str(config.temperature), "--top-p", str(config.top_p), "--seed", str(config.seed),
         "--request-timeout-s", str(config.request_timeout_s), "--samples-out", str(out_dir / "samples.jsonl"),
     ]
-    for flag, value in (("--prompts", config.prompts), ("--num-prompts", config.num_prompts),
-                        ("--system-prompt", config.system_prompt)):
+    sources = (("--prompts", config.prompts), ("--num-prompts", config.num_prompts), ("--system-prompt", config.system_prompt))
+    if config.chat_template is not None:  # rendered by the parent (write_chat_prompts)
+        sources = (("--prompts", out_dir / RENDERED_PROMPTS),)
+    for flag, value in sources:
         if value is not None:
             command += [flag, str(value)]
     if config.ignore_eos:
@@ -209,6 +228,8 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     preflight(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if config.chat_template is not None:
+        write_chat_prompts(config, out / RENDERED_PROMPTS)
     (out / "samples.jsonl").unlink(missing_ok=True)
     log(f"load test: {config.users} users ({config.shape}) on {config.model} at {config.host}, {config.run_time_s:g} s ...")
     started = time.time()
@@ -300,6 +321,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default=None, help="JSONL of prompts (default: held-out chatterbot dialogs)")
     parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--system-prompt", default=None, help="shared prefix before every prompt (prefix reuse)")
+    parser.add_argument("--chat-template", default=None, metavar="CKPT",
+                        help="render prompts with this checkpoint's chat template (instruct models)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -314,7 +337,7 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
     return LoadTestConfig(
         host=args.host, model=args.model, users=args.users, spawn_rate=args.spawn_rate,
         run_time_s=parse_duration(args.run_time), endpoint=args.endpoint, prompts=args.prompts,
-        num_prompts=args.num_prompts, system_prompt=args.system_prompt, max_tokens=args.max_tokens,
+        num_prompts=args.num_prompts, system_prompt=args.system_prompt, chat_template=args.chat_template, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, ignore_eos=args.ignore_eos, seed=args.seed,
         request_timeout_s=args.request_timeout_s, shape=args.shape, step_users=args.step_users,
         step_s=parse_duration(args.step_time), max_users=args.max_users, ttft_p90_bound_ms=args.ttft_p90_bound_ms)

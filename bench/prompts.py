@@ -132,3 +132,27 @@ def with_system_prompt(prompts: list[str], system_prompt: str | None) -> list[st
     if not system_prompt:
         return list(prompts)
     return [f"{system_prompt}\n\n{p}" for p in prompts]
+
+
+def render_chat(prompts: list[str], checkpoint: str, system_prompt: str | None = None) -> list[str]:
+    """Each prompt as a user turn (after an optional system turn) in ``checkpoint``'s chat template.
+
+    The result is the exact text an instruct model expects (``add_generation_prompt=True``), so
+    the server, which takes plain ``text_input``, answers instead of continuing the prompt.
+
+    Raises:
+        PromptError: the checkpoint cannot be resolved or its tokenizer has no chat template.
+    """
+    from transformers import AutoTokenizer
+
+    from compress.checkpoints import CheckpointError, resolve_checkpoint
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_checkpoint(checkpoint)))
+    except (CheckpointError, OSError) as exc:
+        raise PromptError(f"chat template of {checkpoint}: {exc}") from exc
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError(f"{checkpoint}: its tokenizer has no chat template; drop --chat-template")
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [tokenizer.apply_chat_template(system + [{"role": "user", "content": p}], tokenize=False,
+                                          add_generation_prompt=True) for p in prompts]

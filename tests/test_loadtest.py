@@ -107,6 +107,14 @@ def test_prompts_from_jsonl_and_held_out_dialogs(tmp_path):
     assert held_out == held_out_dialog_prompts()  # stable choice
 
 
+def test_chat_template_renders_system_and_user_turns(tiny_llama_dir):
+    from bench.prompts import render_chat
+
+    (text,) = render_chat(["hi there"], str(tiny_llama_dir), system_prompt="Be brief.")
+    assert text.index("Be brief.") < text.index("hi there")
+    assert text.rstrip().endswith("assistant")  # the generation prompt opens the assistant turn
+
+
 def test_bad_prompt_files_name_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{not json\n')
