@@ -29,14 +29,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summaries, summarize
-from bench.prompts import PromptError, load_prompts, render_chat
+from bench.prompts import PromptError, load_prompts, render_chat, with_system_prompt
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
 
 LOCUST_PREFIX = "locust"
 CHECK_TIMEOUT_S = 3.0
 MAX_RUN_TIME_S = 6 * 3600.0
 CHILD_GRACE_S = 60.0
-RENDERED_PROMPTS = "prompts.jsonl"
+PROMPTS_FILE = "prompts.jsonl"
 
 
 class LoadTestError(RuntimeError):
@@ -179,18 +179,24 @@ def _models(host: str) -> str:
         return "unknown (repository index not available)"
 
 
-def write_chat_prompts(config: LoadTestConfig, path: Path) -> None:
-    """Render the prompts with ``config.chat_template`` into ``path`` (JSONL of ``{"prompt"}``).
+def write_prompts(config: LoadTestConfig, path: Path) -> int:
+    """Resolve the prompts once (source, limit, system prompt, chat template) into ``path``.
+
+    The load generator then only reads a small JSONL of ``{"prompt"}`` records. Returns the count.
 
     Raises:
         LoadTestError: the prompts or the chat template cannot be read.
     """
     try:
         prompts = load_prompts(config.prompts, limit=config.num_prompts)
-        rendered = render_chat(prompts, config.chat_template, config.system_prompt)
+        if config.chat_template is not None:
+            prompts = render_chat(prompts, config.chat_template, config.system_prompt)
+        else:
+            prompts = with_system_prompt(prompts, config.system_prompt)
     except PromptError as exc:
         raise LoadTestError(str(exc)) from exc
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rendered), encoding="utf-8")
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
+    return len(prompts)
 
 
 def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
@@ -202,12 +208,7 @@ def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
         "--temperature", str(config.temperature), "--top-p", str(config.top_p), "--seed", str(config.seed),
         "--request-timeout-s", str(config.request_timeout_s), "--samples-out", str(out_dir / "samples.jsonl"),
     ]
-    sources = (("--prompts", config.prompts), ("--num-prompts", config.num_prompts), ("--system-prompt", config.system_prompt))
-    if config.chat_template is not None:  # rendered by the parent (write_chat_prompts)
-        sources = (("--prompts", out_dir / RENDERED_PROMPTS),)
-    for flag, value in sources:
-        if value is not None:
-            command += [flag, str(value)]
+    command += ["--prompts", str(out_dir / PROMPTS_FILE)]  # resolved by the parent (write_prompts)
     if config.ignore_eos:
         command.append("--ignore-eos")
     if config.shape == "steps":
@@ -228,8 +229,7 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     preflight(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if config.chat_template is not None:
-        write_chat_prompts(config, out / RENDERED_PROMPTS)
+    write_prompts(config, out / PROMPTS_FILE)
     (out / "samples.jsonl").unlink(missing_ok=True)
     log(f"load test: {config.users} users ({config.shape}) on {config.model} at {config.host}, {config.run_time_s:g} s ...")
     started = time.time()
@@ -275,12 +275,19 @@ def build_summary(config: LoadTestConfig, samples, records: list[dict], out: Pat
 
 
 def _steps_summary(config: LoadTestConfig, samples, records: list[dict], out: Path) -> dict:
-    starts = [r for r in records if r["kind"] == "step"]
+    """Steps from the shape's own file (written at the end of the run), else from the samples
+    file's step records (a load generator that was killed)."""
     run_end = max([s.end_s for s in samples], default=time.time())
-    steps = [LoadStep(r["users"], r["start_s"], starts[i + 1]["start_s"] if i + 1 < len(starts) else run_end)
+    shape_file = out / f"{LOCUST_PREFIX}_shape.json"
+    if shape_file.is_file():
+        shape = json.loads(shape_file.read_text(encoding="utf-8"))
+        starts, stop = shape["steps"], shape.get("stop_reason")
+    else:
+        starts = [r for r in records if r["kind"] == "step"]
+        stop = next((r.get("reason") for r in records if r["kind"] == "shape_stop"), None)
+    steps = [LoadStep(r["users"], r["start_s"], r.get("end_s") or (starts[i + 1]["start_s"] if i + 1 < len(starts) else run_end))
              for i, r in enumerate(starts)]
     rows = step_summaries(samples, steps, config.ttft_p90_bound_ms)
-    stop = next((r.get("reason") for r in records if r["kind"] == "shape_stop"), None)
     return {"steps": rows, "goodput": goodput(rows), "ttft_p90_bound_ms": config.ttft_p90_bound_ms,
             "stop_reason": stop or "run time reached"}
 

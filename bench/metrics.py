@@ -235,13 +235,14 @@ class LoadStep:
 def step_summaries(samples: Sequence[RequestSample], steps: Sequence[LoadStep], ttft_p90_bound_ms: float) -> list[dict]:
     """Metrics per load step, each marked whether it met ``TTFT p90 <= ttft_p90_bound_ms``.
 
-    A request belongs to the step in which it started; a step's throughput counts its requests'
-    output tokens over the step's duration. A step with no successful request does not meet the
-    objective (nothing shows that it does).
+    A request belongs to the step in which it ended (in a closed loop, the load it saw is mostly
+    that step's); a step's throughput counts those requests' output tokens over the step's
+    duration. A step with no successful request does not meet the objective (nothing shows
+    that it does).
     """
     rows = []
     for step in steps:
-        inside = [s for s in samples if step.start_s <= s.start_s < step.end_s]
+        inside = [s for s in samples if step.start_s <= s.end_s < step.end_s]
         summary = summarize(inside, duration_s=max(step.end_s - step.start_s, 1e-9))
         p90 = summary["ttft_ms"]["p90"]
         rows.append({

@@ -3,9 +3,9 @@
 Goodput (DistServe, Zhong et al., OSDI 2024; vLLM ``benchmark_serving --goodput``) is the
 highest throughput at which requests still meet their latency objective. ``StepLoadShape`` holds
 ``start_users``, then ``start_users + step_users``, ... for ``step_s`` seconds each; at the end of
-every step it takes the p90 TTFT of the requests that started and finished in that step (E2E for
-the non-streaming endpoint, which has no TTFT) and stops the test once it exceeds the bound, a
-step had failures, or ``max_users`` is reached. ``bench.metrics.step_summaries`` then recomputes
+every step it takes the p90 TTFT of the requests that ended in that step (E2E for the
+non-streaming endpoint, which has no TTFT; a step in which nothing ended yet is held longer) and
+stops the test once it exceeds the bound, a step had failures, or ``max_users`` is reached. ``bench.metrics.step_summaries`` then recomputes
 each step from all raw samples and picks the goodput step.
 
 Use from the command line: ``locust -f bench/locustfile.py,bench/shapes.py --model NAME``
@@ -18,6 +18,10 @@ import time
 
 import numpy as np
 from locust import LoadTestShape
+
+
+PASS, WAIT = "pass", "wait"
+MAX_STEP_STRETCH = 4  # a step with no finished request yet is held up to this many step lengths
 
 
 class StepLoadShape(LoadTestShape):
@@ -39,55 +43,61 @@ class StepLoadShape(LoadTestShape):
         self.max_users, self.bound_ms, self.spawn_rate, self.max_steps = max_users, ttft_p90_bound_ms, spawn_rate, max_steps
         self.steps: list[dict] = []
         self.stop_reason: str | None = None
-        self._index: int | None = None
 
     def tick(self) -> tuple[int, float] | None:
-        index = int(self.get_run_time() // self.step_s)
-        if index != self._index:
-            if self._index is not None and not self._step_passed():
-                return self._stop()
-            users = self.start_users + index * self.step_users
-            if users > self.max_users or index >= self.max_steps:
-                self.stop_reason = f"reached the limit ({self.max_users} users, {self.max_steps} steps) within the bound"
-                return self._stop()
-            self._begin_step(index, users)
+        if not self.steps:
+            self._begin_step(self.start_users)
+            return self.start_users, self.spawn_rate
+        step = self.steps[-1]
+        elapsed = time.time() - step["start_s"]
+        if elapsed >= self.step_s:
+            verdict = self._judge(step)
+            if verdict == WAIT and elapsed < MAX_STEP_STRETCH * self.step_s:
+                return step["users"], self.spawn_rate  # nothing finished yet: hold the step longer
+            if verdict != PASS:
+                return self._stop(verdict if verdict != WAIT else
+                                  f"no request finished within {elapsed:.0f} s at {step['users']} users")
+            users = step["users"] + self.step_users
+            if users > self.max_users or len(self.steps) >= self.max_steps:
+                return self._stop(f"reached the limit ({self.max_users} users, {self.max_steps} steps) within the bound")
+            self._begin_step(users)
         return self.steps[-1]["users"], self.spawn_rate
 
-    def _begin_step(self, index: int, users: int) -> None:
+    def _begin_step(self, users: int) -> None:
         now = time.time()
         if self.steps:
             self.steps[-1]["end_s"] = now
         self.steps.append({"users": users, "start_s": now, "end_s": None})
-        self._index = index
         state = self._state()
         if state is not None:
             state.record("step", {"users": users, "start_s": now})
 
-    def _stop(self) -> None:
+    def _stop(self, reason: str) -> None:
+        self.stop_reason = reason
         if self.steps and self.steps[-1]["end_s"] is None:
             self.steps[-1]["end_s"] = time.time()
         state = self._state()
         if state is not None:
-            state.record("shape_stop", {"time_s": time.time(), "reason": self.stop_reason})
+            state.record("shape_stop", {"time_s": time.time(), "reason": reason})
         return None
 
-    def _step_passed(self) -> bool:
-        step = self.steps[-1]
+    def _judge(self, step: dict) -> str:
+        """``PASS``, ``WAIT`` (no request ended in the step yet) or the reason the step failed.
+
+        A request counts for the step in which it ended (as ``bench.metrics.step_summaries``).
+        """
         state = self._state()
-        inside = [s for s in (state.samples if state else []) if s.start_s >= step["start_s"]]
+        inside = [s for s in (state.samples if state else []) if s.end_s >= step["start_s"]]
         latencies = [(s.ttft_s if s.ttft_s is not None else s.e2e_s) for s in inside if s.ok]
         failed = sum(not s.ok for s in inside)
         if failed:
-            self.stop_reason = f"{failed} failed requests at {step['users']} users"
-            return False
+            return f"{failed} failed requests at {step['users']} users"
         if not latencies:
-            self.stop_reason = f"no request finished within the {self.step_s:g} s step at {step['users']} users"
-            return False
+            return WAIT
         p90_ms = float(np.percentile(latencies, 90)) * 1000.0
         if p90_ms > self.bound_ms:
-            self.stop_reason = f"TTFT p90 {p90_ms:.0f} ms > bound {self.bound_ms:g} ms at {step['users']} users"
-            return False
-        return True
+            return f"TTFT p90 {p90_ms:.0f} ms > bound {self.bound_ms:g} ms at {step['users']} users"
+        return PASS
 
     def _state(self):
         runner = self.runner
