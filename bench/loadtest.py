@@ -50,6 +50,8 @@ class LoadTestConfig:
     ``chat_template`` (a checkpoint) renders each prompt, after the optional system prompt, with
     that tokenizer's chat template before sending. ``shape="steps"`` raises users from ``users`` by ``step_users`` every ``step_s`` seconds
     until TTFT p90 exceeds ``ttft_p90_bound_ms`` (or ``max_users`` / ``run_time_s`` is reached).
+    ``warmup_requests`` non-streaming requests go first and are not measured (GenAI-Perf's
+    ``--warmup-request-count``): the first forward passes of a fresh engine are slower.
     """
 
     host: str
@@ -73,6 +75,7 @@ class LoadTestConfig:
     step_s: float = 10.0
     max_users: int = 32
     ttft_p90_bound_ms: float = 1000.0
+    warmup_requests: int = 1
 
     def validate(self) -> None:
         """Raises :class:`LoadTestError` naming the bad field and the fix."""
@@ -82,6 +85,7 @@ class LoadTestConfig:
             (0 < self.run_time_s <= MAX_RUN_TIME_S, f"run_time_s={self.run_time_s}; it must be in (0, {MAX_RUN_TIME_S:.0f}] (--run-time)"),
             (self.max_tokens >= 1, f"max_tokens={self.max_tokens}; it must be >= 1 (--max-tokens)"),
             (self.request_timeout_s > 0, f"request_timeout_s={self.request_timeout_s}; it must be > 0"),
+            (self.warmup_requests >= 0, f"warmup_requests={self.warmup_requests}; it must be >= 0 (--warmup-requests)"),
             (self.endpoint in ("generate_stream", "generate"), f"endpoint={self.endpoint!r}; use generate_stream or generate"),
             (self.shape in ("constant", "steps"), f"shape={self.shape!r}; use constant or steps (--shape)"),
             (bool(self.model), "model is empty; pass the Triton model name (--model)"),
@@ -179,10 +183,10 @@ def _models(host: str) -> str:
         return "unknown (repository index not available)"
 
 
-def write_prompts(config: LoadTestConfig, path: Path) -> int:
+def write_prompts(config: LoadTestConfig, path: Path) -> list[str]:
     """Resolve the prompts once (source, limit, system prompt, chat template) into ``path``.
 
-    The load generator then only reads a small JSONL of ``{"prompt"}`` records. Returns the count.
+    The load generator then only reads a small JSONL of ``{"prompt"}`` records. Returns them.
 
     Raises:
         LoadTestError: the prompts or the chat template cannot be read.
@@ -196,7 +200,30 @@ def write_prompts(config: LoadTestConfig, path: Path) -> int:
     except PromptError as exc:
         raise LoadTestError(str(exc)) from exc
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
-    return len(prompts)
+    return prompts
+
+
+def warm_up(config: LoadTestConfig, prompts: list[str]) -> None:
+    """Send ``config.warmup_requests`` unmeasured requests to ``/generate``, one at a time.
+
+    Raises:
+        LoadTestError: a warm-up request failed (the server's error is in the message), so a
+            model that cannot answer is reported before the run.
+    """
+    from bench.protocol import request_payload
+
+    url = f"{check_host(config.host)}/v2/models/{urllib.parse.quote(config.model)}/generate"
+    sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "top_p": config.top_p}
+    for i in range(config.warmup_requests):
+        body = json.dumps(request_payload(prompts[i % len(prompts)], sampling, stream=False)).encode()
+        request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=config.request_timeout_s) as response:
+                response.read()
+        except urllib.error.HTTPError as exc:
+            raise LoadTestError(f"warm-up request to {config.model} failed: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise LoadTestError(f"warm-up request to {config.model} failed: {exc}") from exc
 
 
 def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
@@ -229,7 +256,8 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     preflight(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_prompts(config, out / PROMPTS_FILE)
+    prompts = write_prompts(config, out / PROMPTS_FILE)
+    warm_up(config, prompts)
     (out / "samples.jsonl").unlink(missing_ok=True)
     log(f"load test: {config.users} users ({config.shape}) on {config.model} at {config.host}, {config.run_time_s:g} s ...")
     started = time.time()
@@ -336,6 +364,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--warmup-requests", type=int, default=1, help="unmeasured requests sent first")
     parser.add_argument("--out", default="reports/loadtest", help="report directory (default reports/loadtest)")
 
 
@@ -347,7 +376,8 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         num_prompts=args.num_prompts, system_prompt=args.system_prompt, chat_template=args.chat_template, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, ignore_eos=args.ignore_eos, seed=args.seed,
         request_timeout_s=args.request_timeout_s, shape=args.shape, step_users=args.step_users,
-        step_s=parse_duration(args.step_time), max_users=args.max_users, ttft_p90_bound_ms=args.ttft_p90_bound_ms)
+        step_s=parse_duration(args.step_time), max_users=args.max_users, ttft_p90_bound_ms=args.ttft_p90_bound_ms,
+        warmup_requests=args.warmup_requests)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -127,6 +127,48 @@ def test_bad_prompt_files_name_file_and_line(tmp_path):
         load_prompts(tmp_path / "missing.jsonl")
 
 
+def _response(body: bytes, status: int = 200):
+    import io
+
+    import requests
+
+    response = requests.Response()
+    response.status_code, response.raw = status, io.BytesIO(body)
+    return response
+
+
+def test_sse_stream_parsing_and_errors_inside_the_stream():
+    from bench.protocol import StreamError, StreamResult, parse_sse_line, read_stream
+
+    assert parse_sse_line(b'data: {"text_output": "a"}') == {"text_output": "a"}
+    assert parse_sse_line(b"") is None and parse_sse_line(b": keep-alive") is None
+    with pytest.raises(ValueError):
+        parse_sse_line(b"data: [1, 2]")
+    events = [{"text_output": "Hel", "num_input_tokens": 3, "num_output_tokens": 1},
+              {"text_output": "", "num_output_tokens": 1},
+              {"text_output": "lo", "num_output_tokens": 2, "finish_reason": "length"}]
+    result = StreamResult()
+    read_stream(_response(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)), result)
+    assert (result.text, result.input_tokens, result.output_tokens, result.finish_reason) == ("Hello", 3, 2, "length")
+    assert len(result.chunk_times) == 2  # the empty event carries no text
+    partial = StreamResult()
+    with pytest.raises(StreamError, match="server error: boom"):
+        read_stream(_response(b'data: {"text_output": "x"}\n\ndata: {"error": "boom"}\n\n'), partial)
+    assert partial.text == "x"  # what came before the error is kept
+    with pytest.raises(StreamError, match="without a final event"):
+        read_stream(_response(b'data: {"text_output": "x"}\n\n'), StreamResult())
+
+
+def test_the_caller_never_imports_locust():
+    """Locust monkey-patches the standard library with gevent; it stays in the child process."""
+    import subprocess
+    import sys
+
+    code = "import sys, bench.loadtest, bench.demo, bench.report; print('locust' in sys.modules, 'gevent' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
 def test_durations_and_hosts():
     assert parse_duration("60s") == 60 and parse_duration("2m") == 120 and parse_duration("1m30s") == 90
     assert parse_duration("45") == 45 and parse_duration("1h") == 3600
