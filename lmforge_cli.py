@@ -42,6 +42,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("demo", "bench.demo", "The whole job: compress, evaluate, export, serve, load-test, report."),
     Command("plan", "compress.plan", "Plan memory and parallelism for training or inference at scale."),
     Command("diagnose", "compress.diagnose", "Find the cause of a misbehaving training run from its metrics."),
+    Command("render", "deploy.render", "Render container / Kubernetes deployment files for a model."),
 )
 
 

@@ -1,0 +1,407 @@
+"""``lmforge plan``: memory and parallelism planner for training and inference at scale.
+
+Training: for every (data, tensor, pipeline) split of the devices, micro-batch count, ZeRO stage
+and checkpointing choice, the per-device memory (parameters, gradients, optimizer states,
+activations; formulas and sources in ``compress.memory_model``), the 1F1B bubble
+(``compress.pipeline_schedule``) and a step time from the FLOP count; the feasible ones ranked by
+step time, the others with the constraint they break.
+
+Step time: ``6 N`` FLOPs per token for forward + backward of the matrix multiplies (Kaplan et
+al. 2020; Narayanan et al. 2021, Sec. 5.1) plus ``12 L s q`` for attention scores and values;
+full recomputation adds one forward (``2 N + 4 L s q``). Per device the FLOPs divide by ``d t p``;
+the time is FLOPs / device throughput, stretched by ``1 / (1 - bubble)``. Communication is not
+modelled, so splits with larger tensor degree look better than they are across nodes.
+
+Inference: KV cache bytes per token and the concurrent full-length sequences that fit the memory
+left after the weights, in blocks of ``block_size`` tokens (how a paged engine sizes its cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+from compress.memory_model import (
+    KVCapacity,
+    ModelSpec,
+    Precision,
+    StateMemory,
+    kv_capacity,
+    stage_activation_bytes,
+    stage_params,
+    state_memory,
+    total_params,
+)
+from compress.pipeline_schedule import bubble_fraction, simulate_1f1b
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What the user trains with; sizes in sequences, tokens and bytes.
+
+    Raises:
+        ValueError: a non-positive size, or an unknown zero stage (names the field).
+    """
+
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    num_devices: int
+    device_memory_bytes: int
+    precision: Precision = Precision.BF16
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    checkpointing: tuple[bool, ...] = (False, True)
+    device_tflops: float = 100.0  # achieved dense throughput per device, TFLOP/s
+    sequence_parallel: bool = False
+    fused_attention: bool = True  # flash / SDPA is_causal; False: SDPA with a materialised mask
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch", "num_devices", "device_memory_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r}: must be a positive integer")
+        if not self.device_tflops > 0:
+            raise ValueError(f"device_tflops={self.device_tflops!r}: must be > 0")
+        bad = [z for z in self.zero_stages if z not in (0, 1, 2, 3)]
+        if bad or not self.zero_stages:
+            raise ValueError(f"zero_stages={self.zero_stages!r}: choose from 0, 1, 2, 3")
+
+
+@dataclass(frozen=True)
+class Split:
+    """Degrees of data, tensor and pipeline parallelism; their product is the device count."""
+
+    data: int
+    tensor: int
+    pipeline: int
+
+
+@dataclass
+class PlanEntry:
+    """One configuration: split, micro-batching, ZeRO, checkpointing, and what it costs."""
+
+    split: Split
+    micro_batches: int
+    micro_batch_size: int
+    zero_stage: int
+    checkpointing: bool
+    params_bytes: int = 0
+    grads_bytes: int = 0
+    optimizer_bytes: int = 0
+    activations_bytes: int = 0
+    bubble_fraction: float = 0.0
+    step_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    infeasible: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n`` in increasing order."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def split_constraints(model: ModelSpec, split: Split, global_batch: int) -> list[str]:
+    """Why ``split`` cannot run this model and batch; empty when it can."""
+    problems = []
+    t, p, d = split.tensor, split.pipeline, split.data
+    if model.num_attention_heads % t:
+        problems.append(f"tensor degree: num_attention_heads={model.num_attention_heads} not divisible by tensor degree {t}")
+    if model.num_key_value_heads % t:
+        problems.append(f"tensor degree: num_key_value_heads={model.num_key_value_heads} not divisible by tensor degree {t}")
+    if model.intermediate_size % t:
+        problems.append(f"tensor degree: intermediate_size={model.intermediate_size} not divisible by tensor degree {t}")
+    if model.num_hidden_layers % p:
+        problems.append(f"pipeline degree: num_hidden_layers={model.num_hidden_layers} not divisible by pipeline degree {p}")
+    if global_batch % d:
+        problems.append(f"data degree: global_batch={global_batch} not divisible by data degree {d}")
+    return problems
+
+
+def check_split(model: ModelSpec, split: Split, setup: TrainingSetup) -> None:
+    """Raise ``ValueError`` naming every constraint a user-chosen split breaks."""
+    product = split.data * split.tensor * split.pipeline
+    problems = split_constraints(model, split, setup.global_batch)
+    if product != setup.num_devices:
+        problems.append(f"device count: data x tensor x pipeline = {product} != num_devices={setup.num_devices}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def enumerate_splits(num_devices: int) -> list[Split]:
+    """Every (data, tensor, pipeline) with ``d * t * p == num_devices``."""
+    return [Split(num_devices // (t * p), t, p) for t in divisors(num_devices) for p in divisors(num_devices // t)]
+
+
+def step_flops(model: ModelSpec, tokens: int, seq_len: int, checkpointing: bool) -> float:
+    """Training FLOPs of one optimizer step over ``tokens`` tokens (forward + backward, + recompute)."""
+    n = total_params(model)
+    attention = model.num_hidden_layers * seq_len * model.q_size  # L s q
+    per_token = 6 * n + 12 * attention
+    if checkpointing:
+        per_token += 2 * n + 4 * attention
+    return per_token * tokens
+
+
+def evaluate_entry(model: ModelSpec, setup: TrainingSetup, entry: PlanEntry) -> PlanEntry:
+    """Fill memory (the most loaded pipeline stage), bubble, step time and feasibility of ``entry``."""
+    s = entry.split
+    if entry.zero_stage >= 2 and s.pipeline > 1:
+        entry.infeasible.append(
+            f"ZeRO with pipeline: stage {entry.zero_stage} with pipeline degree {s.pipeline} (gradient partitioning conflicts "
+            "with pipeline micro-batch accumulation; DeepSpeed allows ZeRO-1 with pipelines)"
+        )
+    worst: tuple[int, StateMemory, int] | None = None
+    for stage in range(s.pipeline):
+        states = state_memory(stage_params(model, stage, s.pipeline, s.tensor), setup.precision, entry.zero_stage, s.data)
+        acts = stage_activation_bytes(
+            model, micro_batch=entry.micro_batch_size, seq_len=setup.seq_len, precision=setup.precision, stage=stage,
+            pipeline_parallel=s.pipeline, in_flight=min(entry.micro_batches, s.pipeline - stage),
+            tensor_parallel=s.tensor, checkpointing=entry.checkpointing, sequence_parallel=setup.sequence_parallel,
+            fused_attention=setup.fused_attention,
+        )
+        if worst is None or states.total_bytes + acts > worst[0]:
+            worst = (states.total_bytes + acts, states, acts)
+    _, states, acts = worst
+    entry.params_bytes, entry.grads_bytes, entry.optimizer_bytes = states.params_bytes, states.grads_bytes, states.optimizer_bytes
+    entry.activations_bytes = acts
+    if entry.total_bytes > setup.device_memory_bytes:
+        entry.infeasible.append(
+            f"memory: needs {entry.total_bytes / GIB:.1f} GiB per device > {setup.device_memory_bytes / GIB:.1f} GiB "
+            f"(states {states.total_bytes / GIB:.1f}, activations {acts / GIB:.1f})"
+        )
+    entry.bubble_fraction = bubble_fraction(s.pipeline, entry.micro_batches)
+    tokens = setup.global_batch * setup.seq_len
+    per_device = step_flops(model, tokens, setup.seq_len, entry.checkpointing) / setup.num_devices
+    entry.step_time_s = per_device / (setup.device_tflops * 1e12) / (1.0 - entry.bubble_fraction)
+    entry.tokens_per_s = tokens / entry.step_time_s
+    return entry
+
+
+def rank_key(entry: PlanEntry) -> tuple:
+    """Sort key: feasible first, then shortest step; ties (communication is not modelled) go to less
+    communication: lower tensor degree, lower ZeRO stage, fewer micro-batches, then less memory."""
+    if entry.infeasible:
+        return (1, 0.0, 0, 0, 0, 0)
+    return (0, round(entry.step_time_s, 9), entry.split.tensor, entry.zero_stage, entry.micro_batches, entry.total_bytes)
+
+
+def plan_training(model: ModelSpec, setup: TrainingSetup, splits: list[Split] | None = None) -> list[PlanEntry]:
+    """Evaluate every configuration; feasible ones first, fastest first (then least memory).
+
+    Args:
+        splits: restrict to these splits (each is checked with ``check_split``); default all.
+
+    Raises:
+        ValueError: a given split breaks a constraint (the message names it).
+    """
+    if splits is None:
+        splits = enumerate_splits(setup.num_devices)
+    else:
+        for split in splits:
+            check_split(model, split, setup)
+    entries = []
+    for split in splits:
+        problems = split_constraints(model, split, setup.global_batch)
+        if problems:
+            entries.append(PlanEntry(split, 0, 0, 0, False, infeasible=problems))
+            continue
+        per_replica = setup.global_batch // split.data
+        for m in divisors(per_replica):
+            for zero in setup.zero_stages:
+                for ckpt in setup.checkpointing:
+                    entries.append(evaluate_entry(model, setup, PlanEntry(split, m, per_replica // m, zero, ckpt)))
+    entries.sort(key=rank_key)
+    return entries
+
+
+def inference_capacity(model: ModelSpec, *, device_memory_bytes: int, memory_utilization: float, block_size: int,
+                       max_model_len: int, weight_bytes: int, kv_dtype_bytes: int, tensor_parallel: int = 1,
+                       max_num_seqs: int | None = None) -> KVCapacity:
+    """KV capacity of one device after the weights: budget = memory x utilization - weights / t.
+
+    Raises:
+        ValueError: utilization outside (0, 1], non-positive sizes, KV heads not divisible by t, or
+            weights larger than the budget.
+    """
+    if not 0 < memory_utilization <= 1:
+        raise ValueError(f"memory_utilization={memory_utilization}: must be in (0, 1]")
+    weights = math.ceil(total_params(model) * weight_bytes / tensor_parallel)
+    budget = int(device_memory_bytes * memory_utilization) - weights
+    return kv_capacity(model, budget_bytes=budget, block_size=block_size, max_model_len=max_model_len,
+                       dtype_bytes=kv_dtype_bytes, tensor_parallel=tensor_parallel, max_num_seqs=max_num_seqs)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (a checkpoint, or explicit sizes)")
+    model.add_argument("--model", help="checkpoint: name, .gguf or HF directory (reads config.json)")
+    model.add_argument("--num-layers", type=int, help="num_hidden_layers")
+    model.add_argument("--hidden-size", type=int)
+    model.add_argument("--num-heads", type=int, help="num_attention_heads")
+    model.add_argument("--num-kv-heads", type=int, help="num_key_value_heads (default: num-heads)")
+    model.add_argument("--vocab-size", type=int)
+    model.add_argument("--intermediate-size", type=int)
+    model.add_argument("--head-dim", type=int, help="default hidden-size / num-heads")
+    model.add_argument("--tie-word-embeddings", action="store_true")
+    parser.add_argument("--mode", choices=("train", "inference"), default="train")
+    parser.add_argument("--devices", type=int, default=8, help="number of devices (train)")
+    parser.add_argument("--device-memory-gib", type=float, default=80.0, help="memory per device, GiB")
+    train = parser.add_argument_group("training")
+    train.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    train.add_argument("--global-batch", type=int, default=64, help="sequences per optimizer step")
+    train.add_argument("--precision", choices=[p.value for p in Precision], default="bf16",
+                       help="fp32, or bf16/fp16 mixed precision with fp32 master weights")
+    train.add_argument("--zero-stage", type=int, action="append", choices=(0, 1, 2, 3),
+                       help="ZeRO stage(s) to consider (repeat; default all)")
+    train.add_argument("--checkpointing", choices=("off", "on", "both"), default="both",
+                       help="gradient checkpointing (full recomputation)")
+    train.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism with tensor parallelism")
+    train.add_argument("--attention", choices=("fused", "masked"), default="fused",
+                       help="fused: flash attention / SDPA is_causal; masked: SDPA with a [b,1,s,s] mask, K/V repeated")
+    train.add_argument("--device-tflops", type=float, default=100.0, help="achieved TFLOP/s per device (for step time)")
+    train.add_argument("--dp", type=int, help="fix the data degree (with --tp and --pp)")
+    train.add_argument("--tp", type=int, help="fix the tensor degree (train) / tensor parallel size (inference)")
+    train.add_argument("--pp", type=int, help="fix the pipeline degree")
+    train.add_argument("--top", type=int, default=10, help="feasible configurations to print")
+    infer = parser.add_argument_group("inference")
+    infer.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    infer.add_argument("--max-model-len", type=int, default=2048, help="tokens per sequence (prompt + output)")
+    infer.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
+    infer.add_argument("--weight-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
+    infer.add_argument("--max-num-seqs", type=int, help="cap the pool at this many full-length sequences (engine field)")
+    infer.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of device memory for weights + KV")
+    parser.add_argument("--json", dest="json_out", help="also write the full plan to this JSON file")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The model from ``--model`` or from the explicit sizes (which override the checkpoint's)."""
+    explicit = {
+        "num_hidden_layers": args.num_layers, "hidden_size": args.hidden_size, "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads, "vocab_size": args.vocab_size,
+        "intermediate_size": args.intermediate_size, "head_dim": args.head_dim,
+    }
+    if args.model:
+        base = asdict(ModelSpec.from_checkpoint(args.model))
+    else:
+        missing = [k for k in ("num_layers", "hidden_size", "num_heads", "vocab_size", "intermediate_size")
+                   if getattr(args, k) is None]
+        if missing:
+            raise ValueError(f"pass --model or all of: {', '.join('--' + m.replace('_', '-') for m in missing)}")
+        base = {"tie_word_embeddings": args.tie_word_embeddings}
+        explicit["num_key_value_heads"] = args.num_kv_heads or args.num_heads
+    base.update({k: v for k, v in explicit.items() if v is not None})
+    return ModelSpec(**base)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:8.2f}"
+
+
+def format_training(model: ModelSpec, setup: TrainingSetup, entries: list[PlanEntry], top: int) -> str:
+    feasible = [e for e in entries if not e.infeasible]
+    lines = [
+        f"model: {total_params(model):,} parameters, {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
+        f"heads {model.num_attention_heads}/{model.num_key_value_heads} KV, vocab {model.vocab_size}",
+        f"setup: {setup.num_devices} devices x {setup.device_memory_bytes / GIB:.0f} GiB, {setup.precision.value}, "
+        f"seq_len {setup.seq_len}, global batch {setup.global_batch} sequences, {setup.device_tflops:g} TFLOP/s per device",
+        f"{len(feasible)} feasible of {len(entries)} configurations",
+        "",
+        "rank  dp  tp  pp  micro  mbs  zero  ckpt   params    grads    optim  activ.    total  bubble  step_s    tok/s",
+    ]
+    for rank, e in enumerate(feasible[:top], 1):
+        s = e.split
+        lines.append(
+            f"{rank:4d} {s.data:3d} {s.tensor:3d} {s.pipeline:3d} {e.micro_batches:6d} {e.micro_batch_size:4d} "
+            f"{e.zero_stage:5d} {'on' if e.checkpointing else 'off':>5} {_gib(e.params_bytes)} {_gib(e.grads_bytes)} "
+            f"{_gib(e.optimizer_bytes)} {_gib(e.activations_bytes)} {_gib(e.total_bytes)} {e.bubble_fraction:7.1%} "
+            f"{e.step_time_s:7.3f} {e.tokens_per_s:8.0f}"
+        )
+    if feasible:
+        best = feasible[0]
+        lines.append(
+            f"\nbest: dp={best.split.data} tp={best.split.tensor} pp={best.split.pipeline}, {best.micro_batches} micro-batch"
+            f"{'es' if best.micro_batches != 1 else ''} of {best.micro_batch_size}, ZeRO-{best.zero_stage}, checkpointing {'on' if best.checkpointing else 'off'}: "
+            f"shortest step ({best.step_time_s:.3f} s, bubble {best.bubble_fraction:.1%}) with "
+            f"{(setup.device_memory_bytes - best.total_bytes) / GIB:.1f} GiB headroom (memory in GiB per device)"
+        )
+        simulated = simulate_1f1b(best.split.pipeline, best.micro_batches)
+        lines.append(f"1F1B schedule simulation for pp={best.split.pipeline}, m={best.micro_batches}: bubble "
+                     f"{simulated.bubble_fraction:.4f} (closed form (p-1)/(m+p-1) = {best.bubble_fraction:.4f}), "
+                     f"micro-batches held per stage {simulated.max_in_flight}")
+    reasons: dict[str, list[tuple[PlanEntry, str]]] = {}
+    for e in entries:
+        for reason in e.infeasible:
+            reasons.setdefault(reason.split(":")[0], []).append((e, reason))
+    if reasons:
+        lines.append("\ninfeasible (count, constraint, first example):")
+        for group in sorted(reasons.values(), key=len, reverse=True):
+            e, reason = group[0]
+            where = f"dp={e.split.data} tp={e.split.tensor} pp={e.split.pipeline}"
+            if e.micro_batches:
+                where += f" micro={e.micro_batches} zero={e.zero_stage} ckpt={'on' if e.checkpointing else 'off'}"
+            lines.append(f"  {len(group):5d}  {reason}  [{where}]")
+    return "\n".join(lines)
+
+
+def run_training(args: argparse.Namespace, model: ModelSpec) -> dict:
+    setup = TrainingSetup(
+        seq_len=args.seq_len, global_batch=args.global_batch, num_devices=args.devices,
+        device_memory_bytes=int(args.device_memory_gib * GIB), precision=Precision(args.precision),
+        zero_stages=tuple(args.zero_stage or (0, 1, 2, 3)),
+        checkpointing={"off": (False,), "on": (True,), "both": (False, True)}[args.checkpointing],
+        device_tflops=args.device_tflops, sequence_parallel=args.sequence_parallel,
+        fused_attention=args.attention == "fused",
+    )
+    fixed = (args.dp, args.tp, args.pp)
+    splits = None
+    if any(v is not None for v in fixed):
+        if any(v is None for v in fixed):
+            raise ValueError("--dp, --tp and --pp fix a split together; pass all three (or none to search)")
+        splits = [Split(args.dp, args.tp, args.pp)]
+    entries = plan_training(model, setup, splits)
+    print(format_training(model, setup, entries, args.top))
+    return {"model": asdict(model), "setup": {**asdict(setup), "precision": setup.precision.value},
+            "entries": [{**asdict(e), "total_bytes": e.total_bytes} for e in entries]}
+
+
+def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
+    cap = inference_capacity(
+        model, device_memory_bytes=int(args.device_memory_gib * GIB), memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size, max_model_len=args.max_model_len, weight_bytes=DTYPE_BYTES[args.weight_dtype],
+        kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype], tensor_parallel=args.tp or 1, max_num_seqs=args.max_num_seqs,
+    )
+    print(f"model: {total_params(model):,} parameters; KV cache {args.kv_dtype}, block_size {args.block_size}, "
+          f"tensor parallel {args.tp or 1}")
+    print(f"kv_bytes_per_token: {cap.kv_bytes_per_token:,} "
+          f"(2 x {model.num_hidden_layers} layers x {model.num_key_value_heads // (args.tp or 1)} KV heads x "
+          f"{model.dim_head} head_dim x {DTYPE_BYTES[args.kv_dtype]} bytes)")
+    print(f"num_blocks: {cap.num_blocks:,} ({cap.block_bytes:,} bytes each) = {cap.max_tokens:,} tokens")
+    print(f"max concurrent sequences of max_model_len {args.max_model_len}: {cap.max_concurrent_sequences:,} "
+          f"({cap.blocks_per_sequence} blocks each)")
+    return {"model": asdict(model), "capacity": asdict(cap)}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        model = model_from_args(args)
+        result = run_training(args, model) if args.mode == "train" else run_inference(args, model)
+    except ValueError as error:  # CheckpointError is a ValueError too
+        print(f"lmforge plan: error: {error}")
+        return 2
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0

@@ -1,0 +1,587 @@
+"""``lmforge render``: container and Kubernetes files for serving a model on Triton at scale.
+
+    lmforge render --target docker --out build/docker --model-name smollm2_135m
+    lmforge render --target k8s --out build/k8s --model-name smollm2_135m --image REGISTRY/lmforge-triton:0.1.0 \\
+        --replicas 2 --max-replicas 8 --gpus 1 --model-repository s3://bucket/model_repository
+
+The files are built from ``DeployValues`` (every field documented below) so users never hand-edit
+YAML; ``deploy/docker/`` and ``deploy/k8s/{gpu,cpu}/`` in the repository are these files rendered
+with the defaults (a test keeps them in sync). ``render_deploy`` is the function
+``lmforge export --target docker|k8s`` calls.
+
+Kubernetes target (apply with ``kubectl apply -k OUT``): a Triton Deployment (liveness
+``/v2/health/live``, readiness ``/v2/health/ready``, a startup probe that waits out the model
+load, ``nvidia.com/gpu`` in the GPU variant, an in-memory ``/dev/shm`` for the Python backend), a
+Service (HTTP 8000, gRPC 8001, metrics 8002), a HorizontalPodAutoscaler on Triton's queue time
+per request served through prometheus-adapter (its Helm values are rendered too), a
+ServiceMonitor (or PodMonitor) for the Prometheus Operator, Locust master and worker
+Deployments for in-cluster load, and a PVC for the model repository unless it is ``s3://``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"  # NGC 24.10 = Triton 2.51, the server lmforge tests against
+TRITON_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+LOCUST_PORTS = {"web": 8089, "master": 5557}
+#: Triton 2.51 metric families the autoscaling rule reads (checked against a real server's /metrics).
+QUEUE_METRIC = "nv_inference_queue_duration_us"
+SUCCESS_METRIC = "nv_inference_request_success"
+#: Name prometheus-adapter serves the per-pod average queue time per request under (custom.metrics.k8s.io).
+HPA_METRIC = "triton_queue_duration_us_per_request"
+TARGETS = ("docker", "k8s")
+
+
+@dataclass(frozen=True)
+class DeployValues:
+    """Everything the rendered files vary on. Defaults give the committed files.
+
+    Raises:
+        ValueError: an empty name, non-positive replica counts, ``max_replicas < replicas``,
+            negative GPUs, or an unknown ``monitor`` (names the field and the fix).
+    """
+
+    model_name: str = "smollm2_135m"  # Triton model to load (directory name in the model repository)
+    image: str = "lmforge-triton:0.1.0"  # image built from deploy/docker/Dockerfile (Dockerfile.cpu when gpus == 0)
+    name: str = "lmforge-triton"  # name and app label of the Deployment, Service, HPA, monitor
+    namespace: str = "lmforge"
+    replicas: int = 1  # Triton pods at start, and the HPA minimum
+    max_replicas: int = 4  # HPA maximum
+    gpus: int = 1  # nvidia.com/gpu per pod; 0 renders the CPU variant
+    cpu: str = "4"  # CPU request (and limit) per Triton pod
+    memory: str = "16Gi"  # memory request (and limit) per Triton pod
+    shm_size: str = "2Gi"  # /dev/shm for the Python backend's shared-memory tensors
+    model_repository: str = "pvc"  # "pvc" (mounted at /models) or an s3:// URL Triton reads itself
+    pvc_size: str = "20Gi"
+    pvc_access_mode: str = "ReadWriteMany"  # so a loader pod can fill it; Triton pods mount it read-only
+    storage_class: str = ""  # PVC storageClassName; "" = the cluster default
+    s3_secret: str = "lmforge-s3-credentials"  # Secret with AWS_ACCESS_KEY_ID/... for s3:// repositories
+    queue_time_target_us: int = 50_000  # HPA target: average queue time per request, microseconds
+    startup_timeout_s: int = 600  # how long the startup probe waits for the model to load
+    monitor: str = "servicemonitor"  # "servicemonitor" or "podmonitor" (Prometheus Operator)
+    prometheus_release: str = "prometheus"  # `release` label the Prometheus Operator selects monitors by
+    locust_image: str = "lmforge-triton:0.1.0-cpu"  # image with lmforge + Locust for the load generators
+    locust_workers: int = 4
+    locust_users: int = 64  # docker target: users the headless Locust run starts
+    locust_spawn_rate: int = 8
+    locust_run_time: str = "10m"
+
+    def __post_init__(self) -> None:
+        for key in ("model_name", "image", "name", "namespace", "locust_image"):
+            if not getattr(self, key):
+                raise ValueError(f"{key} is empty; pass --{key.replace('_', '-')}")
+        for key in ("replicas", "max_replicas", "locust_workers", "startup_timeout_s", "queue_time_target_us"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)}: must be >= 1")
+        if self.max_replicas < self.replicas:
+            raise ValueError(f"max_replicas={self.max_replicas} < replicas={self.replicas}; raise --max-replicas")
+        if self.gpus < 0:
+            raise ValueError(f"gpus={self.gpus}: must be >= 0 (0 renders the CPU variant)")
+        if self.pvc_access_mode not in ("ReadWriteMany", "ReadOnlyMany", "ReadWriteOnce"):
+            raise ValueError(f"pvc_access_mode={self.pvc_access_mode!r}: use ReadWriteMany, ReadOnlyMany or ReadWriteOnce")
+        if self.monitor not in ("servicemonitor", "podmonitor"):
+            raise ValueError(f"monitor={self.monitor!r}: use 'servicemonitor' or 'podmonitor'")
+        if self.model_repository != "pvc" and not self.model_repository.startswith("s3://"):
+            raise ValueError(f"model_repository={self.model_repository!r}: use 'pvc' or an s3:// URL")
+
+    @property
+    def repository_path(self) -> str:
+        return "/models" if self.model_repository == "pvc" else self.model_repository
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes
+# ---------------------------------------------------------------------------------------------
+
+
+def _labels(v: DeployValues, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": v.name, "app.kubernetes.io/component": component,
+            "app.kubernetes.io/part-of": "lmforge"}
+
+
+def _meta(v: DeployValues, name: str, component: str, **extra_labels: str) -> dict[str, Any]:
+    return {"name": name, "namespace": v.namespace, "labels": {**_labels(v, component), **extra_labels}}
+
+
+def triton_args(v: DeployValues) -> list[str]:
+    """tritonserver flags: the repository, explicit loading of the one model, ports, metrics."""
+    return [
+        f"--model-repository={v.repository_path}",
+        "--model-control-mode=explicit",
+        f"--load-model={v.model_name}",
+        f"--http-port={TRITON_PORTS['http']}",
+        f"--grpc-port={TRITON_PORTS['grpc']}",
+        f"--metrics-port={TRITON_PORTS['metrics']}",
+        "--allow-metrics=true",
+        f"--allow-gpu-metrics={'true' if v.gpus else 'false'}",
+        "--exit-timeout-secs=30",
+    ]
+
+
+def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s, "failureThreshold": failures,
+            "timeoutSeconds": 5}
+
+
+def triton_deployment(v: DeployValues) -> dict[str, Any]:
+    resources: dict[str, Any] = {"requests": {"cpu": v.cpu, "memory": v.memory}, "limits": {"cpu": v.cpu, "memory": v.memory}}
+    if v.gpus:
+        resources["requests"]["nvidia.com/gpu"] = v.gpus
+        resources["limits"]["nvidia.com/gpu"] = v.gpus
+    volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": v.shm_size}}]
+    mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    container: dict[str, Any] = {
+        "name": "tritonserver",
+        "image": v.image,
+        "args": triton_args(v),
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in TRITON_PORTS.items()],
+        "resources": resources,
+        "startupProbe": _probe("/v2/health/ready", 10, -(-v.startup_timeout_s // 10)),
+        "livenessProbe": _probe("/v2/health/live", 10, 3),
+        "readinessProbe": _probe("/v2/health/ready", 5, 3),
+        "volumeMounts": mounts,
+    }
+    if v.model_repository == "pvc":
+        volumes.append({"name": "model-repository", "persistentVolumeClaim": {"claimName": f"{v.name}-models", "readOnly": True}})
+        mounts.append({"name": "model-repository", "mountPath": "/models", "readOnly": True})
+    else:
+        container["envFrom"] = [{"secretRef": {"name": v.s3_secret, "optional": True}}]
+    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes, "terminationGracePeriodSeconds": 60}
+    if v.gpus:
+        pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(v, v.name, "server"),
+        "spec": {
+            "replicas": v.replicas,
+            "selector": {"matchLabels": _labels(v, "server")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {"metadata": {"labels": _labels(v, "server")}, "spec": pod_spec},
+        },
+    }
+
+
+def triton_service(v: DeployValues) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(v, v.name, "server"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": _labels(v, "server"),
+            "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in TRITON_PORTS.items()],
+        },
+    }
+
+
+def model_repository_pvc(v: DeployValues) -> dict[str, Any]:
+    spec: dict[str, Any] = {"accessModes": [v.pvc_access_mode], "resources": {"requests": {"storage": v.pvc_size}}}
+    if v.storage_class:
+        spec["storageClassName"] = v.storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _meta(v, f"{v.name}-models", "server"),
+            "spec": spec}
+
+
+def horizontal_pod_autoscaler(v: DeployValues) -> dict[str, Any]:
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(v, v.name, "server"),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": v.name},
+            "minReplicas": v.replicas,
+            "maxReplicas": v.max_replicas,
+            "metrics": [{
+                "type": "Pods",
+                "pods": {"metric": {"name": HPA_METRIC},
+                         "target": {"type": "AverageValue", "averageValue": str(v.queue_time_target_us)}},
+            }],
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": 60, "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},
+                "scaleDown": {"stabilizationWindowSeconds": 300, "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
+            },
+        },
+    }
+
+
+def adapter_query(v: DeployValues, window: str = "1m") -> str:
+    """PromQL prometheus-adapter runs per pod: queue microseconds per successful request over ``window``.
+
+    ``rate(nv_inference_queue_duration_us) / rate(nv_inference_request_success)``, both counters of
+    Triton 2.51, for the served model only; the denominator is clamped so an idle pod reads 0.
+    """
+    matchers = f'<<.LabelMatchers>>,model="{v.model_name}"'
+    return (f"sum by (<<.GroupBy>>) (rate({QUEUE_METRIC}{{{matchers}}}[{window}])) / "
+            f"clamp_min(sum by (<<.GroupBy>>) (rate({SUCCESS_METRIC}{{{matchers}}}[{window}])), 0.001)")
+
+
+def prometheus_adapter_values(v: DeployValues) -> dict[str, Any]:
+    """Helm values for the prometheus-community/prometheus-adapter chart: one custom metrics rule."""
+    return {
+        "prometheus": {"url": "http://prometheus-operated.monitoring.svc", "port": 9090},
+        "rules": {
+            "default": False,
+            "custom": [{
+                "seriesQuery": f'{QUEUE_METRIC}{{namespace!="",pod!=""}}',
+                "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+                "name": {"matches": f"^{QUEUE_METRIC}$", "as": HPA_METRIC},
+                "metricsQuery": adapter_query(v),
+            }],
+        },
+    }
+
+
+def monitor(v: DeployValues) -> dict[str, Any]:
+    """ServiceMonitor (scrapes the Service's ``metrics`` port) or PodMonitor (the pods' port) for Triton."""
+    endpoint = {"port": "metrics", "path": "/metrics", "interval": "15s"}
+    if v.monitor == "servicemonitor":
+        kind, spec = "ServiceMonitor", {"selector": {"matchLabels": _labels(v, "server")}, "endpoints": [endpoint]}
+    else:
+        kind, spec = "PodMonitor", {"selector": {"matchLabels": _labels(v, "server")}, "podMetricsEndpoints": [endpoint]}
+    spec["namespaceSelector"] = {"matchNames": [v.namespace]}
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": kind,
+            "metadata": _meta(v, v.name, "server", release=v.prometheus_release), "spec": spec}
+
+
+def _locust_container(v: DeployValues, args: list[str], ports: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"name": "locust", "image": v.locust_image, "command": ["locust"], "args": args, "ports": ports,
+            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}}
+
+
+def locust_master(v: DeployValues) -> list[dict[str, Any]]:
+    """Master Deployment (web UI on 8089, workers connect on 5557) and its Service."""
+    name = f"{v.name}-locust-master"
+    args = ["-f", "/opt/lmforge/bench/locustfile.py", "--master", f"--host=http://{v.name}:{TRITON_PORTS['http']}",
+            f"--model={v.model_name}", f"--expect-workers={v.locust_workers}"]
+    ports = [{"name": "web", "containerPort": LOCUST_PORTS["web"]}, {"name": "master", "containerPort": LOCUST_PORTS["master"]}]
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(v, name, "locust-master"),
+        "spec": {"replicas": 1, "selector": {"matchLabels": _labels(v, "locust-master")},
+                 "template": {"metadata": {"labels": _labels(v, "locust-master")},
+                              "spec": {"containers": [_locust_container(v, args, ports)]}}},
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(v, name, "locust-master"),
+        "spec": {"selector": _labels(v, "locust-master"),
+                 "ports": [{"name": n, "port": p, "targetPort": n} for n, p in LOCUST_PORTS.items()]},
+    }
+    return [deployment, service]
+
+
+def locust_workers(v: DeployValues) -> dict[str, Any]:
+    args = ["-f", "/opt/lmforge/bench/locustfile.py", "--worker", f"--master-host={v.name}-locust-master",
+            f"--master-port={LOCUST_PORTS['master']}"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(v, f"{v.name}-locust-worker", "locust-worker"),
+        "spec": {"replicas": v.locust_workers, "selector": {"matchLabels": _labels(v, "locust-worker")},
+                 "template": {"metadata": {"labels": _labels(v, "locust-worker")},
+                              "spec": {"containers": [_locust_container(v, args, [])]}}},
+    }
+
+
+def k8s_documents(v: DeployValues) -> dict[str, list[dict[str, Any]]]:
+    """File name -> Kubernetes objects (``kustomization.yaml`` and the adapter values excluded)."""
+    files = {
+        "deployment.yaml": [triton_deployment(v)],
+        "service.yaml": [triton_service(v)],
+        "hpa.yaml": [horizontal_pod_autoscaler(v)],
+        f"{v.monitor}.yaml": [monitor(v)],
+        "locust.yaml": [*locust_master(v), locust_workers(v)],
+    }
+    if v.model_repository == "pvc":
+        files["model-repository-pvc.yaml"] = [model_repository_pvc(v)]
+    return files
+
+
+def kustomization(v: DeployValues, resources: list[str]) -> dict[str, Any]:
+    return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": v.namespace,
+            "resources": sorted(resources)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Docker
+# ---------------------------------------------------------------------------------------------
+
+DOCKERFILE_GPU = """\
+# lmforge on Triton Inference Server 2.51 (NGC 24.10), GPU.
+# Build from the repository root:  docker build -f deploy/docker/Dockerfile -t {image} .
+# The container's Python is 3.10 and lmforge needs 3.11, so Python 3.11 gets its own venv and the
+# Python backend uses the 3.11 stub that nvidia-pytriton (a lmforge dependency) ships for 2.51
+# (linked, not copied, so its $ORIGIN-relative library path still finds nvidia_pytriton.libs).
+FROM {triton_image}
+
+ARG MODEL_REPOSITORY=model_repository
+ENV DEBIAN_FRONTEND=noninteractive \\
+    PIP_NO_CACHE_DIR=1 \\
+    VIRTUAL_ENV=/opt/lmforge/venv \\
+    PATH=/opt/lmforge/venv/bin:$PATH
+
+RUN apt-get update \\
+ && apt-get install -y --no-install-recommends software-properties-common curl \\
+ && add-apt-repository -y ppa:deadsnakes/ppa \\
+ && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev \\
+ && rm -rf /var/lib/apt/lists/* \\
+ && python3.11 -m venv $VIRTUAL_ENV
+
+WORKDIR /opt/lmforge
+COPY pyproject.toml README.md Makefile ./
+COPY lmforge_cli.py ./
+COPY compress ./compress
+COPY engine ./engine
+COPY deploy ./deploy
+COPY bench ./bench
+RUN pip install --upgrade pip && pip install . \\
+ && STUB=$(python -c "import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parent / 'tritonserver/python_backend_stubs/3.11/triton_python_backend_stub')") \\
+ && ln -sf "$STUB" /opt/tritonserver/backends/python/triton_python_backend_stub
+
+# Baked-in model repository (export first: lmforge export --repo model_repository --copy-weights);
+# mount one over /models instead to serve another.
+COPY ${{MODEL_REPOSITORY}} /models
+
+EXPOSE 8000 8001 8002
+HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
+    CMD curl -fsS http://127.0.0.1:8000/v2/health/ready || exit 1
+ENTRYPOINT ["tritonserver"]
+CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true"]
+"""
+
+#: Build-context exclusions BuildKit reads next to each Dockerfile (the context is the repository root).
+DOCKERIGNORE = """\
+.git
+.venv
+**/__pycache__
+**/*.pyc
+.pytest_cache
+build
+"""
+
+DOCKERFILE_CPU = """\
+# lmforge on Triton Inference Server 2.51, CPU only: the tritonserver that nvidia-pytriton ships
+# (the same build the lmforge tests run), on a slim Python 3.11 image with CPU PyTorch.
+# Build from the repository root:  docker build -f deploy/docker/Dockerfile.cpu -t {image_cpu} .
+FROM python:3.11-slim-bookworm
+
+ARG MODEL_REPOSITORY=model_repository
+ENV PIP_NO_CACHE_DIR=1 \\
+    VIRTUAL_ENV=/opt/lmforge/venv \\
+    PATH=/opt/lmforge/venv/bin:$PATH \\
+    LD_LIBRARY_PATH=/opt/lmforge/venv/lib/python3.11/site-packages/nvidia_pytriton.libs
+
+RUN apt-get update \\
+ && apt-get install -y --no-install-recommends curl libgomp1 \\
+ && rm -rf /var/lib/apt/lists/* \\
+ && python -m venv $VIRTUAL_ENV
+
+WORKDIR /opt/lmforge
+COPY pyproject.toml README.md Makefile ./
+COPY lmforge_cli.py ./
+COPY compress ./compress
+COPY engine ./engine
+COPY deploy ./deploy
+COPY bench ./bench
+RUN pip install --upgrade pip \\
+ && pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \\
+ && pip install . \\
+ && TRITON=/opt/lmforge/venv/lib/python3.11/site-packages/pytriton/tritonserver \\
+ && cp $TRITON/python_backend_stubs/3.11/triton_python_backend_stub $TRITON/backends/python/ \\
+ && ln -s $TRITON/bin/tritonserver /usr/local/bin/tritonserver
+
+COPY ${{MODEL_REPOSITORY}} /models
+
+EXPOSE 8000 8001 8002
+HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
+    CMD curl -fsS http://127.0.0.1:8000/v2/health/ready || exit 1
+ENTRYPOINT ["tritonserver", "--backend-directory=/opt/lmforge/venv/lib/python3.11/site-packages/pytriton/tritonserver/backends"]
+CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true", "--allow-gpu-metrics=false"]
+"""
+
+
+def cpu_image(image: str) -> str:
+    """The CPU image tag next to ``image``: ``lmforge-triton:0.1.0`` -> ``lmforge-triton:0.1.0-cpu``."""
+    return f"{image}-cpu" if ":" in image.rsplit("/", 1)[-1] else f"{image}:cpu"
+
+
+def _triton_service(v: DeployValues, profile: str) -> dict[str, Any]:
+    gpu = profile == "gpu"
+    service: dict[str, Any] = {
+        "profiles": [profile],
+        "build": {"context": "../..", "dockerfile": "deploy/docker/Dockerfile" + ("" if gpu else ".cpu")},
+        "image": v.image if gpu else cpu_image(v.image),
+        "command": triton_args(dataclasses.replace(v, model_repository="pvc", gpus=v.gpus if gpu else 0)),
+        "shm_size": v.shm_size.replace("Gi", "gb"),
+        "ports": [f"127.0.0.1:{p}:{p}" for p in TRITON_PORTS.values()],
+        "volumes": ["${MODEL_REPOSITORY:-../../model_repository}:/models:ro"],
+        "networks": {"default": {"aliases": ["triton"]}},
+        "healthcheck": {"test": ["CMD", "curl", "-fsS", "http://127.0.0.1:8000/v2/health/ready"],
+                        "interval": "10s", "timeout": "5s", "retries": 3, "start_period": f"{v.startup_timeout_s}s"},
+    }
+    if gpu:
+        service["deploy"] = {"resources": {"reservations": {"devices": [
+            {"driver": "nvidia", "count": max(v.gpus, 1), "capabilities": ["gpu"]}]}}}
+    return service
+
+
+def compose(v: DeployValues) -> dict[str, Any]:
+    """compose.yaml: Triton (profiles ``gpu`` / ``cpu``), Prometheus, Locust master + workers."""
+    locust_image = v.locust_image
+    return {
+        "name": "lmforge",
+        "services": {
+            "triton-gpu": _triton_service(v, "gpu"),
+            "triton-cpu": _triton_service(v, "cpu"),
+            "prometheus": {
+                "image": "prom/prometheus:v2.55.1",
+                "command": ["--config.file=/etc/prometheus/prometheus.yml"],
+                "volumes": ["./prometheus.yml:/etc/prometheus/prometheus.yml:ro"],
+                "ports": ["127.0.0.1:9090:9090"],
+            },
+            "locust-master": {
+                "profiles": ["load"],
+                "image": locust_image,
+                "entrypoint": ["locust"],
+                "command": ["-f", "/opt/lmforge/bench/locustfile.py", "--master", "--headless",
+                            f"--users={v.locust_users}", f"--spawn-rate={v.locust_spawn_rate}",
+                            f"--run-time={v.locust_run_time}", f"--expect-workers={v.locust_workers}",
+                            f"--host=http://triton:{TRITON_PORTS['http']}", f"--model={v.model_name}",
+                            "--csv=/results/locust", "--html=/results/locust.html"],
+                "volumes": ["./results:/results"],
+                "ports": [f"127.0.0.1:{LOCUST_PORTS['web']}:{LOCUST_PORTS['web']}"],
+            },
+            "locust-worker": {
+                "profiles": ["load"],
+                "image": locust_image,
+                "entrypoint": ["locust"],
+                "command": ["-f", "/opt/lmforge/bench/locustfile.py", "--worker", "--master-host=locust-master"],
+                "deploy": {"replicas": v.locust_workers},
+                "depends_on": ["locust-master"],
+            },
+        },
+    }
+
+
+def prometheus_config(v: DeployValues) -> dict[str, Any]:
+    return {"global": {"scrape_interval": "5s"},
+            "scrape_configs": [{"job_name": "triton", "metrics_path": "/metrics",
+                                "static_configs": [{"targets": [f"triton:{TRITON_PORTS['metrics']}"]}]}]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+
+#: Directories of this repository that hold files rendered with these targets and values
+#: (regenerate with ``python -m deploy.render``; tests/test_deploy_render.py keeps them in sync).
+COMMITTED: dict[str, tuple[str, dict[str, Any]]] = {
+    "deploy/docker": ("docker", {}),
+    "deploy/k8s/gpu": ("k8s", {}),
+    "deploy/k8s/cpu": ("k8s", {"gpus": 0, "image": "lmforge-triton:0.1.0-cpu", "cpu": "8"}),
+}
+
+HEADER = "# Rendered by `lmforge render`; change values there rather than editing this file.\n"
+
+
+def dump_yaml(documents: list[dict[str, Any]]) -> str:
+    """YAML text of ``documents`` (``---`` separated), keys in the order built."""
+    return HEADER + "---\n".join(yaml.safe_dump(d, sort_keys=False, default_flow_style=False) for d in documents)
+
+
+def render_files(target: str, values: DeployValues) -> dict[str, str]:
+    """File name -> text for ``target`` (``docker`` or ``k8s``).
+
+    Raises:
+        ValueError: unknown target.
+    """
+    if target == "k8s":
+        files = {name: dump_yaml(docs) for name, docs in k8s_documents(values).items()}
+        files["kustomization.yaml"] = dump_yaml([kustomization(values, list(files))])
+        files["prometheus-adapter-values.yaml"] = dump_yaml([prometheus_adapter_values(values)])
+        return files
+    if target == "docker":
+        fields = {"image": values.image, "image_cpu": cpu_image(values.image), "triton_image": TRITON_IMAGE,
+                  "model_name": values.model_name, "startup_timeout_s": values.startup_timeout_s}
+        return {
+            "Dockerfile": DOCKERFILE_GPU.format(**fields),
+            "Dockerfile.cpu": DOCKERFILE_CPU.format(**fields),
+            "compose.yaml": dump_yaml([compose(values)]),
+            "prometheus.yml": dump_yaml([prometheus_config(values)]),
+            "Dockerfile.dockerignore": DOCKERIGNORE,
+            "Dockerfile.cpu.dockerignore": DOCKERIGNORE,
+        }
+    raise ValueError(f"target={target!r}: use one of {TARGETS}")
+
+
+def render_deploy(target: str, out_dir: str | Path, *, values: DeployValues | None = None, **overrides: Any) -> list[Path]:
+    """Write the ``target`` files into ``out_dir`` and return their paths.
+
+    Args:
+        target: ``docker`` (Dockerfiles, compose.yaml, prometheus.yml) or ``k8s`` (manifests,
+            kustomization.yaml, prometheus-adapter Helm values).
+        out_dir: created if missing; files of the same name are replaced.
+        values: a ``DeployValues``; ``overrides`` (its field names: ``model_name``, ``image``,
+            ``replicas``, ``gpus``, ``cpu``, ``memory``, ...) replace fields of it.
+
+    Raises:
+        ValueError: unknown target or field, or an invalid value (names the field).
+    """
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(DeployValues)}
+    if unknown:
+        raise ValueError(f"unknown deploy values {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(DeployValues)]}")
+    values = dataclasses.replace(values or DeployValues(), **overrides)
+    files = render_files(target, values)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in files.items():
+        (out / name).write_text(text)
+        written.append(out / name)
+    return written
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", choices=TARGETS, required=True, help="docker: image + compose; k8s: manifests")
+    parser.add_argument("--out", required=True, help="directory to write the files into")
+    parser.add_argument("--values", help="YAML file of DeployValues fields (flags override it)")
+    for f in dataclasses.fields(DeployValues):
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=None,
+                            help=f"default {f.default!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        base: dict[str, Any] = {}
+        if args.values:
+            base = yaml.safe_load(Path(args.values).read_text()) or {}
+            if not isinstance(base, dict):
+                raise ValueError(f"{args.values}: expected a mapping of DeployValues fields")
+        flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(DeployValues) if getattr(args, f.name) is not None}
+        paths = render_deploy(args.target, args.out, **{**base, **flags})
+    except (ValueError, OSError, yaml.YAMLError) as error:
+        print(f"lmforge render: error: {error}")
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+def render_committed(root: str | Path = ".") -> list[Path]:
+    """Re-render every directory in ``COMMITTED`` under the repository ``root``."""
+    return [path for rel, (target, values) in COMMITTED.items() for path in render_deploy(target, Path(root) / rel, **values)]
+
+
+if __name__ == "__main__":
+    for written in render_committed():
+        print(written)
