@@ -5,7 +5,7 @@ Stages, each printed with its progress and time:
 1. load the checkpoint (default: the embedded SmolLM2-135M-Instruct; ``--smoke``: a tiny random
    Llama);
 2. prepare the dialog data (``compress.data``: chatterbot-corpus English, or ``--data``);
-3. fine-tune a few dozen steps (``compress.finetune``);
+3. fine-tune a few dozen steps (``compress.finetune``, fp32 on CPU, one 96-token row a step);
 4. INT8-quantize the result (``compress.quantize``, method ``dynamic``);
 5. evaluate fp32 vs INT8 (``compress.evaluate``: perplexity on the held-out split, size);
 6. export both into a Triton model repository (``deploy.export``), plus the fp32 model with
@@ -58,10 +58,11 @@ class DemoConfig:
     model: str = DEFAULT_MODEL
     data: list[str] | None = None
     out: str = "reports/demo"
-    finetune_steps: int = 30
-    micro_batch_size: int = 4
-    max_length: int = 128
-    eval_records: int | None = 100
+    finetune_steps: int = 24
+    micro_batch_size: int = 1
+    max_length: int = 96
+    precision: str = "fp32"
+    eval_records: int | None = 32
     loadtest_s: float = 30.0
     users: int = 4
     max_tokens: int = 32
@@ -173,7 +174,7 @@ class Demo:
         config = finetune.FinetuneConfig(
             model=str(self.results["load"]), data=str(self.results["data"]), run_dir=str(self.out / "finetune"),
             max_steps=c.finetune_steps, micro_batch_size=c.micro_batch_size, max_length=c.max_length,
-            eval_every=0, max_val_batches=4, device="cpu", progress=sys.stderr.isatty())
+            eval_every=0, max_val_batches=4, precision=c.precision, device="cpu", progress=sys.stderr.isatty())
         result, final = finetune.FinetuneRecipe(config).run()
         if result.status != "completed" or final is None:
             raise RuntimeError(f"fine-tuning ended with status {result.status}: {result.message}")
@@ -362,6 +363,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--finetune-steps", type=int, default=d.finetune_steps, help="optimizer steps of the fine-tune")
     parser.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     parser.add_argument("--max-length", type=int, default=d.max_length, help="tokens per training row")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default=d.precision,
+                        help="fine-tune precision (fp32 default: CPUs without bf16 units emulate it slowly)")
     parser.add_argument("--eval-records", type=int, default=d.eval_records, help="held-out records scored for perplexity")
     parser.add_argument("--loadtest-s", type=float, default=d.loadtest_s, help="seconds of load per model")
     parser.add_argument("--users", type=int, default=d.users, help="Locust users per fp32/INT8 load test")
@@ -377,7 +380,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         return DemoConfig.smoke_config(args.out if args.out != DemoConfig.out else "reports/demo-smoke",
                                        model=None if args.model == DEFAULT_MODEL else args.model, data=args.data)
     return DemoConfig(model=args.model, data=args.data, out=args.out, finetune_steps=args.finetune_steps,
-                      micro_batch_size=args.micro_batch_size, max_length=args.max_length, eval_records=args.eval_records,
+                      micro_batch_size=args.micro_batch_size, max_length=args.max_length, precision=args.precision, eval_records=args.eval_records,
                       loadtest_s=args.loadtest_s, users=args.users, max_tokens=args.max_tokens,
                       batching_compare=not args.no_batching_compare, batching_users=args.batching_users)
 
