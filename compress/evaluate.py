@@ -1,0 +1,592 @@
+"""``lmforge evaluate A B ...``: compare causal-LM checkpoints of every kind lmforge writes.
+
+Metrics per checkpoint (also merged into its ``lmforge.json`` under ``metrics``):
+
+* ``perplexity``: ``exp`` of the mean next-token negative log-likelihood on held-out records.
+  ``{"messages": [...]}`` records are formatted with the tokenizer's chat template and scored on
+  the assistant replies only (the tokens a chat model is trained to produce, as in fine-tuning);
+  ``{"text": ...}`` records are scored on every token after the first.
+* ``greedy_agreement``: fraction of identical tokens, position by position, between the
+  checkpoint's and the reference's greedy continuations of a fixed prompt set (the reference is
+  ``--reference`` or the first checkpoint listed: put the parent first).
+* ``size_bytes`` (weight files on disk), ``linear_weight_bytes`` (bytes of the transformer
+  blocks' linear-layer weights with their scales), ``num_parameters`` (stored elements).
+* ``decode_ms_per_token``: batch 1, CPU, greedy, with the KV cache:
+  ``(time(1 + n tokens) - time(1 token)) / n``, median over repeats.
+
+Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``dynamic``
+(``compress.int8`` format), ``llm-int8`` (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
+ONNX Runtime through Optimum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from compress.checkpoints import (
+    MANIFEST_NAME,
+    CheckpointError,
+    read_safetensors_header,
+    resolve_checkpoint,
+    update_metrics,
+)
+from compress.int8 import INT8_WEIGHT_SUFFIX
+
+#: Fixed prompts of the greedy-agreement metric (chat-formatted).
+AGREEMENT_PROMPTS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Explain what a neural network is in one sentence.",
+    "Write a short poem about the sea.",
+    "How do I make a cup of tea?",
+    "What is your favourite book and why?",
+    "Tell me a fun fact about space.",
+    "What is 12 times 7?",
+)
+
+
+class EvaluationError(ValueError):
+    """Bad evaluation input (data file, record, option); the message names the file or field."""
+
+
+# --------------------------------------------------------------------------------------------
+# Loading every checkpoint kind
+# --------------------------------------------------------------------------------------------
+
+
+def checkpoint_kind(checkpoint_dir: str | Path) -> str:
+    """``onnx``, ``dynamic``, ``llm-int8`` or ``pytorch``, from the files (not the directory name)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / "model.onnx").is_file():
+        return "onnx"
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    if config.get("quantization_config", {}).get("quant_method") == "bitsandbytes":
+        return "llm-int8"
+    for file in checkpoint_dir.glob("*.safetensors"):
+        if any(name.endswith(INT8_WEIGHT_SUFFIX) for name in read_safetensors_header(file)):
+            return "dynamic"
+    return "pytorch"
+
+
+def _load_pytorch(path: Path, num_threads: int | None = None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _load_dynamic(path: Path, num_threads: int | None = None):
+    from compress.quantize import load_dynamic_int8_model
+
+    return load_dynamic_int8_model(path)
+
+
+def _load_llm_int8(path: Path, num_threads: int | None = None):
+    from compress.quantize import load_llm_int8_model
+
+    return load_llm_int8_model(path, device="cpu")
+
+
+def _load_onnx(path: Path, num_threads: int | None = None):
+    import onnxruntime
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    options = onnxruntime.SessionOptions()
+    if num_threads:
+        options.intra_op_num_threads = num_threads
+        options.inter_op_num_threads = 1
+    return ORTModelForCausalLM.from_pretrained(path, session_options=options)
+
+
+#: checkpoint kind -> loader ``(path, num_threads) -> model`` (CPU).
+LOADERS: dict[str, Callable[[Path, int | None], Any]] = {
+    "pytorch": _load_pytorch,
+    "dynamic": _load_dynamic,
+    "llm-int8": _load_llm_int8,
+    "onnx": _load_onnx,
+}
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    """A checkpoint ready to run: ``model(input_ids=[1, T]).logits -> [1, T, vocab]``, ``model.generate``."""
+
+    path: Path
+    kind: str
+    model: Any
+    tokenizer: Any
+
+
+def load_for_eval(spec: str | Path, *, num_threads: int | None = None) -> LoadedCheckpoint:
+    """Load a causal-LM checkpoint of any kind for evaluation (CPU).
+
+    Args:
+        spec: checkpoint name or directory.
+        num_threads: CPU threads (``torch.set_num_threads`` for PyTorch kinds, process-wide;
+            ONNX Runtime intra-op threads); ``None`` keeps the libraries' defaults.
+
+    Raises:
+        CheckpointError: missing/corrupt checkpoint or a non-causal model (names the file).
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_checkpoint(spec)
+    kind = checkpoint_kind(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if num_threads:
+        import torch
+
+        torch.set_num_threads(num_threads)
+    return LoadedCheckpoint(path, kind, LOADERS[kind](path, num_threads), tokenizer)
+
+
+# --------------------------------------------------------------------------------------------
+# Held-out data
+# --------------------------------------------------------------------------------------------
+
+
+def _validate_record(obj: Any, where: str) -> dict[str, Any]:
+    if not isinstance(obj, dict) or not ("messages" in obj or "text" in obj):
+        raise EvaluationError(f"{where}: a record must be a JSON object with 'messages' or 'text'")
+    if "text" in obj:
+        if not isinstance(obj["text"], str) or not obj["text"]:
+            raise EvaluationError(f"{where}: 'text' must be a non-empty string")
+        return {"text": obj["text"]}
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise EvaluationError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
+            raise EvaluationError(f"{where}: messages[{k}] must be {{'role': system|user|assistant, 'content': string}}")
+    return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a JSONL file (``val.jsonl`` of ``lmforge data``).
+
+    Raises:
+        EvaluationError: missing file, bad JSON or record (names file:line), or no records.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise EvaluationError(f"--data {path}: file not found; pass a val.jsonl written by `lmforge data`")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise EvaluationError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from exc
+            records.append(_validate_record(obj, f"{path}:{line_no}"))
+    if not records:
+        raise EvaluationError(f"{path}: no records")
+    return records
+
+
+def _chatterbot_heldout(every: int = 20) -> list[dict[str, Any]]:
+    """Every ``every``-th English chatterbot-corpus dialog (deterministic), read with pyyaml."""
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.find_spec("chatterbot_corpus")
+    if spec is None or not spec.submodule_search_locations:
+        raise EvaluationError("default data needs chatterbot-corpus (`pip install --no-deps chatterbot-corpus==1.3.3`), or pass --data val.jsonl")
+    root = Path(list(spec.submodule_search_locations)[0]) / "data" / "english"
+    dialogs = []
+    for file in sorted(root.glob("*.yml")):
+        for conversation in (yaml.safe_load(file.read_text(encoding="utf-8")) or {}).get("conversations", []):
+            if isinstance(conversation, list) and len(conversation) >= 2 and all(isinstance(t, str) for t in conversation):
+                dialogs.append({"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(conversation)]})
+    return dialogs[::every]
+
+
+def default_heldout_records() -> tuple[list[dict[str, Any]], str]:
+    """The held-out English chatterbot-corpus dialogs and a description of where they came from.
+
+    Uses the validation split of ``compress.data`` (deduplicated and filtered with the training
+    split) when that module is installed, else every 20th dialog of the corpus.
+    """
+    import tempfile
+
+    try:
+        from compress.data import DataConfig, prepare
+    except ImportError:
+        return _chatterbot_heldout(), "chatterbot:english (every 20th dialog)"
+    with tempfile.TemporaryDirectory(prefix="lmforge-eval-data-") as tmp:
+        prepare(DataConfig(), tmp, verbose=False)
+        return read_records(Path(tmp) / "val.jsonl"), "chatterbot:english (lmforge data validation split)"
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+
+
+def encode_record(tokenizer, record: dict[str, Any], *, max_length: int = 512) -> tuple[list[int], list[bool]]:
+    """Token ids of a record and which of them are scored.
+
+    Returns:
+        ``(ids, scored)``, both of length ``T <= max_length``; ``scored[t]`` says whether token
+        ``t`` counts in the perplexity (assistant reply tokens of a chat, every token of a text;
+        token 0 is never scored: nothing predicts it).
+
+    Raises:
+        EvaluationError: a ``messages`` record with a tokenizer that has no chat template.
+    """
+    if "text" in record:
+        ids = tokenizer(record["text"], truncation=True, max_length=max_length)["input_ids"]
+        return ids, [False] + [True] * (len(ids) - 1)
+    if not getattr(tokenizer, "chat_template", None):
+        raise EvaluationError("records with 'messages' need a tokenizer with a chat template (tokenizer_config.json: chat_template); use {'text'} records")
+    messages = record["messages"]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []  # character ranges of the assistant replies (with their end-of-turn marker)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0
+        end = len(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
+        spans.append((start, end))
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_length)
+    scored = [any(s <= begin < e for s, e in spans) for begin, _ in encoding["offset_mapping"]]
+    if scored:
+        scored[0] = False
+    return encoding["input_ids"], scored
+
+
+def _logits(model, ids: list[int]):
+    import torch
+
+    input_ids = torch.tensor([ids], dtype=torch.long)  # [1, T]
+    with torch.no_grad():
+        return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits.float()  # [1, T, vocab]
+
+
+def perplexity(model, tokenizer, records: Sequence[dict[str, Any]], *, max_length: int = 512) -> tuple[float, int]:
+    """Perplexity of ``model`` on ``records`` (token-weighted over all scored tokens).
+
+    Returns:
+        ``(perplexity, num_scored_tokens)``.
+
+    Raises:
+        EvaluationError: no record has a scored token.
+    """
+    import torch
+
+    total_nll, count = 0.0, 0
+    for record in records:
+        ids, scored = encode_record(tokenizer, record, max_length=max_length)
+        if not any(scored):
+            continue
+        logprobs = torch.log_softmax(_logits(model, ids)[0, :-1], dim=-1)  # [T-1, vocab]: position t predicts t+1
+        targets = torch.tensor(ids[1:])
+        mask = torch.tensor(scored[1:])
+        nll = -logprobs.gather(1, targets[:, None])[:, 0]  # [T-1]
+        total_nll += float(nll[mask].sum())
+        count += int(mask.sum())
+    if count == 0:
+        raise EvaluationError("no scored tokens in the evaluation data (every record is empty or has no assistant reply)")
+    return math.exp(total_nll / count), count
+
+
+def _prompt_ids(tokenizer, prompt: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True)
+    return tokenizer(prompt)["input_ids"]
+
+
+def greedy_tokens(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 32) -> list[list[int]]:
+    """Greedy continuations (new token ids only, up to EOS) of each prompt, batch 1."""
+    import torch
+
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([_prompt_ids(tokenizer, prompt)])  # [1, T]
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=tokenizer.eos_token_id,
+        )
+        outputs.append(out[0, ids.shape[1]:].tolist())
+    return outputs
+
+
+def agreement(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]) -> float:
+    """Fraction of positions where two lists of token sequences hold the same token.
+
+    Each pair is compared position by position over the longer of the two (a missing
+    position counts as a mismatch).
+    """
+    same, total = 0, 0
+    for a, b in zip(reference, candidate, strict=True):
+        same += sum(x == y for x, y in zip(a, b))
+        total += max(len(a), len(b))
+    return same / total if total else 1.0
+
+
+def decode_ms_per_token(model, tokenizer, *, new_tokens: int = 32, repeats: int = 3, prompt: str = AGREEMENT_PROMPTS[0]) -> float:
+    """Decode latency (ms per token, batch 1) with the KV cache, prefill subtracted.
+
+    Measures ``generate`` of 1 token and of ``1 + new_tokens`` tokens (EOS suppressed with
+    ``min_new_tokens``); returns the median over ``repeats`` of the difference / ``new_tokens``.
+    """
+    import torch
+
+    ids = torch.tensor([_prompt_ids(tokenizer, prompt)])  # [1, T]
+    mask = torch.ones_like(ids)
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up (allocations, ONNX Runtime first-run optimizations)
+    samples = [(timed(1 + new_tokens) - timed(1)) / new_tokens * 1000 for _ in range(repeats)]
+    return statistics.median(samples)
+
+
+def _onnx_linear_weight_bytes(model_path: Path, vocab_size: int | None) -> int:
+    import onnx
+    from onnx import helper
+
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    inits = {t.name: t for t in graph.initializer}
+    bases = set()
+    for node in graph.node:
+        if node.op_type in ("MatMul", "MatMulInteger") and len(node.input) > 1 and node.input[1] in inits:
+            weight = inits[node.input[1]]
+            if len(weight.dims) == 2 and vocab_size not in weight.dims:
+                bases.add(node.input[1].removesuffix("_quantized"))
+    total = 0
+    for base in bases:
+        for name in (base, base + "_quantized", base + "_scale", base + "_zero_point"):
+            if name in inits:
+                t = inits[name]
+                total += math.prod(t.dims) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return total
+
+
+_SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I64": 8, "I32": 4, "F64": 8, "BOOL": 1}
+
+
+def linear_weight_bytes(checkpoint_dir: str | Path) -> int:
+    """Bytes of the transformer blocks' linear-layer weights (and their INT8 scales).
+
+    Counts every tensor of a ``model.layers.*`` linear layer's weight (``weight``,
+    ``weight_int8``, ``weight_scale``, bitsandbytes ``SCB`` / ``weight_format``); for ONNX, the
+    2-D ``MatMul`` / ``MatMulInteger`` weight initializers (without the vocabulary projection)
+    with their scales and zero points. Biases, norms and embeddings are excluded.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    if (checkpoint_dir / "model.onnx").is_file():
+        return _onnx_linear_weight_bytes(checkpoint_dir / "model.onnx", config.get("vocab_size"))
+    suffixes = (".weight", INT8_WEIGHT_SUFFIX, ".weight_scale", ".SCB", ".weight_format")
+    total = 0
+    for file in checkpoint_dir.glob("*.safetensors"):
+        for name, info in read_safetensors_header(file).items():
+            if name == "__metadata__" or ".layers." not in name or not name.endswith(suffixes):
+                continue
+            if name.endswith(".weight") and len(info["shape"]) != 2:
+                continue  # norm weights are 1-D
+            total += math.prod(info["shape"]) * _SAFETENSORS_ITEMSIZE.get(info["dtype"], 4)
+    return total
+
+
+def checkpoint_size(checkpoint_dir: Path) -> tuple[int, int]:
+    """``(size_bytes, num_parameters)`` of the weight files (safetensors and ONNX)."""
+    from compress.checkpoints import describe_weights
+
+    num_parameters, size_bytes, _ = describe_weights(checkpoint_dir)
+    if (checkpoint_dir / "model.onnx").is_file():
+        from compress.onnx import onnx_num_parameters
+
+        num_parameters = onnx_num_parameters(checkpoint_dir / "model.onnx")
+    return size_bytes, num_parameters
+
+
+# --------------------------------------------------------------------------------------------
+# The comparison
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Settings of ``lmforge evaluate`` (recorded with the metrics).
+
+    Attributes:
+        max_records: held-out records scored (the first ones), ``None`` for all.
+        max_length: tokens per record (longer records are truncated).
+        agreement_tokens: greedy tokens generated per agreement prompt.
+        latency_tokens: decode tokens timed per repeat; latency_repeats: repeats (median).
+        measure_latency: skip the latency measurement when False.
+        num_threads: CPU threads for every checkpoint (``None``: library defaults). On a busy
+            machine 1 thread gives the steadiest latency ratios.
+    """
+
+    max_records: int | None = 200
+    max_length: int = 512
+    agreement_tokens: int = 32
+    latency_tokens: int = 32
+    latency_repeats: int = 3
+    measure_latency: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_length", "agreement_tokens", "latency_tokens", "latency_repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads}: must be >= 1 (or None for the library default)")
+        if self.max_records is not None and self.max_records < 1:
+            raise ValueError(f"max_records={self.max_records}: must be >= 1 (or None for all)")
+
+
+def evaluate_checkpoint(
+    loaded: LoadedCheckpoint,
+    records: Sequence[dict[str, Any]],
+    reference_tokens: Sequence[Sequence[int]],
+    config: EvalConfig,
+) -> dict[str, Any]:
+    """All metrics of one loaded checkpoint (see the module docstring)."""
+    ppl, tokens = perplexity(loaded.model, loaded.tokenizer, records, max_length=config.max_length)
+    generated = greedy_tokens(loaded.model, loaded.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens)
+    size_bytes, num_parameters = checkpoint_size(loaded.path)
+    metrics = {
+        "kind": loaded.kind,
+        "perplexity": round(ppl, 4),
+        "perplexity_tokens": tokens,
+        "greedy_agreement": round(agreement(reference_tokens, generated), 4),
+        "size_bytes": size_bytes,
+        "linear_weight_bytes": linear_weight_bytes(loaded.path),
+        "num_parameters": num_parameters,
+    }
+    if config.measure_latency:
+        metrics["decode_ms_per_token"] = round(
+            decode_ms_per_token(loaded.model, loaded.tokenizer, new_tokens=config.latency_tokens, repeats=config.latency_repeats), 3
+        )
+    return metrics
+
+
+def evaluate(
+    checkpoints: Sequence[str | Path],
+    *,
+    records: Sequence[dict[str, Any]] | None = None,
+    data_name: str | None = None,
+    reference: str | Path | None = None,
+    config: EvalConfig | None = None,
+    write: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict[str, Any]]:
+    """Evaluate checkpoints against a reference and (optionally) write metrics into their manifests.
+
+    Args:
+        checkpoints: checkpoint specs (names, directories); each is loaded, measured, released.
+        records: held-out records; default ``default_heldout_records()``.
+        data_name: how the data is described in the metrics.
+        reference: model whose greedy outputs define agreement; default ``checkpoints[0]``.
+        config: ``EvalConfig``.
+        write: merge the metrics into each checkpoint's ``lmforge.json`` (when it has one).
+
+    Returns:
+        ``{str(resolved path): metrics}`` in the order given.
+
+    Raises:
+        CheckpointError: a missing, corrupt or non-causal checkpoint (checked for all before any
+            is loaded, so a typo in the last one fails at once).
+        EvaluationError: bad data.
+    """
+    config = config or EvalConfig()
+    if not checkpoints:
+        raise EvaluationError("checkpoints: pass at least one checkpoint to evaluate")
+    paths = [resolve_checkpoint(c) for c in checkpoints]
+    reference_path = resolve_checkpoint(reference) if reference is not None else paths[0]
+    if records is None:
+        records, data_name = default_heldout_records()
+    records = list(records)[: config.max_records]
+    loaded_reference = load_for_eval(reference_path, num_threads=config.num_threads)
+    reference_tokens = greedy_tokens(loaded_reference.model, loaded_reference.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens)
+    del loaded_reference
+    results: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        log(f"evaluating {path} ...")
+        loaded = load_for_eval(path, num_threads=config.num_threads)
+        metrics = evaluate_checkpoint(loaded, records, reference_tokens, config)
+        del loaded
+        metrics.update({
+            "reference": str(reference_path), "eval_data": data_name or "records", "eval_records": len(records),
+            "num_threads": config.num_threads,
+        })
+        results[str(path)] = metrics
+        if write and (path / MANIFEST_NAME).is_file() and os.access(path / MANIFEST_NAME, os.W_OK):
+            update_metrics(path, metrics)
+    return results
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    """A comparison table; ratios are against the first row."""
+    rows = list(results.items())
+    if not rows:
+        return ""
+    base = rows[0][1]
+    header = f"{'checkpoint':<28} {'kind':<9} {'size MiB':>9} {'linear MiB':>10} {'params':>12} {'ppl':>9} {'Δppl':>8} {'agree':>6} {'ms/tok':>8} {'speed':>6}"
+    lines = [header, "-" * len(header)]
+    for path, m in rows:
+        name = Path(path).name[-28:]
+        dppl = (m["perplexity"] / base["perplexity"] - 1) * 100
+        ms = m.get("decode_ms_per_token")
+        speed = f"{base['decode_ms_per_token'] / ms:.2f}x" if ms and base.get("decode_ms_per_token") else "-"
+        lines.append(
+            f"{name:<28} {m['kind']:<9} {m['size_bytes'] / 2**20:>9.1f} {m['linear_weight_bytes'] / 2**20:>10.1f} "
+            f"{m['num_parameters']:>12,} {m['perplexity']:>9.3f} {dppl:>+7.2f}% {m['greedy_agreement']:>6.3f} "
+            f"{(f'{ms:.2f}' if ms else '-'):>8} {speed:>6}"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# ``lmforge evaluate``
+# --------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = EvalConfig()
+    parser.add_argument("checkpoints", nargs="+", metavar="CKPT", help="checkpoints to compare (put the parent first)")
+    parser.add_argument("--data", default=None, help="held-out JSONL ({'messages'} or {'text'} records); default: held-out chatterbot-corpus English dialogs")
+    parser.add_argument("--reference", default=None, help="model whose greedy outputs define agreement (default: the first checkpoint)")
+    parser.add_argument("--max-records", type=int, default=d.max_records, help=f"records scored (default {d.max_records})")
+    parser.add_argument("--max-length", type=int, default=d.max_length, help=f"tokens per record (default {d.max_length})")
+    parser.add_argument("--agreement-tokens", type=int, default=d.agreement_tokens, help=f"greedy tokens per prompt (default {d.agreement_tokens})")
+    parser.add_argument("--latency-tokens", type=int, default=d.latency_tokens, help=f"decode tokens timed (default {d.latency_tokens})")
+    parser.add_argument("--no-latency", action="store_true", help="skip the decode latency measurement")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for every checkpoint (default: library defaults)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--no-write", action="store_true", help="do not write metrics into the manifests")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = EvalConfig(
+            max_records=args.max_records, max_length=args.max_length, agreement_tokens=args.agreement_tokens,
+            latency_tokens=args.latency_tokens, measure_latency=not args.no_latency, num_threads=args.threads,
+        )
+        records = read_records(args.data) if args.data else None
+        results = evaluate(args.checkpoints, records=records, data_name=args.data, reference=args.reference, config=config, write=not args.no_write)
+    except (CheckpointError, EvaluationError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 1
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0

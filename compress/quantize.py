@@ -1,0 +1,510 @@
+"""``lmforge quantize``: INT8 checkpoints from a floating-point causal LM.
+
+Three methods, each a config dataclass (recorded in the manifest's ``config``) and a quantizer
+object with two steps, in the manner of torchao / gpt-fast: ``quantize`` makes the quantized
+weights and writes a checkpoint directory; ``load`` converts a saved checkpoint into a model
+that runs them.
+
+* ``dynamic`` (``DynamicInt8Config``): symmetric per-output-channel INT8 weights for every
+  ``nn.Linear`` outside ``skip_modules`` (lm_head by default; embeddings are not linear layers),
+  stored in the format of ``compress.int8`` and run with PyTorch dynamic quantization
+  (``torch.ao.nn.quantized.dynamic.Linear``, activations quantized per tensor at run time).
+* ``llm-int8`` (``LlmInt8Config``): bitsandbytes LLM.int8() (Dettmers et al. 2022, "LLM.int8():
+  8-bit Matrix Multiplication for Transformers at Scale"): row-wise INT8 weights, and input
+  columns with an outlier above ``threshold`` computed in 16-bit. Loaded through
+  ``transformers`` ``BitsAndBytesConfig(load_in_8bit=True)``; runs on CPU (bitsandbytes >= 0.48)
+  and CUDA.
+* ``onnx-int8`` (``OnnxInt8MethodConfig``): Optimum ONNX export with the KV cache, then ONNX
+  Runtime dynamic INT8 (``compress.onnx``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from compress.checkpoints import (
+    MANIFEST_NAME,
+    CheckpointError,
+    Manifest,
+    describe_weights,
+    read_manifest,
+    resolve_checkpoint,
+    write_manifest,
+)
+from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+# --------------------------------------------------------------------------------------------
+# Configs (one per method)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_skip_modules(skip_modules: tuple[str, ...]) -> None:
+    if isinstance(skip_modules, str) or not all(isinstance(s, str) and s for s in skip_modules):
+        raise ValueError(f"skip_modules={skip_modules!r}: must be a tuple of non-empty module names, e.g. ('lm_head',)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicInt8Config:
+    """``dynamic``: per-channel symmetric INT8 weights, dynamic per-tensor INT8 activations.
+
+    Attributes:
+        skip_modules: linear layers kept in floating point: a module is skipped when its
+            qualified name equals an entry or ends with ``.`` + entry (``lm_head`` skips the
+            output projection; ``mlp.down_proj`` would skip every layer's down projection).
+    """
+
+    skip_modules: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self) -> None:
+        _check_skip_modules(self.skip_modules)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlmInt8Config:
+    """``llm-int8``: bitsandbytes ``Linear8bitLt`` with mixed-precision outlier decomposition.
+
+    Attributes:
+        threshold: activation magnitude above which an input column is an outlier computed in
+            16-bit (the paper's 6.0).
+        skip_modules: modules kept in floating point (``llm_int8_skip_modules``).
+        device: ``cpu`` or ``cuda`` (``cuda:N``): where the model is quantized and run.
+    """
+
+    threshold: float = 6.0
+    skip_modules: tuple[str, ...] = ("lm_head",)
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _check_skip_modules(self.skip_modules)
+        if not self.threshold > 0:
+            raise ValueError(f"threshold={self.threshold}: must be > 0 (6.0 in the LLM.int8() paper)")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device={self.device!r}: use 'cpu' or 'cuda' ('cuda:N')")
+
+
+@dataclasses.dataclass(frozen=True)
+class OnnxInt8MethodConfig:
+    """``onnx-int8``: Optimum export task + ONNX Runtime dynamic quantization settings.
+
+    Attributes:
+        task: export task (``text-generation-with-past`` for causal LMs).
+        weight_type / per_channel / reduce_range / op_types_to_quantize / nodes_to_exclude:
+            see ``compress.onnx.OnnxInt8Config``.
+    """
+
+    task: str = "text-generation-with-past"
+    weight_type: str = "QInt8"
+    per_channel: bool = True
+    reduce_range: bool = False
+    op_types_to_quantize: tuple[str, ...] = ("MatMul", "Gather")
+    nodes_to_exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from compress.onnx import OnnxExportConfig
+
+        OnnxExportConfig(task=self.task)
+        self.ort_config()
+
+    def ort_config(self):
+        from compress.onnx import OnnxInt8Config
+
+        return OnnxInt8Config(
+            weight_type=self.weight_type,
+            per_channel=self.per_channel,
+            reduce_range=self.reduce_range,
+            op_types_to_quantize=tuple(self.op_types_to_quantize),
+            nodes_to_exclude=tuple(self.nodes_to_exclude),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def is_skipped(name: str, skip_modules: tuple[str, ...]) -> bool:
+    """Whether module ``name`` matches an entry of ``skip_modules`` (whole name or dotted suffix)."""
+    return any(name == s or name.endswith("." + s) for s in skip_modules)
+
+
+def _require_causal_lm(checkpoint: str | Path, method: str) -> Path:
+    try:
+        return resolve_checkpoint(checkpoint)
+    except CheckpointError as exc:
+        if "unsupported architecture" in str(exc):
+            raise CheckpointError(f"--model: method {method!r} needs a causal LM; {exc}") from exc
+        raise
+
+
+def _copy_side_files(source_dir: Path, target_dir: Path) -> None:
+    """Copy config, generation config and tokenizer files (everything but weights and manifest)."""
+    for file in source_dir.iterdir():
+        if not file.is_file() or file.name == MANIFEST_NAME or file.suffix in (".safetensors", ".bin", ".onnx", ".gguf"):
+            continue
+        if file.name.endswith(".safetensors.index.json"):
+            continue
+        shutil.copy2(file, target_dir / file.name)
+
+
+def _finish(tmp: Path, output_dir: Path, *, source_dir: Path, method: str, config: dict[str, Any]) -> Path:
+    source_manifest = read_manifest(source_dir) if (source_dir / MANIFEST_NAME).is_file() else None
+    num_parameters, size_bytes, dtype = describe_weights(tmp)
+    write_manifest(
+        tmp,
+        Manifest(
+            source=source_manifest.source if source_manifest else str(source_dir),
+            parent=str(source_dir),
+            method=method,
+            config=config,
+            dtype="int8" if method != "llm-int8" or dtype in ("int8", "float32") else dtype,
+            num_parameters=num_parameters,
+            size_bytes=size_bytes,
+        ),
+    )
+    if output_dir.exists():
+        shutil.rmtree(output_dir)
+    os.replace(tmp, output_dir)
+    return output_dir
+
+
+def _temp_sibling(output_dir: Path) -> Path:
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
+
+
+# --------------------------------------------------------------------------------------------
+# Quantizers
+# --------------------------------------------------------------------------------------------
+
+
+class Quantizer(Protocol):
+    """A quantization method: ``quantize`` writes a checkpoint, ``load`` runs one."""
+
+    method: ClassVar[str]
+
+    def quantize(self, checkpoint: str | Path, output_dir: str | Path) -> Path: ...
+
+    def load(self, checkpoint_dir: str | Path): ...
+
+
+@dataclasses.dataclass
+class DynamicInt8Quantizer:
+    """``dynamic``: PyTorch dynamic INT8 with per-channel weights (format of ``compress.int8``)."""
+
+    config: DynamicInt8Config = dataclasses.field(default_factory=DynamicInt8Config)
+    method: ClassVar[str] = "dynamic"
+
+    def quantized_state_dict(self, model) -> dict[str, Any]:
+        """Step 1: the checkpoint's tensors with selected linear weights in INT8.
+
+        Each selected ``nn.Linear`` ``X`` contributes ``X.weight_int8`` (int8 ``[out, in]``) and
+        ``X.weight_scale`` (float32 ``[out]``) instead of ``X.weight``; everything else stays
+        float32. Tensors shared by several names (tied embeddings) are stored once.
+        """
+        import torch
+        from torch import nn
+
+        from compress.int8 import quantize_weight_per_channel
+
+        quantized = {name for name, module in model.named_modules() if isinstance(module, nn.Linear) and not is_skipped(name, self.config.skip_modules)}
+        state: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for key, tensor in model.state_dict().items():
+            module_name, _, leaf = key.rpartition(".")
+            if module_name in quantized and leaf == "weight":
+                weight_int8, scale = quantize_weight_per_channel(tensor)
+                state[module_name + INT8_WEIGHT_SUFFIX] = weight_int8.contiguous()
+                state[module_name + INT8_SCALE_SUFFIX] = scale.contiguous()
+                continue
+            if tensor.data_ptr() in seen:  # tied to a tensor already stored
+                continue
+            seen.add(tensor.data_ptr())
+            state[key] = tensor.detach().float().contiguous() if tensor.is_floating_point() else tensor.contiguous()
+        if not quantized:
+            raise ValueError(f"skip_modules={self.config.skip_modules!r} leaves no linear layer to quantize")
+        return state
+
+    def quantize(self, checkpoint: str | Path, output_dir: str | Path) -> Path:
+        """Quantize ``checkpoint`` into ``output_dir`` (``model.safetensors`` + config + tokenizer + manifest).
+
+        Raises:
+            CheckpointError: missing/corrupt checkpoint or a non-causal model (names the file).
+        """
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
+        source_dir = _require_causal_lm(checkpoint, self.method)
+        model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32)
+        state = self.quantized_state_dict(model)
+        output_dir = Path(output_dir)
+        tmp = _temp_sibling(output_dir)
+        try:
+            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "lmforge_method": self.method})
+            _copy_side_files(source_dir, tmp)
+            return _finish(tmp, output_dir, source_dir=source_dir, method=self.method, config=dataclasses.asdict(self.config))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def load(self, checkpoint_dir: str | Path):
+        return load_dynamic_int8_model(checkpoint_dir)
+
+
+def load_dynamic_int8_model(checkpoint_dir: str | Path):
+    """Step 2 of ``dynamic``: build the ``transformers`` model and swap in INT8 linear layers.
+
+    Every ``X.weight_int8`` / ``X.weight_scale`` pair becomes a
+    ``compress.int8.dynamic_int8_linear`` at module ``X`` (CPU only); all other tensors are
+    loaded as stored.
+
+    Returns:
+        The causal LM in eval mode (``forward`` and ``generate`` as usual, float32 logits).
+
+    Raises:
+        CheckpointError: missing files, a scale without its weight (or the reverse), or
+            tensors the model does not have / lacks (names the file and the tensors).
+    """
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_utils import no_init_weights
+
+    from compress.int8 import dynamic_int8_linear
+
+    checkpoint_dir = Path(checkpoint_dir)
+    weights = checkpoint_dir / WEIGHTS_NAME
+    resolve_checkpoint(checkpoint_dir)  # checks config.json, architecture and safetensors headers
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: missing; a dynamic INT8 checkpoint stores its weights there")
+    state = load_file(str(weights))
+    config = AutoConfig.from_pretrained(checkpoint_dir)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    prefixes = sorted(k[: -len(INT8_WEIGHT_SUFFIX)] for k in state if k.endswith(INT8_WEIGHT_SUFFIX))
+    if not prefixes:
+        raise CheckpointError(f"{weights}: no '*{INT8_WEIGHT_SUFFIX}' tensors; not a dynamic INT8 checkpoint (lmforge quantize --method dynamic)")
+    int8_layers = {}
+    for prefix in prefixes:
+        scale_key = prefix + INT8_SCALE_SUFFIX
+        if scale_key not in state:
+            raise CheckpointError(f"{weights}: {prefix + INT8_WEIGHT_SUFFIX} has no {scale_key}; re-create the checkpoint")
+        int8_layers[prefix] = (state.pop(prefix + INT8_WEIGHT_SUFFIX), state.pop(scale_key), state.pop(prefix + ".bias", None))
+    stray = [k for k in state if k.endswith(INT8_SCALE_SUFFIX)]
+    if stray:
+        raise CheckpointError(f"{weights}: scales without INT8 weights: {stray[:3]}; re-create the checkpoint")
+    # Float tensors first (the quantized modules have a state-dict layout of their own).
+    result = model.load_state_dict(state, strict=False)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    expected_missing = {p + ".weight" for p in int8_layers} | {p + ".bias" for p in int8_layers}  # set on the INT8 module
+    if getattr(config, "tie_word_embeddings", False):
+        expected_missing.add("lm_head.weight")
+    missing = [k for k in result.missing_keys if k not in expected_missing]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{weights}: tensors do not match config.json: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+    for prefix, (weight_int8, scale, bias) in int8_layers.items():
+        try:
+            model.get_submodule(prefix)
+        except AttributeError as exc:
+            raise CheckpointError(f"{weights}: tensor {prefix + INT8_WEIGHT_SUFFIX} names no module of {config.model_type}; the file does not match config.json") from exc
+        model.set_submodule(prefix, dynamic_int8_linear(weight_int8, scale, bias))
+    return model.eval()
+
+
+@dataclasses.dataclass
+class LlmInt8Quantizer:
+    """``llm-int8``: bitsandbytes ``Linear8bitLt`` via ``transformers`` ``BitsAndBytesConfig``."""
+
+    config: LlmInt8Config = dataclasses.field(default_factory=LlmInt8Config)
+    method: ClassVar[str] = "llm-int8"
+
+    def bnb_config(self):
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(
+            load_in_8bit=True,
+            llm_int8_threshold=self.config.threshold,
+            llm_int8_skip_modules=list(self.config.skip_modules),
+        )
+
+    def quantize(self, checkpoint: str | Path, output_dir: str | Path) -> Path:
+        """Load with ``load_in_8bit`` (weights quantized row-wise as they load) and save.
+
+        The saved ``model.safetensors`` holds ``X.weight`` (int8), ``X.SCB`` (float32 row
+        scales) and ``X.weight_format`` per quantized layer; ``config.json`` gets the
+        ``quantization_config`` that makes ``from_pretrained`` rebuild ``Linear8bitLt``.
+
+        Raises:
+            CheckpointError: missing/corrupt checkpoint or a non-causal model.
+            RuntimeError: ``device`` is CUDA but no GPU is visible.
+        """
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        source_dir = _require_causal_lm(checkpoint, self.method)
+        if self.config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"device={self.config.device!r} but CUDA is not available; use device='cpu'")
+        model = AutoModelForCausalLM.from_pretrained(
+            source_dir, quantization_config=self.bnb_config(), device_map=self.config.device, dtype=torch.float32
+        )
+        output_dir = Path(output_dir)
+        tmp = _temp_sibling(output_dir)
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            _copy_side_files_missing(source_dir, tmp)
+            return _finish(tmp, output_dir, source_dir=source_dir, method=self.method, config=dataclasses.asdict(self.config))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def load(self, checkpoint_dir: str | Path, device: str | None = None):
+        return load_llm_int8_model(checkpoint_dir, device=device or self.config.device)
+
+
+def _copy_side_files_missing(source_dir: Path, target_dir: Path) -> None:
+    """Copy tokenizer files that ``save_pretrained`` of the model did not write."""
+    for file in source_dir.iterdir():
+        if file.is_file() and not (target_dir / file.name).exists() and file.name != MANIFEST_NAME and file.suffix not in (".safetensors", ".bin", ".onnx", ".gguf"):
+            if not file.name.endswith(".safetensors.index.json"):
+                shutil.copy2(file, target_dir / file.name)
+
+
+def load_llm_int8_model(checkpoint_dir: str | Path, *, device: str = "cpu"):
+    """Reload a saved ``llm-int8`` checkpoint (``Linear8bitLt`` layers) on ``device``.
+
+    Raises:
+        CheckpointError: missing/corrupt files, or ``config.json`` without the bitsandbytes
+            ``quantization_config``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    checkpoint_dir = Path(checkpoint_dir)
+    resolve_checkpoint(checkpoint_dir)
+    quant = json.loads((checkpoint_dir / "config.json").read_text()).get("quantization_config", {})
+    if quant.get("quant_method") != "bitsandbytes" or not quant.get("load_in_8bit"):
+        raise CheckpointError(f"{checkpoint_dir / 'config.json'}: no bitsandbytes 8-bit quantization_config; not an llm-int8 checkpoint")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, device_map=device, dtype=torch.float32)
+    return model.eval()
+
+
+@dataclasses.dataclass
+class OnnxInt8Quantizer:
+    """``onnx-int8``: Optimum ONNX export (with KV cache) + ONNX Runtime dynamic INT8."""
+
+    config: OnnxInt8MethodConfig = dataclasses.field(default_factory=OnnxInt8MethodConfig)
+    method: ClassVar[str] = "onnx-int8"
+
+    def quantize(self, checkpoint: str | Path, output_dir: str | Path) -> Path:
+        """Export to a temporary fp32 ONNX directory, quantize it into ``output_dir``.
+
+        Raises:
+            CheckpointError: missing/corrupt checkpoint or a non-causal model.
+        """
+        from compress.onnx import export_onnx, quantize_onnx_int8
+
+        source_dir = _require_causal_lm(checkpoint, self.method) if self.config.task == "text-generation-with-past" else resolve_checkpoint(checkpoint, causal_lm=False)
+        output_dir = Path(output_dir)
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{output_dir.name}-fp32-", dir=output_dir.parent) as tmp:
+            fp32_dir = export_onnx(source_dir, Path(tmp) / "onnx", task=self.config.task)
+            quantize_onnx_int8(fp32_dir, output_dir, config=self.config.ort_config(), parent=source_dir)
+        manifest = read_manifest(output_dir)
+        manifest.config = dataclasses.asdict(self.config)
+        write_manifest(output_dir, manifest)
+        return output_dir
+
+    def load(self, checkpoint_dir: str | Path):
+        from optimum.onnxruntime import ORTModelForCausalLM
+
+        return ORTModelForCausalLM.from_pretrained(checkpoint_dir)
+
+
+#: ``--method`` name -> (quantizer class, config class).
+METHODS: dict[str, tuple[type, type]] = {
+    "dynamic": (DynamicInt8Quantizer, DynamicInt8Config),
+    "llm-int8": (LlmInt8Quantizer, LlmInt8Config),
+    "onnx-int8": (OnnxInt8Quantizer, OnnxInt8MethodConfig),
+}
+
+
+def make_quantizer(method: str, **config: Any) -> Quantizer:
+    """The quantizer of ``method`` with its config built from ``config`` (field names of the config class).
+
+    Raises:
+        ValueError: unknown method, unknown config field, or an invalid value (names the field).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not supported; use one of {sorted(METHODS)}")
+    quantizer_cls, config_cls = METHODS[method]
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for method {method!r}; its fields are {sorted(fields)}")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
+    return quantizer_cls(config_cls(**values))
+
+
+def quantize(checkpoint: str | Path, output_dir: str | Path, *, method: str, **config: Any) -> Path:
+    """Quantize ``checkpoint`` with ``method`` into ``output_dir``; returns ``output_dir``."""
+    return make_quantizer(method, **config).quantize(checkpoint, output_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# ``lmforge quantize``
+# --------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="checkpoint to quantize: name, .gguf file or directory")
+    parser.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
+    parser.add_argument("--out", required=True, help="output checkpoint directory (replaced if it exists)")
+    parser.add_argument("--skip-modules", nargs="*", default=None, metavar="NAME",
+                        help="dynamic / llm-int8: linear layers kept in float (default: lm_head)")
+    parser.add_argument("--threshold", type=float, default=None, help="llm-int8: outlier threshold (default 6.0)")
+    parser.add_argument("--device", default=None, help="llm-int8: cpu or cuda (default cpu)")
+    parser.add_argument("--no-per-channel", action="store_true", help="onnx-int8: one scale per tensor instead of per channel")
+    parser.add_argument("--op-types", nargs="+", default=None, metavar="OP",
+                        help="onnx-int8: ONNX operator types to quantize (default MatMul Gather)")
+
+
+def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    options = {
+        "skip_modules": args.skip_modules,
+        "threshold": args.threshold,
+        "device": args.device,
+        "per_channel": False if args.no_per_channel else None,
+        "op_types_to_quantize": args.op_types,
+    }
+    given = {k: v for k, v in options.items() if v is not None}
+    fields = {f.name for f in dataclasses.fields(METHODS[args.method][1])} if args.method in METHODS else set(given)
+    wrong = sorted(set(given) - fields)
+    if wrong:
+        flags = ", ".join("--" + k.replace("_", "-") for k in wrong)
+        raise ValueError(f"{flags}: not an option of --method {args.method}")
+    return given
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.method not in METHODS:
+        print(f"error: --method {args.method!r} is not supported; use one of {', '.join(METHODS)}")
+        return 2
+    try:
+        quantizer = make_quantizer(args.method, **_config_from_args(args))
+        out = quantizer.quantize(args.model, args.out)
+    except (ValueError, RuntimeError) as exc:  # CheckpointError is a ValueError
+        print(f"error: {exc}")
+        return 1
+    manifest = read_manifest(out)
+    print(f"wrote {out}  (method {manifest.method}, {manifest.size_bytes / 2**20:.1f} MiB, parent {manifest.parent})")
+    print(json.dumps(manifest.config, sort_keys=True))
+    return 0
