@@ -235,7 +235,8 @@ class Demo:
                     config = LoadTestConfig(host=server.http_url, model=name, users=u, spawn_rate=float(u),
                                             run_time_s=self.config.loadtest_s, max_tokens=self.config.max_tokens,
                                             prompts=prompts, num_prompts=self.config.num_prompts, ignore_eos=True,
-                                            chat_template=str(self.tuned()))
+                                            chat_template=str(self.tuned()),
+                                            warmup_requests=1 if key == "fp32_batching_off" else None)
                     summary = run_loadtest(config, self.out / "loadtest" / label, log=lambda m: self.log("      " + m))
                     runs[label] = summary
                     self.log("      " + _one_line(label, summary))

@@ -50,8 +50,9 @@ class LoadTestConfig:
     ``chat_template`` (a checkpoint) renders each prompt, after the optional system prompt, with
     that tokenizer's chat template before sending. ``shape="steps"`` raises users from ``users`` by ``step_users`` every ``step_s`` seconds
     until TTFT p90 exceeds ``ttft_p90_bound_ms`` (or ``max_users`` / ``run_time_s`` is reached).
-    ``warmup_requests`` non-streaming requests go first and are not measured (GenAI-Perf's
-    ``--warmup-request-count``): the first forward passes of a fresh engine are slower.
+    ``warmup_requests`` non-streaming requests (``None``: one per user, sent together) go first
+    and are not measured (GenAI-Perf's ``--warmup-request-count``): the first forward passes of
+    a fresh engine, and of each new batch size, are slower.
     """
 
     host: str
@@ -75,7 +76,7 @@ class LoadTestConfig:
     step_s: float = 10.0
     max_users: int = 32
     ttft_p90_bound_ms: float = 1000.0
-    warmup_requests: int = 1
+    warmup_requests: int | None = None
 
     def validate(self) -> None:
         """Raises :class:`LoadTestError` naming the bad field and the fix."""
@@ -85,7 +86,7 @@ class LoadTestConfig:
             (0 < self.run_time_s <= MAX_RUN_TIME_S, f"run_time_s={self.run_time_s}; it must be in (0, {MAX_RUN_TIME_S:.0f}] (--run-time)"),
             (self.max_tokens >= 1, f"max_tokens={self.max_tokens}; it must be >= 1 (--max-tokens)"),
             (self.request_timeout_s > 0, f"request_timeout_s={self.request_timeout_s}; it must be > 0"),
-            (self.warmup_requests >= 0, f"warmup_requests={self.warmup_requests}; it must be >= 0 (--warmup-requests)"),
+            (self.warmup_requests is None or self.warmup_requests >= 0, f"warmup_requests={self.warmup_requests}; it must be >= 0 (--warmup-requests)"),
             (self.endpoint in ("generate_stream", "generate"), f"endpoint={self.endpoint!r}; use generate_stream or generate"),
             (self.shape in ("constant", "steps"), f"shape={self.shape!r}; use constant or steps (--shape)"),
             (bool(self.model), "model is empty; pass the Triton model name (--model)"),
@@ -204,26 +205,42 @@ def write_prompts(config: LoadTestConfig, path: Path) -> list[str]:
 
 
 def warm_up(config: LoadTestConfig, prompts: list[str]) -> None:
-    """Send ``config.warmup_requests`` unmeasured requests to ``/generate``, one at a time.
+    """Send ``config.warmup_requests`` unmeasured requests to ``/generate``, up to ``users`` at once.
+
+    Concurrent, like the run, so the engine has already seen the batch sizes of the run (the
+    first forward pass at a new shape is slow on CPU).
 
     Raises:
         LoadTestError: a warm-up request failed (the server's error is in the message), so a
             model that cannot answer is reported before the run.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
+    count = config.users if config.warmup_requests is None else config.warmup_requests
+    if count == 0:
+        return
+    with ThreadPoolExecutor(max_workers=max(1, min(config.users, count))) as pool:
+        errors = [e for e in pool.map(lambda i: _warm_up_one(config, prompts[i % len(prompts)]), range(count)) if e]
+    if errors:
+        raise LoadTestError(f"warm-up request to {config.model} failed: {errors[0]}")
+
+
+def _warm_up_one(config: LoadTestConfig, prompt: str) -> str | None:
+    """One blocking ``/generate`` request; the error text, or ``None`` on success."""
     from bench.protocol import request_payload
 
     url = f"{check_host(config.host)}/v2/models/{urllib.parse.quote(config.model)}/generate"
     sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "top_p": config.top_p}
-    for i in range(config.warmup_requests):
-        body = json.dumps(request_payload(prompts[i % len(prompts)], sampling, stream=False)).encode()
-        request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=config.request_timeout_s) as response:
-                response.read()
-        except urllib.error.HTTPError as exc:
-            raise LoadTestError(f"warm-up request to {config.model} failed: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
-        except (urllib.error.URLError, OSError) as exc:
-            raise LoadTestError(f"warm-up request to {config.model} failed: {exc}") from exc
+    body = json.dumps(request_payload(prompt, sampling, stream=False)).encode()
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=config.request_timeout_s) as response:
+            response.read()
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read()[:300]!r}"
+    except (urllib.error.URLError, OSError) as exc:
+        return str(exc)
+    return None
 
 
 def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
@@ -364,7 +381,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
-    parser.add_argument("--warmup-requests", type=int, default=1, help="unmeasured requests sent first")
+    parser.add_argument("--warmup-requests", type=int, default=None,
+                        help="unmeasured requests sent first, up to --users at once (default: one per user)")
     parser.add_argument("--out", default="reports/loadtest", help="report directory (default reports/loadtest)")
 
 
