@@ -110,6 +110,7 @@ class Demo:
         self.log = log
         self.stages: list[StageRecord] = []
         self.results: dict[str, Any] = {}
+        self.threads = cpu_threads(config.threads)
         self.started = time.perf_counter()
 
     # -- stage bookkeeping ------------------------------------------------------------------
@@ -145,7 +146,6 @@ class Demo:
     def run(self) -> dict:
         """All stages, then ``report.json``; returns the report. Raises :class:`DemoStageError`."""
         self.out.mkdir(parents=True, exist_ok=True)
-        self.threads = cpu_threads(self.config.threads)
         import torch
 
         torch.set_num_threads(self.threads)
