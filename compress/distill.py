@@ -212,6 +212,9 @@ class DistillRecipe(TrainingRecipe):
     def setup(self) -> None:
         super().setup()
         self.teacher_val_loss = self.evaluate(self.teacher)
+        if self.is_main:
+            print(f"teacher val loss {self.teacher_val_loss:.4f} (perplexity {math.exp(self.teacher_val_loss):.2f}), "
+                  f"{self.teacher_layers} layers; student layers {self.layer_map}")
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config

@@ -97,7 +97,11 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
         ax.legend()
 
     figure("loss", "loss (cross-entropy, nats/token)", loss)
-    figure("grad_norm", "gradient norm (before clipping)", lambda ax: ax.plot([r["step"] for r in train], [r["grad_norm"] for r in train]), log=True)
+    def grad(ax) -> None:
+        pts = [(r["step"], r["grad_norm"]) for r in train if r["grad_norm"] > 0]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts])
+
+    figure("grad_norm", "gradient norm (before clipping)", grad, log=True)
     figure("lr", "learning rate", lambda ax: ax.plot([r["step"] for r in train], [r["lr"] for r in train]))
 
     def change(ax) -> None:
@@ -105,7 +109,7 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
         groups = sorted({g for r in steps for g in r["param_change"]}, key=_group_order)
         cmap = plt.get_cmap("viridis", max(len(groups), 2))
         for k, group in enumerate(groups):
-            pts = [(r["step"], r["param_change"][group]) for r in steps if group in r["param_change"]]
+            pts = [(r["step"], r["param_change"][group]) for r in steps if r["param_change"].get(group, 0) > 0]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], color=cmap(k), lw=1, label=group)
         if groups:
             ax.legend(fontsize=6, ncol=max(1, len(groups) // 12), loc="upper right")

@@ -687,7 +687,7 @@ class TrainingRecipe:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(self._unwrapped().config)
-        model.load_state_dict(state, strict=False)
+        model.load_state_dict(state, strict=True)
         return model
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def test_chatterbot_english_default_and_chinese(tmp_path):
     assert report["loaded"] == {"chatterbot:english": 2025}
     assert report["filters"]["malformed"]["removed"] == 1  # trivia.yml:35 of the shipped corpus
     assert report["filters"]["exact_duplicate"]["removed"] > 1000
-    assert report["kept"] == report["train"] + report["val"] and report["val"] == round(0.05 * report["kept"] + 0.5)
+    assert report["kept"] == report["train"] + report["val"] and report["val"] == math.ceil(0.05 * report["kept"])
     first = read_data_file(tmp_path / "en" / "train.jsonl")[0]
     assert [m["role"] for m in first["messages"]][:2] == ["user", "assistant"]
     zh = load_input("chatterbot:chinese")

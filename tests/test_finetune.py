@@ -138,11 +138,12 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_llama_dir, chat_data
     assert [r["step"] for r in train] == [1, 2, 3, 4] and train[-1]["event"] == "nan"
 
 
-def test_lora_is_merged_on_save(tiny_llama_dir, chat_data, tmp_path):
+def test_lora_with_gradient_checkpointing_is_merged_on_save(tiny_llama_dir, chat_data, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(tiny_llama_dir, chat_data, tmp_path / "lora", lora=True, max_steps=3, lr=1e-2, warmup_ratio=0.0)
+    cfg = _config(tiny_llama_dir, chat_data, tmp_path / "lora", lora=True, max_steps=3, lr=1e-2, warmup_ratio=0.0,
+                  gradient_checkpointing=True)
     result, final = FinetuneRecipe(cfg).run()
     assert result.status == "completed"
     train = [r for r in read_metrics(tmp_path / "lora") if r["split"] == "train"]

@@ -1,0 +1,267 @@
+"""``lmforge export``: write a checkpoint into a Triton model repository.
+
+A causal LM becomes one model, ``NAME``: Python backend, decoupled (streaming), one engine per
+instance::
+
+    NAME/config.pbtxt        decoupled Python-backend model (vLLM backend's tensors)
+    NAME/1/model.py          thin: imports deploy.triton_llm from the installed lmforge
+    NAME/1/model.json        {"kind": "llm", "checkpoint": dir, "engine": {EngineConfig fields}}
+    NAME/1/weights/          only with --copy-weights (then "checkpoint" is "weights")
+
+An encoder (all-MiniLM-L6-v2, any BERT-like checkpoint, or an ONNX feature-extraction export
+from ``compress``) becomes ``NAME`` for the bundled server (Python backend running
+``model.onnx`` with ONNX Runtime, text in, embeddings out) plus three models for the full
+Triton container: ``NAME_onnx`` (``backend: "onnxruntime"``, dynamic batching),
+``NAME_tokenizer`` (Python) and ``NAME_ensemble`` (text -> tokenizer -> ONNX Runtime).
+
+``lmforge export --check --repo R`` parses every ``config.pbtxt`` of ``R`` against Triton's
+model-config proto and reports the errors by file (also run after every export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import typing
+from pathlib import Path
+from typing import Any
+
+from compress.checkpoints import SUPPORTED_CAUSAL_LM_TYPES, CheckpointError, resolve_checkpoint
+from deploy.model_config import (
+    CONFIG_NAME,
+    ConfigCheckError,
+    check_repository,
+    encoder_ensemble_config,
+    encoder_onnx_config,
+    encoder_python_config,
+    llm_config,
+    to_text,
+    tokenizer_config,
+)
+
+MODEL_INFO_NAME = "model.json"
+VERSION = "1"
+
+#: ``model.py`` written into each version directory: which lmforge class serves the model.
+MODEL_PY = '''"""Triton Python-backend entry point written by `lmforge export` ({kind}).
+
+The serving code lives in the installed lmforge ({module}); this file only points Triton at it.
+"""
+
+from {module} import {imported}  # noqa: F401
+'''
+
+MODEL_PY_CLASSES = {
+    "llm": ("deploy.triton_llm", "TritonPythonModel"),
+    "encoder": ("deploy.triton_encoder", "TritonPythonModel"),
+    "tokenizer": ("deploy.triton_encoder", "TokenizerModel"),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def engine_config_fields() -> dict[str, type]:
+    """``EngineConfig`` fields a user may set on the command line: name -> scalar type."""
+    from engine import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    fields = {}
+    for field in dataclasses.fields(EngineConfig):
+        if field.name == "model":
+            continue
+        kind = hints[field.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        fields[field.name] = args[0] if args else kind
+    return fields
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint: name (smollm2-135m, minilm-l6), .gguf, directory, or an ONNX export")
+    parser.add_argument("--repo", default="model_repository", help="Triton model repository (default model_repository)")
+    parser.add_argument("--name", help="model name in the repository (default: from the checkpoint)")
+    parser.add_argument("--kind", choices=["auto", "llm", "encoder"], default="auto", help="what the checkpoint is (default: from its config)")
+    parser.add_argument("--instances", type=int, default=1, help="model instances (one engine each; default 1)")
+    parser.add_argument("--copy-weights", action="store_true", help="copy the checkpoint into NAME/1/weights instead of pointing at it")
+    parser.add_argument("--max-length", type=int, default=256, help="encoder: tokens per text (longer texts are truncated)")
+    parser.add_argument("--check", action="store_true", help="parse every config.pbtxt in --repo against Triton's model-config proto")
+    group = parser.add_argument_group("engine (EngineConfig fields, written to model.json)")
+    try:
+        fields = engine_config_fields()
+    except ImportError:  # an installation without the engine can still export encoders
+        fields = {}
+    for name, kind in fields.items():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            group.add_argument(flag, dest=f"engine_{name}", action=argparse.BooleanOptionalAction, default=None)
+        else:
+            group.add_argument(flag, dest=f"engine_{name}", type=kind, default=None, metavar=kind.__name__.upper())
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``EngineConfig`` fields given on the command line."""
+    prefix = "engine_"
+    return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    repo = Path(args.repo)
+    if args.model is None and not args.check:
+        print("error: --model is required (or --check to check a repository)")
+        return 2
+    try:
+        if args.model is not None:
+            written = export(
+                args.model, repo, name=args.name, kind=args.kind, engine=engine_overrides(args),
+                instances=args.instances, copy_weights=args.copy_weights, max_length=args.max_length,
+            )
+            for path in written:
+                print(f"wrote {path}")
+        return print_check(repo)
+    except (CheckpointError, ConfigCheckError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 1
+
+
+def print_check(repo: Path) -> int:
+    """Check a repository's configs, print one line per file; returns 0 when all parse."""
+    checked, problems = check_repository(repo)
+    bad = {p.path for p in problems}
+    for path in checked:
+        if path not in bad:
+            print(f"ok    {path}")
+    for problem in problems:
+        print(f"error {problem.message}")
+    print(f"{len(checked) - len(problems)}/{len(checked)} config(s) valid")
+    return 1 if problems else 0
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+
+
+def detect_kind(checkpoint: str | Path) -> str:
+    """``llm`` for a supported causal LM, ``encoder`` for anything else with a ``config.json``
+    or an ONNX feature-extraction export.
+
+    Raises:
+        CheckpointError: the checkpoint cannot be resolved.
+    """
+    path = resolve_checkpoint(checkpoint, causal_lm=False)
+    if (path / "model.onnx").is_file():
+        return "encoder"
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    return "llm" if model_type in SUPPORTED_CAUSAL_LM_TYPES else "encoder"
+
+
+def default_name(checkpoint: str | Path) -> str:
+    """A repository name from a checkpoint spec: ``smollm2-135m`` -> ``smollm2_135m``."""
+    stem = Path(str(checkpoint)).name or str(checkpoint)
+    stem = stem.removesuffix(".gguf")
+    return "".join(c if c.isalnum() else "_" for c in stem).strip("_").lower() or "model"
+
+
+def check_name(name: str) -> str:
+    """Raise ``ValueError`` unless ``name`` is a safe repository directory name."""
+    if not name or not all(c.isalnum() or c in "_-" for c in name):
+        raise ValueError(f"--name {name!r}: use letters, digits, '_' and '-' only")
+    return name
+
+
+def export(
+    checkpoint: str | Path,
+    repo: str | Path,
+    *,
+    name: str | None = None,
+    kind: str = "auto",
+    engine: dict[str, Any] | None = None,
+    instances: int = 1,
+    copy_weights: bool = False,
+    max_length: int = 256,
+) -> list[Path]:
+    """Export a checkpoint into ``repo`` (see the module doc); returns the written config paths.
+
+    Raises:
+        CheckpointError: missing/corrupt checkpoint. ValueError: a bad name, instance count or
+        ``EngineConfig`` field (names it).
+    """
+    if instances < 1:
+        raise ValueError(f"--instances {instances}: it must be >= 1")
+    name = check_name(name or default_name(checkpoint))
+    kind = detect_kind(checkpoint) if kind == "auto" else kind
+    repo = Path(repo)
+    repo.mkdir(parents=True, exist_ok=True)
+    if kind == "llm":
+        return [export_llm(checkpoint, repo, name, engine=engine or {}, instances=instances, copy_weights=copy_weights)]
+    if engine:
+        raise ValueError(f"engine flags {sorted(engine)} apply to LLMs only; {checkpoint} is an encoder")
+    return export_encoder(checkpoint, repo, name, instances=instances, max_length=max_length)
+
+
+def write_model_dir(repo: Path, name: str, config, kind: str | None) -> Path:
+    """Write ``NAME/config.pbtxt`` and, for Python models, ``NAME/1/model.py``; returns the version dir."""
+    model_dir = repo / name
+    version_dir = model_dir / VERSION
+    version_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / CONFIG_NAME).write_text(to_text(config))
+    if kind is not None:
+        module, cls = MODEL_PY_CLASSES[kind]
+        imported = cls if cls == "TritonPythonModel" else f"{cls} as TritonPythonModel"
+        (version_dir / "model.py").write_text(MODEL_PY.format(kind=kind, module=module, imported=imported))
+    return version_dir
+
+
+def export_llm(checkpoint: str | Path, repo: Path, name: str, *, engine: dict[str, Any], instances: int, copy_weights: bool) -> Path:
+    """The decoupled LLM model; ``model.json`` holds the checkpoint and every EngineConfig field."""
+    from engine import EngineConfig
+
+    source = resolve_checkpoint(checkpoint)
+    config = EngineConfig(model=str(source), **engine)  # validates the fields (ValueError names them)
+    version_dir = write_model_dir(repo, name, llm_config(name, instance_count=instances), "llm")
+    pointer = str(source)
+    if copy_weights:
+        target = version_dir / "weights"
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(source, target)
+        pointer = "weights"
+    engine_fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
+    info = {"kind": "llm", "source": str(checkpoint), "checkpoint": pointer, "engine": engine_fields}
+    (version_dir / MODEL_INFO_NAME).write_text(json.dumps(info, indent=2) + "\n")
+    return repo / name / CONFIG_NAME
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def export_encoder(checkpoint: str | Path, repo: Path, name: str, *, instances: int, max_length: int) -> list[Path]:
+    """The encoder for the bundled server and the three container models (see module doc)."""
+    from deploy.encoder import prepare_encoder_onnx
+
+    version_dir = repo / name / VERSION
+    info = prepare_encoder_onnx(checkpoint, version_dir, max_length=max_length)
+    write_model_dir(repo, name, encoder_python_config(name, hidden_size=info.hidden_size, instance_count=instances), "encoder")
+    (version_dir / MODEL_INFO_NAME).write_text(json.dumps({"kind": "encoder", "source": str(checkpoint)}, indent=2) + "\n")
+
+    onnx_name, tokenizer_name, ensemble_name = f"{name}_onnx", f"{name}_tokenizer", f"{name}_ensemble"
+    onnx_dir = write_model_dir(repo, onnx_name, encoder_onnx_config(onnx_name, input_names=info.input_names, hidden_size=info.hidden_size), None)
+    _link_or_copy(version_dir / "model.onnx", onnx_dir / "model.onnx")
+    tokenizer_dir = write_model_dir(repo, tokenizer_name, tokenizer_config(tokenizer_name, output_names=info.input_names, max_length=info.max_length), "tokenizer")
+    for file in version_dir.iterdir():
+        if file.is_file() and file.suffix != ".onnx" and file.name not in ("model.py", MODEL_INFO_NAME):
+            _link_or_copy(file, tokenizer_dir / file.name)
+    ensemble = encoder_ensemble_config(ensemble_name, tokenizer=tokenizer_name, encoder=onnx_name, tensor_names=info.input_names, hidden_size=info.hidden_size)
+    (repo / ensemble_name / VERSION).mkdir(parents=True, exist_ok=True)  # Triton wants a version dir, even empty
+    (repo / ensemble_name / CONFIG_NAME).write_text(to_text(ensemble))
+    return [repo / n / CONFIG_NAME for n in (name, onnx_name, tokenizer_name, ensemble_name)]

@@ -1,0 +1,103 @@
+"""Turn the LLM model's Triton input tensors into an engine request (no Triton import).
+
+The tensors are those of Triton's vLLM backend, so its clients work unchanged:
+
+* ``text_input`` (STRING, required): the prompt, non-empty;
+* ``stream`` (BOOL, default false): one response per engine step instead of one at the end;
+* ``sampling_parameters`` (STRING, default ``{}``): a JSON object of ``SamplingParams`` fields,
+  e.g. ``{"temperature": 0, "max_tokens": 32}``;
+* ``exclude_input_in_output`` (BOOL, default false): for non-streaming requests, leave the
+  prompt out of ``text_output`` (streamed responses never repeat it).
+
+Every problem raises ``ValueError`` naming the field and the fix; the model sends it back as the
+error of that one request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+MAX_PROMPT_CHARS = 1_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMRequest:
+    """A parsed request: what to generate and how to answer."""
+
+    prompt: str
+    sampling_params: Any  # engine.SamplingParams
+    stream: bool
+    exclude_input_in_output: bool
+
+
+def _first(values: Any, field: str) -> Any:
+    """The single element of a ``[1]`` (or ``[1, 1]``) input tensor as a Python value."""
+    flat = list(getattr(values, "flat", values))
+    if len(flat) != 1:
+        raise ValueError(f"{field}: expected one element, got {len(flat)}; send shape [1]")
+    value = flat[0]
+    return value.item() if hasattr(value, "item") else value
+
+
+def decode_text(value: Any, field: str) -> str:
+    """A STRING tensor element (bytes from Triton) as ``str``."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{field}: not valid UTF-8 ({exc}); send UTF-8 text") from exc
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"{field}: expected a string, got {type(value).__name__}")
+
+
+def parse_sampling_parameters(text: str | None):
+    """JSON object -> ``engine.SamplingParams``.
+
+    Raises:
+        ValueError: not JSON, not an object, an unknown field (lists the known ones), or a value
+            ``SamplingParams`` rejects (its message names the field).
+    """
+    from engine import SamplingParams
+
+    if text is None or not text.strip():
+        return SamplingParams()
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"sampling_parameters: malformed JSON ({exc.msg} at position {exc.pos}); send a JSON object such as {{\"max_tokens\": 32}}") from exc
+    if not isinstance(fields, dict):
+        raise ValueError(f"sampling_parameters: expected a JSON object, got {type(fields).__name__}")
+    known = {f.name for f in dataclasses.fields(SamplingParams)} if dataclasses.is_dataclass(SamplingParams) else None
+    if known is not None:
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"sampling_parameters: unknown field(s) {unknown}; known fields: {sorted(known)}")
+    try:
+        return SamplingParams(**fields)
+    except TypeError as exc:  # unknown keyword when SamplingParams is not a dataclass
+        raise ValueError(f"sampling_parameters: {exc}") from exc
+
+
+def parse_request(text_input: Any, stream: Any = None, sampling_parameters: Any = None, exclude_input_in_output: Any = None) -> LLMRequest:
+    """Build an ``LLMRequest`` from the input tensors' values (``None`` = input absent).
+
+    Raises:
+        ValueError: a missing or empty ``text_input``, or a bad ``sampling_parameters``.
+    """
+    if text_input is None:
+        raise ValueError("text_input: missing; send the prompt as text_input")
+    prompt = decode_text(_first(text_input, "text_input"), "text_input")
+    if not prompt.strip():
+        raise ValueError("text_input: empty prompt; send some text")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"text_input: {len(prompt)} characters is over the {MAX_PROMPT_CHARS} limit")
+    params_text = None if sampling_parameters is None else decode_text(_first(sampling_parameters, "sampling_parameters"), "sampling_parameters")
+    return LLMRequest(
+        prompt=prompt,
+        sampling_params=parse_sampling_parameters(params_text),
+        stream=False if stream is None else bool(_first(stream, "stream")),
+        exclude_input_in_output=False if exclude_input_in_output is None else bool(_first(exclude_input_in_output, "exclude_input_in_output")),
+    )

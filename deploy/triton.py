@@ -1,0 +1,561 @@
+"""Run the real Triton Inference Server that ships in ``nvidia-pytriton`` on a model repository.
+
+``nvidia-pytriton`` 0.7.0 bundles ``tritonserver`` 2.51 with only the Python backend. It runs on
+a CPU-only machine given
+
+* a backend directory holding ``python/`` = ``libtriton_python.so``,
+  ``triton_python_backend_utils.py`` and the ``triton_python_backend_stub`` built for this
+  Python version (``python_backend_stubs/3.X``), built once under the lmforge cache;
+* ``LD_LIBRARY_PATH`` pointing at the wheel's ``nvidia_pytriton.libs``;
+* this interpreter's ``bin`` first on ``PATH``, so the stub process imports from this
+  virtual environment, and this lmforge source tree on ``PYTHONPATH``, so a model's thin
+  ``model.py`` imports the serving code of the lmforge that started the server.
+
+``TritonServer`` is a context manager used by ``lmforge serve``, the tests and the demo:
+
+    with TritonServer("model_repository", http_port=18000, grpc_port=18001, metrics_port=18002) as server:
+        requests.post(server.http_url + "/v2/models/smollm2/generate", ...)
+
+It starts the server on 127.0.0.1 with ``--model-control-mode=explicit`` and the chosen models,
+waits for readiness under a deadline, writes the server log to a file, and stops it with SIGINT
+then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+PID_FILE_NAME = "tritonserver.pid"
+LOG_FILE_NAME = "tritonserver.log"
+
+#: Backends compiled into the bundled server; models needing another one run only in the
+#: full Triton container (``nvcr.io/nvidia/tritonserver``).
+BUNDLED_BACKENDS = ("python",)
+
+
+class TritonError(RuntimeError):
+    """The server could not be found, started or stopped; the message says what to do."""
+
+
+class PortsBusyError(TritonError):
+    """A port the server needs is already taken by another process."""
+
+
+class ModelLoadError(TritonError):
+    """One or more models failed to load; ``reasons`` maps model name -> Triton's reason."""
+
+    def __init__(self, reasons: dict[str, str], log_path: Path) -> None:
+        self.reasons = reasons
+        lines = "\n".join(f"  {name}: {reason}" for name, reason in sorted(reasons.items()))
+        super().__init__(f"model(s) failed to load:\n{lines}\nfull server log: {log_path}")
+
+
+# --------------------------------------------------------------------------------------------
+# Locating the bundled server
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonInstallation:
+    """Paths of the ``tritonserver`` bundled with ``nvidia-pytriton``."""
+
+    binary: Path  # pytriton/tritonserver/bin/tritonserver
+    libs: Path  # site-packages/nvidia_pytriton.libs (LD_LIBRARY_PATH)
+    python_backend: Path  # pytriton/tritonserver/backends/python
+    stub: Path  # python_backend_stubs/<major.minor>/triton_python_backend_stub
+
+
+def find_triton() -> TritonInstallation:
+    """Locate the bundled ``tritonserver`` and its Python backend files.
+
+    Raises:
+        TritonError: ``nvidia-pytriton`` is missing or lacks a file (names it and the fix).
+    """
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise TritonError("the Triton server ships in nvidia-pytriton; install it with `pip install nvidia-pytriton==0.7.0`")
+    package = Path(list(spec.submodule_search_locations)[0])
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    install = TritonInstallation(
+        binary=package / "tritonserver" / "bin" / "tritonserver",
+        libs=package.parent / "nvidia_pytriton.libs",
+        python_backend=package / "tritonserver" / "backends" / "python",
+        stub=package / "tritonserver" / "python_backend_stubs" / version / "triton_python_backend_stub",
+    )
+    for path in (install.binary, install.libs, install.python_backend / "libtriton_python.so", install.stub):
+        if not path.exists():
+            raise TritonError(f"{path}: missing from nvidia-pytriton (Python {version}); reinstall nvidia-pytriton==0.7.0")
+    return install
+
+
+def backend_directory(install: TritonInstallation) -> Path:
+    """A ``--backend-directory`` whose ``python/`` holds the backend library, utils and stub.
+
+    Built once (symbolic links) under the lmforge cache, atomically so concurrent servers can
+    share it.
+    """
+    from compress.checkpoints import cache_dir
+
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    digest = hashlib.sha256(str(install.binary).encode()).hexdigest()[:10]
+    root = cache_dir() / "triton_backends" / f"py{version}-{digest}"
+    python_dir = root / "python"
+    if (python_dir / "triton_python_backend_stub").exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = root.parent / f".{root.name}-{os.getpid()}"
+    (staging / "python").mkdir(parents=True, exist_ok=True)
+    for file in install.python_backend.iterdir():
+        if file.is_file():
+            (staging / "python" / file.name).symlink_to(file)
+    (staging / "python" / "triton_python_backend_stub").symlink_to(install.stub)
+    try:
+        os.rename(staging, root)
+    except OSError:  # another process built it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return root
+
+
+def lmforge_source_root() -> Path:
+    """The directory holding this lmforge's packages (``deploy/``, ``engine/``...)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def server_environment(install: TritonInstallation) -> dict[str, str]:
+    """Environment for ``tritonserver``: bundled libraries, this venv first, this lmforge importable."""
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(install.libs), env.get("LD_LIBRARY_PATH")]))
+    env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(lmforge_source_root()), env.get("PYTHONPATH")]))
+    return env
+
+
+# --------------------------------------------------------------------------------------------
+# Repository inspection
+# --------------------------------------------------------------------------------------------
+
+
+def repository_models(repo: Path) -> dict[str, Any]:
+    """Parse every ``*/config.pbtxt`` under ``repo``: model name -> ``ModelConfig`` proto.
+
+    Raises:
+        TritonError: a config does not parse (names the file and the error).
+    """
+    from deploy.model_config import ConfigCheckError, parse_config_file
+
+    configs = {}
+    for path in sorted(repo.glob("*/config.pbtxt")):
+        try:
+            configs[path.parent.name] = parse_config_file(path)
+        except ConfigCheckError as exc:
+            raise TritonError(str(exc)) from exc
+    return configs
+
+
+def servable_models(repo: Path, backends: tuple[str, ...] = BUNDLED_BACKENDS) -> tuple[list[str], dict[str, str]]:
+    """Split the repository's models into those this server can load and those it cannot.
+
+    Returns:
+        ``(loadable, skipped)``: names to load, and name -> why it is skipped (a backend this
+        server lacks, or an ensemble step that is skipped).
+    """
+    configs = repository_models(repo)
+    skipped: dict[str, str] = {}
+    for name, config in configs.items():
+        if config.platform != "ensemble" and config.backend not in backends:
+            skipped[name] = f"backend {config.backend or config.platform!r} is not in this server (only {', '.join(backends)}); serve it in the full Triton container"
+    changed = True
+    while changed:  # ensembles whose steps are skipped are skipped too
+        changed = False
+        for name, config in configs.items():
+            if name in skipped or config.platform != "ensemble":
+                continue
+            missing = [s.model_name for s in config.ensemble_scheduling.step if s.model_name in skipped or s.model_name not in configs]
+            if missing:
+                skipped[name] = f"ensemble step(s) {', '.join(missing)} cannot be served here"
+                changed = True
+    return [n for n in configs if n not in skipped], skipped
+
+
+# --------------------------------------------------------------------------------------------
+# Ports
+# --------------------------------------------------------------------------------------------
+
+
+def port_is_free(port: int, host: str = HOST) -> bool:
+    """True when nothing listens on ``host:port`` (a bind test; TIME_WAIT sockets don't count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int = 3, host: str = HOST) -> list[int]:
+    """``count`` distinct ports the kernel reports free right now (for tests and benchmarks)."""
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+            ports.append(sock.getsockname()[1])
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def check_ports(ports: dict[str, int], host: str = HOST) -> None:
+    """Raise ``PortsBusyError`` naming every busy port and the flag that changes it."""
+    busy = {kind: port for kind, port in ports.items() if not port_is_free(port, host)}
+    if busy:
+        listing = ", ".join(f"{kind} {host}:{port}" for kind, port in busy.items())
+        flags = " ".join(f"--{kind}-port N" for kind in busy)
+        raise PortsBusyError(
+            f"port(s) already in use: {listing}. Another server (maybe a Triton started with `lmforge serve`; "
+            f"stop it with `lmforge serve --repo REPO --stop`) holds them; or choose other ports with {flags}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP helpers (standard library, so the server manager needs no client package)
+# --------------------------------------------------------------------------------------------
+
+
+def http_json(url: str, *, method: str = "GET", body: Any = None, timeout_s: float = 5.0) -> tuple[int, Any]:
+    """One HTTP request; returns ``(status, parsed JSON or text or None)``.
+
+    Raises:
+        OSError: the server is unreachable (connection refused, timeout).
+    """
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    if not raw:
+        return status, None
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw.decode(errors="replace")
+
+
+# --------------------------------------------------------------------------------------------
+# The server
+# --------------------------------------------------------------------------------------------
+
+
+class TritonServer:
+    """The bundled ``tritonserver`` on a model repository, as a context manager.
+
+    Args:
+        repo: the model repository directory.
+        http_port, grpc_port, metrics_port: ports on 127.0.0.1.
+        models: names to load (explicit model control); ``None`` loads every model this
+            server can serve (``servable_models``), skipping container-only ones.
+        log_path: the server log; default ``REPO/tritonserver.log``.
+        write_pid_file: write the server's pid to ``REPO/tritonserver.pid`` (for
+            ``lmforge serve --stop``; also refuses a second server on the same repository).
+        startup_timeout_s: deadline for the server and all models to become ready.
+        grace_s: seconds between SIGINT and SIGKILL on stop.
+        exit_timeout_s: Triton's own drain time for in-flight requests and open connections.
+        log_verbose: Triton's ``--log-verbose`` level.
+
+    Raises (on ``start``):
+        PortsBusyError: a port is taken. ModelLoadError: a model failed to load (reasons from
+        the repository index). TritonError: the server exited or missed the deadline (the log
+        tail is in the message).
+    """
+
+    def __init__(
+        self,
+        repo: str | Path,
+        http_port: int = DEFAULT_PORTS["http"],
+        grpc_port: int = DEFAULT_PORTS["grpc"],
+        metrics_port: int = DEFAULT_PORTS["metrics"],
+        *,
+        models: list[str] | None = None,
+        log_path: str | Path | None = None,
+        write_pid_file: bool = True,
+        startup_timeout_s: float = 300.0,
+        grace_s: float = 15.0,
+        exit_timeout_s: int = 10,
+        log_verbose: int = 0,
+    ) -> None:
+        self.repo = Path(repo).resolve()
+        if not self.repo.is_dir():
+            raise TritonError(f"{self.repo}: model repository not found; create one with `lmforge export --repo {repo} ...`")
+        self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        self.models = models
+        self.skipped: dict[str, str] = {}
+        self.log_path = Path(log_path) if log_path else self.repo / LOG_FILE_NAME
+        self.pid_path = self.repo / PID_FILE_NAME if write_pid_file else None
+        self.startup_timeout_s = startup_timeout_s
+        self.grace_s = grace_s
+        self.exit_timeout_s = exit_timeout_s
+        self.log_verbose = log_verbose
+        self.process: subprocess.Popen | None = None
+
+    # URLs -----------------------------------------------------------------------------------
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{HOST}:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{HOST}:{self.ports['grpc']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{HOST}:{self.ports['metrics']}/metrics"
+
+    # Lifecycle --------------------------------------------------------------------------------
+
+    def command(self, install: TritonInstallation, models: list[str]) -> list[str]:
+        """The ``tritonserver`` command line."""
+        cmd = [
+            str(install.binary),
+            f"--model-repository={self.repo}",
+            f"--backend-directory={backend_directory(install)}",
+            "--model-control-mode=explicit",
+            *[f"--load-model={name}" for name in models],
+            "--exit-on-error=false",  # stay up so the repository index can tell why a model failed
+            "--strict-readiness=true",
+            f"--exit-timeout-secs={self.exit_timeout_s}",  # drain in-flight requests and connections
+            f"--http-address={HOST}", f"--http-port={self.ports['http']}",
+            f"--grpc-address={HOST}", f"--grpc-port={self.ports['grpc']}",
+            f"--metrics-address={HOST}", f"--metrics-port={self.ports['metrics']}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true",
+            f"--log-verbose={self.log_verbose}",
+        ]
+        return cmd
+
+    def start(self) -> "TritonServer":
+        """Start the server and block until every requested model is ready (see class doc)."""
+        install = find_triton()
+        self._check_not_running()
+        check_ports(self.ports)
+        if self.models is None:
+            self.models, self.skipped = servable_models(self.repo)
+        if not self.models:
+            raise TritonError(f"{self.repo}: no model this server can load; export one with `lmforge export --repo {self.repo} ...`")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        try:
+            self.process = subprocess.Popen(
+                self.command(install, self.models),
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=server_environment(install),
+                start_new_session=True,  # its own process group: the stubs are stopped with it
+            )
+        finally:
+            log.close()
+        if self.pid_path is not None:
+            self.pid_path.write_text(json.dumps({"pid": self.process.pid, "ports": self.ports, "log": str(self.log_path)}) + "\n")
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _check_not_running(self) -> None:
+        """Refuse a second server on the same repository (it would share the pid and log files)."""
+        if self.pid_path is None or not self.pid_path.is_file():
+            return
+        pid = _read_pid(self.pid_path)
+        if pid is not None and _is_tritonserver(pid):
+            raise TritonError(
+                f"a tritonserver (pid {pid}) started by lmforge already serves {self.repo}; "
+                f"stop it with `lmforge serve --repo {self.repo} --stop`"
+            )
+        self.pid_path.unlink(missing_ok=True)  # stale
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise TritonError(self._exit_message())
+            try:
+                status, _ = http_json(self.http_url + "/v2/health/ready", timeout_s=2.0)
+            except OSError:  # HTTP starts after the startup models finished loading
+                time.sleep(0.25)
+                continue
+            if status == 200:
+                return
+            failures = self.load_failures()
+            if failures:
+                raise ModelLoadError(failures, self.log_path)
+            time.sleep(0.25)
+        raise TritonError(f"server not ready within {self.startup_timeout_s:.0f} s; see {self.log_path}\n{self.log_tail()}")
+
+    def _exit_message(self) -> str:
+        tail = self.log_tail()
+        hint = ""
+        if "already in use" in tail:
+            hint = f" (a port is taken; ports: {self.ports})"
+        return f"tritonserver exited with status {self.process.returncode}{hint}; log {self.log_path}:\n{tail}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the server log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def repository_index(self) -> list[dict[str, Any]]:
+        """``POST /v2/repository/index``: ``[{"name", "version", "state", "reason"}, ...]``."""
+        status, index = http_json(self.http_url + "/v2/repository/index", method="POST", body={})
+        if status != 200 or not isinstance(index, list):
+            raise TritonError(f"repository index failed: HTTP {status} {index}")
+        return index
+
+    def load_failures(self) -> dict[str, str]:
+        """Requested models that are not ready and not loading: name -> Triton's reason."""
+        failures = {}
+        for entry in self.repository_index():
+            if entry.get("name") in (self.models or []) and entry.get("state") not in ("READY", "LOADING"):
+                failures[entry["name"]] = entry.get("reason") or f"state {entry.get('state')}"
+        return failures
+
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> int | None:
+        """SIGINT (Triton drains in-flight requests), SIGKILL to the group after ``grace_s``.
+
+        Returns the server's exit status (``None`` if it was never started).
+        """
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            returncode = stop_process(self.process.pid, self.grace_s, wait=self.process.wait)
+        else:
+            returncode = self.process.returncode
+        _kill_group(self.process.pid)  # stubs left behind, if any
+        if self.pid_path is not None and self.pid_path.is_file():
+            try:
+                if json.loads(self.pid_path.read_text()).get("pid") == self.process.pid:
+                    self.pid_path.unlink()
+            except (OSError, json.JSONDecodeError):
+                pass
+        return returncode
+
+    def wait(self) -> int:
+        """Block until the server exits (``lmforge serve`` in the foreground)."""
+        return self.process.wait()
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_process(pid: int, grace_s: float, *, wait=None) -> int | None:
+    """Send SIGINT to ``pid``; after ``grace_s`` without exit, SIGKILL its process group.
+
+    Args:
+        wait: ``Popen.wait`` when we are the parent (reaps and returns the status); otherwise the
+            pid is polled until it disappears.
+
+    Returns:
+        The exit status when known (we are the parent), else ``None``.
+    """
+    try:
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        return None
+    if wait is not None:
+        try:
+            return wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(pid)
+            return wait(timeout=10)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not _pid_alive(pid):
+            return None
+        time.sleep(0.1)
+    _kill_group(pid)
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    if stat.exists() and ") Z " in stat.read_text():  # a zombie has exited
+        return False
+    return True
+
+
+def stop_from_pid_file(repo: str | Path, grace_s: float = 15.0) -> int:
+    """Stop the server ``lmforge serve`` started on ``repo`` (its pid file); returns the pid.
+
+    Raises:
+        TritonError: no pid file, or its process is not a ``tritonserver`` (stale file removed).
+    """
+    pid_path = Path(repo).resolve() / PID_FILE_NAME
+    if not pid_path.is_file():
+        raise TritonError(f"{pid_path}: no pid file; no server started by `lmforge serve --repo {repo}` is running")
+    pid = _read_pid(pid_path)
+    if pid is None:
+        pid_path.unlink(missing_ok=True)
+        raise TritonError(f"{pid_path}: corrupt pid file (removed); stop the server by its pid")
+    if not _is_tritonserver(pid):
+        pid_path.unlink(missing_ok=True)
+        raise TritonError(f"{pid_path}: process {pid} is not a running tritonserver (stale pid file removed)")
+    stop_process(pid, grace_s)
+    pid_path.unlink(missing_ok=True)
+    return pid
+
+
+def _read_pid(pid_path: Path) -> int | None:
+    """The pid in an lmforge pid file, ``None`` when the file is unreadable or corrupt."""
+    try:
+        return int(json.loads(pid_path.read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _is_tritonserver(pid: int) -> bool:
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    try:
+        return _pid_alive(pid) and b"tritonserver" in cmdline.read_bytes()
+    except OSError:
+        return False

@@ -1,0 +1,290 @@
+"""The LLM as a decoupled Triton Python-backend model, driven like Triton's vLLM backend.
+
+One ``engine.AsyncLLMEngine`` per model instance runs on an asyncio event loop in its own
+thread. ``execute`` only hands each request to that loop and returns at once; the loop parses
+the request (``deploy.llm_request``), iterates ``engine.generate`` and sends responses through
+the request's response sender: one per engine step when ``stream`` is true, one at the end
+otherwise; the last carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. A request whose client
+went away (``response_sender.is_cancelled()``) is aborted in the engine, which frees its KV
+blocks at once. A bad request gets an error response; the other requests carry on.
+
+Custom metrics (``pb_utils.MetricFamily``, on Triton's metrics port, labels ``model`` and
+``version``) are listed in ``LLMMetrics``.
+
+``model.json`` next to ``model.py`` (written by ``lmforge export``) names the checkpoint and the
+``EngineConfig`` fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from deploy.llm_request import LLMRequest, parse_request
+
+STATS_INTERVAL_S = 0.05
+#: How often a streaming request asks Triton whether its client cancelled (an IPC round trip).
+CANCEL_CHECK_INTERVAL_S = 0.02
+#: Histogram buckets (seconds) for time to first token and time per output token.
+TTFT_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+
+
+def read_model_info(version_dir: Path) -> dict:
+    """``model.json``: ``{"kind": "llm", "checkpoint": path, "engine": {EngineConfig fields}}``.
+
+    Raises:
+        pb_utils.TritonModelException: missing or corrupt file (names it and the fix).
+    """
+    path = version_dir / "model.json"
+    try:
+        info = json.loads(path.read_text())
+        checkpoint = Path(info["checkpoint"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise pb_utils.TritonModelException(
+            f"{path}: missing or corrupt ({exc}); write it with `lmforge export --model CKPT --repo REPO --name {version_dir.parent.name}`"
+        ) from exc
+    if not checkpoint.is_absolute():  # --copy-weights: relative to the version directory
+        info["checkpoint"] = str(version_dir / checkpoint)
+    return info
+
+
+class LLMMetrics:
+    """The model's Prometheus metrics (all labelled ``model``, ``version``).
+
+    * ``lmforge_num_requests_running`` / ``_waiting`` (gauges): the engine's queues;
+    * ``lmforge_num_requests_running_max`` (gauge): most requests in one engine batch since load;
+    * ``lmforge_kv_cache_usage_ratio`` (gauge, 0..1): KV blocks in use;
+    * ``lmforge_prefix_cache_hit_rate`` (gauge, 0..1): cached / queried prompt tokens;
+    * ``lmforge_num_preemptions_total``, ``lmforge_requests_finished_total`` (label
+      ``finish_reason``), ``lmforge_requests_aborted_total``, ``lmforge_request_errors_total``
+      (counters);
+    * ``lmforge_time_to_first_token_seconds``, ``lmforge_time_per_output_token_seconds``
+      (histograms).
+    """
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        gauge, counter, histogram = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.HISTOGRAM
+        self.families = {}  # kept alive as long as their metrics (Triton's rule)
+
+        def family(name: str, description: str, kind):
+            self.families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            return self.families[name]
+
+        self.running = family("lmforge_num_requests_running", "Requests running in the engine", gauge).Metric(labels=labels)
+        self.waiting = family("lmforge_num_requests_waiting", "Requests waiting for KV blocks or a batch slot", gauge).Metric(labels=labels)
+        self.running_max = family("lmforge_num_requests_running_max", "Most requests running in one engine batch since the model loaded", gauge).Metric(labels=labels)
+        self.kv_usage = family("lmforge_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", gauge).Metric(labels=labels)
+        self.hit_rate = family("lmforge_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens queried", gauge).Metric(labels=labels)
+        self.preemptions = family("lmforge_num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks", counter).Metric(labels=labels)
+        self._finished_family = family("lmforge_requests_finished_total", "Requests finished, by finish reason", counter)
+        self._finished: dict[str, object] = {}
+        self.aborted = family("lmforge_requests_aborted_total", "Requests aborted because the client cancelled or disconnected", counter).Metric(labels=labels)
+        self.errors = family("lmforge_request_errors_total", "Requests answered with an error", counter).Metric(labels=labels)
+        self.ttft = family("lmforge_time_to_first_token_seconds", "Time to first token (s)", histogram).Metric(labels=labels, buckets=TTFT_BUCKETS_S)
+        self.tpot = family("lmforge_time_per_output_token_seconds", "Time per output token after the first (s)", histogram).Metric(labels=labels, buckets=TPOT_BUCKETS_S)
+        self._preemptions_seen = 0
+        self._running_max_seen = 0
+
+    def update_stats(self, stats) -> None:
+        """Copy an ``EngineStats`` snapshot into the gauges."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        if stats.num_running > self._running_max_seen:
+            self._running_max_seen = stats.num_running
+            self.running_max.set(stats.num_running)
+        self.kv_usage.set(float(stats.kv_cache_usage))
+        queries = stats.prefix_cache_queries_tokens_total
+        self.hit_rate.set(stats.prefix_cache_hits_tokens_total / queries if queries else 0.0)
+        if stats.num_preemptions_total > self._preemptions_seen:
+            self.preemptions.increment(stats.num_preemptions_total - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions_total
+
+    def finished(self, output) -> None:
+        """Record a finished ``RequestOutput``: its finish reason, TTFT and TPOT."""
+        reason = output.outputs[0].finish_reason or "unknown"
+        if reason not in self._finished:
+            self._finished[reason] = self._finished_family.Metric(labels={**self.labels, "finish_reason": reason})
+        self._finished[reason].increment(1)
+        metrics = getattr(output, "metrics", None)
+        if metrics is None:
+            return
+        if metrics.ttft_s is not None:
+            self.ttft.observe(metrics.ttft_s)
+        if metrics.tpot_s is not None:
+            self.tpot.observe(metrics.tpot_s)
+
+
+def _output_tensors(text: str, output, finish_reason: str | None) -> list:
+    tensors = [
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("num_input_tokens", np.array([len(output.prompt_token_ids)], dtype=np.int32)),
+        pb_utils.Tensor("num_output_tokens", np.array([len(output.outputs[0].token_ids)], dtype=np.int32)),
+    ]
+    if finish_reason is not None:
+        tensors.append(pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=np.object_)))
+    return tensors
+
+
+def _optional_input(request, name: str):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+class TritonPythonModel:
+    """Decoupled LLM model: one ``AsyncLLMEngine`` per instance, on an event-loop thread."""
+
+    def initialize(self, args: dict) -> None:
+        import torch
+
+        from engine import AsyncLLMEngine, EngineConfig
+
+        self.logger = pb_utils.Logger
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException(
+                f"{args['model_name']}: the LLM model must be decoupled; add `model_transaction_policy {{ decoupled: true }}` to config.pbtxt"
+            )
+        info = read_model_info(Path(args["model_repository"]) / args["model_version"])
+        self.engine = AsyncLLMEngine(EngineConfig(model=info["checkpoint"], **info.get("engine", {})))
+        self.logger.log_info(f"lmforge: {args['model_name']} engine ready on {info['checkpoint']} (torch threads {torch.get_num_threads()})")
+        self.metrics = LLMMetrics({"model": args["model_name"], "version": args["model_version"]})
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(target=self._run_loop, name="lmforge-engine-loop", daemon=True)
+        self.loop_thread.start()
+        self.ongoing: set[asyncio.Future] = set()
+        # get_stats waits for the engine step in progress, so it polls on its own thread,
+        # never on the event loop that sends the responses.
+        self.stop_stats = threading.Event()
+        self.stats_thread = threading.Thread(target=self._publish_stats, name="lmforge-stats", daemon=True)
+        self.stats_thread.start()
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def _publish_stats(self) -> None:
+        while not self.stop_stats.wait(STATS_INTERVAL_S):
+            try:
+                self.metrics.update_stats(self.engine.get_stats())
+            except Exception as exc:  # noqa: BLE001 -- metrics must never stop serving
+                self.logger.log_warn(f"lmforge: stats update failed: {exc!r}")
+
+    def execute(self, requests):
+        """Hand every request to the event loop; responses go through their senders."""
+        for request in requests:
+            future = asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
+            self.ongoing.add(future)
+            future.add_done_callback(self.ongoing.discard)
+        return None
+
+    async def _serve(self, request) -> None:
+        """Answer one request: parse it, stream the engine's outputs, always end with FINAL."""
+        sender = request.get_response_sender()
+        try:
+            parsed = parse_request(
+                _optional_input(request, "text_input"),
+                _optional_input(request, "stream"),
+                _optional_input(request, "sampling_parameters"),
+                _optional_input(request, "exclude_input_in_output"),
+            )
+        except ValueError as exc:
+            self._send_error(sender, str(exc))
+            return
+        request_id = uuid.uuid4().hex
+        stream = None
+        try:
+            stream = self.engine.generate(parsed.prompt, parsed.sampling_params, request_id)
+            final_sent, last = await self._stream(parsed, request_id, stream, sender)
+        except ValueError as exc:  # the engine refused the request (e.g. prompt over max_model_len)
+            self._send_error(sender, str(exc))
+            return
+        except asyncio.CancelledError:  # the model is being unloaded
+            await self.engine.abort(request_id)
+            self._close(sender, None)
+            raise
+        except Exception as exc:  # noqa: BLE001 -- answer this client, keep serving the others
+            self.logger.log_error(f"lmforge: request {request_id} failed: {traceback.format_exc()}")
+            await self.engine.abort(request_id)
+            self._send_error(sender, f"internal error: {exc!r}", pb_utils.TritonError.INTERNAL)
+            return
+        finally:
+            if hasattr(stream, "aclose"):
+                await stream.aclose()
+        if not final_sent:
+            self._close(sender, last)
+
+    async def _stream(self, request: LLMRequest, request_id: str, stream, sender) -> tuple[bool, object]:
+        """Send the engine's outputs; returns (FINAL sent, last output)."""
+        sent_chars = 0
+        last = None
+        next_cancel_check = 0.0
+        async for output in stream:
+            last = output
+            now = time.monotonic()
+            if now >= next_cancel_check:  # is_cancelled is an IPC round trip: rate-limited
+                if sender.is_cancelled():
+                    await self.engine.abort(request_id)
+                    self.metrics.aborted.increment(1)
+                    return False, last
+                next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
+            completion = output.outputs[0]
+            if output.finished:
+                self.metrics.finished(output)
+            if request.stream:
+                delta = completion.text[sent_chars:]
+                if not delta and not output.finished:
+                    continue
+                sent_chars = len(completion.text)
+                flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
+                sender.send(pb_utils.InferenceResponse(_output_tensors(delta, output, completion.finish_reason)), flags=flags)
+            elif output.finished:
+                text = completion.text if request.exclude_input_in_output else request.prompt + completion.text
+                response = pb_utils.InferenceResponse(_output_tensors(text, output, completion.finish_reason))
+                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            if output.finished:
+                return True, last
+        return False, last
+
+    def _send_error(self, sender, message: str, code=None) -> None:
+        """An error response with FINAL; bad input is INVALID_ARG (HTTP 400)."""
+        self.metrics.errors.increment(1)
+        code = pb_utils.TritonError.INVALID_ARG if code is None else code
+        response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _close(self, sender, last) -> None:
+        """Send the FINAL flag of a request that ended without a finished output."""
+        try:
+            if last is None or sender.is_cancelled():
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:  # the engine stopped it (aborted elsewhere)
+                sender.send(pb_utils.InferenceResponse(_output_tensors("", last, "abort")), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:  # noqa: BLE001 -- the client is gone; nothing left to tell it
+            self.logger.log_verbose(f"lmforge: closing a cancelled request: {exc!r}")
+
+    def finalize(self) -> None:
+        """Abort what is in flight, stop the engine and the loop thread."""
+        deadline = time.monotonic() + 10.0
+        for future in list(self.ongoing):
+            future.cancel()
+        while self.ongoing and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.stop_stats.set()
+        self.stats_thread.join(timeout=5)
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            result = shutdown()
+            if asyncio.iscoroutine(result):
+                asyncio.run_coroutine_threadsafe(result, self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop_thread.join(timeout=10)
