@@ -1,47 +1,439 @@
-"""``lmforge demo``: the whole job on the embedded default checkpoint.
+"""``lmforge demo`` (``make demo``): the whole job on one checkpoint, on this machine's CPU.
 
-Stages: load (convert the shipped GGUF once) -> generate. The remaining stages (fine-tune,
-quantize, evaluate, export, serve, load test, report) join as they are built; the demo lists
-the ones this installation does not have yet instead of pretending to run them.
+Stages, each printed with its progress and time:
+
+1. load the checkpoint (default: the embedded SmolLM2-135M-Instruct; ``--smoke``: a tiny random
+   Llama);
+2. prepare the dialog data (``compress.data``: chatterbot-corpus English, or ``--data``);
+3. fine-tune a few dozen steps (``compress.finetune``, fp32 on CPU, one 96-token row a step);
+4. INT8-quantize the result (``compress.quantize``, method ``dynamic``);
+5. evaluate fp32 vs INT8 (``compress.evaluate``: perplexity on the held-out split, size);
+6. export both into a Triton model repository (``deploy.export``), plus the fp32 model with
+   ``max_num_seqs=1`` (batching off) unless ``--no-batching-compare``;
+7. serve them on the real Triton server (``deploy.triton.TritonServer``, 127.0.0.1, free ports);
+8. load-test each with Locust for a fixed time (``bench.loadtest``), then stop the server;
+9. report: one table (size, perplexity, output tok/s, TTFT p50/p99 for fp32 and INT8; batching on
+   vs off at ``--batching-users``) and ``OUT/report.json`` with every stage's figures, next to
+   each load test's report directory (CSV, plots).
+
+A stage whose module this installation lacks is reported as not available (and the stages that
+need its output are skipped), never faked. A stage that fails stops the demo with that stage's
+error; the server is stopped on every path out of stage 7.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
+import json
+import os
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from compress.checkpoints import DEFAULT_MODEL, read_manifest, resolve_checkpoint
 
-LATER_STAGES = {
-    "fine-tune": "compress.finetune",
-    "quantize": "compress.quantize",
-    "evaluate": "compress.evaluate",
-    "export": "deploy.export",
-    "serve on Triton": "deploy.serve",
-    "load test": "bench.loadtest",
-}
+
+SMOKE_MODEL = "tiny-random"
+
+
+class DemoStageError(RuntimeError):
+    """A stage failed; ``stage`` names it and the cause is chained."""
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        self.stage = stage
+        super().__init__(f"stage '{stage}' failed: {type(cause).__name__}: {cause}")
+
+
+class StageUnavailable(Exception):
+    """The module a stage needs is not part of this installation (the message names it)."""
+
+
+@dataclasses.dataclass
+class DemoConfig:
+    """Budgets and inputs of one demo run (``--smoke`` shrinks all of them)."""
+
+    model: str = DEFAULT_MODEL
+    data: list[str] | None = None
+    out: str = "reports/demo"
+    finetune_steps: int = 24
+    micro_batch_size: int = 1
+    max_length: int = 96
+    precision: str = "fp32"
+    eval_records: int | None = 32
+    loadtest_s: float = 30.0
+    users: int = 4
+    max_tokens: int = 32
+    num_prompts: int | None = None
+    batching_compare: bool = True
+    batching_users: int = 16
+    threads: int | None = None
+    smoke: bool = False
+
+    @classmethod
+    def smoke_config(cls, out: str, model: str | None = None, data: list[str] | None = None) -> "DemoConfig":
+        """Tiny budgets; ``model`` ``None`` builds a tiny random Llama, else that checkpoint is used."""
+        return cls(model=model or SMOKE_MODEL, data=data, out=out, finetune_steps=2, micro_batch_size=2, max_length=64,
+                   eval_records=8, loadtest_s=4.0, users=2, max_tokens=8, num_prompts=16,
+                   batching_compare=False, smoke=True)
+
+    def validate(self) -> None:
+        """Raises ``ValueError`` naming the bad field."""
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads}: must be >= 1 (--threads)")
+        for name in ("finetune_steps", "micro_batch_size", "max_length", "users", "max_tokens", "batching_users"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})")
+        if self.loadtest_s <= 0:
+            raise ValueError(f"loadtest_s={self.loadtest_s}: must be > 0 (--loadtest-s)")
+
+
+@dataclasses.dataclass
+class StageRecord:
+    """One line of the demo's progress and of ``report.json``'s ``stages``."""
+
+    name: str
+    status: str  # "done", "not available", "skipped", "failed"
+    seconds: float
+    detail: str = ""
+
+
+class Demo:
+    """Runs the stages in order, records them, and builds the final report."""
+
+    def __init__(self, config: DemoConfig, log: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.out = Path(config.out).resolve()
+        self.log = log
+        self.stages: list[StageRecord] = []
+        self.results: dict[str, Any] = {}
+        self.threads = cpu_threads(config.threads)
+        self.started = time.perf_counter()
+
+    # -- stage bookkeeping ------------------------------------------------------------------
+
+    def stage(self, name: str, fn: Callable[[], Any], *, needs: tuple[str, ...] = ()) -> Any:
+        """Run one stage; ``None`` when unavailable or skipped. Raises :class:`DemoStageError`."""
+        number = len(self.stages) + 1
+        missing = [n for n in needs if self.results.get(n) is None]
+        if missing:
+            self._record(StageRecord(name, "skipped", 0.0, f"needs {', '.join(missing)}"), number)
+            return None
+        self.log(f"[{number}] {name} ...")
+        t = time.perf_counter()
+        try:
+            value = fn()
+        except StageUnavailable as exc:
+            self._record(StageRecord(name, "not available", time.perf_counter() - t, str(exc)), number)
+            return None
+        except Exception as exc:  # noqa: BLE001  (any failure stops the demo, named by stage)
+            self._record(StageRecord(name, "failed", time.perf_counter() - t, f"{type(exc).__name__}: {exc}"), number)
+            raise DemoStageError(name, exc) from exc
+        self.results[name] = value
+        self._record(StageRecord(name, "done", time.perf_counter() - t, _describe(value)), number)
+        return value
+
+    def _record(self, record: StageRecord, number: int) -> None:
+        self.stages.append(record)
+        detail = f": {record.detail}" if record.detail else ""
+        self.log(f"[{number}] {record.name}: {record.status} ({record.seconds:.1f} s){detail}")
+
+    # -- the job ----------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """All stages, then ``report.json``; returns the report. Raises :class:`DemoStageError`."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        import torch
+
+        torch.set_num_threads(self.threads)
+        self.log(f"using {self.threads} CPU thread(s) per process (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+        self.stage("load", self.load)
+        self.stage("data", self.prepare_data)
+        self.stage("fine-tune", self.finetune, needs=("load", "data"))
+        self.stage("quantize", self.quantize, needs=("load",))
+        self.stage("evaluate", self.evaluate, needs=("load",))
+        self.stage("export", self.export, needs=("load",))
+        self.stage("serve + load test", self.serve_and_load, needs=("export",))
+        return self.write_report()
+
+    def tuned(self) -> Path:
+        """The fp32 checkpoint the later stages use: the fine-tuned one, else the loaded one."""
+        return self.results.get("fine-tune") or self.results["load"]
+
+    def load(self) -> Path:
+        if self.config.model == SMOKE_MODEL:
+            from compress.checkpoints import make_tiny_llama
+
+            return make_tiny_llama(self.out / "tiny-random", seed=0)
+        return resolve_checkpoint(self.config.model)
+
+    def prepare_data(self) -> Path:
+        data = _require("compress.data", "data preparation")
+        inputs = self.config.data or [data.DEFAULT_INPUT]
+        out = self.out / "data"
+        data.prepare(data.DataConfig(inputs=inputs), out, verbose=False)
+        return out
+
+    def finetune(self) -> Path:
+        finetune = _require("compress.finetune", "fine-tuning")
+        c = self.config
+        config = finetune.FinetuneConfig(
+            model=str(self.results["load"]), data=str(self.results["data"]), run_dir=str(self.out / "finetune"),
+            max_steps=c.finetune_steps, micro_batch_size=c.micro_batch_size, max_length=c.max_length,
+            eval_every=0, max_val_batches=4, precision=c.precision, device="cpu", progress=sys.stderr.isatty())
+        result, final = finetune.FinetuneRecipe(config).run()
+        if result.status != "completed" or final is None:
+            raise RuntimeError(f"fine-tuning ended with status {result.status}: {result.message}")
+        return Path(final)
+
+    def quantize(self) -> Path:
+        quantize = _require("compress.quantize", "INT8 quantization")
+        return Path(quantize.quantize(self.tuned(), self.out / "int8-dynamic", method="dynamic"))
+
+    def evaluate(self) -> dict:
+        evaluate = _require("compress.evaluate", "evaluation")
+        models = {"fp32": self.tuned()}
+        if self.results.get("quantize"):
+            models["int8"] = self.results["quantize"]
+        return evaluate_models(evaluate, models, self.results.get("data"), self.config, self.log)
+
+    def export(self) -> dict[str, str]:
+        export = _require("deploy.export", "export to Triton")
+        repo = self.out / "model_repository"
+        names = {"fp32": self.tuned()}
+        if self.results.get("quantize"):
+            names["int8"] = self.results["quantize"]
+        engines = {k: {"num_threads": self.threads} for k in names}
+        if self.config.batching_compare:
+            names["fp32_batching_off"] = self.tuned()
+            engines["fp32_batching_off"] = {"num_threads": self.threads, "max_num_seqs": 1}
+        for key, checkpoint in names.items():
+            export.export(checkpoint, repo, name=f"demo_{key}", kind="llm", engine=engines[key])
+        return {key: f"demo_{key}" for key in names}
+
+    def serve_and_load(self) -> dict:
+        triton = _require("deploy.triton", "the Triton server")
+        from bench.loadtest import LoadTestConfig, run_loadtest
+
+        models = self.results["export"]
+        http, grpc, metrics = triton.free_ports(3)
+        repo = self.out / "model_repository"
+        runs: dict[str, dict] = {}
+        prompts = self._prompt_file()
+        self.log(f"      starting Triton on 127.0.0.1:{http} with {', '.join(models.values())}")
+        with triton.TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                                 models=list(models.values()), log_path=self.out / "tritonserver.log") as server:
+            for key, name in models.items():
+                users = self.config.batching_users if key == "fp32_batching_off" else self.config.users
+                plan = [(key, users)]
+                if key == "fp32" and self.config.batching_compare:
+                    plan.append(("fp32_batching_on", self.config.batching_users))
+                for label, u in plan:
+                    config = LoadTestConfig(host=server.http_url, model=name, users=u, spawn_rate=float(u),
+                                            run_time_s=self.config.loadtest_s, max_tokens=self.config.max_tokens,
+                                            prompts=prompts, num_prompts=self.config.num_prompts, ignore_eos=True,
+                                            chat_template=str(self.tuned()),
+                                            warmup_requests=1 if key == "fp32_batching_off" else None)
+                    summary = run_loadtest(config, self.out / "loadtest" / label, log=lambda m: self.log("      " + m))
+                    runs[label] = summary
+                    self.log("      " + _one_line(label, summary))
+        self.log("      Triton stopped")
+        return runs
+
+    def _prompt_file(self) -> str | None:
+        data = self.results.get("data")
+        return str(Path(data) / "val.jsonl") if data and (Path(data) / "val.jsonl").is_file() else None
+
+    # -- report -----------------------------------------------------------------------------
+
+    def write_report(self) -> dict:
+        rows = comparison_rows(self.results)
+        report = {
+            "wall_s": time.perf_counter() - self.started,
+            "config": dataclasses.asdict(self.config),
+            "stages": [dataclasses.asdict(s) for s in self.stages],
+            "checkpoints": {k: str(self.results[k]) for k in ("load", "fine-tune", "quantize") if self.results.get(k)},
+            "comparison": rows,
+            "batching": batching_rows(self.results),
+            "evaluation": self.results.get("evaluate"),
+            "loadtest_dirs": sorted(str(p) for p in (self.out / "loadtest").glob("*") if p.is_dir()),
+        }
+        (self.out / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+        return report
+
+
+def cpu_threads(requested: int | None) -> int:
+    """Threads for torch in the demo and in each served engine.
+
+    ``None`` picks: all cores when the machine is otherwise idle, one when it is already busier
+    than its cores (load average >= cores). Two OpenMP threads that keep losing their core to
+    other processes wait on each other at every parallel region; measured on a shared 2-core
+    machine, one thread ran SmolLM2's forward+backward 10-15x faster than two.
+
+    Raises:
+        ValueError: ``requested < 1``.
+    """
+    cores = os.cpu_count() or 1
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"threads={requested}: must be >= 1 (--threads)")
+        return requested
+    return 1 if os.getloadavg()[0] >= cores else cores
+
+
+def _require(module: str, what: str):
+    if importlib.util.find_spec(module) is None:
+        raise StageUnavailable(f"{what} ({module}) is not in this installation yet")
+    return importlib.import_module(module)
+
+
+def evaluate_models(evaluate, models: dict[str, Path], data: Path | None, config: DemoConfig,
+                    log: Callable[[str], None] = print) -> dict:
+    """Perplexity on the held-out split, greedy agreement, size and decode latency of each model.
+
+    Uses ``compress.evaluate.evaluate`` (the first model is the agreement reference) and prints
+    its table. Returns ``{label: metrics}`` with the labels of ``models``.
+    """
+    records, name = None, None
+    if data is not None and (Path(data) / "val.jsonl").is_file():
+        records, name = evaluate.read_records(Path(data) / "val.jsonl"), f"{data}/val.jsonl"
+    eval_config = evaluate.EvalConfig(max_records=config.eval_records, agreement_tokens=config.max_tokens,
+                                      latency_tokens=config.max_tokens, measure_latency=not config.smoke)
+    results = evaluate.evaluate(list(models.values()), records=records, data_name=name, config=eval_config,
+                                log=lambda m: log("      " + m))
+    log("      " + evaluate.format_table(results).replace("\n", "\n      "))
+    by_path = {str(resolve_checkpoint(path)): label for label, path in models.items()}
+    return {by_path[path]: metrics for path, metrics in results.items()}
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Path | str):
+        return str(value)
+    if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+        return ", ".join(value.values())
+    return ""
+
+
+def _one_line(label: str, summary: dict) -> str:
+    m = summary["metrics"]
+    tok_s = m["output_throughput_tok_s"]
+    ttft = m["ttft_ms"]["p50"]
+    return (f"{label}: {m['successful']} ok / {m['failed']} failed, "
+            f"{'-' if tok_s is None else f'{tok_s:.1f}'} tok/s, TTFT p50 {'-' if ttft is None else f'{ttft:.0f}'} ms")
+
+
+def comparison_rows(results: dict) -> list[dict]:
+    """fp32 vs INT8: size (MiB), perplexity, output tok/s, TTFT p50/p99 (ms); missing figures are ``None``."""
+    rows = []
+    runs = results.get("serve + load test") or {}
+    evaluation = results.get("evaluate") or {}
+    for key, checkpoint in (("fp32", results.get("fine-tune") or results.get("load")), ("int8", results.get("quantize"))):
+        if checkpoint is None:
+            continue
+        metrics = (runs.get(key) or {}).get("metrics") or {}
+        ev = evaluation.get(key) or {}
+        rows.append({
+            "model": key,
+            "checkpoint": str(checkpoint),
+            "size_mib": read_manifest(checkpoint).size_bytes / 2**20,
+            "perplexity": ev.get("perplexity"),
+            "output_tok_s": metrics.get("output_throughput_tok_s"),
+            "ttft_p50_ms": (metrics.get("ttft_ms") or {}).get("p50"),
+            "ttft_p99_ms": (metrics.get("ttft_ms") or {}).get("p99"),
+            "failed": metrics.get("failed"),
+        })
+    return rows
+
+
+def batching_rows(results: dict) -> dict | None:
+    """Continuous batching on vs off (``max_num_seqs=1``) at the same users; ``None`` if not measured."""
+    runs = results.get("serve + load test") or {}
+    on, off = runs.get("fp32_batching_on"), runs.get("fp32_batching_off")
+    if not on or not off:
+        return None
+    row = {}
+    for label, summary in (("on", on), ("off", off)):
+        m = summary["metrics"]
+        row[label] = {"users": summary["config"]["users"], "output_tok_s": m["output_throughput_tok_s"],
+                      "ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"], "failed": m["failed"]}
+    if row["on"]["output_tok_s"] and row["off"]["output_tok_s"]:
+        row["throughput_ratio"] = row["on"]["output_tok_s"] / row["off"]["output_tok_s"]
+    return row
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_final_table(report: dict) -> str:
+    """The one table of the demo: fp32 vs INT8, then batching on vs off."""
+    lines = [f"  {'model':<6} {'size MiB':>9} {'perplexity':>11} {'tok/s':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}"]
+    for r in report["comparison"]:
+        lines.append(f"  {r['model']:<6} {_f(r['size_mib']):>9} {_f(r['perplexity'], 2):>11} {_f(r['output_tok_s']):>8} "
+                     f"{_f(r['ttft_p50_ms'], 0):>12} {_f(r['ttft_p99_ms'], 0):>12}")
+    b = report.get("batching")
+    if b:
+        lines.append(f"  batching at {b['on']['users']} users: on {_f(b['on']['output_tok_s'])} tok/s "
+                     f"(TTFT p50 {_f(b['on']['ttft_p50_ms'], 0)} ms) vs off (max_num_seqs=1) "
+                     f"{_f(b['off']['output_tok_s'])} tok/s (TTFT p50 {_f(b['off']['ttft_p50_ms'], 0)} ms): "
+                     f"x{_f(b.get('throughput_ratio'), 2)}")
+    return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or checkpoint directory")
-    parser.add_argument("--prompt", default="What is the capital of France?", help="prompt for the generation stage")
+    d = DemoConfig()
+    parser.add_argument("--model", default=d.model, help="checkpoint: name, .gguf file or directory (default smollm2-135m)")
+    parser.add_argument("--data", action="append", default=None,
+                        help="data input for compress.data (chatterbot:LANG, .yml, .jsonl, .txt); repeatable")
+    parser.add_argument("--out", default=d.out, help="report directory (default reports/demo)")
+    parser.add_argument("--finetune-steps", type=int, default=d.finetune_steps, help="optimizer steps of the fine-tune")
+    parser.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
+    parser.add_argument("--max-length", type=int, default=d.max_length, help="tokens per training row")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default=d.precision,
+                        help="fine-tune precision (fp32 default: CPUs without bf16 units emulate it slowly)")
+    parser.add_argument("--eval-records", type=int, default=d.eval_records, help="held-out records scored for perplexity")
+    parser.add_argument("--loadtest-s", type=float, default=d.loadtest_s, help="seconds of load per model")
+    parser.add_argument("--users", type=int, default=d.users, help="Locust users per fp32/INT8 load test")
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
+    parser.add_argument("--batching-users", type=int, default=d.batching_users, help="users of the batching on/off comparison")
+    parser.add_argument("--no-batching-compare", action="store_true", help="skip the max_num_seqs=1 comparison")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per process (default: all cores if the machine is idle, else 1)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny budgets and (unless --model is given) a tiny random model: an end-to-end check")
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    if args.smoke:
+        return DemoConfig.smoke_config(args.out if args.out != DemoConfig.out else "reports/demo-smoke",
+                                       model=None if args.model == DEFAULT_MODEL else args.model, data=args.data)
+    return DemoConfig(model=args.model, data=args.data, out=args.out, finetune_steps=args.finetune_steps,
+                      micro_batch_size=args.micro_batch_size, max_length=args.max_length, precision=args.precision, eval_records=args.eval_records,
+                      loadtest_s=args.loadtest_s, users=args.users, max_tokens=args.max_tokens,
+                      batching_compare=not args.no_batching_compare, batching_users=args.batching_users,
+                      threads=args.threads)
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.cli import hf_generate
-
-    start = time.perf_counter()
-    print(f"[1/2] load {args.model}")
-    path = resolve_checkpoint(args.model)
-    manifest = read_manifest(path)
-    print(f"      {path} ({manifest.num_parameters:,} parameters, {manifest.size_bytes / 2**20:.0f} MiB, {time.perf_counter() - start:.1f} s)")
-    print(f"[2/2] generate (greedy): {args.prompt}")
-    t = time.perf_counter()
-    print("      " + hf_generate(str(path), args.prompt, chat=True, max_tokens=48).replace("\n", "\n      "))
-    print(f"      ({time.perf_counter() - t:.1f} s)")
-    missing = [name for name, module in LATER_STAGES.items() if importlib.util.find_spec(module) is None]
-    if missing:
-        print(f"not yet built, so not run: {', '.join(missing)}")
-    print(f"demo finished in {time.perf_counter() - start:.1f} s")
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    demo = Demo(config)
+    try:
+        report = demo.run()
+    except DemoStageError as exc:
+        demo.write_report()
+        print(f"demo stopped: {exc}", file=sys.stderr)
+        return 1
+    print(format_final_table(report))
+    unavailable = [s["name"] for s in report["stages"] if s["status"] != "done"]
+    if unavailable:
+        print(f"not run: {', '.join(unavailable)} (see above)")
+    print(f"demo finished in {report['wall_s']:.0f} s; report: {demo.out / 'report.json'}")
     return 0

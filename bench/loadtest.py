@@ -1,0 +1,410 @@
+"""``lmforge loadtest``: Locust against a model on Triton, with exact percentiles and a report.
+
+Checks the target first (host on 127.0.0.1, server ready, model ready, at least one user), runs
+Locust headless in a child process (:mod:`bench.locust_runner`) bounded by a hard timeout, reads
+back one raw sample per request and writes ``OUT/``:
+
+* ``summary.json``: the configuration, the metrics of :func:`bench.metrics.summarize`, latency by
+  concurrency, per-step figures and the goodput for ``--shape steps``, and the server's state;
+* Locust's CSVs (``locust_stats.csv``, ``locust_stats_history.csv``, ``locust_failures.csv``,
+  ``locust_exceptions.csv``) and ``samples.jsonl`` (the raw samples);
+* PNG plots: TTFT and E2E CDFs, output tok/s over time, concurrency vs latency.
+
+A server that stops answering mid-run ends the run early; the report keeps what was measured
+and says so (``server.unreachable_during_run``), and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summaries, summarize
+from bench.prompts import PromptError, load_prompts, render_chat, with_system_prompt
+from bench.report import PLOT_FILES, format_table, plot_report, read_samples
+
+LOCUST_PREFIX = "locust"
+CHECK_TIMEOUT_S = 3.0
+MAX_RUN_TIME_S = 6 * 3600.0
+CHILD_GRACE_S = 60.0
+PROMPTS_FILE = "prompts.jsonl"
+
+
+class LoadTestError(RuntimeError):
+    """A load test that cannot start (bad input, server or model not there) or could not run."""
+
+
+@dataclass
+class LoadTestConfig:
+    """One load test. Durations in seconds; sampling fields as ``SamplingParams``.
+
+    ``chat_template`` (a checkpoint) renders each prompt, after the optional system prompt, with
+    that tokenizer's chat template before sending. ``shape="steps"`` raises users from ``users`` by ``step_users`` every ``step_s`` seconds
+    until TTFT p90 exceeds ``ttft_p90_bound_ms`` (or ``max_users`` / ``run_time_s`` is reached).
+    ``warmup_requests`` non-streaming requests (``None``: one per user, sent together) go first
+    and are not measured (GenAI-Perf's ``--warmup-request-count``): the first forward passes of
+    a fresh engine, and of each new batch size, are slower.
+    """
+
+    host: str
+    model: str
+    users: int = 2
+    spawn_rate: float = 2.0
+    run_time_s: float = 60.0
+    endpoint: str = "generate_stream"
+    prompts: str | None = None
+    num_prompts: int | None = None
+    system_prompt: str | None = None
+    chat_template: str | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    seed: int = 0
+    request_timeout_s: float = 120.0
+    shape: str = "constant"
+    step_users: int = 2
+    step_s: float = 10.0
+    max_users: int = 32
+    ttft_p90_bound_ms: float = 1000.0
+    warmup_requests: int | None = None
+
+    def validate(self) -> None:
+        """Raises :class:`LoadTestError` naming the bad field and the fix."""
+        checks = [
+            (self.users >= 1, f"users={self.users}; at least 1 user is needed (--users)"),
+            (self.spawn_rate > 0, f"spawn_rate={self.spawn_rate}; it must be > 0 (--spawn-rate)"),
+            (0 < self.run_time_s <= MAX_RUN_TIME_S, f"run_time_s={self.run_time_s}; it must be in (0, {MAX_RUN_TIME_S:.0f}] (--run-time)"),
+            (self.max_tokens >= 1, f"max_tokens={self.max_tokens}; it must be >= 1 (--max-tokens)"),
+            (self.request_timeout_s > 0, f"request_timeout_s={self.request_timeout_s}; it must be > 0"),
+            (self.warmup_requests is None or self.warmup_requests >= 0, f"warmup_requests={self.warmup_requests}; it must be >= 0 (--warmup-requests)"),
+            (self.endpoint in ("generate_stream", "generate"), f"endpoint={self.endpoint!r}; use generate_stream or generate"),
+            (self.shape in ("constant", "steps"), f"shape={self.shape!r}; use constant or steps (--shape)"),
+            (bool(self.model), "model is empty; pass the Triton model name (--model)"),
+        ]
+        if self.shape == "steps":
+            checks += [
+                (self.step_users >= 1 and self.step_s > 0, f"step_users={self.step_users}, step_s={self.step_s}; both must be positive"),
+                (self.max_users >= self.users, f"max_users={self.max_users} < users={self.users}; raise --max-users"),
+                (self.ttft_p90_bound_ms > 0, f"ttft_p90_bound_ms={self.ttft_p90_bound_ms}; it must be > 0"),
+            ]
+        for ok, message in checks:
+            if not ok:
+                raise LoadTestError(message)
+        check_host(self.host)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``"60"``, ``"60s"``, ``"2m"``, ``"1h"`` or ``"1m30s"`` (Locust's ``--run-time`` style).
+
+    Raises:
+        LoadTestError: anything else.
+    """
+    text = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", text)
+    if not text or parts is None:
+        raise LoadTestError(f"run time {text!r} is not a duration; write e.g. 60s, 2m or 1m30s")
+    hours, minutes, seconds = (float(p) if p else 0.0 for p in parts.groups())
+    return hours * 3600 + minutes * 60 + seconds
+
+
+def check_host(host: str) -> str:
+    """The host URL without a trailing slash; only ``http://127.0.0.1:PORT`` is accepted.
+
+    Raises:
+        LoadTestError: another scheme or address, or no port.
+    """
+    parsed = urllib.parse.urlparse(host)
+    if parsed.scheme != "http" or parsed.hostname != "127.0.0.1" or parsed.port is None:
+        raise LoadTestError(f"host {host!r}: load is only sent to http://127.0.0.1:PORT (the Triton HTTP port)")
+    return f"http://127.0.0.1:{parsed.port}"
+
+
+def _get(url: str, timeout_s: float = CHECK_TIMEOUT_S) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def server_ready(host: str) -> bool:
+    """Whether ``/v2/health/ready`` answers 200 within a few seconds."""
+    try:
+        return _get(f"{host}/v2/health/ready")[0] == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def preflight(config: LoadTestConfig) -> None:
+    """Check everything before any load is sent.
+
+    Raises:
+        LoadTestError: invalid settings, prompts that cannot be read, a server that does not
+            answer, or a model that is not ready (with the models the server has).
+    """
+    config.validate()
+    host = check_host(config.host)
+    try:
+        load_prompts(config.prompts, limit=config.num_prompts)
+    except PromptError as exc:
+        raise LoadTestError(str(exc)) from exc
+    try:
+        status, _ = _get(f"{host}/v2/health/ready")
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise LoadTestError(f"cannot reach a Triton server at {host} ({reason}); start one with "
+                            "`lmforge serve --repo model_repository` or fix --host") from exc
+    if status != 200:
+        raise LoadTestError(f"the server at {host} is not ready (/v2/health/ready: HTTP {status})")
+    status, _ = _get(f"{host}/v2/models/{urllib.parse.quote(config.model)}/ready")
+    if status != 200:
+        raise LoadTestError(f"model {config.model!r} is not ready on {host}; models there: {_models(host)}; fix --model")
+
+
+def _models(host: str) -> str:
+    """Names and states from the repository index, for error messages."""
+    try:
+        request = urllib.request.Request(f"{host}/v2/repository/index", data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=CHECK_TIMEOUT_S) as response:
+            index = json.loads(response.read())
+        return ", ".join(f"{m.get('name')} ({m.get('state', 'unknown')})" for m in index) or "none"
+    except (urllib.error.URLError, OSError, ValueError):
+        return "unknown (repository index not available)"
+
+
+def write_prompts(config: LoadTestConfig, path: Path) -> list[str]:
+    """Resolve the prompts once (source, limit, system prompt, chat template) into ``path``.
+
+    The load generator then only reads a small JSONL of ``{"prompt"}`` records. Returns them.
+
+    Raises:
+        LoadTestError: the prompts or the chat template cannot be read.
+    """
+    try:
+        prompts = load_prompts(config.prompts, limit=config.num_prompts)
+        if config.chat_template is not None:
+            prompts = render_chat(prompts, config.chat_template, config.system_prompt)
+        else:
+            prompts = with_system_prompt(prompts, config.system_prompt)
+    except PromptError as exc:
+        raise LoadTestError(str(exc)) from exc
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
+    return prompts
+
+
+def warm_up(config: LoadTestConfig, prompts: list[str]) -> None:
+    """Send ``config.warmup_requests`` unmeasured requests to ``/generate``, up to ``users`` at once.
+
+    Concurrent, like the run, so the engine has already seen the batch sizes of the run (the
+    first forward pass at a new shape is slow on CPU).
+
+    Raises:
+        LoadTestError: a warm-up request failed (the server's error is in the message), so a
+            model that cannot answer is reported before the run.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    count = config.users if config.warmup_requests is None else config.warmup_requests
+    if count == 0:
+        return
+    with ThreadPoolExecutor(max_workers=max(1, min(config.users, count))) as pool:
+        errors = [e for e in pool.map(lambda i: _warm_up_one(config, prompts[i % len(prompts)]), range(count)) if e]
+    if errors:
+        raise LoadTestError(f"warm-up request to {config.model} failed: {errors[0]}")
+
+
+def _warm_up_one(config: LoadTestConfig, prompt: str) -> str | None:
+    """One blocking ``/generate`` request; the error text, or ``None`` on success."""
+    from bench.protocol import request_payload
+
+    url = f"{check_host(config.host)}/v2/models/{urllib.parse.quote(config.model)}/generate"
+    sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "top_p": config.top_p}
+    body = json.dumps(request_payload(prompt, sampling, stream=False)).encode()
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=config.request_timeout_s) as response:
+            response.read()
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read()[:300]!r}"
+    except (urllib.error.URLError, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
+    command = [
+        sys.executable, "-m", "bench.locust_runner",
+        "--host", check_host(config.host), "--users", str(config.users), "--spawn-rate", str(config.spawn_rate),
+        "--run-time-s", str(config.run_time_s), "--csv-prefix", str(out_dir / LOCUST_PREFIX), "--shape", config.shape,
+        "--model", config.model, "--endpoint", config.endpoint, "--max-tokens", str(config.max_tokens),
+        "--temperature", str(config.temperature), "--top-p", str(config.top_p), "--seed", str(config.seed),
+        "--request-timeout-s", str(config.request_timeout_s), "--samples-out", str(out_dir / "samples.jsonl"),
+    ]
+    command += ["--prompts", str(out_dir / PROMPTS_FILE)]  # resolved by the parent (write_prompts)
+    if config.ignore_eos:
+        command.append("--ignore-eos")
+    if config.shape == "steps":
+        command += ["--shape-config", json.dumps({
+            "start_users": config.users, "step_users": config.step_users, "step_s": config.step_s,
+            "max_users": config.max_users, "ttft_p90_bound_ms": config.ttft_p90_bound_ms,
+            "spawn_rate": config.spawn_rate})]
+    return command
+
+
+def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> dict:
+    """Run one load test and write its report directory; returns the summary (``summary.json``).
+
+    Raises:
+        LoadTestError: from :func:`preflight` (nothing was sent), or the load generator could
+            not start at all.
+    """
+    preflight(config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = write_prompts(config, out / PROMPTS_FILE)
+    warm_up(config, prompts)
+    (out / "samples.jsonl").unlink(missing_ok=True)
+    log(f"load test: {config.users} users ({config.shape}) on {config.model} at {config.host}, {config.run_time_s:g} s ...")
+    started = time.time()
+    child_log = out / "locust.log"
+    timeout_s = config.run_time_s + config.request_timeout_s + CHILD_GRACE_S
+    note = None
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    with child_log.open("w", encoding="utf-8") as handle:
+        try:
+            child = subprocess.run(_child_command(config, out), stdout=handle, stderr=subprocess.STDOUT,
+                                   timeout=timeout_s, cwd=repo_root, check=False)
+            if child.returncode != 0:
+                note = f"the load generator exited with status {child.returncode}; see {child_log}"
+        except subprocess.TimeoutExpired:
+            note = f"the load generator did not finish within {timeout_s:.0f} s and was killed; see {child_log}"
+    samples, records = read_samples(out / "samples.jsonl")
+    if not samples and note is not None:
+        raise LoadTestError(f"no requests were measured: {note}")
+    summary = build_summary(config, samples, records, out, started=started, note=note)
+    plot_report(samples, out, title=config.model)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    return summary
+
+
+def build_summary(config: LoadTestConfig, samples, records: list[dict], out: Path, *, started: float,
+                  note: str | None) -> dict:
+    """The content of ``summary.json`` (see the module docstring)."""
+    unreachable = next((r["error"] for r in records if r["kind"] == "server_unreachable"), None)
+    summary = {
+        "config": asdict(config),
+        "started_at_s": started,
+        "metrics": summarize(samples),
+        "by_concurrency": latency_by_concurrency(samples),
+        "server": {"unreachable_during_run": unreachable, "ready_after_run": server_ready(check_host(config.host))},
+        "notes": [n for n in (note,) if n],
+        "files": sorted([p.name for p in out.glob(f"{LOCUST_PREFIX}_*.csv")] + ["samples.jsonl", *PLOT_FILES]),
+    }
+    if unreachable or not summary["server"]["ready_after_run"]:
+        summary["notes"].append("the server stopped answering during the run; the figures cover what was measured before")
+    if config.shape == "steps":
+        summary.update(_steps_summary(config, samples, records, out))
+    return summary
+
+
+def _steps_summary(config: LoadTestConfig, samples, records: list[dict], out: Path) -> dict:
+    """Steps from the shape's own file (written at the end of the run), else from the samples
+    file's step records (a load generator that was killed)."""
+    run_end = max([s.end_s for s in samples], default=time.time())
+    shape_file = out / f"{LOCUST_PREFIX}_shape.json"
+    if shape_file.is_file():
+        shape = json.loads(shape_file.read_text(encoding="utf-8"))
+        starts, stop = shape["steps"], shape.get("stop_reason")
+    else:
+        starts = [r for r in records if r["kind"] == "step"]
+        stop = next((r.get("reason") for r in records if r["kind"] == "shape_stop"), None)
+    steps = [LoadStep(r["users"], r["start_s"], r.get("end_s") or (starts[i + 1]["start_s"] if i + 1 < len(starts) else run_end))
+             for i, r in enumerate(starts)]
+    rows = step_summaries(samples, steps, config.ttft_p90_bound_ms)
+    return {"steps": rows, "goodput": goodput(rows), "ttft_p90_bound_ms": config.ttft_p90_bound_ms,
+            "stop_reason": stop or "run time reached"}
+
+
+def format_report(summary: dict) -> str:
+    """The table, step results and notes as printed at the end of ``lmforge loadtest``."""
+    lines = [format_table(summary["metrics"])]
+    if "steps" in summary:
+        lines.append(f"  steps (TTFT p90 bound {summary['ttft_p90_bound_ms']:g} ms):")
+        for row in summary["steps"]:
+            p90 = "-" if row["ttft_p90_ms"] is None else f"{row['ttft_p90_ms']:.0f}"
+            tok_s = "-" if row["output_throughput_tok_s"] is None else f"{row['output_throughput_tok_s']:.1f}"
+            lines.append(f"    {row['users']:>3} users: {tok_s} tok/s, TTFT p90 {p90} ms, "
+                         f"{'meets' if row['meets_slo'] else 'misses'} the bound")
+        best = summary["goodput"]
+        lines.append(f"  goodput: {best['output_throughput_tok_s']:.1f} tok/s at {best['users']} users"
+                     if best else "  goodput: no step met the bound")
+        lines.append(f"  stopped: {summary['stop_reason']}")
+    for name, count in summary["metrics"]["errors"].items():
+        lines.append(f"  error x{count}: {name}")
+    lines += [f"  note: {n}" for n in summary["notes"]]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", required=True, help="Triton HTTP endpoint, http://127.0.0.1:PORT")
+    parser.add_argument("--model", required=True, help="the Triton model name")
+    parser.add_argument("--users", type=int, default=2, help="concurrent users (start users for --shape steps)")
+    parser.add_argument("--spawn-rate", type=float, default=2.0, help="users started per second")
+    parser.add_argument("--run-time", default="60s", help="duration, e.g. 60s, 2m (an upper bound for --shape steps)")
+    parser.add_argument("--shape", choices=["constant", "steps"], default="constant",
+                        help="steps: add users until TTFT p90 passes --ttft-p90-bound-ms, report goodput")
+    parser.add_argument("--step-users", type=int, default=2, help="users added per step")
+    parser.add_argument("--step-time", default="10s", help="duration of each step")
+    parser.add_argument("--max-users", type=int, default=32, help="stop stepping at this many users")
+    parser.add_argument("--ttft-p90-bound-ms", type=float, default=1000.0, help="latency objective for goodput")
+    parser.add_argument("--endpoint", choices=["generate_stream", "generate"], default="generate_stream")
+    parser.add_argument("--prompts", default=None, help="JSONL of prompts (default: held-out chatterbot dialogs)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--system-prompt", default=None, help="shared prefix before every prompt (prefix reuse)")
+    parser.add_argument("--chat-template", default=None, metavar="CKPT",
+                        help="render prompts with this checkpoint's chat template (instruct models)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--warmup-requests", type=int, default=None,
+                        help="unmeasured requests sent first, up to --users at once (default: one per user)")
+    parser.add_argument("--out", default="reports/loadtest", help="report directory (default reports/loadtest)")
+
+
+def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
+    """Raises :class:`LoadTestError` for a run time that is not a duration."""
+    return LoadTestConfig(
+        host=args.host, model=args.model, users=args.users, spawn_rate=args.spawn_rate,
+        run_time_s=parse_duration(args.run_time), endpoint=args.endpoint, prompts=args.prompts,
+        num_prompts=args.num_prompts, system_prompt=args.system_prompt, chat_template=args.chat_template, max_tokens=args.max_tokens,
+        temperature=args.temperature, top_p=args.top_p, ignore_eos=args.ignore_eos, seed=args.seed,
+        request_timeout_s=args.request_timeout_s, shape=args.shape, step_users=args.step_users,
+        step_s=parse_duration(args.step_time), max_users=args.max_users, ttft_p90_bound_ms=args.ttft_p90_bound_ms,
+        warmup_requests=args.warmup_requests)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        summary = run_loadtest(config_from_args(args), args.out)
+    except LoadTestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(summary))
+    print(f"report: {Path(args.out).resolve()}")
+    server_lost = summary["server"]["unreachable_during_run"] or not summary["server"]["ready_after_run"]
+    return 1 if server_lost or summary["metrics"]["successful"] == 0 else 0

@@ -1,0 +1,233 @@
+"""Locust users for an LLM served by Triton's generate extension.
+
+``LLMUser`` POSTs to ``/v2/models/NAME/generate_stream`` (server-sent events, one ``data: {...}``
+JSON event per response; ``text_output`` holds the new text, and our model adds
+``num_input_tokens``, ``num_output_tokens`` and ``finish_reason``) and reads the body line by line
+with ``requests``' ``iter_lines`` as it arrives, so the time to first token is the time the first
+text event reached the client. (``FastHttpUser`` is not used: it reads whole bodies, which turns
+TTFT into end-to-end latency.) With ``--endpoint generate`` it calls the non-streaming
+``/v2/models/NAME/generate`` instead, where only end-to-end latency exists.
+
+Per request it records TTFT, the inter-token latencies, end-to-end latency, and the input and
+output token counts (definitions: :mod:`bench.metrics`, after GenAI-Perf and vLLM's
+``benchmark_serving``), and fires Locust request events so Locust's own statistics and CSVs show
+them: ``POST generate_stream`` with the end-to-end time, and ``TTFT generate_stream`` with the
+time to first token. An ``{"error": ...}`` event inside the stream, a non-200 status, a broken
+connection or a stream that ends without a final event count as failures.
+
+Run it on its own: ``locust -f bench/locustfile.py --host http://127.0.0.1:8000 --model NAME``
+(web UI, or ``--headless -u 4 -r 4 -t 60s``), or through ``lmforge loadtest``, which adds exact
+percentiles over the raw samples (``--samples-out``), plots and a summary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import IO
+
+import gevent
+import requests
+from locust import HttpUser, constant, events, task
+
+from bench.metrics import RequestSample
+from bench.protocol import StreamError, StreamResult, read_stream, read_whole, request_payload
+from bench.prompts import load_prompts, with_system_prompt
+
+CONNECT_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 2.0
+
+
+def add_options(parser) -> None:
+    """The locustfile's own command-line options (also used by ``bench.locust_runner``)."""
+    group = parser.add_argument_group("lmforge LLM load")
+    group.add_argument("--model", default=None, help="Triton model name (required)")
+    group.add_argument("--endpoint", choices=["generate_stream", "generate"], default="generate_stream",
+                       help="streaming SSE endpoint (TTFT, ITL) or the non-streaming one (E2E only)")
+    group.add_argument("--prompts", default=None, help="JSONL of prompts (default: the held-out dialogs)")
+    group.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    group.add_argument("--system-prompt", default=None, help="shared prefix put before every prompt (prefix reuse)")
+    group.add_argument("--max-tokens", type=int, default=64, help="SamplingParams.max_tokens (default 64)")
+    group.add_argument("--temperature", type=float, default=0.0, help="SamplingParams.temperature (0 = greedy)")
+    group.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p")
+    group.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (fixed output length)")
+    group.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed")
+    group.add_argument("--request-timeout-s", type=float, default=120.0, help="read timeout per request")
+    group.add_argument("--samples-out", default=None, help="append one JSON line per request to this file")
+
+
+@events.init_command_line_parser.add_listener
+def _on_parser(parser) -> None:
+    add_options(parser)
+
+
+@dataclass
+class LoadConfig:
+    """What every user sends; built once per test from the parsed options."""
+
+    model: str
+    endpoint: str
+    prompts: list[str]
+    sampling_parameters: dict
+    request_timeout_s: float
+    seed: int
+
+
+@dataclass
+class RunState:
+    """Shared by all users of one Locust process (greenlets, so no locking)."""
+
+    config: LoadConfig
+    samples: list[RequestSample] = field(default_factory=list)
+    in_flight: int = 0
+    sink: IO[str] | None = None
+    server_unreachable: str | None = None
+    prompt_counter: itertools.count = field(default_factory=itertools.count)
+
+    def record(self, kind: str, payload: dict) -> None:
+        """Append one JSON line ``{"kind": kind, ...}`` to the samples file (flushed at once)."""
+        if self.sink is not None:
+            self.sink.write(json.dumps({"kind": kind, **payload}) + "\n")
+            self.sink.flush()
+
+
+def config_from_options(options) -> LoadConfig:
+    """Build the :class:`LoadConfig` from parsed options.
+
+    Raises:
+        ValueError: no ``--model``, or ``--max-tokens < 1``.
+        bench.prompts.PromptError: the prompts cannot be read.
+    """
+    if not options.model:
+        raise ValueError("--model is required: the Triton model name to load-test")
+    if options.max_tokens < 1:
+        raise ValueError(f"--max-tokens={options.max_tokens}; it must be >= 1")
+    prompts = with_system_prompt(load_prompts(options.prompts, limit=options.num_prompts), options.system_prompt)
+    sampling = {"max_tokens": options.max_tokens, "temperature": options.temperature, "top_p": options.top_p}
+    if options.ignore_eos:
+        sampling["ignore_eos"] = True
+    return LoadConfig(options.model, options.endpoint, prompts, sampling, options.request_timeout_s, options.seed)
+
+
+@events.test_start.add_listener
+def _on_test_start(environment, **_kwargs) -> None:
+    if getattr(environment, "lmforge_state", None) is not None:
+        return
+    options = environment.parsed_options
+    state = RunState(config_from_options(options))
+    if getattr(options, "samples_out", None):
+        state.sink = open(options.samples_out, "a", encoding="utf-8")  # closed at quit
+    environment.lmforge_state = state
+
+
+@events.quitting.add_listener
+def _on_quitting(environment, **_kwargs) -> None:
+    state = getattr(environment, "lmforge_state", None)
+    if state is not None and state.sink is not None:
+        state.sink.close()
+        state.sink = None
+
+
+class LLMUser(HttpUser):
+    """One closed-loop client: sends a request, waits for the whole answer, sends the next.
+
+    Prompts are taken round-robin from a shared counter, so ``U`` users together cover the
+    prompt set in order (the same prompts for every run with the same seed).
+    """
+
+    wait_time = constant(0)
+
+    @task
+    def generate(self) -> None:
+        state: RunState = self.environment.lmforge_state
+        if state.server_unreachable is not None:
+            gevent.sleep(0.5)
+            return
+        config = state.config
+        prompts = config.prompts
+        prompt = prompts[(next(state.prompt_counter) + config.seed) % len(prompts)]
+        stream = config.endpoint == "generate_stream"
+        path = f"/v2/models/{config.model}/{config.endpoint}"
+        state.in_flight += 1
+        sample = RequestSample(start_s=time.time(), e2e_s=0.0, concurrency=state.in_flight,
+                               users=self.environment.runner.user_count if self.environment.runner else 1,
+                               endpoint=config.endpoint)
+        try:
+            self._send(state, path, request_payload(prompt, config.sampling_parameters, stream=stream), stream, sample)
+        finally:
+            state.in_flight -= 1
+        state.samples.append(sample)
+        state.record("request", sample.to_json())
+
+    def _send(self, state: RunState, path: str, payload: dict, stream: bool, sample: RequestSample) -> None:
+        result = StreamResult()
+        t0 = time.perf_counter()
+        name = path.rsplit("/", 1)[-1]
+        with self.client.post(path, json=payload, stream=stream, name=name, catch_response=True,
+                              timeout=(CONNECT_TIMEOUT_S, state.config.request_timeout_s)) as response:
+            error = None
+            try:
+                error = _http_error(response)
+                if error is None:
+                    (read_stream if stream else read_whole)(response, result)
+            except StreamError as exc:
+                error = str(exc)
+            except requests.RequestException as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            end = time.perf_counter()
+            _fill_sample(sample, result, t0, end, error)
+            response.request_meta["response_time"] = (end - t0) * 1000.0
+            response.request_meta["response_length"] = len(result.text.encode("utf-8"))
+            if error is None:
+                response.success()
+            else:
+                response.failure(error)
+        if sample.ttft_s is not None:
+            self.environment.events.request.fire(
+                request_type="TTFT", name=name, response_time=sample.ttft_s * 1000.0, response_length=0,
+                exception=None, context={})
+        if error is not None and _is_connection_error(response):
+            self._check_server(state, error)
+
+    def _check_server(self, state: RunState, error: str) -> None:
+        """After a connection failure: if the server's health endpoint is gone too, stop the run."""
+        if state.server_unreachable is not None:
+            return
+        try:
+            requests.get(f"{self.host}/v2/health/live", timeout=HEALTH_TIMEOUT_S).raise_for_status()
+            return
+        except requests.RequestException as exc:
+            state.server_unreachable = f"{error} (then /v2/health/live: {type(exc).__name__})"
+        state.record("server_unreachable", {"time_s": time.time(), "error": state.server_unreachable})
+        gevent.spawn(self.environment.runner.quit)
+
+
+def _http_error(response) -> str | None:
+    if getattr(response, "error", None) is not None and not response.status_code:
+        return f"{type(response.error).__name__}: {response.error}"
+    if response.status_code != 200:
+        try:
+            detail = response.json().get("error", response.text)
+        except ValueError:
+            detail = response.text
+        return f"HTTP {response.status_code}: {str(detail)[:300]}"
+    return None
+
+
+def _is_connection_error(response) -> bool:
+    return not response.status_code or isinstance(getattr(response, "error", None), requests.ConnectionError)
+
+
+def _fill_sample(sample: RequestSample, result: StreamResult, t0: float, end: float, error: str | None) -> None:
+    sample.e2e_s = end - t0
+    sample.error = error
+    times = result.chunk_times
+    if times:
+        sample.ttft_s = times[0] - t0
+        sample.itl_s = [b - a for a, b in zip(times, times[1:])]
+    sample.output_tokens = result.output_tokens if result.output_tokens is not None else len(times)
+    sample.input_tokens = result.input_tokens
+    sample.finish_reason = result.finish_reason
+

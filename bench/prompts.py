@@ -1,0 +1,158 @@
+"""Prompts for the load test: held-out dialogs by default, or a JSONL file of the user's.
+
+A prompt is the text the client sends as ``text_input``. The optional shared system prompt is
+put in front of every prompt, so all requests share a prefix of whole KV blocks that the
+engine's prefix cache can reuse (the same idea as vLLM's ``--enable-prefix-caching`` benchmarks
+with a common system prompt).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+HELD_OUT_PERCENT = 10
+
+
+class PromptError(ValueError):
+    """A prompt source that is missing, malformed or empty; the message names the file and line."""
+
+
+def load_prompts(path: str | Path | None = None, *, limit: int | None = None) -> list[str]:
+    """Prompts from ``path`` (JSONL), or the held-out English dialogs when ``path`` is ``None``.
+
+    JSONL records may be ``{"prompt": str}``, ``{"text_input": str}``, ``{"text": str}`` or
+    ``{"messages": [{"role", "content"}, ...]}`` (the ``lmforge data`` format; the last user
+    turn is the prompt). ``limit`` keeps the first ``limit`` prompts.
+
+    Raises:
+        PromptError: the file is missing, a line is not JSON or has none of those fields, or
+            nothing is left.
+    """
+    prompts = _jsonl_prompts(Path(path)) if path is not None else held_out_dialog_prompts()
+    if limit is not None:
+        prompts = prompts[:limit]
+    if not prompts:
+        raise PromptError(f"no prompts in {path or 'the held-out dialogs'}; give a JSONL file with 'prompt' records")
+    return prompts
+
+
+def _jsonl_prompts(path: Path) -> list[str]:
+    if not path.is_file():
+        raise PromptError(f"prompts file {path} does not exist; pass a JSONL file, one record a line")
+    prompts = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+            prompts.append(_record_prompt(record, f"{path}:{number}"))
+    return prompts
+
+
+def _record_prompt(record: object, where: str) -> str:
+    if isinstance(record, dict):
+        for key in ("prompt", "text_input", "text"):
+            if isinstance(record.get(key), str) and record[key].strip():
+                return record[key]
+        messages = record.get("messages")
+        if isinstance(messages, list):
+            users = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+            if users and isinstance(users[-1], str) and users[-1].strip():
+                return users[-1]
+    raise PromptError(f"{where}: expected a 'prompt', 'text_input', 'text' or 'messages' field with text")
+
+
+def held_out_dialog_prompts() -> list[str]:
+    """The first user turn of each held-out English chatterbot-corpus conversation.
+
+    Held out means the validation split of ``compress.data`` (deduplicated and filtered together
+    with the training split, so no prompt was trained on) when that module is installed; else
+    the ~10% of conversations whose hash falls in a fixed bucket (stable, independent of file
+    order). Prompts are deduplicated, order kept.
+
+    Raises:
+        PromptError: the ``chatterbot-corpus`` package is not installed.
+    """
+    return list(_held_out_dialog_prompts())
+
+
+@functools.lru_cache(maxsize=1)
+def _held_out_dialog_prompts() -> tuple[str, ...]:
+    if importlib.util.find_spec("compress.data") is not None:
+        return _data_split_prompts()
+    return _hashed_split_prompts()
+
+
+def _data_split_prompts() -> tuple[str, ...]:
+    import tempfile
+
+    from compress.data import DataConfig, prepare
+
+    with tempfile.TemporaryDirectory(prefix="lmforge-prompts-") as tmp:
+        prepare(DataConfig(), tmp, verbose=False)
+        prompts = _jsonl_prompts(Path(tmp) / "val.jsonl")
+    return tuple(dict.fromkeys(p.strip() for p in prompts if p.strip()))
+
+
+def _hashed_split_prompts() -> tuple[str, ...]:
+    import yaml
+
+    spec = importlib.util.find_spec("chatterbot_corpus")
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptError("the chatterbot-corpus package is not installed (make venv installs it); or pass --prompts FILE.jsonl")
+    english = Path(next(iter(spec.submodule_search_locations))) / "data" / "english"
+    prompts: list[str] = []
+    seen: set[str] = set()
+    for yml in sorted(english.glob("*.yml")):
+        data = yaml.safe_load(yml.read_text(encoding="utf-8")) or {}
+        for conversation in data.get("conversations") or []:
+            if not conversation or not isinstance(conversation[0], str):
+                continue
+            first = conversation[0].strip()
+            key = json.dumps(conversation, ensure_ascii=False)
+            if first and first not in seen and _bucket(key) < HELD_OUT_PERCENT:
+                seen.add(first)
+                prompts.append(first)
+    return tuple(prompts)
+
+
+def _bucket(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode("utf-8")).digest()[:4], "big") % 100
+
+
+def with_system_prompt(prompts: list[str], system_prompt: str | None) -> list[str]:
+    """Put the shared ``system_prompt`` (and a blank line) in front of every prompt."""
+    if not system_prompt:
+        return list(prompts)
+    return [f"{system_prompt}\n\n{p}" for p in prompts]
+
+
+def render_chat(prompts: list[str], checkpoint: str, system_prompt: str | None = None) -> list[str]:
+    """Each prompt as a user turn (after an optional system turn) in ``checkpoint``'s chat template.
+
+    The result is the exact text an instruct model expects (``add_generation_prompt=True``), so
+    the server, which takes plain ``text_input``, answers instead of continuing the prompt.
+
+    Raises:
+        PromptError: the checkpoint cannot be resolved or its tokenizer has no chat template.
+    """
+    from transformers import AutoTokenizer
+
+    from compress.checkpoints import CheckpointError, resolve_checkpoint
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_checkpoint(checkpoint)))
+    except (CheckpointError, OSError) as exc:
+        raise PromptError(f"chat template of {checkpoint}: {exc}") from exc
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError(f"{checkpoint}: its tokenizer has no chat template; drop --chat-template")
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [tokenizer.apply_chat_template(system + [{"role": "user", "content": p}], tokenize=False,
+                                          add_generation_prompt=True) for p in prompts]

@@ -1,0 +1,108 @@
+"""Triton generate-extension protocol for our LLM model, without Locust (no gevent patching).
+
+Requests: ``POST /v2/models/NAME/generate`` (one JSON answer) or ``/generate_stream`` (server-sent
+events, one ``data: {...}`` line per response) with the model's inputs ``text_input``,
+``stream``, ``exclude_input_in_output`` and ``sampling_parameters`` (a JSON string of
+``SamplingParams`` fields). Responses carry ``text_output`` (the new text when streaming),
+``num_input_tokens``, ``num_output_tokens`` and, on the last one, ``finish_reason``; a failed
+request answers ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import requests
+
+
+def request_payload(prompt: str, sampling_parameters: dict, *, stream: bool) -> dict:
+    """The JSON body of a Triton generate request for our model's inputs."""
+    return {
+        "text_input": prompt,
+        "stream": stream,
+        "exclude_input_in_output": True,
+        "sampling_parameters": json.dumps(sampling_parameters),
+    }
+
+
+def parse_sse_line(line: bytes) -> dict | None:
+    """The JSON event of one SSE line ``data: {...}``; ``None`` for blank lines and comments.
+
+    Raises:
+        ValueError: a ``data:`` line whose payload is not a JSON object.
+    """
+    if not line.startswith(b"data:"):
+        return None
+    event = json.loads(line[5:].strip().decode("utf-8"))
+    if not isinstance(event, dict):
+        raise ValueError(f"SSE event is not a JSON object: {line[:200]!r}")
+    return event
+
+
+class StreamError(Exception):
+    """The server reported an error, or the stream broke off; the message says which."""
+
+
+@dataclass
+class StreamResult:
+    """What one request produced, before it becomes a :class:`RequestSample`."""
+
+    chunk_times: list[float] = field(default_factory=list)  # perf_counter of each text event
+    text: str = ""
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    finish_reason: str | None = None
+
+
+def read_stream(response: requests.Response, result: StreamResult) -> None:
+    """Consume an SSE body into ``result`` as it arrives (mutated in place, so a failure keeps
+    what came before it).
+
+    Raises:
+        StreamError: an ``error`` event, a malformed event, or a body that ends before a
+            ``finish_reason`` was seen.
+    """
+    for line in response.iter_lines(chunk_size=None):
+        now = time.perf_counter()
+        try:
+            event = parse_sse_line(line)
+        except ValueError as exc:
+            raise StreamError(f"malformed SSE event: {exc}") from exc
+        if event is None:
+            continue
+        _apply_event(event, now, result)
+    if result.finish_reason is None:
+        raise StreamError("stream ended without a final event (finish_reason missing)")
+
+
+def _apply_event(event: dict, now: float, result: StreamResult) -> None:
+    if "error" in event:
+        raise StreamError(f"server error: {event['error']}")
+    text = event.get("text_output")
+    if isinstance(text, str) and text:
+        result.chunk_times.append(now)
+        result.text += text
+    if event.get("num_input_tokens") is not None:
+        result.input_tokens = int(event["num_input_tokens"])
+    if event.get("num_output_tokens") is not None:
+        result.output_tokens = int(event["num_output_tokens"])
+    if event.get("finish_reason"):
+        result.finish_reason = str(event["finish_reason"])
+
+
+def read_whole(response: requests.Response, result: StreamResult) -> None:
+    """Fill ``result`` from a non-streaming ``/generate`` JSON body.
+
+    Raises:
+        StreamError: an ``error`` field or a body that is not JSON.
+    """
+    try:
+        body = response.json()
+    except ValueError as exc:
+        raise StreamError(f"response is not JSON: {response.text[:200]!r}") from exc
+    if not isinstance(body, dict):
+        raise StreamError(f"response is not a JSON object: {response.text[:200]!r}")
+    _apply_event(body, time.perf_counter(), result)
+    result.chunk_times = []  # no token timing without a stream

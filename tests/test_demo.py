@@ -1,0 +1,59 @@
+"""``lmforge demo --smoke`` end to end on a tiny random model and the real Triton server."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+
+from lmforge_cli import main
+
+
+def _servers_on(repo) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["name", "cmdline"]):
+        cmdline = " ".join(process.info.get("cmdline") or [])
+        if "tritonserver" in cmdline and str(repo) in cmdline:
+            found.append(process)
+    return found
+
+
+@pytest.mark.integration
+def test_demo_smoke_runs_every_stage_and_stops_the_server(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "demo"
+    status = main(["demo", "--smoke", "--model", str(tiny_llama_dir), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    report = json.loads((out / "report.json").read_text())
+    assert [s["name"] for s in report["stages"]] == ["load", "data", "fine-tune", "quantize", "evaluate", "export",
+                                                     "serve + load test"]
+    assert all(s["status"] == "done" for s in report["stages"]), report["stages"]
+    rows = {r["model"]: r for r in report["comparison"]}
+    assert set(rows) == {"fp32", "int8"}
+    for row in rows.values():
+        assert row["output_tok_s"] > 0 and row["failed"] == 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert row["perplexity"] > 1 and row["size_mib"] > 0
+    for label in ("fp32", "int8"):
+        run_dir = out / "loadtest" / label
+        for name in ("summary.json", "samples.jsonl", "locust_stats.csv", "ttft_cdf.png", "e2e_cdf.png"):
+            assert (run_dir / name).stat().st_size > 0, name
+    assert "fp32" in printed and "int8" in printed and str(out / "report.json") in printed
+    assert _servers_on(out / "model_repository") == []
+
+
+def test_demo_stops_at_the_failing_stage(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "demo"
+    status = main(["demo", "--smoke", "--model", str(tiny_llama_dir), "--out", str(out),
+                   "--data", str(tmp_path / "missing.jsonl")])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "stage 'data' failed" in err and "missing.jsonl" in err
+    stages = json.loads((out / "report.json").read_text())["stages"]
+    assert [(s["name"], s["status"]) for s in stages] == [("load", "done"), ("data", "failed")]
+
+
+def test_demo_rejects_bad_budgets(capsys):
+    assert main(["demo", "--users", "0"]) == 2
+    assert "users=0" in capsys.readouterr().err
