@@ -43,6 +43,20 @@ def dequantize_weight(weight_int8: torch.Tensor, scale: torch.Tensor) -> torch.T
     return weight_int8.float() * scale.float()[:, None]
 
 
+class DynamicInt8Linear(torch.ao.nn.quantized.dynamic.Linear):
+    """PyTorch dynamic INT8 linear with full 8-bit activation range.
+
+    ``torch.ao.nn.quantized.dynamic.Linear`` quantizes activations to 7 bits (``reduce_range``)
+    to rule out int16 saturation in the AVX2 u8*s8 multiply-add; on transformer activations with
+    outlier channels that doubles the output error (relative error 0.24 vs 0.12 measured on a
+    [64, 1536] input with five 50x channels), so this layer keeps all 8 bits.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.quantized.linear_dynamic(x, self._packed_params._packed_params, False)
+        return y.to(x.dtype)
+
+
 def dynamic_int8_linear(weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
     """Build a CPU dynamic-INT8 linear layer from stored INT8 weights (no re-quantization).
 
@@ -52,13 +66,13 @@ def dynamic_int8_linear(weight_int8: torch.Tensor, scale: torch.Tensor, bias: to
         bias: optional float ``[out_features]``.
 
     Returns:
-        A ``torch.ao.nn.quantized.dynamic.Linear`` computing ``x @ W^T + b`` for float input
+        A ``DynamicInt8Linear`` computing ``x @ W^T + b`` for float input
         ``[..., in_features]`` -> ``[..., out_features]`` (float32).
     """
     out_features, in_features = weight_int8.shape
     qweight = torch._make_per_channel_quantized_tensor(
         weight_int8.to(torch.int8), scale.double(), torch.zeros(out_features, dtype=torch.long), 0
     )
-    layer = torch.ao.nn.quantized.dynamic.Linear(in_features, out_features, bias_=bias is not None, dtype=torch.qint8)
+    layer = DynamicInt8Linear(in_features, out_features, bias_=bias is not None, dtype=torch.qint8)
     layer.set_weight_bias(qweight, None if bias is None else bias.float())
     return layer
