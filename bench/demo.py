@@ -12,6 +12,7 @@ Stages, each printed with its progress and time:
    ``max_num_seqs=1`` (batching off) unless ``--no-batching-compare``;
 7. serve them on the real Triton server (``deploy.triton.TritonServer``, 127.0.0.1, free ports);
 8. load-test each with Locust for a fixed time (``bench.loadtest``), then stop the server;
+   then the plain baseline: transformers ``generate``, fp32, one request at a time, in process;
 9. report: one table (size, perplexity, output tok/s, TTFT p50/p99 for fp32 and INT8; batching on
    vs off at ``--batching-users``) and ``OUT/report.json`` with every stage's figures, next to
    each load test's report directory (CSV, plots).
@@ -70,6 +71,7 @@ class DemoConfig:
     num_prompts: int | None = None
     batching_compare: bool = True
     batching_users: int = 16
+    baseline_requests: int = 4
     threads: int | None = None
     smoke: bool = False
 
@@ -78,13 +80,14 @@ class DemoConfig:
         """Tiny budgets; ``model`` ``None`` builds a tiny random Llama, else that checkpoint is used."""
         return cls(model=model or SMOKE_MODEL, data=data, out=out, finetune_steps=2, micro_batch_size=2, max_length=64,
                    eval_records=8, loadtest_s=4.0, users=2, max_tokens=8, num_prompts=16,
-                   batching_compare=False, smoke=True)
+                   batching_compare=False, baseline_requests=2, smoke=True)
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming the bad field."""
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads={self.threads}: must be >= 1 (--threads)")
-        for name in ("finetune_steps", "micro_batch_size", "max_length", "users", "max_tokens", "batching_users"):
+        for name in ("finetune_steps", "micro_batch_size", "max_length", "users", "max_tokens", "batching_users",
+                     "baseline_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})")
         if self.loadtest_s <= 0:
@@ -157,6 +160,7 @@ class Demo:
         self.stage("evaluate", self.evaluate, needs=("load",))
         self.stage("export", self.export, needs=("load",))
         self.stage("serve + load test", self.serve_and_load, needs=("export",))
+        self.stage("baseline: HF generate", self.hf_baseline, needs=("load",))
         return self.write_report()
 
     def tuned(self) -> Path:
@@ -243,6 +247,31 @@ class Demo:
         self.log("      Triton stopped")
         return runs
 
+    def hf_baseline(self) -> dict:
+        """The plain start: the loaded fp32 checkpoint, transformers ``generate``, one request at a time.
+
+        Same held-out chat prompts and output length as the load tests (greedy, EOS ignored).
+        Returns ``{"requests", "output_tokens", "wall_s", "output_tok_s"}``.
+        """
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = self.results["load"]
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        questions = _baseline_questions(self._prompt_file(), self.config.baseline_requests)
+        tokens, start = 0, time.perf_counter()
+        for question in questions:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                return_tensors="pt")
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=self.config.max_tokens, min_new_tokens=self.config.max_tokens,
+                                     pad_token_id=tokenizer.eos_token_id)
+            tokens += out.shape[1] - ids.shape[1]
+        wall_s = time.perf_counter() - start
+        return {"requests": len(questions), "output_tokens": tokens, "wall_s": wall_s, "output_tok_s": tokens / wall_s}
+
     def _prompt_file(self) -> str | None:
         data = self.results.get("data")
         return str(Path(data) / "val.jsonl") if data and (Path(data) / "val.jsonl").is_file() else None
@@ -258,6 +287,7 @@ class Demo:
             "checkpoints": {k: str(self.results[k]) for k in ("load", "fine-tune", "quantize") if self.results.get(k)},
             "comparison": rows,
             "batching": batching_rows(self.results),
+            "baseline": stack_vs_baseline(self.results),
             "evaluation": self.results.get("evaluate"),
             "loadtest_dirs": sorted(str(p) for p in (self.out / "loadtest").glob("*") if p.is_dir()),
         }
@@ -307,6 +337,33 @@ def evaluate_models(evaluate, models: dict[str, Path], data: Path | None, config
     log("      " + evaluate.format_table(results).replace("\n", "\n      "))
     by_path = {str(resolve_checkpoint(path)): label for label, path in models.items()}
     return {by_path[path]: metrics for path, metrics in results.items()}
+
+
+def _baseline_questions(val_file: str | None, count: int) -> list[str]:
+    """First user turns of the held-out records (a fixed question when there is no data)."""
+    questions: list[str] = []
+    if val_file:
+        for line in Path(val_file).read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            user = next((m["content"] for m in record.get("messages", []) if m.get("role") == "user"), None)
+            if user:
+                questions.append(user)
+            if len(questions) == count:
+                break
+    return questions or ["What is the capital of France?"] * count
+
+
+def stack_vs_baseline(results: dict) -> dict | None:
+    """Best served output tok/s (any model, any users) over the in-process HF baseline's tok/s."""
+    baseline = results.get("baseline: HF generate")
+    runs = results.get("serve + load test") or {}
+    served = {label: s["metrics"]["output_throughput_tok_s"] for label, s in runs.items()
+              if s["metrics"].get("output_throughput_tok_s")}
+    if not baseline or not served:
+        return None
+    best = max(served, key=served.get)
+    return {"hf_generate_tok_s": baseline["output_tok_s"], "best_served": best, "best_served_tok_s": served[best],
+            "factor": served[best] / baseline["output_tok_s"]}
 
 
 def _describe(value: Any) -> str:
@@ -380,6 +437,11 @@ def format_final_table(report: dict) -> str:
                      f"(TTFT p50 {_f(b['on']['ttft_p50_ms'], 0)} ms) vs off (max_num_seqs=1) "
                      f"{_f(b['off']['output_tok_s'])} tok/s (TTFT p50 {_f(b['off']['ttft_p50_ms'], 0)} ms): "
                      f"x{_f(b.get('throughput_ratio'), 2)}")
+    base = report.get("baseline")
+    if base:
+        lines.append(f"  whole stack vs HF generate fp32 one request at a time (in process): "
+                     f"{_f(base['best_served_tok_s'])} tok/s ({base['best_served']}) vs {_f(base['hf_generate_tok_s'])} tok/s: "
+                     f"x{_f(base['factor'], 2)}")
     return "\n".join(lines)
 
 
@@ -399,6 +461,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--users", type=int, default=d.users, help="Locust users per fp32/INT8 load test")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
     parser.add_argument("--batching-users", type=int, default=d.batching_users, help="users of the batching on/off comparison")
+    parser.add_argument("--baseline-requests", type=int, default=d.baseline_requests,
+                        help="prompts for the HF generate (one at a time) baseline")
     parser.add_argument("--no-batching-compare", action="store_true", help="skip the max_num_seqs=1 comparison")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: all cores if the machine is idle, else 1)")
@@ -414,7 +478,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
                       micro_batch_size=args.micro_batch_size, max_length=args.max_length, precision=args.precision, eval_records=args.eval_records,
                       loadtest_s=args.loadtest_s, users=args.users, max_tokens=args.max_tokens,
                       batching_compare=not args.no_batching_compare, batching_users=args.batching_users,
-                      threads=args.threads)
+                      baseline_requests=args.baseline_requests, threads=args.threads)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ def test_demo_smoke_runs_every_stage_and_stops_the_server(tiny_llama_dir, tmp_pa
     assert status == 0, printed
     report = json.loads((out / "report.json").read_text())
     assert [s["name"] for s in report["stages"]] == ["load", "data", "fine-tune", "quantize", "evaluate", "export",
-                                                     "serve + load test"]
+                                                     "serve + load test", "baseline: HF generate"]
     assert all(s["status"] == "done" for s in report["stages"]), report["stages"]
     rows = {r["model"]: r for r in report["comparison"]}
     assert set(rows) == {"fp32", "int8"}
@@ -40,6 +40,10 @@ def test_demo_smoke_runs_every_stage_and_stops_the_server(tiny_llama_dir, tmp_pa
         for name in ("summary.json", "samples.jsonl", "locust_stats.csv", "ttft_cdf.png", "e2e_cdf.png"):
             assert (run_dir / name).stat().st_size > 0, name
     assert "fp32" in printed and "int8" in printed and str(out / "report.json") in printed
+    baseline = report["baseline"]
+    assert baseline["hf_generate_tok_s"] > 0
+    assert baseline["factor"] == pytest.approx(baseline["best_served_tok_s"] / baseline["hf_generate_tok_s"])
+    assert "whole stack vs HF generate" in printed
     assert _servers_on(out / "model_repository") == []
 
 
