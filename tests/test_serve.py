@@ -29,7 +29,7 @@ from deploy.triton import PortsBusyError, TritonServer, free_ports
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ENGINE_CONFIG = {"max_model_len": 256, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 256, "num_threads": 1}
+ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 256, "num_threads": 1}
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
 SENTENCES = ["A man is playing a guitar.", "The weather is lovely today.", "Quantization makes models smaller.", "Triton serves models."]
@@ -210,7 +210,7 @@ def test_16_concurrent_streams_complete_and_are_batched(server, engine_text):
         (PROMPT, '{"max_tokenz": 4}', "unknown"),
         (PROMPT, '{"max_tokens": -1}', "max_tokens"),
         ("", '{"max_tokens": 4}', "text_input"),
-        ("hello " * 400, '{"max_tokens": 4}', "max_model_len"),
+        ("hello " * 1000, '{"max_tokens": 4}', "max_model_len"),
     ],
     ids=["malformed-json", "unknown-field", "negative-max-tokens", "empty-prompt", "prompt-over-max-model-len"],
 )
@@ -231,19 +231,20 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("stream", [1], "BOOL"), grpcclient.InferInput("sampling_parameters", [1], "BYTES")]
     inputs[0].set_data_from_numpy(np.array([PROMPT.encode()], dtype=object))
     inputs[1].set_data_from_numpy(np.array([True]))
-    inputs[2].set_data_from_numpy(np.array([json.dumps({"temperature": 0, "max_tokens": 220, "ignore_eos": True}).encode()], dtype=object))
+    inputs[2].set_data_from_numpy(np.array([json.dumps({"temperature": 0, "max_tokens": 460, "ignore_eos": True}).encode()], dtype=object))
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     client.async_stream_infer("llm", inputs, request_id="to-cancel")
     for _ in range(3):  # a few tokens arrive, then the client goes away
         results.get(timeout=60)
-    assert metric(server, "lmforge_kv_cache_usage_ratio") > 0 or metric(server, "lmforge_num_requests_running") > 0
+    # the request holds KV blocks while it streams (460 tokens leave a window of seconds)
+    assert wait_for(lambda: metric(server, "lmforge_kv_cache_usage_ratio") > 0 or metric(server, "lmforge_num_requests_running") > 0, timeout_s=5)
     client.stop_stream(cancel_requests=True)
     client.close()
     assert wait_for(lambda: metric(server, "lmforge_requests_aborted_total") >= aborted_before + 1), "the engine did not abort"
     assert wait_for(lambda: metric(server, "lmforge_num_requests_running") == 0)
     assert wait_for(lambda: metric(server, "lmforge_kv_cache_usage_ratio") == 0.0)  # blocks returned
     # the same for an HTTP client that closes its SSE stream
-    body = {"text_input": PROMPT, "stream": True, "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": 220, "ignore_eos": True})}
+    body = {"text_input": PROMPT, "stream": True, "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": 460, "ignore_eos": True})}
     response = requests.post(f"{server.http_url}/v2/models/llm/generate_stream", json=body, stream=True, timeout=60)
     events = (line for line in response.iter_lines() if line.startswith(b"data: "))
     for _ in range(3):
