@@ -1,0 +1,27 @@
+"""lmforge inference engine: paged KV cache with prefix reuse, continuous batching (vLLM-shaped API)."""
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLM, LLMEngine
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "AsyncLLMEngine",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "EngineStats",
+]
+
+
+def __getattr__(name: str):
+    if name == "AsyncLLMEngine":  # imports asyncio/threading only when used
+        from engine.async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine
+    raise AttributeError(name)

@@ -1,18 +1,29 @@
-"""``lmforge generate``: one completion from a checkpoint."""
+"""``lmforge generate``: completions from a checkpoint with the engine (or ``--backend hf``)."""
 
 from __future__ import annotations
 
 import argparse
+import time
 
 from compress.checkpoints import DEFAULT_MODEL, CheckpointError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or checkpoint directory")
-    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--prompt", required=True, action="append", help="the prompt text (repeat for a batch)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens to generate (default 64)")
-    parser.add_argument("--backend", choices=["hf"], default="hf", help="hf: transformers generate (reference)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the request's sampler")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="engine dtype")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--stats", action="store_true", help="print tokens/s, TTFT and prefix-cache figures")
+    parser.add_argument(
+        "--backend", choices=["engine", "hf"], default="engine",
+        help="engine: lmforge engine (default); hf: transformers generate (greedy reference)",
+    )
 
 
 def hf_generate(model_spec: str, prompt: str, *, chat: bool, max_tokens: int) -> str:
@@ -40,11 +51,40 @@ def hf_generate(model_spec: str, prompt: str, *, chat: bool, max_tokens: int) ->
     return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
 
 
+def engine_generate(args: argparse.Namespace) -> list[str]:
+    """Completions of ``args.prompt`` with the lmforge engine, one per prompt."""
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+    )
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=2048)
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompt, params, chat=args.chat)
+    elapsed_s = time.perf_counter() - start
+    if args.stats:
+        stats = llm.engine.get_stats()
+        num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        ttft = [o.metrics.ttft_s for o in outputs]
+        print(
+            f"[engine] {num_tokens} tokens in {elapsed_s:.2f} s = {num_tokens / elapsed_s:.1f} tok/s; "
+            f"TTFT max {max(ttft):.3f} s; prefix cache hits {stats.prefix_cache_hits_tokens_total}/"
+            f"{stats.prefix_cache_queries_tokens_total} tokens"
+        )
+    return [o.outputs[0].text for o in outputs]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        text = hf_generate(args.model, args.prompt, chat=args.chat, max_tokens=args.max_tokens)
+        if args.backend == "hf":
+            if args.temperature != 0:
+                raise ValueError("--backend hf is the greedy reference; use --temperature 0")
+            texts = [hf_generate(args.model, p, chat=args.chat, max_tokens=args.max_tokens) for p in args.prompt]
+        else:
+            texts = engine_generate(args)
     except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}")
         return 1
-    print(text)
+    for text in texts:
+        print(text)
     return 0

@@ -1,0 +1,100 @@
+"""``EngineConfig``: every knob of the engine in one validated dataclass (vLLM field names)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+#: KV cache budget used when neither ``num_kv_blocks`` nor ``kv_cache_memory_bytes`` is given.
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Configuration of an ``LLMEngine``; validated at construction.
+
+    Attributes:
+        model: checkpoint name, ``.gguf`` file or directory (``compress.checkpoints.resolve_checkpoint``).
+        block_size: tokens per KV cache block.
+        num_kv_blocks: blocks in the KV pool; ``None`` derives it from ``kv_cache_memory_bytes``.
+        kv_cache_memory_bytes: KV pool budget in bytes (K and V of every layer) when
+            ``num_kv_blocks`` is ``None``; default 1 GiB.
+        max_num_seqs: most requests running (holding KV blocks) at once.
+        max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
+        max_model_len: longest prompt + output in tokens; ``None`` takes the checkpoint's
+            ``max_position_embeddings`` capped at 8192.
+        enable_prefix_caching: reuse KV blocks of identical prefixes (hash of full blocks).
+        enable_chunked_prefill: split long prompts over steps to respect the token budget.
+        dtype: weight and activation dtype for floating-point checkpoints.
+        device: ``cpu`` or ``cuda`` (``cuda:N``).
+        num_threads: ``torch.set_num_threads`` for the CPU path; ``None`` leaves torch's default.
+        seed: seeds the generator of requests sampled without their own ``seed``.
+
+    Raises:
+        ValueError: a field out of range or an inconsistent combination (the message names
+            the values and the fix).
+    """
+
+    model: str = "smollm2-135m"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.model = str(self.model)
+        _require_positive("block_size", self.block_size)
+        _require_positive("max_num_seqs", self.max_num_seqs)
+        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
+            if getattr(self, name) is not None:
+                _require_positive(name, getattr(self, name))
+        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError(
+                f"num_kv_blocks={self.num_kv_blocks} and kv_cache_memory_bytes={self.kv_cache_memory_bytes} "
+                "are both set; give only one of them"
+            )
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r}; use 'cpu' or 'cuda' / 'cuda:N'")
+        if self.max_model_len is not None:
+            self.check_model_len(self.max_model_len)
+
+    def check_model_len(self, max_model_len: int) -> None:
+        """Check ``max_model_len`` against the token budget and the KV pool (called again once it is resolved).
+
+        Raises:
+            ValueError: a single full-length request could never be scheduled.
+        """
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len={max_model_len} with "
+                "enable_chunked_prefill=False: a long prompt could never be scheduled; increase "
+                "max_num_batched_tokens, decrease max_model_len, or enable chunked prefill"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < max_model_len:
+            raise ValueError(
+                f"num_kv_blocks={self.num_kv_blocks} x block_size={self.block_size} = "
+                f"{self.num_kv_blocks * self.block_size} tokens < max_model_len={max_model_len}: one request "
+                "could not fit; increase num_kv_blocks or decrease max_model_len"
+            )
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        """A validated copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+def _require_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}; it must be an integer >= 1")

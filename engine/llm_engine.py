@@ -1,0 +1,356 @@
+"""``LLMEngine`` (add requests, step, abort) and the offline ``LLM.generate`` front end.
+
+One step = schedule (scheduler + block manager) -> run the model on the flattened batch (model
+runner) -> sample (sampler) -> append tokens, detokenize, check stop conditions, free the blocks
+of finished requests. The data flow follows nano-vllm and vLLM's v1 engine core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from collections.abc import Iterable, Sequence as SequenceABC
+from pathlib import Path
+
+import torch
+
+from compress.checkpoints import resolve_checkpoint
+from engine.block_manager import BlockManager
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner, read_model_spec
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.stats import EngineStats
+
+#: Longest default context when the checkpoint allows more (bounds rotary tables and KV needs).
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Args:
+        config: an ``EngineConfig`` (its ``model`` names the checkpoint).
+
+    Raises:
+        ValueError: an inconsistent configuration (also once the checkpoint's limits are known).
+        compress.checkpoints.CheckpointError: the checkpoint is missing, corrupt or unsupported.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        if config.num_threads is not None and config.device == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.path = resolve_checkpoint(config.model)
+        spec = read_model_spec(self.path)
+        max_model_len = config.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+        if max_model_len > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} > the checkpoint's max_position_embeddings="
+                f"{spec.max_position_embeddings}; decrease max_model_len"
+            )
+        self.runner = ModelRunner(self.path, config.dtype, config.device, config.block_size, max_model_len)
+        num_blocks = config.num_kv_blocks or self._blocks_from_budget(config, max_model_len)
+        self.config = config = config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks, kv_cache_memory_bytes=None)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.eos_token_ids = read_eos_token_ids(self.path, self.tokenizer)
+        self.requests: dict[str, Sequence] = {}
+        self._seed_rng = random.Random(config.seed)
+        self._next_id = 0
+        self.num_steps_total = 0
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self.num_requests_finished_total = 0
+
+    def _blocks_from_budget(self, config: EngineConfig, max_model_len: int) -> int:
+        budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        per_block = self.runner.kv_bytes_per_block()
+        blocks_per_seq = -(-max_model_len // config.block_size)
+        num_blocks = min(budget // per_block, config.max_num_seqs * blocks_per_seq)
+        if num_blocks * config.block_size < max_model_len:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds {num_blocks} blocks of {per_block} bytes = "
+                f"{num_blocks * config.block_size} tokens < max_model_len={max_model_len}; "
+                "increase kv_cache_memory_bytes or decrease max_model_len"
+            )
+        return int(num_blocks)
+
+    # ---------------------------------------------------------------- requests
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return f"req-{self._next_id}"
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id.
+
+        Args:
+            request_id: unique among unfinished requests; ``None`` picks one.
+            prompt: text, or token ids.
+            params: ``SamplingParams`` (default: ``SamplingParams()``).
+
+        Raises:
+            ValueError: empty prompt, prompt too long for ``max_model_len``, token ids out of the
+                vocabulary, a bad sampling parameter, or a duplicate ``request_id``; nothing is queued.
+        """
+        request_id = self.new_request_id() if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
+        params = self._check_params(params)
+        text, token_ids = self._tokenize(prompt)
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            generator = torch.Generator(device=self.config.device).manual_seed(seed)
+        seq = Sequence(request_id, text, token_ids, params, IncrementalDetokenizer(self.tokenizer, token_ids), generator, arrival_time)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    @staticmethod
+    def _check_params(params: SamplingParams | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params={params!r}; pass a SamplingParams")
+        return dataclasses.replace(params)  # a private, re-validated copy
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one character or token id")
+            token_ids = self.tokenizer(prompt).input_ids
+            text: str | None = prompt
+        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids, text = list(prompt), None
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty (no tokens); give at least one token")
+        vocab = self.runner.spec.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len={self.config.max_model_len} leaves no room "
+                "to generate; shorten the prompt or increase max_model_len"
+            )
+        return text, token_ids
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort unfinished requests (unknown or finished ids are ignored); their blocks are freed now.
+
+        Returns:
+            The final output (``finish_reason="abort"``) of each request aborted.
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for request_id in ids:
+            seq = self.requests.pop(request_id, None)
+            if seq is None or seq.is_finished:
+                continue
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            seq.finished_time = time.monotonic()
+            self.num_requests_finished_total += 1
+            outputs.append(self._output(seq))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- one step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return outputs of requests that got a token or finished."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.num_steps_total += 1
+        logits = self.runner.execute(out)  # [S, vocab]
+        sampled = [item.seq for item in out.scheduled if item.samples]
+        for item in out.scheduled:
+            if item.seq.num_computed_tokens == 0:
+                self.num_prompt_tokens_total += item.seq.num_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+        result = self.sampler(logits, sampled)
+        now = time.monotonic()
+        outputs = []
+        for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs):
+            self._append_token(seq, token, logprobs, now)
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
+        seq.token_ids.append(token)
+        self.num_generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        text_before = len(seq.output_text)
+        seq.output_text += seq.detokenizer.add_token(token)
+        status = self._stop_status(seq, token, text_before)
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            seq.finished_time = now
+            self.num_requests_finished_total += 1
+
+    def _stop_status(self, seq: Sequence, token: int, text_before: int) -> SequenceStatus | None:
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if p.stop:
+            longest = max(len(s) for s in p.stop)
+            search_from = max(0, text_before - longest + 1)
+            hits = [i for i in (seq.output_text.find(s, search_from) for s in p.stop) if i >= 0]
+            if hits:
+                seq.output_text = seq.output_text[:min(hits)]
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(
+            0, seq.output_text, seq.output_token_ids, seq.status.finish_reason,
+            None if seq.logprobs is None else list(seq.logprobs),
+        )
+        metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finished_time, seq.num_cached_tokens or 0, seq.num_output_tokens)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, metrics)
+
+    # ---------------------------------------------------------------- introspection
+
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prefix_cache_queries_tokens_total=bm.prefix_cache_queries_tokens,
+            prefix_cache_hits_tokens_total=bm.prefix_cache_hits_tokens,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_requests_finished_total=self.num_requests_finished_total,
+            num_steps_total=self.num_steps_total,
+            num_kv_blocks=bm.num_blocks,
+            num_free_kv_blocks=len(bm.free_block_ids),
+            num_cached_kv_blocks=len(bm.cached_lru),
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``KVCacheInvariantError`` if the KV bookkeeping is inconsistent."""
+        self.block_manager.check_invariants(self.scheduler.running)
+
+
+def read_eos_token_ids(path: Path, tokenizer) -> set[int]:
+    """End-of-sequence ids from ``generation_config.json`` / ``config.json`` / the tokenizer."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if file.is_file():
+            value = json.loads(file.read_text()).get("eos_token_id")
+            if value is not None:
+                ids.update(value if isinstance(value, list) else [value])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+PromptType = str | list[int] | list[dict]
+
+
+class LLM:
+    """Offline batch generation (vLLM's ``LLM``).
+
+    Args:
+        model: checkpoint name, ``.gguf`` file or directory.
+        **kwargs: ``EngineConfig`` fields.
+    """
+
+    def __init__(self, model: str | Path = "smollm2-135m", **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def apply_chat_template(self, prompt: str | list[dict]) -> list[int]:
+        """A user message (or a list of messages) -> prompt token ids with the generation prompt."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+    def generate(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt, batched by the engine.
+
+        Args:
+            prompts: one prompt or a list; a prompt is text, token ids, or (with ``chat``) a
+                list of ``{"role", "content"}`` messages.
+            sampling_params: one for all, or one per prompt.
+            chat: wrap text prompts as a user turn with the checkpoint's chat template.
+
+        Returns:
+            Final ``RequestOutput`` per prompt, in input order.
+
+        Raises:
+            ValueError: a bad prompt or parameter (nothing runs).
+        """
+        prompts = _as_prompt_list(prompts, chat)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt")
+        engine = self.engine
+        inputs = [self.apply_chat_template(p) if chat else p for p in prompts]
+        for p in inputs:
+            engine._tokenize(p)  # validate all before running any
+        for p in params:
+            engine._check_params(p)
+        ids = [engine.add_request(None, p, sp) for p, sp in zip(inputs, params)]
+        finals: dict[str, RequestOutput] = {}
+        max_steps = 10 * sum(len(engine.requests[i].token_ids) + engine.requests[i].params.max_tokens for i in ids) + 100
+        for _ in range(max_steps):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        else:
+            raise RuntimeError(f"generation did not finish within {max_steps} steps (engine bug)")
+        return [finals[i] for i in ids]
+
+
+def _as_prompt_list(prompts, chat: bool) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    if chat and isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
+        return [prompts]  # one conversation
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("prompts must be a non-empty string, token-id list, or list of prompts")
+    return prompts

@@ -1,0 +1,104 @@
+"""``SamplingParams``: how one request picks its tokens and when it stops (vLLM field names)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request decoding parameters, validated at construction.
+
+    Attributes:
+        temperature: softmax temperature; ``0`` means greedy (argmax).
+        top_p: nucleus sampling mass in (0, 1] (Holtzman et al. 2019, "The Curious Case of
+            Neural Text Degeneration").
+        top_k: keep the ``top_k`` most likely tokens; ``None`` keeps all.
+        max_tokens: most new tokens to generate (>= 1).
+        seed: seed of this request's own ``torch.Generator`` (reproducible sampling).
+        stop: a string or list of strings; generation stops before the first occurrence and
+            the stop string is not part of the returned text.
+        stop_token_ids: token ids that end generation (the token is kept in ``token_ids``).
+        ignore_eos: keep generating after the end-of-sequence token.
+        repetition_penalty: > 0; values > 1 discourage tokens already in prompt or output
+            (Keskar et al. 2019, CTRL; the Hugging Face formulation).
+        logprobs: return the log-probability of each sampled token and of the ``logprobs``
+            most likely tokens; ``None`` returns none.
+
+    Raises:
+        ValueError: a field out of range or of the wrong type (the message names it).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature={self.temperature!r}; it must be a finite number >= 0 (0 = greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}; it must be in (0, 1]")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k={self.top_k!r}; it must be an integer >= 1, or None for no limit")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r}; it must be an integer >= 1")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r}; it must be an integer or None")
+        self.stop = _check_stop(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r}; it must be a list of non-negative token ids")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r}; it must be a bool")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}; it must be a number > 0 (1 = off)")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs={self.logprobs!r}; it must be an integer >= 0, or None")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are chosen by argmax."""
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        """Build from a JSON-like dict (e.g. Triton ``sampling_parameters``).
+
+        Raises:
+            ValueError: an unknown field (named) or a bad value.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+def _check_stop(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop={stop!r}; it must be a string or a list of strings")
+    if any(s == "" for s in stop):
+        raise ValueError("stop contains an empty string; remove it")
+    return list(stop)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,159 @@
+"""Continuous-batching scheduler: one token budget per step, no prefill/decode phases.
+
+After vLLM's v1 scheduler: each step spends at most ``max_num_batched_tokens`` tokens. Running
+requests go first (a decode costs one token, an unfinished chunked prefill the rest of its
+prompt up to the budget); then waiting requests join in arrival order while the budget, the
+``max_num_seqs`` limit and the KV pool allow. When a running request cannot get a block, the
+newest running request is preempted by recompute: its blocks are freed (hashed blocks stay in
+the prefix cache) and it waits again with prompt + generated tokens as its new prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass
+class ScheduledSequence:
+    """One sequence's share of a step."""
+
+    seq: Sequence
+    num_new_tokens: int  # tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) run now
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence (its last logits are sampled)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What the model runs in one step."""
+
+    scheduled: list[ScheduledSequence]  # decodes (1 token) first, then prefill chunks
+    num_batched_tokens: int  # sum of num_new_tokens
+    preempted: list[Sequence]  # sent back to the waiting queue during this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, every step, which tokens of which requests the model runs.
+
+    Args:
+        config: the engine configuration (budget, limits).
+        block_manager: the KV block allocator.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions_total = 0
+
+    # ---------------------------------------------------------------- queue changes
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Mark ``seq`` finished with ``status``, remove it from the queues and free its blocks at once."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens; allocates their KV slots (preempting when the pool is full)."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._allocate_or_preempt(seq, n, preempted):
+                scheduled.append(ScheduledSequence(seq, n))
+                budget -= n
+                i += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decodes first (stable)
+        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+        """Allocate ``n`` slots for running ``seq``, preempting newer requests; False if ``seq`` itself was preempted."""
+        while not self.block_manager.allocate_slots(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(seq)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
+        """Move waiting requests into the running set while budget, seat and blocks allow."""
+        in_flight = self._in_flight_hashes()
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            if bm.enable_prefix_caching and self._prefix_in_flight(seq, len(cached), in_flight):
+                break  # a running request is computing this prefix now: wait one step and hit it
+            remaining = seq.num_tokens - len(cached) * bm.block_size
+            if remaining > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(remaining, budget)
+            if not bm.allocate_slots(seq, n, cached):
+                break
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = len(cached) * bm.block_size
+            bm.record_prefix_query(seq, cached)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+            if bm.enable_prefix_caching:
+                in_flight.update(bm.full_block_hashes(seq)[len(cached):])
+        return budget
+
+    def _in_flight_hashes(self) -> set[int]:
+        """Hashes of full prompt blocks that running requests have not finished computing."""
+        if not self.block_manager.enable_prefix_caching:
+            return set()
+        bs = self.block_manager.block_size
+        hashes: set[int] = set()
+        for seq in self.running:
+            if seq.is_prefilling:
+                hashes.update(self.block_manager.full_block_hashes(seq)[seq.num_computed_tokens // bs:])
+        return hashes
+
+    def _prefix_in_flight(self, seq: Sequence, num_cached_blocks: int, in_flight: set[int]) -> bool:
+        max_blocks = (seq.num_tokens - 1) // self.block_manager.block_size
+        if num_cached_blocks >= max_blocks:
+            return False
+        return self.block_manager.full_block_hashes(seq)[num_cached_blocks] in in_flight

@@ -1,0 +1,45 @@
+"""``EngineStats``: counters and gauges of an engine, for logs and Prometheus."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """A snapshot of the engine (gauges now, counters since start).
+
+    Attributes:
+        num_running: requests holding KV blocks.
+        num_waiting: requests queued (new or preempted).
+        kv_cache_usage: fraction of KV blocks held by requests (0..1; cached free blocks excluded).
+        num_preemptions_total: preemptions by recompute.
+        prefix_cache_queries_tokens_total: prompt tokens looked up in the prefix cache.
+        prefix_cache_hits_tokens_total: of those, tokens served from the cache.
+        num_prompt_tokens_total: prompt tokens of admitted requests.
+        num_generation_tokens_total: tokens sampled.
+        num_requests_finished_total: requests finished (any reason).
+        num_steps_total: engine steps run.
+        num_kv_blocks: size of the KV pool in blocks.
+        num_free_kv_blocks / num_cached_kv_blocks: blocks free / refcount-0 but cached.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries_tokens_total: int
+    prefix_cache_hits_tokens_total: int
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_requests_finished_total: int
+    num_steps_total: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_cached_kv_blocks: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens (0 when nothing was queried)."""
+        q = self.prefix_cache_queries_tokens_total
+        return self.prefix_cache_hits_tokens_total / q if q else 0.0
