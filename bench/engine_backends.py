@@ -358,9 +358,15 @@ def _profile(fn: Callable[[], object], rows: int = 15) -> str:
     """Run ``fn`` under torch.profiler (CPU) and return the top ``rows`` ops by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    wall_s = time.perf_counter() - start
+    averages = prof.key_averages()
+    ops_s = sum(e.self_cpu_time_total for e in averages) / 1e6
+    head = (f"profiled run: {wall_s:.2f} s wall, {ops_s:.2f} s self CPU in torch ops "
+            f"(the rest, {max(wall_s - ops_s, 0.0):.2f} s, is Python, scheduling and profiler overhead)")
+    return head + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
 def run_engine_prefix_off(spec: RunSpec, prompts, max_tokens, result) -> None:

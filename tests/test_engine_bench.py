@@ -100,5 +100,10 @@ def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path):
         assert rows[name]["status"] == "ok", rows[name]["reason"]
         assert rows[name]["output_tok_s"] > 0 and rows[name]["ttft_p50_ms"] > 0 and rows[name]["peak_rss_mib"] > 50
     assert rows["hf_sequential"]["same_tokens_as_hf"] == 1.0
+    engine = rows["engine_prefix_on"]
+    assert engine["status"] == "ok", engine["reason"]
+    assert engine["same_tokens_as_hf"] == 1.0  # greedy engine tokens equal HF generate's
+    assert 0.5 < engine["prefix_hit_rate"] < 1.0  # the first request misses, the other three hit the system prompt
+    assert engine["speedup"]["hf_static"] > 0 and engine["fraction_of_bound"] > 0
     assert rows["hf_static"]["speedup"]["hf_sequential"] > 0
     assert "hf_static" in proc.stdout and "compute bound" in proc.stdout
