@@ -44,6 +44,8 @@ class RunSpec:
         threads: torch / llama.cpp threads, ``None`` keeps the library default.
         engine_args: extra ``EngineConfig`` fields for the engine configurations.
         profile: also profile a repeat run of the engine configurations (torch.profiler).
+        sequential_limit: serve only the first N requests in the one-at-a-time configurations
+            (``hf_sequential``, ``llama_cpp``), whose tok/s does not depend on N; ``None``: all.
     """
 
     config: str
@@ -54,6 +56,7 @@ class RunSpec:
     threads: int | None = None
     engine_args: dict = dataclasses.field(default_factory=dict)
     profile: bool = False
+    sequential_limit: int | None = None
 
 
 @dataclasses.dataclass
@@ -158,7 +161,7 @@ def run_hf_sequential(spec: RunSpec, prompts: list[list[int]], max_tokens: int, 
     result.ttft_basis = "from the start of the request's own generate call (requests served one by one)"
     start = time.perf_counter()
     with torch.inference_mode():
-        for prompt in prompts:
+        for prompt in prompts[:spec.sequential_limit]:
             ids = torch.tensor([prompt])  # (1, T)
             timer = FirstTokenTimer()
             t0 = time.perf_counter()
@@ -282,7 +285,7 @@ def run_llama_cpp(spec: RunSpec, prompts: list[list[int]], max_tokens: int, resu
     _llama_cpp_one(llm, warm, 2)
     result.ttft_basis = "from the start of the request's own generate call (requests served one by one)"
     start = time.perf_counter()
-    for prompt in prompts:
+    for prompt in prompts[:spec.sequential_limit]:
         t0 = time.perf_counter()
         tokens, first = _llama_cpp_one(llm, prompt, max_tokens)
         result.ttft_s.append(first - t0)

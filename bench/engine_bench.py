@@ -41,9 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the shipped Q4_1 GGUF of smollm2-135m)")
     parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 `dynamic` checkpoint for engine_int8 (default: made with compress.quantize when available)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="extra EngineConfig field for the engine configs (repeatable), e.g. max_num_seqs=64")
+    parser.add_argument("--sequential-requests", type=int, default=None, metavar="N",
+                        help="serve only the first N requests in hf_sequential and llama_cpp (one at a time, so tok/s "
+                             "does not depend on N; default: all)")
     parser.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads (default: library default)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit for each configuration's process (default 3600)")
-    parser.add_argument("--profile", action="store_true", help="also print torch.profiler top ops of a repeat engine run")
+    parser.add_argument("--profile", nargs="?", const="engine_prefix_on", default="", metavar="CONFIGS",
+                        help="also print torch.profiler top ops of a repeat run of these engine configs "
+                             "(comma-separated; default when given without a value: engine_prefix_on)")
     parser.add_argument("--smoke", action="store_true", help=f"tiny run to check the harness: {SMOKE['num_requests']} requests x {SMOKE['max_tokens']} tokens")
     parser.add_argument("--out", default="engine_bench.json", help="JSON report path (default engine_bench.json)")
 
@@ -64,6 +69,7 @@ class Summary:
     load_s: float | None
     prefix_hit_rate: float | None
     same_tokens_as_hf: float | None  # fraction of requests whose greedy tokens equal hf_sequential's
+    same_tokens_checked: int  # requests compared (hf_sequential may serve only the first N)
     speedup: dict[str, float | None]  # output tok/s / baseline's output tok/s
     fraction_of_bound: float | None
     profile_top: str | None
@@ -167,6 +173,7 @@ def summarize(results: list[dict], bound_tok_s: float | None) -> list[Summary]:
             load_s=r.get("load_s"),
             prefix_hit_rate=r.get("prefix_hit_rate") if ok else None,
             same_tokens_as_hf=token_agreement(r.get("token_ids"), reference) if ok else None,
+            same_tokens_checked=min(len(r.get("token_ids") or []), len(reference or [])) if ok else 0,
             speedup={b: ratio(tok_s[r["config"]], tok_s.get(b)) for b in BASELINES if b in tok_s},
             fraction_of_bound=ratio(tok_s[r["config"]], bound_tok_s),
             profile_top=r.get("profile_top"),
@@ -181,10 +188,12 @@ def _tok_s(result: dict) -> float | None:
 
 
 def token_agreement(tokens: list[list[int]] | None, reference: list[list[int]] | None) -> float | None:
-    """Fraction of requests whose generated token ids equal the reference's (``None`` if either is missing)."""
-    if not tokens or not reference or len(tokens) != len(reference):
+    """Fraction of requests whose generated token ids equal the reference's, over the requests both
+    served (the first ``min(len)``, same order); ``None`` if either is missing."""
+    if not tokens or not reference:
         return None
-    return sum(a == b for a, b in zip(tokens, reference)) / len(reference)
+    pairs = list(zip(tokens, reference))
+    return sum(a == b for a, b in pairs) / len(pairs)
 
 
 def engine_targets(rows: list[Summary]) -> list[tuple[str, float | None, str]]:
@@ -252,6 +261,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.smoke:
         args.num_requests, args.max_tokens = SMOKE["num_requests"], SMOKE["max_tokens"]
+    if args.sequential_requests is not None and args.sequential_requests < 1:
+        print(f"error: --sequential-requests {args.sequential_requests}; it must be >= 1 (or left out for all)")
+        return 2
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in BACKENDS]
     if unknown:
@@ -288,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
         for config in configs:
             spec = RunSpec(config=config, model=str(model_dir), workload_path=str(workload_path),
                            gguf=args.gguf or default_gguf(args.model), int8_model=int8_dir, threads=args.threads,
-                           engine_args=engine_args, profile=args.profile and config in ENGINE_CONFIGS)
+                           engine_args=engine_args, profile=config in ENGINE_CONFIGS and config in args.profile.split(","),
+                           sequential_limit=args.sequential_requests)
             start = time.perf_counter()
             result = run_config(spec, work_dir, args.timeout_s)
             status = f"{_tok_s(result):.1f} tok/s" if result.get("status") == "ok" else f"{result['status']}: {result.get('reason')}"
@@ -309,6 +322,9 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         if r.status == "ok":
             print(f"TTFT basis, {r.config}: {r.ttft_basis}")
+    if args.sequential_requests:
+        print(f"hf_sequential and llama_cpp served the first {args.sequential_requests} of {summary['num_requests']} requests "
+              f"(one at a time, so their tok/s does not depend on the count); 'same tok' compares those requests")
     targets = engine_targets(rows)
     if targets:
         print("targets (engine_prefix_on):")
@@ -320,6 +336,7 @@ def run(args: argparse.Namespace) -> int:
 
     report = {
         "workload": summary,
+        "sequential_requests": args.sequential_requests or summary["num_requests"],
         "model": str(model_dir),
         "threads": _threads(),
         "matmul_gflops": {"before": gflops_before, "after": gflops_after, "used": gflops, **matmul},
