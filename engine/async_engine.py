@@ -1,16 +1,20 @@
 """``AsyncLLMEngine``: the engine stepping on a background thread, streaming to asyncio callers.
 
-The step loop owns the ``LLMEngine`` and runs on one daemon thread; every call into the engine
-holds ``_lock``. Outputs go to one ``asyncio.Queue`` per request through
-``loop.call_soon_threadsafe`` (the only thread-safe way into an event loop). A request that
-fails validation raises ``ValueError`` from its own ``generate`` and touches nobody else.
+Only the step-loop thread touches the ``LLMEngine``. Callers validate their request in their own
+thread (so a bad request raises ``ValueError`` from its own ``generate`` and touches nobody
+else), then hand "add" and "abort" operations to the loop through a queue; the loop applies them
+between steps. Outputs go to one ``asyncio.Queue`` per request through
+``loop.call_soon_threadsafe`` (the thread-safe way into an event loop), so the event loop never
+waits for a model step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -18,12 +22,12 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
-#: Seconds the idle loop sleeps between checks of its stop flag when no request is queued.
+#: Seconds the idle loop waits for work before re-checking its stop flag.
 IDLE_WAIT_S = 0.5
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop failed; the original exception is chained."""
+    """The step loop failed or was shut down; the original exception is chained."""
 
 
 class AsyncLLMEngine:
@@ -32,17 +36,20 @@ class AsyncLLMEngine:
     Args:
         config: the engine configuration (the model loads in the constructor).
 
-    Use ``async for out in engine.generate(prompt, params, request_id)``; call ``shutdown()``
-    (or use ``with``) to stop the thread.
+    Use ``async for out in engine.generate(prompt, params, request_id)``; ``await
+    engine.abort(request_id)``; ``engine.get_stats()``; ``shutdown()`` (or ``with``) stops the thread.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._ops: deque[Callable[[], None]] = deque()
+        self._wake = threading.Condition()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues_lock = threading.Lock()
+        self._ids = itertools.count(1)
         self._stopped = False
         self._error: BaseException | None = None
+        self._stats = self.engine.get_stats()
         self._thread = threading.Thread(target=self._run, name="lmforge-engine", daemon=True)
         self._thread.start()
 
@@ -59,22 +66,30 @@ class AsyncLLMEngine:
 
         Raises:
             ValueError: a bad prompt or parameter, or a duplicate ``request_id`` (this request only).
-            EngineDeadError: the step loop crashed.
+            EngineDeadError: the step loop crashed or was shut down.
 
         Closing the iterator early (e.g. the client went away) aborts the request.
         """
+        self._raise_if_dead()
+        params = self.engine._check_params(params)  # ValueError for this request only
+        self.engine._tokenize(prompt)
+        request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._wake:
-            self._raise_if_dead()
-            request_id = self.engine.add_request(request_id, prompt, params)
+        with self._queues_lock:
+            if request_id in self._queues:
+                raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
             self._queues[request_id] = (loop, queue)
-            self._wake.notify()
+        self._submit(lambda: self._add(request_id, prompt, params))
         finished = False
         try:
             while True:
                 item = await queue.get()
+                if isinstance(item, ValueError):
+                    finished = True
+                    raise item
                 if isinstance(item, BaseException):
+                    finished = True
                     raise EngineDeadError("the engine step loop failed") from item
                 yield item
                 if item.finished:
@@ -85,21 +100,42 @@ class AsyncLLMEngine:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request now: its blocks are freed before this returns; its stream ends with ``finish_reason="abort"``."""
-        await asyncio.to_thread(self._abort_sync, request_id)
+        """Abort a request; when this returns its blocks are free and its stream ends with ``finish_reason="abort"``."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
 
-    def _abort_sync(self, request_id: str) -> None:
-        with self._lock:
-            outputs = self.engine.abort_request(request_id)
-            self._deliver(outputs)
+        def op() -> None:
+            self._deliver(self.engine.abort_request(request_id))
+            with self._queues_lock:
+                self._queues.pop(request_id, None)
+            loop.call_soon_threadsafe(_resolve, done)
+
+        self._submit(op)
+        if self._thread.is_alive():
+            await done
 
     def get_stats(self) -> EngineStats:
-        with self._lock:
-            return self.engine.get_stats()
+        """The snapshot taken after the latest step (cheap; never waits for a step)."""
+        return self._stats
 
-    def check_invariants(self) -> None:
-        with self._lock:
-            self.engine.check_invariants()
+    def check_invariants(self, timeout_s: float = 60.0) -> None:
+        """Run ``LLMEngine.check_invariants`` on the loop thread between steps (raises its error here)."""
+        result: list[BaseException | None] = []
+        event = threading.Event()
+
+        def op() -> None:
+            try:
+                self.engine.check_invariants()
+                result.append(None)
+            except Exception as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                result.append(exc)
+            event.set()
+
+        self._submit(op)
+        if not event.wait(timeout_s):
+            raise TimeoutError(f"the engine loop did not run the check within {timeout_s} s")
+        if result[0] is not None:
+            raise result[0]
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the step loop thread (requests still running are abandoned)."""
@@ -114,43 +150,60 @@ class AsyncLLMEngine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    # ---------------------------------------------------------------- step loop
+    # ---------------------------------------------------------------- loop thread
+
+    def _submit(self, op: Callable[[], None]) -> None:
+        self._ops.append(op)
+        with self._wake:
+            self._wake.notify()
+
+    def _add(self, request_id: str, prompt, params: SamplingParams) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except ValueError as exc:
+            self._send(request_id, exc, last=True)
 
     def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stopped and not self.engine.has_unfinished_requests():
-                    self._wake.wait(IDLE_WAIT_S)
-                if self._stopped:
-                    return
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # noqa: BLE001 - forwarded to every waiting caller
-                    self._fail(exc)
-                    return
-                self._deliver(outputs)
+        try:
+            while True:
+                with self._wake:
+                    while not self._stopped and not self._ops and not self.engine.has_unfinished_requests():
+                        self._wake.wait(IDLE_WAIT_S)
+                    if self._stopped:
+                        return
+                while self._ops:
+                    self._ops.popleft()()
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                self._stats = self.engine.get_stats()
+        except Exception as exc:  # noqa: BLE001 - forwarded to every waiting caller
+            self._fail(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs to their callers' loops (caller holds ``_lock``)."""
         for out in outputs:
-            target = self._queues.get(out.request_id)
-            if target is None:
-                continue
-            loop, queue = target
-            if out.finished:
-                del self._queues[out.request_id]
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+            self._send(out.request_id, out, last=out.finished)
+
+    def _send(self, request_id: str, item, last: bool) -> None:
+        with self._queues_lock:
+            target = self._queues.pop(request_id, None) if last else self._queues.get(request_id)
+        if target is not None and not target[0].is_closed():
+            target[0].call_soon_threadsafe(target[1].put_nowait, item)
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
-        for loop, queue in self._queues.values():
+        with self._queues_lock:
+            targets, self._queues = list(self._queues.values()), {}
+        for loop, queue in targets:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
-        self._queues.clear()
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:
             raise EngineDeadError("the engine step loop failed; create a new engine") from self._error
         if self._stopped:
             raise EngineDeadError("the engine was shut down")
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

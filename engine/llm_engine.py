@@ -186,8 +186,6 @@ class LLMEngine:
         logits = self.runner.execute(out)  # [S, vocab]
         sampled = [item.seq for item in out.scheduled if item.samples]
         for item in out.scheduled:
-            if item.seq.num_computed_tokens == 0:
-                self.num_prompt_tokens_total += item.seq.num_tokens
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
         result = self.sampler(logits, sampled)
@@ -205,6 +203,7 @@ class LLMEngine:
         self.num_generation_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
+            self.num_prompt_tokens_total += seq.num_prompt_tokens
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         text_before = len(seq.output_text)
@@ -305,6 +304,7 @@ class LLM:
         prompts: PromptType | list[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         chat: bool = False,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched by the engine.
 
@@ -313,6 +313,7 @@ class LLM:
                 list of ``{"role", "content"}`` messages.
             sampling_params: one for all, or one per prompt.
             chat: wrap text prompts as a user turn with the checkpoint's chat template.
+            use_tqdm: show a progress bar of finished requests.
 
         Returns:
             Final ``RequestOutput`` per prompt, in input order.
@@ -332,6 +333,11 @@ class LLM:
             engine._check_params(p)
         ids = [engine.add_request(None, p, sp) for p, sp in zip(inputs, params)]
         finals: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(ids), desc="requests", unit="req")
         max_steps = 10 * sum(len(engine.requests[i].token_ids) + engine.requests[i].params.max_tokens for i in ids) + 100
         for _ in range(max_steps):
             if not engine.has_unfinished_requests():
@@ -339,8 +345,12 @@ class LLM:
             for out in engine.step():
                 if out.finished:
                     finals[out.request_id] = out
+                    if progress is not None:
+                        progress.update(1)
         else:
             raise RuntimeError(f"generation did not finish within {max_steps} steps (engine bug)")
+        if progress is not None:
+            progress.close()
         return [finals[i] for i in ids]
 
 

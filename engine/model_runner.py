@@ -8,8 +8,12 @@ checkpoint's ``rope_theta`` and ``linear`` / ``llama3`` scaling, grouped-query a
 Every step runs all scheduled tokens of all requests as one batch of ``N`` tokens: linear layers
 see ``[N, hidden]``. Attention writes the new K/V into the cache by ``slot_mapping`` and reads
 each request's context through its block table: decodes (one query token each) form one
-group, prefill chunks (padded to the longest chunk) another; each group is one
-``scaled_dot_product_attention`` call per layer with a padding/causal mask.
+group whose blocks shared by every request are read once (cascade attention), prefill chunks
+(padded to the longest chunk) another, one ``scaled_dot_product_attention`` call per layer with
+a causal mask. No Python loop over requests runs inside the layer loop.
+
+INT8 ``dynamic`` checkpoints run their linear layers as PyTorch dynamic-INT8 layers on CPU; on
+CUDA their weights are dequantized to ``dtype``.
 """
 
 from __future__ import annotations
@@ -479,7 +483,8 @@ class ModelRunner:
         """``[num_blocks, bs, kv, hd]`` by ``[B, nb]`` -> ``[B, kv, nb * bs, hd]``."""
         b, nb = block_tables.shape
         s = self.spec
-        return cache[block_tables].view(b, nb * self.block_size, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        rows = cache.view(cache.shape[0], -1).index_select(0, block_tables.view(-1))  # [B * nb, bs * kv * hd]
+        return rows.view(b, nb * self.block_size, s.num_kv_heads, s.head_dim).transpose(1, 2)
 
     def _decode_attention(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
         """Single-token queries against their paged context.
@@ -499,7 +504,7 @@ class ModelRunner:
         scores = scores.masked_fill(~group.mask, float("-inf"))
         num_shared = 0
         if group.shared_blocks is not None:
-            shared_k = k_cache[group.shared_blocks].view(-1, kv, hd).transpose(0, 1)  # [kv, Ts, hd]
+            shared_k = k_cache.index_select(0, group.shared_blocks).view(-1, kv, hd).transpose(0, 1)  # [kv, Ts, hd]
             qs = qg.transpose(0, 1).reshape(kv, d * g, hd)  # [kv, D*g, hd]
             shared_scores = torch.matmul(qs, shared_k.transpose(-1, -2))  # [kv, D*g, Ts]
             num_shared = shared_scores.shape[-1]
@@ -509,7 +514,7 @@ class ModelRunner:
         values = self._gather(v_cache, group.block_tables)  # [D, kv, Tu, hd]
         out = torch.matmul(probs[..., num_shared:], values)  # [D, kv, g, hd]
         if num_shared:
-            shared_v = v_cache[group.shared_blocks].view(-1, kv, hd).transpose(0, 1)  # [kv, Ts, hd]
+            shared_v = v_cache.index_select(0, group.shared_blocks).view(-1, kv, hd).transpose(0, 1)  # [kv, Ts, hd]
             shared_p = probs[..., :num_shared].transpose(0, 1).reshape(kv, d * g, num_shared)  # [kv, D*g, Ts]
             out = out + torch.matmul(shared_p, shared_v).view(kv, d, g, hd).transpose(0, 1)
         return out.reshape(d, s.num_heads * hd)

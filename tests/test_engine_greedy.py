@@ -130,3 +130,21 @@ def test_real_smollm2_greedy_equals_hf(smollm2_dir):
     assert tokens(outputs) == reference
     assert outputs[0].outputs[0].text == tok.decode(reference[0], skip_special_tokens=True)
     llm.engine.check_invariants()
+
+
+def test_bfloat16_tracks_hf_bfloat16(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    prompts = random_prompts([3, 10, 21], seed=6)
+    llm = make_llm(tiny_llama_dir, dtype="bfloat16")
+    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    outs = tokens(llm.generate(prompts, GREEDY))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    matched = total = 0
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outs):  # teacher-forced: HF's choice after each engine prefix
+            logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            matched += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), out))
+            total += len(out)
+    assert matched / total >= 0.8, f"bf16 engine agrees with HF bf16 on {matched}/{total} tokens"
+    llm.engine.check_invariants()
