@@ -330,6 +330,7 @@ def _engine_run(spec: RunSpec, model: str, prompts: list[list[int]], max_tokens:
     result.token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     result.prefix_hit_rate = _prefix_hit_rate(llm, outputs, stats_before)
     if spec.profile:
+        result.peak_rss_bytes = peak_rss_bytes()  # before the profiler's own memory
         result.profile_top = _profile(lambda: llm.generate([list(p) for p in prompts], params))
 
 
@@ -429,7 +430,8 @@ def run_spec(spec: RunSpec) -> RunResult:
         traceback.print_exc()
     if result.status == "ok":
         result.output_tokens = sum(len(t) for t in result.token_ids)
-    result.peak_rss_bytes = peak_rss_bytes()
+    if result.peak_rss_bytes is None:
+        result.peak_rss_bytes = peak_rss_bytes()
     return result
 
 
