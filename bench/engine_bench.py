@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -141,7 +142,8 @@ def run_config(spec: RunSpec, work_dir: Path, timeout_s: float) -> dict:
         return {"config": spec.config, "status": "failed", "reason": f"timed out after {timeout_s:.0f} s"}
     if proc.returncode != 0 or not result_path.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"config": spec.config, "status": "failed", "reason": f"exit {proc.returncode}: {' | '.join(tail)}"}
+        how = f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exit {proc.returncode}"
+        return {"config": spec.config, "status": "failed", "reason": f"process {how}: {' | '.join(tail)}".rstrip(": ")}
     return json.loads(result_path.read_text())
 
 
