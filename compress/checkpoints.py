@@ -156,6 +156,36 @@ def describe_weights(checkpoint_dir: str | Path) -> tuple[int, int, str]:
     return num_parameters, size_bytes, dtype
 
 
+def check_output_dir(output_dir: str | Path, *, sources: tuple[str | Path, ...] = ()) -> Path:
+    """Refuse an output directory whose replacement would destroy something that is not ours.
+
+    A stage replaces its output directory as a whole, so the directory must be new, empty, or an
+    earlier lmforge checkpoint (it has ``lmforge.json``); it must not be the working directory or
+    one of its parents, and must neither be nor contain any of ``sources`` (the stage's inputs).
+
+    Returns:
+        The absolute output path.
+
+    Raises:
+        CheckpointError: naming the directory and the fix.
+    """
+    out = Path(output_dir).expanduser().resolve()
+    fix = "choose a new or empty directory"
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        raise CheckpointError(f"{out}: output directory is the working directory or one of its parents; {fix}")
+    for source in sources:
+        src = Path(source).expanduser().resolve()
+        if src == out or out in src.parents:
+            raise CheckpointError(f"{out}: output directory would replace the input {src}; {fix}")
+    if out.exists():
+        if not out.is_dir():
+            raise CheckpointError(f"{out}: exists and is not a directory; {fix}")
+        if any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+            raise CheckpointError(f"{out}: not empty and not an lmforge checkpoint (no {MANIFEST_NAME}); {fix}")
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Validation of files
 # --------------------------------------------------------------------------------------------
@@ -380,6 +410,7 @@ def resolve_checkpoint(spec: str | Path, *, causal_lm: bool = True) -> Path:
         if not (target / MANIFEST_NAME).is_file():
             convert_gguf(path, target, source=source)
         path = target
+    path = path.resolve()
     check_checkpoint_dir(path, causal_lm=causal_lm)
     if spec_str not in NAMED_SOURCES and not (path / MANIFEST_NAME).is_file() and os.access(path, os.W_OK):
         num_parameters, size_bytes, dtype = describe_weights(path)
@@ -517,7 +548,11 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         print(f"error: {exc}")
         return 1
-    manifest = read_manifest(path) if (path / MANIFEST_NAME).is_file() else None
+    try:
+        manifest = read_manifest(path) if (path / MANIFEST_NAME).is_file() else None
+    except CheckpointError as exc:
+        print(f"error: {exc}")
+        return 1
     print(f"checkpoint: {path}")
     print(manifest.to_json() if manifest else "(no manifest: read-only directory)")
     return 0

@@ -35,6 +35,7 @@ from compress.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
+    check_output_dir,
     describe_weights,
     read_manifest,
     resolve_checkpoint,
@@ -514,9 +515,31 @@ def make_quantizer(method: str, **config: Any) -> Quantizer:
     return quantizer_cls(config_cls(**values))
 
 
+QUANTIZED_METHODS = ("dynamic", "llm-int8", "onnx-int8")
+
+
 def quantize(checkpoint: str | Path, output_dir: str | Path, *, method: str, **config: Any) -> Path:
-    """Quantize ``checkpoint`` with ``method`` into ``output_dir``; returns ``output_dir``."""
-    return make_quantizer(method, **config).quantize(checkpoint, output_dir)
+    """Quantize ``checkpoint`` with ``method`` into ``output_dir``; returns ``output_dir``.
+
+    Raises:
+        CheckpointError: the input is missing, corrupt or already quantized, or ``output_dir``
+            is unsafe to replace (see ``check_output_dir``).
+    """
+    quantizer = make_quantizer(method, **config)
+    source = _require_unquantized(checkpoint)
+    output_dir = check_output_dir(output_dir, sources=(source,))
+    return quantizer.quantize(source, output_dir)
+
+
+def _require_unquantized(checkpoint: str | Path) -> Path:
+    """The checkpoint's directory, refusing one that an INT8 method already produced."""
+    source = resolve_checkpoint(checkpoint, causal_lm=False)  # the method checks the architecture
+    manifest = read_manifest(source) if (source / MANIFEST_NAME).is_file() else None
+    if manifest is not None and manifest.method in QUANTIZED_METHODS:
+        raise CheckpointError(
+            f"--model {source}: already quantized (method {manifest.method}); quantize its parent {manifest.parent} instead"
+        )
+    return source
 
 
 # --------------------------------------------------------------------------------------------
@@ -527,7 +550,7 @@ def quantize(checkpoint: str | Path, output_dir: str | Path, *, method: str, **c
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="checkpoint to quantize: name, .gguf file or directory")
     parser.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
-    parser.add_argument("--out", required=True, help="output checkpoint directory (replaced if it exists)")
+    parser.add_argument("--out", required=True, help="output checkpoint directory: new, empty, or an earlier lmforge checkpoint (replaced)")
     parser.add_argument("--skip-modules", nargs="*", default=None, metavar="NAME",
                         help="dynamic / llm-int8: linear layers kept in float (default: lm_head)")
     parser.add_argument("--threshold", type=float, default=None, help="llm-int8: outlier threshold (default 6.0)")

@@ -189,3 +189,29 @@ def test_smoothquant_keeps_the_fp32_function_and_flattens_outliers(model_type, t
     assert after.max() / after.median() < before.max() / before.median() / 4
     with pytest.raises(ValueError, match="smoothquant_alpha=1.5"):
         smooth_model(model, [ids], alpha=1.5)
+
+
+def test_out_dir_that_is_not_a_checkpoint_is_refused_and_kept(tiny_llama_dir, tmp_path, monkeypatch):
+    from compress.checkpoints import CheckpointError
+    from compress.quantize import quantize
+
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="precious: not empty and not an lmforge checkpoint"):
+        quantize(tiny_llama_dir, precious, method="dynamic", smoothquant_alpha=None)
+    assert (precious / "notes.txt").read_text() == "keep me"
+    monkeypatch.chdir(precious)
+    with pytest.raises(CheckpointError, match="working directory"):
+        quantize(tiny_llama_dir, ".", method="dynamic", smoothquant_alpha=None)
+    with pytest.raises(CheckpointError, match="would replace the input"):
+        quantize(tiny_llama_dir, tiny_llama_dir, method="dynamic", smoothquant_alpha=None)
+
+
+def test_quantizing_a_quantized_checkpoint_is_refused(tiny_llama_dir, tmp_path):
+    from compress.checkpoints import CheckpointError
+    from compress.quantize import quantize
+
+    once = quantize(tiny_llama_dir, tmp_path / "once", method="dynamic", smoothquant_alpha=None)
+    with pytest.raises(CheckpointError, match="already quantized \\(method dynamic\\)"):
+        quantize(once, tmp_path / "twice", method="dynamic", smoothquant_alpha=None)
