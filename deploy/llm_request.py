@@ -2,7 +2,8 @@
 
 The tensors are those of Triton's vLLM backend, so its clients work unchanged:
 
-* ``text_input`` (STRING, required): the prompt, non-empty;
+* ``text_input`` (STRING): the prompt, non-empty; or
+* ``prompt_token_ids`` (INT64 [-1]): the prompt already tokenized (exactly one of the two);
 * ``stream`` (BOOL, default false): one response per engine step instead of one at the end;
 * ``sampling_parameters`` (STRING, default ``{}``): a JSON object of ``SamplingParams`` fields,
   e.g. ``{"temperature": 0, "max_tokens": 32}``;
@@ -26,10 +27,15 @@ MAX_PROMPT_CHARS = 1_000_000
 class LLMRequest:
     """A parsed request: what to generate and how to answer."""
 
-    prompt: str
+    prompt: str | dict  # text, or {"prompt_token_ids": [...]}
     sampling_params: Any  # engine.SamplingParams
     stream: bool
     exclude_input_in_output: bool
+
+    @property
+    def prompt_text(self) -> str:
+        """The prompt as text ("" for a tokenized prompt: it is never echoed)."""
+        return self.prompt if isinstance(self.prompt, str) else ""
 
 
 def _first(values: Any, field: str) -> Any:
@@ -81,19 +87,33 @@ def parse_sampling_parameters(text: str | None):
         raise ValueError(f"sampling_parameters: {exc}") from exc
 
 
-def parse_request(text_input: Any, stream: Any = None, sampling_parameters: Any = None, exclude_input_in_output: Any = None) -> LLMRequest:
+def parse_request(
+    text_input: Any, stream: Any = None, sampling_parameters: Any = None, exclude_input_in_output: Any = None,
+    prompt_token_ids: Any = None,
+) -> LLMRequest:
     """Build an ``LLMRequest`` from the input tensors' values (``None`` = input absent).
 
     Raises:
-        ValueError: a missing or empty ``text_input``, or a bad ``sampling_parameters``.
+        ValueError: neither or both of ``text_input`` and ``prompt_token_ids``, an empty or too
+            long prompt, or a bad ``sampling_parameters``.
     """
-    if text_input is None:
-        raise ValueError("text_input: missing; send the prompt as text_input")
-    prompt = decode_text(_first(text_input, "text_input"), "text_input")
-    if not prompt.strip():
-        raise ValueError("text_input: empty prompt; send some text")
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise ValueError(f"text_input: {len(prompt)} characters is over the {MAX_PROMPT_CHARS} limit")
+    if text_input is None and prompt_token_ids is None:
+        raise ValueError("text_input: missing; send the prompt as text_input (or its tokens as prompt_token_ids)")
+    if text_input is not None and prompt_token_ids is not None:
+        raise ValueError("text_input and prompt_token_ids both given; send one of them")
+    if text_input is not None:
+        prompt: str | dict = decode_text(_first(text_input, "text_input"), "text_input")
+        if not prompt.strip():
+            raise ValueError("text_input: empty prompt; send some text")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise ValueError(f"text_input: {len(prompt)} characters is over the {MAX_PROMPT_CHARS} limit")
+    else:
+        ids = [int(t) for t in getattr(prompt_token_ids, "flat", prompt_token_ids)]
+        if not ids:
+            raise ValueError("prompt_token_ids: empty; send at least one token id")
+        if len(ids) > MAX_PROMPT_CHARS:
+            raise ValueError(f"prompt_token_ids: {len(ids)} tokens is over the {MAX_PROMPT_CHARS} limit")
+        prompt = {"prompt_token_ids": ids}
     params_text = None if sampling_parameters is None else decode_text(_first(sampling_parameters, "sampling_parameters"), "sampling_parameters")
     return LLMRequest(
         prompt=prompt,

@@ -129,14 +129,19 @@ def _cpu_instances(config, count: int) -> None:
 def llm_config(name: str, *, instance_count: int = 1):
     """Decoupled Python-backend LLM (the vLLM backend's tensors), one engine per instance.
 
-    Inputs: ``text_input`` STRING [1]; optional ``stream`` BOOL [1], ``sampling_parameters``
-    STRING [1] (JSON of ``SamplingParams`` fields), ``exclude_input_in_output`` BOOL [1].
+    Inputs (all optional, but one of the first two is required): ``text_input`` STRING [1],
+    ``prompt_token_ids`` INT64 [-1] (a tokenized prompt), ``stream`` BOOL [1],
+    ``sampling_parameters`` STRING [1] (JSON of ``SamplingParams`` fields),
+    ``exclude_input_in_output`` BOOL [1].
     Outputs: ``text_output`` STRING [-1], ``finish_reason`` STRING [-1], ``num_input_tokens``
-    and ``num_output_tokens`` INT32 [1].
+    and ``num_output_tokens`` INT32 [1]; ``index`` INT32 [1] (completion index, ``n`` > 1),
+    ``output_token_ids`` INT64 [-1] (the tokens of this response), ``logprobs`` STRING [1]
+    (JSON, one ``{token_id: logprob}`` per token of this response, when asked).
     """
     config = _pb().ModelConfig(name=name, backend="python", max_batch_size=0)
     config.model_transaction_policy.decoupled = True
-    _tensor(config.input, "text_input", "TYPE_STRING", [1])
+    _tensor(config.input, "text_input", "TYPE_STRING", [1], optional=True)
+    _tensor(config.input, "prompt_token_ids", "TYPE_INT64", [-1], optional=True)
     _tensor(config.input, "stream", "TYPE_BOOL", [1], optional=True)
     _tensor(config.input, "sampling_parameters", "TYPE_STRING", [1], optional=True)
     _tensor(config.input, "exclude_input_in_output", "TYPE_BOOL", [1], optional=True)
@@ -144,6 +149,9 @@ def llm_config(name: str, *, instance_count: int = 1):
     _tensor(config.output, "finish_reason", "TYPE_STRING", [-1])
     _tensor(config.output, "num_input_tokens", "TYPE_INT32", [1])
     _tensor(config.output, "num_output_tokens", "TYPE_INT32", [1])
+    _tensor(config.output, "index", "TYPE_INT32", [1])
+    _tensor(config.output, "output_token_ids", "TYPE_INT64", [-1])
+    _tensor(config.output, "logprobs", "TYPE_STRING", [1])
     _cpu_instances(config, instance_count)
     return config
 

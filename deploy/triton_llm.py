@@ -124,14 +124,20 @@ class LLMMetrics:
             self.tpot.observe(metrics.tpot_s)
 
 
-def _output_tensors(text: str, output, finish_reason: str | None) -> list:
+def _output_tensors(text: str, output, completion, finish_reason: str | None, token_ids=(), logprobs=None) -> list:
+    """One response's tensors for one completion (``token_ids``/``logprobs``: those of this response)."""
     tensors = [
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
         pb_utils.Tensor("num_input_tokens", np.array([len(output.prompt_token_ids)], dtype=np.int32)),
-        pb_utils.Tensor("num_output_tokens", np.array([len(output.outputs[0].token_ids)], dtype=np.int32)),
+        pb_utils.Tensor("num_output_tokens", np.array([len(completion.token_ids)], dtype=np.int32)),
+        pb_utils.Tensor("index", np.array([completion.index], dtype=np.int32)),
+        pb_utils.Tensor("output_token_ids", np.array(list(token_ids), dtype=np.int64)),
     ]
     if finish_reason is not None:
         tensors.append(pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=np.object_)))
+    if logprobs is not None:
+        entries = [{str(t): v for t, v in entry.items()} for entry in logprobs]
+        tensors.append(pb_utils.Tensor("logprobs", np.array([json.dumps(entries).encode()], dtype=np.object_)))
     return tensors
 
 
@@ -196,6 +202,7 @@ class TritonPythonModel:
                 _optional_input(request, "stream"),
                 _optional_input(request, "sampling_parameters"),
                 _optional_input(request, "exclude_input_in_output"),
+                _optional_input(request, "prompt_token_ids"),
             )
         except ValueError as exc:
             self._send_error(sender, str(exc))
@@ -224,8 +231,15 @@ class TritonPythonModel:
             self._close(sender, last)
 
     async def _stream(self, request: LLMRequest, request_id: str, stream, sender) -> tuple[bool, object]:
-        """Send the engine's outputs; returns (FINAL sent, last output)."""
-        sent_chars = 0
+        """Send the engine's outputs; returns (FINAL sent, last output).
+
+        Streaming: for each completion (``index``; ``n`` of them), a response when its text grew,
+        it got logprobs, or it finished. Otherwise one response per completion at the end. The
+        request's last response carries FINAL.
+        """
+        sent_chars: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
         last = None
         next_cancel_check = 0.0
         async for output in stream:
@@ -237,21 +251,32 @@ class TritonPythonModel:
                     self.metrics.aborted.increment(1)
                     return False, last
                 next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
-            completion = output.outputs[0]
             if output.finished:
                 self.metrics.finished(output)
-            if request.stream:
-                delta = completion.text[sent_chars:]
-                if not delta and not output.finished:
+            responses = []
+            for completion in output.outputs:
+                index = completion.index
+                if index in done or not (request.stream or output.finished):
                     continue
-                sent_chars = len(completion.text)
-                flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
-                sender.send(pb_utils.InferenceResponse(_output_tensors(delta, output, completion.finish_reason)), flags=flags)
-            elif output.finished:
-                text = completion.text if request.exclude_input_in_output else request.prompt + completion.text
-                response = pb_utils.InferenceResponse(_output_tensors(text, output, completion.finish_reason))
-                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                start_chars, start_tokens = (sent_chars.get(index, 0), sent_tokens.get(index, 0)) if request.stream else (0, 0)
+                delta = completion.text[start_chars:]
+                new_tokens = completion.token_ids[start_tokens:]
+                has_logprobs = completion.logprobs is not None and len(new_tokens) > 0
+                if not delta and not has_logprobs and completion.finish_reason is None:
+                    continue
+                sent_chars[index], sent_tokens[index] = len(completion.text), len(completion.token_ids)
+                if completion.finish_reason is not None:
+                    done.add(index)
+                if not request.stream and not request.exclude_input_in_output:
+                    delta = request.prompt_text + delta
+                logprobs = completion.logprobs[start_tokens:] if completion.logprobs is not None else None
+                responses.append(_output_tensors(delta, output, completion, completion.finish_reason, new_tokens, logprobs))
+            for i, tensors in enumerate(responses):
+                final = output.finished and i == len(responses) - 1
+                sender.send(pb_utils.InferenceResponse(tensors), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
             if output.finished:
+                if not responses:
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return True, last
         return False, last
 
@@ -268,7 +293,8 @@ class TritonPythonModel:
             if last is None or sender.is_cancelled():
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             else:  # the engine stopped it (aborted elsewhere)
-                sender.send(pb_utils.InferenceResponse(_output_tensors("", last, "abort")), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                tensors = _output_tensors("", last, last.outputs[0], "abort")
+                sender.send(pb_utils.InferenceResponse(tensors), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # noqa: BLE001 -- the client is gone; nothing left to tell it
             self.logger.log_verbose(f"lmforge: closing a cancelled request: {exc!r}")
 

@@ -62,10 +62,11 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.sampler = Sampler()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.eos_token_ids = read_eos_token_ids(self.path, self.tokenizer)
-        self.requests: dict[str, Sequence] = {}
+        self.sampler = Sampler(self.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}  # unfinished sequences by sequence id
+        self.groups: dict[str, list[Sequence]] = {}  # request id -> its ``n`` sequences
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
         self.num_steps_total = 0
@@ -95,44 +96,64 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str | None,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Queue a request; returns its id.
+        """Queue a request (``params.n`` sequences); returns its id.
 
         Args:
             request_id: unique among unfinished requests; ``None`` picks one.
-            prompt: text, or token ids.
+            prompt: text, token ids, ``{"prompt_token_ids": [...]}`` or ``{"prompt": text}``.
             params: ``SamplingParams`` (default: ``SamplingParams()``).
+
+        With ``n`` > 1 the completions are sequences ``{request_id}-{i}`` that share the
+        prompt's full KV blocks through the prefix cache (the scheduler lets the first compute
+        them); their outputs come back together under ``request_id``.
 
         Raises:
             ValueError: empty prompt, prompt too long for ``max_model_len``, token ids out of the
                 vocabulary, a bad sampling parameter, or a duplicate ``request_id``; nothing is queued.
         """
         request_id = self.new_request_id() if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
         params = self._check_params(params)
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        if request_id in self.groups or any(i in self.requests for i in seq_ids):
+            raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
         text, token_ids = self._tokenize(prompt)
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            generator = torch.Generator(device=self.config.device).manual_seed(seed)
-        seq = Sequence(request_id, text, token_ids, params, IncrementalDetokenizer(self.tokenizer, token_ids), generator, arrival_time)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        base_seed = params.seed
+        if base_seed is None and not params.greedy:
+            base_seed = self._seed_rng.getrandbits(62)
+        group = []
+        for index, seq_id in enumerate(seq_ids):
+            child = params if params.n == 1 else dataclasses.replace(params, n=1, seed=None if base_seed is None else base_seed + index)
+            generator = None
+            if not params.greedy:
+                generator = torch.Generator(device=self.config.device).manual_seed(base_seed + index)
+            seq = Sequence(seq_id, text, token_ids, child, IncrementalDetokenizer(self.tokenizer, token_ids), generator, arrival_time)
+            seq.group_id, seq.index = request_id, index
+            group.append(seq)
+            self.requests[seq_id] = seq
+            self.scheduler.add(seq)
+        self.groups[request_id] = group
         return request_id
 
-    @staticmethod
-    def _check_params(params: SamplingParams | None) -> SamplingParams:
+    def _check_params(self, params: SamplingParams | None) -> SamplingParams:
+        """A private, re-validated copy of ``params``, also checked against the vocabulary."""
         if params is None:
             return SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params={params!r}; pass a SamplingParams")
-        return dataclasses.replace(params)  # a private, re-validated copy
+        params = dataclasses.replace(params)
+        vocab = self.runner.spec.vocab_size
+        outside = sorted(t for t in (params.logit_bias or {}) if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias has token ids {outside[:5]} outside the vocabulary [0, {vocab})")
+        return params
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            prompt = _unwrap_prompt_dict(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character or token id")
@@ -141,7 +162,7 @@ class LLMEngine:
         elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids, text = list(prompt), None
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(f"prompt must be a string, a list of token ids or {{\"prompt_token_ids\": [...]}}, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty (no tokens); give at least one token")
         vocab = self.runner.spec.vocab_size
@@ -163,13 +184,16 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         outputs = []
         for request_id in ids:
-            seq = self.requests.pop(request_id, None)
-            if seq is None or seq.is_finished:
+            group = self.groups.pop(request_id, None)
+            if group is None:
                 continue
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-            seq.finished_time = time.monotonic()
-            self.num_requests_finished_total += 1
-            outputs.append(self._output(seq))
+            for seq in group:
+                self.requests.pop(seq.request_id, None)
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                    seq.finished_time = time.monotonic()
+                    self.num_requests_finished_total += 1
+            outputs.append(self._output(group))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -190,12 +214,18 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(item.seq)
         result = self.sampler(logits, sampled)
         now = time.monotonic()
-        outputs = []
+        touched: dict[str, list[Sequence]] = {}
         for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs):
             self._append_token(seq, token, logprobs, now)
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
+            touched.setdefault(seq.group_id, self.groups[seq.group_id])
+        outputs = []
+        for request_id, group in touched.items():
+            output = self._output(group)
+            if output.finished:
+                self.groups.pop(request_id, None)
+            outputs.append(output)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
@@ -216,6 +246,8 @@ class LLMEngine:
 
     def _stop_status(self, seq: Sequence, token: int, text_before: int) -> SequenceStatus | None:
         p = seq.params
+        if seq.num_output_tokens < p.min_tokens:  # the sampler blocked EOS and stop ids
+            return SequenceStatus.FINISHED_LENGTH if seq.num_tokens >= self.config.max_model_len else None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED
         if p.stop:
@@ -229,13 +261,22 @@ class LLMEngine:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(
-            0, seq.output_text, seq.output_token_ids, seq.status.finish_reason,
-            None if seq.logprobs is None else list(seq.logprobs),
+    def _output(self, group: list[Sequence]) -> RequestOutput:
+        """The request's state: one ``CompletionOutput`` per sequence (cumulative)."""
+        completions = [
+            CompletionOutput(seq.index, seq.output_text, seq.output_token_ids, seq.status.finish_reason,
+                             None if seq.logprobs is None else list(seq.logprobs))
+            for seq in group
+        ]
+        first = group[0]
+        first_times = [s.first_token_time for s in group if s.first_token_time is not None]
+        finished = all(s.is_finished for s in group)
+        metrics = RequestMetrics(
+            first.arrival_time, min(first_times) if first_times else None,
+            max(s.finished_time for s in group) if finished else None,
+            first.num_cached_tokens or 0, sum(s.num_output_tokens for s in group),
         )
-        metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finished_time, seq.num_cached_tokens or 0, seq.num_output_tokens)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, metrics)
+        return RequestOutput(first.group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)
 
     # ---------------------------------------------------------------- introspection
 
@@ -276,7 +317,7 @@ def read_eos_token_ids(path: Path, tokenizer) -> set[int]:
     return ids
 
 
-PromptType = str | list[int] | list[dict]
+PromptType = str | list[int] | dict | list[dict]
 
 
 class LLM:
@@ -326,7 +367,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt")
         engine = self.engine
-        inputs = [self.apply_chat_template(p) if chat else p for p in prompts]
+        inputs = [self.apply_chat_template(p) if chat and not isinstance(p, dict) else p for p in prompts]
         for p in inputs:
             engine._tokenize(p)  # validate all before running any
         for p in params:
@@ -338,7 +379,7 @@ class LLM:
             from tqdm import tqdm
 
             progress = tqdm(total=len(ids), desc="requests", unit="req")
-        max_steps = 10 * sum(len(engine.requests[i].token_ids) + engine.requests[i].params.max_tokens for i in ids) + 100
+        max_steps = 10 * sum(len(s.token_ids) + s.params.max_tokens for i in ids for s in engine.groups[i]) + 100
         for _ in range(max_steps):
             if not engine.has_unfinished_requests():
                 break
@@ -354,12 +395,27 @@ class LLM:
         return [finals[i] for i in ids]
 
 
+def _unwrap_prompt_dict(prompt: dict) -> str | list[int]:
+    """``{"prompt_token_ids": [...]}`` or ``{"prompt": text}`` (vLLM's prompt dicts) -> the prompt."""
+    keys = set(prompt)
+    if keys == {"prompt_token_ids"}:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integer token ids")
+        return ids
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    raise ValueError(f"prompt dict with keys {sorted(keys)}; give {{\"prompt_token_ids\": [ids]}} or {{\"prompt\": text}}")
+
+
 def _as_prompt_list(prompts, chat: bool) -> list:
+    if isinstance(prompts, dict):
+        return [prompts]  # one {"prompt_token_ids": ...} prompt
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [prompts]  # one prompt of token ids
-    if chat and isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
+    if chat and isinstance(prompts, list) and prompts and all(isinstance(m, dict) and "role" in m for m in prompts):
         return [prompts]  # one conversation
     if not isinstance(prompts, list) or not prompts:
         raise ValueError("prompts must be a non-empty string, token-id list, or list of prompts")

@@ -1,4 +1,4 @@
-"""Token selection for a batch of requests: greedy, temperature, top-k, top-p, penalties, logprobs."""
+"""Token selection for a batch of requests: greedy, temperature, min-p, top-k, top-p, bias, penalties, logprobs."""
 
 from __future__ import annotations
 
@@ -20,16 +20,26 @@ class SampleResult:
 class Sampler:
     """Samples one token per sequence from ``[S, vocab]`` float32 logits.
 
-    Greedy rows take the argmax. Other rows: repetition penalty (Hugging Face / CTRL form:
-    positive logits divided, negative multiplied), temperature, top-k, top-p (nucleus, Holtzman
-    et al. 2019), then a draw with the request's own ``torch.Generator`` so a given ``seed``
-    reproduces its tokens whatever else is in the batch.
+    Per row, in vLLM's order: ``logit_bias`` added; while a request has fewer than
+    ``min_tokens`` new tokens, its end-of-sequence and ``stop_token_ids`` logits set to -inf;
+    repetition penalty (Hugging Face / CTRL form over prompt and output: positive logits
+    divided, negative multiplied); frequency and presence penalties over the output tokens
+    (OpenAI's definition: ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``).
+    Greedy rows then take the argmax. Other rows: temperature, min-p, top-k, top-p (nucleus,
+    Holtzman et al. 2019), then a draw with the request's own ``torch.Generator`` so a given
+    ``seed`` reproduces its tokens whatever else is in the batch.
+
+    Args:
+        eos_token_ids: the checkpoint's end-of-sequence ids (blocked under ``min_tokens``).
     """
 
+    def __init__(self, eos_token_ids: set[int] | None = None) -> None:
+        self.eos_token_ids = set(eos_token_ids or ())
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        if all(s.params.greedy and s.params.repetition_penalty == 1.0 and s.params.logprobs is None for s in seqs):
+        if all(s.params.greedy and not s.params.changes_logits and s.params.logprobs is None for s in seqs):
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
-        logits = self._apply_penalties(logits, seqs)
+        logits = self.process_logits(logits, seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         tokens: list[int] = []
         for i, seq in enumerate(seqs):
@@ -38,28 +48,46 @@ class Sampler:
             if p.greedy:
                 tokens.append(int(row.argmax()))
             else:
-                probs = self._probs(row, p.temperature, p.top_k, p.top_p)
+                probs = self._probs(row, p.temperature, p.top_k, p.top_p, p.min_p)
                 tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
         return SampleResult(tokens, self._logprobs(raw_logprobs, tokens, seqs))
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        if all(s.params.repetition_penalty == 1.0 for s in seqs):
+    def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """``[S, vocab]`` logits -> a copy with bias, ``min_tokens`` blocking and penalties applied."""
+        if not any(s.params.changes_logits for s in seqs):
             return logits
         logits = logits.clone()
+        vocab = logits.shape[-1]
         for i, seq in enumerate(seqs):
-            penalty = seq.params.repetition_penalty
-            if penalty == 1.0:
+            p = seq.params
+            if not p.changes_logits:
                 continue
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-            values = logits[i, seen]
-            logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+            row = logits[i]  # a view: the updates below write into ``logits``
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+                row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+            if seq.num_output_tokens < p.min_tokens:
+                blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                blocked = sorted(t for t in blocked if t < vocab)
+                if blocked:
+                    row[torch.tensor(blocked, dtype=torch.long, device=row.device)] = float("-inf")
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
+                ids, counts = torch.unique(torch.tensor(seq.output_token_ids, dtype=torch.long), return_counts=True)
+                ids = ids.to(row.device)
+                row[ids] -= p.frequency_penalty * counts.to(row.device, row.dtype) + p.presence_penalty
         return logits
 
     @staticmethod
-    def _probs(row: torch.Tensor, temperature: float, top_k: int | None, top_p: float) -> torch.Tensor:
-        """``[vocab]`` logits -> ``[vocab]`` probabilities after temperature, top-k and top-p."""
+    def _probs(row: torch.Tensor, temperature: float, top_k: int | None, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+        """``[vocab]`` logits -> ``[vocab]`` probabilities after temperature, min-p, top-k and top-p."""
         row = row / temperature
+        if min_p > 0.0:
+            probs = torch.softmax(row, dim=-1)
+            row = row.masked_fill(probs < min_p * probs.max(), float("-inf"))
         if top_k is not None and top_k < row.shape[0]:
             kth = torch.topk(row, top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

@@ -25,6 +25,19 @@ class SamplingParams:
             (Keskar et al. 2019, CTRL; the Hugging Face formulation).
         logprobs: return the log-probability of each sampled token and of the ``logprobs``
             most likely tokens; ``None`` returns none.
+        n: completions per request; they share the prompt's KV blocks through the prefix cache
+            (the first computes them, the others hit them). With a ``seed``, completion ``i``
+            samples with ``seed + i``.
+        min_tokens: no end-of-sequence token, ``stop_token_ids`` or ``stop`` string ends
+            generation before this many new tokens (<= ``max_tokens``).
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token already in
+            the output (OpenAI / vLLM definition; prompt tokens do not count).
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per occurrence in
+            the output.
+        min_p: in [0, 1]; drop tokens whose probability (after temperature) is below ``min_p``
+            times the most likely token's (Nguyen et al. 2024, "Min P Sampling").
+        logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to the logits before
+            penalties and sampling (also for greedy requests). JSON string keys are accepted.
 
     Raises:
         ValueError: a field out of range or of the wrong type (the message names it).
@@ -40,6 +53,12 @@ class SamplingParams:
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    n: int = 1
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
@@ -64,11 +83,28 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty={self.repetition_penalty!r}; it must be a number > 0 (1 = off)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs={self.logprobs!r}; it must be an integer >= 0, or None")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n={self.n!r}; it must be an integer >= 1 (completions per prompt)")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens!r}; it must be an integer in [0, max_tokens={self.max_tokens}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}={value!r}; it must be a number in [-2, 2] (0 = off)")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p={self.min_p!r}; it must be a number in [0, 1] (0 = off)")
+        self.logit_bias = _check_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         """Whether tokens are chosen by argmax."""
         return self.temperature == 0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether any penalty or bias changes the logits before the token is chosen."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":
@@ -94,6 +130,22 @@ def _check_stop(stop: object) -> list[str]:
     if any(s == "" for s in stop):
         raise ValueError("stop contains an empty string; remove it")
     return list(stop)
+
+
+def _check_logit_bias(bias: object) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias={bias!r}; it must be a mapping {{token_id: bias}}")
+    checked: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias key {key!r}; keys must be non-negative token ids")
+        if not _is_number(value) or not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias[{key!r}]={value!r}; biases must be numbers in [-100, 100]")
+        checked[token] = float(value)
+    return checked or None
 
 
 def _is_int(value: object) -> bool:

@@ -69,6 +69,8 @@ class Sequence:
         self.finished_time: float | None = None
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
+        self.group_id = request_id  # the request this completion belongs to (``SamplingParams.n``)
+        self.index = 0  # its completion index in that request
 
     @property
     def num_tokens(self) -> int:

@@ -32,7 +32,7 @@ def invariants_hold_after(request):
     if "llm" in request.fixturenames:
         engine = request.getfixturevalue("llm").engine
         engine.check_invariants()
-        assert not engine.has_unfinished_requests()
+        assert not engine.has_unfinished_requests() and not engine.groups and not engine.requests
 
 
 def run_to_end(engine: LLMEngine, max_steps: int = 500) -> dict:

@@ -124,6 +124,10 @@ def test_committed_repository_parses():
         ({"text_input": [b"   "]}, "text_input: empty"),
         ({"text_input": None}, "text_input: missing"),
         ({"text_input": [b"\xff\xfe"]}, "UTF-8"),
+        ({"text_input": [b"hi"], "sampling_parameters": [b'{"n": 0}']}, "n=0"),
+        ({"text_input": [b"hi"], "sampling_parameters": [b'{"presence_penalty": 3}']}, "presence_penalty"),
+        ({"text_input": [b"hi"], "prompt_token_ids": [1, 2]}, "both given"),
+        ({"text_input": None, "prompt_token_ids": []}, "prompt_token_ids: empty"),
     ],
 )
 def test_parse_request_rejects_bad_input_naming_the_field(inputs, message):
@@ -140,6 +144,11 @@ def test_parse_request_defaults_and_values():
     )
     assert request.stream and request.exclude_input_in_output
     assert request.sampling_params.temperature == 0 and request.sampling_params.max_tokens == 5
+    fields = b'{"n": 2, "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_p": 0.1, "logit_bias": {"7": -100}}'
+    request = parse_request(None, None, np.array([fields], dtype=object), None, np.array([3, 4, 5], dtype=np.int64))
+    assert request.prompt == {"prompt_token_ids": [3, 4, 5]} and request.prompt_text == ""
+    p = request.sampling_params
+    assert (p.n, p.min_tokens, p.presence_penalty, p.frequency_penalty, p.min_p, p.logit_bias) == (2, 2, 0.5, -0.5, 0.1, {7: -100.0})
 
 
 def test_port_helpers():

@@ -189,6 +189,24 @@ def test_grpc_stream_ends_with_final_flag(server, engine_text):
         client.close()
 
 
+def test_token_id_prompt_with_n_2_streams_both_completions(server, engine_text, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    expected, _ = engine_text(PROMPT, **GREEDY)
+    ids = AutoTokenizer.from_pretrained(tiny_llama_dir)(PROMPT).input_ids
+    body = {"prompt_token_ids": ids, "stream": True, "sampling_parameters": json.dumps({**GREEDY, "n": 2, "logprobs": 1})}
+    events = []
+    with requests.post(f"{server.http_url}/v2/models/llm/generate_stream", json=body, stream=True, timeout=120) as response:
+        assert response.status_code == 200, response.text
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ")]
+    for index in (0, 1):
+        mine = [e for e in events if e["index"] == index]
+        assert "".join(e["text_output"] for e in mine) == expected
+        assert mine[-1]["finish_reason"] == "length" and mine[-1]["num_output_tokens"] == GREEDY["max_tokens"]
+        assert sum(len(json.loads(e["logprobs"])) for e in mine) == GREEDY["max_tokens"]
+        assert all(e["num_input_tokens"] == len(ids) for e in mine)
+
+
 def test_16_concurrent_streams_complete_and_are_batched(server, engine_text):
     prompts = [f"Request number {i} says" for i in range(16)]
     params = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
