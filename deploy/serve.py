@@ -1,6 +1,7 @@
 """``lmforge serve``: run the real Triton Inference Server on a model repository.
 
     lmforge serve --repo model_repository [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
+    lmforge serve --repo model_repository --openai-port 9000 [--host 0.0.0.0 --api-key KEY]
     lmforge serve --repo model_repository --stop
 
 Starts the bundled ``tritonserver`` on 127.0.0.1 with explicit model control, loading every
@@ -9,15 +10,30 @@ stays in the foreground until Ctrl-C, SIGTERM or ``lmforge serve --stop`` (SIGIN
 server, SIGKILL after ``--grace-s``). The server log goes to ``REPO/tritonserver.log`` (or
 ``--log``); the pid to ``REPO/tritonserver.pid``. A model that fails to load is reported with
 Triton's reason and the command exits 1; busy ports exit 1 at once with the ports named.
+
+With ``--openai-port`` it also starts the OpenAI-compatible frontend (``deploy.openai_server``,
+its own process, bound to ``--host``, default 127.0.0.1) on the server's LLM models once they
+are ready; it forwards to Triton over gRPC and stops with it (pid in
+``REPO/openai_server.pid``, log in ``REPO/openai_server.log``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
-from deploy.triton import DEFAULT_PORTS, TritonError, TritonServer, stop_from_pid_file
+from deploy.triton import DEFAULT_PORTS, TritonError, TritonServer, _pid_alive, check_ports, lmforge_source_root, stop_from_pid_file, stop_process
+
+OPENAI_PID_FILE = "openai_server.pid"
+OPENAI_LOG_FILE = "openai_server.log"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,10 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout-s", type=float, default=600.0, help="deadline for all models to be ready (default 600)")
     parser.add_argument("--grace-s", type=float, default=15.0, help="seconds between SIGINT and SIGKILL when stopping (default 15)")
     parser.add_argument("--stop", action="store_true", help="stop the server `lmforge serve` started on --repo")
+    parser.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible API on this port (default: off)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the OpenAI API binds (default 127.0.0.1)")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on the OpenAI API's /v1 routes (or $LMFORGE_API_KEY)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.stop:
+        frontend_pid = stop_openai_from_pid_file(args.repo, grace_s=args.grace_s)
+        if frontend_pid is not None:
+            print(f"stopped the OpenAI API (pid {frontend_pid})")
         try:
             pid = stop_from_pid_file(args.repo, grace_s=args.grace_s)
         except TritonError as exc:
@@ -41,6 +63,12 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"stopped tritonserver (pid {pid})")
         return 0
+    if args.openai_port is not None:
+        try:
+            check_ports({"openai": args.openai_port}, args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
+        except TritonError as exc:
+            print(f"error: {exc}")
+            return 1
     try:
         server = TritonServer(
             args.repo, args.http_port, args.grpc_port, args.metrics_port,
@@ -67,13 +95,24 @@ def run(args: argparse.Namespace) -> int:
     print(f"  gRPC    {server.grpc_url}")
     print(f"  metrics {server.metrics_url}")
     print(f"  log     {server.log_path}")
+    frontend = None
+    if args.openai_port is not None:
+        try:
+            frontend = start_openai(args, server)
+        except (TritonError, KeyboardInterrupt) as exc:
+            server.stop()
+            print(f"error: {exc}" if isinstance(exc, TritonError) else "interrupted; server stopped")
+            return 1
+        print(f"  OpenAI  http://{args.host}:{args.openai_port}/v1   (log {Path(args.repo) / OPENAI_LOG_FILE})")
     print("Ctrl-C or `lmforge serve --repo {} --stop` to stop".format(args.repo), flush=True)
     try:
         status = server.wait()
     except KeyboardInterrupt:
+        stop_openai(frontend, args)
         status = server.stop()
         print(f"server stopped (exit status {status})")
         return 0
+    stop_openai(frontend, args)
     server.stop()
     if status == 0 or "Signal (2) received" in server.log_tail(200):  # `--stop` or a SIGINT
         print(f"server stopped (exit status {status})")
@@ -85,3 +124,68 @@ def run(args: argparse.Namespace) -> int:
 
 def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: float = 120.0) -> subprocess.Popen:
+    """Start ``deploy.openai_server`` on the server's LLM models; returns once ``/health`` answers 200.
+
+    Raises:
+        TritonError: no LLM model is loaded, or the frontend exited or did not get ready in time.
+    """
+    from deploy.openai_server import llm_names
+
+    repo = Path(args.repo).resolve()
+    names = llm_names(repo, server.models)
+    if not names:
+        raise TritonError(f"--openai-port: none of the loaded models ({', '.join(server.models)}) is an LLM")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(lmforge_source_root()), env.get("PYTHONPATH")]))
+    api_key = args.api_key or env.get("LMFORGE_API_KEY")
+    if api_key:
+        env["LMFORGE_API_KEY"] = api_key  # not on the command line, where `ps` shows it
+    command = [sys.executable, "-m", "deploy.openai_server", "--repo", str(repo), "--grpc-url", server.grpc_url,
+               "--host", args.host, "--port", str(args.openai_port), "--models", *names]
+    log = open(repo / OPENAI_LOG_FILE, "w")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    (repo / OPENAI_PID_FILE).write_text(json.dumps({"pid": process.pid, "port": args.openai_port}))
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            (repo / OPENAI_PID_FILE).unlink(missing_ok=True)
+            raise TritonError(f"the OpenAI API exited (status {process.returncode}); log {repo / OPENAI_LOG_FILE}:\n{(repo / OPENAI_LOG_FILE).read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://{host}:{args.openai_port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return process
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    stop_openai(process, args)
+    raise TritonError(f"the OpenAI API was not ready within {timeout_s:.0f} s; log {repo / OPENAI_LOG_FILE}")
+
+
+def stop_openai(process: subprocess.Popen | None, args: argparse.Namespace) -> None:
+    if process is None:
+        return
+    stop_process(process.pid, args.grace_s, wait=process.wait)
+    (Path(args.repo).resolve() / OPENAI_PID_FILE).unlink(missing_ok=True)
+
+
+def stop_openai_from_pid_file(repo: str | Path, grace_s: float) -> int | None:
+    """Stop the OpenAI frontend ``lmforge serve --openai-port`` started on ``repo``; its pid, or None if none runs."""
+    pid_path = Path(repo).resolve() / OPENAI_PID_FILE
+    try:
+        pid = int(json.loads(pid_path.read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        ours = _pid_alive(pid) and b"deploy.openai_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        ours = False
+    pid_path.unlink(missing_ok=True)
+    if not ours:
+        return None
+    stop_process(pid, grace_s)
+    return pid
