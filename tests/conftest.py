@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+
+#: Engine configuration of the LLM the session's Triton server serves (and the in-process reference).
+ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 256, "num_threads": 1}
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +25,46 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     from compress.checkpoints import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def served_repo(tmp_path_factory, tiny_llama_dir) -> Path:
+    """A model repository with the tiny random Llama (``llm``) and MiniLM (``minilm``)."""
+    from deploy.export import export
+
+    repo = tmp_path_factory.mktemp("model_repository")
+    export(tiny_llama_dir, repo, name="llm", engine=ENGINE_CONFIG)
+    export("minilm-l6", repo, name="minilm", instances=1)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def server(served_repo):
+    """One real tritonserver for the whole session, on free ports of 127.0.0.1."""
+    from deploy.triton import TritonServer, free_ports
+
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(served_repo, http, grpc, metrics, models=["llm", "minilm"], startup_timeout_s=600, exit_timeout_s=3) as triton:
+        yield triton
+
+
+@pytest.fixture(scope="session")
+def engine_text(tiny_llama_dir):
+    """Greedy completions of the in-process engine (same checkpoint and EngineConfig)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_dir), **ENGINE_CONFIG)
+    cache = {}
+
+    def complete(prompt: str | dict | list[str], **params):
+        """(text, number of tokens) of one prompt (text or ``{"prompt_token_ids": ids}``), or a list of them."""
+        prompts = [prompt] if isinstance(prompt, (str, dict)) else prompt
+        key = json.dumps(params, sort_keys=True)
+        missing = [p for p in prompts if (json.dumps(p), key) not in cache]
+        if missing:  # one batched call
+            for p, output in zip(missing, llm.generate(missing, SamplingParams(**params))):
+                cache[(json.dumps(p), key)] = (output.outputs[0].text, len(output.outputs[0].token_ids))
+        results = [cache[(json.dumps(p), key)] for p in prompts]
+        return results[0] if isinstance(prompt, (str, dict)) else results
+
+    return complete

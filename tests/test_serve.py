@@ -29,47 +29,9 @@ from deploy.triton import PortsBusyError, TritonServer, free_ports
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 256, "num_threads": 1}
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
 SENTENCES = ["A man is playing a guitar.", "The weather is lovely today.", "Quantization makes models smaller.", "Triton serves models."]
-
-
-@pytest.fixture(scope="session")
-def served_repo(tmp_path_factory, tiny_llama_dir) -> Path:
-    repo = tmp_path_factory.mktemp("model_repository")
-    export(tiny_llama_dir, repo, name="llm", engine=ENGINE_CONFIG)
-    export("minilm-l6", repo, name="minilm", instances=1)
-    return repo
-
-
-@pytest.fixture(scope="session")
-def server(served_repo):
-    http, grpc, metrics = free_ports(3)
-    with TritonServer(served_repo, http, grpc, metrics, models=["llm", "minilm"], startup_timeout_s=600, exit_timeout_s=3) as triton:
-        yield triton
-
-
-@pytest.fixture(scope="session")
-def engine_text(tiny_llama_dir):
-    """Greedy completions of the in-process engine (same checkpoint and EngineConfig)."""
-    from engine import LLM, SamplingParams
-
-    llm = LLM(str(tiny_llama_dir), **ENGINE_CONFIG)
-    cache = {}
-
-    def complete(prompt: str | list[str], **params):
-        """(text, number of tokens) of one prompt, or a list of them for a list of prompts."""
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        key = json.dumps(params, sort_keys=True)
-        missing = [p for p in prompts if (p, key) not in cache]
-        if missing:  # one batched call
-            for p, output in zip(missing, llm.generate(missing, SamplingParams(**params))):
-                cache[(p, key)] = (output.outputs[0].text, len(output.outputs[0].token_ids))
-        results = [cache[(p, key)] for p in prompts]
-        return results[0] if isinstance(prompt, str) else results
-
-    return complete
 
 
 # --------------------------------------------------------------------------------------------
