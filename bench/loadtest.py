@@ -10,6 +10,10 @@ back one raw sample per request and writes ``OUT/``:
   ``locust_exceptions.csv``) and ``samples.jsonl`` (the raw samples);
 * PNG plots: TTFT and E2E CDFs, output tok/s over time, concurrency vs latency.
 
+``--api openai`` sends the same load to an OpenAI-compatible server (``/v1/chat/completions``
+or ``/v1/completions``, streamed): ours (``lmforge serve --openai-port``), ``vllm serve`` or
+``llama-server``.
+
 A server that stops answering mid-run ends the run early; the report keeps what was measured
 and says so (``server.unreachable_during_run``), and the exit status is 1.
 """
@@ -77,6 +81,12 @@ class LoadTestConfig:
     max_users: int = 32
     ttft_p90_bound_ms: float = 1000.0
     warmup_requests: int | None = None
+    api: str = "triton"  # or "openai": /v1/chat/completions (endpoint "chat") or /v1/completions
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.api == "openai" and self.endpoint == "generate_stream":
+            self.endpoint = "chat"  # the OpenAI API's default endpoint
 
     def validate(self) -> None:
         """Raises :class:`LoadTestError` naming the bad field and the fix."""
@@ -87,7 +97,11 @@ class LoadTestConfig:
             (self.max_tokens >= 1, f"max_tokens={self.max_tokens}; it must be >= 1 (--max-tokens)"),
             (self.request_timeout_s > 0, f"request_timeout_s={self.request_timeout_s}; it must be > 0"),
             (self.warmup_requests is None or self.warmup_requests >= 0, f"warmup_requests={self.warmup_requests}; it must be >= 0 (--warmup-requests)"),
-            (self.endpoint in ("generate_stream", "generate"), f"endpoint={self.endpoint!r}; use generate_stream or generate"),
+            (self.api in ("triton", "openai"), f"api={self.api!r}; use triton or openai (--api)"),
+            (self.endpoint in (("chat", "completions") if self.api == "openai" else ("generate_stream", "generate")),
+             f"endpoint={self.endpoint!r}; use {'chat or completions' if self.api == 'openai' else 'generate_stream or generate'} with --api {self.api}"),
+            (not (self.api == "openai" and self.endpoint == "chat" and self.chat_template),
+             "--chat-template with --api openai --endpoint chat: the server applies its own template; drop it"),
             (self.shape in ("constant", "steps"), f"shape={self.shape!r}; use constant or steps (--shape)"),
             (bool(self.model), "model is empty; pass the Triton model name (--model)"),
         ]
@@ -127,7 +141,7 @@ def check_host(host: str) -> str:
     """
     parsed = urllib.parse.urlparse(host)
     if parsed.scheme != "http" or parsed.hostname != "127.0.0.1" or parsed.port is None:
-        raise LoadTestError(f"host {host!r}: load is only sent to http://127.0.0.1:PORT (the Triton HTTP port)")
+        raise LoadTestError(f"host {host!r}: load is only sent to http://127.0.0.1:PORT (the server's HTTP port)")
     return f"http://127.0.0.1:{parsed.port}"
 
 
@@ -139,10 +153,10 @@ def _get(url: str, timeout_s: float = CHECK_TIMEOUT_S) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def server_ready(host: str) -> bool:
-    """Whether ``/v2/health/ready`` answers 200 within a few seconds."""
+def server_ready(host: str, api: str = "triton") -> bool:
+    """Whether ``/v2/health/ready`` (``/health`` for the OpenAI API) answers 200 within a few seconds."""
     try:
-        return _get(f"{host}/v2/health/ready")[0] == 200
+        return _get(f"{host}/health" if api == "openai" else f"{host}/v2/health/ready")[0] == 200
     except (urllib.error.URLError, OSError):
         return False
 
@@ -160,6 +174,9 @@ def preflight(config: LoadTestConfig) -> None:
         load_prompts(config.prompts, limit=config.num_prompts)
     except PromptError as exc:
         raise LoadTestError(str(exc)) from exc
+    if config.api == "openai":
+        _preflight_openai(config, host)
+        return
     try:
         status, _ = _get(f"{host}/v2/health/ready")
     except (urllib.error.URLError, OSError) as exc:
@@ -171,6 +188,31 @@ def preflight(config: LoadTestConfig) -> None:
     status, _ = _get(f"{host}/v2/models/{urllib.parse.quote(config.model)}/ready")
     if status != 200:
         raise LoadTestError(f"model {config.model!r} is not ready on {host}; models there: {_models(host)}; fix --model")
+
+
+def _openai_headers(config: LoadTestConfig) -> dict:
+    return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+
+def _preflight_openai(config: LoadTestConfig, host: str) -> None:
+    """``GET /health`` answers 200 and ``GET /v1/models`` lists ``config.model``."""
+    try:
+        status, _ = _get(f"{host}/health")
+    except (urllib.error.URLError, OSError) as exc:
+        raise LoadTestError(f"cannot reach an OpenAI-compatible server at {host} ({getattr(exc, 'reason', exc)}); "
+                            "start one (`lmforge serve --openai-port PORT`, `vllm serve`, `llama-server`) or fix --host") from exc
+    if status != 200:
+        raise LoadTestError(f"the server at {host} is not ready (/health: HTTP {status})")
+    request = urllib.request.Request(f"{host}/v1/models", headers=_openai_headers(config))
+    try:
+        with urllib.request.urlopen(request, timeout=CHECK_TIMEOUT_S) as response:
+            ids = [m.get("id") for m in json.loads(response.read()).get("data", [])]
+    except urllib.error.HTTPError as exc:
+        raise LoadTestError(f"GET {host}/v1/models: HTTP {exc.code} {exc.read()[:200]!r}; check --api-key") from exc
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise LoadTestError(f"GET {host}/v1/models failed ({exc})") from exc
+    if config.model not in ids:
+        raise LoadTestError(f"model {config.model!r} is not served at {host}; models there: {', '.join(map(str, ids)) or 'none'}; fix --model")
 
 
 def _models(host: str) -> str:
@@ -227,12 +269,16 @@ def warm_up(config: LoadTestConfig, prompts: list[str]) -> None:
 
 def _warm_up_one(config: LoadTestConfig, prompt: str) -> str | None:
     """One blocking ``/generate`` request; the error text, or ``None`` on success."""
-    from bench.protocol import request_payload
+    from bench.protocol import OPENAI_PATHS, openai_payload, request_payload
 
-    url = f"{check_host(config.host)}/v2/models/{urllib.parse.quote(config.model)}/generate"
     sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "top_p": config.top_p}
-    body = json.dumps(request_payload(prompt, sampling, stream=False)).encode()
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    if config.api == "openai":
+        url = f"{check_host(config.host)}{OPENAI_PATHS[config.endpoint]}"
+        body = json.dumps(openai_payload(prompt, sampling, model=config.model, endpoint=config.endpoint, stream=False)).encode()
+    else:
+        url = f"{check_host(config.host)}/v2/models/{urllib.parse.quote(config.model)}/generate"
+        body = json.dumps(request_payload(prompt, sampling, stream=False)).encode()
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json", **_openai_headers(config)})
     try:
         with urllib.request.urlopen(request, timeout=config.request_timeout_s) as response:
             response.read()
@@ -253,6 +299,9 @@ def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
         "--request-timeout-s", str(config.request_timeout_s), "--samples-out", str(out_dir / "samples.jsonl"),
     ]
     command += ["--prompts", str(out_dir / PROMPTS_FILE)]  # resolved by the parent (write_prompts)
+    command += ["--api", config.api]
+    if config.api_key:
+        command += ["--api-key", config.api_key]
     if config.ignore_eos:
         command.append("--ignore-eos")
     if config.shape == "steps":
@@ -308,7 +357,7 @@ def build_summary(config: LoadTestConfig, samples, records: list[dict], out: Pat
         "started_at_s": started,
         "metrics": summarize(samples),
         "by_concurrency": latency_by_concurrency(samples),
-        "server": {"unreachable_during_run": unreachable, "ready_after_run": server_ready(check_host(config.host))},
+        "server": {"unreachable_during_run": unreachable, "ready_after_run": server_ready(check_host(config.host), config.api)},
         "notes": [n for n in (note,) if n],
         "files": sorted([p.name for p in out.glob(f"{LOCUST_PREFIX}_*.csv")] + ["samples.jsonl", *PLOT_FILES]),
     }
@@ -358,8 +407,11 @@ def format_report(summary: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", required=True, help="Triton HTTP endpoint, http://127.0.0.1:PORT")
-    parser.add_argument("--model", required=True, help="the Triton model name")
+    parser.add_argument("--host", required=True, help="server HTTP endpoint, http://127.0.0.1:PORT")
+    parser.add_argument("--model", required=True, help="the model name (Triton's, or the OpenAI server's)")
+    parser.add_argument("--api", choices=["triton", "openai"], default="triton",
+                        help="triton: generate extension; openai: /v1/chat/completions or /v1/completions (ours, vllm serve, llama-server)")
+    parser.add_argument("--api-key", default=None, help="bearer token for --api openai")
     parser.add_argument("--users", type=int, default=2, help="concurrent users (start users for --shape steps)")
     parser.add_argument("--spawn-rate", type=float, default=2.0, help="users started per second")
     parser.add_argument("--run-time", default="60s", help="duration, e.g. 60s, 2m (an upper bound for --shape steps)")
@@ -369,7 +421,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-time", default="10s", help="duration of each step")
     parser.add_argument("--max-users", type=int, default=32, help="stop stepping at this many users")
     parser.add_argument("--ttft-p90-bound-ms", type=float, default=1000.0, help="latency objective for goodput")
-    parser.add_argument("--endpoint", choices=["generate_stream", "generate"], default="generate_stream")
+    parser.add_argument("--endpoint", choices=["generate_stream", "generate", "chat", "completions"], default=None,
+                        help="triton: generate_stream (default) or generate; openai: chat (default) or completions")
     parser.add_argument("--prompts", default=None, help="JSONL of prompts (default: held-out chatterbot dialogs)")
     parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--system-prompt", default=None, help="shared prefix before every prompt (prefix reuse)")
@@ -390,7 +443,8 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
     """Raises :class:`LoadTestError` for a run time that is not a duration."""
     return LoadTestConfig(
         host=args.host, model=args.model, users=args.users, spawn_rate=args.spawn_rate,
-        run_time_s=parse_duration(args.run_time), endpoint=args.endpoint, prompts=args.prompts,
+        run_time_s=parse_duration(args.run_time), endpoint=args.endpoint or ("chat" if args.api == "openai" else "generate_stream"),
+        prompts=args.prompts, api=args.api, api_key=args.api_key,
         num_prompts=args.num_prompts, system_prompt=args.system_prompt, chat_template=args.chat_template, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, ignore_eos=args.ignore_eos, seed=args.seed,
         request_timeout_s=args.request_timeout_s, shape=args.shape, step_users=args.step_users,

@@ -8,6 +8,11 @@ text event reached the client. (``FastHttpUser`` is not used: it reads whole bod
 TTFT into end-to-end latency.) With ``--endpoint generate`` it calls the non-streaming
 ``/v2/models/NAME/generate`` instead, where only end-to-end latency exists.
 
+With ``--api openai`` the same user streams OpenAI's ``/v1/chat/completions`` (``--endpoint
+chat``, the prompt as one user message) or ``/v1/completions`` (``--endpoint completions``), so
+the same load runs against our OpenAI frontend, ``vllm serve`` and ``llama-server``; token counts
+come from the final chunk's ``usage`` (``stream_options.include_usage``).
+
 Per request it records TTFT, the inter-token latencies, end-to-end latency, and the input and
 output token counts (definitions: :mod:`bench.metrics`, after GenAI-Perf and vLLM's
 ``benchmark_serving``), and fires Locust request events so Locust's own statistics and CSVs show
@@ -33,7 +38,10 @@ import requests
 from locust import HttpUser, constant, events, task
 
 from bench.metrics import RequestSample
-from bench.protocol import StreamError, StreamResult, read_stream, read_whole, request_payload
+from bench.protocol import (
+    OPENAI_PATHS, StreamError, StreamResult, openai_payload, read_openai_stream, read_openai_whole, read_stream, read_whole,
+    request_payload,
+)
 from bench.prompts import load_prompts, with_system_prompt
 
 CONNECT_TIMEOUT_S = 5.0
@@ -43,9 +51,12 @@ HEALTH_TIMEOUT_S = 2.0
 def add_options(parser) -> None:
     """The locustfile's own command-line options (also used by ``bench.locust_runner``)."""
     group = parser.add_argument_group("lmforge LLM load")
-    group.add_argument("--model", default=None, help="Triton model name (required)")
-    group.add_argument("--endpoint", choices=["generate_stream", "generate"], default="generate_stream",
-                       help="streaming SSE endpoint (TTFT, ITL) or the non-streaming one (E2E only)")
+    group.add_argument("--model", default=None, help="model name (required): Triton's, or the OpenAI server's")
+    group.add_argument("--api", choices=["triton", "openai"], default="triton", help="Triton's generate extension or the OpenAI API")
+    group.add_argument("--endpoint", choices=["generate_stream", "generate", "chat", "completions"], default=None,
+                       help="triton: generate_stream (TTFT, ITL; default) or generate (E2E only); openai: chat (default) or completions")
+    group.add_argument("--no-stream", action="store_true", help="openai: non-streaming requests (E2E only)")
+    group.add_argument("--api-key", default=None, help="openai: bearer token")
     group.add_argument("--prompts", default=None, help="JSONL of prompts (default: the held-out dialogs)")
     group.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     group.add_argument("--system-prompt", default=None, help="shared prefix put before every prompt (prefix reuse)")
@@ -73,6 +84,27 @@ class LoadConfig:
     sampling_parameters: dict
     request_timeout_s: float
     seed: int
+    api: str = "triton"
+    stream: bool = True
+    api_key: str | None = None
+
+    @property
+    def path(self) -> str:
+        return OPENAI_PATHS[self.endpoint] if self.api == "openai" else f"/v2/models/{self.model}/{self.endpoint}"
+
+    @property
+    def health_path(self) -> str:
+        return "/health" if self.api == "openai" else "/v2/health/live"
+
+    def payload(self, prompt: str) -> dict:
+        if self.api == "openai":
+            return openai_payload(prompt, self.sampling_parameters, model=self.model, endpoint=self.endpoint, stream=self.stream)
+        return request_payload(prompt, self.sampling_parameters, stream=self.stream)
+
+    def reader(self):
+        if self.api == "openai":
+            return read_openai_stream if self.stream else read_openai_whole
+        return read_stream if self.stream else read_whole
 
 
 @dataclass
@@ -104,11 +136,18 @@ def config_from_options(options) -> LoadConfig:
         raise ValueError("--model is required: the Triton model name to load-test")
     if options.max_tokens < 1:
         raise ValueError(f"--max-tokens={options.max_tokens}; it must be >= 1")
+    api = getattr(options, "api", "triton")
+    endpoint = options.endpoint or ("chat" if api == "openai" else "generate_stream")
+    allowed = ("chat", "completions") if api == "openai" else ("generate_stream", "generate")
+    if endpoint not in allowed:
+        raise ValueError(f"--endpoint {endpoint} does not belong to --api {api}; use one of {', '.join(allowed)}")
     prompts = with_system_prompt(load_prompts(options.prompts, limit=options.num_prompts), options.system_prompt)
     sampling = {"max_tokens": options.max_tokens, "temperature": options.temperature, "top_p": options.top_p}
     if options.ignore_eos:
         sampling["ignore_eos"] = True
-    return LoadConfig(options.model, options.endpoint, prompts, sampling, options.request_timeout_s, options.seed)
+    stream = endpoint == "generate_stream" if api == "triton" else not getattr(options, "no_stream", False)
+    return LoadConfig(options.model, endpoint, prompts, sampling, options.request_timeout_s, options.seed,
+                      api=api, stream=stream, api_key=getattr(options, "api_key", None))
 
 
 @events.test_start.add_listener
@@ -148,14 +187,12 @@ class LLMUser(HttpUser):
         config = state.config
         prompts = config.prompts
         prompt = prompts[(next(state.prompt_counter) + config.seed) % len(prompts)]
-        stream = config.endpoint == "generate_stream"
-        path = f"/v2/models/{config.model}/{config.endpoint}"
         state.in_flight += 1
         sample = RequestSample(start_s=time.time(), e2e_s=0.0, concurrency=state.in_flight,
                                users=self.environment.runner.user_count if self.environment.runner else 1,
                                endpoint=config.endpoint)
         try:
-            self._send(state, path, request_payload(prompt, config.sampling_parameters, stream=stream), stream, sample)
+            self._send(state, config.path, config.payload(prompt), config.stream, sample)
         finally:
             state.in_flight -= 1
         state.samples.append(sample)
@@ -165,13 +202,14 @@ class LLMUser(HttpUser):
         result = StreamResult()
         t0 = time.perf_counter()
         name = path.rsplit("/", 1)[-1]
-        with self.client.post(path, json=payload, stream=stream, name=name, catch_response=True,
+        headers = {"Authorization": f"Bearer {state.config.api_key}"} if state.config.api_key else None
+        with self.client.post(path, json=payload, stream=stream, name=name, catch_response=True, headers=headers,
                               timeout=(CONNECT_TIMEOUT_S, state.config.request_timeout_s)) as response:
             error = None
             try:
                 error = _http_error(response)
                 if error is None:
-                    (read_stream if stream else read_whole)(response, result)
+                    state.config.reader()(response, result)
             except StreamError as exc:
                 error = str(exc)
             except requests.RequestException as exc:
@@ -196,10 +234,10 @@ class LLMUser(HttpUser):
         if state.server_unreachable is not None:
             return
         try:
-            requests.get(f"{self.host}/v2/health/live", timeout=HEALTH_TIMEOUT_S).raise_for_status()
+            requests.get(f"{self.host}{state.config.health_path}", timeout=HEALTH_TIMEOUT_S).raise_for_status()
             return
         except requests.RequestException as exc:
-            state.server_unreachable = f"{error} (then /v2/health/live: {type(exc).__name__})"
+            state.server_unreachable = f"{error} (then {state.config.health_path}: {type(exc).__name__})"
         state.record("server_unreachable", {"time_s": time.time(), "error": state.server_unreachable})
         gevent.spawn(self.environment.runner.quit)
 

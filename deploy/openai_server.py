@@ -164,6 +164,11 @@ class ServedModel:
     tokenizer: Any
     max_model_len: int
     created: int
+    vocab_size: int = 0  # len(tokenizer), computed once (it is slow: it builds the whole vocabulary)
+
+    def __post_init__(self) -> None:
+        if not self.vocab_size:
+            self.vocab_size = len(self.tokenizer)
 
 
 def llm_names(repo: str | Path, names: list[str]) -> list[str]:
@@ -233,7 +238,7 @@ class Plan:
 
 
 def _check_prompt_ids(ids: list[int], model: ServedModel, param: str) -> list[int]:
-    vocab = len(model.tokenizer)
+    vocab = model.vocab_size
     if not ids:
         raise OpenAIError(400, f"{param}: empty prompt; give at least one token", param=param)
     if any(t < 0 or t >= vocab for t in ids):
@@ -329,7 +334,7 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
     except ValueError as exc:
         field = str(exc).split("=", 1)[0].split(" ", 1)[0]
         raise OpenAIError(400, str(exc), param=field if field in sampling else None) from exc
-    vocab = len(model.tokenizer)
+    vocab = model.vocab_size
     if request.logit_bias and any(int(k) >= vocab for k in request.logit_bias):
         raise OpenAIError(400, f"logit_bias: token ids must be in [0, {vocab})", param="logit_bias")
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -557,15 +562,16 @@ def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | Non
     def error(exc: OpenAIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-                message = "missing API key; send Authorization: Bearer KEY" if not header else "incorrect API key"
-                return error(OpenAIError(401, message, code="invalid_api_key"))
-        return await call_next(request)
+    def unauthorized(request: Request) -> JSONResponse | None:
+        """The 401 for a missing or wrong bearer token (``--api-key``), else None."""
+        if api_key is None:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            return None
+        message = "missing API key; send Authorization: Bearer KEY" if not header else "incorrect API key"
+        return error(OpenAIError(401, message, code="invalid_api_key"))
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc):
@@ -583,20 +589,26 @@ def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | Non
         return error(OpenAIError(503, "Triton is not ready", type_="server_error"))
 
     @app.get("/v1/models")
-    async def list_models():
+    async def list_models(request: Request):
+        if (denied := unauthorized(request)) is not None:
+            return denied
         return {"object": "list", "data": [
             {"id": m.name, "object": "model", "created": m.created, "owned_by": "lmforge", "max_model_len": m.max_model_len}
             for m in models.values()
         ]}
 
     @app.get("/v1/models/{name}")
-    async def get_model(name: str):
+    async def get_model(name: str, request: Request):
+        if (denied := unauthorized(request)) is not None:
+            return denied
         if name not in models:
             return error(OpenAIError(404, f"the model `{name}` does not exist", param="model", code="model_not_found"))
         m = models[name]
         return {"id": m.name, "object": "model", "created": m.created, "owned_by": "lmforge", "max_model_len": m.max_model_len}
 
     async def handle(request: Request, schema):
+        if (denied := unauthorized(request)) is not None:
+            return denied
         body = await request.body()
         try:
             parsed = schema.model_validate_json(body)

@@ -159,6 +159,43 @@ def test_sse_stream_parsing_and_errors_inside_the_stream():
         read_stream(_response(b'data: {"text_output": "x"}\n\n'), StreamResult())
 
 
+def test_openai_sse_parsing_usage_and_done():
+    from bench.protocol import StreamError, StreamResult, openai_payload, read_openai_stream
+
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}]
+    body = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    result = StreamResult()
+    read_openai_stream(_response(body), result)
+    assert (result.text, result.input_tokens, result.output_tokens, result.finish_reason) == ("Hello", 5, 2, "length")
+    assert len(result.chunk_times) == 2  # the role-only chunk carries no text
+    completions = b'data: {"choices": [{"index": 0, "text": "ab", "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+    read_openai_stream(_response(completions), other := StreamResult())
+    assert other.text == "ab" and other.finish_reason == "stop"
+    with pytest.raises(StreamError, match="DONE"):
+        read_openai_stream(_response(b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": null}]}\n\n'), StreamResult())
+    with pytest.raises(StreamError, match="server error"):
+        read_openai_stream(_response(b'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n'), StreamResult())
+    payload = openai_payload("hi", {"max_tokens": 4, "temperature": 0, "ignore_eos": True}, model="m", endpoint="chat", stream=True)
+    assert payload["messages"] == [{"role": "user", "content": "hi"}] and payload["stream_options"] == {"include_usage": True}
+    assert payload["ignore_eos"] is True and payload["max_tokens"] == 4
+    assert "prompt" in openai_payload("hi", {"max_tokens": 4}, model="m", endpoint="completions", stream=False)
+
+
+def test_serving_comparison_endpoint_specs_and_goodput():
+    from bench.serving_compare import Endpoint, goodput_tok_s
+
+    ep = Endpoint.parse("name=ours,api=openai,url=http://127.0.0.1:9000,model=m,endpoint=completions")
+    assert (ep.name, ep.api, ep.url, ep.model, ep.endpoint) == ("ours", "openai", "http://127.0.0.1:9000", "m", "completions")
+    for bad, message in (("name=a,api=x,url=u,model=m", "api='x'"), ("name=a,url=u", "missing api, model"), ("name=a,colour=red", "colour")):
+        with pytest.raises(ValueError, match=message):
+            Endpoint.parse(bad)
+    samples = [_sample(0, 0.1, [0.1], 2), _sample(0, 3.0, [0.1], 5), _sample(0, 0.2, [], 1, error="boom")]
+    assert goodput_tok_s(samples, bound_ms=1000.0, duration_s=2.0) == pytest.approx(1.0)  # only the first request counts
+
+
 def test_the_caller_never_imports_locust():
     """Locust monkey-patches the standard library with gevent; it stays in the child process."""
     import subprocess
@@ -196,6 +233,10 @@ def test_bad_input_fails_before_the_run():
         preflight(LoadTestConfig(host=host, model="m", max_tokens=0))
     with pytest.raises(LoadTestError, match="max_users"):
         preflight(LoadTestConfig(host=host, model="m", users=4, shape="steps", max_users=2))
+    with pytest.raises(LoadTestError, match="cannot reach an OpenAI-compatible server"):
+        preflight(LoadTestConfig(host=host, model="m", api="openai"))
+    with pytest.raises(LoadTestError, match="endpoint='generate'"):
+        preflight(LoadTestConfig(host=host, model="m", api="openai", endpoint="generate"))
 
 
 def test_samples_file_tolerates_a_cut_last_line(tmp_path):

@@ -214,6 +214,35 @@ def test_api_key_is_required_on_v1_routes(frontend):
         openai.OpenAI(base_url=f"{frontend}/v1", api_key="wrong", max_retries=0).completions.create(model="llm", prompt=PROMPT, max_tokens=2)
 
 
+def test_locust_load_through_the_openai_api(frontend, tmp_path):
+    from bench.loadtest import LoadTestConfig, run_loadtest
+    from bench.report import read_samples
+
+    config = LoadTestConfig(host=frontend, model="llm", api="openai", api_key=API_KEY, users=2, spawn_rate=2.0, run_time_s=4.0,
+                            max_tokens=8, ignore_eos=True, num_prompts=8, request_timeout_s=30.0)
+    summary = run_loadtest(config, tmp_path, log=lambda _m: None)
+    samples, _ = read_samples(tmp_path / "samples.jsonl")
+    assert len(samples) >= 2 and all(s.ok for s in samples), summary["metrics"]["errors"]
+    for s in samples:  # token counts from the final chunk's usage; one chunk per token
+        assert 0 < s.ttft_s <= s.e2e_s and s.output_tokens == 8 and s.input_tokens > 0 and s.finish_reason == "length"
+        assert len(s.itl_s) >= 1
+    assert summary["server"] == {"unreachable_during_run": None, "ready_after_run": True}
+
+
+def test_serving_comparison_report_over_triton_and_the_frontend(frontend, server, tmp_path):
+    from lmforge_cli import main
+
+    assert main(["bench", "serving", "--endpoint", f"name=triton,api=triton,url={server.http_url},model=llm",
+                 "--endpoint", f"name=openai,api=openai,url={frontend},model=llm,endpoint=completions,key={API_KEY}",
+                 "--users", "1", "2", "--run-time", "2s", "--max-tokens", "6", "--num-prompts", "8", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serving.json").read_text())
+    assert [(r["endpoint"], r["users"]) for r in report["rows"]] == [("triton", 1), ("openai", 1), ("triton", 2), ("openai", 2)]
+    assert all(r["failed"] == 0 and r["requests"] >= 1 and r["output_tok_s"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in report["rows"])
+    assert all(r["goodput_tok_s"] <= r["output_tok_s"] + 1e-9 for r in report["rows"])
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("serving.md", "throughput_vs_users.png", "ttft_p99_vs_users.png"))
+    assert report["endpoints"][1]["key"] is None  # the key is not written to the report
+
+
 def test_disconnect_mid_stream_cancels_the_triton_request(frontend, server, client, tokenizer):
     aborted_before = metric(server, "lmforge_requests_aborted_total") if "lmforge_requests_aborted_total{" in requests.get(server.metrics_url, timeout=10).text else 0.0
     longest = 512 - len(chat_ids(tokenizer, MESSAGES))  # the whole context: a window of seconds
