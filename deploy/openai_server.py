@@ -418,6 +418,8 @@ class TritonBackend:
                         raise OpenAIError(500, message, type_="server_error")
                     raise OpenAIError(400, message)  # the model refused the request (INVALID_ARG)
                 piece = _piece(result, prompt_index)
+                if piece.finish_reason == "error":  # the engine failed this request's step
+                    raise OpenAIError(500, "the engine failed this request; retry it", type_="server_error")
                 if piece.finish_reason is not None:
                     pending.discard(piece.index)
                 yield piece

@@ -19,14 +19,15 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the step that ran it failed (model, sampler or detokenizer)
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
 
     @property
     def finish_reason(self) -> str | None:
-        """``"stop"``, ``"length"``, ``"abort"``, or ``None`` while unfinished."""
+        """``"stop"``, ``"length"``, ``"abort"``, ``"error"``, or ``None`` while unfinished."""
         return self.value if self.finished else None
 
 
@@ -71,6 +72,7 @@ class Sequence:
         self.num_preemptions = 0
         self.group_id = request_id  # the request this completion belongs to (``SamplingParams.n``)
         self.index = 0  # its completion index in that request
+        self.error: str | None = None  # why it finished with FINISHED_ERROR
 
     @property
     def num_tokens(self) -> int:

@@ -46,9 +46,9 @@ def test_built_configs_round_trip_through_the_proto():
         assert parse_config_text(to_text(config)) == config
     llm = builders[0]
     assert llm.model_transaction_policy.decoupled and llm.backend == "python"
-    assert [i.name for i in llm.input] == ["text_input", "stream", "sampling_parameters", "exclude_input_in_output"]
-    assert [i.optional for i in llm.input] == [False, True, True, True]
-    assert [o.name for o in llm.output] == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
+    assert [i.name for i in llm.input] == ["text_input", "prompt_token_ids", "stream", "sampling_parameters", "exclude_input_in_output"]
+    assert all(i.optional for i in llm.input)  # one of text_input / prompt_token_ids: checked by the model
+    assert [o.name for o in llm.output] == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "index", "output_token_ids", "logprobs"]
     onnx_config = builders[2]
     assert onnx_config.backend == "onnxruntime" and onnx_config.dynamic_batching.max_queue_delay_microseconds > 0
     assert list(onnx_config.output[0].dims) == [384] and onnx_config.max_batch_size == 64  # [-1, 384] with the batch dim
