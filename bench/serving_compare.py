@@ -14,8 +14,8 @@ load from other processes of a shared machine spreads over all of them.
 
 ``--peers`` also starts the baselines installed by ``make peers`` (``$LMFORGE_PEERS``, default
 ``/work/main/.peers``): ``vllm serve`` (CPU build, same checkpoint, ``--dtype``) and
-``llama-server`` (one slot per user, ``-np`` = the largest user count, on a GGUF of the same
-dtype found in the peers directory). A peer that is not installed or does not start is skipped
+``llama-server`` (one slot per user, ``-np`` = the largest user count, on ``--gguf`` or a GGUF
+of the same dtype found in the peers directory). A peer that is not installed or does not start is skipped
 with a note in the report.
 
 ``OUT/`` gets ``serving.json`` (per endpoint and user count: output tok/s, TTFT / ITL / E2E p50
@@ -183,11 +183,11 @@ def start_peers(args, out: Path, notes: list[str]) -> list[Peer]:
     server = next((p for p in (peers_dir / "llama-server", peers_dir / "bin" / "llama-server",
                                peers_dir / "llama.cpp" / "build" / "bin" / "llama-server") if p.is_file()), None)
     want = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[args.dtype]
-    gguf = next(iter(sorted(peers_dir.rglob(f"*{want}*.gguf"))), None)
+    gguf = Path(args.gguf) if args.gguf else next(iter(sorted(peers_dir.rglob(f"*{want}*.gguf"))), None)
     if server is None:
         notes.append(f"llama-server skipped: no llama-server binary under {peers_dir}")
     elif gguf is None:
-        notes.append(f"llama-server skipped: no *{want}*.gguf under {peers_dir} (same dtype as the others)")
+        notes.append(f"llama-server skipped: no *{want}*.gguf under {peers_dir} and no --gguf (same dtype as the others)")
     else:
         slots = max(args.users)
         port = free_ports(1)[0]
@@ -228,6 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-endpoint", choices=["chat", "completions"], default="completions", help="OpenAI route used on the peers")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="peers' dtype (same as ours)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="peers' context length")
+    parser.add_argument("--gguf", default=None, help="GGUF for llama-server (default: *f32*.gguf etc. under the peers directory)")
     parser.add_argument("--users", type=int, nargs="+", default=list(DEFAULT_USERS), help="user counts (default 1 4 16 64)")
     parser.add_argument("--run-time", default="30s", help="measured time per endpoint and user count (default 30s)")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (EOS ignored)")
