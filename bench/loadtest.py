@@ -184,10 +184,10 @@ def preflight(config: LoadTestConfig) -> None:
         reason = getattr(exc, "reason", exc)
         raise LoadTestError(f"cannot reach a Triton server at {host} ({reason}); start one with "
                             "`lmforge serve --repo model_repository` or fix --host") from exc
-    if status != 200:
+    model_status, _ = _get(f"{host}/v2/models/{urllib.parse.quote(config.model)}/ready")
+    if status != 200 and model_status != 200:
         raise LoadTestError(f"the server at {host} is not ready (/v2/health/ready: HTTP {status})")
-    status, _ = _get(f"{host}/v2/models/{urllib.parse.quote(config.model)}/ready")
-    if status != 200:
+    if model_status != 200:  # (the server may be "not ready" only because another model failed to load)
         raise LoadTestError(f"model {config.model!r} is not ready on {host}; models there: {_models(host)}; fix --model")
 
 
