@@ -20,7 +20,8 @@ from compress.checkpoints import resolve_checkpoint
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_runner import ModelRunner, read_model_spec
+from engine.model import read_model_spec
+from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -185,21 +186,19 @@ class LLMEngine:
         self.num_steps_total += 1
         logits = self.runner.execute(out)  # [S, vocab]
         sampled = [item.seq for item in out.scheduled if item.samples]
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq)
         result = self.sampler(logits, sampled)
+        self.scheduler.update_from_output(out, [[t] for t in result.token_ids])
         now = time.monotonic()
         outputs = []
         for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs):
-            self._append_token(seq, token, logprobs, now)
+            self._process_token(seq, token, logprobs, now)
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
             outputs.append(self._output(seq))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
-        seq.token_ids.append(token)
+    def _process_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
+        """Stats, logprobs, text and stop conditions of ``token``, already appended to ``seq`` by the scheduler."""
         self.num_generation_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
