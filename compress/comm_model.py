@@ -234,9 +234,11 @@ def data_parallel_bytes(param_elements: float, zero_stage: int, micro_batches: i
 def wave_efficiency(m: float, n: float, cluster: Cluster) -> float:
     """Fraction of the SMs' work slots a ``[m, n]`` output fills, best over ``GEMM_TILES``:
     ``(m n / tile area) / (waves x SMs)`` with ``waves = ceil(tiles / sm_count)`` (a partial edge
-    tile counts as a whole one)."""
+    tile counts as a whole one). Skinny outputs (decode) use tiles of as few rows as they need,
+    down to the 16 rows of a tensor-core MMA instruction."""
     best = 0.0
     for rows, cols in GEMM_TILES:
+        rows = min(rows, 16 * math.ceil(m / 16))
         tiles = math.ceil(m / rows) * math.ceil(n / cols)
         best = max(best, m * n / (rows * cols) / (math.ceil(tiles / cluster.sm_count) * cluster.sm_count))
     return best

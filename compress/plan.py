@@ -10,7 +10,7 @@ data-parallel / ZeRO collectives not hidden behind the backward, the 1F1B bubble
 feasible configurations are ranked by tokens per second; the others list the constraint they break.
 
 MFU is model FLOPs (``6 N + 12 L s q`` per token, no recomputation) per second over the peak of
-all devices (Chowdhery et al. 2022, App. B).
+all devices (Chowdhery et al. 2022, App. B); ``mfu_6n`` counts ``6 N`` only (Kaplan et al. 2020).
 
 Inference: KV cache bytes per token and the concurrent full-length sequences that fit the memory
 left after the weights, in blocks of ``block_size`` tokens (how a paged engine sizes its cache),
@@ -107,7 +107,8 @@ class PlanEntry:
     time: StepTime | None = None  # the step by cause
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
-    mfu: float = 0.0  # model FLOPs per second / peak of all devices
+    mfu: float = 0.0  # model FLOPs (6 N + 12 L s q per token) per second / peak of all devices
+    mfu_6n: float = 0.0  # the same with 6 N per token only (Kaplan et al. 2020), no attention term
     infeasible: list[str] = field(default_factory=list)
 
     @property
@@ -197,6 +198,7 @@ def evaluate_entry(model: ModelSpec, setup: TrainingSetup, entry: PlanEntry) -> 
     entry.tokens_per_s = tokens / entry.step_time_s
     model_flops = model_flops_per_token(model, total_params(model), setup.seq_len) * entry.tokens_per_s
     entry.mfu = model_flops / (setup.num_devices * setup.cluster.peak_flops)
+    entry.mfu_6n = 6 * total_params(model) * entry.tokens_per_s / (setup.num_devices * setup.cluster.peak_flops)
     return entry
 
 
@@ -436,7 +438,7 @@ def format_training(model: ModelSpec, setup: TrainingSetup, entries: list[PlanEn
     if feasible:
         best = feasible[0]
         lines.append(
-            f"\nbest: {best.describe()}: {best.tokens_per_s:,.0f} tok/s, MFU {best.mfu:.1%}, step {best.step_time_s:.3f} s "
+            f"\nbest: {best.describe()}: {best.tokens_per_s:,.0f} tok/s, MFU {best.mfu:.1%} (6N only: {best.mfu_6n:.1%}), step {best.step_time_s:.3f} s "
             f"(bubble {best.bubble_fraction:.1%}), {(setup.device_memory_bytes - best.total_bytes) / GIB:.1f} GiB headroom"
         )
         other = runner_up(feasible)
