@@ -28,7 +28,8 @@ closed form in the model sizes, the split and the machine (``Cluster``); the sou
 * Overlap, an explicit assumption (``overlap_grad_reduce``): when on, gradient reduction runs in
   buckets during the backward pass (PyTorch DDP, FSDP, Megatron-LM ``--overlap-grad-reduce``), so
   only what exceeds the backward of the last micro-batch shows (ZeRO-2: of each micro-batch);
-  ZeRO-3's parameter gathers are prefetched during the compute of the micro-batch. When off
+  ZeRO-3's parameter gathers are prefetched during the compute of the micro-batch, except the
+  first layer's (nothing runs before it): ``1/layers`` of the traffic always shows. When off
   (Megatron-LM as of 2021, which reduced gradients after the pipeline flush) all of it shows.
   The final parameter all-gather of ZeRO-1/2 after the optimizer step is never overlapped.
 * Placement (Megatron-LM's default rank order ``tp-dp-pp``, Narayanan et al. 2021 Takeaway 1):
@@ -380,8 +381,10 @@ def training_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     backward_window = micro_compute - forward_part
     if not overlap_grad_reduce or d == 1:
         dp_exposed = reduce_s + gather_s
-    elif c.zero_stage == 3:  # gathers prefetched and gradient shards reduced during each micro-batch
-        dp_exposed = m * max(0.0, (reduce_s + gather_s) / m - micro_compute)
+    elif c.zero_stage == 3:  # gathers prefetched and gradient shards reduced during each micro-batch,
+        # except the first layer's gathers (forward, backward) and the last reduce-scatter: 1/layers of it
+        per_micro = (reduce_s + gather_s) / m
+        dp_exposed = m * max(per_micro / layers, per_micro - micro_compute)
     elif c.zero_stage == 2:
         dp_exposed = m * max(0.0, reduce_s / m - backward_window) + gather_s
     else:
