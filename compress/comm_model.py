@@ -347,7 +347,8 @@ def training_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     Args:
         stage_param_elements: parameters one device holds before ZeRO partitioning (the most
             loaded stage's tensor shard; ``compress.memory_model.stage_params``).
-        dtype_bytes: bytes of a 16-bit (2) or fp32 (4) activation, parameter and gradient.
+        dtype_bytes: bytes of a 16-bit (2) or fp32 (4) activation, parameter and gradient (fp32
+            GEMMs are still timed at the 16-bit peak: fp32 training is not modelled).
         overlap_grad_reduce: the overlap assumption (module docstring).
 
     Raises:

@@ -492,8 +492,7 @@ def run_training(args: argparse.Namespace, model: ModelSpec) -> dict:
     entries = plan_training(model, setup, splits)
     print(format_training(model, setup, entries, args.top))
     return {"model": asdict(model), "setup": {**asdict(setup), "precision": setup.precision.value},
-            "entries": [{**asdict(e), "total_bytes": e.total_bytes} | ({"step_terms_s": asdict(e.time)} if e.time else {})
-                        for e in entries]}
+            "entries": [{**asdict(e), "total_bytes": e.total_bytes} for e in entries]}
 
 
 def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
