@@ -44,7 +44,8 @@ thin GEMMs, e.g. at decode or over a thin tensor shard, are bound by reading the
 fused causal attention runs at ``FLASH_ATTENTION_EFFICIENCY`` of peak on half of the score matrix;
 unfused attention is two batched GEMMs plus a softmax that reads and writes the ``[b, a, s, s]``
 scores; norms, activations, residual adds and rotary embedding are memory-bound element-wise
-traffic. The backward pass costs twice the forward (Narayanan et al. 2021, Sec. 5.1).
+traffic. The backward pass costs twice the forward (Narayanan et al. 2021, Sec. 5.1), fused
+attention's 2.5 times (Dao et al. 2022).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ GEMM_TILES = ((256, 128), (128, 256), (128, 128))
 #: Fraction of peak reached by fused causal attention forward + backward: FlashAttention-2 runs
 #: at 50-70 % of A100 peak for head_dim 64-128 (Dao 2023, "FlashAttention-2", Sec. 4.1).
 FLASH_ATTENTION_EFFICIENCY = 0.55
+#: Backward / forward time of fused attention: the backward recomputes the scores and runs five
+#: matrix products to the forward's two (Dao et al. 2022, "FlashAttention", Sec. 3.1 and App. B).
+FLASH_BACKWARD_RATIO = 2.5
 #: Fraction of the datasheet memory bandwidth that streaming kernels reach (STREAM-like copies
 #: reach 80-90 % of HBM peak on A100/H100).
 HBM_EFFICIENCY = 0.8
@@ -260,17 +264,16 @@ def memory_s(nbytes: float, cluster: Cluster) -> float:
     return nbytes / (HBM_EFFICIENCY * cluster.hbm_bytes_per_s)
 
 
-def layer_forward_s(model: ModelSpec, batch: int, seq_len: int, cluster: Cluster, *, tensor_parallel: int = 1,
-                    sequence_parallel: bool = False, fused_attention: bool = True, dtype_bytes: int = 2,
-                    context_len: int | None = None) -> float:
-    """Forward time of one decoder layer on one tensor rank for ``batch`` x ``seq_len`` new tokens.
+def layer_times(model: ModelSpec, batch: int, seq_len: int, cluster: Cluster, *, tensor_parallel: int = 1,
+                sequence_parallel: bool = False, fused_attention: bool = True, dtype_bytes: int = 2) -> tuple[float, float]:
+    """Forward and backward time of one decoder layer on one tensor rank for ``batch`` sequences of ``seq_len``.
 
     GEMMs (per rank, ``M = batch x seq_len``): QKV ``[M, h] x [h, (q + 2 kv)/t]``, output
     ``[M, q/t] x [q/t, h]``, MLP up (gated: gate and up, ``2 i/t``; plain: ``i/t``) and down.
-    Attention over ``context_len`` keys (default ``seq_len``, causal): fused at
-    ``FLASH_ATTENTION_EFFICIENCY`` on half the ``4 b s^2 d a/t`` FLOPs; unfused, ``QK^T`` and
-    ``AV`` as batched GEMMs plus a softmax that writes and reads the scores once each in the
-    forward. Element-wise work (norms, activation function, rotary, residual adds) is memory
+    Causal attention: fused at ``FLASH_ATTENTION_EFFICIENCY`` on half the ``4 b s^2 d a/t`` FLOPs,
+    its backward ``FLASH_BACKWARD_RATIO`` x the forward; unfused, ``QK^T`` and ``AV`` as batched
+    GEMMs plus a softmax that writes and reads the scores once each in the forward. The rest of the
+    backward is twice the forward (two GEMMs per forward GEMM). Element-wise work (norms, activation function, rotary, residual adds) is memory
     traffic: ``ELEMENTWISE_PASSES`` x the bytes the layer saves for backward
     (``compress.memory_model.layer_activation_bytes``, checked against real tensors), split over
     ``t`` as that count is (norms only with sequence parallelism).
@@ -281,20 +284,21 @@ def layer_forward_s(model: ModelSpec, batch: int, seq_len: int, cluster: Cluster
     up = (2 if model.gated_mlp else 1) * inter
     gemms = (gemm_s(tokens, (q + 2 * kv) / t, h, cluster, a) + gemm_s(tokens, h, q / t, cluster, a)
              + gemm_s(tokens, up / t, h, cluster, a) + gemm_s(tokens, h, inter / t, cluster, a))
-    keys = context_len if context_len is not None else seq_len
     heads = model.num_attention_heads / t
     if fused_attention:
-        attn_flops = 4 * batch * seq_len * keys * model.dim_head * heads
-        attn_bytes = batch * (2 * seq_len * q + 2 * keys * kv) / t * a  # read q, k, v, write output
+        attn_flops = 4 * batch * seq_len * seq_len * model.dim_head * heads
+        attn_bytes = batch * seq_len * (2 * q + 2 * kv) / t * a  # read q, k, v, write the output
         attention = max(attn_flops / 2 / (FLASH_ATTENTION_EFFICIENCY * cluster.peak_flops), memory_s(attn_bytes, cluster))
+        attention_backward = FLASH_BACKWARD_RATIO * attention
     else:
-        scores = batch * heads * seq_len * keys * a
-        attention = (gemm_s(seq_len, keys, model.dim_head, cluster, a, batch * heads)
-                     + gemm_s(seq_len, model.dim_head, keys, cluster, a, batch * heads) + memory_s(2 * scores, cluster))
+        scores = batch * heads * seq_len * seq_len * a
+        attention = (gemm_s(seq_len, seq_len, model.dim_head, cluster, a, batch * heads)
+                     + gemm_s(seq_len, model.dim_head, seq_len, cluster, a, batch * heads) + memory_s(2 * scores, cluster))
+        attention_backward = 2 * attention
     precision = Precision.FP32 if dtype_bytes == 4 else Precision.BF16
     saved = layer_activation_bytes(model, batch, seq_len, precision, t, sequence_parallel, fused_attention)
-    elementwise = ELEMENTWISE_PASSES * saved
-    return gemms + attention + memory_s(elementwise, cluster)
+    rest = gemms + memory_s(ELEMENTWISE_PASSES * saved, cluster)
+    return rest + attention, 2 * rest + attention_backward
 
 
 def head_forward_s(model: ModelSpec, tokens: int, cluster: Cluster, tensor_parallel: int = 1, dtype_bytes: int = 2) -> float:
@@ -361,13 +365,13 @@ def training_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     t, p, d, m, b = c.tensor, c.pipeline, c.data, c.micro_batches, c.micro_batch_size
     tokens = b * seq_len
     layers = model.num_hidden_layers / p
-    layer_fwd = layer_forward_s(model, b, seq_len, cluster, tensor_parallel=t, sequence_parallel=c.sequence_parallel,
-                                fused_attention=fused_attention, dtype_bytes=dtype_bytes)
-    passes = 4 if c.checkpointing else 3  # forward, backward = 2 forwards, recomputed forward
-    body = layers * layer_fwd * passes
-    head = head_forward_s(model, tokens, cluster, t, dtype_bytes) * 3  # forward + backward, never recomputed
-    micro_compute = body + head  # the last stage (it holds the head) is the slowest
-    forward_part = layers * layer_fwd + head / 3
+    layer_fwd, layer_bwd = layer_times(model, b, seq_len, cluster, tensor_parallel=t,
+                                       sequence_parallel=c.sequence_parallel, fused_attention=fused_attention,
+                                       dtype_bytes=dtype_bytes)
+    head = head_forward_s(model, tokens, cluster, t, dtype_bytes)  # backward: twice; never recomputed
+    forward_part = layers * layer_fwd + head
+    backward_part = layers * (layer_bwd + (layer_fwd if c.checkpointing else 0.0)) + 2 * head
+    micro_compute = forward_part + backward_part  # the last stage (it holds the head) is the slowest
 
     tp_link = group_link(cluster, 1, t)
     activation_bytes = tokens * model.hidden_size * dtype_bytes
@@ -379,7 +383,7 @@ def training_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     traffic = data_parallel_bytes(stage_param_elements, c.zero_stage, m, dtype_bytes, dtype_bytes)
     reduce_s = all_reduce_s(traffic.all_reduce, d, dp_link) + reduce_scatter_s(traffic.reduce_scatter, d, dp_link)
     gather_s = all_gather_s(traffic.all_gather, d, dp_link)
-    backward_window = micro_compute - forward_part
+    backward_window = backward_part
     if not overlap_grad_reduce or d == 1:
         dp_exposed = reduce_s + gather_s
     elif c.zero_stage == 3:  # gathers prefetched and gradient shards reduced during each micro-batch,
