@@ -24,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from compress.errors import LmforgeError, UsageError
+from compress.outputs import check_output_file
 from compress.memory_model import (
     KVCapacity,
     ModelSpec,
@@ -371,6 +372,9 @@ def run_training(args: argparse.Namespace, model: ModelSpec) -> dict:
     if any(v is not None for v in fixed):
         if any(v is None for v in fixed):
             raise ValueError("--dp, --tp and --pp fix a split together; pass all three (or none to search)")
+        for flag, value in zip(("--dp", "--tp", "--pp"), fixed):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: a parallel degree must be >= 1")
         splits = [Split(args.dp, args.tp, args.pp)]
     entries = plan_training(model, setup, splits)
     print(format_training(model, setup, entries, args.top))
@@ -379,6 +383,9 @@ def run_training(args: argparse.Namespace, model: ModelSpec) -> dict:
 
 
 def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
+    for flag, value in (("--tp", args.tp), ("--max-num-seqs", args.max_num_seqs)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1 (or left out)")
     cap = inference_capacity(
         model, device_memory_bytes=int(args.device_memory_gib * GIB), memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, max_model_len=args.max_model_len, weight_bytes=DTYPE_BYTES[args.weight_dtype],
@@ -396,6 +403,8 @@ def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json_out:
+        check_output_file(args.json_out, flag="--json")
     try:
         model = model_from_args(args)
         result = run_training(args, model) if args.mode == "train" else run_inference(args, model)
