@@ -20,7 +20,8 @@ import torch
 
 from compress.checkpoints import MANIFEST_NAME, CheckpointError, read_manifest, resolve_checkpoint
 from engine.block_manager import BlockManager
-from engine.model_runner import ModelRunner, read_model_spec
+from engine.model import read_model_spec
+from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
