@@ -198,3 +198,14 @@ def test_unwritable_json_outputs_are_refused_before_the_work(tiny_llama_dir, tmp
            f"--json {tmp_path}: is a directory", capsys=capsys)
     _fails(["plan", "--model", str(tiny_llama_dir), "--json", str(tmp_path / "missing" / "p.json")], 2,
            "does not exist", capsys=capsys)
+
+
+def test_lora_target_modules_are_checked_against_the_model(tiny_llama_dir, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.jsonl", "val.jsonl"):
+        (data / name).write_text("".join(json.dumps({"text": f"record {i} of the tiny data set"}) + "\n" for i in range(8)))
+    _fails(["finetune", "--model", str(tiny_llama_dir), "--data", str(data), "--run-dir", str(tmp_path / "run"), "--lora",
+            "--lora-target-modules", "q_proj,nope", "--max-steps", "1", "--micro-batch-size", "1", "--max-length", "16",
+            "--no-progress"], 2,
+           "--lora-target-modules: nope not in", "choose from its linear layers: ", "q_proj", capsys=capsys)
