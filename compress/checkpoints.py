@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import LmforgeError, UsageError
-from compress.outputs import CHECKPOINT, MANIFEST_NAME, TOKENIZER, staged_output_dir
+from compress.outputs import CHECKPOINT, IMPORTED_METHOD, MANIFEST_NAME, TOKENIZER, staged_output_dir
 
 #: Files of which a checkpoint needs at least one for ``AutoTokenizer`` (fast, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -83,7 +83,7 @@ class Manifest:
 
     source: str
     parent: str | None = None
-    method: str = "import"
+    method: str = IMPORTED_METHOD
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     dtype: str = "float32"
     num_parameters: int = 0
@@ -387,7 +387,7 @@ def resolve_checkpoint(spec: str | Path, *, causal_lm: bool = True) -> Path:
     check_checkpoint_dir(path, causal_lm=causal_lm)
     if spec_str not in NAMED_SOURCES and not (path / MANIFEST_NAME).is_file() and os.access(path, os.W_OK):
         num_parameters, size_bytes, dtype = describe_weights(path)
-        write_manifest(path, Manifest(source=source, method="import", dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes))
+        write_manifest(path, Manifest(source=source, method=IMPORTED_METHOD, dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes))
     return path
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.dedup import MinHashConfig, exact_key, near_duplicates, normalize
-from compress.errors import LmforgeError
+from compress.errors import LmforgeError, UsageError
 from compress.outputs import DATA, check_output_dir, staged_output_dir
 
 ROLES = ("system", "user", "assistant")
@@ -113,13 +113,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction={self.val_fraction}: must be in (0, 1)")
+            raise UsageError(f"val_fraction={self.val_fraction}: must be in (0, 1)")
         if not 0.0 <= self.noise_ratio <= 1.0:
-            raise ValueError(f"noise_ratio={self.noise_ratio}: must be in [0, 1]")
+            raise UsageError(f"noise_ratio={self.noise_ratio}: must be in [0, 1]")
         if self.min_chars > self.max_chars:
-            raise ValueError(f"min_chars={self.min_chars} > max_chars={self.max_chars}")
+            raise UsageError(f"min_chars={self.min_chars} > max_chars={self.max_chars}")
         if not self.inputs:
-            raise ValueError("inputs is empty; pass at least one --input")
+            raise UsageError("inputs is empty; pass at least one --input")
         self.minhash  # validates the MinHash settings
 
     @property

@@ -69,11 +69,11 @@ class DistillConfig(TrainConfig):
         super().validate()
         for name in ("alpha", "beta", "gamma"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: loss weights must be >= 0")
+                raise UsageError(f"{name}={getattr(self, name)}: loss weights must be >= 0")
         if self.alpha + self.beta + self.gamma == 0:
-            raise ValueError("alpha, beta and gamma are all 0: nothing to train on")
+            raise UsageError("alpha, beta and gamma are all 0: nothing to train on")
         if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature}: must be > 0")
+            raise UsageError(f"temperature={self.temperature}: must be > 0")
         if self.student_config is not None:
             check_student_config(self.student_config)
 
@@ -109,9 +109,9 @@ def select_layers(spec: str, num_teacher_layers: int) -> list[int]:
     try:
         layers = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError as exc:
-        raise ValueError(f"student_layers={spec!r}: use 'every-other' or comma-separated layer indices") from exc
+        raise UsageError(f"student_layers={spec!r}: use 'every-other' or comma-separated layer indices") from exc
     if not layers or layers != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= num_teacher_layers:
-        raise ValueError(f"student_layers={spec!r}: need increasing, distinct indices in [0, {num_teacher_layers - 1}]")
+        raise UsageError(f"student_layers={spec!r}: need increasing, distinct indices in [0, {num_teacher_layers - 1}]")
     return layers
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from compress.checkpoints import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
 from compress.errors import UsageError
-from compress.outputs import CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
+from compress.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from deploy.model_config import (
     CONFIG_NAME,
     check_repository,
@@ -236,7 +236,7 @@ def export_llm(checkpoint: str | Path, repo: Path, name: str, *, engine: dict[st
     if copy_weights:
         target = version_dir / "weights"
         check_copy(source, target)
-        with staged_output_dir(target, kind=CHECKPOINT, sources=(source,)) as tmp:
+        with staged_output_dir(target, kind=COPIED_CHECKPOINT, sources=(source,)) as tmp:
             shutil.copytree(source, tmp, dirs_exist_ok=True)
         pointer = "weights"
     engine_fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}

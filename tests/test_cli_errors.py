@@ -190,7 +190,10 @@ def test_flags_out_of_range_are_usage_errors(tiny_llama_dir, tmp_path, capsys):
            1, "device='tpu'", capsys=capsys)
     _fails(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", "--device", "tpu"], 2, "--device 'tpu': not a device",
            capsys=capsys)
-    assert not (tmp_path / "q").exists() and not (tmp_path / "r").exists()
+    _fails(["finetune", "--model", str(tiny_llama_dir), "--data", str(tmp_path), "--run-dir", str(tmp_path / "r"), "--lr", "-1"],
+           2, "lr=-1.0: must be > 0", capsys=capsys)
+    _fails(["data", "--val-fraction", "2", "--out", str(tmp_path / "d")], 2, "val_fraction=2.0: must be in (0, 1)", capsys=capsys)
+    assert not (tmp_path / "q").exists() and not (tmp_path / "r").exists() and not (tmp_path / "d").exists()
 
 
 def test_unwritable_json_outputs_are_refused_before_the_work(tiny_llama_dir, tmp_path, capsys):
