@@ -189,3 +189,22 @@ def check_copy(source: str | Path, target: str | Path) -> None:
     src, dst = Path(source).resolve(), Path(target).resolve()
     if src == dst or src in dst.parents or dst in src.parents:
         raise OutputDirError(f"cannot copy {src} to {dst}: one contains the other", fix="export to a repository outside the checkpoint")
+
+
+def check_output_file(path: str | Path, *, flag: str) -> Path:
+    """Refuse, before the work, an output file path that could not be written afterwards.
+
+    Returns:
+        The absolute path (an existing file there is overwritten, as the flag asks).
+
+    Raises:
+        OutputDirError: the path is a directory, or its parent is missing or not a directory.
+    """
+    out = Path(path).expanduser().resolve()
+    if out.is_dir():
+        raise OutputDirError(f"{flag} {path}: is a directory", fix="pass a file path, e.g. DIR/results.json")
+    if not out.parent.is_dir():
+        raise OutputDirError(f"{flag} {path}: the directory {out.parent} does not exist", fix="create it first or pass another path")
+    if not os.access(out.parent, os.W_OK):
+        raise OutputDirError(f"{flag} {path}: the directory {out.parent} is not writable", fix="pass a writable path")
+    return out

@@ -183,3 +183,11 @@ def test_loadtest_relative_out_gets_the_child_files(tmp_path, monkeypatch):
         loadtest.run_loadtest(loadtest.LoadTestConfig(host="http://127.0.0.1:9", model="m"), "reports/rel")
     assert Path(seen["cwd"]) != tmp_path
     assert (tmp_path / "reports" / "rel" / "samples.jsonl").is_file() and (tmp_path / "reports" / "rel" / "locust.log").is_file()
+
+
+def test_gguf_conversion_refuses_a_foreign_directory(precious):
+    from compress.checkpoints import convert_gguf, named_source_path
+
+    with pytest.raises(OutputDirError, match="precious: not empty and not an earlier lmforge checkpoint"):
+        convert_gguf(named_source_path("smollm2-135m"), precious)  # refused before the GGUF is loaded
+    assert _kept(precious)
