@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from compress.outputs import BENCH_COMPRESSION, check_output_dir
+
 TARGET_LINEAR_REDUCTION = 3.5
 TARGET_PPL_CHANGE_PCT = 3.0
 PPL_TARGET_METHODS = ("dynamic", "onnx-int8")
@@ -225,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         print(f"error: --threads {args.threads}: must be >= 1")
         return 2
-    out = Path(args.out)
+    out = check_output_dir(args.out, kind=BENCH_COMPRESSION)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     report: dict[str, Any] = {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}}

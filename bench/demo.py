@@ -37,6 +37,7 @@ from typing import Any
 
 from compress.checkpoints import DEFAULT_MODEL, read_manifest, resolve_checkpoint
 from compress.errors import LmforgeError
+from compress.outputs import DEMO, check_output_dir
 
 
 SMOKE_MODEL = "tiny-random"
@@ -148,7 +149,13 @@ class Demo:
     # -- the job ----------------------------------------------------------------------------
 
     def run(self) -> dict:
-        """All stages, then ``report.json``; returns the report. Raises :class:`DemoStageError`."""
+        """All stages, then ``report.json``; returns the report.
+
+        Raises:
+            DemoStageError: a stage failed. OutputDirError: ``out`` is unsafe to write into.
+        """
+        inputs = [p for p in [self.config.model, *(self.config.data or [])] if Path(p).exists()]
+        self.out = check_output_dir(self.out, kind=DEMO, sources=tuple(inputs))
         self.out.mkdir(parents=True, exist_ok=True)
         import torch
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from compress.dedup import MinHashConfig, exact_key, near_duplicates, normalize
 from compress.errors import LmforgeError
+from compress.outputs import DATA, check_output_dir, staged_output_dir
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_INPUT = "chatterbot:english"
@@ -438,8 +439,11 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
     Raises:
         DataError: a malformed record, an empty input, or nothing (or a single record) left
             after filtering (names the files and lines removed and why).
+        OutputDirError: ``out`` is unsafe to replace (``compress.outputs.check_output_dir``).
     """
     started = time.monotonic()
+    sources = tuple(path for path in config.inputs if Path(path).exists())
+    check_output_dir(out, kind=DATA, sources=sources)  # before the work, not after it
     records, loaded, skipped = [], {}, []
     for spec in config.inputs:
         got = load_input(spec, skipped)
@@ -463,10 +467,6 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
     val = [final[i].data for i in order[:num_val]]
     train = [json.loads(json.dumps(final[i].data)) for i in order[num_val:]]  # copies: noise edits them
     noised = add_label_noise(train, config.noise_ratio, rng)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(out / "train.jsonl", train)
-    _write_jsonl(out / "val.jsonl", val)
     report = {
         "config": dataclasses.asdict(config),
         "loaded": loaded,
@@ -479,18 +479,19 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
         "train_chars": sum(len(Record(r, "", 0).text) for r in train),
         "elapsed_s": round(time.monotonic() - started, 3),
     }
-    (out / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    with staged_output_dir(out, kind=DATA, sources=sources) as tmp:
+        _write_jsonl(tmp / "train.jsonl", train)
+        _write_jsonl(tmp / "val.jsonl", val)
+        (tmp / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     if verbose:
         print(format_report(report))
     return report
 
 
 def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    tmp = path.with_suffix(".jsonl.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
+    with path.open("w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(path)
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -21,7 +21,8 @@ from compress.checkpoints import resolve_checkpoint
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_runner import ModelRunner, read_model_spec
+from engine.model import read_model_spec
+from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -230,7 +231,7 @@ class LLMEngine:
         outputs = []
         for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs):
             try:
-                self._append_token(seq, token, logprobs, now)
+                self._process_token(seq, token, logprobs, now)
             except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer: this request only
                 logger.exception("request %s failed after its step", seq.request_id)
                 if not seq.is_finished:
@@ -244,10 +245,9 @@ class LLMEngine:
         """Model forward + KV bookkeeping + sampling of one scheduled batch."""
         logits = self.runner.execute(out)  # [S, vocab]
         sampled = [item.seq for item in out.scheduled if item.samples]
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq)
-        return sampled, self.sampler(logits, sampled)
+        result = self.sampler(logits, sampled)
+        self.scheduler.update_from_output(out, [[t] for t in result.token_ids])
+        return sampled, result
 
     def _fail_step(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
         """Finish every request of a failed step with ``"error"``; raise if the engine cannot go on."""
@@ -276,8 +276,8 @@ class LLMEngine:
         seq.finished_time = time.monotonic()
         self.num_requests_finished_total += 1
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
-        seq.token_ids.append(token)
+    def _process_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
+        """Stats, logprobs, text and stop conditions of ``token``, already appended to ``seq`` by the scheduler."""
         self.num_generation_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
