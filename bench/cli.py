@@ -15,6 +15,7 @@ import importlib.util
 TARGETS: dict[str, tuple[str, str]] = {
     "engine": ("bench.engine_bench", "Engine throughput/TTFT vs HF generate, generate_batch, llama.cpp; compute bound."),
     "compression": ("bench.compression", "INT8 methods vs fp32 (size, perplexity, agreement, decode speed); MiniLM ONNX INT8."),
+    "reliability": ("bench.reliability", "Fault soak on tritonserver: bad requests, disconnects, a killed model stub; recovery time."),
 }
 
 
