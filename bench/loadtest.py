@@ -131,7 +131,11 @@ def check_host(host: str) -> str:
         LoadTestError: another scheme or address, or no port.
     """
     parsed = urllib.parse.urlparse(host)
-    if parsed.scheme != "http" or parsed.hostname != "127.0.0.1" or parsed.port is None:
+    try:
+        port = parsed.port
+    except ValueError as exc:  # not a number, or out of 0-65535
+        raise LoadTestError(f"host {host!r}: the port is not a number in 1-65535") from exc
+    if parsed.scheme != "http" or parsed.hostname != "127.0.0.1" or not port:
         raise LoadTestError(f"host {host!r}: load is only sent to http://127.0.0.1:PORT (the Triton HTTP port)")
     return f"http://127.0.0.1:{parsed.port}"
 

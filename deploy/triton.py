@@ -42,7 +42,7 @@ from typing import Any
 
 import psutil
 
-from compress.errors import LmforgeError
+from compress.errors import LmforgeError, UsageError
 
 HOST = "127.0.0.1"
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
@@ -309,10 +309,15 @@ class TritonServer:
         exit_timeout_s: int = 10,
         log_verbose: int = 0,
     ) -> None:
+        self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        for kind, port in self.ports.items():
+            if not isinstance(port, int) or not 1 <= port <= 65535:
+                raise UsageError(f"--{kind}-port {port}: not a TCP port", fix="use 1-65535 (1024 and up without root)")
+        if len(set(self.ports.values())) < 3:
+            raise UsageError(f"ports {self.ports}: HTTP, gRPC and metrics need three different ports")
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
             raise TritonError(f"{self.repo}: model repository not found; create one with `lmforge export --repo {repo} ...`")
-        self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
         self.models = models
         self.skipped: dict[str, str] = {}
         self.log_path = Path(log_path) if log_path else self.repo / LOG_FILE_NAME

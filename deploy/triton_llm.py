@@ -81,7 +81,12 @@ class LLMMetrics:
       ``finish_reason``), ``lmforge_requests_aborted_total``, ``lmforge_request_errors_total``
       (counters);
     * ``lmforge_time_to_first_token_seconds``, ``lmforge_time_per_output_token_seconds``
-      (histograms).
+      (histograms);
+    * speculative decoding: ``lmforge_spec_decode_num_drafts_total`` (request-steps that
+      verified proposals), ``lmforge_spec_decode_num_draft_tokens_total`` (proposed tokens
+      verified), ``lmforge_spec_decode_num_accepted_tokens_total`` (counters);
+      ``lmforge_spec_decode_acceptance_rate`` (accepted / proposed) and
+      ``lmforge_spec_decode_mean_accepted_length`` (tokens per speculative request-step) (gauges).
     """
 
     def __init__(self, labels: dict[str, str]) -> None:
@@ -105,7 +110,22 @@ class LLMMetrics:
         self.errors = family("lmforge_request_errors_total", "Requests answered with an error", counter).Metric(labels=labels)
         self.ttft = family("lmforge_time_to_first_token_seconds", "Time to first token (s)", histogram).Metric(labels=labels, buckets=TTFT_BUCKETS_S)
         self.tpot = family("lmforge_time_per_output_token_seconds", "Time per output token after the first (s)", histogram).Metric(labels=labels, buckets=TPOT_BUCKETS_S)
-        self._preemptions_seen = 0
+        self.acceptance_rate = family("lmforge_spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed tokens", gauge).Metric(labels=labels)
+        self.mean_accepted_length = family(
+            "lmforge_spec_decode_mean_accepted_length", "Speculative decoding: tokens emitted per request-step that verified proposals", gauge
+        ).Metric(labels=labels)
+        #: EngineStats counter field -> (Prometheus counter, value already added).
+        self._counters = {
+            "num_preemptions_total": [self.preemptions, 0],
+            **{
+                f"spec_decode_{name}_total": [family(f"lmforge_spec_decode_{name}_total", help_text, counter).Metric(labels=labels), 0]
+                for name, help_text in (
+                    ("num_drafts", "Speculative decoding: request-steps that verified proposed tokens"),
+                    ("num_draft_tokens", "Speculative decoding: proposed tokens verified by the model"),
+                    ("num_accepted_tokens", "Speculative decoding: proposed tokens accepted"),
+                )
+            },
+        }
         self._running_max_seen = 0
 
     def update_stats(self, stats) -> None:
@@ -118,9 +138,13 @@ class LLMMetrics:
         self.kv_usage.set(float(stats.kv_cache_usage))
         queries = stats.prefix_cache_queries_tokens_total
         self.hit_rate.set(stats.prefix_cache_hits_tokens_total / queries if queries else 0.0)
-        if stats.num_preemptions_total > self._preemptions_seen:
-            self.preemptions.increment(stats.num_preemptions_total - self._preemptions_seen)
-            self._preemptions_seen = stats.num_preemptions_total
+        self.acceptance_rate.set(float(stats.spec_decode_acceptance_rate))
+        self.mean_accepted_length.set(float(stats.spec_decode_mean_accepted_length))
+        for field, entry in self._counters.items():
+            value = getattr(stats, field)
+            if value > entry[1]:
+                entry[0].increment(value - entry[1])
+                entry[1] = value
 
     def finished(self, output) -> None:
         """Record a finished ``RequestOutput``: its finish reason, TTFT and TPOT."""
