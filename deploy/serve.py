@@ -10,7 +10,8 @@ server, SIGKILL after ``--grace-s``). The server log goes to ``REPO/tritonserver
 ``--log``); the pid to ``REPO/tritonserver.pid``. A model that fails to load (or a ``--models``
 name the repository lacks) is reported with Triton's reason and the command exits 1; busy ports
 exit 1 at once with the ports named. While serving, a model whose Python-backend stub died or
-whose engine died is loaded again (``deploy.triton.ModelSupervisor``); each event is printed.
+whose engine died is loaded again, and a server that crashed is started again
+(``deploy.triton.ModelSupervisor``); each event is printed.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
     print("Ctrl-C or `lmforge serve --repo {} --stop` to stop".format(args.repo), flush=True)
     supervisor = ModelSupervisor(server, report=lambda line: print(line, flush=True)).start()
     try:
-        status = server.wait()
+        while not supervisor.finished.wait(1.0):  # reloads broken models, restarts a crashed server
+            pass
+        status = supervisor.exit_status
     except KeyboardInterrupt:
         supervisor.stop()
         status = server.stop()

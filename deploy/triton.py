@@ -539,24 +539,34 @@ class TritonServer:
 
 
 class ModelSupervisor:
-    """Loads a served model again when it cannot answer any more, on a background thread.
+    """Keeps a started server's models served, on a background thread.
 
     Triton 2.51 neither restarts a Python-backend stub that died (``kill -9``, out of memory:
     every request then fails with "Stub process ... is not healthy" while the model still reads
-    READY) nor reloads a model that unloaded itself (the LLM model does when its engine dies).
-    Every ``interval_s`` this checks each served model: its state in the repository index and,
-    for Python-backend models, that its stub processes are alive; a broken model is reloaded.
+    READY) nor reloads a model that unloaded itself (the LLM model does when its engine dies);
+    and a stub killed while requests are in flight can take the whole server down with it
+    (``boost::interprocess::lock_exception``, signal 6). Every ``interval_s`` this checks each
+    served model (its state in the repository index; for Python-backend models, that its stub
+    processes are alive) and reloads a broken one; a server that exited without being asked to
+    (not status 0, no SIGINT/SIGTERM in its log) is started again on the same ports, at most
+    ``max_restarts`` times, its log kept as ``LOG.N``. ``finished`` is set when the server
+    stopped for good; ``exit_status`` is its last status.
 
     Args:
         server: a started ``TritonServer``.
         interval_s: seconds between checks.
-        report: called with one line per event (problem found, reloaded, reload failed).
+        report: called with one line per event (problem found, reloaded, restarted, gave up).
+        max_restarts: server restarts allowed.
     """
 
-    def __init__(self, server: TritonServer, interval_s: float = 1.0, report=print) -> None:
+    def __init__(self, server: TritonServer, interval_s: float = 1.0, report=print, max_restarts: int = 5) -> None:
         self.server = server
         self.interval_s = interval_s
         self.report = report
+        self.max_restarts = max_restarts
+        self.restarts: list[tuple[str, float]] = []  # (why the server exited, seconds to serve again)
+        self.finished = threading.Event()
+        self.exit_status: int | None = None
         configs = repository_models(server.repo)
         self.python_models = [n for n in server.models or [] if n in configs and configs[n].backend == "python"]
         self.stub_counts = {name: len(server.stub_pids(name)) for name in self.python_models}
@@ -607,13 +617,47 @@ class ModelSupervisor:
             self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            if not self.server.is_running():
-                return
-            try:
-                self.check_once()
-            except (TritonError, OSError) as exc:  # the server is stopping or busy: try again later
-                self.report(f"model check failed: {exc}")
+        try:
+            while not self._stop.wait(self.interval_s):
+                if not self.server.is_running():
+                    if self._stop.is_set() or not self._restart_server():
+                        return
+                    continue
+                try:
+                    self.check_once()
+                except (TritonError, OSError) as exc:  # the server is stopping or busy: try again later
+                    if self.server.is_running() and not self._stop.is_set():
+                        self.report(f"model check failed: {exc}")
+        finally:
+            if self.server.process is not None:
+                self.exit_status = self.server.process.poll()
+            self.finished.set()
+
+    def _restart_server(self) -> bool:
+        """Start a server that exited unasked again; False when it was asked to stop or restarts ran out."""
+        status = self.server.process.returncode
+        tail = self.server.log_tail(200)
+        if status == 0 or "Signal (2) received" in tail or "Signal (15) received" in tail:
+            return False
+        reasons = [line.strip() for line in tail.splitlines() if "what():" in line or "Signal (" in line]
+        why = f"status {status}" + (f": {reasons[-1][:200]}" if reasons else "")
+        if len(self.restarts) >= self.max_restarts:
+            self.report(f"tritonserver exited ({why}); not restarting after {self.max_restarts} restarts; log {self.server.log_path}")
+            return False
+        _kill_group(self.server.process.pid)  # its stubs, if any survived it
+        kept = self.server.log_path.with_name(f"{self.server.log_path.name}.{len(self.restarts) + 1}")
+        self.server.log_path.replace(kept)
+        self.report(f"tritonserver exited ({why}; log kept as {kept}); starting it again")
+        start = time.monotonic()
+        try:
+            self.server.start()
+        except TritonError as exc:
+            self.report(f"restarting tritonserver failed: {exc}")
+            return False
+        self.stub_counts = {name: len(self.server.stub_pids(name)) for name in self.python_models}
+        self.restarts.append((why, time.monotonic() - start))
+        self.report(f"tritonserver serves again after {self.restarts[-1][1]:.1f} s")
+        return True
 
 
 def _kill_group(pgid: int) -> None:
