@@ -36,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from compress.checkpoints import DEFAULT_MODEL, read_manifest, resolve_checkpoint
+from compress.errors import LmforgeError
 
 
 SMOKE_MODEL = "tiny-random"
 
 
-class DemoStageError(RuntimeError):
+class DemoStageError(LmforgeError, RuntimeError):
     """A stage failed; ``stage`` names it and the cause is chained."""
 
     def __init__(self, stage: str, cause: BaseException) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summaries, summarize
 from bench.prompts import PromptError, load_prompts, render_chat, with_system_prompt
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
+from compress.errors import LmforgeError
 
 LOCUST_PREFIX = "locust"
 CHECK_TIMEOUT_S = 3.0
@@ -39,7 +40,7 @@ CHILD_GRACE_S = 60.0
 PROMPTS_FILE = "prompts.jsonl"
 
 
-class LoadTestError(RuntimeError):
+class LoadTestError(LmforgeError, RuntimeError):
     """A load test that cannot start (bad input, server or model not there) or could not run."""
 
 
@@ -399,11 +400,7 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        summary = run_loadtest(config_from_args(args), args.out)
-    except LoadTestError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    summary = run_loadtest(config_from_args(args), args.out)
     print(format_report(summary))
     print(f"report: {Path(args.out).resolve()}")
     server_lost = summary["server"]["unreachable_during_run"] or not summary["server"]["ready_after_run"]

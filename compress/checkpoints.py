@@ -31,13 +31,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from compress.errors import LmforgeError
+
 MANIFEST_NAME = "lmforge.json"
 
 #: ``config.json`` ``model_type`` values the causal-LM stages (engine, fine-tune, quantize) run.
 SUPPORTED_CAUSAL_LM_TYPES = ("llama", "mistral", "qwen2")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LmforgeError, ValueError):
     """A checkpoint is missing, corrupt or unsupported; the message names the file and the fix."""
 
 
@@ -543,16 +545,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        path = resolve_checkpoint(args.model, causal_lm=args.model != "minilm-l6")
-    except CheckpointError as exc:
-        print(f"error: {exc}")
-        return 1
-    try:
-        manifest = read_manifest(path) if (path / MANIFEST_NAME).is_file() else None
-    except CheckpointError as exc:
-        print(f"error: {exc}")
-        return 1
+    path = resolve_checkpoint(args.model, causal_lm=args.model != "minilm-l6")
+    manifest = read_manifest(path) if (path / MANIFEST_NAME).is_file() else None
     print(f"checkpoint: {path}")
     print(manifest.to_json() if manifest else "(no manifest: read-only directory)")
     return 0

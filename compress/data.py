@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.dedup import MinHashConfig, exact_key, near_duplicates, normalize
+from compress.errors import LmforgeError
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_INPUT = "chatterbot:english"
@@ -45,7 +46,7 @@ _SYMBOLS = set("#…{}[]<>|\\^~`@$%*_=+")
 _MAX_EXAMPLES = 5  # removed records listed per filter in the report
 
 
-class DataError(ValueError):
+class DataError(LmforgeError, ValueError):
     """Bad input data; the message names the file and line and what to fix."""
 
 
@@ -544,25 +545,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = DataConfig(
-            inputs=args.inputs or [DEFAULT_INPUT],
-            val_fraction=args.val_fraction,
-            seed=args.seed,
-            min_chars=args.min_chars,
-            max_chars=args.max_chars,
-            max_symbol_ratio=args.max_symbol_ratio,
-            max_non_alpha_ratio=args.max_non_alpha_ratio,
-            max_duplicate_line_fraction=args.max_duplicate_line_fraction,
-            blocklist=None if str(args.blocklist).lower() == "none" else args.blocklist,
-            dedup_threshold=args.dedup_threshold,
-            num_perm=args.num_perm,
-            shingle_size=args.shingle_size,
-            noise_ratio=args.noise_ratio,
-        )
-        prepare(config, args.out)
-    except (DataError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 1
+    config = DataConfig(
+        inputs=args.inputs or [DEFAULT_INPUT],
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        min_chars=args.min_chars,
+        max_chars=args.max_chars,
+        max_symbol_ratio=args.max_symbol_ratio,
+        max_non_alpha_ratio=args.max_non_alpha_ratio,
+        max_duplicate_line_fraction=args.max_duplicate_line_fraction,
+        blocklist=None if str(args.blocklist).lower() == "none" else args.blocklist,
+        dedup_threshold=args.dedup_threshold,
+        num_perm=args.num_perm,
+        shingle_size=args.shingle_size,
+        noise_ratio=args.noise_ratio,
+    )
+    prepare(config, args.out)
     print(f"wrote {args.out}/train.jsonl, val.jsonl, data_report.json")
     return 0

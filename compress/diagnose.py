@@ -17,6 +17,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from compress.errors import UsageError
+
 SPIKE_WINDOW = 10  # preceding train steps a spike is compared with
 SPIKE_MIN_HISTORY = 5
 SPIKE_MAD_FACTOR = 6.0  # robust z-score (MAD scaled to sigma) above the rolling median
@@ -35,7 +37,7 @@ LEAK_NUM_PERM = 128
 MAX_RECORDS = 50_000  # records read per split for the overlap check
 
 
-class RunDirError(ValueError):
+class RunDirError(UsageError):
     """RUN_DIR or its files are missing or corrupt; the message names the file and line."""
 
 
@@ -380,11 +382,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        findings = diagnose(args.run_dir)
-    except RunDirError as error:
-        print(f"lmforge diagnose: error: {error}")
-        return 2
+    findings = diagnose(args.run_dir)
     print(format_findings(findings))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps([asdict(f) for f in findings], indent=1))

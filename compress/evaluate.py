@@ -1,14 +1,20 @@
 """``lmforge evaluate A B ...``: compare causal-LM checkpoints of every kind lmforge writes.
 
-Metrics per checkpoint (also merged into its ``lmforge.json`` under ``metrics``):
+Metrics per checkpoint (also merged into its ``lmforge.json`` under ``metrics``), all
+teacher-forced on held-out records against a reference checkpoint (``--reference``, else the
+first checkpoint listed: put the parent first):
 
 * ``perplexity``: ``exp`` of the mean next-token negative log-likelihood on held-out records.
   ``{"messages": [...]}`` records are formatted with the tokenizer's chat template and scored on
   the assistant replies only (the tokens a chat model is trained to produce, as in fine-tuning);
   ``{"text": ...}`` records are scored on every token after the first.
-* ``greedy_agreement``: fraction of identical tokens, position by position, between the
-  checkpoint's and the reference's greedy continuations of a fixed prompt set (the reference is
-  ``--reference`` or the first checkpoint listed: put the parent first).
+* ``kl_mean`` / ``kl_p99`` / ``kl_max``: KL(reference || checkpoint) of the next-token
+  distributions (nats) over the scored tokens; ``same_top1``: fraction of scored tokens whose
+  argmax equals the reference's. These judge a compressed model (perplexity can improve while
+  the outputs move away from the parent's).
+* ``greedy_agreement`` (secondary): fraction of identical tokens, position by position, between
+  the checkpoint's and the reference's free-running greedy continuations of a fixed prompt set
+  (one early flip changes the rest of a sequence, so it understates closeness).
 * ``size_bytes`` (weight files on disk), ``linear_weight_bytes`` (bytes of the transformer
   blocks' linear-layer weights with their scales), ``num_parameters`` (stored elements).
 * ``decode_ms_per_token``: batch 1, CPU, greedy, with the KV cache:
@@ -35,11 +41,11 @@ from typing import Any
 
 from compress.checkpoints import (
     MANIFEST_NAME,
-    CheckpointError,
     read_safetensors_header,
     resolve_checkpoint,
     update_metrics,
 )
+from compress.errors import LmforgeError
 from compress.int8 import INT8_WEIGHT_SUFFIX
 
 #: Fixed prompts of the greedy-agreement metric (chat-formatted).
@@ -55,7 +61,7 @@ AGREEMENT_PROMPTS: tuple[str, ...] = (
 )
 
 
-class EvaluationError(ValueError):
+class EvaluationError(LmforgeError, ValueError):
     """Bad evaluation input (data file, record, option); the message names the file or field."""
 
 
@@ -295,6 +301,73 @@ def _logits(model, ids: list[int]):
         return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits.float()  # [1, T, vocab]
 
 
+def scored_logprobs(model, tokenizer, record: dict[str, Any], *, max_length: int = 512):
+    """Teacher-forced next-token log-probabilities of one record at its scored positions.
+
+    Returns:
+        ``(logprobs, targets)``: float32 ``[n, vocab]`` (row ``i`` is the distribution that
+        predicts scored token ``i``) and int64 ``[n]`` (the tokens), or ``None`` when the record
+        has no scored token.
+    """
+    import torch
+
+    ids, scored = encode_record(tokenizer, record, max_length=max_length)
+    if not any(scored):
+        return None
+    mask = torch.tensor(scored[1:])  # position t predicts token t+1
+    logprobs = torch.log_softmax(_logits(model, ids)[0, :-1][mask], dim=-1)  # [n, vocab]
+    return logprobs, torch.tensor(ids[1:])[mask]
+
+
+def reference_logprobs(model, tokenizer, records: Sequence[dict[str, Any]], *, max_length: int = 512):
+    """``scored_logprobs`` of every record with a scored token: the reference of ``quality_metrics``.
+
+    Memory: ``4 * vocab`` bytes per scored token (SmolLM2: 190 KiB; 920 tokens = 174 MiB).
+    """
+    return [r for r in (scored_logprobs(model, tokenizer, rec, max_length=max_length) for rec in records) if r is not None]
+
+
+def quality_metrics(model, tokenizer, records: Sequence[dict[str, Any]], reference=None, *, max_length: int = 512) -> dict[str, Any]:
+    """Teacher-forced quality of ``model`` on ``records``, against a reference's distributions.
+
+    Every scored token ``t`` (see ``encode_record``) contributes its negative log-likelihood
+    and, given ``reference`` (``reference_logprobs`` of the same records), the KL divergence
+    ``KL(P_ref || P_model) = sum_v P_ref(v) (log P_ref(v) - log P_model(v))`` (nats) of the
+    next-token distributions and whether the two argmax tokens agree. This is the comparison
+    llama.cpp's ``perplexity --kl-divergence`` reports for quantized models: perplexity alone
+    can improve while the distributions move away from the reference.
+
+    Returns:
+        ``{"perplexity", "perplexity_tokens"}`` and, with a reference, ``"kl_mean"``,
+        ``"kl_p99"`` (99th percentile over tokens, nats), ``"kl_max"`` and ``"same_top1"``
+        (fraction of tokens with the same argmax).
+
+    Raises:
+        EvaluationError: no record has a scored token, or ``reference`` was computed on other
+            records or another tokenizer (the scored positions differ).
+    """
+    import torch
+
+    total_nll, count, kls, same = 0.0, 0, [], 0
+    ours = [r for r in (scored_logprobs(model, tokenizer, rec, max_length=max_length) for rec in records) if r is not None]
+    if not ours:
+        raise EvaluationError("no scored tokens in the evaluation data (every record is empty or has no assistant reply)")
+    if reference is not None and [t.tolist() for _, t in reference] != [t.tolist() for _, t in ours]:
+        raise EvaluationError("the reference was scored on other tokens: compare checkpoints that share a tokenizer, on the same records")
+    for i, (logprobs, targets) in enumerate(ours):
+        total_nll -= float(logprobs.gather(1, targets[:, None]).sum())
+        count += len(targets)
+        if reference is not None:
+            ref = reference[i][0]  # [n, vocab]
+            kls.append((ref.exp() * (ref - logprobs)).sum(dim=-1).clamp(min=0))  # [n]
+            same += int((ref.argmax(dim=-1) == logprobs.argmax(dim=-1)).sum())
+    metrics: dict[str, Any] = {"perplexity": math.exp(total_nll / count), "perplexity_tokens": count}
+    if reference is not None:
+        kl = torch.cat(kls).double()
+        metrics.update(kl_mean=float(kl.mean()), kl_p99=float(torch.quantile(kl, 0.99)), kl_max=float(kl.max()), same_top1=same / count)
+    return metrics
+
+
 def perplexity(model, tokenizer, records: Sequence[dict[str, Any]], *, max_length: int = 512) -> tuple[float, int]:
     """Perplexity of ``model`` on ``records`` (token-weighted over all scored tokens).
 
@@ -304,22 +377,8 @@ def perplexity(model, tokenizer, records: Sequence[dict[str, Any]], *, max_lengt
     Raises:
         EvaluationError: no record has a scored token.
     """
-    import torch
-
-    total_nll, count = 0.0, 0
-    for record in records:
-        ids, scored = encode_record(tokenizer, record, max_length=max_length)
-        if not any(scored):
-            continue
-        logprobs = torch.log_softmax(_logits(model, ids)[0, :-1], dim=-1)  # [T-1, vocab]: position t predicts t+1
-        targets = torch.tensor(ids[1:])
-        mask = torch.tensor(scored[1:])
-        nll = -logprobs.gather(1, targets[:, None])[:, 0]  # [T-1]
-        total_nll += float(nll[mask].sum())
-        count += int(mask.sum())
-    if count == 0:
-        raise EvaluationError("no scored tokens in the evaluation data (every record is empty or has no assistant reply)")
-    return math.exp(total_nll / count), count
+    m = quality_metrics(model, tokenizer, records, max_length=max_length)
+    return m["perplexity"], m["perplexity_tokens"]
 
 
 def _prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -481,15 +540,15 @@ def evaluate_checkpoint(
     records: Sequence[dict[str, Any]],
     reference_tokens: Sequence[Sequence[int]],
     config: EvalConfig,
+    reference_logprobs: list | None = None,
 ) -> dict[str, Any]:
     """All metrics of one loaded checkpoint (see the module docstring)."""
-    ppl, tokens = perplexity(loaded.model, loaded.tokenizer, records, max_length=config.max_length)
+    quality = quality_metrics(loaded.model, loaded.tokenizer, records, reference_logprobs, max_length=config.max_length)
     generated = greedy_tokens(loaded.model, loaded.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens)
     size_bytes, num_parameters = checkpoint_size(loaded.path)
     metrics = {
         "kind": loaded.kind,
-        "perplexity": round(ppl, 4),
-        "perplexity_tokens": tokens,
+        **{k: round(v, 6) if isinstance(v, float) else v for k, v in quality.items()},
         "greedy_agreement": round(agreement(reference_tokens, generated), 4),
         "size_bytes": size_bytes,
         "linear_weight_bytes": linear_weight_bytes(loaded.path),
@@ -518,7 +577,8 @@ def evaluate(
         checkpoints: checkpoint specs (names, directories); each is loaded, measured, released.
         records: held-out records; default ``default_heldout_records()``.
         data_name: how the data is described in the metrics.
-        reference: model whose greedy outputs define agreement; default ``checkpoints[0]``.
+        reference: model whose distributions define KL / same top-1 (and whose greedy outputs
+            define agreement); default ``checkpoints[0]``.
         config: ``EvalConfig``.
         write: merge the metrics into each checkpoint's ``lmforge.json`` (when it has one).
 
@@ -540,12 +600,13 @@ def evaluate(
     records = list(records)[: config.max_records]
     loaded_reference = load_for_eval(reference_path, num_threads=config.num_threads)
     reference_tokens = greedy_tokens(loaded_reference.model, loaded_reference.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens)
+    reference_scores = reference_logprobs(loaded_reference.model, loaded_reference.tokenizer, records, max_length=config.max_length)
     del loaded_reference
     results: dict[str, dict[str, Any]] = {}
     for path in paths:
         log(f"evaluating {path} ...")
         loaded = load_for_eval(path, num_threads=config.num_threads)
-        metrics = evaluate_checkpoint(loaded, records, reference_tokens, config)
+        metrics = evaluate_checkpoint(loaded, records, reference_tokens, config, reference_scores)
         del loaded
         metrics.update({
             "reference": str(reference_path), "eval_data": data_name or "records", "eval_records": len(records),
@@ -558,12 +619,15 @@ def evaluate(
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
-    """A comparison table; ratios are against the first row."""
+    """A comparison table; ratios are against the first row, KL and top-1 against the reference."""
     rows = list(results.items())
     if not rows:
         return ""
     base = rows[0][1]
-    header = f"{'checkpoint':<28} {'kind':<9} {'size MiB':>9} {'linear MiB':>10} {'params':>12} {'ppl':>9} {'Δppl':>8} {'agree':>6} {'ms/tok':>8} {'speed':>6}"
+    header = (
+        f"{'checkpoint':<28} {'kind':<9} {'size MiB':>9} {'linear MiB':>10} {'ppl':>9} {'Δppl':>8} "
+        f"{'KL mean':>8} {'KL p99':>7} {'top-1':>6} {'agree':>6} {'ms/tok':>8} {'speed':>6}"
+    )
     lines = [header, "-" * len(header)]
     for path, m in rows:
         name = Path(path).name[-28:]
@@ -572,8 +636,8 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         speed = f"{base['decode_ms_per_token'] / ms:.2f}x" if ms and base.get("decode_ms_per_token") else "-"
         lines.append(
             f"{name:<28} {m['kind']:<9} {m['size_bytes'] / 2**20:>9.1f} {m['linear_weight_bytes'] / 2**20:>10.1f} "
-            f"{m['num_parameters']:>12,} {m['perplexity']:>9.3f} {dppl:>+7.2f}% {m['greedy_agreement']:>6.3f} "
-            f"{(f'{ms:.2f}' if ms else '-'):>8} {speed:>6}"
+            f"{m['perplexity']:>9.3f} {dppl:>+7.2f}% {m['kl_mean']:>8.4f} {m['kl_p99']:>7.3f} {m['same_top1'] * 100:>5.1f}% "
+            f"{m['greedy_agreement']:>6.3f} {(f'{ms:.2f}' if ms else '-'):>8} {speed:>6}"
         )
     return "\n".join(lines)
 
@@ -587,7 +651,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = EvalConfig()
     parser.add_argument("checkpoints", nargs="+", metavar="CKPT", help="checkpoints to compare (put the parent first)")
     parser.add_argument("--data", default=None, help="held-out JSONL ({'messages'} or {'text'} records); default: held-out chatterbot-corpus English dialogs")
-    parser.add_argument("--reference", default=None, help="model whose greedy outputs define agreement (default: the first checkpoint)")
+    parser.add_argument("--reference", default=None, help="model whose distributions define KL / same top-1 and whose greedy outputs define agreement (default: the first checkpoint)")
     parser.add_argument("--max-records", type=int, default=d.max_records, help=f"records scored (default {d.max_records})")
     parser.add_argument("--max-length", type=int, default=d.max_length, help=f"tokens per record (default {d.max_length})")
     parser.add_argument("--agreement-tokens", type=int, default=d.agreement_tokens, help=f"greedy tokens per prompt (default {d.agreement_tokens})")
@@ -599,16 +663,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = EvalConfig(
-            max_records=args.max_records, max_length=args.max_length, agreement_tokens=args.agreement_tokens,
-            latency_tokens=args.latency_tokens, measure_latency=not args.no_latency, num_threads=args.threads,
-        )
-        records = read_records(args.data) if args.data else None
-        results = evaluate(args.checkpoints, records=records, data_name=args.data, reference=args.reference, config=config, write=not args.no_write)
-    except (CheckpointError, EvaluationError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 1
+    config = EvalConfig(
+        max_records=args.max_records, max_length=args.max_length, agreement_tokens=args.agreement_tokens,
+        latency_tokens=args.latency_tokens, measure_latency=not args.no_latency, num_threads=args.threads,
+    )
+    records = read_records(args.data) if args.data else None
+    results = evaluate(args.checkpoints, records=records, data_name=args.data, reference=args.reference, config=config, write=not args.no_write)
     print(format_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

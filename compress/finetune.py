@@ -159,12 +159,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = FinetuneConfig(
-            **train_config_kwargs(args), lora=args.lora, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-            lora_dropout=args.lora_dropout, lora_target_modules=[m for m in args.lora_target_modules.split(",") if m],
-        )
-    except ValueError as exc:
-        print(f"error: {exc}")
-        return 1
+    config = FinetuneConfig(
+        **train_config_kwargs(args), lora=args.lora, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout, lora_target_modules=[m for m in args.lora_target_modules.split(",") if m],
+    )
     return run_recipe(FinetuneRecipe, config)

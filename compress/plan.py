@@ -23,6 +23,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from compress.errors import LmforgeError, UsageError
 from compress.memory_model import (
     KVCapacity,
     ModelSpec,
@@ -398,9 +399,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = model_from_args(args)
         result = run_training(args, model) if args.mode == "train" else run_inference(args, model)
-    except ValueError as error:  # CheckpointError is a ValueError too
-        print(f"lmforge plan: error: {error}")
-        return 2
+    except ValueError as error:  # a flag or model shape the plan cannot use (CheckpointError too)
+        raise error if isinstance(error, LmforgeError) else UsageError(str(error)) from error
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)

@@ -41,6 +41,7 @@ from compress.checkpoints import (
     resolve_checkpoint,
     write_manifest,
 )
+from compress.errors import UsageError
 from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX
 
 WEIGHTS_NAME = "model.safetensors"
@@ -588,14 +589,8 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.method not in METHODS:
-        print(f"error: --method {args.method!r} is not supported; use one of {', '.join(METHODS)}")
-        return 2
-    try:
-        quantizer = make_quantizer(args.method, **_config_from_args(args))
-        out = quantizer.quantize(args.model, args.out)
-    except (ValueError, RuntimeError) as exc:  # CheckpointError is a ValueError
-        print(f"error: {exc}")
-        return 1
+        raise UsageError(f"--method {args.method!r} is not supported", fix=f"use one of {', '.join(METHODS)}")
+    out = quantize(args.model, args.out, method=args.method, **_config_from_args(args))
     manifest = read_manifest(out)
     print(f"wrote {out}  (method {manifest.method}, {manifest.size_bytes / 2**20:.1f} MiB, parent {manifest.parent})")
     print(json.dumps(manifest.config, sort_keys=True))

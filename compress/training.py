@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from compress.errors import LmforgeError
 from compress.monitor import MetricsLog, plot_metrics
 from compress.packing import IGNORE_INDEX, PackedData, tokenize_and_pack
 
@@ -52,7 +53,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTS = "checkpoints"
 
 
-class TrainingError(RuntimeError):
+class TrainingError(LmforgeError, RuntimeError):
     """A run cannot start or had to stop (bad config, no data, non-finite loss)."""
 
 

@@ -29,10 +29,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoints import SUPPORTED_CAUSAL_LM_TYPES, CheckpointError, resolve_checkpoint
+from compress.checkpoints import SUPPORTED_CAUSAL_LM_TYPES, resolve_checkpoint
+from compress.errors import UsageError
 from deploy.model_config import (
     CONFIG_NAME,
-    ConfigCheckError,
     check_repository,
     encoder_ensemble_config,
     encoder_onnx_config,
@@ -112,20 +112,15 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     repo = Path(args.repo)
     if args.model is None and not args.check:
-        print("error: --model is required (or --check to check a repository)")
-        return 2
-    try:
-        if args.model is not None:
-            written = export(
-                args.model, repo, name=args.name, kind=args.kind, engine=engine_overrides(args),
-                instances=args.instances, copy_weights=args.copy_weights, max_length=args.max_length,
-            )
-            for path in written:
-                print(f"wrote {path}")
-        return print_check(repo)
-    except (CheckpointError, ConfigCheckError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 1
+        raise UsageError("--model is required", fix="or pass --check to check a repository")
+    if args.model is not None:
+        written = export(
+            args.model, repo, name=args.name, kind=args.kind, engine=engine_overrides(args),
+            instances=args.instances, copy_weights=args.copy_weights, max_length=args.max_length,
+        )
+        for path in written:
+            print(f"wrote {path}")
+    return print_check(repo)
 
 
 def print_check(repo: Path) -> int:

@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from compress.errors import LmforgeError, UsageError
+
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"  # NGC 24.10 = Triton 2.51, the server lmforge tests against
 TRITON_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 LOCUST_PORTS = {"web": 8089, "master": 5557}
@@ -569,9 +571,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{args.values}: expected a mapping of DeployValues fields")
         flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(DeployValues) if getattr(args, f.name) is not None}
         paths = render_deploy(args.target, args.out, **{**base, **flags})
-    except (ValueError, OSError, yaml.YAMLError) as error:
-        print(f"lmforge render: error: {error}")
-        return 2
+    except (ValueError, yaml.YAMLError) as error:  # a value the manifests cannot hold
+        raise error if isinstance(error, LmforgeError) else UsageError(str(error)) from error
     for path in paths:
         print(path)
     return 0

@@ -19,6 +19,8 @@ from compress.evaluate import (
     format_table,
     load_for_eval,
     perplexity,
+    quality_metrics,
+    reference_logprobs,
     read_records,
 )
 
@@ -52,6 +54,37 @@ def test_chat_records_score_only_assistant_replies(tiny):
     assert scored_text == "A branch of science.<|im_end|>\nYou are welcome.<|im_end|>\n"
 
 
+def test_kl_and_same_top1_against_a_direct_computation(tiny, tiny_llama_dir):
+    records = [{"text": t} for t in TEXTS] + [DIALOG]
+    reference = reference_logprobs(tiny.model, tiny.tokenizer, records)
+    itself = quality_metrics(tiny.model, tiny.tokenizer, records, reference)
+    assert itself["kl_mean"] == 0 and itself["kl_max"] == 0 and itself["same_top1"] == 1.0
+    perturbed = load_for_eval(tiny_llama_dir).model
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in perturbed.model.layers[0].parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    got = quality_metrics(perturbed, tiny.tokenizer, records, reference)
+    kls, same = [], []
+    for record in records:
+        ids, scored = encode_record(tiny.tokenizer, record)
+        batch = torch.tensor([ids])
+        with torch.no_grad():
+            p = torch.log_softmax(tiny.model(input_ids=batch).logits[0, :-1].double(), -1)
+            q = torch.log_softmax(perturbed(input_ids=batch).logits[0, :-1].double(), -1)
+        mask = torch.tensor(scored[1:])
+        kls.append(torch.nn.functional.kl_div(q[mask], p[mask], log_target=True, reduction="none").sum(-1))
+        same.append(p[mask].argmax(-1) == q[mask].argmax(-1))
+    kl, same = torch.cat(kls), torch.cat(same)
+    assert got["kl_mean"] > 1e-4
+    assert got["kl_mean"] == pytest.approx(float(kl.mean()), rel=1e-3)
+    assert got["kl_p99"] == pytest.approx(float(torch.quantile(kl, 0.99)), rel=1e-3)
+    assert got["same_top1"] == pytest.approx(float(same.double().mean()))
+    assert got["perplexity_tokens"] == len(kl)
+    with pytest.raises(EvaluationError, match="reference was scored on other tokens"):
+        quality_metrics(tiny.model, tiny.tokenizer, records[:2], reference)
+
+
 def test_agreement_counts_positions_over_the_longer_sequence():
     assert agreement([[1, 2, 3, 4]], [[1, 2, 3, 4]]) == 1.0
     assert agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.75
@@ -65,6 +98,7 @@ def test_evaluate_writes_metrics_and_table(tiny_llama_dir, tmp_path):
     results = evaluate([tiny_llama_dir], records=read_records(data), data_name=str(data), config=config, log=lambda _: None)
     metrics = results[str(tiny_llama_dir)]
     assert metrics["greedy_agreement"] == 1.0 and metrics["eval_data"] == str(data)
+    assert metrics["kl_mean"] == 0 and metrics["kl_p99"] == 0 and metrics["same_top1"] == 1.0
     assert metrics["perplexity"] > 1 and metrics["decode_ms_per_token"] > 0
     assert metrics["num_parameters"] == read_manifest(tiny_llama_dir).num_parameters
     assert read_manifest(tiny_llama_dir).metrics["perplexity"] == metrics["perplexity"]
@@ -93,4 +127,4 @@ def test_bad_inputs_name_the_file_or_field(tiny_llama_dir, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="unsupported architecture"):
         evaluate(["minilm-l6"], records=[{"text": "hi"}])
     assert lmforge_cli.main(["evaluate", str(tmp_path / "nope")]) == 1
-    assert "nope: checkpoint not found" in capsys.readouterr().out
+    assert "nope: checkpoint not found" in capsys.readouterr().err

@@ -202,4 +202,4 @@ def test_cli_plan_from_checkpoint_and_errors(tiny_llama_dir, capsys):
     spec = ModelSpec.from_checkpoint(tiny_llama_dir)
     assert f"kv_bytes_per_token: {kv_bytes_per_token(spec, 2):,}" in capsys.readouterr().out
     assert main(["plan", "--model", str(tiny_llama_dir), "--devices", "4", "--dp", "1", "--tp", "4", "--pp", "1"]) == 2
-    assert "num_key_value_heads=2 not divisible by tensor degree 4" in capsys.readouterr().out
+    assert "num_key_value_heads=2 not divisible by tensor degree 4" in capsys.readouterr().err

@@ -142,9 +142,9 @@ def test_bad_inputs_name_the_field_or_file(tiny_llama_dir, tmp_path, capsys):
         load_dynamic_int8_model(tiny_llama_dir)
     assert not (tmp_path / "out").exists()
     assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "int4", "--out", str(tmp_path / "o")]) == 2
-    assert "--method 'int4'" in capsys.readouterr().out
+    assert "--method 'int4'" in capsys.readouterr().err
     assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "dynamic", "--threshold", "5", "--out", str(tmp_path / "o")]) == 1
-    assert "--threshold: not an option of --method dynamic" in capsys.readouterr().out
+    assert "--threshold: not an option of --method dynamic" in capsys.readouterr().err
 
 
 @pytest.mark.integration
