@@ -205,16 +205,21 @@ def check_bf16_logprobs(path: Path, prompts: list[list[int]], device: str, engin
     model = hf_model(path, torch.bfloat16, device)
     llm = LLM(str(path), num_kv_blocks=128, **{**engine_args, "dtype": "bfloat16"})
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=5, ignore_eos=True))
-    worst, same_top1 = 0.0, 0
+    worst, same_top1, worst_flip_gap = 0.0, 0, 0.0
     with torch.inference_mode():
         for p, o in zip(prompts, outs):
             logits = model(torch.tensor([p], device=device)).logits[0, -1].float()
             ref = torch.log_softmax(logits, -1).cpu()
             lp = o.outputs[0].logprobs[0]
             worst = max(worst, max(abs(v - float(ref[t])) for t, v in lp.items()))
-            same_top1 += int(o.outputs[0].token_ids[0] == int(ref.argmax()))
-    return check("bf16_logprobs_within_tolerance_of_hf_bf16", worst <= BF16_LOGPROB_ATOL and same_top1 == len(prompts),
-                 max_abs_logprob_diff=round(worst, 5), atol=BF16_LOGPROB_ATOL, same_top1=same_top1, requests=len(prompts))
+            chosen, hf_top = o.outputs[0].token_ids[0], int(ref.argmax())
+            same_top1 += int(chosen == hf_top)
+            worst_flip_gap = max(worst_flip_gap, float(ref[hf_top] - ref[chosen]))  # 0 when they agree
+    # a different top-1 is a bf16 rounding tie only if HF itself rates the two within the tolerance
+    passed = worst <= BF16_LOGPROB_ATOL and worst_flip_gap <= BF16_LOGPROB_ATOL
+    return check("bf16_logprobs_within_tolerance_of_hf_bf16", passed, max_abs_logprob_diff=round(worst, 5),
+                 atol=BF16_LOGPROB_ATOL, same_top1=same_top1, requests=len(prompts),
+                 max_top1_logprob_gap=round(worst_flip_gap, 5))
 
 
 # ------------------------------------------------------------------------------------ workload
@@ -239,7 +244,10 @@ def run_workload(work: Path, device: str, shape: dict, w: Workload) -> dict:
     prompts = random_prompts(w.num_requests, w.prompt_len, w.shared_prefix_len, vocab, seed=3)
     params = SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True)
     t = time.perf_counter()
-    llm.generate(random_prompts(2, w.prompt_len, 0, vocab, seed=4), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    # a small copy of the workload on another prefix (no cache hits for the timed run): compiles
+    # every kernel variant (prefill, mixed and graph decode steps) before the clock starts
+    warm = random_prompts(min(8, w.num_requests), w.prompt_len, w.shared_prefix_len, vocab, seed=4)
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     warmup_s = time.perf_counter() - t
     stats_before = llm.engine.get_stats()
     _sync(device)
