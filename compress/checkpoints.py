@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import LmforgeError, UsageError
-from compress.outputs import CHECKPOINT, IMPORTED_METHOD, MANIFEST_NAME, TOKENIZER, staged_output_dir
+from compress.outputs import CHECKPOINT, IMPORTED_METHOD, MANIFEST_NAME, TOKENIZER, check_output_dir, staged_output_dir
 
 #: Files of which a checkpoint needs at least one for ``AutoTokenizer`` (fast, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -319,12 +319,14 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
     Raises:
         CheckpointError: the GGUF file is missing, corrupt, or of an unsupported architecture.
     """
+    gguf_path = Path(gguf_path)
+    output_dir = Path(output_dir)
+    check_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,))  # cheap, so first
+    check_gguf(gguf_path)
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = Path(gguf_path)
-    output_dir = Path(output_dir)
-    check_gguf(gguf_path)
     with staged_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,)) as tmp:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
