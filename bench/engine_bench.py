@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bench.bound import ModelShape, measure_matmul_gflops, percentile, ratio, workload_flops
+from bench import spec_bench
 from bench.engine_backends import BACKENDS, RunSpec
 
 #: Baselines every configuration is compared with (``x <baseline>`` columns).
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(comma-separated; default when given without a value: engine_prefix_on)")
     parser.add_argument("--smoke", action="store_true", help=f"tiny run to check the harness: {SMOKE['num_requests']} requests x {SMOKE['max_tokens']} tokens")
     parser.add_argument("--out", default="engine_bench.json", help="JSON report path (default engine_bench.json)")
+    spec_bench.add_arguments(parser)
 
 
 @dataclasses.dataclass
@@ -256,6 +258,8 @@ def format_table(rows: list[Summary]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.speculative:
+        return spec_bench.run(args)
     from transformers import AutoTokenizer
 
     from compress.checkpoints import CheckpointError, resolve_checkpoint
