@@ -141,7 +141,7 @@ class DeployValues:
         for key in ("cpu", "memory", "shm_size", "pvc_size"):
             _check(key, getattr(self, key), QUANTITY, "a Kubernetes quantity, e.g. 4, 500m, 16Gi, 512Mi")
         if not float(re.match(r"[0-9.]+", self.cpu).group()) > 0:
-            raise ValueError(f"cpu={self.cpu!r}: must be > 0")
+            raise ValueError(f"cpu={self.cpu!r}: must be > 0; fix --cpu (or cpu in --values)")
         for key in ("image", "locust_image"):
             _check(key, getattr(self, key), IMAGE_REFERENCE, "an image reference, e.g. registry.example.com:5000/team/lmforge-triton:0.1.0")
         _check("locust_run_time", self.locust_run_time, RUN_TIME, "a duration like 10m, 1h30m or 90s")
