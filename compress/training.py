@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import random
 import re
 import time
