@@ -36,6 +36,7 @@ from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summar
 from bench.prompts import PromptError, load_prompts, render_chat, with_system_prompt
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
 from compress.errors import LmforgeError
+from compress.outputs import LOADTEST_REPORT, check_output_dir
 
 LOCUST_PREFIX = "locust"
 CHECK_TIMEOUT_S = 3.0
@@ -84,6 +85,9 @@ class LoadTestConfig:
     warmup_requests: int | None = None
     api: str = "triton"  # or "openai": /v1/chat/completions (endpoint "chat") or /v1/completions
     api_key: str | None = None
+    bad_share: float = 0.0
+    disconnect_share: float = 0.0
+    keep_going: bool = False
 
     def __post_init__(self) -> None:
         if self.api == "openai" and self.endpoint == "generate_stream":
@@ -141,7 +145,11 @@ def check_host(host: str) -> str:
         LoadTestError: another scheme or address, or no port.
     """
     parsed = urllib.parse.urlparse(host)
-    if parsed.scheme != "http" or parsed.hostname != "127.0.0.1" or parsed.port is None:
+    try:
+        port = parsed.port
+    except ValueError as exc:  # not a number, or out of 0-65535
+        raise LoadTestError(f"host {host!r}: the port is not a number in 1-65535") from exc
+    if parsed.scheme != "http" or parsed.hostname != "127.0.0.1" or not port:
         raise LoadTestError(f"host {host!r}: load is only sent to http://127.0.0.1:PORT (the server's HTTP port)")
     return f"http://127.0.0.1:{parsed.port}"
 
@@ -305,6 +313,10 @@ def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
         command += ["--api-key", config.api_key]
     if config.ignore_eos:
         command.append("--ignore-eos")
+    if config.bad_share or config.disconnect_share:
+        command += ["--bad-share", str(config.bad_share), "--disconnect-share", str(config.disconnect_share)]
+    if config.keep_going:
+        command.append("--keep-going")
     if config.shape == "steps":
         command += ["--shape-config", json.dumps({
             "start_users": config.users, "step_users": config.step_users, "step_s": config.step_s,
@@ -319,9 +331,11 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     Raises:
         LoadTestError: from :func:`preflight` (nothing was sent), or the load generator could
             not start at all.
+        OutputDirError: ``out_dir`` is unsafe to write (``compress.outputs.check_output_dir``).
     """
+    # absolute: the load generator runs in another working directory
+    out = check_output_dir(out_dir, kind=LOADTEST_REPORT, sources=(config.prompts,) if config.prompts else ())
     preflight(config)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompts = write_prompts(config, out / PROMPTS_FILE)
     warm_up(config, prompts)

@@ -18,7 +18,8 @@ out-of-range value or an unknown field is a 400 naming the field (vLLM's extra f
 ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``
 are accepted, e.g. through the client's ``extra_body``). Errors use OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 bad input, 401 missing or wrong key,
-404 unknown model, 500 a failure inside the server. A client that disconnects mid-stream
+404 unknown model, 500 a failure inside the server or the model, 503 the model's engine died (it is
+being reloaded; retry). A client that disconnects mid-stream
 cancels its gRPC stream; Triton tells the model, which aborts the engine request and frees its
 KV blocks.
 """
@@ -413,10 +414,7 @@ class TritonBackend:
         try:
             async for result, error in responses:
                 if error is not None:
-                    message = error.message()
-                    if message.startswith("internal error"):  # the model's own failures (deploy/triton_llm.py)
-                        raise OpenAIError(500, message, type_="server_error")
-                    raise OpenAIError(400, message)  # the model refused the request (INVALID_ARG)
+                    raise _model_error(error.message())
                 piece = _piece(result, prompt_index)
                 if piece.finish_reason == "error":  # the engine failed this request's step
                     raise OpenAIError(500, "the engine failed this request; retry it", type_="server_error")
@@ -430,6 +428,22 @@ class TritonBackend:
             finished.set()
             if pending:
                 responses.cancel()
+
+
+#: Starts of the error messages deploy/triton_llm.py sends for its own failures (Triton's gRPC
+#: stream carries the message only, not the code): a dead engine (UNAVAILABLE) and the rest (INTERNAL).
+MODEL_UNAVAILABLE_PREFIX = "the engine of "
+MODEL_INTERNAL_PREFIXES = ("internal error", "the engine failed this request", "unreadable request")
+
+
+def _model_error(message: str) -> OpenAIError:
+    """The model's error response -> 503 (its engine is dead and being reloaded), 500 (its own
+    failure) or 400 (it refused the request: INVALID_ARG)."""
+    if message.startswith(MODEL_UNAVAILABLE_PREFIX) and " is dead " in message:
+        return OpenAIError(503, message, type_="server_error")
+    if message.startswith(MODEL_INTERNAL_PREFIXES):
+        return OpenAIError(500, message, type_="server_error")
+    return OpenAIError(400, message)
 
 
 def _piece(result, prompt_index: int) -> Piece:

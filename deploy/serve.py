@@ -8,13 +8,17 @@ Starts the bundled ``tritonserver`` on 127.0.0.1 with explicit model control, lo
 model of the repository it can serve (``--models`` to choose), waits until they are ready, and
 stays in the foreground until Ctrl-C, SIGTERM or ``lmforge serve --stop`` (SIGINT to the
 server, SIGKILL after ``--grace-s``). The server log goes to ``REPO/tritonserver.log`` (or
-``--log``); the pid to ``REPO/tritonserver.pid``. A model that fails to load is reported with
-Triton's reason and the command exits 1; busy ports exit 1 at once with the ports named.
+``--log``); the pid to ``REPO/tritonserver.pid``. A model that fails to load (or a ``--models``
+name the repository lacks) is reported with Triton's reason and the command exits 1; busy ports
+exit 1 at once with the ports named. While serving, a model whose Python-backend stub died or
+whose engine died is loaded again, and a server that crashed is started again
+(``deploy.triton.ModelSupervisor``); each event is printed.
 
 With ``--openai-port`` it also starts the OpenAI-compatible frontend (``deploy.openai_server``,
 its own process, bound to ``--host``, default 127.0.0.1) on the server's LLM models once they
-are ready; it forwards to Triton over gRPC and stops with it (pid in
-``REPO/openai_server.pid``, log in ``REPO/openai_server.log``).
+are ready; it forwards to Triton over gRPC (so it outlives a supervised server restart on the
+same ports) and stops with it (pid in ``REPO/openai_server.pid``, log in
+``REPO/openai_server.log``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from deploy.triton import DEFAULT_PORTS, TritonError, TritonServer, _pid_alive, check_ports, lmforge_source_root, stop_from_pid_file, stop_process
+from deploy.triton import (DEFAULT_PORTS, ModelSupervisor, TritonError, TritonServer, _pid_alive, check_ports,
+                           lmforge_source_root, stop_from_pid_file, stop_process)
 
 OPENAI_PID_FILE = "openai_server.pid"
 OPENAI_LOG_FILE = "openai_server.log"
@@ -105,13 +110,18 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"  OpenAI  http://{args.host}:{args.openai_port}/v1   (log {Path(args.repo) / OPENAI_LOG_FILE})")
     print("Ctrl-C or `lmforge serve --repo {} --stop` to stop".format(args.repo), flush=True)
+    supervisor = ModelSupervisor(server, report=lambda line: print(line, flush=True)).start()
     try:
-        status = server.wait()
+        while not supervisor.finished.wait(1.0):  # reloads broken models, restarts a crashed server
+            pass
+        status = supervisor.exit_status
     except KeyboardInterrupt:
+        supervisor.stop()
         stop_openai(frontend, args)
         status = server.stop()
         print(f"server stopped (exit status {status})")
         return 0
+    supervisor.stop()
     stop_openai(frontend, args)
     server.stop()
     if status == 0 or "Signal (2) received" in server.log_tail(200):  # `--stop` or a SIGINT

@@ -73,6 +73,10 @@ class Sequence:
         self.group_id = request_id  # the request this completion belongs to (``SamplingParams.n``)
         self.index = 0  # its completion index in that request
         self.error: str | None = None  # why it finished with FINISHED_ERROR
+        # Speculative decoding: tokens proposed after the last one (not part of token_ids until
+        # the target accepts them) and the [len, vocab] draft distributions they were drawn from.
+        self.spec_token_ids: list[int] = []
+        self.spec_probs = None
 
     @property
     def num_tokens(self) -> int:
