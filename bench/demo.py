@@ -195,7 +195,7 @@ class Demo:
 
     def quantize(self) -> Path:
         quantize = _require("compress.quantize", "INT8 quantization")
-        return Path(quantize.quantize(self.tuned(), self.out / "int8-dynamic", method="dynamic"))
+        return Path(quantize.quantize(self.tuned(), self.out / "int8-w8a8", method="w8a8"))
 
     def evaluate(self) -> dict:
         evaluate = _require("compress.evaluate", "evaluation")

@@ -384,9 +384,9 @@ def run_engine_prefix_on(spec: RunSpec, prompts, max_tokens, result) -> None:
 
 
 def run_engine_int8(spec: RunSpec, prompts, max_tokens, result) -> None:
-    """Our engine on the INT8 ``dynamic`` checkpoint, prefix caching on."""
+    """Our engine on the INT8 checkpoint (``w8a8`` unless ``--int8`` names another), prefix caching on."""
     if spec.int8_model is None:
-        raise Unavailable("no INT8 checkpoint: pass --int8 DIR (from `lmforge quantize --method dynamic`)")
+        raise Unavailable("no INT8 checkpoint: pass --int8 DIR (from `lmforge quantize --method w8a8`)")
     _engine_run(spec, spec.int8_model, prompts, max_tokens, result, prefix_caching=True)
 
 

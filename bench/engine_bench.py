@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", type=int, default=1, help="distinct system prompts, assigned round-robin (default 1)")
     parser.add_argument("--configs", default=",".join(BACKENDS), help=f"comma-separated subset of: {', '.join(BACKENDS)}")
     parser.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the shipped Q4_1 GGUF of smollm2-135m)")
-    parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 `dynamic` checkpoint for engine_int8 (default: made with compress.quantize when available)")
+    parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 checkpoint (w8a8 or int8-weight-only) for engine_int8 (default: made with compress.quantize when available)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="extra EngineConfig field for the engine configs (repeatable), e.g. max_num_seqs=64")
     parser.add_argument("--sequential-requests", type=int, default=None, metavar="N",
                         help="serve only the first N requests in hf_sequential and llama_cpp (one at a time, so tok/s "
@@ -121,9 +121,9 @@ def find_int8(given: str | None, model_dir: Path, work_dir: Path) -> tuple[str |
         from compress.quantize import quantize
     except ImportError:
         return None, "compress.quantize is not available yet; pass --int8 DIR"
-    out = work_dir / "int8-dynamic"
+    out = work_dir / "int8-w8a8"
     try:
-        return str(quantize(model_dir, out, method="dynamic")), f"made by compress.quantize (method dynamic) from {model_dir}"
+        return str(quantize(model_dir, out, method="w8a8")), f"made by compress.quantize (method w8a8) from {model_dir}"
     except (ValueError, RuntimeError, OSError) as exc:  # reported; the benchmark goes on without it
         return None, f"compress.quantize failed: {type(exc).__name__}: {exc}"
 
