@@ -66,11 +66,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _bf16_copy(parent: Path, out: Path) -> Path:
+def bf16_copy(parent: Path, out: Path) -> Path:
     """A bf16 safetensors copy of ``parent`` (for the quality columns of the bf16 row)."""
     import torch
 
-    from compress.checkpoints import Manifest, describe_weights, load_causal_lm, write_manifest
+    from compress.checkpoints import (
+        Manifest,
+        describe_weights,
+        load_causal_lm,
+        write_manifest,
+    )
     from compress.quantize import _copy_side_files_missing
 
     model, _, _ = load_causal_lm(parent, dtype="bfloat16")
@@ -93,8 +98,8 @@ def engine_speed(models: dict[str, tuple[Path, str]], *, threads: int, num_reque
         ``{name: {"one_seq_tok_s", "batch_tok_s"}}`` (greedy, EOS ignored; the one-sequence
         figure is the best of 2 runs of the workload's first request).
     """
-    from engine import LLM, SamplingParams
     from bench.workload import build_workload
+    from engine import LLM, SamplingParams
 
     figures = {}
     for name, (path, dtype) in models.items():
@@ -119,7 +124,13 @@ def engine_speed(models: dict[str, tuple[Path, str]], *, threads: int, num_reque
 def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Quantize with each method, evaluate all against fp32; returns per-method figures."""
     from compress.checkpoints import resolve_checkpoint
-    from compress.evaluate import EvalConfig, default_heldout_records, evaluate, format_table, read_records
+    from compress.evaluate import (
+        EvalConfig,
+        default_heldout_records,
+        evaluate,
+        format_table,
+        read_records,
+    )
     from compress.int8 import format_microbench, gemm_microbench, model_linear_shapes
     from compress.quantize import quantize
 
@@ -130,7 +141,7 @@ def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         records, data_name = default_heldout_records()
     microbench = gemm_microbench(model_linear_shapes(parent / "config.json"), threads=args.threads)
     print(format_microbench(microbench), flush=True)
-    quantized, quantize_s = {"bf16": _bf16_copy(parent, out / "bf16")}, {}
+    quantized, quantize_s = {"bf16": bf16_copy(parent, out / "bf16")}, {}
     for method in args.methods:
         print(f"quantize {method} ...", flush=True)
         start = time.perf_counter()

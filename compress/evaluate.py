@@ -33,7 +33,6 @@ import functools
 import json
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path

@@ -289,7 +289,11 @@ def gemm_microbench(
 
 
 def _torchao_variants(w: torch.Tensor) -> dict:
-    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+    from torchao.quantization import (
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        quantize_,
+    )
 
     out = {}
     for name, config, dtype in (

@@ -648,7 +648,11 @@ def run(args: argparse.Namespace) -> int:
     if args.method in ("int8-weight-only", "w8a8") and not args.no_microbench:
         import torch
 
-        from compress.int8 import format_microbench, gemm_microbench, model_linear_shapes
+        from compress.int8 import (
+            format_microbench,
+            gemm_microbench,
+            model_linear_shapes,
+        )
 
         # INT8 is not always the fastest: measure this model's layer shapes here, now.
         results = gemm_microbench(model_linear_shapes(out / "config.json"), threads=torch.get_num_threads(), repeats=3, number=3)

@@ -28,7 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from compress.checkpoints import CheckpointError
-from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, int8_linear, read_scheme
+from compress.int8 import (
+    INT8_SCALE_SUFFIX,
+    INT8_WEIGHT_SUFFIX,
+    dequantize_weight,
+    int8_linear,
+    read_scheme,
+)
 from engine.scheduler import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

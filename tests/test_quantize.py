@@ -10,7 +10,14 @@ import torch
 from safetensors import safe_open
 
 from compress.checkpoints import CheckpointError, make_tiny_llama, read_manifest
-from compress.evaluate import AGREEMENT_PROMPTS, EvalConfig, agreement, evaluate, greedy_tokens, load_for_eval
+from compress.evaluate import (
+    AGREEMENT_PROMPTS,
+    EvalConfig,
+    agreement,
+    evaluate,
+    greedy_tokens,
+    load_for_eval,
+)
 from compress.int8 import Int8WeightOnlyLinear, W8A8Linear
 from compress.quantize import (
     METHODS,
@@ -181,7 +188,11 @@ def test_bad_inputs_name_the_field_or_file(tiny_llama_dir, tmp_path, capsys):
 
 @pytest.mark.integration
 def test_int8_smollm2_stays_close_to_fp32(smollm2_dir, tmp_path):
-    from compress.evaluate import default_heldout_records, quality_metrics, reference_logprobs
+    from compress.evaluate import (
+        default_heldout_records,
+        quality_metrics,
+        reference_logprobs,
+    )
 
     records = default_heldout_records()[0][:6]
     fp32 = load_for_eval(smollm2_dir, num_threads=2)
