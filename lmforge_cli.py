@@ -7,6 +7,12 @@ Each subcommand lives in the module that owns its stage and exposes two function
 
 Only the chosen subcommand's module is imported, so ``lmforge --help`` stays fast and a
 stage that is missing from an installation never breaks the others.
+
+Errors are reported in one place (``main``): a ``compress.errors.LmforgeError`` prints
+``error: <message>; <fix>`` on stderr and exits with its ``exit_code`` (2: usage, 1: failure); an
+``OSError`` (unreadable, unwritable or missing path) prints the path and exits 1; Ctrl-C exits
+130; anything else is a bug, reported in one line. ``--debug`` (anywhere on the line) shows the
+traceback instead.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import argparse
 import importlib
 import importlib.util
 import sys
+import traceback
 from dataclasses import dataclass
+
+from compress.errors import LmforgeError
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,7 @@ def build_parser(commands: list[Command], chosen: str | None) -> argparse.Argume
         prog="lmforge",
         description="Compress, run, serve on Triton and load-test large language models.",
     )
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in commands:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
@@ -66,8 +76,39 @@ def build_parser(commands: list[Command], chosen: str | None) -> argparse.Argume
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``lmforge`` console script; returns the process exit status."""
+    """Entry point of the ``lmforge`` console script; returns the process exit status.
+
+    Exit statuses: 0 success, 1 failure, 2 usage error (argparse's too), 130 interrupted.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the line, also after the subcommand
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # every error ends here: one line on stderr, no traceback
+        if debug:
+            traceback.print_exc()
+        print(f"error: {describe_error(exc)}", file=sys.stderr)
+        return exc.exit_code if isinstance(exc, LmforgeError) else 1
+
+
+def describe_error(exc: BaseException) -> str:
+    """The one-line message ``lmforge`` prints for ``exc`` (after ``error: ``)."""
+    if isinstance(exc, LmforgeError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.filename is not None:
+        target = f" -> {exc.filename2}" if exc.filename2 else ""
+        return f"{exc.filename}{target}: {exc.strerror or exc}"
+    if isinstance(exc, (OSError, ValueError, UnicodeError)):
+        return str(exc) or type(exc).__name__
+    return f"unexpected {type(exc).__name__}: {exc} (rerun with --debug for the traceback and report it)"
+
+
+def _dispatch(argv: list[str]) -> int:
+    """Parse ``argv`` and run the chosen subcommand (errors propagate to ``main``)."""
     commands = available_commands()
     names = {c.name: c for c in commands}
     chosen = next((a for a in argv if not a.startswith("-")), None)

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from compress.outputs import BENCH_COMPRESSION, check_output_dir
+
 TARGET_LINEAR_REDUCTION = 3.5
 TARGET_MINILM_COSINE = 0.99
 #: method -> (max mean KL, min same top-1, max perplexity change %, engine metric, min ratio vs bf16).
@@ -336,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         print(f"error: --threads {args.threads}: must be >= 1")
         return 2
-    out = Path(args.out)
+    out = check_output_dir(args.out, kind=BENCH_COMPRESSION)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     report: dict[str, Any] = {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}}

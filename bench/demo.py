@@ -43,11 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from compress.checkpoints import DEFAULT_MODEL, resolve_checkpoint
+from compress.errors import LmforgeError
+from compress.outputs import DEMO, check_output_dir
+
 
 SMOKE_MODEL = "tiny-random"
 
 
-class DemoStageError(RuntimeError):
+class DemoStageError(LmforgeError, RuntimeError):
     """A stage failed; ``stage`` names it and the cause is chained."""
 
     def __init__(self, stage: str, cause: BaseException) -> None:
@@ -161,7 +164,13 @@ class Demo:
     # -- the job ----------------------------------------------------------------------------
 
     def run(self) -> dict:
-        """All stages, then ``report.json``; returns the report. Raises :class:`DemoStageError`."""
+        """All stages, then ``report.json``; returns the report.
+
+        Raises:
+            DemoStageError: a stage failed. OutputDirError: ``out`` is unsafe to write into.
+        """
+        inputs = [p for p in [self.config.model, *(self.config.data or [])] if Path(p).exists()]
+        self.out = check_output_dir(self.out, kind=DEMO, sources=tuple(inputs))
         self.out.mkdir(parents=True, exist_ok=True)
         import torch
 

@@ -31,6 +31,8 @@ from pathlib import Path
 from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summaries, summarize
 from bench.prompts import PromptError, load_prompts, render_chat, with_system_prompt
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
+from compress.errors import LmforgeError
+from compress.outputs import LOADTEST_REPORT, check_output_dir
 
 LOCUST_PREFIX = "locust"
 CHECK_TIMEOUT_S = 3.0
@@ -39,7 +41,7 @@ CHILD_GRACE_S = 60.0
 PROMPTS_FILE = "prompts.jsonl"
 
 
-class LoadTestError(RuntimeError):
+class LoadTestError(LmforgeError, RuntimeError):
     """A load test that cannot start (bad input, server or model not there) or could not run."""
 
 
@@ -269,9 +271,11 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     Raises:
         LoadTestError: from :func:`preflight` (nothing was sent), or the load generator could
             not start at all.
+        OutputDirError: ``out_dir`` is unsafe to write (``compress.outputs.check_output_dir``).
     """
+    # absolute: the load generator runs in another working directory
+    out = check_output_dir(out_dir, kind=LOADTEST_REPORT, sources=(config.prompts,) if config.prompts else ())
     preflight(config)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompts = write_prompts(config, out / PROMPTS_FILE)
     warm_up(config, prompts)
@@ -399,11 +403,7 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        summary = run_loadtest(config_from_args(args), args.out)
-    except LoadTestError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    summary = run_loadtest(config_from_args(args), args.out)
     print(format_report(summary))
     print(f"report: {Path(args.out).resolve()}")
     server_lost = summary["server"]["unreachable_during_run"] or not summary["server"]["ready_after_run"]

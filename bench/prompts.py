@@ -14,10 +14,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+from compress.errors import UsageError
+
 HELD_OUT_PERCENT = 10
 
 
-class PromptError(ValueError):
+class PromptError(UsageError):
     """A prompt source that is missing, malformed or empty; the message names the file and line."""
 
 

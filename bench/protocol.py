@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import requests
 
+from compress.errors import LmforgeError
+
 
 def request_payload(prompt: str, sampling_parameters: dict, *, stream: bool) -> dict:
     """The JSON body of a Triton generate request for our model's inputs."""
@@ -41,7 +43,7 @@ def parse_sse_line(line: bytes) -> dict | None:
     return event
 
 
-class StreamError(Exception):
+class StreamError(LmforgeError):
     """The server reported an error, or the stream broke off; the message says which."""
 
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from bench.metrics import RequestSample, latency_by_concurrency, throughput_timeline
+from compress.errors import LmforgeError
 
 PLOT_FILES = ("ttft_cdf.png", "e2e_cdf.png", "output_tok_s_over_time.png", "concurrency_vs_latency.png")
 
 
-class SamplesFileError(ValueError):
+class SamplesFileError(LmforgeError, ValueError):
     """A samples file with a line that is not a sample record; the message names file and line."""
 
 

@@ -13,6 +13,8 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
+from compress.errors import UsageError
+
 #: The shared system prompt (about 150 tokens with the SmolLM2 tokenizer and chat template).
 SYSTEM_PROMPT = (
     "You are Forge, the help desk assistant of {org}, a company that runs language models for "
@@ -32,7 +34,7 @@ ORGANISATIONS = (
 )
 
 
-class WorkloadError(ValueError):
+class WorkloadError(UsageError):
     """The workload cannot be built (bad counts, corpus missing); the message says the fix."""
 
 

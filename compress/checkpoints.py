@@ -24,20 +24,22 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import struct
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-MANIFEST_NAME = "lmforge.json"
+from compress.errors import LmforgeError
+from compress.outputs import CHECKPOINT, MANIFEST_NAME, TOKENIZER, staged_output_dir
+
+#: Files of which a checkpoint needs at least one for ``AutoTokenizer`` (fast, SentencePiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 #: ``config.json`` ``model_type`` values the causal-LM stages (engine, fine-tune, quantize) run.
 SUPPORTED_CAUSAL_LM_TYPES = ("llama", "mistral", "qwen2")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LmforgeError, ValueError):
     """A checkpoint is missing, corrupt or unsupported; the message names the file and the fix."""
 
 
@@ -156,36 +158,6 @@ def describe_weights(checkpoint_dir: str | Path) -> tuple[int, int, str]:
     return num_parameters, size_bytes, dtype
 
 
-def check_output_dir(output_dir: str | Path, *, sources: tuple[str | Path, ...] = ()) -> Path:
-    """Refuse an output directory whose replacement would destroy something that is not ours.
-
-    A stage replaces its output directory as a whole, so the directory must be new, empty, or an
-    earlier lmforge checkpoint (it has ``lmforge.json``); it must not be the working directory or
-    one of its parents, and must neither be nor contain any of ``sources`` (the stage's inputs).
-
-    Returns:
-        The absolute output path.
-
-    Raises:
-        CheckpointError: naming the directory and the fix.
-    """
-    out = Path(output_dir).expanduser().resolve()
-    fix = "choose a new or empty directory"
-    cwd = Path.cwd().resolve()
-    if out == cwd or out in cwd.parents:
-        raise CheckpointError(f"{out}: output directory is the working directory or one of its parents; {fix}")
-    for source in sources:
-        src = Path(source).expanduser().resolve()
-        if src == out or out in src.parents:
-            raise CheckpointError(f"{out}: output directory would replace the input {src}; {fix}")
-    if out.exists():
-        if not out.is_dir():
-            raise CheckpointError(f"{out}: exists and is not a directory; {fix}")
-        if any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
-            raise CheckpointError(f"{out}: not empty and not an lmforge checkpoint (no {MANIFEST_NAME}); {fix}")
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # Validation of files
 # --------------------------------------------------------------------------------------------
@@ -262,7 +234,7 @@ def check_checkpoint_dir(path: str | Path, *, causal_lm: bool = True) -> dict[st
 
     Raises:
         CheckpointError: missing directory or ``config.json``, unreadable config, no weights,
-            a corrupt safetensors file, or an unsupported architecture.
+            no tokenizer, a corrupt safetensors file, or an unsupported architecture.
     """
     path = Path(path)
     if not path.exists():
@@ -273,12 +245,19 @@ def check_checkpoint_dir(path: str | Path, *, causal_lm: bool = True) -> dict[st
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: missing; a checkpoint directory needs the model's config.json")
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object (the model's config), got {type(config).__name__}")
     weights = list(path.glob("*.safetensors"))
     if not weights and not list(path.glob("*.onnx")) and not list(path.glob("*.bin")):
         raise CheckpointError(f"{path}: no weight files (*.safetensors); the checkpoint is incomplete")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{path}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})",
+            fix="save the tokenizer of the model it came from into it (tokenizer.save_pretrained(DIR))",
+        )
     for file in weights:
         read_safetensors_header(file)
     model_type = config.get("model_type")
@@ -346,9 +325,7 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
     gguf_path = Path(gguf_path)
     output_dir = Path(output_dir)
     check_gguf(gguf_path)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
-    try:
+    with staged_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,)) as tmp:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
@@ -370,12 +347,6 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
                 size_bytes=size_bytes,
             ),
         )
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        os.replace(tmp, output_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return output_dir
 
 
@@ -476,15 +447,8 @@ def default_tokenizer_dir() -> Path:
         from transformers import AutoTokenizer
 
         gguf_path = named_source_path(DEFAULT_MODEL)
-        tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=cache_dir()))
-        try:
+        with staged_output_dir(target, kind=TOKENIZER) as tmp:
             AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -543,16 +507,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        path = resolve_checkpoint(args.model, causal_lm=args.model != "minilm-l6")
-    except CheckpointError as exc:
-        print(f"error: {exc}")
-        return 1
-    try:
-        manifest = read_manifest(path) if (path / MANIFEST_NAME).is_file() else None
-    except CheckpointError as exc:
-        print(f"error: {exc}")
-        return 1
+    path = resolve_checkpoint(args.model, causal_lm=args.model != "minilm-l6")
+    manifest = read_manifest(path) if (path / MANIFEST_NAME).is_file() else None
     print(f"checkpoint: {path}")
     print(manifest.to_json() if manifest else "(no manifest: read-only directory)")
     return 0

@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from compress.dedup import MinHashConfig, exact_key, near_duplicates, normalize
+from compress.errors import LmforgeError
+from compress.outputs import DATA, check_output_dir, staged_output_dir
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_INPUT = "chatterbot:english"
@@ -45,7 +47,7 @@ _SYMBOLS = set("#…{}[]<>|\\^~`@$%*_=+")
 _MAX_EXAMPLES = 5  # removed records listed per filter in the report
 
 
-class DataError(ValueError):
+class DataError(LmforgeError, ValueError):
     """Bad input data; the message names the file and line and what to fix."""
 
 
@@ -437,8 +439,11 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
     Raises:
         DataError: a malformed record, an empty input, or nothing (or a single record) left
             after filtering (names the files and lines removed and why).
+        OutputDirError: ``out`` is unsafe to replace (``compress.outputs.check_output_dir``).
     """
     started = time.monotonic()
+    sources = tuple(path for path in config.inputs if Path(path).exists())
+    check_output_dir(out, kind=DATA, sources=sources)  # before the work, not after it
     records, loaded, skipped = [], {}, []
     for spec in config.inputs:
         got = load_input(spec, skipped)
@@ -462,10 +467,6 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
     val = [final[i].data for i in order[:num_val]]
     train = [json.loads(json.dumps(final[i].data)) for i in order[num_val:]]  # copies: noise edits them
     noised = add_label_noise(train, config.noise_ratio, rng)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(out / "train.jsonl", train)
-    _write_jsonl(out / "val.jsonl", val)
     report = {
         "config": dataclasses.asdict(config),
         "loaded": loaded,
@@ -478,18 +479,19 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
         "train_chars": sum(len(Record(r, "", 0).text) for r in train),
         "elapsed_s": round(time.monotonic() - started, 3),
     }
-    (out / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    with staged_output_dir(out, kind=DATA, sources=sources) as tmp:
+        _write_jsonl(tmp / "train.jsonl", train)
+        _write_jsonl(tmp / "val.jsonl", val)
+        (tmp / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     if verbose:
         print(format_report(report))
     return report
 
 
 def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    tmp = path.with_suffix(".jsonl.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
+    with path.open("w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(path)
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -544,25 +546,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = DataConfig(
-            inputs=args.inputs or [DEFAULT_INPUT],
-            val_fraction=args.val_fraction,
-            seed=args.seed,
-            min_chars=args.min_chars,
-            max_chars=args.max_chars,
-            max_symbol_ratio=args.max_symbol_ratio,
-            max_non_alpha_ratio=args.max_non_alpha_ratio,
-            max_duplicate_line_fraction=args.max_duplicate_line_fraction,
-            blocklist=None if str(args.blocklist).lower() == "none" else args.blocklist,
-            dedup_threshold=args.dedup_threshold,
-            num_perm=args.num_perm,
-            shingle_size=args.shingle_size,
-            noise_ratio=args.noise_ratio,
-        )
-        prepare(config, args.out)
-    except (DataError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 1
+    config = DataConfig(
+        inputs=args.inputs or [DEFAULT_INPUT],
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        min_chars=args.min_chars,
+        max_chars=args.max_chars,
+        max_symbol_ratio=args.max_symbol_ratio,
+        max_non_alpha_ratio=args.max_non_alpha_ratio,
+        max_duplicate_line_fraction=args.max_duplicate_line_fraction,
+        blocklist=None if str(args.blocklist).lower() == "none" else args.blocklist,
+        dedup_threshold=args.dedup_threshold,
+        num_perm=args.num_perm,
+        shingle_size=args.shingle_size,
+        noise_ratio=args.noise_ratio,
+    )
+    prepare(config, args.out)
     print(f"wrote {args.out}/train.jsonl, val.jsonl, data_report.json")
     return 0

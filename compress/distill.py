@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from compress.errors import UsageError
 from compress.finetune import add_train_arguments, run_recipe, train_config_kwargs
 from compress.training import TrainConfig, TrainingError, TrainingRecipe, token_losses
 
@@ -447,17 +448,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         student_config = json.loads(args.student_config) if args.student_config else None
-        kwargs = {**train_config_kwargs(args), "student_layers": args.student_layers, "generate_records": args.generate_records,
-                  "generate_tokens": args.generate_tokens}
-        if args.full:
-            defaults = DistillConfig()
-            kwargs.update({k: v for k, v in FULL_BUDGET.items() if kwargs[k] == getattr(defaults, k)})
-        config = DistillConfig(
-            **kwargs, student_config=student_config,
-            layer_importance=args.layer_importance, calibration_records=args.calibration_records,
-            alpha=args.alpha, beta=args.beta, gamma=args.gamma, temperature=args.temperature,
-        )
-    except (ValueError, json.JSONDecodeError) as exc:
-        print(f"error: {exc}")
-        return 1
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--student-config: not JSON ({exc})", fix='write e.g. \'{"num_hidden_layers": 4}\'') from exc
+    kwargs = {**train_config_kwargs(args), "student_layers": args.student_layers, "generate_records": args.generate_records,
+              "generate_tokens": args.generate_tokens}
+    if args.full:
+        defaults = DistillConfig()
+        kwargs.update({k: v for k, v in FULL_BUDGET.items() if kwargs[k] == getattr(defaults, k)})
+    config = DistillConfig(
+        **kwargs, student_config=student_config,
+        layer_importance=args.layer_importance, calibration_records=args.calibration_records,
+        alpha=args.alpha, beta=args.beta, gamma=args.gamma, temperature=args.temperature,
+    )
     return run_recipe(DistillRecipe, config)

@@ -40,11 +40,11 @@ from typing import Any
 
 from compress.checkpoints import (
     MANIFEST_NAME,
-    CheckpointError,
     read_safetensors_header,
     resolve_checkpoint,
     update_metrics,
 )
+from compress.errors import LmforgeError
 from compress.int8 import INT8_WEIGHT_SUFFIX
 
 #: Fixed prompts of the greedy-agreement metric (chat-formatted).
@@ -60,7 +60,7 @@ AGREEMENT_PROMPTS: tuple[str, ...] = (
 )
 
 
-class EvaluationError(ValueError):
+class EvaluationError(LmforgeError, ValueError):
     """Bad evaluation input (data file, record, option); the message names the file or field."""
 
 
@@ -661,16 +661,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = EvalConfig(
-            max_records=args.max_records, max_length=args.max_length, agreement_tokens=args.agreement_tokens,
-            latency_tokens=args.latency_tokens, measure_latency=not args.no_latency, num_threads=args.threads,
-        )
-        records = read_records(args.data) if args.data else None
-        results = evaluate(args.checkpoints, records=records, data_name=args.data, reference=args.reference, config=config, write=not args.no_write)
-    except (CheckpointError, EvaluationError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 1
+    config = EvalConfig(
+        max_records=args.max_records, max_length=args.max_length, agreement_tokens=args.agreement_tokens,
+        latency_tokens=args.latency_tokens, measure_latency=not args.no_latency, num_threads=args.threads,
+    )
+    records = read_records(args.data) if args.data else None
+    results = evaluate(args.checkpoints, records=records, data_name=args.data, reference=args.reference, config=config, write=not args.no_write)
     print(format_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

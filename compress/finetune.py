@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -128,17 +129,14 @@ def train_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_recipe(recipe_cls, config: TrainConfig) -> int:
-    """Run a recipe from the command line: prints the outcome, returns the exit status."""
+    """Run a recipe from the command line: prints the outcome, returns the exit status (errors
+    propagate to ``lmforge_cli.main``)."""
     started = time.monotonic()
-    try:
-        recipe = recipe_cls(config)
-        result, final = recipe.run()
-    except (TrainingError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 1
+    recipe = recipe_cls(config)
+    result, final = recipe.run()
     if recipe.is_main:
         if result.status == "nan":
-            print(f"error: {result.message}")
+            print(f"error: {result.message}", file=sys.stderr)
         elif result.status == "stopped":
             print(result.message)
         else:
@@ -159,12 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = FinetuneConfig(
-            **train_config_kwargs(args), lora=args.lora, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-            lora_dropout=args.lora_dropout, lora_target_modules=[m for m in args.lora_target_modules.split(",") if m],
-        )
-    except ValueError as exc:
-        print(f"error: {exc}")
-        return 1
+    config = FinetuneConfig(
+        **train_config_kwargs(args), lora=args.lora, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout, lora_target_modules=[m for m in args.lora_target_modules.split(",") if m],
+    )
     return run_recipe(FinetuneRecipe, config)

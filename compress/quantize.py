@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -36,13 +35,14 @@ from compress.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
-    check_output_dir,
     describe_weights,
     read_manifest,
     resolve_checkpoint,
     write_manifest,
 )
+from compress.errors import UsageError
 from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, scheme_metadata
+from compress.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -244,15 +244,7 @@ def _finish(tmp: Path, output_dir: Path, *, source_dir: Path, method: str, confi
             size_bytes=size_bytes,
         ),
     )
-    if output_dir.exists():
-        shutil.rmtree(output_dir)
-    os.replace(tmp, output_dir)
-    return output_dir
-
-
-def _temp_sibling(output_dir: Path) -> Path:
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
+    return replace_dir(tmp, output_dir, kind=CHECKPOINT, sources=(source_dir,))
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,7 +321,7 @@ class Int8Quantizer:
         model = load_smoothed_model(source_dir, alpha=alpha, data=getattr(c, "calibration_data", None), num_records=getattr(c, "calibration_records", 1))
         state = self.quantized_state_dict(model)
         output_dir = Path(output_dir)
-        tmp = _temp_sibling(output_dir)
+        tmp = temp_sibling(output_dir)
         try:
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "lmforge_method": self.method, **scheme_metadata(c.scheme)})
             _copy_side_files(source_dir, tmp)
@@ -445,7 +437,7 @@ class LlmInt8Quantizer:
             source_dir, quantization_config=self.bnb_config(), device_map=self.config.device, dtype=torch.float32
         )
         output_dir = Path(output_dir)
-        tmp = _temp_sibling(output_dir)
+        tmp = temp_sibling(output_dir)
         try:
             model.save_pretrained(tmp, safe_serialization=True)
             _copy_side_files_missing(source_dir, tmp)
@@ -564,11 +556,11 @@ def quantize(checkpoint: str | Path, output_dir: str | Path, *, method: str, **c
 
     Raises:
         CheckpointError: the input is missing, corrupt or already quantized, or ``output_dir``
-            is unsafe to replace (see ``check_output_dir``).
+            is unsafe to replace (``compress.outputs.OutputDirError``, see ``check_output_dir``).
     """
     quantizer = make_quantizer(method, **config)
     source = _require_unquantized(checkpoint)
-    output_dir = check_output_dir(output_dir, sources=(source,))
+    output_dir = check_output_dir(output_dir, kind=CHECKPOINT, sources=(source,))
     return quantizer.quantize(source, output_dir)
 
 
@@ -631,28 +623,17 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.method == "dynamic":
-        print(f"error: --method dynamic: {REPLACED_DYNAMIC}")
-        return 2
+        raise UsageError(f"--method dynamic: {REPLACED_DYNAMIC}")
     if args.method not in METHODS:
-        print(f"error: --method {args.method!r} is not supported; use one of {', '.join(METHODS)}")
-        return 2
-    try:
-        quantizer = make_quantizer(args.method, **_config_from_args(args))
-        out = quantizer.quantize(args.model, args.out)
-    except (ValueError, RuntimeError) as exc:  # CheckpointError is a ValueError
-        print(f"error: {exc}")
-        return 1
+        raise UsageError(f"--method {args.method!r} is not supported", fix=f"use one of {', '.join(METHODS)}")
+    out = quantize(args.model, args.out, method=args.method, **_config_from_args(args))
     manifest = read_manifest(out)
     print(f"wrote {out}  (method {manifest.method}, {manifest.size_bytes / 2**20:.1f} MiB, parent {manifest.parent})")
     print(json.dumps(manifest.config, sort_keys=True))
     if args.method in ("int8-weight-only", "w8a8") and not args.no_microbench:
         import torch
 
-        from compress.int8 import (
-            format_microbench,
-            gemm_microbench,
-            model_linear_shapes,
-        )
+        from compress.int8 import format_microbench, gemm_microbench, model_linear_shapes
 
         # INT8 is not always the fastest: measure this model's layer shapes here, now.
         results = gemm_microbench(model_linear_shapes(out / "config.json"), threads=torch.get_num_threads(), repeats=3, number=3)

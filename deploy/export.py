@@ -29,10 +29,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoints import SUPPORTED_CAUSAL_LM_TYPES, CheckpointError, resolve_checkpoint
+from compress.checkpoints import SUPPORTED_CAUSAL_LM_TYPES, resolve_checkpoint
+from compress.errors import UsageError
+from compress.outputs import CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from deploy.model_config import (
     CONFIG_NAME,
-    ConfigCheckError,
     check_repository,
     encoder_ensemble_config,
     encoder_onnx_config,
@@ -112,20 +113,15 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     repo = Path(args.repo)
     if args.model is None and not args.check:
-        print("error: --model is required (or --check to check a repository)")
-        return 2
-    try:
-        if args.model is not None:
-            written = export(
-                args.model, repo, name=args.name, kind=args.kind, engine=engine_overrides(args),
-                instances=args.instances, copy_weights=args.copy_weights, max_length=args.max_length,
-            )
-            for path in written:
-                print(f"wrote {path}")
-        return print_check(repo)
-    except (CheckpointError, ConfigCheckError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 1
+        raise UsageError("--model is required", fix="or pass --check to check a repository")
+    if args.model is not None:
+        written = export(
+            args.model, repo, name=args.name, kind=args.kind, engine=engine_overrides(args),
+            instances=args.instances, copy_weights=args.copy_weights, max_length=args.max_length,
+        )
+        for path in written:
+            print(f"wrote {path}")
+    return print_check(repo)
 
 
 def print_check(repo: Path) -> int:
@@ -168,9 +164,9 @@ def default_name(checkpoint: str | Path) -> str:
 
 
 def check_name(name: str) -> str:
-    """Raise ``ValueError`` unless ``name`` is a safe repository directory name."""
+    """Raise ``UsageError`` (a ``ValueError``) unless ``name`` is a safe repository directory name."""
     if not name or not all(c.isalnum() or c in "_-" for c in name):
-        raise ValueError(f"--name {name!r}: use letters, digits, '_' and '-' only")
+        raise UsageError(f"--name {name!r}: use letters, digits, '_' and '-' only")
     return name
 
 
@@ -192,10 +188,16 @@ def export(
         ``EngineConfig`` field (names it).
     """
     if instances < 1:
-        raise ValueError(f"--instances {instances}: it must be >= 1")
+        raise UsageError(f"--instances {instances}: it must be >= 1")
     name = check_name(name or default_name(checkpoint))
-    kind = detect_kind(checkpoint) if kind == "auto" else kind
+    detected = detect_kind(checkpoint)
+    if kind == "encoder" and detected == "llm":
+        raise UsageError(f"--kind encoder: {checkpoint} is a causal LM", fix="export it with --kind llm (or --kind auto)")
+    kind = detected if kind == "auto" else kind
     repo = Path(repo)
+    source = resolve_checkpoint(checkpoint, causal_lm=False)
+    for model_name in [name] if kind == "llm" else encoder_model_names(name):
+        check_output_dir(repo / model_name, kind=TRITON_MODEL, sources=(source,))
     repo.mkdir(parents=True, exist_ok=True)
     if kind == "llm":
         return [export_llm(checkpoint, repo, name, engine=engine or {}, instances=instances, copy_weights=copy_weights)]
@@ -227,9 +229,9 @@ def export_llm(checkpoint: str | Path, repo: Path, name: str, *, engine: dict[st
     pointer = str(source)
     if copy_weights:
         target = version_dir / "weights"
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.copytree(source, target)
+        check_copy(source, target)
+        with staged_output_dir(target, kind=CHECKPOINT, sources=(source,)) as tmp:
+            shutil.copytree(source, tmp, dirs_exist_ok=True)
         pointer = "weights"
     engine_fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
     info = {"kind": "llm", "source": str(checkpoint), "checkpoint": pointer, "engine": engine_fields}
@@ -245,6 +247,11 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
+def encoder_model_names(name: str) -> tuple[str, str, str, str]:
+    """The four repository entries of an encoder export: Python model, ONNX, tokenizer, ensemble."""
+    return name, f"{name}_onnx", f"{name}_tokenizer", f"{name}_ensemble"
+
+
 def export_encoder(checkpoint: str | Path, repo: Path, name: str, *, instances: int, max_length: int) -> list[Path]:
     """The encoder for the bundled server and the three container models (see module doc)."""
     from deploy.encoder import prepare_encoder_onnx
@@ -254,7 +261,7 @@ def export_encoder(checkpoint: str | Path, repo: Path, name: str, *, instances: 
     write_model_dir(repo, name, encoder_python_config(name, hidden_size=info.hidden_size, instance_count=instances), "encoder")
     (version_dir / MODEL_INFO_NAME).write_text(json.dumps({"kind": "encoder", "source": str(checkpoint)}, indent=2) + "\n")
 
-    onnx_name, tokenizer_name, ensemble_name = f"{name}_onnx", f"{name}_tokenizer", f"{name}_ensemble"
+    _, onnx_name, tokenizer_name, ensemble_name = encoder_model_names(name)
     onnx_dir = write_model_dir(repo, onnx_name, encoder_onnx_config(onnx_name, input_names=info.input_names, hidden_size=info.hidden_size), None)
     _link_or_copy(version_dir / "model.onnx", onnx_dir / "model.onnx")
     tokenizer_dir = write_model_dir(repo, tokenizer_name, tokenizer_config(tokenizer_name, output_names=info.input_names, max_length=info.max_length), "tokenizer")

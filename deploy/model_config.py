@@ -16,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from compress.errors import LmforgeError
+
 CONFIG_NAME = "config.pbtxt"
 
 
-class ConfigCheckError(ValueError):
+class ConfigCheckError(LmforgeError, ValueError):
     """A ``config.pbtxt`` does not parse against Triton's model-config proto (names the file)."""
 
 

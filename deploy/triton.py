@@ -39,6 +39,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from compress.errors import LmforgeError
+
 HOST = "127.0.0.1"
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 PID_FILE_NAME = "tritonserver.pid"
@@ -49,7 +51,7 @@ LOG_FILE_NAME = "tritonserver.log"
 BUNDLED_BACKENDS = ("python",)
 
 
-class TritonError(RuntimeError):
+class TritonError(LmforgeError, RuntimeError):
     """The server could not be found, started or stopped; the message says what to do."""
 
 

@@ -12,22 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineDeadError, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
+
 #: Seconds the idle loop waits for work before re-checking its stop flag.
 IDLE_WAIT_S = 0.5
 
-
-class EngineDeadError(RuntimeError):
-    """The step loop failed or was shut down; the original exception is chained."""
+logger = logging.getLogger(__name__)
 
 
 class AsyncLLMEngine:
@@ -57,12 +58,27 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def is_dead(self) -> bool:
+        """Whether the step loop stopped for good (a fatal error or ``shutdown``)."""
+        return self._error is not None or not self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the step loop failed (``"ExceptionType: message"``), ``None`` while it runs."""
+        if self._error is not None:
+            return f"{type(self._error).__name__}: {self._error}"
+        return None if self._thread.is_alive() else "the engine was shut down"
+
     # ---------------------------------------------------------------- public API
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream ``RequestOutput``s of one request (cumulative text and tokens) until it finishes.
+
+        A request whose step failed ends with ``finish_reason="error"`` (``outputs[0].error``
+        says why); the engine serves the others on.
 
         Raises:
             ValueError: a bad prompt or parameter, or a duplicate ``request_id`` (this request only).
@@ -71,8 +87,7 @@ class AsyncLLMEngine:
         Closing the iterator early (e.g. the client went away) aborts the request.
         """
         self._raise_if_dead()
-        params = self.engine._check_params(params)  # ValueError for this request only
-        self.engine._tokenize(prompt)
+        params, _, _ = self.engine.validate_request(prompt, params)  # ValueError for this request only
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -160,8 +175,9 @@ class AsyncLLMEngine:
     def _add(self, request_id: str, prompt, params: SamplingParams) -> None:
         try:
             self.engine.add_request(request_id, prompt, params)
-        except ValueError as exc:
-            self._send(request_id, exc, last=True)
+        except Exception as exc:  # noqa: BLE001 - refuses this request, never the loop
+            error = exc if isinstance(exc, ValueError) else ValueError(f"request not added: {type(exc).__name__}: {exc}")
+            self._send(request_id, error, last=True)
 
     def _run(self) -> None:
         try:
@@ -177,6 +193,7 @@ class AsyncLLMEngine:
                     self._deliver(self.engine.step())
                 self._stats = self.engine.get_stats()
         except Exception as exc:  # noqa: BLE001 - forwarded to every waiting caller
+            logger.error("engine step loop died; every request fails until the engine is restarted", exc_info=exc)
             self._fail(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from compress.checkpoints import DEFAULT_MODEL, CheckpointError
+from compress.checkpoints import DEFAULT_MODEL
+from compress.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,16 +78,12 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.backend == "hf":
-            if args.temperature != 0:
-                raise ValueError("--backend hf is the greedy reference; use --temperature 0")
-            texts = [hf_generate(args.model, p, chat=args.chat, max_tokens=args.max_tokens) for p in args.prompt]
-        else:
-            texts = engine_generate(args)
-    except (CheckpointError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 1
+    if args.backend == "hf":
+        if args.temperature != 0:
+            raise UsageError("--backend hf is the greedy reference", fix="use --temperature 0")
+        texts = [hf_generate(args.model, p, chat=args.chat, max_tokens=args.max_tokens) for p in args.prompt]
+    else:
+        texts = engine_generate(args)
     for text in texts:
         print(text)
     return 0

@@ -7,8 +7,18 @@ from typing import Any
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
+#: Ways to propose tokens for speculative decoding (``EngineConfig.speculative_method``).
+SPECULATIVE_METHODS = ("ngram", "draft")
+
 #: KV cache budget used when neither ``num_kv_blocks`` nor ``kv_cache_memory_bytes`` is given.
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+
+#: ``num_speculative_tokens`` when speculation is on and it is not given.
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 3}
+
+#: Running requests from which a step does not speculate (measured with ``lmforge bench engine
+#: --speculative``: see README, "Speculative decoding").
+DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclasses.dataclass
@@ -31,6 +41,19 @@ class EngineConfig:
         device: ``cpu`` or ``cuda`` (``cuda:N``).
         num_threads: ``torch.set_num_threads`` for the CPU path; ``None`` leaves torch's default.
         seed: seeds the generator of requests sampled without their own ``seed``.
+        speculative_method: ``None`` (off), ``"ngram"`` (prompt lookup: propose the tokens that
+            followed the latest earlier occurrence of the last n tokens) or ``"draft"`` (a small
+            checkpoint with the same tokenizer proposes; see ``speculative_model``).
+        num_speculative_tokens: tokens proposed per request and step (k); each decode step then
+            verifies 1 + k tokens in one forward pass.
+        speculative_model: the draft checkpoint for ``"draft"``; ``None`` takes the newest
+            ``lmforge distill`` output whose manifest names ``model`` as its parent
+            (``engine.spec_decode.find_distilled_draft``).
+        speculative_disable_by_batch_size: no speculation in a step that starts with at least
+            this many running requests (verifying k extra tokens no longer pays when the batch
+            is compute-bound); ``None`` never switches it off.
+        ngram_prompt_lookup_min / ngram_prompt_lookup_max: shortest / longest suffix n-gram
+            the ``ngram`` proposer matches (it tries the longest first).
 
     Raises:
         ValueError: a field out of range or an inconsistent combination (the message names
@@ -50,6 +73,12 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     seed: int = 0
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_model: str | None = None
+    speculative_disable_by_batch_size: int | None = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE
+    ngram_prompt_lookup_min: int = 1
+    ngram_prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -70,6 +99,43 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r}; use 'cpu' or 'cuda' / 'cuda:N'")
         if self.max_model_len is not None:
             self.check_model_len(self.max_model_len)
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        method = self.speculative_method
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method={method!r}; use one of {SPECULATIVE_METHODS}, or None to turn speculation off"
+            )
+        if method is None:
+            for name in ("num_speculative_tokens", "speculative_model"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)!r} without speculative_method; set speculative_method='ngram' or 'draft'")
+            return
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS[method]
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens={k!r}; it must be an integer >= 1 (tokens proposed per step)")
+        if k >= self.max_num_batched_tokens:
+            raise ValueError(
+                f"num_speculative_tokens={k} >= max_num_batched_tokens={self.max_num_batched_tokens}: a decode of "
+                "1 + k tokens would not fit a step; decrease num_speculative_tokens"
+            )
+        if self.speculative_disable_by_batch_size is not None:
+            _require_positive("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
+        if method == "ngram":
+            if self.speculative_model is not None:
+                raise ValueError(f"speculative_model={self.speculative_model!r} with speculative_method='ngram'; the ngram proposer uses no model: drop it or use 'draft'")
+            _require_positive("ngram_prompt_lookup_min", self.ngram_prompt_lookup_min)
+            _require_positive("ngram_prompt_lookup_max", self.ngram_prompt_lookup_max)
+            if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+                raise ValueError(
+                    f"ngram_prompt_lookup_min={self.ngram_prompt_lookup_min} > ngram_prompt_lookup_max="
+                    f"{self.ngram_prompt_lookup_max}; the shortest n-gram must not exceed the longest"
+                )
+        if self.speculative_model is not None:
+            self.speculative_model = str(self.speculative_model)
 
     def check_model_len(self, max_model_len: int) -> None:
         """Check ``max_model_len`` against the token budget and the KV pool (called again once it is resolved).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import random
 import time
 from collections.abc import Iterable, Sequence as SequenceABC
@@ -20,7 +21,8 @@ from compress.checkpoints import resolve_checkpoint
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_runner import ModelRunner, read_model_spec
+from engine.model import read_model_spec
+from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -30,6 +32,14 @@ from engine.stats import EngineStats
 
 #: Longest default context when the checkpoint allows more (bounds rotary tables and KV needs).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+#: Steps failing in a row (none succeeding in between) after which the engine gives up.
+MAX_CONSECUTIVE_FAILED_STEPS = 8
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (broken KV bookkeeping, every step failing); the cause is chained."""
 
 
 class LLMEngine:
@@ -72,6 +82,8 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.num_requests_finished_total = 0
+        self.num_failed_steps_total = 0
+        self.num_consecutive_failed_steps = 0
 
     def _blocks_from_budget(self, config: EngineConfig, max_model_len: int) -> int:
         budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
@@ -113,8 +125,7 @@ class LLMEngine:
         request_id = self.new_request_id() if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
-        params = self._check_params(params)
-        text, token_ids = self._tokenize(prompt)
+        params, text, token_ids = self.validate_request(prompt, params)
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -123,6 +134,21 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def validate_request(self, prompt: str | list[int], params: SamplingParams | None) -> tuple[SamplingParams, str | None, list[int]]:
+        """Check a request against the model without queueing it (safe from any thread).
+
+        Returns:
+            (a private copy of ``params``, the prompt text or ``None``, the prompt token ids).
+
+        Raises:
+            ValueError: a bad prompt, or a sampling parameter out of range for this model
+                (``SamplingParams.check_for_model``); the message names the field and the fix.
+        """
+        params = self._check_params(params)
+        text, token_ids = self._tokenize(prompt)
+        params.check_for_model(self.runner.spec.vocab_size, self.config.max_model_len, len(token_ids))
+        return params, text, token_ids
 
     @staticmethod
     def _check_params(params: SamplingParams | None) -> SamplingParams:
@@ -136,6 +162,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character or token id")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"prompt is not valid Unicode text ({exc.reason} at position {exc.start}); send UTF-8 text") from exc
             token_ids = self.tokenizer(prompt).input_ids
             text: str | None = prompt
         elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -178,28 +208,76 @@ class LLMEngine:
     # ---------------------------------------------------------------- one step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return outputs of requests that got a token or finished."""
+        """Run one scheduled batch; return outputs of requests that got a token or finished.
+
+        An exception in the model, the sampler or the detokenizer fails only the requests it
+        touched: they finish with ``finish_reason="error"`` (``CompletionOutput.error`` says
+        why), their blocks are freed, and the engine goes on with the others.
+
+        Raises:
+            EngineDeadError: the KV bookkeeping is broken after a failure, or
+                ``MAX_CONSECUTIVE_FAILED_STEPS`` steps failed in a row.
+        """
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         self.num_steps_total += 1
-        logits = self.runner.execute(out)  # [S, vocab]
-        sampled = [item.seq for item in out.scheduled if item.samples]
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq)
-        result = self.sampler(logits, sampled)
+        try:
+            sampled, result = self._run_batch(out)
+        except Exception as exc:  # noqa: BLE001 - fails this step's requests, not the engine
+            return self._fail_step([item.seq for item in out.scheduled], exc)
+        self.num_consecutive_failed_steps = 0
         now = time.monotonic()
         outputs = []
         for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs):
-            self._append_token(seq, token, logprobs, now)
+            try:
+                self._process_token(seq, token, logprobs, now)
+            except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer: this request only
+                logger.exception("request %s failed after its step", seq.request_id)
+                if not seq.is_finished:
+                    self._finish_with_error(seq, exc)
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
             outputs.append(self._output(seq))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
-        seq.token_ids.append(token)
+    def _run_batch(self, out) -> tuple[list[Sequence], object]:
+        """Model forward + KV bookkeeping + sampling of one scheduled batch."""
+        logits = self.runner.execute(out)  # [S, vocab]
+        sampled = [item.seq for item in out.scheduled if item.samples]
+        result = self.sampler(logits, sampled)
+        self.scheduler.update_from_output(out, [[t] for t in result.token_ids])
+        return sampled, result
+
+    def _fail_step(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
+        """Finish every request of a failed step with ``"error"``; raise if the engine cannot go on."""
+        self.num_failed_steps_total += 1
+        self.num_consecutive_failed_steps += 1
+        logger.error("engine step failed; failing its %d request(s)", len(seqs), exc_info=exc)
+        outputs = []
+        for seq in seqs:
+            if not seq.is_finished:
+                self._finish_with_error(seq, exc)
+                self.requests.pop(seq.request_id, None)
+                outputs.append(self._output(seq))
+        try:
+            self.check_invariants()
+        except Exception as broken:
+            raise EngineDeadError(f"KV cache bookkeeping is broken after a failed step ({broken}); restart the engine") from exc
+        if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise EngineDeadError(
+                f"{self.num_consecutive_failed_steps} steps failed in a row (last: {type(exc).__name__}: {exc}); restart the engine"
+            ) from exc
+        return outputs
+
+    def _finish_with_error(self, seq: Sequence, exc: Exception) -> None:
+        seq.error = f"{type(exc).__name__}: {exc}"
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+        seq.finished_time = time.monotonic()
+        self.num_requests_finished_total += 1
+
+    def _process_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
+        """Stats, logprobs, text and stop conditions of ``token``, already appended to ``seq`` by the scheduler."""
         self.num_generation_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -232,7 +310,7 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(
             0, seq.output_text, seq.output_token_ids, seq.status.finish_reason,
-            None if seq.logprobs is None else list(seq.logprobs),
+            None if seq.logprobs is None else list(seq.logprobs), seq.error,
         )
         metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finished_time, seq.num_cached_tokens or 0, seq.num_output_tokens)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, metrics)
@@ -327,10 +405,8 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt")
         engine = self.engine
         inputs = [self.apply_chat_template(p) if chat else p for p in prompts]
-        for p in inputs:
-            engine._tokenize(p)  # validate all before running any
-        for p in params:
-            engine._check_params(p)
+        for p, sp in zip(inputs, params):
+            engine.validate_request(p, sp)  # validate all before running any
         ids = [engine.add_request(None, p, sp) for p, sp in zip(inputs, params)]
         finals: dict[str, RequestOutput] = {}
         progress = None

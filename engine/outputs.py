@@ -12,8 +12,9 @@ class CompletionOutput:
     index: int
     text: str  # cumulative decoded text (stop string excluded)
     token_ids: list[int]  # cumulative generated token ids
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob} when asked
+    error: str | None = None  # with finish_reason "error": what failed (exception type and message)
 
 
 @dataclasses.dataclass

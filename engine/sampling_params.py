@@ -5,6 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+#: Smallest temperature > 0: logits / temperature overflow float32 below it (use 0 for greedy).
+MIN_TEMPERATURE = 1e-5
+#: ``torch.Generator.manual_seed`` takes an unsigned 64-bit seed.
+MAX_SEED = 2**64 - 1
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -27,7 +32,9 @@ class SamplingParams:
             most likely tokens; ``None`` returns none.
 
     Raises:
-        ValueError: a field out of range or of the wrong type (the message names it).
+        ValueError: a field out of range or of the wrong type (the message names it). Limits
+            that depend on the model (vocabulary, context length) are checked by
+            ``check_for_model`` when the engine adds the request.
     """
 
     temperature: float = 1.0
@@ -44,14 +51,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
             raise ValueError(f"temperature={self.temperature!r}; it must be a finite number >= 0 (0 = greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature!r} is below {MIN_TEMPERATURE} and would overflow the logits; use 0 for greedy")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r}; it must be in (0, 1]")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k={self.top_k!r}; it must be an integer >= 1, or None for no limit")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r}; it must be an integer >= 1")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed={self.seed!r}; it must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed={self.seed!r}; it must be an integer in [0, 2**64 - 1], or None")
         self.stop = _check_stop(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
@@ -60,10 +69,33 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r}; it must be a bool")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}; it must be a number > 0 (1 = off)")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}; it must be a finite number > 0 (1 = off)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs={self.logprobs!r}; it must be an integer >= 0, or None")
+
+    def check_for_model(self, vocab_size: int, max_model_len: int, num_prompt_tokens: int) -> None:
+        """Check the fields whose limits are the model's (called by the engine for every request).
+
+        Args:
+            vocab_size: the model's vocabulary size (token ids are in ``[0, vocab_size)``).
+            max_model_len: the engine's longest prompt + output, in tokens.
+            num_prompt_tokens: this request's prompt length, in tokens.
+
+        Raises:
+            ValueError: a token id outside the vocabulary, more ``logprobs`` than tokens, or a
+                prompt + ``max_tokens`` over ``max_model_len`` (the message names the field and fix).
+        """
+        bad_ids = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad_ids:
+            raise ValueError(f"stop_token_ids={bad_ids[:5]} are outside the vocabulary [0, {vocab_size}); remove them")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"logprobs={self.logprobs} > the vocabulary size {vocab_size}; ask for at most {vocab_size}")
+        if num_prompt_tokens + self.max_tokens > max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({self.max_tokens}) = {num_prompt_tokens + self.max_tokens} "
+                f"> max_model_len={max_model_len}; set max_tokens <= {max(max_model_len - num_prompt_tokens, 0)} or shorten the prompt"
+            )
 
     @property
     def greedy(self) -> bool:

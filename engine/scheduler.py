@@ -96,6 +96,31 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decodes first (stable)
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
 
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[list[int]]) -> None:
+        """Record what the model computed in step ``out``: the one place a request's progress advances.
+
+        Every scheduled sequence's ``num_computed_tokens`` grows by the tokens it ran and its
+        newly full blocks enter the prefix cache; each sequence that sampled (``item.samples``,
+        in ``out.scheduled`` order) gets its new tokens appended. A list per sequence, so a
+        speculative step can append several accepted tokens (and count only the accepted draft
+        positions as computed).
+
+        Args:
+            out: the step's ``SchedulerOutput``.
+            sampled_token_ids: per sampling sequence, its new token ids.
+
+        Raises:
+            ValueError: ``sampled_token_ids`` does not have one entry per sampling sequence.
+        """
+        sampling = [item.seq for item in out.scheduled if item.samples]
+        if len(sampling) != len(sampled_token_ids):
+            raise ValueError(f"{len(sampled_token_ids)} token lists for {len(sampling)} sampling sequences; give one per sequence")
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+        for seq, tokens in zip(sampling, sampled_token_ids):
+            seq.token_ids.extend(tokens)
+
     def _allocate_or_preempt(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
         """Allocate ``n`` slots for running ``seq``, preempting newer requests; False if ``seq`` itself was preempted."""
         while not self.block_manager.allocate_slots(seq, n):

@@ -19,14 +19,15 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the step that ran it failed (model, sampler or detokenizer)
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
 
     @property
     def finish_reason(self) -> str | None:
-        """``"stop"``, ``"length"``, ``"abort"``, or ``None`` while unfinished."""
+        """``"stop"``, ``"length"``, ``"abort"``, ``"error"``, or ``None`` while unfinished."""
         return self.value if self.finished else None
 
 
@@ -69,6 +70,7 @@ class Sequence:
         self.finished_time: float | None = None
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
+        self.error: str | None = None  # why it finished with FINISHED_ERROR
 
     @property
     def num_tokens(self) -> int:

@@ -211,7 +211,7 @@ def test_render_api_cli_and_errors(tmp_path, capsys):
     assert deployment["spec"]["replicas"] == 3 and "--load-model=from_file" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     capsys.readouterr()
     assert main(["render", "--target", "k8s", "--out", str(tmp_path / "bad"), "--replicas", "5", "--max-replicas", "2"]) == 2
-    assert "max_replicas=2 < replicas=5" in capsys.readouterr().out
+    assert "max_replicas=2 < replicas=5" in capsys.readouterr().err
     with pytest.raises(ValueError, match="model_repository='gs://x'"):
         render_deploy("k8s", tmp_path / "x", model_repository="gs://x")
     with pytest.raises(ValueError, match="unknown deploy values"):

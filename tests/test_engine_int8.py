@@ -65,7 +65,8 @@ def test_int8_checkpoint_matches_dequantized_hf(scheme, dtype, tmp_path):
     assert runner.is_int8
     layer_cls = LAYERS[scheme or "w8a8"]
     assert isinstance(runner.layers[0].qkv.int8_layer, layer_cls)
-    assert isinstance(runner.lm_head.int8_layer, layer_cls) if scheme else runner.lm_head.int8_layer is None
+    lm_head = runner.model.lm_head
+    assert isinstance(lm_head.int8_layer, layer_cls) if scheme else lm_head.int8_layer is None
     prompts = random_prompts([4, 9, 15, 22, 30, 7], seed=23)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
     matched = total = 0

@@ -127,4 +127,4 @@ def test_bad_inputs_name_the_file_or_field(tiny_llama_dir, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="unsupported architecture"):
         evaluate(["minilm-l6"], records=[{"text": "hi"}])
     assert lmforge_cli.main(["evaluate", str(tmp_path / "nope")]) == 1
-    assert "nope: checkpoint not found" in capsys.readouterr().out
+    assert "nope: checkpoint not found" in capsys.readouterr().err

@@ -1,0 +1,262 @@
+"""Paged attention: the per-step metadata every backend gets, and the backends that compute it.
+
+The KV cache of one layer is ``[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``.
+A request's ``block_table`` maps its logical blocks to physical ones, and ``slot_mapping`` gives
+each new token's physical slot ``block * block_size + offset``.
+
+``ModelRunner`` builds a ``CommonAttentionMetadata`` per step (what any paged-attention kernel
+needs: query start offsets, context lengths, the padded block table, slot mapping); a backend's
+``build`` turns it into its own metadata once per step, and its ``forward`` runs one layer. An
+``AttentionBackend`` is all a new device kernel (e.g. a CUDA paged kernel) has to implement.
+
+``TorchAttentionBackend`` (CPU, and any device torch runs on): decodes (one query token each,
+they come first in the batch) form one group whose blocks shared by every request are read once
+(cascade attention), prefill chunks (padded to the longest chunk) another, one
+``scaled_dot_product_attention`` call per layer with a causal mask. No Python loop over
+requests runs inside the layer loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class CommonAttentionMetadata:
+    """Backend-independent facts of one step; tensors on the model's device.
+
+    Requests are in batch order, decodes (one new token each) first; request ``i``'s new tokens
+    are rows ``query_start_loc[i]:query_start_loc[i + 1]`` of the flat ``[N]`` batch.
+
+    Attributes:
+        query_start_loc: ``[B + 1]`` int64 offsets of each request's first new token.
+        seq_lens: ``[B]`` int64 context lengths after this step (computed + new tokens).
+        block_table: ``[B, max_blocks]`` int64 physical block ids (padded with block 0).
+        slot_mapping: ``[N]`` int64 physical slot receiving each new token's K/V.
+        positions: ``[N]`` int64 position of each new token in its sequence.
+        query_lens_cpu: ``B`` host ints, new tokens per request.
+        seq_lens_cpu: ``B`` host ints, ``seq_lens`` (for decisions that must not read the device).
+        num_decodes: the first ``num_decodes`` requests (and tokens) are single-token queries.
+        block_size: tokens per KV block.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    num_decodes: int
+    block_size: int
+
+
+class AttentionBackend(abc.ABC):
+    """Paged attention for one model shape (``num_heads`` query heads over ``num_kv_heads``).
+
+    Args:
+        num_heads: query heads.
+        num_kv_heads: key/value heads (grouped-query attention when fewer than ``num_heads``).
+        head_dim: features per head.
+        sliding_window: attend to at most this many latest keys (``None``: all).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.sliding_window = sliding_window
+
+    def kv_cache_shape(self, num_layers: int, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of the whole cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return (num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    @abc.abstractmethod
+    def build(self, common: CommonAttentionMetadata):
+        """This backend's metadata for one step (called once per step, shared by all layers)."""
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata) -> torch.Tensor:
+        """Write the new K/V into the cache and attend.
+
+        Args:
+            q: ``[N, num_heads, head_dim]`` (rotated); k, v: ``[N, num_kv_heads, head_dim]``.
+            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's K and V.
+            metadata: what ``build`` returned for this step.
+
+        Returns:
+            ``[N, num_heads * head_dim]``.
+        """
+
+
+# ------------------------------------------------------------------------------------ torch backend
+
+
+@dataclasses.dataclass
+class AttentionGroup:
+    """Requests of one attention call: their queries, block tables and mask.
+
+    Attributes:
+        block_tables: ``[B, max_blocks]`` physical block ids (padded with block 0).
+        mask: ``[B, 1, Q, T]`` bool, True where query may attend key (T = max_blocks * block_size).
+        query_index: ``[B, Q]`` rows of the group's flat queries (padding repeats row 0 of the
+            request), ``None`` for decodes (Q = 1, rows in order).
+        output_index: ``[n]`` rows of the flattened ``[B * Q]`` output that are real tokens,
+            ``None`` for decodes.
+        shared_blocks: ``[C]`` leading blocks common to every request of a decode group (a shared
+            prompt prefix); read once for all, ``block_tables`` and ``mask`` then start at block C.
+    """
+
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+    query_index: torch.Tensor | None = None
+    output_index: torch.Tensor | None = None
+    shared_blocks: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class TorchAttentionMetadata:
+    """``TorchAttentionBackend``'s step metadata.
+
+    Attributes:
+        slot_mapping: ``[N]`` physical slot of each new token.
+        num_decode_tokens: the first rows of the batch that are single-token decodes.
+        decode: attention group of the decodes (or ``None``).
+        prefill: attention group of the prefill chunks (or ``None``).
+        block_size: tokens per KV block.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode: AttentionGroup | None
+    prefill: AttentionGroup | None
+    block_size: int
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention in plain torch ops (the CPU path); see the module docstring."""
+
+    def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        d = common.num_decodes
+        decode = self._decode_group(common) if d else None
+        prefill = self._prefill_group(common) if d < len(common.query_lens_cpu) else None
+        return TorchAttentionMetadata(common.slot_mapping, d, decode, prefill, common.block_size)
+
+    def _key_mask(self, query_pos: torch.Tensor, num_keys: int, first_key: int = 0) -> torch.Tensor:
+        """``query_pos [B, Q] -> [B, 1, Q, T]``: causal (and sliding-window) mask over key positions ``first_key..num_keys``."""
+        keys = torch.arange(first_key, num_keys, device=query_pos.device)
+        mask = keys[None, None, :] <= query_pos[:, :, None]
+        if self.sliding_window is not None:
+            mask &= keys[None, None, :] > query_pos[:, :, None] - self.sliding_window
+        return mask[:, None]
+
+    def _decode_group(self, common: CommonAttentionMetadata) -> AttentionGroup:
+        bs, d = common.block_size, common.num_decodes
+        ctx = common.seq_lens_cpu[:d]
+        num_blocks = -(-max(ctx) // bs)
+        tables = common.block_table[:d, :num_blocks]  # [D, nb]
+        shared = 0
+        if d > 1 and self.sliding_window is None:
+            shared = common_prefix_blocks(tables, min(ctx) // bs)
+        query_pos = common.positions[:d, None]  # [D, 1]
+        mask = self._key_mask(query_pos, num_blocks * bs, first_key=shared * bs)
+        shared_blocks = tables[0, :shared] if shared else None
+        return AttentionGroup(tables[:, shared:], mask, shared_blocks=shared_blocks)
+
+    def _prefill_group(self, common: CommonAttentionMetadata) -> AttentionGroup:
+        d = common.num_decodes
+        device = common.positions.device
+        lengths = common.query_lens_cpu[d:]
+        max_q = max(lengths)
+        num_blocks = -(-max(common.seq_lens_cpu[d:]) // common.block_size)
+        first_row = common.query_start_loc[d]
+        starts = common.query_start_loc[d:-1] - first_row  # [P] first row of each chunk
+        positions = common.positions[first_row:]
+        offsets = torch.arange(max_q, device=device)
+        lens = torch.tensor(lengths, device=device)
+        valid = offsets[None, :] < lens[:, None]  # [P, max_q]
+        query_index = torch.where(valid, starts[:, None] + offsets[None, :], starts[:, None])  # [P, max_q]
+        query_pos = positions[query_index]  # [P, max_q]
+        output_index = valid.reshape(-1).nonzero().squeeze(1)  # [n_prefill]
+        mask = self._key_mask(query_pos, num_blocks * common.block_size)
+        return AttentionGroup(common.block_table[d:, :num_blocks], mask, query_index, output_index)
+
+    # ------------------------------------------------------------ kernels
+
+    def forward(self, q, k, v, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, kv_heads, head_dim]
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, metadata.slot_mapping, k)
+        flat_v.index_copy_(0, metadata.slot_mapping, v)
+        outputs = []
+        d = metadata.num_decode_tokens
+        if metadata.decode is not None:
+            outputs.append(self._decode_attention(q[:d], k_cache, v_cache, metadata.decode))
+        if metadata.prefill is not None:
+            outputs.append(self._prefill_attention(q[d:], k_cache, v_cache, metadata.prefill))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """``[num_blocks, bs, kv, hd]`` by ``[B, nb]`` -> ``[B, kv, nb * bs, hd]``."""
+        b, nb = block_tables.shape
+        block_size = cache.shape[1]
+        rows = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1))  # [B * nb, bs * kv * hd]
+        return rows.view(b, nb * block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+    def _decode_attention(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+        """Single-token queries against their paged context.
+
+        The heads of one KV group act as the query rows (``[D, kv_heads, g, head_dim]``), so K/V
+        are never repeated. Blocks shared by the whole batch (``group.shared_blocks``) are read
+        once and scored for all queries in one matrix product, as in cascade attention
+        (FlashInfer, Ye et al. 2024); the per-request rest is gathered through the block tables.
+        Softmax runs over the concatenated scores.
+        """
+        d, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
+        g = self.num_heads // kv
+        qg = q.view(d, kv, g, hd) * (hd ** -0.5)  # [D, kv, g, hd]
+        keys = self._gather(k_cache, group.block_tables)  # [D, kv, Tu, hd]
+        scores = torch.matmul(qg, keys.transpose(-1, -2))  # [D, kv, g, Tu]
+        scores = scores.masked_fill(~group.mask, float("-inf"))
+        num_shared = 0
+        if group.shared_blocks is not None:
+            shared_k = k_cache.index_select(0, group.shared_blocks).view(-1, kv, hd).transpose(0, 1)  # [kv, Ts, hd]
+            qs = qg.transpose(0, 1).reshape(kv, d * g, hd)  # [kv, D*g, hd]
+            shared_scores = torch.matmul(qs, shared_k.transpose(-1, -2))  # [kv, D*g, Ts]
+            num_shared = shared_scores.shape[-1]
+            shared_scores = shared_scores.view(kv, d, g, num_shared).transpose(0, 1)  # [D, kv, g, Ts]
+            scores = torch.cat((shared_scores, scores), dim=-1)  # [D, kv, g, Ts + Tu]
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        values = self._gather(v_cache, group.block_tables)  # [D, kv, Tu, hd]
+        out = torch.matmul(probs[..., num_shared:], values)  # [D, kv, g, hd]
+        if num_shared:
+            shared_v = v_cache.index_select(0, group.shared_blocks).view(-1, kv, hd).transpose(0, 1)  # [kv, Ts, hd]
+            shared_p = probs[..., :num_shared].transpose(0, 1).reshape(kv, d * g, num_shared)  # [kv, D*g, Ts]
+            out = out + torch.matmul(shared_p, shared_v).view(kv, d, g, hd).transpose(0, 1)
+        return out.reshape(d, self.num_heads * hd)
+
+    def _prefill_attention(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+        p, max_q = group.query_index.shape
+        qp = q[group.query_index].transpose(1, 2)  # [P, num_heads, max_q, head_dim]
+        keys = self._gather(k_cache, group.block_tables)  # [P, kv_heads, T, head_dim]
+        values = self._gather(v_cache, group.block_tables)
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=group.mask, enable_gqa=True)  # [P, H, max_q, hd]
+        out = out.transpose(1, 2).reshape(p * max_q, self.num_heads * self.head_dim)
+        return out[group.output_index]
+
+
+def common_prefix_blocks(tables: torch.Tensor, limit: int) -> int:
+    """Number of leading columns (at most ``limit``) of ``tables [B, nb]`` equal in every row."""
+    if limit <= 0:
+        return 0
+    head = tables[:, :limit]
+    same = (head == head[:1]).all(dim=0)  # [limit]
+    return int(same.long().cumprod(0).sum())
+
+
+def get_attention_backend(device: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None) -> AttentionBackend:
+    """The attention backend for ``device`` (the torch backend everywhere for now)."""
+    return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)

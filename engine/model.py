@@ -1,0 +1,323 @@
+"""The Llama-family model: its spec (``config.json``), weights (safetensors, float or INT8) and forward.
+
+Architectures: Llama (incl. SmolLM2), Mistral (sliding window), Qwen2 (q/k/v bias); RMSNorm
+(Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021, RoFormer) with the
+checkpoint's ``rope_theta`` and ``linear`` / ``llama3`` scaling, grouped-query attention
+(Ainslie et al. 2023) and SwiGLU MLP (Shazeer 2020).
+
+``Model.forward`` runs all scheduled tokens of a step as one flat batch of ``N`` tokens: linear
+layers see ``[N, hidden]``; attention is delegated to an ``engine.attention.AttentionBackend``
+with the step's metadata. INT8 checkpoints (``compress.int8``: ``weight-only`` or
+``w8a8``, named in the safetensors metadata) run their linear layers, the LM head included when it
+was quantized, with the INT8 kernels of ``compress.int8`` on CPU; on CUDA their weights are
+dequantized to ``dtype``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from compress.checkpoints import CheckpointError
+from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, int8_linear, read_scheme
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ------------------------------------------------------------------------------------ architecture
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Shape and options of a Llama-family checkpoint, read from its ``config.json``."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    qkv_bias: bool
+    sliding_window: int | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+
+def _llama_bias(cfg) -> bool:
+    return bool(getattr(cfg, "attention_bias", False))
+
+
+def _qwen2_window(cfg) -> int | None:
+    if getattr(cfg, "use_sliding_window", False):
+        raise CheckpointError("qwen2 with use_sliding_window=True is not supported by the engine; set it to false")
+    return None
+
+
+#: model_type -> (has q/k/v bias, sliding window) readers. Add an architecture here.
+ARCHITECTURES: dict[str, tuple[Callable, Callable]] = {
+    "llama": (_llama_bias, lambda cfg: None),
+    "mistral": (lambda cfg: False, lambda cfg: getattr(cfg, "sliding_window", None)),
+    "qwen2": (lambda cfg: True, _qwen2_window),
+}
+
+
+def read_model_spec(path: Path) -> ModelSpec:
+    """Read ``config.json`` of a checkpoint directory.
+
+    Raises:
+        CheckpointError: an architecture outside ``ARCHITECTURES`` (the supported ones are listed).
+    """
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    if cfg.model_type not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{path}: model_type {cfg.model_type!r} is not supported by the engine; supported: {sorted(ARCHITECTURES)}"
+        )
+    bias_fn, window_fn = ARCHITECTURES[cfg.model_type]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelSpec(
+        model_type=cfg.model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=float(getattr(cfg, "rope_theta", 10000.0)),
+        rope_scaling=getattr(cfg, "rope_scaling", None),
+        qkv_bias=bias_fn(cfg),
+        sliding_window=window_fn(cfg),
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+    )
+
+
+# ------------------------------------------------------------------------------------ rotary
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32), with ``linear`` or ``llama3`` scaling.
+
+    llama3 scaling (Meta, Llama 3.1): long wavelengths divided by ``factor``, short kept, a
+    smooth blend in between.
+
+    Raises:
+        CheckpointError: an unsupported ``rope_scaling`` type.
+    """
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = spec.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+    raise CheckpointError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[..., d] -> [..., d]``: ``cat(-x[d/2:], x[:d/2])`` (the Hugging Face Llama convention)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# ------------------------------------------------------------------------------------ weights
+
+
+class Linear:
+    """``y = x @ W^T + b`` from float weights, or a CPU INT8 layer of ``compress.int8`` (same dtype in and out)."""
+
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, int8_layer=None, dtype=None):
+        self.weight, self.bias, self.int8_layer, self.dtype = weight, bias, int8_layer, dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_layer is not None:
+            return self.int8_layer(x)
+        return F.linear(x, self.weight, self.bias)
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint's ``*.safetensors`` files.
+
+    Raises:
+        CheckpointError: no weight file, or a corrupt one (its path is named).
+    """
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights; the engine loads safetensors checkpoints")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(str(file)))
+        except Exception as exc:  # safetensors raises several error types for corrupt files
+            raise CheckpointError(f"{file}: cannot read safetensors ({exc}); re-create the checkpoint") from exc
+    return tensors
+
+
+class WeightLoader:
+    """Builds fused linear layers from a state dict, float or INT8 (``X.weight_int8`` + ``X.weight_scale``)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, device: str):
+        self.tensors, self.path, self.dtype, self.device = tensors, path, dtype, device
+        try:
+            self.int8_scheme = read_scheme(sorted(path.glob("*.safetensors")))  # None for a float checkpoint
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from exc
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors or name.removesuffix(".weight") + INT8_WEIGHT_SUFFIX in self.tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.path}: weight {name!r} is missing; the checkpoint is incomplete")
+        return self.tensors[name].to(device=self.device, dtype=self.dtype)
+
+    def is_int8(self, prefix: str) -> bool:
+        return prefix + INT8_WEIGHT_SUFFIX in self.tensors
+
+    def linear(self, prefixes: list[str], bias: bool = False) -> Linear:
+        """One linear layer whose output concatenates those of ``prefixes`` (e.g. q, k, v)."""
+        biases = torch.cat([self.tensor(p + ".bias") for p in prefixes]) if bias else None
+        if all(self.is_int8(p) for p in prefixes) and self.device == "cpu":
+            w8 = torch.cat([self.tensors[p + INT8_WEIGHT_SUFFIX] for p in prefixes])  # [sum(out), in]
+            scale = torch.cat([self.tensors[p + INT8_SCALE_SUFFIX] for p in prefixes])
+            return Linear(None, int8_layer=int8_linear(self.int8_scheme, w8, scale, None if biases is None else biases.float()), dtype=self.dtype)
+        weights = [self._float_weight(p) for p in prefixes]
+        return Linear(torch.cat(weights).contiguous(), biases)
+
+    def _float_weight(self, prefix: str) -> torch.Tensor:
+        if self.is_int8(prefix):
+            w = dequantize_weight(self.tensors[prefix + INT8_WEIGHT_SUFFIX], self.tensors[prefix + INT8_SCALE_SUFFIX])
+            return w.to(device=self.device, dtype=self.dtype)
+        return self.tensor(prefix + ".weight")
+
+
+@dataclasses.dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
+    o: Linear  # num_heads * head_dim -> hidden
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
+
+
+def load_layers(loader: WeightLoader, spec: ModelSpec) -> list[LayerWeights]:
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        layers.append(
+            LayerWeights(
+                input_norm=loader.tensor(p + "input_layernorm.weight"),
+                qkv=loader.linear([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"], bias=spec.qkv_bias),
+                o=loader.linear([p + "self_attn.o_proj"]),
+                post_norm=loader.tensor(p + "post_attention_layernorm.weight"),
+                gate_up=loader.linear([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+                down=loader.linear([p + "mlp.down_proj"]),
+            )
+        )
+    return layers
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+class Model:
+    """Weights and rotary tables of a checkpoint; ``forward`` runs one flat token batch.
+
+    Args:
+        path: a resolved checkpoint directory.
+        dtype: activations and float weights (a ``torch.dtype``).
+        device: ``cpu`` or ``cuda``.
+        max_model_len: longest sequence (sizes the rotary tables).
+
+    Raises:
+        CheckpointError: unsupported architecture, missing or corrupt weights.
+    """
+
+    def __init__(self, path: Path, dtype: torch.dtype, device: str, max_model_len: int):
+        self.spec = spec = read_model_spec(path)
+        self.dtype, self.device = dtype, device
+        tensors = load_state_dict(path)
+        loader = WeightLoader(tensors, path, dtype, device)
+        self.embed = loader.tensor("model.embed_tokens.weight")  # [vocab, hidden]
+        self.layers = load_layers(loader, spec)
+        self.norm = loader.tensor("model.norm.weight")
+        if loader.is_int8("lm_head") or (loader.has("lm_head.weight") and not spec.tie_word_embeddings):
+            self.lm_head = loader.linear(["lm_head"])
+        else:
+            self.lm_head = Linear(self.embed)
+        self.is_int8 = any(k.endswith(INT8_WEIGHT_SUFFIX) for k in tensors)
+        del tensors
+        inv_freq = rope_inv_freq(spec)
+        t = torch.arange(max_model_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_model_len, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_model_len, head_dim]
+        self.rope_cos = emb.cos().to(device=device, dtype=dtype)
+        self.rope_sin = emb.sin().to(device=device, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn, attn_metadata) -> torch.Tensor:
+        """``[N]`` token ids at ``[N]`` positions -> ``[N, hidden]`` last hidden states (before the final norm).
+
+        Args:
+            kv_cache: ``[num_layers, ...]`` the per-layer caches in ``attn``'s layout.
+            attn: the ``AttentionBackend``; ``attn_metadata`` what its ``build`` returned for this step.
+        """
+        s = self.spec
+        eps = s.rms_norm_eps
+        n = input_ids.shape[0]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        cos = self.rope_cos[positions][:, None, :]  # [N, 1, head_dim]
+        sin = self.rope_sin[positions][:, None, :]
+        h = self.embed[input_ids]  # [N, hidden]
+        for layer_idx, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, eps)
+            qkv = layer.qkv(x)  # [N, q_size + 2 * kv_size]
+            q = qkv[:, :q_size].view(n, s.num_heads, s.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(n, s.num_kv_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size:].view(n, s.num_kv_heads, s.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            out = attn.forward(q, k, v, kv_cache[layer_idx], attn_metadata)  # [N, q_size]
+            h = h + layer.o(out)
+            x = rms_norm(h, layer.post_norm, eps)
+            gate_up = layer.gate_up(x)  # [N, 2 * intermediate]
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[S, hidden]`` last hidden states -> float32 logits ``[S, vocab]`` (final norm, lm head)."""
+        hidden = rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
+        return self.lm_head(hidden).float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 as Hugging Face Llama does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)

@@ -1,0 +1,201 @@
+"""``DraftProposer``: a small checkpoint with the target's tokenizer proposes the next k tokens.
+
+The draft runs in the engine's own machinery: a ``ModelRunner`` over its own paged KV cache with
+its own ``BlockManager`` (no prefix caching). Each request being speculated has a shadow
+``Sequence`` in the draft that mirrors the target's tokens; a proposal round first catches the
+draft up on the tokens it has not computed (the whole prompt the first time, afterwards the
+tokens the target accepted in the last step), then runs ``k - 1`` single-token decodes, all
+requests of the round batched together in every forward. Proposals the target rejects are rolled
+back by lowering the shadow's ``num_computed_tokens`` to the prefix it shares with the target.
+
+``lmforge distill`` output is the default draft of its teacher (``find_distilled_draft``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from compress.checkpoints import MANIFEST_NAME, CheckpointError, read_manifest, resolve_checkpoint
+from engine.block_manager import BlockManager
+from engine.model import read_model_spec
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.sequence import Sequence
+
+
+@dataclasses.dataclass
+class Proposal:
+    """Proposed tokens of one request.
+
+    Attributes:
+        token_ids: the ``m`` proposed tokens (``m <= k``; may be empty).
+        probs: ``[m, vocab]`` float32 distributions they were drawn from (a sampling draft), or
+            ``None`` (greedy request, or a deterministic proposer).
+    """
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+def find_distilled_draft(teacher: Path, search_dirs: list[Path]) -> Path | None:
+    """The newest ``lmforge distill`` output whose manifest names ``teacher`` as its parent.
+
+    Looks at checkpoint directories up to three levels below each of ``search_dirs`` (e.g.
+    ``runs/distill/final``); unreadable manifests are skipped.
+    """
+    teacher = teacher.resolve()
+    found: list[tuple[float, Path]] = []
+    for root in search_dirs:
+        if not root.is_dir():
+            continue
+        for pattern in (MANIFEST_NAME, f"*/{MANIFEST_NAME}", f"*/*/{MANIFEST_NAME}", f"*/*/*/{MANIFEST_NAME}"):
+            for manifest_path in root.glob(pattern):
+                try:
+                    manifest = read_manifest(manifest_path.parent)
+                except CheckpointError:
+                    continue
+                if manifest.method == "distill" and manifest.parent and Path(manifest.parent).resolve() == teacher:
+                    found.append((manifest.created_at, manifest_path.parent.resolve()))
+    return max(found)[1] if found else None
+
+
+def check_same_tokenizer(target_dir: Path, draft_dir: Path, target_tokenizer, target_vocab_size: int) -> None:
+    """Refuse a draft whose tokenizer or vocabulary differs from the target's.
+
+    Raises:
+        ValueError: different vocabulary sizes or token-to-id maps (both paths are named).
+    """
+    from transformers import AutoTokenizer
+
+    draft_vocab_size = read_model_spec(draft_dir).vocab_size
+    if draft_vocab_size != target_vocab_size:
+        raise ValueError(
+            f"speculative_model {draft_dir} has vocab_size={draft_vocab_size} but the target {target_dir} has "
+            f"{target_vocab_size}; the draft must share the target's tokenizer and vocabulary"
+        )
+    draft_tokenizer = AutoTokenizer.from_pretrained(draft_dir)
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(
+            f"speculative_model {draft_dir} has another tokenizer than the target {target_dir} (their token-to-id "
+            "maps differ); use a draft distilled from the target, which keeps its tokenizer"
+        )
+
+
+class DraftProposer:
+    """Proposes with a small model; one shadow sequence per request in its own KV cache.
+
+    Args:
+        draft_dir: the draft checkpoint (resolved directory).
+        dtype, device, block_size, max_model_len: as the target engine's.
+        num_blocks: blocks in the draft's KV pool.
+
+    Raises:
+        ValueError: the draft's context is shorter than ``max_model_len``.
+        compress.checkpoints.CheckpointError: the draft checkpoint is missing or unsupported.
+    """
+
+    def __init__(self, draft_dir: Path, dtype: str, device: str, block_size: int, max_model_len: int, num_blocks: int) -> None:
+        spec = read_model_spec(draft_dir)
+        if spec.max_position_embeddings < max_model_len:
+            raise ValueError(
+                f"speculative_model {draft_dir} has max_position_embeddings={spec.max_position_embeddings} < "
+                f"max_model_len={max_model_len}; decrease max_model_len or use a draft with a longer context"
+            )
+        self.path = draft_dir
+        self.runner = ModelRunner(draft_dir, dtype, device, block_size, max_model_len)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.shadows: dict[str, Sequence] = {}
+        self._synced: dict[str, int] = {}  # request id -> target tokens the shadow last copied
+
+    @classmethod
+    def for_target(cls, config, target_dir: Path, target_tokenizer, target_vocab_size: int, search_dirs: list[Path]) -> "DraftProposer":
+        """The draft of an engine: ``config.speculative_model`` or the distilled student of the target.
+
+        Raises:
+            ValueError: no draft given or found, or one with another tokenizer.
+        """
+        if config.speculative_model is not None:
+            draft_dir = resolve_checkpoint(config.speculative_model)
+        else:
+            draft_dir = find_distilled_draft(target_dir, search_dirs)
+            if draft_dir is None:
+                where = ", ".join(str(d) for d in search_dirs)
+                raise ValueError(
+                    f"speculative_method='draft' without speculative_model, and no `lmforge distill` output of "
+                    f"{target_dir} was found under {where}; set speculative_model or distill a student first"
+                )
+        check_same_tokenizer(target_dir, draft_dir, target_tokenizer, target_vocab_size)
+        return cls(draft_dir, config.dtype, config.device, config.block_size, config.max_model_len, config.num_kv_blocks)
+
+    # ---------------------------------------------------------------- proposals
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """Draft ``ks[i]`` tokens after each of ``seqs`` (fewer, or none, when the draft pool is full)."""
+        active: list[tuple[int, Sequence]] = []
+        proposals = [Proposal([]) for _ in seqs]
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            shadow = self._sync(seq)
+            if k > 0 and self.block_manager.allocate_slots(shadow, shadow.num_uncomputed_tokens + k - 1):
+                active.append((i, shadow))
+            elif k > 0:
+                self.free(seq.request_id)  # start over later rather than hold a pool that is full
+        first = True
+        while active:
+            items = [ScheduledSequence(sh, sh.num_uncomputed_tokens if first else 1) for _, sh in active]
+            logits = self.runner.execute(SchedulerOutput(items, sum(it.num_new_tokens for it in items), []))  # [S, vocab]
+            for item in items:
+                item.seq.num_computed_tokens += item.num_new_tokens
+            still = []
+            for row, (i, shadow) in enumerate(active):
+                token, probs = self._draw(logits[row], seqs[i])
+                proposal = proposals[i]
+                proposal.token_ids.append(token)
+                if probs is not None:
+                    proposal.probs = probs[None] if proposal.probs is None else torch.cat((proposal.probs, probs[None]))
+                shadow.token_ids.append(token)
+                if len(proposal.token_ids) < ks[i]:
+                    still.append((i, shadow))
+            active, first = still, False
+        return proposals
+
+    @staticmethod
+    def _draw(row: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
+        """One draft token from ``[vocab]`` logits: argmax for greedy requests, else a draw from ``q``."""
+        p = seq.params
+        if p.greedy:
+            return int(row.argmax()), None
+        q = Sampler._probs(row, p.temperature, p.top_k, p.top_p)
+        return int(torch.multinomial(q, 1, generator=seq.generator)), q
+
+    def _sync(self, seq: Sequence) -> Sequence:
+        """The shadow of ``seq`` holding its current tokens; its computed tokens cut to the common prefix."""
+        shadow = self.shadows.get(seq.request_id)
+        if shadow is None:
+            shadow = Sequence(seq.request_id, None, seq.prompt_token_ids, seq.params, None, None)
+            self.shadows[seq.request_id] = shadow
+            self._synced[seq.request_id] = 0
+        old, new = shadow.token_ids, seq.token_ids
+        limit = min(shadow.num_computed_tokens, len(new))
+        i = min(self._synced[seq.request_id], limit)  # target tokens only grow: old[:synced] == new[:synced]
+        while i < limit and old[i] == new[i]:
+            i += 1
+        shadow.num_computed_tokens = i
+        shadow.token_ids = list(new)
+        self._synced[seq.request_id] = len(new)
+        return shadow
+
+    def free(self, request_id: str) -> None:
+        """Release the draft's blocks of a request (finished, aborted or dropped)."""
+        shadow = self.shadows.pop(request_id, None)
+        self._synced.pop(request_id, None)
+        if shadow is not None:
+            self.block_manager.free(shadow)
+
+    def check_invariants(self) -> None:
+        """The draft pool's block bookkeeping is consistent (``KVCacheInvariantError`` if not)."""
+        self.block_manager.check_invariants(list(self.shadows.values()))

@@ -1,0 +1,119 @@
+"""Speculative decoding parts alone: the ngram proposer, verification, configuration errors.
+
+Oracle of the sampling tests: the target distribution itself. Over many trials of rejection
+sampling on a tiny vocabulary, the first emitted token must follow ``p_1`` and, given that the
+first proposal was accepted, the second must follow ``p_2`` (chi-square goodness of fit).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine import EngineConfig
+from engine.spec_decode import NgramProposer, rejection_sample, verify_greedy
+
+VOCAB = 6
+TRIALS = 20000
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    ngram = NgramProposer(min_n=1, max_n=3)
+    #         0  1  2  3  4  5  6  7  8  9 10
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 6, 7]
+    # suffix (2, 6, 7) does not occur earlier; (6, 7) does, latest at 6..7 -> followed by 2, 6, 7
+    assert ngram.propose(tokens, 3) == [2, 6, 7]
+    assert ngram.propose(tokens, 10) == [2, 6, 7]  # stops at the end of the sequence
+    assert ngram.propose([1, 2, 3, 4], 3) == []  # no earlier occurrence of any suffix
+    assert ngram.propose([4, 4], 2) == [4]
+    assert ngram.propose([4], 2) == []
+    assert NgramProposer(min_n=2, max_n=2).propose([1, 2, 9, 3, 2], 2) == []  # (3, 2) unseen; 1-grams not tried
+
+
+def test_ngram_prefers_longer_match_over_later_short_one():
+    ngram = NgramProposer(min_n=1, max_n=3)
+    tokens = [1, 2, 3, 40, 41, 9, 3, 50, 1, 2, 3]
+    assert ngram.propose(tokens, 2) == [40, 41]  # (1, 2, 3) beats the later (3) -> 50
+
+
+def test_verify_greedy_keeps_matching_prefix_then_the_argmax():
+    assert verify_greedy([4, 5, 6, 7], [4, 5, 6]).token_ids == [4, 5, 6, 7]  # all accepted + bonus
+    result = verify_greedy([4, 9, 6, 7], [4, 5, 6])
+    assert (result.token_ids, result.num_accepted) == ([4, 9], 1)
+    result = verify_greedy([3, 5, 6, 7], [4, 5, 6])
+    assert (result.token_ids, result.num_accepted) == ([3], 0)
+    assert verify_greedy([8], []).token_ids == [8]
+
+
+def _random_dists(rows: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(rows, VOCAB, generator=g) * 1.5, dim=-1)
+
+
+def _assert_follows(samples: list[int], probs: torch.Tensor) -> None:
+    counts = torch.bincount(torch.tensor(samples), minlength=VOCAB).double()
+    expected = probs.double() / probs.double().sum() * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    expected = expected[keep] * counts[keep].sum() / expected[keep].sum()
+    stat, p_value = chisquare(counts[keep].numpy(), expected.numpy())
+    assert p_value > 1e-3, f"chi-square {stat:.1f}, p={p_value:.2e}: counts {counts.tolist()} vs {expected.tolist()}"
+
+
+@pytest.mark.parametrize("deterministic_draft", [False, True])
+def test_rejection_sampling_emits_the_target_distribution(deterministic_draft):
+    target = _random_dists(3, seed=1)  # p_1, p_2, p_3 for 2 proposals
+    target[0, 4] = 0.0  # a token the target never emits
+    target[0] /= target[0].sum()
+    draft = _random_dists(2, seed=2)
+    g = torch.Generator().manual_seed(3)
+    first, second_given_accept, accepted = [], [], 0
+    for _ in range(TRIALS):
+        if deterministic_draft:
+            proposal, q = [2, 1], None  # one-hot q (the ngram case)
+        else:
+            proposal = [int(torch.multinomial(draft[0], 1, generator=g)), int(torch.multinomial(draft[1], 1, generator=g))]
+            q = draft
+        result = rejection_sample(target, proposal, q, g)
+        assert 1 <= len(result.token_ids) == result.num_accepted + 1 <= 3
+        assert result.token_ids[:result.num_accepted] == proposal[:result.num_accepted]
+        first.append(result.token_ids[0])
+        if result.num_accepted >= 1:
+            second_given_accept.append(result.token_ids[1])
+        accepted += result.num_accepted
+    _assert_follows(first, target[0])
+    _assert_follows(second_given_accept, target[1])
+    assert accepted > 0
+    assert all(rejection_sample(target[:2], [4], None, g).token_ids[0] != 4 for _ in range(200))  # p(4) = 0: never kept
+
+
+def test_rejection_sampling_checks_shapes():
+    with pytest.raises(ValueError, match="expected m \\+ 1"):
+        rejection_sample(_random_dists(2, 0), [1, 2], None, None)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(speculative_method="medusa"), "speculative_method='medusa'"),
+        (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens=0"),
+        (dict(speculative_method="draft", num_speculative_tokens=-2), "num_speculative_tokens=-2"),
+        (dict(num_speculative_tokens=3), "without speculative_method"),
+        (dict(speculative_model="x"), "without speculative_method"),
+        (dict(speculative_method="ngram", speculative_model="x"), "uses no model"),
+        (dict(speculative_method="ngram", ngram_prompt_lookup_min=3, ngram_prompt_lookup_max=2), "ngram_prompt_lookup_min=3"),
+        (dict(speculative_method="ngram", ngram_prompt_lookup_min=0), "ngram_prompt_lookup_min=0"),
+        (dict(speculative_method="ngram", speculative_disable_by_batch_size=0), "speculative_disable_by_batch_size=0"),
+        (dict(speculative_method="ngram", num_speculative_tokens=8, max_num_batched_tokens=8), "max_num_batched_tokens=8"),
+    ],
+)
+def test_bad_speculative_configs_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**fields)
+
+
+def test_speculative_defaults():
+    assert EngineConfig().speculative_method is None
+    assert EngineConfig(speculative_method="ngram").num_speculative_tokens >= 1
+    assert EngineConfig(speculative_method="draft", num_speculative_tokens=2).num_speculative_tokens == 2
