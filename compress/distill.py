@@ -95,18 +95,40 @@ class DistillConfig(TrainConfig):
         super().validate()
         for name in ("alpha", "beta", "gamma"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: loss weights must be >= 0")
+                raise UsageError(f"{name}={getattr(self, name)}: loss weights must be >= 0")
         if self.alpha + self.beta + self.gamma == 0:
-            raise ValueError("alpha, beta and gamma are all 0: nothing to train on")
+            raise UsageError("alpha, beta and gamma are all 0: nothing to train on")
         if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature}: must be > 0")
+            raise UsageError(f"temperature={self.temperature}: must be > 0")
         if self.layer_importance not in IMPORTANCE:
-            raise ValueError(f"layer_importance={self.layer_importance!r}: use one of {sorted(IMPORTANCE)}")
+            raise UsageError(f"layer_importance={self.layer_importance!r}: use one of {sorted(IMPORTANCE)}")
         for name in ("calibration_records", "generate_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+                raise UsageError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.generate_records < 0:
-            raise ValueError(f"generate_records={self.generate_records}: must be >= 0 (0: no teacher-generated data)")
+            raise UsageError(f"generate_records={self.generate_records}: must be >= 0 (0: no teacher-generated data)")
+        if self.student_config is not None:
+            check_student_config(self.student_config)
+
+
+#: ``config.json`` shape fields a student may override; each must be an integer >= 1.
+STUDENT_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                        "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+
+
+def check_student_config(overrides: Any) -> None:
+    """Refuse ``--student-config`` values a model could not be built from, before the teacher loads.
+
+    Raises:
+        UsageError: not a JSON object, or a shape field that is not an integer >= 1.
+    """
+    example = '{"num_hidden_layers": 4}'
+    if not isinstance(overrides, dict):
+        raise UsageError(f"--student-config {json.dumps(overrides)}: expected a JSON object of config.json fields", fix=f"e.g. '{example}'")
+    for key in STUDENT_SHAPE_FIELDS:
+        value = overrides.get(key)
+        if key in overrides and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise UsageError(f"--student-config {key}={value!r}: must be an integer >= 1", fix=f"e.g. '{example}'")
 
 
 def select_layers(spec: str, num_teacher_layers: int, importance: list[float] | None = None) -> list[int]:
@@ -126,20 +148,20 @@ def select_layers(spec: str, num_teacher_layers: int, importance: list[float] | 
         try:
             n_drop = int(spec.removeprefix("drop:"))
         except ValueError as exc:
-            raise ValueError(f"student_layers={spec!r}: use drop:N with an integer N") from exc
+            raise UsageError(f"student_layers={spec!r}: use drop:N with an integer N") from exc
         if not 1 <= n_drop <= num_teacher_layers - 2:
-            raise ValueError(f"student_layers={spec!r}: N must be in [1, {num_teacher_layers - 2}] (the first and last layers are kept)")
+            raise UsageError(f"student_layers={spec!r}: N must be in [1, {num_teacher_layers - 2}] (the first and last layers are kept)")
         if importance is None or len(importance) != num_teacher_layers:
-            raise ValueError(f"student_layers={spec!r} needs one importance per teacher layer ({num_teacher_layers})")
+            raise UsageError(f"student_layers={spec!r} needs one importance per teacher layer ({num_teacher_layers})")
         middle = sorted(range(1, num_teacher_layers - 1), key=lambda i: importance[i])
         dropped = set(middle[:n_drop])
         return [i for i in range(num_teacher_layers) if i not in dropped]
     try:
         layers = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError as exc:
-        raise ValueError(f"student_layers={spec!r}: use 'drop:N', 'every-other' or comma-separated layer indices") from exc
+        raise UsageError(f"student_layers={spec!r}: use 'drop:N', 'every-other' or comma-separated layer indices") from exc
     if not layers or layers != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= num_teacher_layers:
-        raise ValueError(f"student_layers={spec!r}: need increasing, distinct indices in [0, {num_teacher_layers - 1}]")
+        raise UsageError(f"student_layers={spec!r}: need increasing, distinct indices in [0, {num_teacher_layers - 1}]")
     return layers
 
 
@@ -252,8 +274,13 @@ def build_student(teacher, layers: list[int] | None = None, config_overrides: di
     if config_overrides is not None:
         for key, value in config_overrides.items():
             if not hasattr(config, key):
-                raise ValueError(f"student_config: unknown config field {key!r}")
+                raise UsageError(f"--student-config: unknown config field {key!r}", fix="use fields of the teacher's config.json")
             setattr(config, key, value)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % kv_heads:
+            raise UsageError(f"--student-config: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
+                             fix="choose head counts that divide")
         _fix_layer_types(config, None)
         student = AutoModelForCausalLM.from_config(config)
         n = config.num_hidden_layers

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from compress.errors import LmforgeError
+from compress.errors import LmforgeError, UsageError
 from compress.monitor import MetricsLog, plot_metrics
 from compress.outputs import CHECKPOINT, TRAINING_RUN, check_output_dir, staged_output_dir
 from compress.packing import IGNORE_INDEX, PackedData, tokenize_and_pack
@@ -121,26 +121,26 @@ class TrainConfig:
     progress: bool = True
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field and the fix."""
+        """Raise ``UsageError`` (a ``ValueError``) naming the first bad field and the fix."""
         positive = ("max_steps", "micro_batch_size", "grad_accum_steps", "max_length", "keep_checkpoints")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+                raise UsageError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.lr <= 0:
-            raise ValueError(f"lr={self.lr}: must be > 0")
+            raise UsageError(f"lr={self.lr}: must be > 0")
         if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1)")
+            raise UsageError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1)")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}: use one of {PRECISIONS}")
+            raise UsageError(f"precision={self.precision!r}: use one of {PRECISIONS}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm={self.max_grad_norm}: must be > 0 (or None to disable clipping)")
+            raise UsageError(f"max_grad_norm={self.max_grad_norm}: must be > 0 (or None to disable clipping)")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device={self.device!r}: use auto, cpu or cuda")
+            raise UsageError(f"device={self.device!r}: use auto, cpu or cuda")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.max_steps:
-            raise ValueError(f"stop_after={self.stop_after}: must be in [1, max_steps={self.max_steps}]")
+            raise UsageError(f"stop_after={self.stop_after}: must be in [1, max_steps={self.max_steps}]")
         for name in ("eval_every", "save_every", "param_change_every"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+                raise UsageError(f"{name}={getattr(self, name)}: must be >= 0")
 
     @property
     def warmup_steps(self) -> int:
