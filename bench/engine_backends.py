@@ -49,7 +49,7 @@ class RunSpec:
         workload_path: JSON file with ``prompts`` (token id lists) and ``max_tokens``.
         gguf: GGUF file for a ``llama_cpp_server_*`` configuration; ``None`` makes it unavailable.
         llama_server: the ``llama-server`` binary; ``None``: not installed.
-        int8_model: ``dynamic`` INT8 checkpoint dir for ``engine_int8``; ``None`` makes it unavailable.
+        int8_model: INT8 checkpoint dir (``w8a8`` by default) for ``engine_int8``; ``None`` makes it unavailable.
         threads: torch / llama.cpp threads, ``None`` keeps the library default.
         engine_args: extra ``EngineConfig`` fields for the engine configurations.
         profile: also profile a repeat run of the engine configurations (torch.profiler).
@@ -535,9 +535,9 @@ def run_engine_bf16(spec: RunSpec, work: Work, result: RunResult) -> None:
 
 
 def run_engine_int8(spec: RunSpec, work: Work, result: RunResult) -> None:
-    """Our engine on the INT8 ``dynamic`` checkpoint, prefix caching on."""
+    """Our engine on the INT8 checkpoint (``w8a8`` unless ``--int8`` names another), prefix caching on."""
     if spec.int8_model is None:
-        raise Unavailable("no INT8 checkpoint: pass --int8 DIR (from `lmforge quantize --method dynamic`)")
+        raise Unavailable("no INT8 checkpoint: pass --int8 DIR (from `lmforge quantize --method w8a8`)")
     _engine_run(spec, spec.int8_model, work, result, prefix_caching=True, dtype=None)
 
 
