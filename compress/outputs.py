@@ -90,6 +90,8 @@ COPIED_CHECKPOINT = OutputKind("copy of a checkpoint", (MANIFEST_NAME,))
 TOKENIZER = OutputKind("tokenizer directory", ("tokenizer.json",))
 DATA = OutputKind("lmforge data directory", ("data_report.json",))
 TRAINING_RUN = OutputKind("lmforge training run", ("run.json",))
+#: One checkpoint of a training run (``compress.train_checkpoints``).
+TRAINING_CHECKPOINT = OutputKind("lmforge training checkpoint", ("trainer_state.json",))
 LOADTEST_REPORT = OutputKind("lmforge load-test report", ("summary.json", "locust.log"))
 DEMO = OutputKind("lmforge demo directory", ("report.json", "data/data_report.json", "finetune/run.json"))
 BENCH_COMPRESSION = OutputKind("lmforge compression benchmark directory", ("compression.json", "dynamic/lmforge.json"))
