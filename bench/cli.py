@@ -15,6 +15,7 @@ import importlib.util
 TARGETS: dict[str, tuple[str, str]] = {
     "engine": ("bench.engine_bench", "Engine throughput/TTFT/start-up vs HF generate, llama-server, vLLM; compute bound per dtype."),
     "compression": ("bench.compression", "INT8 methods vs fp32 (size, perplexity, agreement, decode speed); MiniLM ONNX INT8."),
+    "reliability": ("bench.reliability", "Fault soak on tritonserver: bad requests, disconnects, a killed model stub; recovery time."),
 }
 
 

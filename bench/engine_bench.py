@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from bench.bound import MATMUL_DTYPES, ModelShape, measure_matmul_gflops, percentile, ratio, workload_flops
+from bench import spec_bench
 from bench.engine_backends import BACKENDS, RunSpec
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
@@ -71,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(comma-separated; default when given without a value: engine_fp32)")
     parser.add_argument("--smoke", action="store_true", help=f"tiny run to check the harness: {SMOKE['num_requests']} requests x {SMOKE['max_tokens']} tokens")
     parser.add_argument("--out", default="engine_bench.json", help="JSON report path (default engine_bench.json)")
+    spec_bench.add_arguments(parser)
 
 
 def parse_configs(text: str) -> list[str]:
@@ -435,6 +437,8 @@ def format_single_table(singles: list[SingleSummary]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.speculative:
+        return spec_bench.run(args)
     from transformers import AutoTokenizer
 
     from compress.checkpoints import CheckpointError, resolve_checkpoint

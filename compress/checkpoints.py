@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from compress.errors import LmforgeError
-from compress.outputs import CHECKPOINT, MANIFEST_NAME, TOKENIZER, staged_output_dir
+from compress.errors import LmforgeError, UsageError
+from compress.outputs import CHECKPOINT, IMPORTED_METHOD, MANIFEST_NAME, TOKENIZER, check_output_dir, staged_output_dir
 
 #: Files of which a checkpoint needs at least one for ``AutoTokenizer`` (fast, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -83,7 +83,7 @@ class Manifest:
 
     source: str
     parent: str | None = None
-    method: str = "import"
+    method: str = IMPORTED_METHOD
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     dtype: str = "float32"
     num_parameters: int = 0
@@ -319,12 +319,14 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
     Raises:
         CheckpointError: the GGUF file is missing, corrupt, or of an unsupported architecture.
     """
+    gguf_path = Path(gguf_path)
+    output_dir = Path(output_dir)
+    check_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,))  # cheap, so first
+    check_gguf(gguf_path)
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = Path(gguf_path)
-    output_dir = Path(output_dir)
-    check_gguf(gguf_path)
     with staged_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,)) as tmp:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -365,6 +367,8 @@ def resolve_checkpoint(spec: str | Path, *, causal_lm: bool = True) -> Path:
         CheckpointError: for every missing, corrupt or unsupported input (names the path).
     """
     spec_str = str(spec)
+    if not spec_str.strip():
+        raise CheckpointError("--model is empty", fix=f"pass a checkpoint directory, a .gguf file, or one of {sorted(NAMED_SOURCES)}")
     source = spec_str
     if spec_str in NAMED_SOURCES:
         path = named_source_path(spec_str)
@@ -385,8 +389,26 @@ def resolve_checkpoint(spec: str | Path, *, causal_lm: bool = True) -> Path:
     check_checkpoint_dir(path, causal_lm=causal_lm)
     if spec_str not in NAMED_SOURCES and not (path / MANIFEST_NAME).is_file() and os.access(path, os.W_OK):
         num_parameters, size_bytes, dtype = describe_weights(path)
-        write_manifest(path, Manifest(source=source, method="import", dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes))
+        write_manifest(path, Manifest(source=source, method=IMPORTED_METHOD, dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes))
     return path
+
+
+def check_device(device: str, *, flag: str = "--device") -> str:
+    """Refuse a device this machine does not have, before any model is loaded; returns ``device``.
+
+    Raises:
+        UsageError: not ``cpu`` / ``cuda`` / ``cuda:N``, CUDA not available, or ``N`` out of range.
+    """
+    import torch
+
+    index = device.partition(":")[2]
+    if device != "cpu" and not (device.split(":")[0] == "cuda" and (index == "" or index.isdigit())):
+        raise UsageError(f"{flag} {device!r}: not a device", fix="use cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"{flag} {device}: CUDA is not available on this machine", fix="use --device cpu, or run on a machine with a GPU")
+    if index and int(index) >= torch.cuda.device_count():
+        raise UsageError(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)", fix=f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
 
 
 def load_causal_lm(spec: str | Path, *, dtype: str = "float32"):

@@ -33,11 +33,12 @@ import random
 import re
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from compress.dedup import MinHashConfig, exact_key, near_duplicates, normalize
-from compress.errors import LmforgeError
+from compress.errors import LmforgeError, UsageError
 from compress.outputs import DATA, check_output_dir, staged_output_dir
 
 ROLES = ("system", "user", "assistant")
@@ -112,13 +113,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction={self.val_fraction}: must be in (0, 1)")
+            raise UsageError(f"val_fraction={self.val_fraction}: must be in (0, 1)")
         if not 0.0 <= self.noise_ratio <= 1.0:
-            raise ValueError(f"noise_ratio={self.noise_ratio}: must be in [0, 1]")
+            raise UsageError(f"noise_ratio={self.noise_ratio}: must be in [0, 1]")
         if self.min_chars > self.max_chars:
-            raise ValueError(f"min_chars={self.min_chars} > max_chars={self.max_chars}")
+            raise UsageError(f"min_chars={self.min_chars} > max_chars={self.max_chars}")
         if not self.inputs:
-            raise ValueError("inputs is empty; pass at least one --input")
+            raise UsageError("inputs is empty; pass at least one --input")
         self.minhash  # validates the MinHash settings
 
     @property
@@ -190,7 +191,7 @@ def load_chatterbot_file(path: Path, skipped: list[tuple[Record, str]] | None = 
     import yaml
 
     try:
-        root = yaml.compose(path.read_text(encoding="utf-8"))
+        root = yaml.compose(read_utf8(path))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else 1
@@ -216,29 +217,46 @@ def load_chatterbot_file(path: Path, skipped: list[tuple[Record, str]] | None = 
     return records
 
 
+def read_utf8(path: Path, error: type[LmforgeError] = DataError) -> str:
+    """The text of the user file ``path``.
+
+    Raises:
+        ``error``: the file is not UTF-8 (names the file and the byte offset).
+    """
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})", fix="save it as UTF-8") from exc
+
+
+def iter_jsonl(path: Path, error: type[LmforgeError] = DataError) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed value)`` of each non-blank line of a JSONL file.
+
+    Raises:
+        ``error``: the file is not UTF-8, or a line is not JSON (names file:line).
+    """
+    for line_no, line in enumerate(read_utf8(path, error).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield line_no, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(f"{path}:{line_no}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+
+
 def load_jsonl(path: Path) -> list[Record]:
     """Records of a JSONL file (blank lines skipped).
 
     Raises:
-        DataError: a line that is not JSON or not a valid record (names file:line).
+        DataError: not UTF-8, or a line that is not JSON or not a valid record (names file:line).
     """
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
-            records.append(Record(validate_record(obj, str(path), line_no), str(path), line_no))
-    return records
+    return [Record(validate_record(obj, str(path), line_no), str(path), line_no) for line_no, obj in iter_jsonl(path)]
 
 
 def load_text(path: Path) -> list[Record]:
     """Paragraphs (blank-line separated) of a plain-text file as ``{"text": ...}`` records."""
     records, lines, start = [], [], 1
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for line_no, line in enumerate(read_utf8(path).splitlines(), start=1):
         if line.strip():
             if not lines:
                 start = line_no
@@ -315,7 +333,7 @@ def read_blocklist(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: block-list file not found; pass --blocklist FILE or --blocklist none")
-    return [w.strip().lower() for w in path.read_text(encoding="utf-8").splitlines() if w.strip() and not w.startswith("#")]
+    return [w.strip().lower() for w in read_utf8(path).splitlines() if w.strip() and not w.startswith("#")]
 
 
 def blocked_word(text: str, words: list[str]) -> str | None:

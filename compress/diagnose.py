@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from compress.errors import UsageError
+from compress.outputs import check_output_file
 
 SPIKE_WINDOW = 10  # preceding train steps a spike is compared with
 SPIKE_MIN_HISTORY = 5
@@ -390,6 +391,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json_out:
+        check_output_file(args.json_out, flag="--json")
     findings = diagnose(args.run_dir)
     print(format_findings(findings))
     if args.json_out:

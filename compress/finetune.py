@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from compress.training import TrainConfig, TrainingError, TrainingRecipe, token_losses
+from compress.errors import UsageError
+from compress.training import TrainConfig, TrainingRecipe, token_losses
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -67,6 +68,11 @@ class FinetuneRecipe(TrainingRecipe):
         if cfg.lora:
             from peft import LoraConfig, get_peft_model
 
+            linear = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            missing = sorted(set(cfg.lora_target_modules) - set(linear))
+            if missing:
+                raise UsageError(f"--lora-target-modules: {', '.join(missing)} not in {self.model_path}",
+                                 fix=f"choose from its linear layers: {','.join(linear)}")
             lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                               target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
             model = get_peft_model(model, lora)

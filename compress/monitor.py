@@ -32,18 +32,32 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsLog:
-    """Append-only ``metrics.jsonl`` writer (one process writes: rank 0)."""
+    """Append-only ``metrics.jsonl`` writer and its plots; only the process with ``enabled``
+    (rank 0) writes, the others' calls do nothing."""
 
-    def __init__(self, run_dir: str | Path) -> None:
-        self.path = Path(run_dir) / METRICS_FILE
+    def __init__(self, run_dir: str | Path, enabled: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
+        self.enabled = enabled
 
     def append(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
+    def reset(self) -> None:
+        """Start a fresh log (a new, not resumed, run)."""
+        if self.enabled:
+            self.path.unlink(missing_ok=True)
+
+    def plot(self) -> list[Path]:
+        """``plot_metrics`` of the run (nothing on other ranks)."""
+        return plot_metrics(self.run_dir) if self.enabled else []
+
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after ``step`` (a resumed run rewrites them)."""
-        if not self.path.is_file():
+        if not self.enabled or not self.path.is_file():
             return
         kept = [line for line in self.read() if line["step"] <= step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))

@@ -13,7 +13,8 @@ The check refuses, naming the path and the fix:
   its own source never ends);
 * a symbolic link, or a path that exists and is not a directory;
 * a non-empty directory that is not an earlier lmforge output of the same kind (``OutputKind``:
-  recognised by its marker file, e.g. ``lmforge.json`` for a checkpoint).
+  recognised by its marker file, e.g. ``lmforge.json`` for a checkpoint, unless its method is
+  ``import``: the user's own checkpoint, which lmforge only read).
 
 An empty directory or an earlier output of the same kind is replaced.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -60,6 +62,16 @@ class OutputKind:
         return False
 
 
+def _made_by_lmforge(manifest: Path) -> bool:
+    """A checkpoint manifest of a directory lmforge wrote; ``import`` marks one it only read (a
+    user's own Hugging Face directory gets such a manifest on first use) and is never replaced."""
+    try:
+        method = json.loads(manifest.read_text(encoding="utf-8")).get("method")
+    except (ValueError, AttributeError, OSError):  # corrupt: not recognised, so not replaced
+        return False
+    return isinstance(method, str) and method != IMPORTED_METHOD
+
+
 def _rendered_by_lmforge(path: Path) -> bool:
     with path.open("rb") as f:
         return b"lmforge render" in f.read(4096)
@@ -68,10 +80,18 @@ def _rendered_by_lmforge(path: Path) -> bool:
 #: The checkpoint manifest (see ``compress.checkpoints``); it marks a directory as a checkpoint.
 MANIFEST_NAME = "lmforge.json"
 
-CHECKPOINT = OutputKind("lmforge checkpoint", (MANIFEST_NAME,))
+#: ``Manifest.method`` of a directory lmforge did not write (see ``_made_by_lmforge``).
+IMPORTED_METHOD = "import"
+
+CHECKPOINT = OutputKind("lmforge checkpoint", (MANIFEST_NAME,), _made_by_lmforge)
+#: A checkpoint copied inside an output lmforge wrote (``export --copy-weights``): its manifest
+#: is the source's, whatever its method.
+COPIED_CHECKPOINT = OutputKind("copy of a checkpoint", (MANIFEST_NAME,))
 TOKENIZER = OutputKind("tokenizer directory", ("tokenizer.json",))
 DATA = OutputKind("lmforge data directory", ("data_report.json",))
 TRAINING_RUN = OutputKind("lmforge training run", ("run.json",))
+#: One checkpoint of a training run (``compress.train_checkpoints``).
+TRAINING_CHECKPOINT = OutputKind("lmforge training checkpoint", ("trainer_state.json",))
 LOADTEST_REPORT = OutputKind("lmforge load-test report", ("summary.json", "locust.log"))
 DEMO = OutputKind("lmforge demo directory", ("report.json", "data/data_report.json", "finetune/run.json"))
 BENCH_COMPRESSION = OutputKind("lmforge compression benchmark directory", ("compression.json", "dynamic/lmforge.json"))
@@ -112,7 +132,7 @@ def check_output_dir(output_dir: str | Path, *, kind: OutputKind = CHECKPOINT, s
         if not out.is_dir():
             raise OutputDirError(f"{out}: exists and is not a directory", fix=_FIX)
         if any(out.iterdir()) and not kind.is_earlier_output(out):
-            found = " or ".join(kind.markers)
+            found = " or ".join(kind.markers) + (" that lmforge wrote" if kind.recognise else "")
             raise OutputDirError(f"{out}: not empty and not an earlier {kind.name} (no {found})", fix=_FIX)
     return out
 
@@ -189,3 +209,22 @@ def check_copy(source: str | Path, target: str | Path) -> None:
     src, dst = Path(source).resolve(), Path(target).resolve()
     if src == dst or src in dst.parents or dst in src.parents:
         raise OutputDirError(f"cannot copy {src} to {dst}: one contains the other", fix="export to a repository outside the checkpoint")
+
+
+def check_output_file(path: str | Path, *, flag: str) -> Path:
+    """Refuse, before the work, an output file path that could not be written afterwards.
+
+    Returns:
+        The absolute path (an existing file there is overwritten, as the flag asks).
+
+    Raises:
+        OutputDirError: the path is a directory, or its parent is missing or not a directory.
+    """
+    out = Path(path).expanduser().resolve()
+    if out.is_dir():
+        raise OutputDirError(f"{flag} {path}: is a directory", fix="pass a file path, e.g. DIR/results.json")
+    if not out.parent.is_dir():
+        raise OutputDirError(f"{flag} {path}: the directory {out.parent} does not exist", fix="create it first or pass another path")
+    if not os.access(out.parent, os.W_OK):
+        raise OutputDirError(f"{flag} {path}: the directory {out.parent} is not writable", fix="pass a writable path")
+    return out

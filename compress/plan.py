@@ -24,7 +24,6 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from compress.errors import LmforgeError, UsageError
 from compress.comm_model import (
     CLUSTER_PRESETS,
     Cluster,
@@ -35,6 +34,7 @@ from compress.comm_model import (
     model_flops_per_token,
     training_step_time,
 )
+from compress.errors import LmforgeError, UsageError
 from compress.memory_model import (
     KVCapacity,
     ModelSpec,
@@ -46,6 +46,7 @@ from compress.memory_model import (
     state_memory,
     total_params,
 )
+from compress.outputs import check_output_file
 from compress.pipeline_schedule import bubble_fraction, simulate_1f1b
 
 GIB = 2**30
@@ -488,6 +489,9 @@ def run_training(args: argparse.Namespace, model: ModelSpec) -> dict:
     if any(v is not None for v in fixed):
         if any(v is None for v in fixed):
             raise ValueError("--dp, --tp and --pp fix a split together; pass all three (or none to search)")
+        for flag, value in zip(("--dp", "--tp", "--pp"), fixed):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: a parallel degree must be >= 1")
         splits = [Split(args.dp, args.tp, args.pp)]
     entries = plan_training(model, setup, splits)
     print(format_training(model, setup, entries, args.top))
@@ -496,6 +500,9 @@ def run_training(args: argparse.Namespace, model: ModelSpec) -> dict:
 
 
 def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
+    for flag, value in (("--tp", args.tp), ("--max-num-seqs", args.max_num_seqs)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1 (or left out)")
     cluster = cluster_from_args(args)
     memory = int(args.device_memory_gib * GIB)
     cap = inference_capacity(
@@ -549,6 +556,8 @@ def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json_out:
+        check_output_file(args.json_out, flag="--json")
     try:
         model = model_from_args(args)
         result = run_training(args, model) if args.mode == "train" else run_inference(args, model)

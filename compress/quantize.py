@@ -34,6 +34,7 @@ from compress.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
+    check_device,
     describe_weights,
     read_manifest,
     resolve_checkpoint,
@@ -391,14 +392,13 @@ class LlmInt8Quantizer:
 
         Raises:
             CheckpointError: missing/corrupt checkpoint or a non-causal model.
-            RuntimeError: ``device`` is CUDA but no GPU is visible.
+            UsageError: ``device`` is CUDA but no GPU is visible.
         """
         import torch
         from transformers import AutoModelForCausalLM
 
         source_dir = _require_causal_lm(checkpoint, self.method)
-        if self.config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise RuntimeError(f"device={self.config.device!r} but CUDA is not available; use device='cpu'")
+        check_device(self.config.device)
         model = AutoModelForCausalLM.from_pretrained(
             source_dir, quantization_config=self.bnb_config(), device_map=self.config.device, dtype=torch.float32
         )
@@ -518,6 +518,8 @@ def quantize(checkpoint: str | Path, output_dir: str | Path, *, method: str, **c
             is unsafe to replace (``compress.outputs.OutputDirError``, see ``check_output_dir``).
     """
     quantizer = make_quantizer(method, **config)
+    if isinstance(getattr(quantizer.config, "device", None), str):
+        check_device(quantizer.config.device)  # before any model is loaded
     source = _require_unquantized(checkpoint)
     output_dir = check_output_dir(output_dir, kind=CHECKPOINT, sources=(source,))
     return quantizer.quantize(source, output_dir)

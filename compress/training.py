@@ -20,8 +20,12 @@ What the loop does, per optimizer step:
 * metrics appended to ``metrics.jsonl`` (``compress.monitor``), validation every
   ``eval_every`` steps, a checkpoint every ``save_every`` steps.
 
-Checkpoints (``RUN_DIR/checkpoints/step_NNNNNN/``, written to a temporary directory and renamed,
-so a checkpoint directory is always complete) hold the trainable weights, the optimizer and
+The recipe keeps the loop; three classes own the rest: ``compress.distributed.ProcessGroup``
+(device, DDP/FSDP2, collectives), ``compress.train_checkpoints.TrainingCheckpoints`` (save,
+rotation, resume) and ``compress.monitor.MetricsLog`` (``metrics.jsonl`` and its plots).
+
+Checkpoints (``RUN_DIR/checkpoints/step_NNNNNN/``, written to a temporary directory and swapped
+in, so a checkpoint directory is always complete) hold the trainable weights, the optimizer and
 scheduler state, each rank's RNG states and the data position (epoch, micro-batch), so a resumed
 run continues exactly where the original would have been (same batches, same losses on the
 same hardware). Under ``torchrun`` the loop runs DDP (gloo on CPU, NCCL on CUDA) or, with
@@ -34,11 +38,8 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
-import pickle  # only for its UnpicklingError: files are read with weights_only=True
 import random
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -46,17 +47,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from compress.errors import LmforgeError
-from compress.monitor import MetricsLog, plot_metrics
+from compress.distributed import ProcessGroup, local_shard
+from compress.errors import UsageError
+from compress.monitor import MetricsLog
 from compress.outputs import CHECKPOINT, TRAINING_RUN, check_output_dir, staged_output_dir
 from compress.packing import IGNORE_INDEX, PackedData, tokenize_and_pack
+from compress.train_checkpoints import TrainingCheckpoints, TrainingError, TrainState
+
+__all__ = ["TrainConfig", "TrainResult", "TrainState", "TrainingError", "TrainingRecipe", "token_losses"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINTS = "checkpoints"
-
-
-class TrainingError(LmforgeError, RuntimeError):
-    """A run cannot start or had to stop (bad config, no data, non-finite loss)."""
 
 
 @dataclasses.dataclass
@@ -121,26 +121,26 @@ class TrainConfig:
     progress: bool = True
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field and the fix."""
+        """Raise ``UsageError`` (a ``ValueError``) naming the first bad field and the fix."""
         positive = ("max_steps", "micro_batch_size", "grad_accum_steps", "max_length", "keep_checkpoints")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+                raise UsageError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.lr <= 0:
-            raise ValueError(f"lr={self.lr}: must be > 0")
+            raise UsageError(f"lr={self.lr}: must be > 0")
         if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1)")
+            raise UsageError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1)")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}: use one of {PRECISIONS}")
+            raise UsageError(f"precision={self.precision!r}: use one of {PRECISIONS}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm={self.max_grad_norm}: must be > 0 (or None to disable clipping)")
+            raise UsageError(f"max_grad_norm={self.max_grad_norm}: must be > 0 (or None to disable clipping)")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device={self.device!r}: use auto, cpu or cuda")
+            raise UsageError(f"device={self.device!r}: use auto, cpu or cuda")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.max_steps:
-            raise ValueError(f"stop_after={self.stop_after}: must be in [1, max_steps={self.max_steps}]")
+            raise UsageError(f"stop_after={self.stop_after}: must be in [1, max_steps={self.max_steps}]")
         for name in ("eval_every", "save_every", "param_change_every"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+                raise UsageError(f"{name}={getattr(self, name)}: must be >= 0")
 
     @property
     def warmup_steps(self) -> int:
@@ -148,19 +148,6 @@ class TrainConfig:
         if self.warmup_ratio == 0:
             return 0
         return max(1, round(self.warmup_ratio * self.max_steps))
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Progress saved in a checkpoint (``trainer_state.json``)."""
-
-    step: int = 0  # optimizer steps done
-    epoch: int = 0  # passes over the training rows started
-    micro_batch: int = 0  # next micro-batch within the epoch
-    tokens: int = 0  # non-padding input tokens seen, all ranks
-    elapsed_s: float = 0.0  # wall time spent in train() before this process
-    val_loss_before: float | None = None
-    val_loss_last: float | None = None
 
 
 @dataclasses.dataclass
@@ -175,16 +162,6 @@ class TrainResult:
 # --------------------------------------------------------------------------------------------
 # Distributed helpers
 # --------------------------------------------------------------------------------------------
-
-
-def distributed_env() -> tuple[int, int, int]:
-    """``(rank, world_size, local_rank)`` from the ``torchrun`` environment (read at call time)."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def layer_group(name: str) -> str:
@@ -209,25 +186,6 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig):
     from transformers import get_cosine_schedule_with_warmup
 
     return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=config.max_steps)
-
-
-def load_state_file(path: Path) -> Any:
-    """Load a training-state file (``torch.save`` of tensors, numbers, strings, lists, tuples and
-    dicts: weights, AdamW and scheduler state, RNG states) without unpickling code.
-
-    ``weights_only=True`` refuses any other object, so a planted file cannot run code.
-
-    Raises:
-        TrainingError: the file is missing, corrupt or holds other objects (names the file).
-    """
-    fix = "delete that checkpoint directory to resume from an earlier one, or run without --resume"
-    if not path.is_file():
-        raise TrainingError(f"{path}: missing; {fix}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TrainingError(f"{path}: not a training-state file lmforge wrote ({first_line}); {fix}") from exc
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
@@ -290,7 +248,8 @@ class TrainingRecipe:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.state = TrainState()
-        self.rank, self.world_size, self.local_rank = distributed_env()
+        self.group = ProcessGroup()
+        self.rank, self.world_size = self.group.rank, self.group.world_size
         self.model: torch.nn.Module | None = None
 
     # -- hooks -------------------------------------------------------------------------------
@@ -326,10 +285,11 @@ class TrainingRecipe:
         from compress.data import read_data_file
 
         cfg = self.config
-        self.device = self._pick_device()
-        if cfg.precision == "fp16" and self.device.type != "cuda":
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise TrainingError("device=cuda but CUDA is not available; use --device cpu")
+        if cfg.precision == "fp16" and (cfg.device == "cpu" or not torch.cuda.is_available()):
             raise TrainingError("precision=fp16 needs CUDA (loss scaling); use --precision bf16 or fp32 on CPU")
-        self._init_distributed()
+        self.device = self.group.start(cfg.device)
         self._seed(cfg.seed)
         self.model_path = resolve_checkpoint(cfg.model)
         data = Path(cfg.data)
@@ -346,47 +306,21 @@ class TrainingRecipe:
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
-        self.model = self._wrap(model)
+        self.model = self.group.wrap(model, cfg.fsdp)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = cosine_schedule(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
-        self.metrics = MetricsLog(self.run_dir)
+        self.metrics = MetricsLog(self.run_dir, enabled=self.is_main)
+        self.checkpoints = TrainingCheckpoints(self.run_dir, rank=self.rank, device=self.device,
+                                               keep=cfg.keep_checkpoints, barrier=self.group.barrier)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             run_info = {"train_data": str(data / "train.jsonl"), "val_data": str(data / "val.jsonl"), "config": dataclasses.asdict(cfg), "method": self.method}
             (self.run_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
         if cfg.resume:
-            self._restore(self._latest_checkpoint())
-        elif self.is_main:
-            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-
-    def _pick_device(self) -> torch.device:
-        want = self.config.device
-        if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-            if not torch.cuda.is_available():
-                raise TrainingError("device=cuda but CUDA is not available; use --device cpu")
-            torch.cuda.set_device(self.local_rank)
-            return torch.device("cuda", self.local_rank)
-        return torch.device("cpu")
-
-    def _init_distributed(self) -> None:
-        import torch.distributed as dist
-
-        if self.world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.world_size == 1:
-            return model
-        if self.config.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in _decoder_layers(model):
-                fully_shard(layer)
-            return fully_shard(model)
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            self.restore_checkpoint(self.checkpoints.latest())
+        else:
+            self.metrics.reset()
 
     def _unwrapped(self) -> torch.nn.Module:
         return self.model.module if hasattr(self.model, "module") else self.model
@@ -442,16 +376,9 @@ class TrainingRecipe:
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             loss_sum, n = token_losses(logits, batch["labels"])
             total += torch.stack([loss_sum.double(), n.double()])
-        self._all_reduce(total)
+        self.group.all_reduce(total)
         model.train(was_training)
         return float(total[0] / total[1].clamp(min=1))
-
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(t)
-        return t
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -490,8 +417,7 @@ class TrainingRecipe:
                     self.save_checkpoint()
         finally:
             bar.close()
-            if self.is_main:
-                plot_metrics(self.run_dir)
+            self.metrics.plot()
         if self.state.step < cfg.max_steps:
             return TrainResult("stopped", self.state.step, f"stopped after step {self.state.step} (stop_after); continue with --resume")
         return TrainResult("completed", self.state.step)
@@ -521,7 +447,7 @@ class TrainingRecipe:
             data_wait += t1 - t0
             compute += time.perf_counter() - t1
         t2 = time.perf_counter()
-        stats = self._all_reduce(torch.stack([loss_total, tokens]))
+        stats = self.group.all_reduce(torch.stack([loss_total, tokens]))
         loss_value = float(stats[0]) / self.world_size
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
@@ -532,7 +458,7 @@ class TrainingRecipe:
             return None
         lr = self.scheduler.get_last_lr()[0]
         track = cfg.param_change_every and (self.state.step + 1) % cfg.param_change_every == 0
-        before = [_local(p).detach().clone() for p in params] if track else None
+        before = [local_shard(p).detach().clone() for p in params] if track else None
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -549,7 +475,7 @@ class TrainingRecipe:
             "tokens": self.state.tokens, "data_wait_s": round(data_wait, 6), "compute_s": round(compute, 6),
             "param_change": change,
         }
-        record.update({k: float(self._all_reduce(torch.tensor(v, device=self.device))) / self.world_size for k, v in parts_total.items()})
+        record.update({k: float(self.group.all_reduce(torch.tensor(v, device=self.device))) / self.world_size for k, v in parts_total.items()})
         return record
 
     @torch.no_grad()
@@ -563,102 +489,36 @@ class TrainingRecipe:
         params = [p for p in self.model.parameters() if p.requires_grad]
         for name, p, b in zip(names, params, before):
             g = groups[layer_group(name)]
-            sums[g, 0] += (_local(p).double() - b.double()).pow(2).sum()
+            sums[g, 0] += (local_shard(p).double() - b.double()).pow(2).sum()
             sums[g, 1] += b.double().pow(2).sum()
         if self.config.fsdp:
-            self._all_reduce(sums)
+            self.group.all_reduce(sums)
         return {name: float(sums[g, 0].sqrt() / sums[g, 1].sqrt().clamp(min=1e-30)) for name, g in groups.items()}
 
     def _stop_on_nan(self) -> TrainResult:
         loss, grad_norm = self._bad_value
-        latest = self._latest_checkpoint(required=False)
+        latest = self.checkpoints.latest(required=False)
         keep = f"last good checkpoint: {latest}" if latest else "no checkpoint was written before it (use --save-every)"
         message = (
             f"non-finite training loss at step {self.state.step + 1} (loss={loss}, grad_norm={grad_norm}); "
             f"stopped without updating the weights; {keep}. Lower --lr, use --precision fp32, or check the data"
         )
-        if self.is_main:
-            self._log({"step": self.state.step + 1, "split": "train", "event": "nan", "loss": loss, "grad_norm": grad_norm})
+        self._log({"step": self.state.step + 1, "split": "train", "event": "nan", "loss": loss, "grad_norm": grad_norm})
         return TrainResult("nan", self.state.step, message)
 
     def _log(self, record: dict[str, Any]) -> None:
-        if self.is_main:
-            self.metrics.append(record)
+        self.metrics.append(record)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def _state_options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_NNNNNN`` (trainable weights, optimizer, scheduler, RNG,
-        data position) atomically and prune old ones; returns its path (all ranks take part)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        """Write ``checkpoints/step_NNNNNN`` for the current step (``compress.train_checkpoints``)."""
+        return self.checkpoints.save(self.model, self.optimizer, self.scheduler, self.scaler, self.state)
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
-        root = self.run_dir / CHECKPOINTS
-        final = root / f"step_{self.state.step:06d}"
-        tmp = root / f".tmp_step_{self.state.step:06d}"
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        torch.save(rng, tmp / f"rng_rank{self.rank}.pt")
-        if self.is_main:
-            torch.save(model_state, tmp / "model.pt")
-            torch.save(optim_state, tmp / "optimizer.pt")
-            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
-            if self.scaler:
-                torch.save(self.scaler.state_dict(), tmp / "scaler.pt")
-        self._barrier()
-        if self.is_main:
-            (tmp / "trainer_state.json").write_text(json.dumps(dataclasses.asdict(self.state), indent=2) + "\n")
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for old in sorted(root.glob("step_*"))[: -self.config.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        self._barrier()
-        return final
-
-    def _latest_checkpoint(self, required: bool = True) -> Path | None:
-        found = sorted(p for p in (self.run_dir / CHECKPOINTS).glob("step_*") if (p / "trainer_state.json").is_file())
-        if not found and required:
-            raise TrainingError(f"{self.run_dir / CHECKPOINTS}: no checkpoint to resume from; run without --resume")
-        return found[-1] if found else None
-
-    def _restore(self, path: Path) -> None:
-        """Load weights, optimizer, scheduler, RNG states and data position from ``path``."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        model_state = load_state_file(path / "model.pt")
-        optim_state = load_state_file(path / "optimizer.pt")
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=self._state_options())
-        self.scheduler.load_state_dict(load_state_file(path / "scheduler.pt"))
-        if self.scaler and (path / "scaler.pt").is_file():
-            self.scaler.load_state_dict(load_state_file(path / "scaler.pt"))
-        state = json.loads((path / "trainer_state.json").read_text())
-        self.state = TrainState(**state)
-        rng_file = path / f"rng_rank{self.rank}.pt"
-        if not rng_file.is_file():
-            raise TrainingError(f"{rng_file}: missing; resume with the same number of processes as the original run")
-        rng = load_state_file(rng_file)
-        random.setstate(rng["python"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
-        if self.is_main:
-            self.metrics.truncate_after(self.state.step)
-
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+    def restore_checkpoint(self, path: Path) -> None:
+        """Continue from the checkpoint ``path``: weights, optimizer, schedule, RNG, data position."""
+        self.state = self.checkpoints.restore(path, self.model, self.optimizer, self.scheduler, self.scaler)
+        self.metrics.truncate_after(self.state.step)
 
     # -- save ----------------------------------------------------------------------------------------
 
@@ -697,7 +557,7 @@ class TrainingRecipe:
                     parent=str(self.model_path), method=self.method, config=self.manifest_config(),
                     dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes, metrics=metrics,
                 ))
-        self._barrier()
+        self.group.barrier()
         return out
 
     def manifest_config(self) -> dict[str, Any]:
@@ -711,10 +571,7 @@ class TrainingRecipe:
         return model
 
     def close(self) -> None:
-        import torch.distributed as dist
-
-        if self.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        self.group.close()
 
     def run(self) -> tuple[TrainResult, Path | None]:
         """``setup``, ``train``, and ``save`` when training completed; returns the result and
@@ -727,9 +584,3 @@ class TrainingRecipe:
         finally:
             self.close()
 
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    for module in model.modules():
-        if hasattr(module, "layers") and isinstance(module.layers, torch.nn.ModuleList):
-            return list(module.layers)
-    return []

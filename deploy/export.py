@@ -29,9 +29,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoints import SUPPORTED_CAUSAL_LM_TYPES, resolve_checkpoint
+from compress.checkpoints import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
 from compress.errors import UsageError
-from compress.outputs import CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
+from compress.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from deploy.model_config import (
     CONFIG_NAME,
     check_repository,
@@ -195,10 +195,11 @@ def export(
         raise UsageError(f"--kind encoder: {checkpoint} is a causal LM", fix="export it with --kind llm (or --kind auto)")
     kind = detected if kind == "auto" else kind
     repo = Path(repo)
+    if repo.exists() and not repo.is_dir():
+        raise UsageError(f"--repo {repo}: exists and is not a directory", fix="pass a Triton model repository directory")
     source = resolve_checkpoint(checkpoint, causal_lm=False)
     for model_name in [name] if kind == "llm" else encoder_model_names(name):
         check_output_dir(repo / model_name, kind=TRITON_MODEL, sources=(source,))
-    repo.mkdir(parents=True, exist_ok=True)
     if kind == "llm":
         return [export_llm(checkpoint, repo, name, engine=engine or {}, instances=instances, copy_weights=copy_weights)]
     if engine:
@@ -225,12 +226,17 @@ def export_llm(checkpoint: str | Path, repo: Path, name: str, *, engine: dict[st
 
     source = resolve_checkpoint(checkpoint)
     config = EngineConfig(model=str(source), **engine)  # validates the fields (ValueError names them)
+    check_device(config.device, flag="--device")  # the server would fail on it at load time
+    max_positions = json.loads((source / "config.json").read_text()).get("max_position_embeddings")
+    if config.max_model_len is not None and isinstance(max_positions, int) and config.max_model_len > max_positions:
+        raise UsageError(f"--max-model-len {config.max_model_len}: longer than the model's max_position_embeddings={max_positions}",
+                         fix=f"use at most {max_positions}")
     version_dir = write_model_dir(repo, name, llm_config(name, instance_count=instances), "llm")
     pointer = str(source)
     if copy_weights:
         target = version_dir / "weights"
         check_copy(source, target)
-        with staged_output_dir(target, kind=CHECKPOINT, sources=(source,)) as tmp:
+        with staged_output_dir(target, kind=COPIED_CHECKPOINT, sources=(source,)) as tmp:
             shutil.copytree(source, tmp, dirs_exist_ok=True)
         pointer = "weights"
     engine_fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}

@@ -9,9 +9,9 @@ YAML; ``deploy/docker/`` and ``deploy/k8s/{gpu,cpu}/`` in the repository are the
 with the defaults (a test keeps them in sync). ``render_deploy`` is the function
 ``lmforge export --target docker|k8s`` calls.
 
-Kubernetes target (apply with ``kubectl apply -k OUT``): a Triton Deployment (liveness
-``/v2/health/live``, readiness ``/v2/health/ready``, a startup probe that waits out the model
-load, ``nvidia.com/gpu`` in the GPU variant, an in-memory ``/dev/shm`` for the Python backend), a
+Kubernetes target (apply with ``kubectl apply -k OUT``): a Triton Deployment (startup, liveness
+and readiness probes on the model's ``/v2/models/NAME/ready``, so a model that unloaded itself
+after its engine died gets the pod restarted; the startup probe waits out the model load; ``nvidia.com/gpu`` in the GPU variant, an in-memory ``/dev/shm`` for the Python backend), a
 Service (HTTP 8000, gRPC 8001, metrics 8002), a HorizontalPodAutoscaler on Triton's queue time
 per request served through prometheus-adapter (its Helm values are rendered too), a
 ServiceMonitor (or PodMonitor) for the Prometheus Operator, Locust master and worker
@@ -141,7 +141,7 @@ class DeployValues:
         for key in ("cpu", "memory", "shm_size", "pvc_size"):
             _check(key, getattr(self, key), QUANTITY, "a Kubernetes quantity, e.g. 4, 500m, 16Gi, 512Mi")
         if not float(re.match(r"[0-9.]+", self.cpu).group()) > 0:
-            raise ValueError(f"cpu={self.cpu!r}: must be > 0")
+            raise ValueError(f"cpu={self.cpu!r}: must be > 0; fix --cpu (or cpu in --values)")
         for key in ("image", "locust_image"):
             _check(key, getattr(self, key), IMAGE_REFERENCE, "an image reference, e.g. registry.example.com:5000/team/lmforge-triton:0.1.0")
         _check("locust_run_time", self.locust_run_time, RUN_TIME, "a duration like 10m, 1h30m or 90s")
@@ -180,6 +180,11 @@ def triton_args(v: DeployValues) -> list[str]:
     ]
 
 
+def model_ready_path(model_name: str) -> str:
+    """Triton's per-model readiness endpoint, the one probes and health checks poll."""
+    return f"/v2/models/{model_name}/ready"
+
+
 def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s, "failureThreshold": failures,
             "timeoutSeconds": 5}
@@ -198,9 +203,11 @@ def triton_deployment(v: DeployValues) -> dict[str, Any]:
         "args": triton_args(v),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in TRITON_PORTS.items()],
         "resources": resources,
-        "startupProbe": _probe("/v2/health/ready", 10, -(-v.startup_timeout_s // 10)),
-        "livenessProbe": _probe("/v2/health/live", 10, 3),
-        "readinessProbe": _probe("/v2/health/ready", 5, 3),
+        # The model's own ready endpoint: a model whose engine died unloads itself, and
+        # /v2/health/ready would still answer 200 (strict readiness ignores unloaded models).
+        "startupProbe": _probe(model_ready_path(v.model_name), 10, -(-v.startup_timeout_s // 10)),
+        "livenessProbe": _probe(model_ready_path(v.model_name), 10, 3),
+        "readinessProbe": _probe(model_ready_path(v.model_name), 5, 3),
         "volumeMounts": mounts,
     }
     if v.model_repository == "pvc":
@@ -409,7 +416,7 @@ COPY ${{MODEL_REPOSITORY}} /models
 
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
-    CMD curl -fsS http://127.0.0.1:8000/v2/health/ready || exit 1
+    CMD curl -fsS http://127.0.0.1:8000/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver"]
 CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true"]
 """
@@ -459,7 +466,7 @@ COPY ${{MODEL_REPOSITORY}} /models
 
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
-    CMD curl -fsS http://127.0.0.1:8000/v2/health/ready || exit 1
+    CMD curl -fsS http://127.0.0.1:8000/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver", "--backend-directory=/opt/lmforge/venv/lib/python3.11/site-packages/pytriton/tritonserver/backends"]
 CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true", "--allow-gpu-metrics=false"]
 """
@@ -481,7 +488,7 @@ def _triton_service(v: DeployValues, profile: str) -> dict[str, Any]:
         "ports": [f"127.0.0.1:{p}:{p}" for p in TRITON_PORTS.values()],
         "volumes": ["${MODEL_REPOSITORY:-../../model_repository}:/models:ro"],
         "networks": {"default": {"aliases": ["triton"]}},
-        "healthcheck": {"test": ["CMD", "curl", "-fsS", "http://127.0.0.1:8000/v2/health/ready"],
+        "healthcheck": {"test": ["CMD", "curl", "-fsS", f"http://127.0.0.1:8000{model_ready_path(v.model_name)}"],
                         "interval": "10s", "timeout": "5s", "retries": 3, "start_period": f"{v.startup_timeout_s}s"},
     }
     if gpu:

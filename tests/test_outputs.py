@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ def test_check_refuses_cwd_parents_inputs_links_files_and_foreign_dirs(tmp_path,
     (tmp_path / "empty").mkdir()
     assert check_output_dir("../empty") == tmp_path / "empty"  # relative paths come back absolute
     (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "lmforge.json").write_text("{}")
+    (tmp_path / "old" / "lmforge.json").write_text('{"method": "dynamic"}')
     assert check_output_dir(tmp_path / "old", kind=CHECKPOINT) == tmp_path / "old"
     with pytest.raises(OutputDirError, match="not an earlier lmforge data directory"):
         check_output_dir(tmp_path / "old", kind=DATA)  # an output of another kind
@@ -63,16 +64,16 @@ def test_check_refuses_cwd_parents_inputs_links_files_and_foreign_dirs(tmp_path,
 def test_staged_writer_replaces_an_earlier_output_whole_and_keeps_it_on_failure(tmp_path):
     out = tmp_path / "out"
     with staged_output_dir(out) as tmp:
-        (tmp / "lmforge.json").write_text('{"v": 1}')
+        (tmp / "lmforge.json").write_text('{"method": "dynamic", "v": 1}')
         assert not out.exists()  # nothing at the target until the work is done
     with pytest.raises(RuntimeError, match="interrupted"):
         with staged_output_dir(out) as tmp:
-            (tmp / "lmforge.json").write_text('{"v": 2}')
+            (tmp / "lmforge.json").write_text('{"method": "dynamic", "v": 2}')
             raise RuntimeError("interrupted")
-    assert json.loads((out / "lmforge.json").read_text()) == {"v": 1}
+    assert json.loads((out / "lmforge.json").read_text()) == {"method": "dynamic", "v": 1}
     with staged_output_dir(out) as tmp:
-        (tmp / "lmforge.json").write_text('{"v": 3}')
-    assert json.loads((out / "lmforge.json").read_text()) == {"v": 3}
+        (tmp / "lmforge.json").write_text('{"method": "dynamic", "v": 3}')
+    assert json.loads((out / "lmforge.json").read_text()) == {"method": "dynamic", "v": 3}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary sibling left
 
 
@@ -129,6 +130,13 @@ def test_export_copy_weights_into_the_checkpoint_is_refused(tiny_llama_dir, tmp_
     assert lmforge_cli.main(["export", "--model", str(tiny_llama_dir), "--repo", str(tmp_path / "repo"), "--name", "m"]) == 2
     assert "not an earlier Triton model directory (no config.pbtxt)" in capsys.readouterr().err
     assert _kept(foreign)
+    users = tmp_path / "users-model"  # a checkpoint lmforge only read: its manifest says method import
+    shutil.copytree(tiny_llama_dir, users)
+    (users / "lmforge.json").unlink()
+    for _ in range(2):
+        assert lmforge_cli.main(["export", "--model", str(users), "--repo", str(tmp_path / "repo"), "--name", "u",
+                                 "--copy-weights"]) == 0
+    assert json.loads((tmp_path / "repo" / "u" / "1" / "weights" / "lmforge.json").read_text())["method"] == "import"
     assert lmforge_cli.main(["export", "--model", str(tiny_llama_dir), "--repo", str(tmp_path / "repo"), "--name", "w",
                              "--copy-weights"]) == 0
     weights = tmp_path / "repo" / "w" / "1" / "weights"
@@ -183,3 +191,30 @@ def test_loadtest_relative_out_gets_the_child_files(tmp_path, monkeypatch):
         loadtest.run_loadtest(loadtest.LoadTestConfig(host="http://127.0.0.1:9", model="m"), "reports/rel")
     assert Path(seen["cwd"]) != tmp_path
     assert (tmp_path / "reports" / "rel" / "samples.jsonl").is_file() and (tmp_path / "reports" / "rel" / "locust.log").is_file()
+
+
+def test_gguf_conversion_refuses_a_foreign_directory(precious):
+    from compress.checkpoints import convert_gguf, named_source_path
+
+    with pytest.raises(OutputDirError, match="precious: not empty and not an earlier lmforge checkpoint"):
+        convert_gguf(named_source_path("smollm2-135m"), precious)  # refused before the GGUF is loaded
+    assert _kept(precious)
+
+
+def test_a_users_checkpoint_that_lmforge_only_read_is_never_replaced(tiny_llama_dir, tmp_path, capsys):
+    """Resolving a user's Hugging Face directory adds an ``import`` manifest; that does not make it ours."""
+    from compress.checkpoints import read_manifest, resolve_checkpoint
+
+    users = tmp_path / "my-model"
+    shutil.copytree(tiny_llama_dir, users)
+    (users / "lmforge.json").unlink()
+    resolve_checkpoint(users)
+    assert read_manifest(users).method == "import"
+    before = sorted(p.name for p in users.iterdir())
+    assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "dynamic", "--out", str(users)]) == 2
+    assert "not an earlier lmforge checkpoint (no lmforge.json that lmforge wrote)" in capsys.readouterr().err
+    assert sorted(p.name for p in users.iterdir()) == before
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "lmforge.json").write_text("{not json")
+    with pytest.raises(OutputDirError, match="corrupt: not empty"):
+        check_output_dir(tmp_path / "corrupt")
