@@ -24,6 +24,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from compress.checkpoints import resolve_checkpoint
 from compress.comm_model import (
     CLUSTER_PRESETS,
     Cluster,
@@ -391,7 +392,7 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
         "intermediate_size": args.intermediate_size, "head_dim": args.head_dim,
     }
     if args.model:
-        base = asdict(ModelSpec.from_checkpoint(args.model))
+        base = asdict(ModelSpec.from_checkpoint(resolve_checkpoint(args.model)))
     else:
         missing = [k for k in ("num_layers", "hidden_size", "num_heads", "vocab_size", "intermediate_size")
                    if getattr(args, k) is None]
