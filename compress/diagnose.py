@@ -17,6 +17,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from compress.dedup import MinHashConfig, cross_duplicates
 from compress.errors import UsageError
 from compress.outputs import check_output_file
 
@@ -243,25 +244,12 @@ def read_texts(path: str | Path) -> list[str]:
     return texts
 
 
-def _minhash(text: str):
-    from datasketch import MinHash
-
-    words = text.lower().split()
-    shingles = {" ".join(words[i:i + 3]) for i in range(max(1, len(words) - 2))} or {text}
-    m = MinHash(num_perm=LEAK_NUM_PERM, seed=1)
-    m.update_batch([s.encode("utf-8") for s in shingles])
-    return m
-
-
 def split_overlap(train_path: str | Path, val_path: str | Path) -> dict:
-    """Fraction of val records with a near-duplicate (MinHash LSH, Jaccard >= ``LEAK_JACCARD``) in train."""
-    from datasketch import MinHashLSH
-
+    """Fraction of val records with a near-duplicate in train: ``compress.dedup``'s definition
+    (MinHash of character shingles, Jaccard >= ``LEAK_JACCARD``), the one ``lmforge data`` applies."""
     train, val = read_texts(train_path), read_texts(val_path)
-    lsh = MinHashLSH(threshold=LEAK_JACCARD, num_perm=LEAK_NUM_PERM)
-    for i, text in enumerate(train):
-        lsh.insert(f"t{i}", _minhash(text))
-    leaked = [i for i, text in enumerate(val) if lsh.query(_minhash(text))]
+    pairs = cross_duplicates(train, val, MinHashConfig(threshold=LEAK_JACCARD, num_perm=LEAK_NUM_PERM))
+    leaked = sorted({j for _, j, _ in pairs})
     return {"train_records": len(train), "val_records": len(val), "val_with_near_duplicate_in_train": len(leaked),
             "overlap_fraction": round(len(leaked) / len(val), 4) if val else 0.0, "example_val_indices": leaked[:10]}
 
