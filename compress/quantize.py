@@ -163,11 +163,11 @@ def calibration_batches(tokenizer, *, data: str | None, num_records: int, max_le
     """Token id tensors ``[1, T]`` of the first ``num_records`` calibration records.
 
     Raises:
-        EvaluationError: a bad calibration file (names file:line).
+        DataError: a bad calibration file (names file:line).
     """
     import torch
 
-    from compress.evaluate import default_split_records, encode_record, read_records
+    from compress.records import default_split_records, encode_record, read_records
 
     records = read_records(data) if data else default_split_records("train")[0]
     return [torch.tensor([encode_record(tokenizer, r, max_length=max_length)[0]]) for r in records[:num_records]]
