@@ -157,10 +157,7 @@ def find_int8(given: str | None, model_dir: Path, work_dir: Path) -> tuple[str |
     """
     if given is not None:
         return given, f"given: {given}"
-    try:
-        from compress.quantize import quantize
-    except ImportError:
-        return None, "compress.quantize is not available yet; pass --int8 DIR"
+    from compress.quantize import quantize  # torch and transformers: imported only when needed
     out = work_dir / "int8-dynamic"
     try:
         return str(quantize(model_dir, out, method="dynamic")), f"made by compress.quantize (method dynamic) from {model_dir}"
