@@ -47,6 +47,7 @@ from compress.checkpoints import (
 from compress.errors import LmforgeError
 from compress import records as records_module
 from compress.outputs import check_output_file
+from compress.quantize import load_dynamic_int8_model, load_llm_int8_model
 from compress.records import default_split_records, encode_record
 from compress.int8 import INT8_WEIGHT_SUFFIX
 
@@ -94,14 +95,10 @@ def _load_pytorch(path: Path, num_threads: int | None = None):
 
 
 def _load_dynamic(path: Path, num_threads: int | None = None):
-    from compress.quantize import load_dynamic_int8_model
-
     return load_dynamic_int8_model(path)
 
 
 def _load_llm_int8(path: Path, num_threads: int | None = None):
-    from compress.quantize import load_llm_int8_model
-
     return load_llm_int8_model(path, device="cpu")
 
 
