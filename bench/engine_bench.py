@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import spec_bench
 from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
 from compress.model_spec import ModelSpec
@@ -72,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(comma-separated; default when given without a value: engine_fp32)")
     parser.add_argument("--smoke", action="store_true", help=f"tiny run to check the harness: {SMOKE['num_requests']} requests x {SMOKE['max_tokens']} tokens")
     parser.add_argument("--out", default="engine_bench.json", help="JSON report path (default engine_bench.json)")
+    spec_bench.add_arguments(parser)
 
 
 def parse_configs(text: str) -> list[str]:
@@ -433,6 +435,8 @@ def format_single_table(singles: list[SingleSummary]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.speculative:
+        return spec_bench.run(args)
     from transformers import AutoTokenizer
 
     from compress.checkpoints import CheckpointError, resolve_checkpoint

@@ -311,13 +311,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         d = common.num_decodes
-        meta = TritonAttentionMetadata(
-            common.slot_mapping, d,
-            common.block_table[:d] if d else None, common.seq_lens[:d] if d else None,
-        )
+        # int32 tables and lengths, as the CUDA-graph buffers hold them: one compiled variant per kernel
+        block_table, seq_lens = common.block_table.to(torch.int32), common.seq_lens.to(torch.int32)
+        meta = TritonAttentionMetadata(common.slot_mapping, d, block_table[:d] if d else None, seq_lens[:d] if d else None)
         if d < len(common.query_lens_cpu):
-            meta.prefill_block_table = common.block_table[d:]
-            meta.prefill_seq_lens = common.seq_lens[d:]
+            meta.prefill_block_table = block_table[d:]
+            meta.prefill_seq_lens = seq_lens[d:]
             meta.prefill_query_start_loc = common.query_start_loc[d:] - common.query_start_loc[d]
             meta.max_prefill_query_len = max(common.query_lens_cpu[d:])
         return meta

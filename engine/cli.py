@@ -22,7 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the checkpoint's, capped at 8192)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--stats", action="store_true", help="print tokens/s, TTFT and prefix-cache figures")
+    parser.add_argument("--stats", action="store_true", help="print tokens/s, TTFT, prefix-cache and speculation figures")
+    parser.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
+                        help="speculative decoding: ngram (prompt lookup) or draft (a small model); default off")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed per step (default: 4 ngram, 3 draft)")
+    parser.add_argument("--speculative-model", default=None,
+                        help="draft checkpoint (default: the newest `lmforge distill` output of --model under ./runs)")
     parser.add_argument(
         "--backend", choices=["engine", "hf"], default="engine",
         help="engine: lmforge engine (default); hf: transformers generate (greedy reference)",
@@ -62,7 +67,9 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
     check_device(args.device)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, num_threads=args.num_threads)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, num_threads=args.num_threads,
+              speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+              speculative_model=args.speculative_model)
     start = time.perf_counter()
     outputs = llm.generate(args.prompt, params, chat=args.chat)
     elapsed_s = time.perf_counter() - start
@@ -75,6 +82,12 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
             f"TTFT max {max(ttft):.3f} s; prefix cache hits {stats.prefix_cache_hits_tokens_total}/"
             f"{stats.prefix_cache_queries_tokens_total} tokens"
         )
+        if args.speculative_method:
+            print(
+                f"[engine] speculative ({args.speculative_method}): {stats.spec_decode_num_accepted_tokens_total}/"
+                f"{stats.spec_decode_num_draft_tokens_total} proposed tokens accepted ({stats.spec_decode_acceptance_rate:.0%}), "
+                f"{stats.spec_decode_mean_accepted_length:.2f} tokens per verifying step"
+            )
     return [o.outputs[0].text for o in outputs]
 
 

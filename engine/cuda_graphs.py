@@ -98,6 +98,7 @@ class DecodeStaging:
         self.host = DecodeBuffers.allocate(max_batch, max_blocks, "cpu", pin_memory=pin)
         self.device_buffers = DecodeBuffers.allocate(max_batch, max_blocks, device)
         self.block_size, self.max_blocks = block_size, max_blocks
+        self._host_table = self.host.block_table.numpy()  # shares memory
 
     def fill(self, out: SchedulerOutput, batch: int) -> int:
         """Write the decode step ``out`` into rows ``[0, n)`` and padding into ``[n, batch)``; copy them to the device.
@@ -114,23 +115,23 @@ class DecodeStaging:
         n = len(out.scheduled)
         if n > batch:
             raise ValueError(f"{n} decodes do not fit a batch of {batch}")
-        ids, positions, tables = [], [], []
-        for item in out.scheduled:
+        h, bs = self.host, self.block_size
+        table = self._host_table  # numpy view of h.block_table (row writes cost half of building a tensor)
+        ids, positions, slots = [], [], []
+        for row, item in enumerate(out.scheduled):
             seq = item.seq
             pos = seq.num_computed_tokens
+            blocks = seq.block_table
+            if len(blocks) > self.max_blocks:
+                raise ValueError(f"block table of {len(blocks)} blocks > max_blocks={self.max_blocks}; increase max_model_len")
+            table[row, :len(blocks)] = blocks
             ids.append(seq.token_ids[pos])
             positions.append(pos)
-            tables.append(seq.block_table)
-        width = max(len(t) for t in tables)
-        if width > self.max_blocks:
-            raise ValueError(f"block table of {width} blocks > max_blocks={self.max_blocks}; increase max_model_len")
-        h, bs = self.host, self.block_size
+            slots.append(blocks[pos // bs] * bs + pos % bs)
         h.input_ids[:n] = torch.tensor(ids)
         pos = torch.tensor(positions)
         h.positions[:n] = pos
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)  # [n, width]
-        h.block_table[:n, :width] = table
-        h.slot_mapping[:n] = table[torch.arange(n), pos // bs].long() * bs + pos % bs
+        h.slot_mapping[:n] = torch.tensor(slots)
         h.seq_lens[:n] = pos.int() + 1
         h.input_ids[n:batch] = 0
         h.positions[n:batch] = 0

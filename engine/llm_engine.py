@@ -29,6 +29,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_decode.speculator import Speculator
 from engine.stats import EngineStats
 
 #: Longest default context when the checkpoint allows more (bounds rotary tables and KV needs).
@@ -76,6 +77,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.eos_token_ids = read_eos_token_ids(self.path, self.tokenizer)
+        self.speculator = Speculator.build(config, self.path, self.tokenizer, spec.vocab_size)
         self.requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
@@ -197,7 +199,7 @@ class LLMEngine:
             seq = self.requests.pop(request_id, None)
             if seq is None or seq.is_finished:
                 continue
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
             seq.finished_time = time.monotonic()
             self.num_requests_finished_total += 1
             outputs.append(self._output(seq))
@@ -219,20 +221,22 @@ class LLMEngine:
             EngineDeadError: the KV bookkeeping is broken after a failure, or
                 ``MAX_CONSECUTIVE_FAILED_STEPS`` steps failed in a row.
         """
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         self.num_steps_total += 1
         try:
-            sampled, result = self._run_batch(out)
+            sampled, new_tokens, new_logprobs = self._run_batch(out)
         except Exception as exc:  # noqa: BLE001 - fails this step's requests, not the engine
             return self._fail_step([item.seq for item in out.scheduled], exc)
         self.num_consecutive_failed_steps = 0
         now = time.monotonic()
         outputs = []
-        for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs):
+        for seq, tokens, logprobs in zip(sampled, new_tokens, new_logprobs):
             try:
-                self._process_token(seq, token, logprobs, now)
+                self._process_tokens(seq, tokens, logprobs, now)
             except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer: this request only
                 logger.exception("request %s failed after its step", seq.request_id)
                 if not seq.is_finished:
@@ -242,13 +246,31 @@ class LLMEngine:
             outputs.append(self._output(seq))
         return outputs
 
-    def _run_batch(self, out) -> tuple[list[Sequence], object]:
-        """Model forward + KV bookkeeping + sampling of one scheduled batch."""
-        logits = self.runner.execute(out)  # [S, vocab]
-        sampled = [item.seq for item in out.scheduled if item.samples]
-        result = self.sampler(logits, sampled)
-        self.scheduler.update_from_output(out, [[t] for t in result.token_ids])
-        return sampled, result
+    def _run_batch(self, out) -> tuple[list[Sequence], list[list[int]], list[list]]:
+        """Model forward + sampling (or verification) + KV bookkeeping of one scheduled batch.
+
+        Returns:
+            The sequences that sampled, their new tokens (already appended by the scheduler)
+            and the logprobs entries of those tokens.
+        """
+        logits = self.runner.execute(out)  # [R, vocab]: 1 row per sampling item, 1 + m per speculative one
+        items = [item for item in out.scheduled if item.samples]
+        if self.speculator is not None:
+            new_tokens, new_logprobs = self.speculator.sample(self.sampler, logits, items)
+        else:
+            result = self.sampler(logits, [item.seq for item in items])
+            new_tokens, new_logprobs = [[t] for t in result.token_ids], [[lp] for lp in result.logprobs]
+        self.scheduler.update_from_output(out, new_tokens)
+        return [item.seq for item in items], new_tokens, new_logprobs
+
+    def _process_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> None:
+        """Stop checks, text and stats of a step's new tokens, one at a time; tokens after a stop are dropped."""
+        del seq.token_ids[len(seq.token_ids) - len(tokens):]
+        for token, entry in zip(tokens, logprobs):
+            seq.token_ids.append(token)
+            self._process_token(seq, token, entry, now)
+            if seq.is_finished:
+                break
 
     def _fail_step(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
         """Finish every request of a failed step with ``"error"``; raise if the engine cannot go on."""
@@ -271,9 +293,15 @@ class LLMEngine:
             ) from exc
         return outputs
 
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Finish ``seq``: out of the queues, its KV blocks (and the draft's) freed."""
+        self.scheduler.finish(seq, status)
+        if self.speculator is not None:
+            self.speculator.free(seq.request_id)
+
     def _finish_with_error(self, seq: Sequence, exc: Exception) -> None:
         seq.error = f"{type(exc).__name__}: {exc}"
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+        self._finish(seq, SequenceStatus.FINISHED_ERROR)
         seq.finished_time = time.monotonic()
         self.num_requests_finished_total += 1
 
@@ -289,7 +317,7 @@ class LLMEngine:
         seq.output_text += seq.detokenizer.add_token(token)
         status = self._stop_status(seq, token, text_before)
         if status is not None:
-            self.scheduler.finish(seq, status)
+            self._finish(seq, status)
             seq.finished_time = now
             self.num_requests_finished_total += 1
 
@@ -334,11 +362,27 @@ class LLMEngine:
             num_kv_blocks=bm.num_blocks,
             num_free_kv_blocks=len(bm.free_block_ids),
             num_cached_kv_blocks=len(bm.cached_lru),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, int]:
+        sp = self.speculator
+        if sp is None:
+            return {}
+        return dict(spec_decode_num_drafts_total=sp.num_drafts, spec_decode_num_draft_tokens_total=sp.num_draft_tokens,
+                    spec_decode_num_accepted_tokens_total=sp.num_accepted_tokens)
+
+    @property
+    def proposer(self):
+        """The speculative proposer (``None`` without speculation)."""
+        return None if self.speculator is None else self.speculator.proposer
 
     def check_invariants(self) -> None:
         """Raise ``KVCacheInvariantError`` if the KV bookkeeping is inconsistent."""
         self.block_manager.check_invariants(self.scheduler.running)
+        check_draft = getattr(self.proposer, "check_invariants", None)
+        if check_draft is not None:
+            check_draft()
 
 
 def make_model_runner(config: EngineConfig, path: Path, max_model_len: int) -> ModelRunner:

@@ -95,12 +95,11 @@ class ModelRunner:
         for item in out.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend(seq.token_ids[start:start + n] + item.spec_token_ids)  # proposals follow the last token
             query_lens.append(n)
             computed.append(start)
             tables.append(seq.block_table)
-            if item.samples:
-                logits_index.append(len(ids) - 1)
+            logits_index.extend(range(len(ids) - item.num_sampled_rows, len(ids)))  # 1 + m rows when verifying
             if n == 1 and num_decodes == len(query_lens) - 1:
                 num_decodes += 1
         width = max(len(t) for t in tables)

@@ -18,17 +18,31 @@ from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
 
 
+def speculative_room(seq: Sequence, max_model_len: int) -> int:
+    """Most tokens that may be proposed after ``seq``: what ``max_tokens`` and ``max_model_len`` leave after the next one."""
+    return min(seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
+
+
 @dataclasses.dataclass
 class ScheduledSequence:
     """One sequence's share of a step."""
 
     seq: Sequence
     num_new_tokens: int  # tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) run now
+    # Proposed tokens verified in this step after the sequence's last token (speculative
+    # decoding); they are the last len(spec_token_ids) of the num_new_tokens and not yet in
+    # seq.token_ids. Their logits are sampled too: 1 + len(spec_token_ids) rows.
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence (its last logits are sampled)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Logit rows this sequence needs: 0 (chunk ends before the sequence does), 1, or 1 + proposals."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
 
 
 @dataclasses.dataclass
@@ -86,6 +100,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            spec = self._speculative_tokens(seq, budget)
+            if spec and self.block_manager.allocate_slots(seq, 1 + len(spec)):
+                scheduled.append(ScheduledSequence(seq, 1 + len(spec), spec))
+                budget -= 1 + len(spec)
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             if self._allocate_or_preempt(seq, n, preempted):
                 scheduled.append(ScheduledSequence(seq, n))
@@ -99,11 +119,12 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[list[int]]) -> None:
         """Record what the model computed in step ``out``: the one place a request's progress advances.
 
-        Every scheduled sequence's ``num_computed_tokens`` grows by the tokens it ran and its
-        newly full blocks enter the prefix cache; each sequence that sampled (``item.samples``,
-        in ``out.scheduled`` order) gets its new tokens appended. A list per sequence, so a
-        speculative step can append several accepted tokens (and count only the accepted draft
-        positions as computed).
+        Each sampling sequence (``item.samples``, in ``out.scheduled`` order) gets its new tokens
+        appended. ``num_computed_tokens`` grows by the tokens run, except for a speculative item:
+        there only its last token and the accepted proposals count (``len(new tokens)``: the
+        accepted ones plus one from the target), the KV of rejected proposals is left to be
+        overwritten, and blocks holding only rejected slots are freed. Then newly full blocks
+        of accepted tokens enter the prefix cache.
 
         Args:
             out: the step's ``SchedulerOutput``.
@@ -112,14 +133,29 @@ class Scheduler:
         Raises:
             ValueError: ``sampled_token_ids`` does not have one entry per sampling sequence.
         """
-        sampling = [item.seq for item in out.scheduled if item.samples]
+        sampling = [item for item in out.scheduled if item.samples]
         if len(sampling) != len(sampled_token_ids):
             raise ValueError(f"{len(sampled_token_ids)} token lists for {len(sampling)} sampling sequences; give one per sequence")
+        new_tokens = {id(item): tokens for item, tokens in zip(sampling, sampled_token_ids)}
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq)
-        for seq, tokens in zip(sampling, sampled_token_ids):
+            seq, tokens = item.seq, new_tokens.get(id(item), [])
+            seq.num_computed_tokens += len(tokens) if item.spec_token_ids else item.num_new_tokens
             seq.token_ids.extend(tokens)
+            if item.spec_token_ids:
+                self.block_manager.free_unused_tail(seq)
+                seq.spec_token_ids, seq.spec_probs = [], None
+            self.block_manager.cache_full_blocks(seq)
+
+    def _speculative_tokens(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposals of a decoding ``seq`` that fit the budget, ``max_tokens`` and ``max_model_len``.
+
+        Proposals are dropped, never shortened to 0 by preemption: if the pool cannot hold their
+        slots the sequence decodes one token as usual.
+        """
+        if not seq.spec_token_ids or seq.num_uncomputed_tokens != 1:
+            return []
+        room = min(budget - 1, speculative_room(seq, self.config.max_model_len))
+        return seq.spec_token_ids[:max(0, room)]
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
         """Allocate ``n`` slots for running ``seq``, preempting newer requests; False if ``seq`` itself was preempted."""
@@ -133,6 +169,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.spec_token_ids, seq.spec_probs = [], None
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -114,3 +114,16 @@ def test_cuda_graphs_greedy_equals_eager(tiny_llama_dir, prompts, reference):
     eager = _llm(tiny_llama_dir, device="cuda", enforce_eager=True)
     assert not eager.engine.runner.graphs
     assert tokens(eager.generate(prompts, GREEDY)) == reference
+
+
+def test_backend_selection_by_device_and_name():
+    from engine.attention import TorchAttentionBackend, get_attention_backend
+    from engine.attention_triton import TritonAttentionBackend
+    from engine.config import EngineConfig
+
+    assert type(get_attention_backend("cpu", 4, 2, 16, None)) is TorchAttentionBackend
+    assert type(get_attention_backend("cuda", 4, 2, 16, None)) is TritonAttentionBackend
+    assert type(get_attention_backend("cuda:1", 4, 2, 16, None, "torch")) is TorchAttentionBackend
+    assert type(get_attention_backend("cpu", 4, 2, 16, None, "triton")) is TritonAttentionBackend
+    with pytest.raises(ValueError, match="attention_backend='flash'"):
+        EngineConfig(attention_backend="flash")

@@ -1,0 +1,259 @@
+"""Speculative decoding through the engine: exact under greedy, distribution-preserving under sampling.
+
+Oracles: the same engine without speculation (greedy tokens must be identical, whatever the
+proposer, prefix caching, preemption or stop conditions), and for sampling the token
+distribution of non-speculative sampling over many seeded trials (chi-square). The draft is the
+target itself (every proposal accepted: the bonus path and stops inside long accepted runs) or
+the target with noise on its weights (about half the proposals rejected).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from engine import LLM, SamplingParams
+from tests.test_engine_greedy import random_prompts
+
+CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=256)
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def repetitive_prompts() -> list[list[int]]:
+    """Prompts whose n-grams repeat (the ngram proposer finds matches) and random ones."""
+    g = torch.Generator().manual_seed(21)
+    phrase = torch.randint(3, 49000, (7,), generator=g).tolist()
+    return [phrase * 3, phrase[:4] + torch.randint(3, 49000, (9,), generator=g).tolist() + phrase] + random_prompts([5, 19, 33], seed=22)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """A random tiny Llama with untied embeddings: varied greedy output (the tied one repeats its input)."""
+    from compress.checkpoints import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("target"), seed=0, tie_word_embeddings=False)
+
+
+def noisy_copy(source, out, scale: float):
+    """``source`` with Gaussian noise (``scale`` x each tensor's std) on every weight, same tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def noisy_draft_dir(target_dir, tmp_path_factory):
+    """The target with 6% noise on its weights: about half its greedy proposals hold."""
+    return noisy_copy(target_dir, tmp_path_factory.mktemp("noisy-draft"), 0.06)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama_dir, target_dir):
+    return {"tied": tiny_llama_dir, "untied": target_dir}
+
+
+@pytest.fixture(scope="module")
+def prompts(models):
+    """Per model: the repetitive prompts, and ``P + continuation(P) + P`` for the untied model (whose
+    own output never repeats), so that ngram proposals exist and only some of them hold."""
+    plain = LLM(str(models["untied"]), **CONFIG)
+    base = random_prompts([6, 11], seed=24)
+    continuations = tokens(plain.generate(base, GREEDY))
+    copies = [p + c + p for p, c in zip(base, continuations)]
+    return {"tied": repetitive_prompts(), "untied": repetitive_prompts() + copies}
+
+
+@pytest.fixture(scope="module")
+def reference(models, prompts):
+    """Greedy tokens of each model without speculation."""
+    return {name: tokens(LLM(str(path), **CONFIG).generate(prompts[name], GREEDY)) for name, path in models.items()}
+
+
+def spec_llm(model_dir, method: str, draft=None, **overrides) -> LLM:
+    config = dict(CONFIG, speculative_method=method, num_speculative_tokens=4, speculative_disable_by_batch_size=None)
+    if method == "draft":
+        config["speculative_model"] = str(draft or model_dir)
+    config.update(overrides)
+    return LLM(str(model_dir), **config)
+
+
+def check_all_freed(llm) -> None:
+    engine = llm.engine
+    engine.check_invariants()
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_used_blocks == 0
+    proposer = engine.proposer
+    if hasattr(proposer, "block_manager"):
+        proposer.check_invariants()
+        assert proposer.block_manager.num_used_blocks == 0 and not proposer.shadows
+
+
+@pytest.mark.parametrize("model,method,draft", [("tied", "ngram", None), ("untied", "ngram", None), ("untied", "draft", "self"), ("untied", "draft", "noisy")])
+def test_greedy_equals_no_speculation(models, prompts, noisy_draft_dir, reference, model, method, draft):
+    llm = spec_llm(models[model], method, noisy_draft_dir if draft == "noisy" else None)
+    cold = tokens(llm.generate(prompts[model], GREEDY))
+    warm = tokens(llm.generate(prompts[model], GREEDY))  # prefix cache hits on the second pass
+    assert cold == reference[model] and warm == reference[model]
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_hits_tokens_total > 0
+    assert stats.spec_decode_num_draft_tokens_total > 0
+    if draft == "self":  # the target drafting for itself: every proposal is accepted
+        assert stats.spec_decode_acceptance_rate == 1.0
+        assert stats.spec_decode_mean_accepted_length > 4.0
+    elif model == "tied":  # it repeats its last token: the ngram proposals all hold
+        assert stats.spec_decode_acceptance_rate > 0.9
+    else:  # some proposals accepted, some rejected
+        assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+    check_all_freed(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_with_preemption_equals_no_speculation(target_dir, noisy_draft_dir, prompts, reference, method):
+    llm = spec_llm(target_dir, method, noisy_draft_dir, num_kv_blocks=30, max_model_len=100)
+    assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+    assert llm.engine.get_stats().num_preemptions_total > 0
+    check_all_freed(llm)
+
+
+def test_batch_size_switch_off_gives_same_tokens(target_dir, noisy_draft_dir, prompts, reference):
+    llm = spec_llm(target_dir, "draft", noisy_draft_dir, speculative_disable_by_batch_size=3)
+    assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_drafts_total > 0  # once fewer than 3 requests are left
+    check_all_freed(llm)
+
+
+def test_stops_inside_an_accepted_run_truncate_like_without_speculation(target_dir):
+    plain = LLM(str(target_dir), **CONFIG)
+    spec = spec_llm(target_dir, "draft")  # self-draft: runs of 5 accepted tokens per step
+    prompt = random_prompts([9], seed=23)[0]
+    full = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    stop_token = full.token_ids[6]  # mid-run: tokens 1..5 come in the first speculative step, 6..10 in the next
+    stop_text = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0, max_tokens=20, stop=[stop_text]),
+        SamplingParams(temperature=0, max_tokens=8),  # max_tokens mid-run
+        SamplingParams(temperature=0, max_tokens=20, logprobs=2),
+    ]
+    for params in cases:
+        want = plain.generate(prompt, params)[0].outputs[0]
+        got = spec.generate(prompt, params)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), params
+        if params.logprobs is not None:
+            assert len(got.logprobs) == len(want.logprobs)
+            for a, b in zip(got.logprobs, want.logprobs):
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert spec.engine.get_stats().spec_decode_acceptance_rate == 1.0
+    check_all_freed(spec)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dirs(tmp_path_factory):
+    """A 64-token-vocabulary target (prompts and outputs use ids < 64; EOS ignored) and a noisy draft of it."""
+    from compress.checkpoints import make_tiny_llama
+
+    target = make_tiny_llama(tmp_path_factory.mktemp("small-vocab"), seed=3, vocab_size=64, tie_word_embeddings=False)
+    return target, noisy_copy(target, tmp_path_factory.mktemp("small-vocab-draft"), 0.5)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampling_distribution_equals_no_speculation(small_vocab_dirs, method):
+    """Chi-square (contingency) of the tokens at output positions 1..3 over 600 seeded trials each.
+
+    A 64-token vocabulary keeps the cells few. ngram: one-hot proposals from the context, kept with
+    probability p(x); draft: q differs from p, so accept, reject and residual draws all happen.
+    """
+    target, draft = small_vocab_dirs
+    trials = 600
+    prompt = [5, 9, 17, 5, 9, 17, 5, 9]
+    base = dict(temperature=1.0, max_tokens=4, ignore_eos=True)
+    big = dict(CONFIG, num_kv_blocks=2 * trials * 4, max_num_batched_tokens=8192, max_num_seqs=trials)
+    plain = LLM(str(target), **big)
+    spec = spec_llm(target, method, draft, num_speculative_tokens=3, **big)
+    want = tokens(plain.generate([prompt] * trials, [SamplingParams(seed=i, **base) for i in range(trials)]))
+    got = tokens(spec.generate([prompt] * trials, [SamplingParams(seed=10_000 + i, **base) for i in range(trials)]))
+    stats = spec.engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+    for position in (1, 2, 3):
+        a = [t[position] for t in want]
+        b = [t[position] for t in got]
+        cells = [v for v in sorted(set(a) | set(b)) if a.count(v) + b.count(v) >= 10]  # sparse tail out
+        table = [[a.count(v) for v in cells], [b.count(v) for v in cells]]
+        p_value = chi2_contingency(table).pvalue
+        assert p_value > 1e-3, f"position {position}: p={p_value:.1e}, counts {table}"
+    check_all_freed(spec)
+
+
+def test_abort_mid_speculation_frees_every_block(target_dir, noisy_draft_dir):
+    llm = spec_llm(target_dir, "draft", noisy_draft_dir)
+    engine = llm.engine
+    for i, prompt in enumerate(repetitive_prompts()[:3]):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=60))
+    for _ in range(4):
+        engine.step()
+    assert engine.get_stats().spec_decode_num_drafts_total > 0
+    assert engine.proposer.block_manager.num_used_blocks > 0
+    engine.abort_request(["r0", "r1", "r2"])
+    check_all_freed(llm)
+
+
+def test_draft_with_another_tokenizer_or_vocab_is_refused(tmp_path, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    from compress.checkpoints import make_tiny_llama
+
+    other_vocab = make_tiny_llama(tmp_path / "vocab", seed=1, vocab_size=49160)
+    with pytest.raises(ValueError, match="vocab_size=49160"):
+        spec_llm(tiny_llama_dir, "draft", other_vocab)
+    other_tokenizer = make_tiny_llama(tmp_path / "tokenizer", seed=1)
+    tok = AutoTokenizer.from_pretrained(other_tokenizer)
+    tok.add_tokens(["<lmforge-extra-token>"])
+    tok.save_pretrained(other_tokenizer)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        spec_llm(tiny_llama_dir, "draft", other_tokenizer)
+
+
+def test_draft_defaults_to_the_distilled_student_of_the_model(tmp_path, tiny_llama_dir, monkeypatch):
+    import shutil
+
+    from compress.checkpoints import read_manifest, write_manifest
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="no `lmforge distill` output"):
+        spec_llm(tiny_llama_dir, "draft", speculative_model=None)
+    student = tmp_path / "runs" / "distill" / "final"
+    shutil.copytree(tiny_llama_dir, student)
+    manifest = read_manifest(student)
+    manifest.method, manifest.parent = "distill", str(tiny_llama_dir)
+    write_manifest(student, manifest)
+    llm = spec_llm(tiny_llama_dir, "draft", speculative_model=None)
+    assert llm.engine.proposer.path == student.resolve()
+
+
+@pytest.mark.integration
+def test_real_smollm2_greedy_equals_no_speculation(smollm2_dir):
+    paragraph = ("The city library will close for renovation from the first of March until the end of June. Books can be "
+                 "returned at the community centre on Oak Street, which is open every day from nine until six.")
+    plain = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=96)
+    prompts = [plain.apply_chat_template(f"Rewrite this paragraph in simpler words:\n\n{paragraph}"),
+               plain.apply_chat_template("What is the boiling point of water?")]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    want = tokens(plain.generate(prompts, params))
+    del plain
+    spec = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=96, speculative_method="ngram")
+    assert tokens(spec.generate(prompts, params)) == want
+    assert spec.engine.get_stats().spec_decode_num_accepted_tokens_total > 0
+    spec.engine.check_invariants()
