@@ -20,6 +20,7 @@ from pathlib import Path
 from compress.dedup import MinHashConfig, cross_duplicates
 from compress.errors import UsageError
 from compress.outputs import check_output_file
+from compress.records import read_records
 
 SPIKE_WINDOW = 10  # preceding train steps a spike is compared with
 SPIKE_MIN_HISTORY = 5
@@ -226,22 +227,12 @@ def read_texts(path: str | Path) -> list[str]:
     """Texts of a ``lmforge data`` JSONL split (``text`` or ``messages``), at most ``MAX_RECORDS``.
 
     Raises:
-        RunDirError: missing file or a line that is not JSON (names path and line).
+        RunDirError: missing file or a line that is not a record (``compress.records``; names path and line).
     """
     path = Path(path)
     if not path.is_file():
         raise RunDirError(f"{path}: data file named in run.json not found")
-    texts = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            if len(texts) >= MAX_RECORDS:
-                break
-            if line.strip():
-                try:
-                    texts.append(_record_text(json.loads(line)))
-                except (json.JSONDecodeError, AttributeError) as error:
-                    raise RunDirError(f"{path}:{number}: not a JSON record ({error})") from error
-    return texts
+    return [_record_text(record) for record in read_records(path, RunDirError)[:MAX_RECORDS]]
 
 
 def split_overlap(train_path: str | Path, val_path: str | Path) -> dict:
