@@ -32,7 +32,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path

@@ -404,10 +404,6 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(**base)
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:8.2f}"
-
-
 def _s(x: float) -> str:
     return f"{x:7.3f}"
 
