@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.checkpoints import (
+    describe_weights,
     MANIFEST_NAME,
     read_safetensors_header,
     resolve_checkpoint,
@@ -373,7 +374,6 @@ def linear_weight_bytes(checkpoint_dir: str | Path) -> int:
 
 def checkpoint_size(checkpoint_dir: Path) -> tuple[int, int]:
     """``(size_bytes, num_parameters)`` of the weight files (safetensors and ONNX)."""
-    from compress.checkpoints import describe_weights
 
     num_parameters, size_bytes, _ = describe_weights(checkpoint_dir)
     if (checkpoint_dir / "model.onnx").is_file():
