@@ -45,6 +45,7 @@ from typing import Any
 from compress.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 from compress.errors import LmforgeError, UsageError
 from compress.outputs import DEMO, check_output_dir
+from compress.records import read_records
 
 
 SMOKE_MODEL = "tiny-random"
@@ -406,8 +407,7 @@ def _baseline_questions(val_file: str | None, count: int) -> list[str]:
     """First user turns of the held-out records (a fixed question when there is no data)."""
     questions: list[str] = []
     if val_file:
-        for line in Path(val_file).read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
+        for record in read_records(val_file):
             user = next((m["content"] for m in record.get("messages", []) if m.get("role") == "user"), None)
             if user:
                 questions.append(user)

@@ -28,9 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.bound import MATMUL_DTYPES, ModelShape, measure_matmul_gflops, percentile, ratio, workload_flops
 from bench import spec_bench
+from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
+from compress.model_spec import ModelSpec
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
 #: is the faster of the ``llama_cpp_server_*`` rows.
@@ -158,10 +159,7 @@ def find_int8(given: str | None, model_dir: Path, work_dir: Path) -> tuple[str |
     """
     if given is not None:
         return given, f"given: {given}"
-    try:
-        from compress.quantize import quantize
-    except ImportError:
-        return None, "compress.quantize is not available yet; pass --int8 DIR"
+    from compress.quantize import quantize  # torch and transformers: imported only when needed
     out = work_dir / "int8-w8a8"
     try:
         return str(quantize(model_dir, out, method="w8a8")), f"made by compress.quantize (method w8a8) from {model_dir}"
@@ -469,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     peers = Peers.find(args.vllm_python, args.llama_server)
     matmul = {"size": SMOKE["matmul_size"], "min_time_s": SMOKE["matmul_time_s"]} if args.smoke else {"size": 1024, "min_time_s": 1.0, "repeats": 3}
-    shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
+    shape = ModelSpec.from_config(json.loads((model_dir / "config.json").read_text()))
     flops = workload_flops(shape, workload.prompt_lens, workload.max_tokens, workload.shared_prefix_lens, workload.system_of)
     summary = workload.summary()
     load_before = os.getloadavg()
@@ -590,6 +588,6 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def _flops_note(shape: ModelShape) -> str:
+def _flops_note(shape: ModelSpec) -> str:
     return (f"{2 * shape.layer_matmul_params * shape.num_hidden_layers / 1e6:.0f} MFLOP/token in the layers + attention, "
             f"{shape.lm_head_flops / 1e6:.0f} MFLOP/output token in the LM head, shared prefix once")

@@ -42,8 +42,10 @@ from compress.checkpoints import (
     write_manifest,
 )
 from compress.errors import UsageError
-from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, scheme_metadata
+from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, quantize_weight_per_channel, scheme_metadata
 from compress.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
+from compress.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
+from compress.records import default_split_records, encode_record, read_records
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -148,15 +150,11 @@ class OnnxInt8MethodConfig:
     nodes_to_exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        from compress.onnx import OnnxExportConfig
-
         OnnxExportConfig(task=self.task)
         _check_smoothing(self.smoothquant_alpha, self.calibration_records)
         self.ort_config()
 
     def ort_config(self):
-        from compress.onnx import OnnxInt8Config
-
         return OnnxInt8Config(
             weight_type=self.weight_type,
             per_channel=self.per_channel,
@@ -182,11 +180,10 @@ def calibration_batches(tokenizer, *, data: str | None, num_records: int, max_le
     """Token id tensors ``[1, T]`` of the first ``num_records`` calibration records.
 
     Raises:
-        EvaluationError: a bad calibration file (names file:line).
+        DataError: a bad calibration file (names file:line).
     """
     import torch
 
-    from compress.evaluate import default_split_records, encode_record, read_records
 
     records = read_records(data) if data else default_split_records("train")[0]
     return [torch.tensor([encode_record(tokenizer, r, max_length=max_length)[0]]) for r in records[:num_records]]
@@ -287,8 +284,6 @@ class Int8Quantizer:
         """
         import torch
         from torch import nn
-
-        from compress.int8 import quantize_weight_per_channel
 
         quantized = {name for name, module in model.named_modules() if isinstance(module, nn.Linear) and not is_skipped(name, self.config.skip_modules)}
         state: dict[str, torch.Tensor] = {}
@@ -489,8 +484,6 @@ class OnnxInt8Quantizer:
         Raises:
             CheckpointError: missing/corrupt checkpoint or a non-causal model.
         """
-        from compress.onnx import export_onnx, quantize_onnx_int8
-
         source_dir = _require_causal_lm(checkpoint, self.method) if self.config.task == "text-generation-with-past" else resolve_checkpoint(checkpoint, causal_lm=False)
         output_dir = Path(output_dir)
         output_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,84 +24,25 @@ import torch.nn.functional as F
 
 from compress.checkpoints import CheckpointError
 from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, int8_linear, read_scheme
+from compress.model_spec import ModelSpec
+from engine.config import SUPPORTED_DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``EngineConfig.dtype`` names -> torch dtypes.
+DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES}
 
 
 # ------------------------------------------------------------------------------------ architecture
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """Shape and options of a Llama-family checkpoint, read from its ``config.json``."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    qkv_bias: bool
-    sliding_window: int | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-
-
-def _llama_bias(cfg) -> bool:
-    return bool(getattr(cfg, "attention_bias", False))
-
-
-def _qwen2_window(cfg) -> int | None:
-    if getattr(cfg, "use_sliding_window", False):
-        raise CheckpointError("qwen2 with use_sliding_window=True is not supported by the engine; set it to false")
-    return None
-
-
-#: model_type -> (has q/k/v bias, sliding window) readers. Add an architecture here.
-ARCHITECTURES: dict[str, tuple[Callable, Callable]] = {
-    "llama": (_llama_bias, lambda cfg: None),
-    "mistral": (lambda cfg: False, lambda cfg: getattr(cfg, "sliding_window", None)),
-    "qwen2": (lambda cfg: True, _qwen2_window),
-}
-
-
 def read_model_spec(path: Path) -> ModelSpec:
-    """Read ``config.json`` of a checkpoint directory.
+    """Read ``config.json`` of a checkpoint directory (``compress.model_spec``).
 
     Raises:
         CheckpointError: an architecture outside ``ARCHITECTURES`` (the supported ones are listed).
     """
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(path)
-    if cfg.model_type not in ARCHITECTURES:
-        raise CheckpointError(
-            f"{path}: model_type {cfg.model_type!r} is not supported by the engine; supported: {sorted(ARCHITECTURES)}"
-        )
-    bias_fn, window_fn = ARCHITECTURES[cfg.model_type]
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelSpec(
-        model_type=cfg.model_type,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_layers=cfg.num_hidden_layers,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=float(getattr(cfg, "rope_theta", 10000.0)),
-        rope_scaling=getattr(cfg, "rope_scaling", None),
-        qkv_bias=bias_fn(cfg),
-        sliding_window=window_fn(cfg),
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-    )
+    return ModelSpec.from_config(AutoConfig.from_pretrained(path).to_dict(), check_architecture=True, where=path)
 
 
 # ------------------------------------------------------------------------------------ rotary
@@ -228,7 +168,7 @@ class LayerWeights:
 
 def load_layers(loader: WeightLoader, spec: ModelSpec) -> list[LayerWeights]:
     layers = []
-    for i in range(spec.num_layers):
+    for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         layers.append(
             LayerWeights(
@@ -290,16 +230,16 @@ class Model:
         s = self.spec
         eps = s.rms_norm_eps
         n = input_ids.shape[0]
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q_size, kv_size = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
         cos = self.rope_cos[positions][:, None, :]  # [N, 1, head_dim]
         sin = self.rope_sin[positions][:, None, :]
         h = self.embed[input_ids]  # [N, hidden]
         for layer_idx, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)  # [N, q_size + 2 * kv_size]
-            q = qkv[:, :q_size].view(n, s.num_heads, s.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(n, s.num_kv_heads, s.head_dim)
-            v = qkv[:, q_size + kv_size:].view(n, s.num_kv_heads, s.head_dim)
+            q = qkv[:, :q_size].view(n, s.num_attention_heads, s.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(n, s.num_key_value_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size:].view(n, s.num_key_value_heads, s.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             out = attn.forward(q, k, v, kv_cache[layer_idx], attn_metadata)  # [N, q_size]
