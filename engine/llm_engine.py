@@ -19,7 +19,7 @@ import torch
 
 from compress.checkpoints import resolve_checkpoint
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model import read_model_spec
 from engine.model_runner import ModelRunner
@@ -66,6 +66,7 @@ class LLMEngine:
                 f"max_model_len={max_model_len} > the checkpoint's max_position_embeddings="
                 f"{spec.max_position_embeddings}; decrease max_model_len"
             )
+        config = config.replace(dtype=resolve_dtype(config.dtype, config.device))
         self.runner = ModelRunner(self.path, config.dtype, config.device, config.block_size, max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(config, max_model_len)
         self.config = config = config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks, kv_cache_memory_bytes=None)

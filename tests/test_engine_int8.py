@@ -43,7 +43,7 @@ def test_int8_dynamic_checkpoint_matches_dequantized_hf(tmp_path):
     dequantized = write_int8_checkpoint(src, tmp_path / "int8")
     hf = AutoModelForCausalLM.from_pretrained(src).eval()
     hf.load_state_dict(dequantized, strict=False)
-    llm = LLM(str(tmp_path / "int8"), block_size=4, num_kv_blocks=128, max_model_len=128)
+    llm = LLM(str(tmp_path / "int8"), block_size=4, num_kv_blocks=128, max_model_len=128, dtype="float32")
     assert llm.engine.runner.is_int8
     assert isinstance(llm.engine.runner.layers[0].qkv.int8_layer, torch.ao.nn.quantized.dynamic.Linear)
     prompts = random_prompts([4, 9, 15, 22, 30, 7], seed=23)
