@@ -127,6 +127,19 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
         params, text, token_ids = self.validate_request(prompt, params)
+        return self.add_validated_request(request_id, text, token_ids, params, arrival_time)
+
+    def add_validated_request(
+        self, request_id: str | None, text: str | None, token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> str:
+        """Queue a request that ``validate_request`` accepted (its prompt is not tokenized again); returns its id.
+
+        Raises:
+            ValueError: a duplicate ``request_id``; nothing is queued.
+        """
+        request_id = self.new_request_id() if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -406,9 +419,8 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt")
         engine = self.engine
         inputs = [self.apply_chat_template(p) if chat else p for p in prompts]
-        for p, sp in zip(inputs, params):
-            engine.validate_request(p, sp)  # validate all before running any
-        ids = [engine.add_request(None, p, sp) for p, sp in zip(inputs, params)]
+        validated = [engine.validate_request(p, sp) for p, sp in zip(inputs, params)]  # all before running any
+        ids = [engine.add_validated_request(None, text, token_ids, sp) for sp, text, token_ids in validated]
         finals: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
