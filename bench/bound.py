@@ -114,31 +114,66 @@ def workload_flops(shape: ModelShape, prompt_lens: list[int], max_tokens: int, s
     return total
 
 
-def measure_matmul_gflops(size: int = 1024, min_time_s: float = 1.0, repeats: int = 5) -> float:
-    """Peak fp32 ``torch.matmul`` rate of this machine, GFLOP/s (best of ``repeats`` timings).
+#: Matmul dtypes whose peak is measured, as configurations name them.
+MATMUL_DTYPES = ("fp32", "bf16", "int8")
 
-    Each timing runs ``size x size @ size x size`` matmuls for at least ``min_time_s`` seconds
-    with the current ``torch.get_num_threads()``; the best timing is reported, because other
-    processes on the machine can only slow a timing down.
+
+def _matmul_kernels(dtype: str, size: int) -> list:
+    """Zero-argument callables, each one ``size x size @ size x size`` product in ``dtype``.
+
+    * ``fp32`` / ``bf16``: ``torch.matmul`` (oneDNN; AMX or AVX-512 BF16 for bf16 where present).
+    * ``int8``: ``torch._int_mm`` (int8 x int8 -> int32) and ``quantized::linear_dynamic`` on
+      the default quantized engine (the kernel behind ``torch.ao`` dynamic INT8 linears, which
+      also quantizes its fp32 input); the peak is the faster of the two.
+
+    Raises:
+        ValueError: ``dtype`` is not one of :data:`MATMUL_DTYPES`.
     """
+    import warnings
+
     import torch
 
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    out = torch.empty(size, size)
-    for _ in range(3):
-        torch.matmul(a, b, out=out)  # warm-up
+    if dtype == "fp32" or dtype == "bf16":
+        torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+        a, b = torch.randn(size, size, dtype=torch_dtype), torch.randn(size, size, dtype=torch_dtype)
+        out = torch.empty(size, size, dtype=torch_dtype)
+        return [lambda: torch.matmul(a, b, out=out)]
+    if dtype == "int8":
+        a8 = torch.randint(-128, 128, (size, size), dtype=torch.int8)
+        b8 = torch.randint(-128, 128, (size, size), dtype=torch.int8)
+        x = torch.randn(size, size)
+        with warnings.catch_warnings():  # quantized tensors are deprecated, but still the kernel torch.ao runs
+            warnings.simplefilter("ignore")
+            weight = torch.quantize_per_tensor(torch.randn(size, size), 0.05, 0, torch.qint8)
+        packed = torch.ops.quantized.linear_prepack(weight, None)
+        return [lambda: torch._int_mm(a8, b8), lambda: torch.ops.quantized.linear_dynamic(x, packed)]
+    raise ValueError(f"dtype={dtype!r}; choose one of {', '.join(MATMUL_DTYPES)}")
+
+
+def measure_matmul_gflops(size: int = 1024, min_time_s: float = 1.0, repeats: int = 5, dtype: str = "fp32") -> float:
+    """Peak ``dtype`` matmul rate of this machine, GFLOP/s (best of ``repeats`` timings).
+
+    Each timing runs ``size x size @ size x size`` products (see :func:`_matmul_kernels`) for at
+    least ``min_time_s`` seconds with the current ``torch.get_num_threads()``; the best timing
+    is reported, because other processes on the machine can only slow a timing down.
+
+    Raises:
+        ValueError: unknown ``dtype``.
+    """
     flops = 2.0 * size**3
     best = 0.0
-    for _ in range(repeats):
-        count, start = 0, time.perf_counter()
-        while True:
-            torch.matmul(a, b, out=out)
-            count += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_time_s or count >= 10_000:
-                break
-        best = max(best, flops * count / elapsed / 1e9)
+    for kernel in _matmul_kernels(dtype, size):
+        for _ in range(3):
+            kernel()  # warm-up
+        for _ in range(repeats):
+            count, start = 0, time.perf_counter()
+            while True:
+                kernel()
+                count += 1
+                elapsed = time.perf_counter() - start
+                if elapsed >= min_time_s or count >= 10_000:
+                    break
+            best = max(best, flops * count / elapsed / 1e9)
     return best
 
 

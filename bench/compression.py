@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from compress.errors import UsageError
+from compress.outputs import BENCH_COMPRESSION, check_output_dir
+
 TARGET_LINEAR_REDUCTION = 3.5
 TARGET_PPL_CHANGE_PCT = 3.0
 PPL_TARGET_METHODS = ("dynamic", "onnx-int8")
@@ -215,27 +218,20 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from compress.checkpoints import CheckpointError
     from compress.quantize import METHODS
 
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
-        print(f"error: --methods {unknown}: unknown; use {', '.join(METHODS)}")
-        return 2
+        raise UsageError(f"--methods {unknown}: unknown", fix=f"use {', '.join(METHODS)}")
     if args.threads < 1:
-        print(f"error: --threads {args.threads}: must be >= 1")
-        return 2
-    out = Path(args.out)
+        raise UsageError(f"--threads {args.threads}: must be >= 1")
+    out = check_output_dir(args.out, kind=BENCH_COMPRESSION)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     report: dict[str, Any] = {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}}
-    try:
-        report["causal_lm"] = causal_lm_figures(args, out)
-        if not args.skip_minilm:
-            report["minilm"] = minilm_figures(out, args.threads)
-    except (CheckpointError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 1
+    report["causal_lm"] = causal_lm_figures(args, out)
+    if not args.skip_minilm:
+        report["minilm"] = minilm_figures(out, args.threads)
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     path = out / "compression.json"
     path.write_text(json.dumps(report, indent=2) + "\n")

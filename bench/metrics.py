@@ -49,6 +49,9 @@ class RequestSample:
         concurrency: requests in flight in this load generator when this one was sent (itself included).
         users: Locust users running when it was sent.
         endpoint: ``"generate_stream"`` or ``"generate"``.
+        fault: ``None`` for a normal request; with a fault mix (``lmforge bench reliability``)
+            ``"bad"`` (a request the server must refuse with HTTP 400) or ``"disconnect"`` (a
+            stream the client closes after its first event).
     """
 
     start_s: float
@@ -62,6 +65,7 @@ class RequestSample:
     concurrency: int = 1
     users: int = 1
     endpoint: str = "generate_stream"
+    fault: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -14,6 +14,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+from compress.data import iter_jsonl
 from compress.errors import UsageError
 
 HELD_OUT_PERCENT = 10
@@ -45,17 +46,7 @@ def load_prompts(path: str | Path | None = None, *, limit: int | None = None) ->
 def _jsonl_prompts(path: Path) -> list[str]:
     if not path.is_file():
         raise PromptError(f"prompts file {path} does not exist; pass a JSONL file, one record a line")
-    prompts = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PromptError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
-            prompts.append(_record_prompt(record, f"{path}:{number}"))
-    return prompts
+    return [_record_prompt(record, f"{path}:{number}") for number, record in iter_jsonl(path, PromptError)]
 
 
 def _record_prompt(record: object, where: str) -> str:

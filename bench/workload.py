@@ -170,3 +170,19 @@ def build_workload(tokenizer, *, num_requests: int = 64, max_tokens: int = 64, n
         prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
     shared = [common_prefix_len([p for p, s in zip(prompts, system_of) if s == k]) for k in range(num_systems)]
     return Workload(prompts, texts, questions, system_of, shared, max_tokens)
+
+
+def single_prompt(tokenizer, num_tokens: int = 160) -> list[int]:
+    """The prompt of the one-request-alone run: the first ``num_tokens`` tokens of the corpus
+    questions in reverse order, as plain text (no chat template, so it shares no prefix with the
+    workload's prompts and hits no prefix cache).
+
+    Raises:
+        WorkloadError: ``num_tokens`` < 1, or the corpus is too short.
+    """
+    if num_tokens < 1:
+        raise WorkloadError(f"single prompt num_tokens={num_tokens}; it must be >= 1")
+    ids = tokenizer(" ".join(reversed(load_questions())), add_special_tokens=False).input_ids
+    if len(ids) < num_tokens:
+        raise WorkloadError(f"the corpus questions give {len(ids)} tokens, fewer than the {num_tokens} asked for the single prompt")
+    return ids[:num_tokens]

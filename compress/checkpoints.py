@@ -24,16 +24,16 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import struct
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from compress.errors import LmforgeError
+from compress.errors import LmforgeError, UsageError
+from compress.outputs import CHECKPOINT, IMPORTED_METHOD, MANIFEST_NAME, TOKENIZER, check_output_dir, staged_output_dir
 
-MANIFEST_NAME = "lmforge.json"
+#: Files of which a checkpoint needs at least one for ``AutoTokenizer`` (fast, SentencePiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 #: ``config.json`` ``model_type`` values the causal-LM stages (engine, fine-tune, quantize) run.
 SUPPORTED_CAUSAL_LM_TYPES = ("llama", "mistral", "qwen2")
@@ -83,7 +83,7 @@ class Manifest:
 
     source: str
     parent: str | None = None
-    method: str = "import"
+    method: str = IMPORTED_METHOD
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     dtype: str = "float32"
     num_parameters: int = 0
@@ -156,36 +156,6 @@ def describe_weights(checkpoint_dir: str | Path) -> tuple[int, int, str]:
     names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I8": "int8", "U8": "uint8"}
     dtype = names.get(max(dtype_counts, key=dtype_counts.get), "float32") if dtype_counts else "float32"
     return num_parameters, size_bytes, dtype
-
-
-def check_output_dir(output_dir: str | Path, *, sources: tuple[str | Path, ...] = ()) -> Path:
-    """Refuse an output directory whose replacement would destroy something that is not ours.
-
-    A stage replaces its output directory as a whole, so the directory must be new, empty, or an
-    earlier lmforge checkpoint (it has ``lmforge.json``); it must not be the working directory or
-    one of its parents, and must neither be nor contain any of ``sources`` (the stage's inputs).
-
-    Returns:
-        The absolute output path.
-
-    Raises:
-        CheckpointError: naming the directory and the fix.
-    """
-    out = Path(output_dir).expanduser().resolve()
-    fix = "choose a new or empty directory"
-    cwd = Path.cwd().resolve()
-    if out == cwd or out in cwd.parents:
-        raise CheckpointError(f"{out}: output directory is the working directory or one of its parents; {fix}")
-    for source in sources:
-        src = Path(source).expanduser().resolve()
-        if src == out or out in src.parents:
-            raise CheckpointError(f"{out}: output directory would replace the input {src}; {fix}")
-    if out.exists():
-        if not out.is_dir():
-            raise CheckpointError(f"{out}: exists and is not a directory; {fix}")
-        if any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
-            raise CheckpointError(f"{out}: not empty and not an lmforge checkpoint (no {MANIFEST_NAME}); {fix}")
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,7 +234,7 @@ def check_checkpoint_dir(path: str | Path, *, causal_lm: bool = True) -> dict[st
 
     Raises:
         CheckpointError: missing directory or ``config.json``, unreadable config, no weights,
-            a corrupt safetensors file, or an unsupported architecture.
+            no tokenizer, a corrupt safetensors file, or an unsupported architecture.
     """
     path = Path(path)
     if not path.exists():
@@ -275,12 +245,19 @@ def check_checkpoint_dir(path: str | Path, *, causal_lm: bool = True) -> dict[st
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: missing; a checkpoint directory needs the model's config.json")
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object (the model's config), got {type(config).__name__}")
     weights = list(path.glob("*.safetensors"))
     if not weights and not list(path.glob("*.onnx")) and not list(path.glob("*.bin")):
         raise CheckpointError(f"{path}: no weight files (*.safetensors); the checkpoint is incomplete")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{path}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})",
+            fix="save the tokenizer of the model it came from into it (tokenizer.save_pretrained(DIR))",
+        )
     for file in weights:
         read_safetensors_header(file)
     model_type = config.get("model_type")
@@ -342,15 +319,15 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
     Raises:
         CheckpointError: the GGUF file is missing, corrupt, or of an unsupported architecture.
     """
+    gguf_path = Path(gguf_path)
+    output_dir = Path(output_dir)
+    check_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,))  # cheap, so first
+    check_gguf(gguf_path)
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = Path(gguf_path)
-    output_dir = Path(output_dir)
-    check_gguf(gguf_path)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
-    try:
+    with staged_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,)) as tmp:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
@@ -372,12 +349,6 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
                 size_bytes=size_bytes,
             ),
         )
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        os.replace(tmp, output_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return output_dir
 
 
@@ -396,6 +367,8 @@ def resolve_checkpoint(spec: str | Path, *, causal_lm: bool = True) -> Path:
         CheckpointError: for every missing, corrupt or unsupported input (names the path).
     """
     spec_str = str(spec)
+    if not spec_str.strip():
+        raise CheckpointError("--model is empty", fix=f"pass a checkpoint directory, a .gguf file, or one of {sorted(NAMED_SOURCES)}")
     source = spec_str
     if spec_str in NAMED_SOURCES:
         path = named_source_path(spec_str)
@@ -416,8 +389,26 @@ def resolve_checkpoint(spec: str | Path, *, causal_lm: bool = True) -> Path:
     check_checkpoint_dir(path, causal_lm=causal_lm)
     if spec_str not in NAMED_SOURCES and not (path / MANIFEST_NAME).is_file() and os.access(path, os.W_OK):
         num_parameters, size_bytes, dtype = describe_weights(path)
-        write_manifest(path, Manifest(source=source, method="import", dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes))
+        write_manifest(path, Manifest(source=source, method=IMPORTED_METHOD, dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes))
     return path
+
+
+def check_device(device: str, *, flag: str = "--device") -> str:
+    """Refuse a device this machine does not have, before any model is loaded; returns ``device``.
+
+    Raises:
+        UsageError: not ``cpu`` / ``cuda`` / ``cuda:N``, CUDA not available, or ``N`` out of range.
+    """
+    import torch
+
+    index = device.partition(":")[2]
+    if device != "cpu" and not (device.split(":")[0] == "cuda" and (index == "" or index.isdigit())):
+        raise UsageError(f"{flag} {device!r}: not a device", fix="use cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"{flag} {device}: CUDA is not available on this machine", fix="use --device cpu, or run on a machine with a GPU")
+    if index and int(index) >= torch.cuda.device_count():
+        raise UsageError(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)", fix=f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
 
 
 def load_causal_lm(spec: str | Path, *, dtype: str = "float32"):
@@ -478,15 +469,8 @@ def default_tokenizer_dir() -> Path:
         from transformers import AutoTokenizer
 
         gguf_path = named_source_path(DEFAULT_MODEL)
-        tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=cache_dir()))
-        try:
+        with staged_output_dir(target, kind=TOKENIZER) as tmp:
             AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

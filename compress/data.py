@@ -33,11 +33,13 @@ import random
 import re
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from compress.dedup import MinHashConfig, exact_key, near_duplicates, normalize
-from compress.errors import LmforgeError
+from compress.errors import LmforgeError, UsageError
+from compress.outputs import DATA, check_output_dir, staged_output_dir
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_INPUT = "chatterbot:english"
@@ -111,13 +113,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction={self.val_fraction}: must be in (0, 1)")
+            raise UsageError(f"val_fraction={self.val_fraction}: must be in (0, 1)")
         if not 0.0 <= self.noise_ratio <= 1.0:
-            raise ValueError(f"noise_ratio={self.noise_ratio}: must be in [0, 1]")
+            raise UsageError(f"noise_ratio={self.noise_ratio}: must be in [0, 1]")
         if self.min_chars > self.max_chars:
-            raise ValueError(f"min_chars={self.min_chars} > max_chars={self.max_chars}")
+            raise UsageError(f"min_chars={self.min_chars} > max_chars={self.max_chars}")
         if not self.inputs:
-            raise ValueError("inputs is empty; pass at least one --input")
+            raise UsageError("inputs is empty; pass at least one --input")
         self.minhash  # validates the MinHash settings
 
     @property
@@ -189,7 +191,7 @@ def load_chatterbot_file(path: Path, skipped: list[tuple[Record, str]] | None = 
     import yaml
 
     try:
-        root = yaml.compose(path.read_text(encoding="utf-8"))
+        root = yaml.compose(read_utf8(path))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else 1
@@ -215,29 +217,46 @@ def load_chatterbot_file(path: Path, skipped: list[tuple[Record, str]] | None = 
     return records
 
 
+def read_utf8(path: Path, error: type[LmforgeError] = DataError) -> str:
+    """The text of the user file ``path``.
+
+    Raises:
+        ``error``: the file is not UTF-8 (names the file and the byte offset).
+    """
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})", fix="save it as UTF-8") from exc
+
+
+def iter_jsonl(path: Path, error: type[LmforgeError] = DataError) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed value)`` of each non-blank line of a JSONL file.
+
+    Raises:
+        ``error``: the file is not UTF-8, or a line is not JSON (names file:line).
+    """
+    for line_no, line in enumerate(read_utf8(path, error).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield line_no, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(f"{path}:{line_no}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+
+
 def load_jsonl(path: Path) -> list[Record]:
     """Records of a JSONL file (blank lines skipped).
 
     Raises:
-        DataError: a line that is not JSON or not a valid record (names file:line).
+        DataError: not UTF-8, or a line that is not JSON or not a valid record (names file:line).
     """
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
-            records.append(Record(validate_record(obj, str(path), line_no), str(path), line_no))
-    return records
+    return [Record(validate_record(obj, str(path), line_no), str(path), line_no) for line_no, obj in iter_jsonl(path)]
 
 
 def load_text(path: Path) -> list[Record]:
     """Paragraphs (blank-line separated) of a plain-text file as ``{"text": ...}`` records."""
     records, lines, start = [], [], 1
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for line_no, line in enumerate(read_utf8(path).splitlines(), start=1):
         if line.strip():
             if not lines:
                 start = line_no
@@ -314,7 +333,7 @@ def read_blocklist(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: block-list file not found; pass --blocklist FILE or --blocklist none")
-    return [w.strip().lower() for w in path.read_text(encoding="utf-8").splitlines() if w.strip() and not w.startswith("#")]
+    return [w.strip().lower() for w in read_utf8(path).splitlines() if w.strip() and not w.startswith("#")]
 
 
 def blocked_word(text: str, words: list[str]) -> str | None:
@@ -438,8 +457,11 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
     Raises:
         DataError: a malformed record, an empty input, or nothing (or a single record) left
             after filtering (names the files and lines removed and why).
+        OutputDirError: ``out`` is unsafe to replace (``compress.outputs.check_output_dir``).
     """
     started = time.monotonic()
+    sources = tuple(path for path in config.inputs if Path(path).exists())
+    check_output_dir(out, kind=DATA, sources=sources)  # before the work, not after it
     records, loaded, skipped = [], {}, []
     for spec in config.inputs:
         got = load_input(spec, skipped)
@@ -463,10 +485,6 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
     val = [final[i].data for i in order[:num_val]]
     train = [json.loads(json.dumps(final[i].data)) for i in order[num_val:]]  # copies: noise edits them
     noised = add_label_noise(train, config.noise_ratio, rng)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(out / "train.jsonl", train)
-    _write_jsonl(out / "val.jsonl", val)
     report = {
         "config": dataclasses.asdict(config),
         "loaded": loaded,
@@ -479,18 +497,19 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
         "train_chars": sum(len(Record(r, "", 0).text) for r in train),
         "elapsed_s": round(time.monotonic() - started, 3),
     }
-    (out / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    with staged_output_dir(out, kind=DATA, sources=sources) as tmp:
+        _write_jsonl(tmp / "train.jsonl", train)
+        _write_jsonl(tmp / "val.jsonl", val)
+        (tmp / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     if verbose:
         print(format_report(report))
     return report
 
 
 def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    tmp = path.with_suffix(".jsonl.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
+    with path.open("w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(path)
 
 
 def format_report(report: dict[str, Any]) -> str:

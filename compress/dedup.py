@@ -14,6 +14,8 @@ import hashlib
 import re
 from collections.abc import Sequence
 
+from compress.errors import UsageError
+
 _WHITESPACE = re.compile(r"\s+")
 
 
@@ -53,11 +55,11 @@ class MinHashConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"threshold={self.threshold}: must be in (0, 1]")
+            raise UsageError(f"threshold={self.threshold}: must be in (0, 1]")
         if self.num_perm < 16:
-            raise ValueError(f"num_perm={self.num_perm}: use at least 16 permutations")
+            raise UsageError(f"num_perm={self.num_perm}: use at least 16 permutations")
         if self.shingle_size < 1:
-            raise ValueError(f"shingle_size={self.shingle_size}: must be >= 1")
+            raise UsageError(f"shingle_size={self.shingle_size}: must be >= 1")
 
 
 def minhash(text: str, config: MinHashConfig):

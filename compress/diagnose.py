@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from compress.errors import UsageError
+from compress.outputs import check_output_file
 
 SPIKE_WINDOW = 10  # preceding train steps a spike is compared with
 SPIKE_MIN_HISTORY = 5
@@ -68,15 +69,19 @@ def load_run(run_dir: str | Path) -> RunLog:
     """Read ``metrics.jsonl`` (required) and ``run.json`` (optional) from ``run_dir``.
 
     Raises:
-        RunDirError: missing metrics file, or a line that is not a JSON object with ``step``
-            and ``split`` (names path and line number).
+        RunDirError: missing, empty or non-UTF-8 metrics file, or a line that is not a JSON
+            object with an integer ``step`` and ``split`` (names path and line number).
     """
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise RunDirError(f"{metrics}: not found; pass the RUN_DIR that finetune/distill wrote")
+    try:
+        text = metrics.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise RunDirError(f"{metrics}: not UTF-8 text ({error.reason} at byte {error.start})") from error
     train, val = [], []
-    for number, line in enumerate(metrics.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -85,7 +90,11 @@ def load_run(run_dir: str | Path) -> RunLog:
             raise RunDirError(f"{metrics}:{number}: not JSON ({error.msg})") from error
         if not isinstance(record, dict) or "step" not in record or record.get("split") not in ("train", "val"):
             raise RunDirError(f"{metrics}:{number}: expected an object with 'step' and 'split' of train/val")
+        if not isinstance(record["step"], int) or isinstance(record["step"], bool) or record["step"] < 0:
+            raise RunDirError(f"{metrics}:{number}: step={record['step']!r}; expected an integer >= 0")
         (train if record["split"] == "train" else val).append(record)
+    if not train:
+        raise RunDirError(f"{metrics}: no train records, nothing to diagnose; run (or resume) finetune/distill until it logs a step")
     run = {}
     run_json = run_dir / "run.json"
     if run_json.is_file():
@@ -382,6 +391,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json_out:
+        check_output_file(args.json_out, flag="--json")
     findings = diagnose(args.run_dir)
     print(format_findings(findings))
     if args.json_out:

@@ -69,11 +69,33 @@ class DistillConfig(TrainConfig):
         super().validate()
         for name in ("alpha", "beta", "gamma"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: loss weights must be >= 0")
+                raise UsageError(f"{name}={getattr(self, name)}: loss weights must be >= 0")
         if self.alpha + self.beta + self.gamma == 0:
-            raise ValueError("alpha, beta and gamma are all 0: nothing to train on")
+            raise UsageError("alpha, beta and gamma are all 0: nothing to train on")
         if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature}: must be > 0")
+            raise UsageError(f"temperature={self.temperature}: must be > 0")
+        if self.student_config is not None:
+            check_student_config(self.student_config)
+
+
+#: ``config.json`` shape fields a student may override; each must be an integer >= 1.
+STUDENT_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                        "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+
+
+def check_student_config(overrides: Any) -> None:
+    """Refuse ``--student-config`` values a model could not be built from, before the teacher loads.
+
+    Raises:
+        UsageError: not a JSON object, or a shape field that is not an integer >= 1.
+    """
+    example = '{"num_hidden_layers": 4}'
+    if not isinstance(overrides, dict):
+        raise UsageError(f"--student-config {json.dumps(overrides)}: expected a JSON object of config.json fields", fix=f"e.g. '{example}'")
+    for key in STUDENT_SHAPE_FIELDS:
+        value = overrides.get(key)
+        if key in overrides and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise UsageError(f"--student-config {key}={value!r}: must be an integer >= 1", fix=f"e.g. '{example}'")
 
 
 def select_layers(spec: str, num_teacher_layers: int) -> list[int]:
@@ -87,9 +109,9 @@ def select_layers(spec: str, num_teacher_layers: int) -> list[int]:
     try:
         layers = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError as exc:
-        raise ValueError(f"student_layers={spec!r}: use 'every-other' or comma-separated layer indices") from exc
+        raise UsageError(f"student_layers={spec!r}: use 'every-other' or comma-separated layer indices") from exc
     if not layers or layers != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= num_teacher_layers:
-        raise ValueError(f"student_layers={spec!r}: need increasing, distinct indices in [0, {num_teacher_layers - 1}]")
+        raise UsageError(f"student_layers={spec!r}: need increasing, distinct indices in [0, {num_teacher_layers - 1}]")
     return layers
 
 
@@ -113,8 +135,13 @@ def build_student(teacher, layers: list[int] | None = None, config_overrides: di
     if config_overrides is not None:
         for key, value in config_overrides.items():
             if not hasattr(config, key):
-                raise ValueError(f"student_config: unknown config field {key!r}")
+                raise UsageError(f"--student-config: unknown config field {key!r}", fix="use fields of the teacher's config.json")
             setattr(config, key, value)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % kv_heads:
+            raise UsageError(f"--student-config: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
+                             fix="choose head counts that divide")
         _fix_layer_types(config, None)
         student = AutoModelForCausalLM.from_config(config)
         n = config.num_hidden_layers

@@ -45,7 +45,9 @@ from compress.checkpoints import (
     resolve_checkpoint,
     update_metrics,
 )
+from compress.data import iter_jsonl
 from compress.errors import LmforgeError
+from compress.outputs import check_output_file
 from compress.int8 import INT8_WEIGHT_SUFFIX
 
 #: Fixed prompts of the greedy-agreement metric (chat-formatted).
@@ -186,16 +188,7 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise EvaluationError(f"--data {path}: file not found; pass a val.jsonl written by `lmforge data`")
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EvaluationError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from exc
-            records.append(_validate_record(obj, f"{path}:{line_no}"))
+    records = [_validate_record(obj, f"{path}:{line_no}") for line_no, obj in iter_jsonl(path, EvaluationError)]
     if not records:
         raise EvaluationError(f"{path}: no records")
     return records
@@ -663,6 +656,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json:
+        check_output_file(args.json, flag="--json")
     config = EvalConfig(
         max_records=args.max_records, max_length=args.max_length, agreement_tokens=args.agreement_tokens,
         latency_tokens=args.latency_tokens, measure_latency=not args.no_latency, num_threads=args.threads,

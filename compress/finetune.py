@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from typing import Any
 
 import torch
 
-from compress.training import TrainConfig, TrainingError, TrainingRecipe, token_losses
+from compress.errors import UsageError
+from compress.training import TrainConfig, TrainingRecipe, token_losses
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -66,6 +68,11 @@ class FinetuneRecipe(TrainingRecipe):
         if cfg.lora:
             from peft import LoraConfig, get_peft_model
 
+            linear = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            missing = sorted(set(cfg.lora_target_modules) - set(linear))
+            if missing:
+                raise UsageError(f"--lora-target-modules: {', '.join(missing)} not in {self.model_path}",
+                                 fix=f"choose from its linear layers: {','.join(linear)}")
             lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                               target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
             model = get_peft_model(model, lora)
@@ -128,17 +135,14 @@ def train_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_recipe(recipe_cls, config: TrainConfig) -> int:
-    """Run a recipe from the command line: prints the outcome, returns the exit status."""
+    """Run a recipe from the command line: prints the outcome, returns the exit status (errors
+    propagate to ``lmforge_cli.main``)."""
     started = time.monotonic()
-    try:
-        recipe = recipe_cls(config)
-        result, final = recipe.run()
-    except (TrainingError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 1
+    recipe = recipe_cls(config)
+    result, final = recipe.run()
     if recipe.is_main:
         if result.status == "nan":
-            print(f"error: {result.message}")
+            print(f"error: {result.message}", file=sys.stderr)
         elif result.status == "stopped":
             print(result.message)
         else:

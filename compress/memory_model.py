@@ -83,6 +83,7 @@ class ModelSpec:
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections
+    gated_mlp: bool = True  # SwiGLU (gate, up, down); False: a GPT MLP (up, GeLU, down)
 
     def __post_init__(self) -> None:
         for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -160,12 +161,14 @@ def layer_params(model: ModelSpec, tensor_parallel: int = 1) -> ParamCount:
     """Parameters of one decoder layer on one tensor-parallel rank.
 
     Attention and MLP matrices are split over ``tensor_parallel`` ranks (Megatron column/row
-    parallel linears); the two RMSNorm weights are replicated.
+    parallel linears); the two RMSNorm weights are replicated. ``gated_mlp=False`` (GPT shapes,
+    used to compare with published GPT runs) has two MLP matrices; its biases and LayerNorm
+    biases (``O(h)`` per layer) are not counted.
     """
     h, q, kv, inter = model.hidden_size, model.q_size, model.kv_size, model.intermediate_size
-    matrices = h * q + 2 * h * kv + q * h + 3 * h * inter
+    matrices = h * q + 2 * h * kv + q * h + (3 if model.gated_mlp else 2) * h * inter
     biases = (q + 2 * kv) if model.qkv_bias else 0
-    tensors = 9 + (3 if model.qkv_bias else 0)
+    tensors = (9 if model.gated_mlp else 8) + (3 if model.qkv_bias else 0)
     return ParamCount((matrices + biases) / tensor_parallel + 2 * h, tensors)
 
 
@@ -267,7 +270,8 @@ def layer_activation_bytes(model: ModelSpec, batch: int, seq_len: int, precision
     t = tensor_parallel
     tokens = batch * seq_len
     kv_width = model.kv_size if fused_attention else model.q_size
-    split = (2 * model.q_size + 2 * kv_width + 4 * model.intermediate_size) * a + model.num_attention_heads * FP32_BYTES
+    mlp = (4 if model.gated_mlp else 2) * model.intermediate_size  # GeLU MLP: up output and GeLU output
+    split = (2 * model.q_size + 2 * kv_width + mlp) * a + model.num_attention_heads * FP32_BYTES
     norms = 2 * rmsnorm_activation_bytes(tokens, model.hidden_size, precision)
     mask = 0 if fused_attention else batch * seq_len * seq_len * a
     return math.ceil(tokens * split / t + (norms / t if sequence_parallel else norms)) + mask

@@ -18,9 +18,7 @@ files + ``lmforge.json``):
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ from compress.checkpoints import (
     resolve_checkpoint,
     write_manifest,
 )
+from compress.outputs import CHECKPOINT, staged_output_dir
 
 ONNX_MODEL_NAME = "model.onnx"
 
@@ -127,13 +126,6 @@ def _write_onnx_manifest(directory: Path, *, source: str, parent: str, method: s
     )
 
 
-def _replace_dir(tmp: Path, output_dir: Path) -> None:
-    """Move a finished temporary directory into place (an interrupted run leaves no half output)."""
-    if output_dir.exists():
-        shutil.rmtree(output_dir)
-    os.replace(tmp, output_dir)
-
-
 def _source_of(checkpoint_dir: Path) -> str:
     return read_manifest(checkpoint_dir).source if (checkpoint_dir / MANIFEST_NAME).is_file() else str(checkpoint_dir)
 
@@ -143,7 +135,8 @@ def export_onnx(checkpoint_dir: str | Path, output_dir: str | Path, *, task: str
 
     Args:
         checkpoint_dir: a checkpoint (name, ``.gguf`` or directory; see ``resolve_checkpoint``).
-        output_dir: the new checkpoint directory (replaced if it exists).
+        output_dir: the new checkpoint directory: new, empty or an earlier checkpoint (replaced).
+            ``OutputDirError`` otherwise (``compress.outputs``).
         task: ``text-generation-with-past`` for causal LMs (exports the KV-cache inputs and
             outputs), ``feature-extraction`` for encoders (``last_hidden_state``
             ``[batch, seq, hidden]``).
@@ -162,9 +155,7 @@ def export_onnx(checkpoint_dir: str | Path, output_dir: str | Path, *, task: str
     config = OnnxExportConfig(task=task, opset=opset)
     source_dir = resolve_checkpoint(checkpoint_dir, causal_lm=EXPORT_TASKS[task])
     output_dir = Path(output_dir)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
-    try:
+    with staged_output_dir(output_dir, kind=CHECKPOINT, sources=(source_dir,)) as tmp:
         main_export(
             str(source_dir),
             tmp,
@@ -184,9 +175,6 @@ def export_onnx(checkpoint_dir: str | Path, output_dir: str | Path, *, task: str
             config=dataclasses.asdict(config),
             dtype="float32",
         )
-        _replace_dir(tmp, output_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return output_dir
 
 
@@ -201,7 +189,8 @@ def quantize_onnx_int8(
 
     Args:
         onnx_dir: a directory written by ``export_onnx`` (``model.onnx`` + config + tokenizer).
-        output_dir: the new checkpoint directory (replaced if it exists).
+        output_dir: the new checkpoint directory: new, empty or an earlier checkpoint (replaced).
+            ``OutputDirError`` otherwise (``compress.outputs``).
         config: quantization settings; ``OnnxInt8Config()`` (QInt8, per-channel) by default.
         parent: the manifest's ``parent``; defaults to ``onnx_dir`` (``lmforge quantize`` passes
             the PyTorch checkpoint when the fp32 export was only an intermediate step).
@@ -222,9 +211,8 @@ def quantize_onnx_int8(
         raise CheckpointError(f"{model_path}: missing; export the checkpoint first with compress.onnx.export_onnx (or lmforge quantize --method onnx-int8)")
     export_manifest = read_manifest(onnx_dir) if (onnx_dir / MANIFEST_NAME).is_file() else None
     output_dir = Path(output_dir)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
-    try:
+    sources = (onnx_dir,) if parent is None else (onnx_dir, parent)
+    with staged_output_dir(output_dir, kind=CHECKPOINT, sources=sources) as tmp:
         for file in onnx_dir.iterdir():
             if file.is_file() and file.suffix != ".onnx" and file.name != MANIFEST_NAME and "onnx_data" not in file.name and not file.name.endswith(".onnx.data"):
                 shutil.copy2(file, tmp / file.name)
@@ -247,9 +235,6 @@ def quantize_onnx_int8(
             config={"export": export_config, "quantization": dataclasses.asdict(config)},
             dtype="int8",
         )
-        _replace_dir(tmp, output_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return output_dir
 
 

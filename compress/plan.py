@@ -1,19 +1,20 @@
-"""``lmforge plan``: memory and parallelism planner for training and inference at scale.
+"""``lmforge plan``: memory, parallelism and step-time planner for training and inference at scale.
 
 Training: for every (data, tensor, pipeline) split of the devices, micro-batch count, ZeRO stage
 and checkpointing choice, the per-device memory (parameters, gradients, optimizer states,
-activations; formulas and sources in ``compress.memory_model``), the 1F1B bubble
-(``compress.pipeline_schedule``) and a step time from the FLOP count; the feasible ones ranked by
-step time, the others with the constraint they break.
+activations; formulas and sources in ``compress.memory_model``) and the step time by cause:
+compute at an achieved (not peak) FLOP rate, tensor-parallel all-reduces, pipeline sends,
+data-parallel / ZeRO collectives not hidden behind the backward, the 1F1B bubble
+(``compress.pipeline_schedule``) and the optimizer update (``compress.comm_model``, on a
+``Cluster``: peak, memory bandwidth, devices per node, intra- and inter-node link rates). The
+feasible configurations are ranked by tokens per second; the others list the constraint they break.
 
-Step time: ``6 N`` FLOPs per token for forward + backward of the matrix multiplies (Kaplan et
-al. 2020; Narayanan et al. 2021, Sec. 5.1) plus ``12 L s q`` for attention scores and values;
-full recomputation adds one forward (``2 N + 4 L s q``). Per device the FLOPs divide by ``d t p``;
-the time is FLOPs / device throughput, stretched by ``1 / (1 - bubble)``. Communication is not
-modelled, so splits with larger tensor degree look better than they are across nodes.
+MFU is model FLOPs (``6 N + 12 L s q`` per token, no recomputation) per second over the peak of
+all devices (Chowdhery et al. 2022, App. B); ``mfu_6n`` counts ``6 N`` only (Kaplan et al. 2020).
 
 Inference: KV cache bytes per token and the concurrent full-length sequences that fit the memory
-left after the weights, in blocks of ``block_size`` tokens (how a paged engine sizes its cache).
+left after the weights, in blocks of ``block_size`` tokens (how a paged engine sizes its cache),
+and for each tensor-parallel size the inter-token latency of a decode step with its all-reduces.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from compress.comm_model import (
+    CLUSTER_PRESETS,
+    Cluster,
+    DecodeTime,
+    ParallelConfig,
+    StepTime,
+    decode_step_time,
+    model_flops_per_token,
+    training_step_time,
+)
 from compress.errors import LmforgeError, UsageError
 from compress.memory_model import (
     KVCapacity,
@@ -35,6 +46,7 @@ from compress.memory_model import (
     state_memory,
     total_params,
 )
+from compress.outputs import check_output_file
 from compress.pipeline_schedule import bubble_fraction, simulate_1f1b
 
 GIB = 2**30
@@ -55,17 +67,16 @@ class TrainingSetup:
     precision: Precision = Precision.BF16
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     checkpointing: tuple[bool, ...] = (False, True)
-    device_tflops: float = 100.0  # achieved dense throughput per device, TFLOP/s
+    cluster: Cluster = CLUSTER_PRESETS["a100-80gb-sxm"]  # peak FLOP/s, memory and network of the devices
     sequence_parallel: bool = False
     fused_attention: bool = True  # flash / SDPA is_causal; False: SDPA with a materialised mask
+    overlap_grad_reduce: bool = True  # gradient reduction overlaps the backward (compress.comm_model)
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch", "num_devices", "device_memory_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
-        if not self.device_tflops > 0:
-            raise ValueError(f"device_tflops={self.device_tflops!r}: must be > 0")
         bad = [z for z in self.zero_stages if z not in (0, 1, 2, 3)]
         if bad or not self.zero_stages:
             raise ValueError(f"zero_stages={self.zero_stages!r}: choose from 0, 1, 2, 3")
@@ -94,13 +105,22 @@ class PlanEntry:
     optimizer_bytes: int = 0
     activations_bytes: int = 0
     bubble_fraction: float = 0.0
+    time: StepTime | None = None  # the step by cause
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
+    mfu: float = 0.0  # model FLOPs (6 N + 12 L s q per token) per second / peak of all devices
+    mfu_6n: float = 0.0  # the same with 6 N per token only (Kaplan et al. 2020), no attention term
     infeasible: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+
+    def describe(self) -> str:
+        """``dp=.. tp=.. pp=.. m=.. mbs=.. ZeRO-.. ckpt ..``"""
+        s = self.split
+        return (f"dp={s.data} tp={s.tensor} pp={s.pipeline} m={self.micro_batches} mbs={self.micro_batch_size} "
+                f"ZeRO-{self.zero_stage} ckpt {'on' if self.checkpointing else 'off'}")
 
 
 def divisors(n: int) -> list[int]:
@@ -140,16 +160,6 @@ def enumerate_splits(num_devices: int) -> list[Split]:
     return [Split(num_devices // (t * p), t, p) for t in divisors(num_devices) for p in divisors(num_devices // t)]
 
 
-def step_flops(model: ModelSpec, tokens: int, seq_len: int, checkpointing: bool) -> float:
-    """Training FLOPs of one optimizer step over ``tokens`` tokens (forward + backward, + recompute)."""
-    n = total_params(model)
-    attention = model.num_hidden_layers * seq_len * model.q_size  # L s q
-    per_token = 6 * n + 12 * attention
-    if checkpointing:
-        per_token += 2 * n + 4 * attention
-    return per_token * tokens
-
-
 def evaluate_entry(model: ModelSpec, setup: TrainingSetup, entry: PlanEntry) -> PlanEntry:
     """Fill memory (the most loaded pipeline stage), bubble, step time and feasibility of ``entry``."""
     s = entry.split
@@ -178,23 +188,30 @@ def evaluate_entry(model: ModelSpec, setup: TrainingSetup, entry: PlanEntry) -> 
             f"(states {states.total_bytes / GIB:.1f}, activations {acts / GIB:.1f})"
         )
     entry.bubble_fraction = bubble_fraction(s.pipeline, entry.micro_batches)
+    config = ParallelConfig(s.data, s.tensor, s.pipeline, entry.micro_batches, entry.micro_batch_size, entry.zero_stage,
+                            entry.checkpointing, setup.sequence_parallel)
+    shard = max(stage_params(model, stage, s.pipeline, s.tensor).elements for stage in range(s.pipeline))
+    entry.time = training_step_time(model, config, setup.cluster, seq_len=setup.seq_len, stage_param_elements=shard,
+                                    dtype_bytes=setup.precision.param_bytes, fused_attention=setup.fused_attention,
+                                    overlap_grad_reduce=setup.overlap_grad_reduce)
     tokens = setup.global_batch * setup.seq_len
-    per_device = step_flops(model, tokens, setup.seq_len, entry.checkpointing) / setup.num_devices
-    entry.step_time_s = per_device / (setup.device_tflops * 1e12) / (1.0 - entry.bubble_fraction)
+    entry.step_time_s = entry.time.step_s
     entry.tokens_per_s = tokens / entry.step_time_s
+    model_flops = model_flops_per_token(model, total_params(model), setup.seq_len) * entry.tokens_per_s
+    entry.mfu = model_flops / (setup.num_devices * setup.cluster.peak_flops)
+    entry.mfu_6n = 6 * total_params(model) * entry.tokens_per_s / (setup.num_devices * setup.cluster.peak_flops)
     return entry
 
 
 def rank_key(entry: PlanEntry) -> tuple:
-    """Sort key: feasible first, then shortest step; ties (communication is not modelled) go to less
-    communication: lower tensor degree, lower ZeRO stage, fewer micro-batches, then less memory."""
+    """Sort key: feasible first, then most tokens per second (shortest step), then least memory."""
     if entry.infeasible:
-        return (1, 0.0, 0, 0, 0, 0)
-    return (0, round(entry.step_time_s, 9), entry.split.tensor, entry.zero_stage, entry.micro_batches, entry.total_bytes)
+        return (1, 0.0, 0)
+    return (0, round(entry.step_time_s, 12), entry.total_bytes)
 
 
 def plan_training(model: ModelSpec, setup: TrainingSetup, splits: list[Split] | None = None) -> list[PlanEntry]:
-    """Evaluate every configuration; feasible ones first, fastest first (then least memory).
+    """Evaluate every configuration; feasible ones first, most tokens per second first (then least memory).
 
     Args:
         splits: restrict to these splits (each is checked with ``check_split``); default all.
@@ -239,6 +256,76 @@ def inference_capacity(model: ModelSpec, *, device_memory_bytes: int, memory_uti
                        dtype_bytes=kv_dtype_bytes, tensor_parallel=tensor_parallel, max_num_seqs=max_num_seqs)
 
 
+TIME_TERMS = {
+    "compute_s": "compute", "tp_comm_s": "tensor-parallel all-reduce", "pp_comm_s": "pipeline sends",
+    "dp_comm_s": "exposed data-parallel communication", "bubble_s": "pipeline bubble", "optimizer_s": "optimizer update",
+}
+
+
+def runner_up(feasible: list[PlanEntry]) -> PlanEntry | None:
+    """The fastest feasible configuration with another split than the winner's (else the second)."""
+    if len(feasible) < 2:
+        return None
+    return next((e for e in feasible[1:] if e.split != feasible[0].split), feasible[1])
+
+
+def explain_winner(best: PlanEntry, other: PlanEntry) -> str:
+    """One line: why ``best`` beats ``other``, from the largest differences of their step terms and memory."""
+    deltas = {name: getattr(other.time, name) - getattr(best.time, name) for name in TIME_TERMS}
+    loses = max(deltas, key=deltas.get)
+    gains = min(deltas, key=deltas.get)
+    gap = other.step_time_s - best.step_time_s
+    line = (f"winner {best.describe()} vs runner-up {other.describe()}: {gap:.3f} s per step "
+            f"({gap / other.step_time_s:.1%}) faster; the runner-up spends {deltas[loses]:.3f} s more on {TIME_TERMS[loses]}")
+    if deltas[gains] < 0:
+        line += f" and saves {-deltas[gains]:.3f} s of {TIME_TERMS[gains]}"
+    memory = best.total_bytes - other.total_bytes
+    line += f"; it needs {abs(memory) / GIB:.1f} GiB {'less' if memory > 0 else 'more'} per device"
+    return line
+
+
+@dataclass(frozen=True)
+class ServingOption:
+    """One tensor-parallel size for serving: memory per device, KV capacity and decode latency."""
+
+    tensor_parallel: int
+    weights_bytes: int  # per device
+    capacity: KVCapacity | None  # None: the weights do not fit
+    itl_batch1: DecodeTime | None  # one sequence at max_model_len
+    itl_full: DecodeTime | None  # every sequence that fits, at max_model_len
+    full_batch: int
+
+
+def serving_options(model: ModelSpec, cluster: Cluster, *, device_memory_bytes: int, memory_utilization: float,
+                    block_size: int, max_model_len: int, weight_bytes: int, kv_dtype_bytes: int,
+                    max_num_seqs: int | None = None) -> list[ServingOption]:
+    """For each tensor-parallel size inside one node that divides the KV heads: what fits and the ITL.
+
+    ITL is ``compress.comm_model.decode_step_time`` at ``max_model_len`` tokens of context, for one
+    sequence and for as many full-length sequences as the KV cache holds (capped by ``max_num_seqs``).
+    """
+    options = []
+    for t in divisors(cluster.devices_per_node):
+        if model.num_key_value_heads % t or model.num_attention_heads % t:
+            continue
+        weights = math.ceil(total_params(model) * weight_bytes / t)
+        try:
+            cap = inference_capacity(model, device_memory_bytes=device_memory_bytes, memory_utilization=memory_utilization,
+                                     block_size=block_size, max_model_len=max_model_len, weight_bytes=weight_bytes,
+                                     kv_dtype_bytes=kv_dtype_bytes, tensor_parallel=t, max_num_seqs=max_num_seqs)
+        except ValueError:
+            cap = None
+        if cap is None or cap.max_concurrent_sequences < 1:
+            options.append(ServingOption(t, weights, cap, None, None, 0))
+            continue
+        one = decode_step_time(model, cluster, batch=1, context_len=max_model_len, tensor_parallel=t,
+                               weight_bytes=weight_bytes, kv_dtype_bytes=kv_dtype_bytes)
+        full = decode_step_time(model, cluster, batch=cap.max_concurrent_sequences, context_len=max_model_len,
+                                tensor_parallel=t, weight_bytes=weight_bytes, kv_dtype_bytes=kv_dtype_bytes)
+        options.append(ServingOption(t, weights, cap, one, full, cap.max_concurrent_sequences))
+    return options
+
+
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
@@ -272,7 +359,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism with tensor parallelism")
     train.add_argument("--attention", choices=("fused", "masked"), default="fused",
                        help="fused: flash attention / SDPA is_causal; masked: SDPA with a [b,1,s,s] mask, K/V repeated")
-    train.add_argument("--device-tflops", type=float, default=100.0, help="achieved TFLOP/s per device (for step time)")
+    hw = parser.add_argument_group("devices and network (a preset, or explicit values that override it)")
+    hw.add_argument("--cluster", choices=tuple(CLUSTER_PRESETS), default="a100-80gb-sxm",
+                    help="; ".join(f"{k}: {v.name}" for k, v in CLUSTER_PRESETS.items()))
+    hw.add_argument("--device-tflops", type=float, help="peak dense 16-bit TFLOP/s per device (achieved rate is modelled)")
+    hw.add_argument("--hbm-gbs", type=float, help="device memory bandwidth, GB/s")
+    hw.add_argument("--devices-per-node", type=int, help="devices sharing the NVLink-class network")
+    hw.add_argument("--intra-node-gbps", type=float, help="NVLink class, Gb/s per device per direction")
+    hw.add_argument("--inter-node-gbps", type=float, help="InfiniBand / Ethernet class, Gb/s per device per direction")
+    train.add_argument("--no-overlap-grad-reduce", action="store_true",
+                       help="gradient reduction after the backward (default: overlapped with it, as DDP/FSDP do)")
     train.add_argument("--dp", type=int, help="fix the data degree (with --tp and --pp)")
     train.add_argument("--tp", type=int, help="fix the tensor degree (train) / tensor parallel size (inference)")
     train.add_argument("--pp", type=int, help="fix the pipeline degree")
@@ -311,33 +407,44 @@ def _gib(n: int) -> str:
     return f"{n / GIB:8.2f}"
 
 
+def _s(x: float) -> str:
+    return f"{x:7.3f}"
+
+
 def format_training(model: ModelSpec, setup: TrainingSetup, entries: list[PlanEntry], top: int) -> str:
     feasible = [e for e in entries if not e.infeasible]
+    c = setup.cluster
     lines = [
         f"model: {total_params(model):,} parameters, {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
         f"heads {model.num_attention_heads}/{model.num_key_value_heads} KV, vocab {model.vocab_size}",
         f"setup: {setup.num_devices} devices x {setup.device_memory_bytes / GIB:.0f} GiB, {setup.precision.value}, "
-        f"seq_len {setup.seq_len}, global batch {setup.global_batch} sequences, {setup.device_tflops:g} TFLOP/s per device",
-        f"{len(feasible)} feasible of {len(entries)} configurations",
+        f"seq_len {setup.seq_len}, global batch {setup.global_batch} sequences",
+        f"devices: {c.peak_tflops:g} TFLOP/s peak, {c.hbm_gbs:g} GB/s memory, {c.devices_per_node} per node, "
+        f"{c.intra_node_gbps:g} Gb/s intra-node, {c.inter_node_gbps:g} Gb/s inter-node per device; gradient reduction "
+        f"{'overlapped with' if setup.overlap_grad_reduce else 'after'} the backward",
+        f"{len(feasible)} feasible of {len(entries)} configurations (times in s per step, memory in GiB per device)",
         "",
-        "rank  dp  tp  pp  micro  mbs  zero  ckpt   params    grads    optim  activ.    total  bubble  step_s    tok/s",
+        "rank  dp  tp  pp  micro  mbs  zero  ckpt   states  activ.   total  compute  tp_comm  pp_comm  dp_comm"
+        "   bubble    optim   step_s     tok/s    MFU",
     ]
     for rank, e in enumerate(feasible[:top], 1):
-        s = e.split
+        s, t = e.split, e.time
         lines.append(
             f"{rank:4d} {s.data:3d} {s.tensor:3d} {s.pipeline:3d} {e.micro_batches:6d} {e.micro_batch_size:4d} "
-            f"{e.zero_stage:5d} {'on' if e.checkpointing else 'off':>5} {_gib(e.params_bytes)} {_gib(e.grads_bytes)} "
-            f"{_gib(e.optimizer_bytes)} {_gib(e.activations_bytes)} {_gib(e.total_bytes)} {e.bubble_fraction:7.1%} "
-            f"{e.step_time_s:7.3f} {e.tokens_per_s:8.0f}"
+            f"{e.zero_stage:5d} {'on' if e.checkpointing else 'off':>5} {(e.total_bytes - e.activations_bytes) / GIB:8.2f}"
+            f"{e.activations_bytes / GIB:8.2f}{e.total_bytes / GIB:8.2f}  {_s(t.compute_s)}  {_s(t.tp_comm_s)}  "
+            f"{_s(t.pp_comm_s)}  {_s(t.dp_comm_s)}  {_s(t.bubble_s)}  {_s(t.optimizer_s)}  {_s(e.step_time_s)} "
+            f"{e.tokens_per_s:9.0f} {e.mfu:6.1%}"
         )
     if feasible:
         best = feasible[0]
         lines.append(
-            f"\nbest: dp={best.split.data} tp={best.split.tensor} pp={best.split.pipeline}, {best.micro_batches} micro-batch"
-            f"{'es' if best.micro_batches != 1 else ''} of {best.micro_batch_size}, ZeRO-{best.zero_stage}, checkpointing {'on' if best.checkpointing else 'off'}: "
-            f"shortest step ({best.step_time_s:.3f} s, bubble {best.bubble_fraction:.1%}) with "
-            f"{(setup.device_memory_bytes - best.total_bytes) / GIB:.1f} GiB headroom (memory in GiB per device)"
+            f"\nbest: {best.describe()}: {best.tokens_per_s:,.0f} tok/s, MFU {best.mfu:.1%} (6N only: {best.mfu_6n:.1%}), step {best.step_time_s:.3f} s "
+            f"(bubble {best.bubble_fraction:.1%}), {(setup.device_memory_bytes - best.total_bytes) / GIB:.1f} GiB headroom"
         )
+        other = runner_up(feasible)
+        if other is not None:
+            lines.append(explain_winner(best, other))
         simulated = simulate_1f1b(best.split.pipeline, best.micro_batches)
         lines.append(f"1F1B schedule simulation for pp={best.split.pipeline}, m={best.micro_batches}: bubble "
                      f"{simulated.bubble_fraction:.4f} (closed form (p-1)/(m+p-1) = {best.bubble_fraction:.4f}), "
@@ -357,20 +464,34 @@ def format_training(model: ModelSpec, setup: TrainingSetup, entries: list[PlanEn
     return "\n".join(lines)
 
 
+def cluster_from_args(args: argparse.Namespace) -> Cluster:
+    """The ``--cluster`` preset with any explicit device and network values replacing its own."""
+    preset = CLUSTER_PRESETS[args.cluster]
+    overrides = {"peak_tflops": args.device_tflops, "hbm_gbs": args.hbm_gbs, "devices_per_node": args.devices_per_node,
+                 "intra_node_gbps": args.intra_node_gbps, "inter_node_gbps": args.inter_node_gbps}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if not overrides:
+        return preset
+    return Cluster(**{**asdict(preset), **overrides, "name": f"{args.cluster} with {', '.join(sorted(overrides))} set"})
+
+
 def run_training(args: argparse.Namespace, model: ModelSpec) -> dict:
     setup = TrainingSetup(
         seq_len=args.seq_len, global_batch=args.global_batch, num_devices=args.devices,
         device_memory_bytes=int(args.device_memory_gib * GIB), precision=Precision(args.precision),
         zero_stages=tuple(args.zero_stage or (0, 1, 2, 3)),
         checkpointing={"off": (False,), "on": (True,), "both": (False, True)}[args.checkpointing],
-        device_tflops=args.device_tflops, sequence_parallel=args.sequence_parallel,
-        fused_attention=args.attention == "fused",
+        cluster=cluster_from_args(args), sequence_parallel=args.sequence_parallel,
+        fused_attention=args.attention == "fused", overlap_grad_reduce=not args.no_overlap_grad_reduce,
     )
     fixed = (args.dp, args.tp, args.pp)
     splits = None
     if any(v is not None for v in fixed):
         if any(v is None for v in fixed):
             raise ValueError("--dp, --tp and --pp fix a split together; pass all three (or none to search)")
+        for flag, value in zip(("--dp", "--tp", "--pp"), fixed):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: a parallel degree must be >= 1")
         splits = [Split(args.dp, args.tp, args.pp)]
     entries = plan_training(model, setup, splits)
     print(format_training(model, setup, entries, args.top))
@@ -379,23 +500,64 @@ def run_training(args: argparse.Namespace, model: ModelSpec) -> dict:
 
 
 def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
+    for flag, value in (("--tp", args.tp), ("--max-num-seqs", args.max_num_seqs)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1 (or left out)")
+    cluster = cluster_from_args(args)
+    memory = int(args.device_memory_gib * GIB)
     cap = inference_capacity(
-        model, device_memory_bytes=int(args.device_memory_gib * GIB), memory_utilization=args.gpu_memory_utilization,
+        model, device_memory_bytes=memory, memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, max_model_len=args.max_model_len, weight_bytes=DTYPE_BYTES[args.weight_dtype],
         kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype], tensor_parallel=args.tp or 1, max_num_seqs=args.max_num_seqs,
-    )
+    ) if args.tp else None
+    options = serving_options(model, cluster, device_memory_bytes=memory, memory_utilization=args.gpu_memory_utilization,
+                              block_size=args.block_size, max_model_len=args.max_model_len,
+                              weight_bytes=DTYPE_BYTES[args.weight_dtype], kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
+                              max_num_seqs=args.max_num_seqs)
+    if cap is None:
+        fitting = [o for o in options if o.capacity is not None and o.full_batch >= 1]
+        if not fitting:
+            raise ValueError(f"weights and one sequence of max_model_len={args.max_model_len} fit no tensor-parallel size up "
+                             f"to {cluster.devices_per_node} devices of {args.device_memory_gib:g} GiB; add memory, "
+                             "quantize the weights (--weight-dtype int8) or lower --max-model-len")
+        cap = fitting[0].capacity
+        args.tp = fitting[0].tensor_parallel
+    t = args.tp
     print(f"model: {total_params(model):,} parameters; KV cache {args.kv_dtype}, block_size {args.block_size}, "
-          f"tensor parallel {args.tp or 1}")
+          f"tensor parallel {t}")
     print(f"kv_bytes_per_token: {cap.kv_bytes_per_token:,} "
-          f"(2 x {model.num_hidden_layers} layers x {model.num_key_value_heads // (args.tp or 1)} KV heads x "
+          f"(2 x {model.num_hidden_layers} layers x {model.num_key_value_heads // t} KV heads x "
           f"{model.dim_head} head_dim x {DTYPE_BYTES[args.kv_dtype]} bytes)")
     print(f"num_blocks: {cap.num_blocks:,} ({cap.block_bytes:,} bytes each) = {cap.max_tokens:,} tokens")
     print(f"max concurrent sequences of max_model_len {args.max_model_len}: {cap.max_concurrent_sequences:,} "
           f"({cap.blocks_per_sequence} blocks each)")
-    return {"model": asdict(model), "capacity": asdict(cap)}
+    print(f"\ntensor-parallel sizes on {cluster.peak_tflops:g} TFLOP/s, {cluster.hbm_gbs:g} GB/s devices, "
+          f"{cluster.intra_node_gbps:g} Gb/s NVLink-class (ITL at {args.max_model_len} tokens of context):")
+    print("  tp  weights_GiB  max_seqs  itl_1seq_ms  allreduce_ms  itl_full_ms  allreduce_ms   tok/s_full")
+    for o in options:
+        if o.itl_batch1 is None:
+            print(f"{o.tensor_parallel:4d} {o.weights_bytes / GIB:12.2f}  does not fit (weights + one sequence)")
+            continue
+        print(f"{o.tensor_parallel:4d} {o.weights_bytes / GIB:12.2f} {o.full_batch:9d} {o.itl_batch1.itl_s * 1e3:12.2f} "
+              f"{o.itl_batch1.tp_comm_s * 1e3:13.2f} {o.itl_full.itl_s * 1e3:12.2f} {o.itl_full.tp_comm_s * 1e3:13.2f} "
+              f"{o.full_batch / o.itl_full.itl_s:12.0f}")
+    usable = [o for o in options if o.itl_batch1 is not None]
+    if usable and usable[0].tensor_parallel > 1:
+        print(f"needs tp >= {usable[0].tensor_parallel}: the weights ({total_params(model) * DTYPE_BYTES[args.weight_dtype] / GIB:.1f} GiB) "
+              f"and one sequence do not fit one device; the all-reduces cost {usable[0].itl_batch1.tp_comm_s * 1e3:.2f} ms "
+              f"of {usable[0].itl_batch1.itl_s * 1e3:.2f} ms ITL at batch 1")
+    elif len(usable) > 1:
+        one, two = usable[0], usable[1]
+        print(f"fits on one device; tp={two.tensor_parallel} changes ITL at batch 1 from {one.itl_batch1.itl_s * 1e3:.2f} to "
+              f"{two.itl_batch1.itl_s * 1e3:.2f} ms ({two.itl_batch1.tp_comm_s * 1e3:.2f} ms of all-reduce) and holds "
+              f"{two.full_batch} instead of {one.full_batch} full-length sequences per replica")
+    return {"model": asdict(model), "capacity": asdict(cap), "tensor_parallel": t,
+            "serving_options": [asdict(o) for o in options]}
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json_out:
+        check_output_file(args.json_out, flag="--json")
     try:
         model = model_from_args(args)
         result = run_training(args, model) if args.mode == "train" else run_inference(args, model)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,13 +34,14 @@ from compress.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
-    check_output_dir,
+    check_device,
     describe_weights,
     read_manifest,
     resolve_checkpoint,
     write_manifest,
 )
 from compress.errors import UsageError
+from compress.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
 from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX
 
 WEIGHTS_NAME = "model.safetensors"
@@ -226,15 +226,7 @@ def _finish(tmp: Path, output_dir: Path, *, source_dir: Path, method: str, confi
             size_bytes=size_bytes,
         ),
     )
-    if output_dir.exists():
-        shutil.rmtree(output_dir)
-    os.replace(tmp, output_dir)
-    return output_dir
-
-
-def _temp_sibling(output_dir: Path) -> Path:
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
+    return replace_dir(tmp, output_dir, kind=CHECKPOINT, sources=(source_dir,))
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,7 +294,7 @@ class DynamicInt8Quantizer:
         model = load_smoothed_model(source_dir, alpha=c.smoothquant_alpha, data=c.calibration_data, num_records=c.calibration_records)
         state = self.quantized_state_dict(model)
         output_dir = Path(output_dir)
-        tmp = _temp_sibling(output_dir)
+        tmp = temp_sibling(output_dir)
         try:
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "lmforge_method": self.method})
             _copy_side_files(source_dir, tmp)
@@ -400,19 +392,18 @@ class LlmInt8Quantizer:
 
         Raises:
             CheckpointError: missing/corrupt checkpoint or a non-causal model.
-            RuntimeError: ``device`` is CUDA but no GPU is visible.
+            UsageError: ``device`` is CUDA but no GPU is visible.
         """
         import torch
         from transformers import AutoModelForCausalLM
 
         source_dir = _require_causal_lm(checkpoint, self.method)
-        if self.config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise RuntimeError(f"device={self.config.device!r} but CUDA is not available; use device='cpu'")
+        check_device(self.config.device)
         model = AutoModelForCausalLM.from_pretrained(
             source_dir, quantization_config=self.bnb_config(), device_map=self.config.device, dtype=torch.float32
         )
         output_dir = Path(output_dir)
-        tmp = _temp_sibling(output_dir)
+        tmp = temp_sibling(output_dir)
         try:
             model.save_pretrained(tmp, safe_serialization=True)
             _copy_side_files_missing(source_dir, tmp)
@@ -524,11 +515,13 @@ def quantize(checkpoint: str | Path, output_dir: str | Path, *, method: str, **c
 
     Raises:
         CheckpointError: the input is missing, corrupt or already quantized, or ``output_dir``
-            is unsafe to replace (see ``check_output_dir``).
+            is unsafe to replace (``compress.outputs.OutputDirError``, see ``check_output_dir``).
     """
     quantizer = make_quantizer(method, **config)
+    if isinstance(getattr(quantizer.config, "device", None), str):
+        check_device(quantizer.config.device)  # before any model is loaded
     source = _require_unquantized(checkpoint)
-    output_dir = check_output_dir(output_dir, sources=(source,))
+    output_dir = check_output_dir(output_dir, kind=CHECKPOINT, sources=(source,))
     return quantizer.quantize(source, output_dir)
 
 

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle  # only for its UnpicklingError: files are read with weights_only=True
 import random
 import re
 import shutil
@@ -45,8 +46,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from compress.errors import LmforgeError
+from compress.errors import LmforgeError, UsageError
 from compress.monitor import MetricsLog, plot_metrics
+from compress.outputs import CHECKPOINT, TRAINING_RUN, check_output_dir, staged_output_dir
 from compress.packing import IGNORE_INDEX, PackedData, tokenize_and_pack
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -119,26 +121,26 @@ class TrainConfig:
     progress: bool = True
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field and the fix."""
+        """Raise ``UsageError`` (a ``ValueError``) naming the first bad field and the fix."""
         positive = ("max_steps", "micro_batch_size", "grad_accum_steps", "max_length", "keep_checkpoints")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+                raise UsageError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.lr <= 0:
-            raise ValueError(f"lr={self.lr}: must be > 0")
+            raise UsageError(f"lr={self.lr}: must be > 0")
         if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1)")
+            raise UsageError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1)")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}: use one of {PRECISIONS}")
+            raise UsageError(f"precision={self.precision!r}: use one of {PRECISIONS}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm={self.max_grad_norm}: must be > 0 (or None to disable clipping)")
+            raise UsageError(f"max_grad_norm={self.max_grad_norm}: must be > 0 (or None to disable clipping)")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device={self.device!r}: use auto, cpu or cuda")
+            raise UsageError(f"device={self.device!r}: use auto, cpu or cuda")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.max_steps:
-            raise ValueError(f"stop_after={self.stop_after}: must be in [1, max_steps={self.max_steps}]")
+            raise UsageError(f"stop_after={self.stop_after}: must be in [1, max_steps={self.max_steps}]")
         for name in ("eval_every", "save_every", "param_change_every"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+                raise UsageError(f"{name}={getattr(self, name)}: must be >= 0")
 
     @property
     def warmup_steps(self) -> int:
@@ -207,6 +209,25 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig):
     from transformers import get_cosine_schedule_with_warmup
 
     return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=config.max_steps)
+
+
+def load_state_file(path: Path) -> Any:
+    """Load a training-state file (``torch.save`` of tensors, numbers, strings, lists, tuples and
+    dicts: weights, AdamW and scheduler state, RNG states) without unpickling code.
+
+    ``weights_only=True`` refuses any other object, so a planted file cannot run code.
+
+    Raises:
+        TrainingError: the file is missing, corrupt or holds other objects (names the file).
+    """
+    fix = "delete that checkpoint directory to resume from an earlier one, or run without --resume"
+    if not path.is_file():
+        raise TrainingError(f"{path}: missing; {fix}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TrainingError(f"{path}: not a training-state file lmforge wrote ({first_line}); {fix}") from exc
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
@@ -311,8 +332,9 @@ class TrainingRecipe:
         self._init_distributed()
         self._seed(cfg.seed)
         self.model_path = resolve_checkpoint(cfg.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         data = Path(cfg.data)
+        self.run_dir = check_output_dir(self.run_dir, kind=TRAINING_RUN, sources=(self.model_path, data))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.train_data = tokenize_and_pack(self.tokenizer, read_data_file(data / "train.jsonl"), cfg.max_length)
         self.val_data = tokenize_and_pack(self.tokenizer, read_data_file(data / "val.jsonl"), cfg.max_length)
         if len(self.train_data) < cfg.micro_batch_size * self.world_size:
@@ -613,18 +635,18 @@ class TrainingRecipe:
         """Load weights, optimizer, scheduler, RNG states and data position from ``path``."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        model_state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-        optim_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+        model_state = load_state_file(path / "model.pt")
+        optim_state = load_state_file(path / "optimizer.pt")
         set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=self._state_options())
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        self.scheduler.load_state_dict(load_state_file(path / "scheduler.pt"))
         if self.scaler and (path / "scaler.pt").is_file():
-            self.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=False))
+            self.scaler.load_state_dict(load_state_file(path / "scaler.pt"))
         state = json.loads((path / "trainer_state.json").read_text())
         self.state = TrainState(**state)
         rng_file = path / f"rng_rank{self.rank}.pt"
         if not rng_file.is_file():
             raise TrainingError(f"{rng_file}: missing; resume with the same number of processes as the original run")
-        rng = torch.load(rng_file, weights_only=False)
+        rng = load_state_file(rng_file)
         random.setstate(rng["python"])
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and self.device.type == "cuda":
@@ -653,31 +675,28 @@ class TrainingRecipe:
             full_state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.is_main:
             model = self.export_model() if full_state is None else self._model_from_state(full_state)
-            tmp = self.run_dir / ".final.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            model.to(torch.float32).save_pretrained(tmp, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
-            parent_manifest = None
-            try:
-                parent_manifest = read_manifest(self.model_path)
-            except ValueError:
-                pass
-            num_parameters, size_bytes, dtype = describe_weights(tmp)
-            metrics = {
-                "val_loss_before": self.state.val_loss_before,
-                "val_loss_after": self.state.val_loss_last,
-                "steps": self.state.step,
-                "train_tokens": self.state.tokens,
-                "train_wall_s": round(self.state.elapsed_s, 2),
-                **self.final_metrics(),
-            }
-            write_manifest(tmp, Manifest(
-                source=parent_manifest.source if parent_manifest else str(self.model_path),
-                parent=str(self.model_path), method=self.method, config=self.manifest_config(),
-                dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes, metrics=metrics,
-            ))
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
+            with staged_output_dir(out, kind=CHECKPOINT, sources=(self.model_path,)) as tmp:
+                model.to(torch.float32).save_pretrained(tmp, safe_serialization=True)
+                self.tokenizer.save_pretrained(tmp)
+                parent_manifest = None
+                try:
+                    parent_manifest = read_manifest(self.model_path)
+                except ValueError:
+                    pass
+                num_parameters, size_bytes, dtype = describe_weights(tmp)
+                metrics = {
+                    "val_loss_before": self.state.val_loss_before,
+                    "val_loss_after": self.state.val_loss_last,
+                    "steps": self.state.step,
+                    "train_tokens": self.state.tokens,
+                    "train_wall_s": round(self.state.elapsed_s, 2),
+                    **self.final_metrics(),
+                }
+                write_manifest(tmp, Manifest(
+                    source=parent_manifest.source if parent_manifest else str(self.model_path),
+                    parent=str(self.model_path), method=self.method, config=self.manifest_config(),
+                    dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes, metrics=metrics,
+                ))
         self._barrier()
         return out
 

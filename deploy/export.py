@@ -29,8 +29,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoints import SUPPORTED_CAUSAL_LM_TYPES, resolve_checkpoint
+from compress.checkpoints import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
 from compress.errors import UsageError
+from compress.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from deploy.model_config import (
     CONFIG_NAME,
     check_repository,
@@ -163,9 +164,9 @@ def default_name(checkpoint: str | Path) -> str:
 
 
 def check_name(name: str) -> str:
-    """Raise ``ValueError`` unless ``name`` is a safe repository directory name."""
+    """Raise ``UsageError`` (a ``ValueError``) unless ``name`` is a safe repository directory name."""
     if not name or not all(c.isalnum() or c in "_-" for c in name):
-        raise ValueError(f"--name {name!r}: use letters, digits, '_' and '-' only")
+        raise UsageError(f"--name {name!r}: use letters, digits, '_' and '-' only")
     return name
 
 
@@ -187,11 +188,18 @@ def export(
         ``EngineConfig`` field (names it).
     """
     if instances < 1:
-        raise ValueError(f"--instances {instances}: it must be >= 1")
+        raise UsageError(f"--instances {instances}: it must be >= 1")
     name = check_name(name or default_name(checkpoint))
-    kind = detect_kind(checkpoint) if kind == "auto" else kind
+    detected = detect_kind(checkpoint)
+    if kind == "encoder" and detected == "llm":
+        raise UsageError(f"--kind encoder: {checkpoint} is a causal LM", fix="export it with --kind llm (or --kind auto)")
+    kind = detected if kind == "auto" else kind
     repo = Path(repo)
-    repo.mkdir(parents=True, exist_ok=True)
+    if repo.exists() and not repo.is_dir():
+        raise UsageError(f"--repo {repo}: exists and is not a directory", fix="pass a Triton model repository directory")
+    source = resolve_checkpoint(checkpoint, causal_lm=False)
+    for model_name in [name] if kind == "llm" else encoder_model_names(name):
+        check_output_dir(repo / model_name, kind=TRITON_MODEL, sources=(source,))
     if kind == "llm":
         return [export_llm(checkpoint, repo, name, engine=engine or {}, instances=instances, copy_weights=copy_weights)]
     if engine:
@@ -218,13 +226,18 @@ def export_llm(checkpoint: str | Path, repo: Path, name: str, *, engine: dict[st
 
     source = resolve_checkpoint(checkpoint)
     config = EngineConfig(model=str(source), **engine)  # validates the fields (ValueError names them)
+    check_device(config.device, flag="--device")  # the server would fail on it at load time
+    max_positions = json.loads((source / "config.json").read_text()).get("max_position_embeddings")
+    if config.max_model_len is not None and isinstance(max_positions, int) and config.max_model_len > max_positions:
+        raise UsageError(f"--max-model-len {config.max_model_len}: longer than the model's max_position_embeddings={max_positions}",
+                         fix=f"use at most {max_positions}")
     version_dir = write_model_dir(repo, name, llm_config(name, instance_count=instances), "llm")
     pointer = str(source)
     if copy_weights:
         target = version_dir / "weights"
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.copytree(source, target)
+        check_copy(source, target)
+        with staged_output_dir(target, kind=COPIED_CHECKPOINT, sources=(source,)) as tmp:
+            shutil.copytree(source, tmp, dirs_exist_ok=True)
         pointer = "weights"
     engine_fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
     info = {"kind": "llm", "source": str(checkpoint), "checkpoint": pointer, "engine": engine_fields}
@@ -240,6 +253,11 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
+def encoder_model_names(name: str) -> tuple[str, str, str, str]:
+    """The four repository entries of an encoder export: Python model, ONNX, tokenizer, ensemble."""
+    return name, f"{name}_onnx", f"{name}_tokenizer", f"{name}_ensemble"
+
+
 def export_encoder(checkpoint: str | Path, repo: Path, name: str, *, instances: int, max_length: int) -> list[Path]:
     """The encoder for the bundled server and the three container models (see module doc)."""
     from deploy.encoder import prepare_encoder_onnx
@@ -249,7 +267,7 @@ def export_encoder(checkpoint: str | Path, repo: Path, name: str, *, instances: 
     write_model_dir(repo, name, encoder_python_config(name, hidden_size=info.hidden_size, instance_count=instances), "encoder")
     (version_dir / MODEL_INFO_NAME).write_text(json.dumps({"kind": "encoder", "source": str(checkpoint)}, indent=2) + "\n")
 
-    onnx_name, tokenizer_name, ensemble_name = f"{name}_onnx", f"{name}_tokenizer", f"{name}_ensemble"
+    _, onnx_name, tokenizer_name, ensemble_name = encoder_model_names(name)
     onnx_dir = write_model_dir(repo, onnx_name, encoder_onnx_config(onnx_name, input_names=info.input_names, hidden_size=info.hidden_size), None)
     _link_or_copy(version_dir / "model.onnx", onnx_dir / "model.onnx")
     tokenizer_dir = write_model_dir(repo, tokenizer_name, tokenizer_config(tokenizer_name, output_names=info.input_names, max_length=info.max_length), "tokenizer")

@@ -68,6 +68,10 @@ def parse_sampling_parameters(text: str | None):
         fields = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"sampling_parameters: malformed JSON ({exc.msg} at position {exc.pos}); send a JSON object such as {{\"max_tokens\": 32}}") from exc
+    except RecursionError as exc:
+        raise ValueError("sampling_parameters: JSON nested too deeply; send a flat JSON object such as {\"max_tokens\": 32}") from exc
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise ValueError(f"sampling_parameters: unreadable JSON ({exc}); send a JSON object such as {{\"max_tokens\": 32}}") from exc
     if not isinstance(fields, dict):
         raise ValueError(f"sampling_parameters: expected a JSON object, got {type(fields).__name__}")
     known = {f.name for f in dataclasses.fields(SamplingParams)} if dataclasses.is_dataclass(SamplingParams) else None

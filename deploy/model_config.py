@@ -51,9 +51,11 @@ def parse_config_file(path: str | Path):
     """Parse one ``config.pbtxt`` (see ``parse_config_text``); a missing file is an error too."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigCheckError(f"{path}: cannot read ({exc.strerror})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigCheckError(f"{path}: not UTF-8 text (byte {exc.start}); re-export the model") from exc
     config = parse_config_text(text, path)
     if config.name and config.name != path.parent.name:
         raise ConfigCheckError(f"{path}: name {config.name!r} differs from its directory {path.parent.name!r}; Triton refuses to load it")

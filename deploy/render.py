@@ -9,9 +9,9 @@ YAML; ``deploy/docker/`` and ``deploy/k8s/{gpu,cpu}/`` in the repository are the
 with the defaults (a test keeps them in sync). ``render_deploy`` is the function
 ``lmforge export --target docker|k8s`` calls.
 
-Kubernetes target (apply with ``kubectl apply -k OUT``): a Triton Deployment (liveness
-``/v2/health/live``, readiness ``/v2/health/ready``, a startup probe that waits out the model
-load, ``nvidia.com/gpu`` in the GPU variant, an in-memory ``/dev/shm`` for the Python backend), a
+Kubernetes target (apply with ``kubectl apply -k OUT``): a Triton Deployment (startup, liveness
+and readiness probes on the model's ``/v2/models/NAME/ready``, so a model that unloaded itself
+after its engine died gets the pod restarted; the startup probe waits out the model load; ``nvidia.com/gpu`` in the GPU variant, an in-memory ``/dev/shm`` for the Python backend), a
 Service (HTTP 8000, gRPC 8001, metrics 8002), a HorizontalPodAutoscaler on Triton's queue time
 per request served through prometheus-adapter (its Helm values are rendered too), a
 ServiceMonitor (or PodMonitor) for the Prometheus Operator, Locust master and worker
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import yaml
 
 from compress.errors import LmforgeError, UsageError
+from compress.outputs import RENDERED, check_output_dir
 
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"  # NGC 24.10 = Triton 2.51, the server lmforge tests against
 TRITON_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
@@ -41,13 +43,36 @@ HPA_METRIC = "triton_queue_duration_us_per_request"
 TARGETS = ("docker", "k8s")
 
 
+#: Kubernetes object names (RFC 1123 label / subdomain), as the API server checks them.
+DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+DNS1123_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+#: A Triton model directory name that is also safe inside a PromQL string and a command line.
+MODEL_NAME = re.compile(r"[A-Za-z0-9_-]{1,63}")
+#: Kubernetes resource quantity (decimal number, optional SI or binary suffix).
+QUANTITY = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
+#: Docker image reference: [registry[:port]/]path[:tag][@sha256:digest], path components lowercase.
+IMAGE_REFERENCE = re.compile(
+    r"([A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*(:[0-9]+)?/)?"
+    r"[a-z0-9]+([._-][a-z0-9]+)*(/[a-z0-9]+([._-][a-z0-9]+)*)*"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?"
+)
+#: Locust ``--run-time``.
+RUN_TIME = re.compile(r"(?=.)([0-9]+h)?([0-9]+m)?([0-9]+s)?")
+
+
+def _check(key: str, value: str, pattern: re.Pattern[str], what: str) -> None:
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise ValueError(f"{key}={value!r}: not {what}; fix --{key.replace('_', '-')} (or {key} in --values)")
+
+
 @dataclass(frozen=True)
 class DeployValues:
     """Everything the rendered files vary on. Defaults give the committed files.
 
     Raises:
         ValueError: an empty name, non-positive replica counts, ``max_replicas < replicas``,
-            negative GPUs, or an unknown ``monitor`` (names the field and the fix).
+            negative GPUs, an unknown ``monitor``, or a name, quantity, image reference or
+            duration in the wrong format (names the field and the fix).
     """
 
     model_name: str = "smollm2_135m"  # Triton model to load (directory name in the model repository)
@@ -76,6 +101,7 @@ class DeployValues:
     locust_run_time: str = "10m"
 
     def __post_init__(self) -> None:
+        self._check_types()
         for key in ("model_name", "image", "name", "namespace", "locust_image"):
             if not getattr(self, key):
                 raise ValueError(f"{key} is empty; pass --{key.replace('_', '-')}")
@@ -92,6 +118,33 @@ class DeployValues:
             raise ValueError(f"monitor={self.monitor!r}: use 'servicemonitor' or 'podmonitor'")
         if self.model_repository != "pvc" and not self.model_repository.startswith("s3://"):
             raise ValueError(f"model_repository={self.model_repository!r}: use 'pvc' or an s3:// URL")
+        self._check_formats()
+
+    def _check_types(self) -> None:
+        """YAML gives ints and floats where a string is meant (``cpu: 4``) and anything anywhere."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "str" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, str(value))  # cpu: 4 -> "4"
+            elif f.type == "str" and not isinstance(value, str):
+                raise ValueError(f"{f.name}={value!r}: must be a string")
+            elif f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{f.name}={value!r}: must be an integer")
+
+    def _check_formats(self) -> None:
+        """Names, quantities, images and durations the cluster or Docker would reject later."""
+        for key in ("name", "namespace"):
+            _check(key, getattr(self, key), DNS1123_LABEL, "a Kubernetes name: lowercase letters, digits and '-', at most 63, e.g. lmforge-triton")
+        for key in ("s3_secret", "prometheus_release") + (("storage_class",) if self.storage_class else ()):
+            _check(key, getattr(self, key), DNS1123_SUBDOMAIN, "a Kubernetes name: lowercase letters, digits, '-' and '.', at most 253")
+        _check("model_name", self.model_name, MODEL_NAME, "a Triton model name: letters, digits, '_' and '-', at most 63 (lmforge export --name)")
+        for key in ("cpu", "memory", "shm_size", "pvc_size"):
+            _check(key, getattr(self, key), QUANTITY, "a Kubernetes quantity, e.g. 4, 500m, 16Gi, 512Mi")
+        if not float(re.match(r"[0-9.]+", self.cpu).group()) > 0:
+            raise ValueError(f"cpu={self.cpu!r}: must be > 0; fix --cpu (or cpu in --values)")
+        for key in ("image", "locust_image"):
+            _check(key, getattr(self, key), IMAGE_REFERENCE, "an image reference, e.g. registry.example.com:5000/team/lmforge-triton:0.1.0")
+        _check("locust_run_time", self.locust_run_time, RUN_TIME, "a duration like 10m, 1h30m or 90s")
 
     @property
     def repository_path(self) -> str:
@@ -127,6 +180,11 @@ def triton_args(v: DeployValues) -> list[str]:
     ]
 
 
+def model_ready_path(model_name: str) -> str:
+    """Triton's per-model readiness endpoint, the one probes and health checks poll."""
+    return f"/v2/models/{model_name}/ready"
+
+
 def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s, "failureThreshold": failures,
             "timeoutSeconds": 5}
@@ -145,9 +203,11 @@ def triton_deployment(v: DeployValues) -> dict[str, Any]:
         "args": triton_args(v),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in TRITON_PORTS.items()],
         "resources": resources,
-        "startupProbe": _probe("/v2/health/ready", 10, -(-v.startup_timeout_s // 10)),
-        "livenessProbe": _probe("/v2/health/live", 10, 3),
-        "readinessProbe": _probe("/v2/health/ready", 5, 3),
+        # The model's own ready endpoint: a model whose engine died unloads itself, and
+        # /v2/health/ready would still answer 200 (strict readiness ignores unloaded models).
+        "startupProbe": _probe(model_ready_path(v.model_name), 10, -(-v.startup_timeout_s // 10)),
+        "livenessProbe": _probe(model_ready_path(v.model_name), 10, 3),
+        "readinessProbe": _probe(model_ready_path(v.model_name), 5, 3),
         "volumeMounts": mounts,
     }
     if v.model_repository == "pvc":
@@ -356,7 +416,7 @@ COPY ${{MODEL_REPOSITORY}} /models
 
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
-    CMD curl -fsS http://127.0.0.1:8000/v2/health/ready || exit 1
+    CMD curl -fsS http://127.0.0.1:8000/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver"]
 CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true"]
 """
@@ -406,7 +466,7 @@ COPY ${{MODEL_REPOSITORY}} /models
 
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
-    CMD curl -fsS http://127.0.0.1:8000/v2/health/ready || exit 1
+    CMD curl -fsS http://127.0.0.1:8000/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver", "--backend-directory=/opt/lmforge/venv/lib/python3.11/site-packages/pytriton/tritonserver/backends"]
 CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true", "--allow-gpu-metrics=false"]
 """
@@ -428,7 +488,7 @@ def _triton_service(v: DeployValues, profile: str) -> dict[str, Any]:
         "ports": [f"127.0.0.1:{p}:{p}" for p in TRITON_PORTS.values()],
         "volumes": ["${MODEL_REPOSITORY:-../../model_repository}:/models:ro"],
         "networks": {"default": {"aliases": ["triton"]}},
-        "healthcheck": {"test": ["CMD", "curl", "-fsS", "http://127.0.0.1:8000/v2/health/ready"],
+        "healthcheck": {"test": ["CMD", "curl", "-fsS", f"http://127.0.0.1:8000{model_ready_path(v.model_name)}"],
                         "interval": "10s", "timeout": "5s", "retries": 3, "start_period": f"{v.startup_timeout_s}s"},
     }
     if gpu:
@@ -532,19 +592,21 @@ def render_deploy(target: str, out_dir: str | Path, *, values: DeployValues | No
     Args:
         target: ``docker`` (Dockerfiles, compose.yaml, prometheus.yml) or ``k8s`` (manifests,
             kustomization.yaml, prometheus-adapter Helm values).
-        out_dir: created if missing; files of the same name are replaced.
+        out_dir: created if missing; new, empty or an earlier ``lmforge render`` output (its
+            files of the same name are replaced, others kept).
         values: a ``DeployValues``; ``overrides`` (its field names: ``model_name``, ``image``,
             ``replicas``, ``gpus``, ``cpu``, ``memory``, ...) replace fields of it.
 
     Raises:
         ValueError: unknown target or field, or an invalid value (names the field).
+        OutputDirError: ``out_dir`` holds files that are not ours (``compress.outputs``).
     """
     unknown = set(overrides) - {f.name for f in dataclasses.fields(DeployValues)}
     if unknown:
         raise ValueError(f"unknown deploy values {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(DeployValues)]}")
     values = dataclasses.replace(values or DeployValues(), **overrides)
     files = render_files(target, values)
-    out = Path(out_dir)
+    out = check_output_dir(out_dir, kind=RENDERED)  # files of the same name are replaced: ours only
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in files.items():
@@ -563,15 +625,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    base: dict[str, Any] = {}
+    if args.values:
+        try:
+            base = yaml.safe_load(Path(args.values).read_text(encoding="utf-8")) or {}
+        except (UnicodeDecodeError, yaml.YAMLError) as error:
+            raise UsageError(f"--values {args.values}: not a UTF-8 YAML file ({error})") from error
+        if not isinstance(base, dict):
+            raise UsageError(f"--values {args.values}: expected a mapping of DeployValues fields")
     try:
-        base: dict[str, Any] = {}
-        if args.values:
-            base = yaml.safe_load(Path(args.values).read_text()) or {}
-            if not isinstance(base, dict):
-                raise ValueError(f"{args.values}: expected a mapping of DeployValues fields")
         flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(DeployValues) if getattr(args, f.name) is not None}
         paths = render_deploy(args.target, args.out, **{**base, **flags})
-    except (ValueError, yaml.YAMLError) as error:  # a value the manifests cannot hold
+    except ValueError as error:  # a value the manifests cannot hold
         raise error if isinstance(error, LmforgeError) else UsageError(str(error)) from error
     for path in paths:
         print(path)

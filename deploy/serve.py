@@ -7,8 +7,11 @@ Starts the bundled ``tritonserver`` on 127.0.0.1 with explicit model control, lo
 model of the repository it can serve (``--models`` to choose), waits until they are ready, and
 stays in the foreground until Ctrl-C, SIGTERM or ``lmforge serve --stop`` (SIGINT to the
 server, SIGKILL after ``--grace-s``). The server log goes to ``REPO/tritonserver.log`` (or
-``--log``); the pid to ``REPO/tritonserver.pid``. A model that fails to load is reported with
-Triton's reason and the command exits 1; busy ports exit 1 at once with the ports named.
+``--log``); the pid to ``REPO/tritonserver.pid``. A model that fails to load (or a ``--models``
+name the repository lacks) is reported with Triton's reason and the command exits 1; busy ports
+exit 1 at once with the ports named. While serving, a model whose Python-backend stub died or
+whose engine died is loaded again, and a server that crashed is started again
+(``deploy.triton.ModelSupervisor``); each event is printed.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import argparse
 import signal
 import time
 
-from deploy.triton import DEFAULT_PORTS, TritonError, TritonServer, stop_from_pid_file
+from deploy.triton import DEFAULT_PORTS, ModelSupervisor, TritonError, TritonServer, stop_from_pid_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,12 +71,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"  metrics {server.metrics_url}")
     print(f"  log     {server.log_path}")
     print("Ctrl-C or `lmforge serve --repo {} --stop` to stop".format(args.repo), flush=True)
+    supervisor = ModelSupervisor(server, report=lambda line: print(line, flush=True)).start()
     try:
-        status = server.wait()
+        while not supervisor.finished.wait(1.0):  # reloads broken models, restarts a crashed server
+            pass
+        status = supervisor.exit_status
     except KeyboardInterrupt:
+        supervisor.stop()
         status = server.stop()
         print(f"server stopped (exit status {status})")
         return 0
+    supervisor.stop()
     server.stop()
     if status == 0 or "Signal (2) received" in server.log_tail(200):  # `--stop` or a SIGINT
         print(f"server stopped (exit status {status})")

@@ -33,13 +33,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from compress.errors import LmforgeError
+import psutil
+
+from compress.errors import LmforgeError, UsageError
 
 HOST = "127.0.0.1"
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
@@ -306,10 +309,15 @@ class TritonServer:
         exit_timeout_s: int = 10,
         log_verbose: int = 0,
     ) -> None:
+        self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        for kind, port in self.ports.items():
+            if not isinstance(port, int) or not 1 <= port <= 65535:
+                raise UsageError(f"--{kind}-port {port}: not a TCP port", fix="use 1-65535 (1024 and up without root)")
+        if len(set(self.ports.values())) < 3:
+            raise UsageError(f"ports {self.ports}: HTTP, gRPC and metrics need three different ports")
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
             raise TritonError(f"{self.repo}: model repository not found; create one with `lmforge export --repo {repo} ...`")
-        self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
         self.models = models
         self.skipped: dict[str, str] = {}
         self.log_path = Path(log_path) if log_path else self.repo / LOG_FILE_NAME
@@ -407,6 +415,9 @@ class TritonServer:
                 time.sleep(0.25)
                 continue
             if status == 200:
+                failures = self.load_failures()
+                if failures:  # server-ready ignores names Triton never found
+                    raise ModelLoadError(failures, self.log_path)
                 return
             failures = self.load_failures()
             if failures:
@@ -436,12 +447,62 @@ class TritonServer:
         return index
 
     def load_failures(self) -> dict[str, str]:
-        """Requested models that are not ready and not loading: name -> Triton's reason."""
+        """Requested models that are not ready and not loading, or not in the repository: name -> why."""
         failures = {}
-        for entry in self.repository_index():
+        index = self.repository_index()
+        for entry in index:
             if entry.get("name") in (self.models or []) and entry.get("state") not in ("READY", "LOADING"):
                 failures[entry["name"]] = entry.get("reason") or f"state {entry.get('state')}"
+        known = {entry.get("name") for entry in index}
+        for name in self.models or []:
+            if name not in known:
+                failures[name] = f"no model directory {self.repo / name}; the repository has: {', '.join(sorted(known)) or 'nothing'}"
         return failures
+
+    def stub_pids(self, name: str) -> list[int]:
+        """PIDs of the Python-backend stub processes of model ``name`` (children of this server)."""
+        if not self.is_running():
+            return []
+        marker = f"{self.repo / name}{os.sep}"
+        pids = []
+        for child in psutil.Process(self.process.pid).children():
+            try:
+                cmdline = child.cmdline()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            if len(cmdline) > 1 and "triton_python_backend_stub" in cmdline[0] and cmdline[1].startswith(marker):
+                pids.append(child.pid)
+        return pids
+
+    def model_state(self, name: str) -> tuple[str | None, str]:
+        """``(state, reason)`` of ``name`` in the repository index (``(None, "")`` if absent)."""
+        for entry in self.repository_index():
+            if entry.get("name") == name:
+                return entry.get("state"), entry.get("reason") or ""
+        return None, ""
+
+    def reload(self, name: str, timeout_s: float = 600.0) -> None:
+        """Unload ``name`` (if loaded) and load it again: new stub processes, a new engine.
+
+        Triton 2.51 needs both steps: a plain load of a loaded model whose files did not change
+        is a no-op, even when its stub is dead; and the unload of a model whose stub was killed
+        never completes (it stays UNLOADING), but a load issued then brings up a fresh model.
+
+        Raises:
+            TritonError: the unload or the load failed (Triton's reason), or took over ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        if self.model_state(name)[0] == "READY":
+            status, body = http_json(f"{self.http_url}/v2/repository/models/{name}/unload", method="POST", body={}, timeout_s=timeout_s)
+            if status != 200:
+                raise TritonError(f"unloading {name} failed: HTTP {status} {body}; see {self.log_path}")
+            while self.model_state(name)[0] == "READY":
+                if time.monotonic() > deadline:
+                    raise TritonError(f"{name} did not start unloading within {timeout_s:.0f} s; see {self.log_path}")
+                time.sleep(0.1)
+        status, body = http_json(f"{self.http_url}/v2/repository/models/{name}/load", method="POST", body={}, timeout_s=max(1.0, deadline - time.monotonic()))
+        if status != 200:
+            raise TritonError(f"loading {name} again failed: HTTP {status} {body}; see {self.log_path}")
 
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -475,6 +536,128 @@ class TritonServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+class ModelSupervisor:
+    """Keeps a started server's models served, on a background thread.
+
+    Triton 2.51 neither restarts a Python-backend stub that died (``kill -9``, out of memory:
+    every request then fails with "Stub process ... is not healthy" while the model still reads
+    READY) nor reloads a model that unloaded itself (the LLM model does when its engine dies);
+    and a stub killed while requests are in flight can take the whole server down with it
+    (``boost::interprocess::lock_exception``, signal 6). Every ``interval_s`` this checks each
+    served model (its state in the repository index; for Python-backend models, that its stub
+    processes are alive) and reloads a broken one; a server that exited without being asked to
+    (not status 0, no SIGINT/SIGTERM in its log) is started again on the same ports, at most
+    ``max_restarts`` times, its log kept as ``LOG.N``. ``finished`` is set when the server
+    stopped for good; ``exit_status`` is its last status.
+
+    Args:
+        server: a started ``TritonServer``.
+        interval_s: seconds between checks.
+        report: called with one line per event (problem found, reloaded, restarted, gave up).
+        max_restarts: server restarts allowed.
+    """
+
+    def __init__(self, server: TritonServer, interval_s: float = 1.0, report=print, max_restarts: int = 5) -> None:
+        self.server = server
+        self.interval_s = interval_s
+        self.report = report
+        self.max_restarts = max_restarts
+        self.restarts: list[tuple[str, float]] = []  # (why the server exited, seconds to serve again)
+        self.finished = threading.Event()
+        self.exit_status: int | None = None
+        configs = repository_models(server.repo)
+        self.python_models = [n for n in server.models or [] if n in configs and configs[n].backend == "python"]
+        self.stub_counts = {name: len(server.stub_pids(name)) for name in self.python_models}
+        self.reloads: list[tuple[str, str, float]] = []  # (model, problem, seconds to serve again)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def problems(self) -> dict[str, str]:
+        """Served models that cannot answer: name -> why."""
+        problems = {}
+        states = {entry.get("name"): entry for entry in self.server.repository_index()}
+        for name in self.server.models or []:
+            entry = states.get(name, {})
+            if entry.get("state") in ("LOADING", "UNLOADING"):  # in transition (a reload in progress)
+                continue
+            if entry.get("state") != "READY":
+                problems[name] = f"state {entry.get('state')} ({entry.get('reason') or 'no reason given'})"
+            elif name in self.python_models and entry.get("state") == "READY":
+                alive = len(self.server.stub_pids(name))
+                if alive < self.stub_counts[name]:
+                    problems[name] = f"{self.stub_counts[name] - alive} of its {self.stub_counts[name]} Python backend stub process(es) exited"
+        return problems
+
+    def check_once(self) -> dict[str, float]:
+        """Reload every broken model; returns name -> seconds the reload took."""
+        took = {}
+        for name, problem in self.problems().items():
+            self.report(f"model {name}: {problem}; loading it again")
+            start = time.monotonic()
+            try:
+                self.server.reload(name)
+            except (TritonError, OSError) as exc:
+                self.report(f"model {name}: {exc}")
+                continue
+            took[name] = time.monotonic() - start
+            self.reloads.append((name, problem, took[name]))
+            self.report(f"model {name}: served again after {took[name]:.1f} s")
+        return took
+
+    def start(self) -> "ModelSupervisor":
+        self._thread = threading.Thread(target=self._run, name="lmforge-model-supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.interval_s):
+                if not self.server.is_running():
+                    if self._stop.is_set() or not self._restart_server():
+                        return
+                    continue
+                try:
+                    self.check_once()
+                except (TritonError, OSError) as exc:  # the server is stopping or busy: try again later
+                    if self.server.is_running() and not self._stop.is_set():
+                        self.report(f"model check failed: {exc}")
+        finally:
+            if self.server.process is not None:
+                self.exit_status = self.server.process.poll()
+            self.finished.set()
+
+    def _restart_server(self) -> bool:
+        """Start a server that exited unasked again; False when it was asked to stop or restarts ran out."""
+        status = self.server.process.returncode
+        tail = self.server.log_tail(200)
+        if status == 0 or "Signal (2) received" in tail or "Signal (15) received" in tail:
+            return False
+        reasons = [line.strip() for line in tail.splitlines() if "what():" in line or "Signal (" in line]
+        why = f"status {status}" + (f": {reasons[-1][:200]}" if reasons else "")
+        if len(self.restarts) >= self.max_restarts:
+            self.report(f"tritonserver exited ({why}); not restarting after {self.max_restarts} restarts; log {self.server.log_path}")
+            return False
+        _kill_group(self.server.process.pid)  # its stubs, if any survived it
+        kept = self.server.log_path.with_name(f"{self.server.log_path.name}.{len(self.restarts) + 1}")
+        self.server.log_path.replace(kept)
+        self.report(f"tritonserver exited ({why}; log kept as {kept}); starting it again")
+        start = time.monotonic()
+        try:
+            self.server.start()
+        except TritonError as exc:
+            self.report(f"restarting tritonserver failed: {exc}")
+            return False
+        self.stub_counts = {name: len(self.server.stub_pids(name)) for name in self.python_models}
+        self.restarts.append((why, time.monotonic() - start))
+        self.report(f"tritonserver serves again after {self.restarts[-1][1]:.1f} s")
+        return True
 
 
 def _kill_group(pgid: int) -> None:

@@ -5,8 +5,18 @@ thread. ``execute`` only hands each request to that loop and returns at once; th
 the request (``deploy.llm_request``), iterates ``engine.generate`` and sends responses through
 the request's response sender: one per engine step when ``stream`` is true, one at the end
 otherwise; the last carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. A request whose client
-went away (``response_sender.is_cancelled()``) is aborted in the engine, which frees its KV
-blocks at once. A bad request gets an error response; the other requests carry on.
+went away (``response_sender.is_cancelled()``, polled every ``CANCEL_CHECK_INTERVAL_S`` whether
+or not the engine produced output, so a request still waiting for a batch slot is caught too)
+is aborted in the engine, which frees its KV blocks at once. Triton 2.51 flags HTTP clients that
+close a ``generate_stream`` (SSE) and gRPC stream cancellations; it does not flag a client that
+leaves a non-streaming ``generate``, which then runs to its end.
+
+A bad request gets an error response (``INVALID_ARG``, HTTP 400); a request whose engine step
+failed gets ``INTERNAL`` with the engine's reason; the other requests carry on. If the engine
+dies (``EngineDeadError``: broken KV bookkeeping, every step failing), the model logs why,
+answers ``UNAVAILABLE`` and unloads itself, so ``/v2/models/<name>/ready`` stops answering 200
+(Triton 2.51's Python backend has no readiness hook; unloading is the one lever it offers) and
+``lmforge serve`` loads it again (``deploy.triton.ModelSupervisor``).
 
 Custom metrics (``pb_utils.MetricFamily``, on Triton's metrics port, labels ``model`` and
 ``version``) are listed in ``LLMMetrics``.
@@ -29,10 +39,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from deploy.llm_request import LLMRequest, parse_request
+from engine.async_engine import EngineDeadError
 
 STATS_INTERVAL_S = 0.05
-#: How often a streaming request asks Triton whether its client cancelled (an IPC round trip).
-CANCEL_CHECK_INTERVAL_S = 0.02
+#: How often a request asks Triton whether its client cancelled (an IPC round trip).
+CANCEL_CHECK_INTERVAL_S = 0.1
+#: Request parameters Triton or its clients set themselves (e.g. ``triton_enable_empty_final_response``).
+RESERVED_PARAMETER_PREFIX = "triton_"
 #: Histogram buckets (seconds) for time to first token and time per output token.
 TTFT_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
@@ -68,7 +81,12 @@ class LLMMetrics:
       ``finish_reason``), ``lmforge_requests_aborted_total``, ``lmforge_request_errors_total``
       (counters);
     * ``lmforge_time_to_first_token_seconds``, ``lmforge_time_per_output_token_seconds``
-      (histograms).
+      (histograms);
+    * speculative decoding: ``lmforge_spec_decode_num_drafts_total`` (request-steps that
+      verified proposals), ``lmforge_spec_decode_num_draft_tokens_total`` (proposed tokens
+      verified), ``lmforge_spec_decode_num_accepted_tokens_total`` (counters);
+      ``lmforge_spec_decode_acceptance_rate`` (accepted / proposed) and
+      ``lmforge_spec_decode_mean_accepted_length`` (tokens per speculative request-step) (gauges).
     """
 
     def __init__(self, labels: dict[str, str]) -> None:
@@ -92,7 +110,22 @@ class LLMMetrics:
         self.errors = family("lmforge_request_errors_total", "Requests answered with an error", counter).Metric(labels=labels)
         self.ttft = family("lmforge_time_to_first_token_seconds", "Time to first token (s)", histogram).Metric(labels=labels, buckets=TTFT_BUCKETS_S)
         self.tpot = family("lmforge_time_per_output_token_seconds", "Time per output token after the first (s)", histogram).Metric(labels=labels, buckets=TPOT_BUCKETS_S)
-        self._preemptions_seen = 0
+        self.acceptance_rate = family("lmforge_spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed tokens", gauge).Metric(labels=labels)
+        self.mean_accepted_length = family(
+            "lmforge_spec_decode_mean_accepted_length", "Speculative decoding: tokens emitted per request-step that verified proposals", gauge
+        ).Metric(labels=labels)
+        #: EngineStats counter field -> (Prometheus counter, value already added).
+        self._counters = {
+            "num_preemptions_total": [self.preemptions, 0],
+            **{
+                f"spec_decode_{name}_total": [family(f"lmforge_spec_decode_{name}_total", help_text, counter).Metric(labels=labels), 0]
+                for name, help_text in (
+                    ("num_drafts", "Speculative decoding: request-steps that verified proposed tokens"),
+                    ("num_draft_tokens", "Speculative decoding: proposed tokens verified by the model"),
+                    ("num_accepted_tokens", "Speculative decoding: proposed tokens accepted"),
+                )
+            },
+        }
         self._running_max_seen = 0
 
     def update_stats(self, stats) -> None:
@@ -105,9 +138,13 @@ class LLMMetrics:
         self.kv_usage.set(float(stats.kv_cache_usage))
         queries = stats.prefix_cache_queries_tokens_total
         self.hit_rate.set(stats.prefix_cache_hits_tokens_total / queries if queries else 0.0)
-        if stats.num_preemptions_total > self._preemptions_seen:
-            self.preemptions.increment(stats.num_preemptions_total - self._preemptions_seen)
-            self._preemptions_seen = stats.num_preemptions_total
+        self.acceptance_rate.set(float(stats.spec_decode_acceptance_rate))
+        self.mean_accepted_length.set(float(stats.spec_decode_mean_accepted_length))
+        for field, entry in self._counters.items():
+            value = getattr(stats, field)
+            if value > entry[1]:
+                entry[0].increment(value - entry[1])
+                entry[1] = value
 
     def finished(self, output) -> None:
         """Record a finished ``RequestOutput``: its finish reason, TTFT and TPOT."""
@@ -140,6 +177,21 @@ def _optional_input(request, name: str):
     return None if tensor is None else tensor.as_numpy()
 
 
+def _check_parameters(text: str) -> None:
+    """Refuse request parameters the model does not read (HTTP ``generate``: unknown top-level fields).
+
+    Raises:
+        ValueError: names the unknown fields and where sampling parameters go.
+    """
+    parameters = json.loads(text) if text else {}
+    unknown = sorted(k for k in parameters if not k.startswith(RESERVED_PARAMETER_PREFIX))
+    if unknown:
+        raise ValueError(
+            f"unknown field(s) {unknown}; the inputs are text_input, stream, sampling_parameters (a JSON string "
+            "such as \"{\\\"max_tokens\\\": 32}\") and exclude_input_in_output"
+        )
+
+
 class TritonPythonModel:
     """Decoupled LLM model: one ``AsyncLLMEngine`` per instance, on an event-loop thread."""
 
@@ -154,6 +206,8 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 f"{args['model_name']}: the LLM model must be decoupled; add `model_transaction_policy {{ decoupled: true }}` to config.pbtxt"
             )
+        self.model_name = args["model_name"]
+        self.dead_reported = False
         info = read_model_info(Path(args["model_repository"]) / args["model_version"])
         self.engine = AsyncLLMEngine(EngineConfig(model=info["checkpoint"], **info.get("engine", {})))
         self.logger.log_info(f"lmforge: {args['model_name']} engine ready on {info['checkpoint']} (torch threads {torch.get_num_threads()})")
@@ -178,6 +232,22 @@ class TritonPythonModel:
                 self.metrics.update_stats(self.engine.get_stats())
             except Exception as exc:  # noqa: BLE001 -- metrics must never stop serving
                 self.logger.log_warn(f"lmforge: stats update failed: {exc!r}")
+            if self.engine.is_dead and not self.stop_stats.is_set():
+                self._report_dead()
+                return
+
+    def _report_dead(self) -> None:
+        """Log why the engine died and unload this model so its readiness stops answering 200."""
+        self.dead_reported = True
+        self.logger.log_error(
+            f"lmforge: {self.model_name} engine is dead ({self.engine.dead_reason}); answering UNAVAILABLE and "
+            "unloading the model (`lmforge serve` loads it again; elsewhere load it with POST /v2/repository/models/"
+            f"{self.model_name}/load)"
+        )
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as exc:  # noqa: BLE001 -- e.g. not in explicit model control mode
+            self.logger.log_error(f"lmforge: could not unload {self.model_name} ({exc!r}); restart the server")
 
     def execute(self, requests):
         """Hand every request to the event loop; responses go through their senders."""
@@ -190,7 +260,11 @@ class TritonPythonModel:
     async def _serve(self, request) -> None:
         """Answer one request: parse it, stream the engine's outputs, always end with FINAL."""
         sender = request.get_response_sender()
+        if self.engine.is_dead:
+            self._send_error(sender, f"the engine of {self.model_name} is dead ({self.engine.dead_reason}); it is being reloaded, retry", pb_utils.TritonError.UNAVAILABLE)
+            return
         try:
+            _check_parameters(request.parameters())
             parsed = parse_request(
                 _optional_input(request, "text_input"),
                 _optional_input(request, "stream"),
@@ -199,6 +273,10 @@ class TritonPythonModel:
             )
         except ValueError as exc:
             self._send_error(sender, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 -- an unreadable request fails alone
+            self.logger.log_error(f"lmforge: unreadable request: {traceback.format_exc()}")
+            self._send_error(sender, f"unreadable request: {exc!r}", pb_utils.TritonError.INTERNAL)
             return
         request_id = uuid.uuid4().hex
         stream = None
@@ -212,6 +290,9 @@ class TritonPythonModel:
             await self.engine.abort(request_id)
             self._close(sender, None)
             raise
+        except EngineDeadError as exc:
+            self._send_error(sender, f"the engine of {self.model_name} is dead ({self.engine.dead_reason or exc}); it is being reloaded, retry", pb_utils.TritonError.UNAVAILABLE)
+            return
         except Exception as exc:  # noqa: BLE001 -- answer this client, keep serving the others
             self.logger.log_error(f"lmforge: request {request_id} failed: {traceback.format_exc()}")
             await self.engine.abort(request_id)
@@ -227,33 +308,48 @@ class TritonPythonModel:
         """Send the engine's outputs; returns (FINAL sent, last output)."""
         sent_chars = 0
         last = None
-        next_cancel_check = 0.0
-        async for output in stream:
-            last = output
-            now = time.monotonic()
-            if now >= next_cancel_check:  # is_cancelled is an IPC round trip: rate-limited
-                if sender.is_cancelled():
-                    await self.engine.abort(request_id)
-                    self.metrics.aborted.increment(1)
+        cancelled = asyncio.Event()
+        watcher = asyncio.ensure_future(self._watch_cancel(sender, request_id, cancelled))
+        try:
+            async for output in stream:
+                last = output
+                if cancelled.is_set():
                     return False, last
-                next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
-            completion = output.outputs[0]
-            if output.finished:
-                self.metrics.finished(output)
-            if request.stream:
-                delta = completion.text[sent_chars:]
-                if not delta and not output.finished:
-                    continue
-                sent_chars = len(completion.text)
-                flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
-                sender.send(pb_utils.InferenceResponse(_output_tensors(delta, output, completion.finish_reason)), flags=flags)
-            elif output.finished:
-                text = completion.text if request.exclude_input_in_output else request.prompt + completion.text
-                response = pb_utils.InferenceResponse(_output_tensors(text, output, completion.finish_reason))
-                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            if output.finished:
-                return True, last
+                final_sent, sent_chars = self._send_output(request, output, sender, sent_chars)
+                if final_sent:
+                    return True, last
+        finally:
+            watcher.cancel()
         return False, last
+
+    async def _watch_cancel(self, sender, request_id: str, cancelled: asyncio.Event) -> None:
+        """Abort the request once Triton says its client cancelled, whether or not it has output yet."""
+        while True:
+            await asyncio.sleep(CANCEL_CHECK_INTERVAL_S)
+            if sender.is_cancelled():  # an IPC round trip to Triton
+                cancelled.set()
+                self.metrics.aborted.increment(1)
+                await self.engine.abort(request_id)  # the stream ends with the abort output
+                return
+
+    def _send_output(self, request: LLMRequest, output, sender, sent_chars: int) -> tuple[bool, int]:
+        """Send what ``output`` adds to the ``sent_chars`` characters already streamed; returns (FINAL sent, chars sent)."""
+        completion = output.outputs[0]
+        if output.finished:
+            self.metrics.finished(output)
+        if completion.finish_reason == "error":  # the engine step running it failed
+            self._send_error(sender, f"the engine failed this request: {completion.error}", pb_utils.TritonError.INTERNAL)
+            return True, sent_chars
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
+        if request.stream:
+            delta = completion.text[sent_chars:]
+            if delta or output.finished:
+                sender.send(pb_utils.InferenceResponse(_output_tensors(delta, output, completion.finish_reason)), flags=flags)
+            return output.finished, len(completion.text)
+        if output.finished:
+            text = completion.text if request.exclude_input_in_output else request.prompt + completion.text
+            sender.send(pb_utils.InferenceResponse(_output_tensors(text, output, completion.finish_reason)), flags=flags)
+        return output.finished, sent_chars
 
     def _send_error(self, sender, message: str, code=None) -> None:
         """An error response with FINAL; bad input is INVALID_ARG (HTTP 400)."""

@@ -24,6 +24,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from engine.config import ATTENTION_BACKENDS
+
 
 @dataclasses.dataclass
 class CommonAttentionMetadata:
@@ -257,6 +259,21 @@ def common_prefix_blocks(tables: torch.Tensor, limit: int) -> int:
     return int(same.long().cumprod(0).sum())
 
 
-def get_attention_backend(device: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None) -> AttentionBackend:
-    """The attention backend for ``device`` (the torch backend everywhere for now)."""
-    return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
+def get_attention_backend(device: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None,
+                          name: str | None = None) -> AttentionBackend:
+    """The attention backend ``name`` (``None``: ``triton`` on CUDA, ``torch`` elsewhere).
+
+    ``triton`` (``engine.attention_triton``) needs the ``triton`` package; on CPU it runs under
+    Triton's interpreter (``TRITON_INTERPRET=1``), for tests only.
+
+    Raises:
+        ValueError: an unknown ``name``.
+    """
+    name = name or ("triton" if device.startswith("cuda") else "torch")
+    if name == "torch":
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
+    if name == "triton":
+        from engine.attention_triton import TritonAttentionBackend  # optional dependency: imported only when chosen
+
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
+    raise ValueError(f"attention_backend={name!r}; use one of {ATTENTION_BACKENDS} or None")

@@ -173,6 +173,24 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
+    def free_unused_tail(self, seq: Sequence) -> int:
+        """Free the blocks past ``seq``'s computed tokens (slots of rejected speculative tokens).
+
+        A block is freed only when it holds no computed token; such a block is never hashed or
+        shared (hashes cover full computed blocks only). Returns the number of blocks freed.
+        """
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        freed = 0
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            if block.ref_count != 1 or block.block_hash is not None:
+                raise KVCacheInvariantError(f"block {block.block_id} past the computed tokens of {seq.request_id} is shared or hashed")
+            block.ref_count = 0
+            self.num_used_blocks -= 1
+            self.free_block_ids.append(block.block_id)
+            freed += 1
+        return freed
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached (refcount-0) block."""
         while self.cached_lru:

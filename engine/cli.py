@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from compress.checkpoints import DEFAULT_MODEL
+from compress.checkpoints import DEFAULT_MODEL, check_device
 from compress.errors import UsageError
 
 
@@ -61,6 +61,7 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
+    check_device(args.device)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, num_threads=args.num_threads)
     start = time.perf_counter()
     outputs = llm.generate(args.prompt, params, chat=args.chat)
@@ -78,6 +79,11 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    for number, prompt in enumerate(args.prompt, start=1):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes that are not UTF-8 arrive as lone surrogates
+            raise UsageError(f"--prompt #{number}: not UTF-8 text (character {exc.start})", fix="pass the prompt as UTF-8") from exc
     if args.backend == "hf":
         if args.temperature != 0:
             raise UsageError("--backend hf is the greedy reference", fix="use --temperature 0")

@@ -10,6 +10,9 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: ``/proc/cpuinfo`` flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
+#: ``attention_backend`` names (``engine.attention.get_attention_backend``).
+ATTENTION_BACKENDS = ("torch", "triton")
+
 #: Ways to propose tokens for speculative decoding (``EngineConfig.speculative_method``).
 SPECULATIVE_METHODS = ("ngram", "draft")
 
@@ -59,6 +62,11 @@ class EngineConfig:
             is compute-bound); ``None`` never switches it off.
         ngram_prompt_lookup_min / ngram_prompt_lookup_max: shortest / longest suffix n-gram
             the ``ngram`` proposer matches (it tries the longest first).
+        attention_backend: ``"torch"`` or ``"triton"`` (``engine.attention``); ``None`` takes
+            ``triton`` on CUDA and ``torch`` on CPU (``triton`` on CPU runs under Triton's
+            interpreter: tests only).
+        enforce_eager: with the ``triton`` backend, never capture CUDA graphs of decode steps
+            (``engine.cuda_graphs``); decode batches still run from bucket-padded static buffers.
 
     Raises:
         ValueError: a field out of range or an inconsistent combination (the message names
@@ -84,6 +92,8 @@ class EngineConfig:
     speculative_disable_by_batch_size: int | None = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
+    attention_backend: str | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -102,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}; use 'cpu' or 'cuda' / 'cuda:N'")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend={self.attention_backend!r}; use one of {ATTENTION_BACKENDS} or None (by device)")
         if self.max_model_len is not None:
             self.check_model_len(self.max_model_len)
         self._check_speculative()

@@ -20,6 +20,7 @@ import torch
 from compress.checkpoints import resolve_checkpoint
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
+from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model import read_model_spec
 from engine.model_runner import ModelRunner
@@ -67,7 +68,7 @@ class LLMEngine:
                 f"{spec.max_position_embeddings}; decrease max_model_len"
             )
         config = config.replace(dtype=resolve_dtype(config.dtype, config.device))
-        self.runner = ModelRunner(self.path, config.dtype, config.device, config.block_size, max_model_len)
+        self.runner = make_model_runner(config, self.path, max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(config, max_model_len)
         self.config = config = config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks, kv_cache_memory_bytes=None)
         self.runner.allocate_kv_cache(num_blocks)
@@ -352,6 +353,17 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Raise ``KVCacheInvariantError`` if the KV bookkeeping is inconsistent."""
         self.block_manager.check_invariants(self.scheduler.running)
+
+
+def make_model_runner(config: EngineConfig, path: Path, max_model_len: int) -> ModelRunner:
+    """``StaticDecodeModelRunner`` (bucket-padded decode batches, CUDA graphs on CUDA) for the
+    ``triton`` attention backend, ``ModelRunner`` otherwise."""
+    backend = config.attention_backend or ("triton" if config.device.startswith("cuda") else "torch")
+    if backend == "triton":
+        return StaticDecodeModelRunner(path, config.dtype, config.device, config.block_size, max_model_len,
+                                       max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+                                       attention_backend=backend)
+    return ModelRunner(path, config.dtype, config.device, config.block_size, max_model_len)
 
 
 def read_eos_token_ids(path: Path, tokenizer) -> set[int]:

@@ -45,18 +45,20 @@ class ModelRunner:
         device: ``cpu`` or ``cuda``.
         block_size: tokens per KV block.
         max_model_len: longest sequence (sizes the rotary tables).
+        attention_backend: ``engine.attention.ATTENTION_BACKENDS`` name; ``None`` picks by device.
 
     Raises:
         CheckpointError: unsupported architecture, missing or corrupt weights.
     """
 
-    def __init__(self, path: Path, dtype: str, device: str, block_size: int, max_model_len: int):
+    def __init__(self, path: Path, dtype: str, device: str, block_size: int, max_model_len: int,
+                 attention_backend: str | None = None):
         self.dtype = DTYPES[dtype]
         self.device = device
         self.block_size = block_size
         self.model = Model(path, self.dtype, device, max_model_len)
         self.spec = s = self.model.spec
-        self.attn = get_attention_backend(device, s.num_heads, s.num_kv_heads, s.head_dim, s.sliding_window)
+        self.attn = get_attention_backend(device, s.num_heads, s.num_kv_heads, s.head_dim, s.sliding_window, attention_backend)
         self.kv_cache: torch.Tensor | None = None
 
     @property

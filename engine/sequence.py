@@ -71,6 +71,10 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
         self.error: str | None = None  # why it finished with FINISHED_ERROR
+        # Speculative decoding: tokens proposed after the last one (not part of token_ids until
+        # the target accepts them) and the [len, vocab] draft distributions they were drawn from.
+        self.spec_token_ids: list[int] = []
+        self.spec_probs = None
 
     @property
     def num_tokens(self) -> int:

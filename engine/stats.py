@@ -22,6 +22,9 @@ class EngineStats:
         num_steps_total: engine steps run.
         num_kv_blocks: size of the KV pool in blocks.
         num_free_kv_blocks / num_cached_kv_blocks: blocks free / refcount-0 but cached.
+        spec_decode_num_drafts_total: request-steps that verified at least one proposed token.
+        spec_decode_num_draft_tokens_total: proposed tokens verified by the target.
+        spec_decode_num_accepted_tokens_total: of those, tokens the target accepted.
     """
 
     num_running: int
@@ -37,9 +40,24 @@ class EngineStats:
     num_kv_blocks: int
     num_free_kv_blocks: int
     num_cached_kv_blocks: int
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Hit tokens / queried tokens (0 when nothing was queried)."""
         q = self.prefix_cache_queries_tokens_total
         return self.prefix_cache_hits_tokens_total / q if q else 0.0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted / proposed tokens (0 when nothing was proposed)."""
+        n = self.spec_decode_num_draft_tokens_total
+        return self.spec_decode_num_accepted_tokens_total / n if n else 0.0
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens emitted per speculative request-step: 1 + accepted / drafts (0 without drafts)."""
+        n = self.spec_decode_num_drafts_total
+        return 1.0 + self.spec_decode_num_accepted_tokens_total / n if n else 0.0

@@ -98,8 +98,8 @@ def test_monitor_and_hpa_point_at_the_triton_pods(values):
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"http": 8000, "grpc": 8001, "metrics": 8002}
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
-    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):  # the model's readiness, not the server's
+        assert container[probe]["httpGet"]["path"] == f"/v2/models/{values.model_name}/ready"
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= values.startup_timeout_s
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
@@ -146,7 +146,7 @@ def test_dockerfiles_build_on_triton_2_51_and_copy_existing_paths():
     assert re.search(rf"^FROM {re.escape(TRITON_IMAGE)}$", gpu, re.M) and TRITON_IMAGE.endswith(":24.10-py3")
     assert re.search(r"^FROM python:3\.11-slim", cpu, re.M)
     for text in (gpu, cpu):
-        assert "EXPOSE 8000 8001 8002" in text and "/v2/health/ready" in text and "--load-model=smollm2_135m" in text
+        assert "EXPOSE 8000 8001 8002" in text and "/v2/models/smollm2_135m/ready" in text and "--load-model=smollm2_135m" in text
         for source in re.findall(r"^COPY (?!\$)(.+) \S+$", text, re.M):
             for item in source.split():
                 assert (ROOT / item).exists(), item
@@ -182,7 +182,8 @@ def test_custom_values_change_what_they_should_and_nothing_else():
     assert changed == {container + ("resources", kind, res) for kind in ("requests", "limits")
                        for res in ("cpu", "memory", "nvidia.com/gpu")}
     changed = _changed_paths(base, render_files("k8s", DeployValues(model_name="llama_int8")))
-    assert changed == {container + ("args", 2),
+    assert changed == {container + ("args", 2)} | {container + (probe, "httpGet", "path")
+                                                   for probe in ("startupProbe", "livenessProbe", "readinessProbe")} | {
                        ("locust.yaml", 0, 0, "spec", "template", "spec", "containers", 0, "args", 4),
                        ("prometheus-adapter-values.yaml", 0, 0, "rules", "custom", 0, "metricsQuery")}
     gpu_off = _changed_paths(base, render_files("k8s", DeployValues(gpus=0)))

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from bench.bound import ModelShape, percentile, ratio, workload_flops
-from bench.engine_backends import left_pad
-from bench.engine_bench import engine_targets, parse_engine_args, summarize, token_agreement
+from bench.engine_backends import BACKENDS, left_pad
+from bench.engine_bench import engine_targets, parse_configs, parse_engine_args, summarize, summarize_single, token_agreement
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,19 +53,60 @@ def test_percentile_ratio_agreement():
         parse_engine_args(["max_num_seqs"])
 
 
-def test_summary_ratios_and_targets():
-    def ok(name, tokens, seconds, ttft, hit=None):
-        return {"config": name, "status": "ok", "output_tokens": tokens, "elapsed_s": seconds, "ttft_s": ttft,
-                "peak_rss_bytes": 2**20, "prefix_hit_rate": hit, "token_ids": [[1, 2]]}
+def test_summary_ratios_bound_per_dtype_and_targets():
+    def ok(name, tokens, seconds, ttft, hit=None, single=None):
+        return {"config": name, "status": "ok", "output_tokens": tokens, "elapsed_s": seconds, "ttft_s": ttft, "startup_s": 2.0,
+                "peak_rss_bytes": 2**20, "prefix_hit_rate": hit, "token_ids": [[1, 2]], "single": single}
 
-    rows = summarize([ok("hf_sequential", 100, 10.0, [1.0]), ok("hf_static", 100, 4.0, [2.0]),
-                      {"config": "llama_cpp", "status": "not installed", "reason": "x"},
-                      ok("engine_prefix_off", 100, 1.0, [0.4], 0.0), ok("engine_prefix_on", 100, 0.5, [0.1], 0.9)], bound_tok_s=400.0)
-    on = rows[-1]
-    assert on.output_tok_s == 200.0 and on.speedup["hf_static"] == 8.0 and on.speedup["llama_cpp"] is None
-    assert on.fraction_of_bound == 0.5 and on.same_tokens_as_hf == 1.0 and on.peak_rss_mib == 1.0
-    targets = {w: v for w, v, _ in engine_targets(rows)}
-    assert targets["TTFT p50 on / off"] == pytest.approx(0.25) and targets["prefix hit rate"] == 0.9
+    def one(seconds, ttft, tokens=(5, 6, 7, 8, 9)):
+        return {"elapsed_s": seconds, "ttft_s": ttft, "token_ids": list(tokens)}
+
+    results = [ok("hf_sequential", 100, 10.0, [1.0], single=one(1.0, 0.2)), ok("hf_static", 100, 4.0, [2.0]),
+               {"config": "llama_cpp_server_f32", "status": "not installed", "reason": "llama-server not installed: run `make peers`"},
+               ok("llama_cpp_server_q8_0", 100, 2.0, [0.5]),
+               ok("vllm_fp32", 100, 1.0, [0.2, 0.4], single=one(0.5, 0.1)), ok("vllm_bf16", 100, 0.5, [0.1], single=one(0.25, 0.05)),
+               ok("engine_prefix_off", 100, 1.0, [0.4], 0.0), ok("engine_fp32", 100, 0.5, [0.1, 0.3], 0.9, single=one(0.25, 0.05)),
+               ok("engine_bf16", 100, 0.25, [0.05], 0.9, single=one(0.5, 0.1, (5, 6, 7, 8, 0))), ok("engine_int8", 100, 0.2, [0.05], 0.9)]
+    bound = {"fp32": 400.0, "bf16": 800.0, "int8": 1000.0}
+    rows = {r.config: r for r in summarize(results, bound)}
+    fp32, bf16, int8 = rows["engine_fp32"], rows["engine_bf16"], rows["engine_int8"]
+    assert fp32.output_tok_s == 200.0 and fp32.speedup["hf_static"] == 8.0 and fp32.speedup["vllm_fp32"] == 2.0
+    assert fp32.speedup["llama_cpp_best"] == 4.0  # the Q8_0 row, the only llama.cpp row that ran
+    # each row against the bound of the dtype it runs
+    assert fp32.fraction_of_bound == 0.5 and bf16.fraction_of_bound == 0.5 and int8.fraction_of_bound == 0.5
+    assert rows["llama_cpp_server_q8_0"].dtype == "int8" and rows["llama_cpp_server_q8_0"].fraction_of_bound == 0.05
+    assert fp32.same_tokens_as_hf == 1.0 and fp32.peak_rss_mib == 1.0 and fp32.startup_s == 2.0
+    assert rows["llama_cpp_server_f32"].status == "not installed" and rows["llama_cpp_server_f32"].output_tok_s is None
+
+    singles = {s.config: s for s in summarize_single(results)}
+    assert set(singles) == {"hf_sequential_single", "vllm_fp32_single", "vllm_bf16_single", "engine_fp32_single", "engine_bf16_single"}
+    e = singles["engine_fp32_single"]
+    assert e.output_tok_s == 20.0 and e.ttft_ms == pytest.approx(50.0) and e.decode_tok_s == pytest.approx(4 / 0.2)
+    assert e.speedup_vllm == 2.0 and e.same_tokens_as_hf is True
+    assert singles["engine_bf16_single"].speedup_vllm == 0.5 and singles["engine_bf16_single"].same_tokens_as_hf is False
+
+    targets = {w: (v, t) for w, v, t in engine_targets(list(rows.values()), list(singles.values()))}
+    assert targets["engine_fp32 / vllm_fp32 output tok/s"] == (2.0, ">= 1.0")
+    assert targets["engine_bf16 / vllm_bf16 output tok/s"] == (2.0, ">= 1.2")
+    assert targets["engine_int8 / vllm_bf16 output tok/s"] == (2.5, ">= 1.5")
+    assert targets["engine_int8 (fastest engine row) / best llama.cpp GGUF"] == (10.0, ">= 3")
+    assert targets["engine_fp32 / vllm_fp32 TTFT p99"][0] == pytest.approx(0.298 / 0.398)
+    assert targets["engine_bf16_single / vllm_bf16_single tok/s"] == (0.5, ">= 1.0")
+    assert targets["engine_fp32 / engine_prefix_off TTFT p50"][0] == pytest.approx(0.5)
+    assert targets["engine_fp32 start-up s"] == (2.0, "<= 10")
+
+
+def test_configuration_names():
+    assert parse_configs(" engine_fp32,vllm_bf16 ,engine_fp32,") == ["engine_fp32", "vllm_bf16"]
+    names = set(parse_configs(",".join(BACKENDS)))
+    assert {"engine_fp32", "engine_bf16", "engine_int8", "engine_prefix_off", "vllm_fp32", "vllm_bf16",
+            "llama_cpp_server_f32", "llama_cpp_server_q8_0", "hf_sequential", "hf_static"} <= names
+    assert {BACKENDS[c].dtype for c in ("engine_bf16", "vllm_bf16")} == {"bf16"}
+    assert BACKENDS["llama_cpp_server_q8_0"].gguf_type == "q8_0" and BACKENDS["vllm_fp32"].interpreter == "vllm"
+    with pytest.raises(ValueError, match="unknown engine_prefix_on; choose from"):
+        parse_configs("engine_prefix_on")
+    with pytest.raises(ValueError, match="empty"):
+        parse_configs(" , ")
 
 
 def test_left_pad_puts_prompts_at_the_right_edge():
@@ -90,20 +131,25 @@ def test_workload_is_deterministic_and_shares_the_system_prompt(tiny_llama_dir):
 def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "lmforge_cli", "bench", "engine", "--model", str(tiny_llama_dir), "--smoke",
-           "--configs", "hf_sequential,hf_static,engine_prefix_on", "--out", str(out)]
+           "--configs", "hf_sequential,hf_static,engine_fp32", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     rows = {r["config"]: r for r in report["rows"]}
-    assert report["workload"]["num_requests"] == 4 and report["bound"]["output_tok_s"] > 0
+    assert report["workload"]["num_requests"] == 4 and report["bound"]["output_tok_s"]["fp32"] > 0
     for name in ("hf_sequential", "hf_static"):
         assert rows[name]["status"] == "ok", rows[name]["reason"]
         assert rows[name]["output_tok_s"] > 0 and rows[name]["ttft_p50_ms"] > 0 and rows[name]["peak_rss_mib"] > 50
     assert rows["hf_sequential"]["same_tokens_as_hf"] == 1.0
-    engine = rows["engine_prefix_on"]
+    engine = rows["engine_fp32"]
     assert engine["status"] == "ok", engine["reason"]
     assert engine["same_tokens_as_hf"] == 1.0  # greedy engine tokens equal HF generate's
     assert 0.5 < engine["prefix_hit_rate"] < 1.0  # the first request misses, the other three hit the system prompt
     assert engine["speedup"]["hf_static"] > 0 and engine["fraction_of_bound"] > 0
     assert rows["hf_static"]["speedup"]["hf_sequential"] > 0
-    assert "hf_static" in proc.stdout and "compute bound" in proc.stdout
+    assert engine["startup_s"] > 0 and engine["dtype"] == "fp32"
+    singles = {r["config"]: r for r in report["single_rows"]}
+    assert set(singles) == {"hf_sequential_single", "engine_fp32_single"}
+    assert singles["engine_fp32_single"]["same_tokens_as_hf"] is True
+    assert set(report["bound"]["output_tok_s"]) == {"fp32", "bf16", "int8"}
+    assert "hf_static" in proc.stdout and "compute bound" in proc.stdout and "one request alone" in proc.stdout

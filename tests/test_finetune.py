@@ -16,7 +16,7 @@ import torch
 from compress.data import DataConfig, prepare
 from compress.finetune import FinetuneConfig, FinetuneRecipe, run_recipe
 from compress.monitor import read_metrics
-from compress.training import TrainConfig, clip_gradients, cosine_schedule
+from compress.training import TrainConfig, TrainingError, clip_gradients, cosine_schedule
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -128,8 +128,8 @@ class _NanAtStep4(FinetuneRecipe):
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_llama_dir, chat_data, tmp_path, capsys):
     cfg = _config(tiny_llama_dir, chat_data, tmp_path / "nan", save_every=2)
     assert run_recipe(_NanAtStep4, cfg) == 1
-    out = capsys.readouterr().out
-    assert "non-finite training loss at step 4" in out and "step_000002" in out
+    err = capsys.readouterr().err
+    assert "non-finite training loss at step 4" in err and "step_000002" in err
     assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir()) == ["step_000002"]
     assert not (tmp_path / "nan" / "final").exists()
     weights = torch.load(tmp_path / "nan" / "checkpoints" / "step_000002" / "model.pt", weights_only=True)
@@ -155,13 +155,36 @@ def test_lora_with_gradient_checkpointing_is_merged_on_save(tiny_llama_dir, chat
     AutoModelForCausalLM.from_pretrained(final)
 
 
+class _RunsCode:
+    """Unpickling this runs ``Path(marker).touch()``: what a planted state file would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("planted", ["optimizer.pt", "scheduler.pt", "rng_rank0.pt"])
+def test_resume_never_unpickles_code(tiny_llama_dir, chat_data, tmp_path, planted):
+    part = _config(tiny_llama_dir, chat_data, tmp_path / "run", max_steps=2, stop_after=1)
+    assert FinetuneRecipe(part).run()[0].status == "stopped"
+    state_file = tmp_path / "run" / "checkpoints" / "step_000001" / planted
+    marker = tmp_path / "code-ran"
+    torch.save({"state": _RunsCode(marker)}, state_file)
+    with pytest.raises(TrainingError, match=f"{planted}: not a training-state file lmforge wrote.*run without --resume"):
+        FinetuneRecipe(dataclasses.replace(part, stop_after=None, resume=True)).run()
+    assert not marker.exists()
+
+
 def test_bad_settings_are_rejected(tiny_llama_dir, chat_data, tmp_path):
     with pytest.raises(ValueError, match="warmup_ratio=1.5"):
         _config(tiny_llama_dir, chat_data, tmp_path, warmup_ratio=1.5).validate()
     with pytest.raises(ValueError, match="precision='fp8'"):
         FinetuneRecipe(_config(tiny_llama_dir, chat_data, tmp_path, precision="fp8"))
     if not torch.cuda.is_available():
-        assert run_recipe(FinetuneRecipe, _config(tiny_llama_dir, chat_data, tmp_path / "fp16", precision="fp16")) == 1
+        with pytest.raises(TrainingError, match="precision=fp16 needs CUDA"):  # lmforge main: exit 1
+            run_recipe(FinetuneRecipe, _config(tiny_llama_dir, chat_data, tmp_path / "fp16", precision="fp16"))
     with pytest.raises(Exception, match="no checkpoint to resume from"):
         FinetuneRecipe(_config(tiny_llama_dir, chat_data, tmp_path / "none", resume=True)).run()
 

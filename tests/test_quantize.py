@@ -192,19 +192,19 @@ def test_smoothquant_keeps_the_fp32_function_and_flattens_outliers(model_type, t
 
 
 def test_out_dir_that_is_not_a_checkpoint_is_refused_and_kept(tiny_llama_dir, tmp_path, monkeypatch):
-    from compress.checkpoints import CheckpointError
+    from compress.outputs import OutputDirError
     from compress.quantize import quantize
 
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    with pytest.raises(CheckpointError, match="precious: not empty and not an lmforge checkpoint"):
+    with pytest.raises(OutputDirError, match="precious: not empty and not an earlier lmforge checkpoint"):
         quantize(tiny_llama_dir, precious, method="dynamic", smoothquant_alpha=None)
     assert (precious / "notes.txt").read_text() == "keep me"
     monkeypatch.chdir(precious)
-    with pytest.raises(CheckpointError, match="working directory"):
+    with pytest.raises(OutputDirError, match="working directory"):
         quantize(tiny_llama_dir, ".", method="dynamic", smoothquant_alpha=None)
-    with pytest.raises(CheckpointError, match="would replace the input"):
+    with pytest.raises(OutputDirError, match="would replace the input"):
         quantize(tiny_llama_dir, tiny_llama_dir, method="dynamic", smoothquant_alpha=None)
 
 

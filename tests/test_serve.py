@@ -96,9 +96,13 @@ def generate_stream(server, prompt: str, params: dict, **extra) -> list[dict]:
 
 def metric_values(server, name: str, model: str = "llm") -> list[float]:
     """Values of a Prometheus metric of ``model`` (one per label set)."""
+    return [value for _, value in _labelled(server, name, model)]
+
+
+def _labelled(server, name: str, model: str = "llm") -> list[tuple[str, float]]:
     text = requests.get(server.metrics_url, timeout=10).text
     pattern = re.compile(rf'^{re.escape(name)}\{{([^}}]*)\}} ([0-9.eE+-]+)$', re.M)
-    return [float(value) for labels, value in pattern.findall(text) if f'model="{model}"' in labels]
+    return [(labels, float(value)) for labels, value in pattern.findall(text) if f'model="{model}"' in labels]
 
 
 def metric(server, name: str) -> float:
@@ -222,10 +226,44 @@ def test_bad_request_fails_alone(server, prompt, params, message):
     assert good.status_code == 200 and good.json()["num_output_tokens"] == 4
 
 
+BAD_BODIES = [  # (JSON body or raw bytes, HTTP status, part of the error)
+    ({"text_input": PROMPT, "sampling_parameters": json.dumps({"logprobs": 100000})}, 400, "logprobs=100000 > the vocabulary size"),
+    ({"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": "4"})}, 400, "max_tokens='4'"),
+    ({"text_input": PROMPT, "sampling_parameters": json.dumps({"temperature": "hot"})}, 400, "temperature='hot'"),
+    ({"text_input": PROMPT, "sampling_parameters": json.dumps({"stop_token_ids": [10**9]})}, 400, "stop_token_ids"),
+    ({"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": 10**6})}, 400, "max_model_len=512"),
+    ({"text_input": PROMPT, "sampling_parameters": "[" * 100000}, 400, "nested too deeply"),
+    ({"text_input": PROMPT, "sampling_parameters": "[1, 2]"}, 400, "expected a JSON object"),
+    ({"text_input": PROMPT, "temperature": 0}, 400, "unknown field(s) ['temperature']"),
+    (b'{"text_input": "caf\xe9 \xff", "sampling_parameters": "{}"}', 400, "text_input: not valid UTF-8"),
+    # Triton's HTTP front end converts JSON to tensors before the model sees the request and
+    # answers a wrong JSON type with 500 itself; the model keeps serving.
+    ({"text_input": PROMPT, "sampling_parameters": {"max_tokens": 4}}, 500, "non-string"),
+    ({"text_input": 5}, 500, "non-string"),
+    ({"text_input": PROMPT, "stream": "yes"}, 500, "non-boolean"),
+    (b"[1, 2]", 500, "non-object"),
+]
+
+
+def test_wrong_types_and_out_of_range_values_get_clear_errors(server):
+    url = f"{server.http_url}/v2/models/llm/generate"
+    for body, status, message in BAD_BODIES:
+        if isinstance(body, bytes):
+            bad = requests.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=60)
+        else:
+            bad = requests.post(url, json=body, timeout=60)
+        assert bad.status_code == status and message in bad.json()["error"], (body if isinstance(body, bytes) else str(body)[:80], bad.text)
+    good = generate(server, PROMPT, {"temperature": 0, "max_tokens": 4}, exclude_input_in_output=True)
+    assert good.status_code == 200 and good.json()["num_output_tokens"] == 4
+    assert requests.get(f"{server.http_url}/v2/models/llm/ready", timeout=5).status_code == 200
+
+
 def test_client_disconnect_aborts_and_frees_blocks(server):
     import tritonclient.grpc as grpcclient
 
     aborted_before = metric(server, "lmforge_requests_aborted_total") if metric_values(server, "lmforge_requests_aborted_total") else 0.0
+    finished_length = lambda: sum(v for labels, v in _labelled(server, "lmforge_requests_finished_total") if 'finish_reason="length"' in labels)
+    length_before = finished_length()
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("stream", [1], "BOOL"), grpcclient.InferInput("sampling_parameters", [1], "BYTES")]
@@ -252,8 +290,30 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     response.close()
     assert wait_for(lambda: metric(server, "lmforge_requests_aborted_total") >= aborted_before + 2), "the engine did not abort"
     assert wait_for(lambda: metric(server, "lmforge_kv_cache_usage_ratio") == 0.0)
+    assert finished_length() == length_before  # neither ran to max_tokens
     good = generate(server, PROMPT, {"temperature": 0, "max_tokens": 4}, exclude_input_in_output=True)
     assert good.status_code == 200 and good.json()["num_output_tokens"] == 4
+
+
+def test_killed_model_stub_is_loaded_again_by_the_supervisor(server, engine_text):
+    import psutil
+
+    from deploy.triton import ModelSupervisor
+
+    supervisor = ModelSupervisor(server, report=lambda line: None)
+    (stub,) = server.stub_pids("llm")
+    psutil.Process(stub).kill()  # kill -9 of the model's Python backend stub
+    assert wait_for(lambda: not server.stub_pids("llm"), timeout_s=10)  # gone (or a zombie Triton never reaps)
+    dead = generate(server, PROMPT, GREEDY)
+    assert dead.status_code == 400 and "is not healthy" in dead.json()["error"]  # Triton 2.51 does not recover alone
+    assert requests.get(f"{server.http_url}/v2/models/llm/ready", timeout=5).status_code == 200  # ... nor notice
+    assert supervisor.problems() == {"llm": "1 of its 1 Python backend stub process(es) exited"}
+    took = supervisor.check_once()
+    assert set(took) == {"llm"} and supervisor.problems() == {}
+    expected, _ = engine_text(PROMPT, **GREEDY)
+    served = generate(server, PROMPT, GREEDY, exclude_input_in_output=True)
+    assert served.status_code == 200 and served.json()["text_output"] == expected
+    assert len(server.stub_pids("llm")) == 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,6 +435,19 @@ def test_serve_reports_load_failure_reason_and_exits_nonzero(tmp_path):
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "broken: " in result.stdout and "weights missing: run lmforge export first" in result.stdout
+    assert not (repo / "tritonserver.pid").exists()
+
+
+def test_serve_models_flag_refuses_a_missing_model(tmp_path):
+    repo = _echo_repo(tmp_path / "repo", ["echo"])
+    ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
+    result = subprocess.run(
+        [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), *_port_flags(ports), "--models", "echo", "missing", "--startup-timeout-s", "120"],
+        capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "ready in" not in result.stdout
+    assert f"missing: no model directory {repo / 'missing'}; the repository has: echo" in result.stdout
     assert not (repo / "tritonserver.pid").exists()
 
 

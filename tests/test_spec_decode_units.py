@@ -23,18 +23,19 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     #         0  1  2  3  4  5  6  7  8  9 10
     tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 6, 7]
     # suffix (2, 6, 7) does not occur earlier; (6, 7) does, latest at 6..7 -> followed by 2, 6, 7
-    assert ngram.propose(tokens, 3) == [2, 6, 7]
-    assert ngram.propose(tokens, 10) == [2, 6, 7]  # stops at the end of the sequence
-    assert ngram.propose([1, 2, 3, 4], 3) == []  # no earlier occurrence of any suffix
-    assert ngram.propose([4, 4], 2) == [4]
-    assert ngram.propose([4], 2) == []
-    assert NgramProposer(min_n=2, max_n=2).propose([1, 2, 9, 3, 2], 2) == []  # (3, 2) unseen; 1-grams not tried
+    assert ngram.propose_tokens(tokens, 3) == [2, 6, 7]
+    assert ngram.propose_tokens(tokens, 10) == [8, 9, 1, 6, 7, 2, 6, 7]  # no match with 10 after it: the earliest
+    assert ngram.propose_tokens([3, 9, 9, 9, 9, 9, 9], 3) == [9, 9, 9]  # a loop: not the overlapping latest match
+    assert ngram.propose_tokens([1, 2, 3, 4], 3) == []  # no earlier occurrence of any suffix
+    assert ngram.propose_tokens([4, 4], 2) == [4]
+    assert ngram.propose_tokens([4], 2) == []
+    assert NgramProposer(min_n=2, max_n=2).propose_tokens([1, 2, 9, 3, 2], 2) == []  # (3, 2) unseen; 1-grams not tried
 
 
 def test_ngram_prefers_longer_match_over_later_short_one():
     ngram = NgramProposer(min_n=1, max_n=3)
     tokens = [1, 2, 3, 40, 41, 9, 3, 50, 1, 2, 3]
-    assert ngram.propose(tokens, 2) == [40, 41]  # (1, 2, 3) beats the later (3) -> 50
+    assert ngram.propose_tokens(tokens, 2) == [40, 41]  # (1, 2, 3) beats the later (3) -> 50
 
 
 def test_verify_greedy_keeps_matching_prefix_then_the_argmax():

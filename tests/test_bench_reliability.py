@@ -1,0 +1,64 @@
+"""``lmforge bench reliability``: flag checks and the report's arithmetic (the soak itself runs a
+real server for minutes and is not part of the test suite)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+
+import pytest
+
+from bench.metrics import RequestSample
+from bench.reliability import ReliabilityError, _check_args, add_arguments, build_report, format_report
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [(["--users", "0"], "--users"), (["--bad-share", "0.6", "--disconnect-share", "0.5"], "--bad-share"),
+     (["--kill-at", "1"], "--kill-at"), (["--warmup-fraction", "0"], "--warmup-fraction"), (["--max-tokens", "0"], "--max-tokens")],
+)
+def test_bad_flags_name_the_flag(argv, field):
+    with pytest.raises(ReliabilityError, match=field):
+        _check_args(_args(*argv), 120.0)
+    with pytest.raises(ReliabilityError, match="--duration"):
+        _check_args(_args("--duration", "10s"), 10.0)
+
+
+def test_report_splits_at_the_kill_and_checks_each_target(tmp_path):
+    t0 = 1000.0
+    samples = [
+        RequestSample(start_s=t0 + 1, e2e_s=1.0, output_tokens=8, finish_reason="length"),
+        RequestSample(start_s=t0 + 2, e2e_s=0.1, fault="bad"),
+        RequestSample(start_s=t0 + 3, e2e_s=0.1, fault="bad", error="expected HTTP 400 with an error, got HTTP 200"),
+        RequestSample(start_s=t0 + 4, e2e_s=0.2, fault="disconnect"),
+        RequestSample(start_s=t0 + 9, e2e_s=20.0, error="ReadTimeout"),  # in flight at the kill
+        RequestSample(start_s=t0 + 30, e2e_s=1.0, output_tokens=8, finish_reason="length"),
+    ]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps({"kind": "request", **s.to_json()}) + "\n" for s in samples))
+    monitor = types.SimpleNamespace(kill_s=t0 + 10, load_start_s=t0, served_again_s=t0 + 31.5, aborted_before_kill=3.0,
+                                    warmup_fraction=0.25, rss=[(t0 + i, 100 + (i >= 5) * 2) for i in range(10)])
+    after = {"lmforge_kv_cache_usage_ratio": 0.0, "lmforge_num_requests_running": 0.0, "lmforge_num_requests_waiting": 0.0,
+             "lmforge_requests_aborted_total": 1.0}
+    events = [{"time_s": t0 + 10, "event": "model llm: 1 of its 1 Python backend stub process(es) exited; loading it again"}]
+    report = build_report(_args(), 60.0, path, monitor, after, {"metrics": {}}, events)
+    assert report["requests"] == {"good": 3, "bad": 2, "disconnect": 1}
+    assert report["good_failures_before_kill"] == 0
+    assert report["good_requests_after_kill"] == 2 and report["good_failures_after_kill"] == 1
+    assert report["bad_not_refused_with_400_before_kill"] == 1 and report["bad_failed_after_kill"] == 0
+    assert report["disconnects_before_kill"] == 1 and report["requests_aborted_total_before_kill"] == 3.0
+    assert report["requests_aborted_total_after_reload"] == 1.0
+    assert report["rss"] == {"baseline_bytes": 100, "final_bytes": 102, "growth": 0.02}  # baseline at t0 + 2.5 s
+    assert report["kill"]["served_again_after_s"] == 21.5 and "unload + load" in report["kill"]["recovered_by"]
+    assert report["targets"] == {"good_failures_before_kill == 0": True, "bad requests all refused with 400": False,
+                                 "rss growth <= 5%": True, "kv usage 0 after load": True, "served again after the kill": True}
+    assert not report["targets_met"]
+    text = format_report(report)
+    assert "served again after 21.5 s" in text and "bad requests all refused with 400: MISSED" in text
