@@ -19,7 +19,7 @@ import torch
 
 from compress.checkpoints import resolve_checkpoint
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model import read_model_spec
@@ -68,6 +68,7 @@ class LLMEngine:
                 f"max_model_len={max_model_len} > the checkpoint's max_position_embeddings="
                 f"{spec.max_position_embeddings}; decrease max_model_len"
             )
+        config = config.replace(dtype=resolve_dtype(config.dtype, config.device))
         self.runner = make_model_runner(config, self.path, max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(config, max_model_len)
         self.config = config = config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks, kv_cache_memory_bytes=None)
@@ -129,6 +130,19 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
         params, text, token_ids = self.validate_request(prompt, params)
+        return self.add_validated_request(request_id, text, token_ids, params, arrival_time)
+
+    def add_validated_request(
+        self, request_id: str | None, text: str | None, token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> str:
+        """Queue a request that ``validate_request`` accepted (its prompt is not tokenized again); returns its id.
+
+        Raises:
+            ValueError: a duplicate ``request_id``; nothing is queued.
+        """
+        request_id = self.new_request_id() if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -461,9 +475,8 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt")
         engine = self.engine
         inputs = [self.apply_chat_template(p) if chat else p for p in prompts]
-        for p, sp in zip(inputs, params):
-            engine.validate_request(p, sp)  # validate all before running any
-        ids = [engine.add_request(None, p, sp) for p, sp in zip(inputs, params)]
+        validated = [engine.validate_request(p, sp) for p, sp in zip(inputs, params)]  # all before running any
+        ids = [engine.add_validated_request(None, text, token_ids, sp) for sp, text, token_ids in validated]
         finals: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:

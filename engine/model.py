@@ -86,15 +86,36 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ weights
 
 
-class Linear:
-    """``y = x @ W^T + b`` from float weights, or a CPU INT8 layer of ``compress.int8`` (same dtype in and out)."""
+#: Batch size (rows) oneDNN picks its packed weight layout for: a full decode batch.
+PACK_BATCH_HINT = 64
 
-    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, int8_layer=None, dtype=None):
+
+def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
+    """Whether float weights can be pre-packed for oneDNN (fp32 / bf16 on CPU builds with mkldnn)."""
+    return device == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+class Linear:
+    """``y = x @ W^T + b`` from float weights, or a CPU INT8 layer of ``compress.int8`` (same dtype in and out).
+
+    With ``pack=True`` (CPU) the float weight ``[out, in]`` is reordered once into oneDNN's
+    blocked layout (``mkldnn._reorder_linear_weight``, as inductor's CPU weight-prepack pass
+    does) and every call runs ``mkldnn._linear_pointwise`` on it, so no call re-packs the
+    weight; in bf16 that uses AMX tiles where the CPU has them. ``weight`` keeps the plain
+    tensor (shared with the embedding when the lm head is tied).
+    """
+
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, int8_layer=None, dtype=None, pack: bool = False):
         self.weight, self.bias, self.int8_layer, self.dtype = weight, bias, int8_layer, dtype
+        self.packed = None
+        if pack and weight is not None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer(x)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -127,6 +148,7 @@ class WeightLoader:
             self.int8_scheme = read_scheme(sorted(path.glob("*.safetensors")))  # None for a float checkpoint
         except ValueError as exc:
             raise CheckpointError(str(exc)) from exc
+        self.pack = can_pack_weights(device, dtype)
 
     def has(self, name: str) -> bool:
         return name in self.tensors or name.removesuffix(".weight") + INT8_WEIGHT_SUFFIX in self.tensors
@@ -147,7 +169,7 @@ class WeightLoader:
             scale = torch.cat([self.tensors[p + INT8_SCALE_SUFFIX] for p in prefixes])
             return Linear(None, int8_layer=int8_linear(self.int8_scheme, w8, scale, None if biases is None else biases.float()), dtype=self.dtype)
         weights = [self._float_weight(p) for p in prefixes]
-        return Linear(torch.cat(weights).contiguous(), biases)
+        return Linear(torch.cat(weights).contiguous(), biases, pack=self.pack)
 
     def _float_weight(self, prefix: str) -> torch.Tensor:
         if self.is_int8(prefix):
@@ -210,7 +232,7 @@ class Model:
         if loader.is_int8("lm_head") or (loader.has("lm_head.weight") and not spec.tie_word_embeddings):
             self.lm_head = loader.linear(["lm_head"])
         else:
-            self.lm_head = Linear(self.embed)
+            self.lm_head = Linear(self.embed, pack=loader.pack)
         self.is_int8 = any(k.endswith(INT8_WEIGHT_SUFFIX) for k in tensors)
         del tensors
         inv_freq = rope_inv_freq(spec)
