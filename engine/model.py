@@ -27,8 +27,8 @@ from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weig
 from compress.model_spec import ModelSpec
 from engine.config import SUPPORTED_DTYPES
 
-#: ``EngineConfig.dtype`` names -> torch dtypes.
-DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES}
+#: ``EngineConfig.dtype`` names -> torch dtypes (``"auto"`` is resolved to one of them first).
+DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES if name != "auto"}
 
 
 # ------------------------------------------------------------------------------------ architecture

@@ -16,7 +16,7 @@ from scipy.stats import chi2_contingency
 from engine import LLM, SamplingParams
 from tests.test_engine_greedy import random_prompts
 
-CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=256)
+CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=256, dtype="float32")
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
@@ -250,12 +250,12 @@ def test_draft_defaults_to_the_distilled_student_of_the_model(tmp_path, tiny_lla
 def test_real_smollm2_greedy_equals_no_speculation(smollm2_dir):
     paragraph = ("The city library will close for renovation from the first of March until the end of June. Books can be "
                  "returned at the community centre on Oak Street, which is open every day from nine until six.")
-    plain = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=96)
+    plain = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=96, dtype="float32")
     prompts = [plain.apply_chat_template(f"Rewrite this paragraph in simpler words:\n\n{paragraph}")]
     params = SamplingParams(temperature=0, max_tokens=24)
     want = tokens(plain.generate(prompts, params))
     del plain
-    spec = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=96, speculative_method="ngram")
+    spec = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=96, dtype="float32", speculative_method="ngram")
     assert tokens(spec.generate(prompts, params)) == want
     assert spec.engine.get_stats().spec_decode_num_accepted_tokens_total > 0
     spec.engine.check_invariants()
