@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 import traceback
 from dataclasses import dataclass
@@ -53,11 +52,6 @@ COMMANDS: tuple[Command, ...] = (
     Command("diagnose", "compress.diagnose", "Find the cause of a misbehaving training run from its metrics."),
     Command("render", "deploy.render", "Render container / Kubernetes deployment files for a model."),
 )
-
-
-def available_commands() -> list[Command]:
-    """The commands whose implementing module is present in this installation."""
-    return [c for c in COMMANDS if importlib.util.find_spec(c.module) is not None]
 
 
 def build_parser(commands: list[Command], chosen: str | None) -> argparse.ArgumentParser:
@@ -109,7 +103,7 @@ def describe_error(exc: BaseException) -> str:
 
 def _dispatch(argv: list[str]) -> int:
     """Parse ``argv`` and run the chosen subcommand (errors propagate to ``main``)."""
-    commands = available_commands()
+    commands = list(COMMANDS)
     names = {c.name: c for c in commands}
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(commands, chosen if chosen in names else None)

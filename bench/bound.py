@@ -17,67 +17,13 @@ Useful FLOPs, with a shared prefix computed once per distinct system prompt:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """The dimensions of a Llama-family decoder that determine its FLOPs.
-
-    Attributes: names as in Hugging Face ``LlamaConfig``; ``head_dim`` defaults to
-    ``hidden_size // num_attention_heads``.
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    head_dim: int
-
-    @classmethod
-    def from_config(cls, config: dict) -> "ModelShape":
-        """Read a ``config.json`` dict (missing ``num_key_value_heads`` / ``head_dim`` derived)."""
-        heads = int(config["num_attention_heads"])
-        return cls(
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            vocab_size=int(config["vocab_size"]),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-        )
-
-    @property
-    def layer_matmul_params(self) -> int:
-        """Weights of one layer's linear maps: q, k, v, o projections and the SwiGLU MLP."""
-        q_dim = self.num_attention_heads * self.head_dim
-        kv_dim = self.num_key_value_heads * self.head_dim
-        attn = self.hidden_size * (2 * q_dim + 2 * kv_dim)  # q + o, k + v
-        mlp = 3 * self.hidden_size * self.intermediate_size  # gate, up, down
-        return attn + mlp
-
-    def body_flops(self, context_len: int) -> int:
-        """FLOPs to push one token at position ``context_len - 1`` through all layers.
-
-        ``2 * layer weights`` for the linear maps plus ``2 * 2 * context_len * q_dim`` per layer
-        for ``Q K^T`` and ``P V`` over the ``context_len`` cached tokens (itself included).
-        """
-        q_dim = self.num_attention_heads * self.head_dim
-        per_layer = 2 * self.layer_matmul_params + 4 * context_len * q_dim
-        return self.num_hidden_layers * per_layer
-
-    @property
-    def lm_head_flops(self) -> int:
-        """FLOPs of the LM head for one token (``2 * hidden * vocab``)."""
-        return 2 * self.hidden_size * self.vocab_size
+from compress.model_spec import ModelSpec
 
 
-def _span_flops(shape: ModelShape, start: int, stop: int) -> int:
+def _span_flops(shape: ModelSpec, start: int, stop: int) -> int:
     """Body FLOPs of the tokens at positions ``start .. stop-1`` (closed form of the sum)."""
     n = stop - start
     if n <= 0:
@@ -88,7 +34,7 @@ def _span_flops(shape: ModelShape, start: int, stop: int) -> int:
     return shape.num_hidden_layers * (linear + 4 * q_dim * context_sum)
 
 
-def workload_flops(shape: ModelShape, prompt_lens: list[int], max_tokens: int, shared_prefix_lens: list[int], system_of: list[int]) -> int:
+def workload_flops(shape: ModelSpec, prompt_lens: list[int], max_tokens: int, shared_prefix_lens: list[int], system_of: list[int]) -> int:
     """Useful FLOPs of a greedy generation workload with each shared prefix computed once.
 
     Args:

@@ -5,9 +5,17 @@ Causal LM (default: the real SmolLM2-135M-Instruct) on the held-out English dial
 * size reduction of the transformer blocks' linear weights (target >= 3.5x) and of the whole
   weight files,
 * teacher-forced quality against fp32: perplexity change, mean and p99 KL(fp32 || variant),
-  same top-1 token (``compress.evaluate.quality_metrics``),
+  same top-1 token (``compress.evaluate.quality_metrics``), with bf16 as a variant too,
 * free-running greedy agreement with fp32 on the fixed prompt set (secondary),
-* CPU decode latency (batch 1, ms/token) and speed-up vs fp32.
+* HF decode latency (batch 1, ms/token),
+* our engine's output tok/s for 1 sequence alone and for the engine benchmark's workload
+  (64 chat requests x 64 greedy tokens, ``bench.workload``), fp32 / bf16 / INT8 variants in one
+  process one after another, and a GEMM microbench (``compress.int8.gemm_microbench``) that
+  says which variant is fastest on this CPU.
+
+Targets (``TARGETS``): int8-weight-only KL <= 0.005, top-1 >= 97%, perplexity <= +1.5%, 1
+sequence >= 1.3x bf16; w8a8 KL <= 0.02, top-1 >= 95%, perplexity <= +2%, 64 sequences >= 1.25x
+bf16 (engine).
 
 Encoder (all-MiniLM-L6-v2): ONNX Runtime INT8 vs PyTorch fp32: file size, cosine similarity of
 mean-pooled sentence embeddings (target: mean >= 0.99; the minimum is reported beside it) and
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -31,20 +40,27 @@ from compress.errors import UsageError
 from compress.outputs import BENCH_COMPRESSION, check_output_dir
 
 TARGET_LINEAR_REDUCTION = 3.5
-TARGET_PPL_CHANGE_PCT = 3.0
-PPL_TARGET_METHODS = ("dynamic", "onnx-int8")
 TARGET_MINILM_COSINE = 0.99
+#: method -> (max mean KL, min same top-1, max perplexity change %, engine metric, min ratio vs bf16).
+TARGETS: dict[str, tuple[float, float, float, str, float]] = {
+    "int8-weight-only": (0.005, 0.97, 1.5, "one_seq_tok_s", 1.3),
+    "w8a8": (0.02, 0.95, 2.0, "batch_tok_s", 1.25),
+}
+#: Engine dtype per variant (INT8 activations in bf16: the fastest float path on AVX-512 BF16 / AMX).
+ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "int8-weight-only": "bfloat16", "w8a8": "bfloat16"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="causal LM to quantize (name, .gguf or directory)")
-    parser.add_argument("--methods", nargs="+", default=["dynamic", "llm-int8", "onnx-int8"], help="quantization methods to compare")
+    parser.add_argument("--methods", nargs="+", default=["int8-weight-only", "w8a8", "llm-int8", "onnx-int8"], help="quantization methods to compare")
     parser.add_argument("--out", default="runs/bench-compression", help="work directory (quantized checkpoints, compression.json)")
     parser.add_argument("--data", default=None, help="held-out JSONL; default: held-out chatterbot-corpus English dialogs")
     parser.add_argument("--max-records", type=int, default=200, help="held-out records scored (default 200)")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads for every model (default 1: steadiest ratios on a shared machine)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for every model (default 2)")
     parser.add_argument("--latency-tokens", type=int, default=32, help="decode tokens timed per repeat (default 32)")
     parser.add_argument("--latency-repeats", type=int, default=3, help="latency repeats, median taken (default 3)")
+    parser.add_argument("--engine-requests", type=int, default=64, help="requests of the engine throughput workload (default 64; 0 skips the engine)")
+    parser.add_argument("--engine-tokens", type=int, default=64, help="greedy tokens per engine request (default 64)")
     parser.add_argument("--skip-minilm", action="store_true", help="skip the MiniLM ONNX INT8 comparison")
 
 
@@ -53,10 +69,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def bf16_copy(parent: Path, out: Path) -> Path:
+    """A bf16 safetensors copy of ``parent`` (for the quality columns of the bf16 row)."""
+    import torch
+
+    from compress.checkpoints import (
+        Manifest,
+        describe_weights,
+        load_causal_lm,
+        write_manifest,
+    )
+    from compress.quantize import _copy_side_files_missing
+
+    model, _, _ = load_causal_lm(parent, dtype="bfloat16")
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    _copy_side_files_missing(parent, out)
+    num_parameters, size_bytes, dtype = describe_weights(out)
+    write_manifest(out, Manifest(source=str(parent), parent=str(parent), method="cast", config={"dtype": "bfloat16"},
+                                 dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes))
+    return out
+
+
+def engine_speed(models: dict[str, tuple[Path, str]], *, threads: int, num_requests: int, max_tokens: int, log=print) -> dict[str, dict[str, float]]:
+    """Output tok/s of our engine per model: one sequence alone, and ``num_requests`` at once.
+
+    Args:
+        models: name -> (checkpoint, engine dtype); run one after another in this process.
+
+    Returns:
+        ``{name: {"one_seq_tok_s", "batch_tok_s"}}`` (greedy, EOS ignored; the one-sequence
+        figure is the best of 2 runs of the workload's first request).
+    """
+    from bench.workload import build_workload
+    from engine import LLM, SamplingParams
+
+    figures = {}
+    for name, (path, dtype) in models.items():
+        llm = LLM(str(path), dtype=dtype, num_threads=threads)
+        workload = build_workload(llm.tokenizer, num_requests=num_requests, max_tokens=max_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate([workload.prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+        one = []
+        for _ in range(2):
+            start = time.perf_counter()
+            llm.generate([workload.prompts[0]], params)
+            one.append(max_tokens / (time.perf_counter() - start))
+        start = time.perf_counter()
+        llm.generate([list(p) for p in workload.prompts], params)
+        batch = num_requests * max_tokens / (time.perf_counter() - start)
+        figures[name] = {"one_seq_tok_s": round(max(one), 1), "batch_tok_s": round(batch, 1), "dtype": dtype}
+        log(f"engine {name:<18} {dtype:<9} 1 sequence {max(one):7.1f} tok/s   {num_requests} sequences {batch:7.1f} tok/s")
+        del llm
+    return figures
+
+
 def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Quantize with each method, evaluate all against fp32; returns per-method figures."""
     from compress.checkpoints import resolve_checkpoint
-    from compress.evaluate import EvalConfig, default_heldout_records, evaluate, format_table, read_records
+    from compress.evaluate import (
+        EvalConfig,
+        default_heldout_records,
+        evaluate,
+        format_table,
+        read_records,
+    )
+    from compress.int8 import format_microbench, gemm_microbench, model_linear_shapes
     from compress.quantize import quantize
 
     parent = resolve_checkpoint(args.model)
@@ -64,7 +142,9 @@ def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         records, data_name = read_records(args.data), args.data
     else:
         records, data_name = default_heldout_records()
-    quantized, quantize_s = {}, {}
+    microbench = gemm_microbench(model_linear_shapes(parent / "config.json"), threads=args.threads)
+    print(format_microbench(microbench), flush=True)
+    quantized, quantize_s = {"bf16": bf16_copy(parent, out / "bf16")}, {}
     for method in args.methods:
         print(f"quantize {method} ...", flush=True)
         start = time.perf_counter()
@@ -75,24 +155,49 @@ def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     )
     results = evaluate([parent, *quantized.values()], records=records, data_name=data_name, config=config)
     print(format_table(results))
+    engine_models = {"fp32": (parent, "float32")}
+    engine_models.update({name: (path, ENGINE_DTYPES[name]) for name, path in quantized.items() if name in ENGINE_DTYPES})
+    engine = {}
+    if args.engine_requests > 0:
+        engine = engine_speed(engine_models, threads=args.threads, num_requests=args.engine_requests, max_tokens=args.engine_tokens)
     base = results[str(parent)]
-    figures: dict[str, Any] = {"parent": str(parent), "data": data_name, "fp32": base, "methods": {}}
+    figures: dict[str, Any] = {
+        "parent": str(parent), "data": data_name, "fp32": {**base, "engine": engine.get("fp32")}, "methods": {},
+        "microbench_us": microbench, "load_average": os.getloadavg(),
+    }
     for method, path in quantized.items():
         m = results[str(path)]
         ppl_change = (m["perplexity"] / base["perplexity"] - 1) * 100
         linear_reduction = base["linear_weight_bytes"] / m["linear_weight_bytes"]
-        figures["methods"][method] = {
+        entry = {
             "checkpoint": str(path),
-            "quantize_s": quantize_s[method],
+            "quantize_s": quantize_s.get(method),
             "linear_weight_reduction": round(linear_reduction, 3),
             "size_reduction": round(base["size_bytes"] / m["size_bytes"], 3),
             "perplexity_change_pct": round(ppl_change, 3),
             "decode_speedup": round(base["decode_ms_per_token"] / m["decode_ms_per_token"], 3),
-            "linear_target": "pass" if linear_reduction >= TARGET_LINEAR_REDUCTION else "miss",
-            "perplexity_target": ("pass" if ppl_change <= TARGET_PPL_CHANGE_PCT else "miss") if method in PPL_TARGET_METHODS else "n/a",
+            "linear_target": ("pass" if linear_reduction >= TARGET_LINEAR_REDUCTION else "miss") if method != "bf16" else "n/a",
+            "engine": engine.get(method),
             **m,
         }
+        if method in engine and "bf16" in engine:
+            entry["engine_vs_bf16"] = {k: round(engine[method][k] / engine["bf16"][k], 3) for k in ("one_seq_tok_s", "batch_tok_s")}
+        entry["targets"] = _targets(method, entry)
+        figures["methods"][method] = entry
     return figures
+
+
+def _targets(method: str, m: dict[str, Any]) -> str:
+    if method not in TARGETS:
+        return ""
+    max_kl, min_top1, max_ppl, speed_key, min_speed = TARGETS[method]
+    checks = [
+        (f"KL<={max_kl}", m["kl_mean"] <= max_kl), (f"top1>={min_top1:.0%}", m["same_top1"] >= min_top1),
+        (f"ppl<=+{max_ppl}%", m["perplexity_change_pct"] <= max_ppl),
+    ]
+    if m.get("engine_vs_bf16"):
+        checks.append((f"{'1seq' if speed_key == 'one_seq_tok_s' else 'batch'}>={min_speed}x bf16", m["engine_vs_bf16"][speed_key] >= min_speed))
+    return ", ".join(f"{name} {'pass' if ok else 'miss'}" for name, ok in checks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,22 +290,28 @@ def format_report(report: dict[str, Any]) -> str:
     lm = report.get("causal_lm")
     if lm:
         base = lm["fp32"]
-        lines.append(f"\n{Path(lm['parent']).name}: {lm['data']}, {base['eval_records']} records, {base['perplexity_tokens']} scored tokens, {base['num_threads']} CPU thread(s)")
-        head = (f"{'method':<16} {'linear MiB':>10} {'linear x':>9} {'file MiB':>9} {'ppl':>8} {'Δppl':>8} {'KL mean':>8} {'KL p99':>7} "
-                f"{'top-1':>6} {'agree':>6} {'ms/tok':>8} {'speed':>6}  targets")
+        load = ", ".join(f"{x:.1f}" for x in lm.get("load_average", ()))
+        lines.append(f"\n{Path(lm['parent']).name}: {lm['data']}, {base['eval_records']} records, {base['perplexity_tokens']} scored tokens, "
+                     f"{base['num_threads']} CPU thread(s), load average {load}")
+        head = (f"{'method':<16} {'linear MiB':>10} {'file MiB':>9} {'ppl':>8} {'Δppl':>8} {'KL mean':>8} {'KL p99':>7} "
+                f"{'top-1':>6} {'agree':>6} {'HF ms/tok':>9} {'eng 1seq':>9} {'eng batch':>9}  targets")
         lines += [head, "-" * len(head)]
-        lines.append(
-            f"{'fp32':<16} {base['linear_weight_bytes'] / 2**20:>10.1f} {1:>8.2f}x {base['size_bytes'] / 2**20:>9.1f} "
-            f"{base['perplexity']:>8.3f} {0:>+7.2f}% {base['kl_mean']:>8.4f} {base['kl_p99']:>7.3f} {base['same_top1'] * 100:>5.1f}% "
-            f"{1:>6.3f} {base['decode_ms_per_token']:>8.2f} {1:>5.2f}x"
-        )
-        for method, m in lm["methods"].items():
+        rows = [("fp32", {**base, "perplexity_change_pct": 0.0, "targets": ""})] + list(lm["methods"].items())
+        for method, m in rows:
+            e = m.get("engine") or {}
             lines.append(
-                f"{method:<16} {m['linear_weight_bytes'] / 2**20:>10.1f} {m['linear_weight_reduction']:>8.2f}x {m['size_bytes'] / 2**20:>9.1f} "
+                f"{method:<16} {m['linear_weight_bytes'] / 2**20:>10.1f} {m['size_bytes'] / 2**20:>9.1f} "
                 f"{m['perplexity']:>8.3f} {m['perplexity_change_pct']:>+7.2f}% {m['kl_mean']:>8.4f} {m['kl_p99']:>7.3f} "
-                f"{m['same_top1'] * 100:>5.1f}% {m['greedy_agreement']:>6.3f} "
-                f"{m['decode_ms_per_token']:>8.2f} {m['decode_speedup']:>5.2f}x  linear>={TARGET_LINEAR_REDUCTION}x {m['linear_target']}, ppl {m['perplexity_target']}"
+                f"{m['same_top1'] * 100:>5.1f}% {m['greedy_agreement']:>6.3f} {m.get('decode_ms_per_token', 0):>9.2f} "
+                f"{e.get('one_seq_tok_s', 0):>9.1f} {e.get('batch_tok_s', 0):>9.1f}  {m['targets']}"
             )
+        for method, m in lm["methods"].items():
+            if m.get("engine_vs_bf16") and method != "bf16":
+                r = m["engine_vs_bf16"]
+                lines.append(f"engine {method} vs bf16: 1 sequence {r['one_seq_tok_s']:.2f}x, batch of requests {r['batch_tok_s']:.2f}x")
+        for rows_label, times in lm.get("microbench_us", {}).items():
+            fastest = min(times, key=times.get)
+            lines.append(f"GEMM microbench {rows_label}: fastest {fastest} ({times['bf16'] / times[fastest]:.2f}x bf16)")
     mini = report.get("minilm")
     if mini:
         lines.append(f"\nall-MiniLM-L6-v2: {mini['sentences']} sentences, batch 1, {mini['threads']} CPU thread(s)")

@@ -5,17 +5,24 @@ Stages, each printed with its progress and time:
 1. load the checkpoint (default: the embedded SmolLM2-135M-Instruct; ``--smoke``: a tiny random
    Llama);
 2. prepare the dialog data (``compress.data``: chatterbot-corpus English, or ``--data``);
-3. fine-tune a few dozen steps (``compress.finetune``, fp32 on CPU, one 96-token row a step);
-4. INT8-quantize the result (``compress.quantize``, method ``dynamic``);
-5. evaluate fp32 vs INT8 (``compress.evaluate``: perplexity on the held-out split, size);
-6. export both into a Triton model repository (``deploy.export``), plus the fp32 model with
-   ``max_num_seqs=1`` (batching off) unless ``--no-batching-compare``;
-7. serve them on the real Triton server (``deploy.triton.TritonServer``, 127.0.0.1, free ports);
-8. load-test each with Locust for a fixed time (``bench.loadtest``), then stop the server;
+3. fine-tune a few dozen steps (``compress.finetune``, fp32 on CPU, one 96-token row a step): the
+   teacher of every later comparison;
+4. distil the fine-tuned teacher into a shallower student (``compress.distill``: least important
+   layers dropped, healed by logit KD on the dialogs plus the teacher's own engine-generated
+   replies; ``--full`` spends the longer budget);
+5. INT8-quantize the teacher and the student (``compress.quantize``, ``--int8-method``);
+6. evaluate fp32, bf16, INT8, student and student+INT8 against the fine-tuned teacher
+   (``compress.evaluate``: teacher-forced perplexity, KL, same top-1 on the held-out split, size);
+7. export them into a Triton model repository (``deploy.export``; bf16 = the fp32 checkpoint run
+   by an engine in bf16), plus the fp32 model with ``max_num_seqs=1`` (batching off) unless
+   ``--no-batching-compare``;
+8. serve them on the real Triton server (``deploy.triton.TritonServer``, 127.0.0.1, free ports);
+9. load-test each with Locust for a fixed time (``bench.loadtest``), then stop the server;
    then the plain baseline: transformers ``generate``, fp32, one request at a time, in process;
-9. report: one table (size, perplexity, output tok/s, TTFT p50/p99 for fp32 and INT8; batching on
-   vs off at ``--batching-users``) and ``OUT/report.json`` with every stage's figures, next to
-   each load test's report directory (CSV, plots).
+10. report: one table (size, perplexity, KL, same top-1, output tok/s, TTFT p50/p99 per model;
+   batching on vs off at ``--batching-users``; whole stack vs HF ``generate``), one PNG
+   (``quality_vs_speed.png``: KL to the teacher vs served output tok/s, one point per model) and
+   ``OUT/report.json`` with every stage's figures, next to each load test's report directory.
 
 A stage whose module this installation lacks is reported as not available (and the stages that
 need its output are skipped), never faked. A stage that fails stops the demo with that stage's
@@ -35,9 +42,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoints import DEFAULT_MODEL, read_manifest, resolve_checkpoint
+from compress.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 from compress.errors import LmforgeError, UsageError
 from compress.outputs import DEMO, check_output_dir
+from compress.records import read_records
 
 
 SMOKE_MODEL = "tiny-random"
@@ -63,6 +71,11 @@ class DemoConfig:
     data: list[str] | None = None
     out: str = "reports/demo"
     finetune_steps: int = 24
+    distill_steps: int = 120
+    student_layers: str = "drop:7"
+    generate_records: int = 400
+    int8_method: str = "int8-weight-only"
+    full: bool = False
     micro_batch_size: int = 1
     max_length: int = 96
     precision: str = "fp32"
@@ -80,7 +93,8 @@ class DemoConfig:
     @classmethod
     def smoke_config(cls, out: str, model: str | None = None, data: list[str] | None = None) -> "DemoConfig":
         """Tiny budgets; ``model`` ``None`` builds a tiny random Llama, else that checkpoint is used."""
-        return cls(model=model or SMOKE_MODEL, data=data, out=out, finetune_steps=2, micro_batch_size=2, max_length=64,
+        return cls(model=model or SMOKE_MODEL, data=data, out=out, finetune_steps=2, distill_steps=2, student_layers="0",
+                   generate_records=4, micro_batch_size=2, max_length=64,
                    eval_records=8, loadtest_s=4.0, users=2, max_tokens=8, num_prompts=16,
                    batching_compare=False, baseline_requests=2, smoke=True)
 
@@ -88,7 +102,9 @@ class DemoConfig:
         """Raises ``UsageError`` (a ``ValueError``) naming the bad field."""
         if self.threads is not None and self.threads < 1:
             raise UsageError(f"threads={self.threads}: must be >= 1 (--threads)")
-        for name in ("finetune_steps", "micro_batch_size", "max_length", "users", "max_tokens", "batching_users",
+        if self.int8_method not in ("int8-weight-only", "w8a8"):
+            raise UsageError(f"int8_method={self.int8_method!r}: use int8-weight-only or w8a8 (--int8-method)")
+        for name in ("finetune_steps", "distill_steps", "micro_batch_size", "max_length", "users", "max_tokens", "batching_users",
                      "baseline_requests"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})")
@@ -164,6 +180,7 @@ class Demo:
         self.stage("load", self.load)
         self.stage("data", self.prepare_data)
         self.stage("fine-tune", self.finetune, needs=("load", "data"))
+        self.stage("distill", self.distill, needs=("load", "data"))
         self.stage("quantize", self.quantize, needs=("load",))
         self.stage("evaluate", self.evaluate, needs=("load",))
         self.stage("export", self.export, needs=("load",))
@@ -201,24 +218,61 @@ class Demo:
             raise RuntimeError(f"fine-tuning ended with status {result.status}: {result.message}")
         return Path(final)
 
-    def quantize(self) -> Path:
+    def distill(self) -> Path:
+        distill = _require("compress.distill", "distillation")
+        c = self.config
+        overrides = dict(distill.FULL_BUDGET) if c.full else {}
+        config = distill.DistillConfig(**{
+            "model": str(self.tuned()), "data": str(self.results["data"]), "run_dir": str(self.out / "distill"),
+            "max_steps": c.distill_steps, "student_layers": c.student_layers, "generate_records": c.generate_records,
+            "eval_every": 0, "max_val_batches": 4, "device": "cpu", "progress": sys.stderr.isatty(),
+            **({"micro_batch_size": 2, "max_length": 64, "generate_tokens": 8, "calibration_records": 4} if c.smoke else {}),
+            **overrides,
+        })
+        result, final = distill.DistillRecipe(config).run()
+        if result.status != "completed" or final is None:
+            raise RuntimeError(f"distillation ended with status {result.status}: {result.message}")
+        return Path(final)
+
+    def quantize(self) -> dict[str, Path]:
+        """INT8 (``--int8-method``) of the teacher (``int8``) and of the student (``student_int8``)."""
         quantize = _require("compress.quantize", "INT8 quantization")
-        return Path(quantize.quantize(self.tuned(), self.out / "int8-dynamic", method="dynamic"))
+        method = self.config.int8_method
+        out = {"int8": Path(quantize.quantize(self.tuned(), self.out / f"int8-{method}", method=method))}
+        if self.results.get("distill"):
+            out["student_int8"] = Path(quantize.quantize(self.results["distill"], self.out / f"student-{method}", method=method))
+        return out
+
+    def models(self) -> dict[str, Path]:
+        """Label -> checkpoint of every model compared (bf16 shares the fp32 checkpoint)."""
+        models = {"fp32": self.tuned()}
+        quantized = self.results.get("quantize") or {}
+        if quantized.get("int8"):
+            models["int8"] = quantized["int8"]
+        if self.results.get("distill"):
+            models["student"] = self.results["distill"]
+        if quantized.get("student_int8"):
+            models["student_int8"] = quantized["student_int8"]
+        return models
 
     def evaluate(self) -> dict:
         evaluate = _require("compress.evaluate", "evaluation")
-        models = {"fp32": self.tuned()}
-        if self.results.get("quantize"):
-            models["int8"] = self.results["quantize"]
+        from bench.compression import bf16_copy
+
+        models = self.models()
+        models = {"fp32": models["fp32"], "bf16": bf16_copy(models["fp32"], self.out / "bf16"), **models}
         return evaluate_models(evaluate, models, self.results.get("data"), self.config, self.log)
 
     def export(self) -> dict[str, str]:
         export = _require("deploy.export", "export to Triton")
         repo = self.out / "model_repository"
-        names = {"fp32": self.tuned()}
-        if self.results.get("quantize"):
-            names["int8"] = self.results["quantize"]
+        names = self.models()
+        names = {"fp32": names["fp32"], "bf16": names["fp32"], **names}
         engines = {k: {"num_threads": self.threads} for k in names}
+        engines["bf16"]["dtype"] = "bfloat16"
+        for key in ("int8", "student_int8"):
+            if key in engines:
+                engines[key]["dtype"] = "bfloat16"  # INT8 weights, bf16 activations
         if self.config.batching_compare:
             names["fp32_batching_off"] = self.tuned()
             engines["fp32_batching_off"] = {"num_threads": self.threads, "max_num_seqs": 1}
@@ -292,13 +346,15 @@ class Demo:
             "wall_s": time.perf_counter() - self.started,
             "config": dataclasses.asdict(self.config),
             "stages": [dataclasses.asdict(s) for s in self.stages],
-            "checkpoints": {k: str(self.results[k]) for k in ("load", "fine-tune", "quantize") if self.results.get(k)},
+            "checkpoints": {k: str(v) for k, v in self.models().items()} if self.results.get("load") else {},
             "comparison": rows,
             "batching": batching_rows(self.results),
             "baseline": stack_vs_baseline(self.results),
             "evaluation": self.results.get("evaluate"),
             "loadtest_dirs": sorted(str(p) for p in (self.out / "loadtest").glob("*") if p.is_dir()),
         }
+        if rows:
+            report["plot"] = plot_quality_vs_speed(rows, self.out / "quality_vs_speed.png")
         (self.out / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
         return report
 
@@ -351,8 +407,7 @@ def _baseline_questions(val_file: str | None, count: int) -> list[str]:
     """First user turns of the held-out records (a fixed question when there is no data)."""
     questions: list[str] = []
     if val_file:
-        for line in Path(val_file).read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
+        for record in read_records(val_file):
             user = next((m["content"] for m in record.get("messages", []) if m.get("role") == "user"), None)
             if user:
                 questions.append(user)
@@ -390,27 +445,61 @@ def _one_line(label: str, summary: dict) -> str:
             f"{'-' if tok_s is None else f'{tok_s:.1f}'} tok/s, TTFT p50 {'-' if ttft is None else f'{ttft:.0f}'} ms")
 
 
+#: Models of the comparison, in table order.
+MODEL_ORDER = ("fp32", "bf16", "int8", "student", "student_int8")
+
+
 def comparison_rows(results: dict) -> list[dict]:
-    """fp32 vs INT8: size (MiB), perplexity, output tok/s, TTFT p50/p99 (ms); missing figures are ``None``."""
+    """One row per model: size (MiB), quality vs the teacher, served output tok/s, TTFT p50/p99 (ms).
+
+    Missing figures are ``None``. Quality: teacher-forced perplexity, mean KL(teacher || model)
+    and same top-1 on the held-out split (``compress.evaluate``).
+    """
     rows = []
     runs = results.get("serve + load test") or {}
     evaluation = results.get("evaluate") or {}
-    for key, checkpoint in (("fp32", results.get("fine-tune") or results.get("load")), ("int8", results.get("quantize"))):
-        if checkpoint is None:
-            continue
-        metrics = (runs.get(key) or {}).get("metrics") or {}
+    for key in MODEL_ORDER:
         ev = evaluation.get(key) or {}
+        metrics = (runs.get(key) or {}).get("metrics") or {}
+        if not ev and not metrics:
+            continue
         rows.append({
             "model": key,
-            "checkpoint": str(checkpoint),
-            "size_mib": read_manifest(checkpoint).size_bytes / 2**20,
+            "size_mib": ev["size_bytes"] / 2**20 if ev.get("size_bytes") else None,
             "perplexity": ev.get("perplexity"),
+            "kl_mean": ev.get("kl_mean"),
+            "same_top1": ev.get("same_top1"),
             "output_tok_s": metrics.get("output_throughput_tok_s"),
             "ttft_p50_ms": (metrics.get("ttft_ms") or {}).get("p50"),
             "ttft_p99_ms": (metrics.get("ttft_ms") or {}).get("p99"),
             "failed": metrics.get("failed"),
         })
     return rows
+
+
+def plot_quality_vs_speed(rows: list[dict], path: Path) -> str | None:
+    """``quality_vs_speed.png``: KL(teacher || model) against served output tok/s, one labelled point per model."""
+    points = [r for r in rows if r.get("output_tok_s") and r.get("kl_mean") is not None]
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in points:
+        ax.scatter(r["output_tok_s"], r["kl_mean"], s=40)
+        ax.annotate(f"{r['model']} (ppl {r['perplexity']:.2f})", (r["output_tok_s"], r["kl_mean"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("served output tok/s (Triton, Locust)")
+    ax.set_ylabel("mean KL(teacher || model), nats")
+    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_title("quality vs speed (held-out dialogs, vs the fine-tuned teacher)")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
 
 
 def batching_rows(results: dict) -> dict | None:
@@ -435,10 +524,11 @@ def _f(value: float | None, digits: int = 1) -> str:
 
 def format_final_table(report: dict) -> str:
     """The one table of the demo: fp32 vs INT8, then batching on vs off."""
-    lines = [f"  {'model':<6} {'size MiB':>9} {'perplexity':>11} {'tok/s':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}"]
+    lines = [f"  {'model':<13} {'size MiB':>9} {'perplexity':>11} {'KL mean':>8} {'top-1':>6} {'tok/s':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}"]
     for r in report["comparison"]:
-        lines.append(f"  {r['model']:<6} {_f(r['size_mib']):>9} {_f(r['perplexity'], 2):>11} {_f(r['output_tok_s']):>8} "
-                     f"{_f(r['ttft_p50_ms'], 0):>12} {_f(r['ttft_p99_ms'], 0):>12}")
+        top1 = "-" if r["same_top1"] is None else f"{r['same_top1'] * 100:.1f}%"
+        lines.append(f"  {r['model']:<13} {_f(r['size_mib']):>9} {_f(r['perplexity'], 2):>11} {_f(r['kl_mean'], 4):>8} {top1:>6} "
+                     f"{_f(r['output_tok_s']):>8} {_f(r['ttft_p50_ms'], 0):>12} {_f(r['ttft_p99_ms'], 0):>12}")
     b = report.get("batching")
     if b:
         lines.append(f"  batching at {b['on']['users']} users: on {_f(b['on']['output_tok_s'])} tok/s "
@@ -460,6 +550,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="data input for compress.data (chatterbot:LANG, .yml, .jsonl, .txt); repeatable")
     parser.add_argument("--out", default=d.out, help="report directory (default reports/demo)")
     parser.add_argument("--finetune-steps", type=int, default=d.finetune_steps, help="optimizer steps of the fine-tune")
+    parser.add_argument("--distill-steps", type=int, default=d.distill_steps, help=f"optimizer steps of the distillation (default {d.distill_steps})")
+    parser.add_argument("--student-layers", default=d.student_layers, help=f"student of the distillation (default {d.student_layers})")
+    parser.add_argument("--generate-records", type=int, default=d.generate_records,
+                        help=f"teacher replies generated with the engine as KD data (default {d.generate_records})")
+    parser.add_argument("--int8-method", choices=("int8-weight-only", "w8a8"), default=d.int8_method, help=f"INT8 method (default {d.int8_method})")
+    parser.add_argument("--full", action="store_true", help="the longer distillation budget (compress.distill.FULL_BUDGET)")
     parser.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     parser.add_argument("--max-length", type=int, default=d.max_length, help="tokens per training row")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default=d.precision,
@@ -483,6 +579,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         return DemoConfig.smoke_config(args.out if args.out != DemoConfig.out else "reports/demo-smoke",
                                        model=None if args.model == DEFAULT_MODEL else args.model, data=args.data)
     return DemoConfig(model=args.model, data=args.data, out=args.out, finetune_steps=args.finetune_steps,
+                      distill_steps=args.distill_steps, student_layers=args.student_layers, generate_records=args.generate_records,
+                      int8_method=args.int8_method, full=args.full,
                       micro_batch_size=args.micro_batch_size, max_length=args.max_length, precision=args.precision, eval_records=args.eval_records,
                       loadtest_s=args.loadtest_s, users=args.users, max_tokens=args.max_tokens,
                       batching_compare=not args.no_batching_compare, batching_users=args.batching_users,

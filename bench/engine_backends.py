@@ -25,6 +25,7 @@ server process's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -49,7 +50,7 @@ class RunSpec:
         workload_path: JSON file with ``prompts`` (token id lists) and ``max_tokens``.
         gguf: GGUF file for a ``llama_cpp_server_*`` configuration; ``None`` makes it unavailable.
         llama_server: the ``llama-server`` binary; ``None``: not installed.
-        int8_model: ``dynamic`` INT8 checkpoint dir for ``engine_int8``; ``None`` makes it unavailable.
+        int8_model: INT8 checkpoint dir (``w8a8`` by default) for ``engine_int8``; ``None`` makes it unavailable.
         threads: torch / llama.cpp threads, ``None`` keeps the library default.
         engine_args: extra ``EngineConfig`` fields for the engine configurations.
         profile: also profile a repeat run of the engine configurations (torch.profiler).
@@ -332,7 +333,7 @@ def run_llama_cpp_server(spec: RunSpec, work: Work, result: RunResult) -> None:
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from bench.peers import NOT_INSTALLED, LlamaServer, PeerError, TreeRssSampler, stream_completion
+    from bench.peers import NOT_INSTALLED, PeerError, TreeRssSampler, stream_completion
 
     if spec.llama_server is None or not Path(spec.llama_server).exists():
         raise NotInstalled(f"llama-server {NOT_INSTALLED}")
@@ -340,15 +341,16 @@ def run_llama_cpp_server(spec: RunSpec, work: Work, result: RunResult) -> None:
         raise Unavailable("no GGUF for this model (the conversion did not run)")
     lens = [len(p) for p in work.prompts] + ([len(work.single_prompt)] if work.single_prompt is not None else [])
     ctx_per_slot = max(lens) + max(work.max_tokens, work.single_max_tokens) + 16
+    warm_ids = _tokenize_warmup(spec.model)
     log = Path(spec.log_dir or ".") / f"{spec.config}.server.log"
-    start = time.perf_counter()
-    with LlamaServer(Path(spec.llama_server), Path(spec.gguf), n_parallel=len(work.prompts), ctx_per_slot=ctx_per_slot,
-                     threads=spec.threads, log_path=log) as server:
+    with contextlib.ExitStack() as stack:
+        start = time.perf_counter()
+        server, note = _start_llama_server(stack, spec, len(work.prompts), ctx_per_slot, log)
         sampler = TreeRssSampler(server.proc.pid).start()
         result.load_s = time.perf_counter() - start
-        warm = stream_completion(server.base_url, WARMUP_TEXT, 2)
+        warm = stream_completion(server.base_url, warm_ids, 2)
         result.startup_s = warm.first_token_time - start
-        result.ttft_basis = "all submitted at once (one client thread each); from submission to the first streamed token"
+        result.ttft_basis = "all submitted at once (one client thread each); from submission to the first streamed token" + note
         with ThreadPoolExecutor(max_workers=len(work.prompts)) as pool:
             start = time.perf_counter()
             futures = [pool.submit(stream_completion, server.base_url, p, work.max_tokens) for p in work.prompts]
@@ -364,6 +366,39 @@ def run_llama_cpp_server(spec: RunSpec, work: Work, result: RunResult) -> None:
             one = stream_completion(server.base_url, work.single_prompt, work.single_max_tokens)
             result.single = SingleResult(one.end_time - t0, one.first_token_time - t0, one.token_ids)
         result.peak_rss_bytes = sampler.stop()
+
+
+def _tokenize_warmup(model: str) -> list[int]:
+    """:data:`WARMUP_TEXT` as token ids of ``model``'s tokenizer (every peer gets token ids)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)(WARMUP_TEXT, add_special_tokens=False).input_ids
+
+
+def _start_llama_server(stack: contextlib.ExitStack, spec: RunSpec, n_parallel: int, ctx_per_slot: int, log: Path):
+    """Start ``llama-server``; if it dies of a signal while loading (here: SIGILL or SIGSEGV in
+    ggml's AMX kernels for Q8_0, which weight repacking selects on CPUs that report AMX), start
+    it again with ``--no-repack``. Returns ``(server, note for the TTFT basis)``.
+
+    Raises:
+        PeerError: it does not come up either way.
+    """
+    import signal
+
+    from bench.peers import LlamaServer, PeerError
+
+    def server(extra: tuple[str, ...]) -> LlamaServer:
+        return LlamaServer(Path(spec.llama_server), Path(spec.gguf), n_parallel=n_parallel, ctx_per_slot=ctx_per_slot,
+                           threads=spec.threads, log_path=log, extra_args=extra)
+
+    first = server(())
+    try:
+        return stack.enter_context(first), ""
+    except PeerError:
+        if first.exit_code is None or first.exit_code >= 0:
+            raise
+    died = signal.Signals(-first.exit_code).name
+    return stack.enter_context(server(("--no-repack",))), f"; run with --no-repack (with weight repacking it died of {died} while loading)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,9 +570,9 @@ def run_engine_bf16(spec: RunSpec, work: Work, result: RunResult) -> None:
 
 
 def run_engine_int8(spec: RunSpec, work: Work, result: RunResult) -> None:
-    """Our engine on the INT8 ``dynamic`` checkpoint, prefix caching on."""
+    """Our engine on the INT8 checkpoint (``w8a8`` unless ``--int8`` names another), prefix caching on."""
     if spec.int8_model is None:
-        raise Unavailable("no INT8 checkpoint: pass --int8 DIR (from `lmforge quantize --method dynamic`)")
+        raise Unavailable("no INT8 checkpoint: pass --int8 DIR (from `lmforge quantize --method w8a8`)")
     _engine_run(spec, spec.int8_model, work, result, prefix_caching=True, dtype=None)
 
 
@@ -596,8 +631,6 @@ def run_spec(spec: RunSpec) -> RunResult:
         result.status, result.reason = "not installed", str(exc)
     except Unavailable as exc:
         result.status, result.reason = "unavailable", str(exc)
-    except NotImplementedError as exc:
-        result.status, result.reason = "unavailable", f"not implemented yet: {exc}"
     except Exception as exc:  # reported in the table; the other configurations still run
         result.status, result.reason = "failed", f"{type(exc).__name__}: {exc}"
         traceback.print_exc()

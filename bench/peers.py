@@ -241,19 +241,23 @@ class LlamaServer:
         threads: ``-t`` / ``-tb``; ``None`` keeps the server's default.
         port: TCP port (a free one when ``None``).
         log_path: the server's stdout/stderr go there.
+        extra_args: more command-line arguments (e.g. ``--no-repack``).
 
     Raises (on enter):
-        PeerError: the process exits or ``/health`` is not ready within ``ready_timeout_s``.
+        PeerError: the process exits (``exit_code`` is set) or ``/health`` is not ready within
+            ``ready_timeout_s``.
     """
 
     def __init__(self, binary: Path, gguf: Path, *, n_parallel: int, ctx_per_slot: int, threads: int | None,
-                 log_path: Path, port: int | None = None, ready_timeout_s: float = 300.0) -> None:
+                 log_path: Path, port: int | None = None, ready_timeout_s: float = 300.0, extra_args: tuple[str, ...] = ()) -> None:
         self.binary, self.gguf = Path(binary), Path(gguf)
         self.n_parallel, self.ctx_per_slot, self.threads = n_parallel, ctx_per_slot, threads
         self.log_path = Path(log_path)
         self.port = port
         self.ready_timeout_s = ready_timeout_s
+        self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
+        self.exit_code: int | None = None
 
     @property
     def base_url(self) -> str:
@@ -262,7 +266,7 @@ class LlamaServer:
     def command(self) -> list[str]:
         cmd = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
                "-np", str(self.n_parallel), "-c", str(self.n_parallel * self.ctx_per_slot), "--cont-batching",
-               "--no-webui"]
+               "--no-webui", *self.extra_args]
         if self.threads:
             cmd += ["-t", str(self.threads), "-tb", str(self.threads)]
         return cmd
@@ -287,6 +291,7 @@ class LlamaServer:
         deadline = time.perf_counter() + self.ready_timeout_s
         while time.perf_counter() < deadline:
             if self.proc.poll() is not None:
+                self.exit_code = self.proc.returncode
                 raise PeerError(f"llama-server exited with {self.proc.returncode}: {self.log_tail()}")
             try:
                 if requests.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:

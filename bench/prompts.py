@@ -9,15 +9,11 @@ with a common system prompt).
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
-import json
 from pathlib import Path
 
 from compress.data import iter_jsonl
 from compress.errors import UsageError
-
-HELD_OUT_PERCENT = 10
+from compress.records import default_split_records
 
 
 class PromptError(UsageError):
@@ -63,61 +59,23 @@ def _record_prompt(record: object, where: str) -> str:
 
 
 def held_out_dialog_prompts() -> list[str]:
-    """The first user turn of each held-out English chatterbot-corpus conversation.
+    """The user prompt of each held-out English chatterbot-corpus dialog.
 
-    Held out means the validation split of ``compress.data`` (deduplicated and filtered together
-    with the training split, so no prompt was trained on) when that module is installed; else
-    the ~10% of conversations whose hash falls in a fixed bucket (stable, independent of file
-    order). Prompts are deduplicated, order kept.
+    Held out means the validation split of ``lmforge data`` with its defaults
+    (``compress.records.default_split_records``: deduplicated and filtered together with the
+    training split, so no prompt was trained on). Prompts are deduplicated, order kept.
 
     Raises:
-        PromptError: the ``chatterbot-corpus`` package is not installed.
+        DataError: the ``chatterbot-corpus`` package is not installed.
     """
     return list(_held_out_dialog_prompts())
 
 
 @functools.lru_cache(maxsize=1)
 def _held_out_dialog_prompts() -> tuple[str, ...]:
-    if importlib.util.find_spec("compress.data") is not None:
-        return _data_split_prompts()
-    return _hashed_split_prompts()
-
-
-def _data_split_prompts() -> tuple[str, ...]:
-    import tempfile
-
-    from compress.data import DataConfig, prepare
-
-    with tempfile.TemporaryDirectory(prefix="lmforge-prompts-") as tmp:
-        prepare(DataConfig(), tmp, verbose=False)
-        prompts = _jsonl_prompts(Path(tmp) / "val.jsonl")
+    records, name = default_split_records("val")
+    prompts = [_record_prompt(record, f"{name}[{k}]") for k, record in enumerate(records)]
     return tuple(dict.fromkeys(p.strip() for p in prompts if p.strip()))
-
-
-def _hashed_split_prompts() -> tuple[str, ...]:
-    import yaml
-
-    spec = importlib.util.find_spec("chatterbot_corpus")
-    if spec is None or not spec.submodule_search_locations:
-        raise PromptError("the chatterbot-corpus package is not installed (make venv installs it); or pass --prompts FILE.jsonl")
-    english = Path(next(iter(spec.submodule_search_locations))) / "data" / "english"
-    prompts: list[str] = []
-    seen: set[str] = set()
-    for yml in sorted(english.glob("*.yml")):
-        data = yaml.safe_load(yml.read_text(encoding="utf-8")) or {}
-        for conversation in data.get("conversations") or []:
-            if not conversation or not isinstance(conversation[0], str):
-                continue
-            first = conversation[0].strip()
-            key = json.dumps(conversation, ensure_ascii=False)
-            if first and first not in seen and _bucket(key) < HELD_OUT_PERCENT:
-                seen.add(first)
-                prompts.append(first)
-    return tuple(prompts)
-
-
-def _bucket(text: str) -> int:
-    return int.from_bytes(hashlib.sha1(text.encode("utf-8")).digest()[:4], "big") % 100
 
 
 def with_system_prompt(prompts: list[str], system_prompt: str | None) -> list[str]:

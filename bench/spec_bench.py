@@ -115,7 +115,7 @@ def add_arguments(parser) -> None:
     group.add_argument("--spec-dtypes", default=",".join(DTYPES), help="comma-separated dtypes (default float32,bfloat16)")
     group.add_argument("--spec-methods", default=",".join(METHODS), help="comma-separated subset of off,ngram,draft (default all; off is always run)")
     group.add_argument("--spec-tokens", type=int, default=None, help="num_speculative_tokens (default: the engine's per method)")
-    group.add_argument("--spec-skip", default="", help="comma-separated parts to skip: sweep, workload")
+    group.add_argument("--spec-skip", default="", help="comma-separated parts to skip: alone (1 and 4 concurrent), sweep, workload")
 
 
 def find_or_make_draft(args, model_dir: Path, work_dir: Path) -> tuple[Path, str]:
@@ -214,14 +214,15 @@ def run_dtype(dtype: str, model_dir: Path, draft: Path, args, chat: list[list[in
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows: list[SpecRow] = []
     methods = ["off"] + [m for m in METHODS[1:] if m in args.spec_methods.split(",")]
-    engines = {m: _engine(model_dir, dtype, m, draft, args) for m in methods}
-    for name, prompts in (("chat", chat), ("grounded", grounded)):
-        for concurrency in CONCURRENCY:
-            batches = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
-            rows += measure(engines, batches, params, args.spec_repeats, dict(dtype=dtype, prompts=name, concurrency=concurrency))
-            _print_rows(rows[-len(engines):])
-    del engines
-    gc.collect()
+    if "alone" not in args.spec_skip:
+        engines = {m: _engine(model_dir, dtype, m, draft, args) for m in methods}
+        for name, prompts in (("chat", chat), ("grounded", grounded)):
+            for concurrency in CONCURRENCY:
+                batches = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
+                rows += measure(engines, batches, params, args.spec_repeats, dict(dtype=dtype, prompts=name, concurrency=concurrency))
+                _print_rows(rows[-len(engines):])
+        del engines
+        gc.collect()
     if "sweep" not in args.spec_skip:
         sweep = {m: _engine(model_dir, dtype, m, draft, args, speculative_disable_by_batch_size=None) if m != "off"
                  else _engine(model_dir, dtype, m, draft, args) for m in ("off", "ngram")}

@@ -29,18 +29,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from compress.errors import LmforgeError, UsageError
+from compress.errors import CheckpointError, UsageError
+from compress.model_spec import ARCHITECTURES, check_architecture_supported
 from compress.outputs import CHECKPOINT, IMPORTED_METHOD, MANIFEST_NAME, TOKENIZER, check_output_dir, staged_output_dir
 
 #: Files of which a checkpoint needs at least one for ``AutoTokenizer`` (fast, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 #: ``config.json`` ``model_type`` values the causal-LM stages (engine, fine-tune, quantize) run.
-SUPPORTED_CAUSAL_LM_TYPES = ("llama", "mistral", "qwen2")
-
-
-class CheckpointError(LmforgeError, ValueError):
-    """A checkpoint is missing, corrupt or unsupported; the message names the file and the fix."""
+SUPPORTED_CAUSAL_LM_TYPES = tuple(ARCHITECTURES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,12 +257,8 @@ def check_checkpoint_dir(path: str | Path, *, causal_lm: bool = True) -> dict[st
         )
     for file in weights:
         read_safetensors_header(file)
-    model_type = config.get("model_type")
-    if causal_lm and model_type not in SUPPORTED_CAUSAL_LM_TYPES:
-        raise CheckpointError(
-            f"{config_path}: unsupported architecture model_type={model_type!r}; "
-            f"supported causal LMs: {', '.join(SUPPORTED_CAUSAL_LM_TYPES)}"
-        )
+    if causal_lm:
+        check_architecture_supported(config, config_path)
     return config
 
 

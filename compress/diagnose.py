@@ -17,8 +17,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from compress.dedup import MinHashConfig, cross_duplicates
 from compress.errors import UsageError
 from compress.outputs import check_output_file
+from compress.records import read_records
 
 SPIKE_WINDOW = 10  # preceding train steps a spike is compared with
 SPIKE_MIN_HISTORY = 5
@@ -225,43 +227,20 @@ def read_texts(path: str | Path) -> list[str]:
     """Texts of a ``lmforge data`` JSONL split (``text`` or ``messages``), at most ``MAX_RECORDS``.
 
     Raises:
-        RunDirError: missing file or a line that is not JSON (names path and line).
+        RunDirError: missing file or a line that is not a record (``compress.records``; names path and line).
     """
     path = Path(path)
     if not path.is_file():
         raise RunDirError(f"{path}: data file named in run.json not found")
-    texts = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            if len(texts) >= MAX_RECORDS:
-                break
-            if line.strip():
-                try:
-                    texts.append(_record_text(json.loads(line)))
-                except (json.JSONDecodeError, AttributeError) as error:
-                    raise RunDirError(f"{path}:{number}: not a JSON record ({error})") from error
-    return texts
-
-
-def _minhash(text: str):
-    from datasketch import MinHash
-
-    words = text.lower().split()
-    shingles = {" ".join(words[i:i + 3]) for i in range(max(1, len(words) - 2))} or {text}
-    m = MinHash(num_perm=LEAK_NUM_PERM, seed=1)
-    m.update_batch([s.encode("utf-8") for s in shingles])
-    return m
+    return [_record_text(record) for record in read_records(path, RunDirError)[:MAX_RECORDS]]
 
 
 def split_overlap(train_path: str | Path, val_path: str | Path) -> dict:
-    """Fraction of val records with a near-duplicate (MinHash LSH, Jaccard >= ``LEAK_JACCARD``) in train."""
-    from datasketch import MinHashLSH
-
+    """Fraction of val records with a near-duplicate in train: ``compress.dedup``'s definition
+    (MinHash of character shingles, Jaccard >= ``LEAK_JACCARD``), the one ``lmforge data`` applies."""
     train, val = read_texts(train_path), read_texts(val_path)
-    lsh = MinHashLSH(threshold=LEAK_JACCARD, num_perm=LEAK_NUM_PERM)
-    for i, text in enumerate(train):
-        lsh.insert(f"t{i}", _minhash(text))
-    leaked = [i for i, text in enumerate(val) if lsh.query(_minhash(text))]
+    pairs = cross_duplicates(train, val, MinHashConfig(threshold=LEAK_JACCARD, num_perm=LEAK_NUM_PERM))
+    leaked = sorted({j for _, j, _ in pairs})
     return {"train_records": len(train), "val_records": len(val), "val_with_near_duplicate_in_train": len(leaked),
             "overlap_fraction": round(len(leaked) / len(val), 4) if val else 0.0, "example_val_indices": leaked[:10]}
 

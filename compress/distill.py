@@ -1,13 +1,24 @@
-"""``lmforge distill``: knowledge distillation of a teacher causal LM into a smaller student.
+"""``lmforge distill``: knowledge distillation of a teacher causal LM into a shallower student.
 
 Student (``build_student``):
 
-* ``layers`` (default): the teacher with a subset of its decoder layers, initialised from those
-  layers' weights (every other layer by default), as DistilBERT does (Sanh et al. 2019,
-  "DistilBERT, a distilled version of BERT", section 3); embeddings, final norm and head are
-  copied. The student keeps the teacher's ``model_type`` (e.g. ``llama``), so the engine runs it.
+* ``layers`` (default): the teacher without its least important decoder layers, initialised
+  from the kept layers' weights; embeddings, final norm and head are copied. The student keeps
+  the teacher's ``model_type`` (e.g. ``llama``), so the engine runs it. Which layers go
+  (``student_layers="drop:N"``, ``layer_importance``) is measured on calibration records (the
+  training split): ``angular`` = ShortGPT's Block Influence ``1 - cos(h_in, h_out)`` of each
+  layer's input and output hidden states, averaged over tokens (Men et al. 2024, "ShortGPT:
+  Layers in Large Language Models are More Redundant Than You Expect"; the angular distance of
+  Gromov et al. 2024, "The Unreasonable Ineffectiveness of the Deeper Layers"), or
+  ``perplexity`` = the calibration loss with that one layer removed. The first and last layers
+  are always kept. ``every-other`` and explicit indices ``"0,2,5"`` remain available.
 * ``config``: a randomly initialised model from the teacher's config with overrides (e.g. fewer
   layers, a smaller ``intermediate_size``).
+
+Training data: the ``train.jsonl`` dialogs plus, with ``generate_records`` > 0, the teacher's own
+greedy replies to the training prompts, generated with the lmforge engine (batched) before the
+first step and cached in ``run_dir/teacher_generated.jsonl`` (sequence-level KD: Kim & Rush 2016,
+"Sequence-Level Knowledge Distillation").
 
 Loss per micro-batch (``distillation_loss``), weights configurable:
 
@@ -19,10 +30,11 @@ Loss per micro-batch (``distillation_loss``), weights configurable:
   + gamma * mean(1 - cos(h_s, h_t))                               DistilBERT's cosine embedding
                                                                    loss on hidden states
 
-The KL term covers every non-padding position; the hidden-state term pairs student layer input i
-with the teacher layer it was copied from (and the final normed outputs). The teacher runs in
-eval mode under ``torch.no_grad``. The loop, monitoring, checkpoints and resume are those of
-``compress.training``, shared with fine-tuning.
+Defaults: logit KL at T = 1 only (``alpha=1, beta=0, gamma=0``). The KL term covers every
+non-padding position; the hidden-state term pairs student layer input i with the teacher layer
+it was copied from (and the final normed outputs). The teacher runs in eval mode under
+``torch.no_grad``. The loop, progress bar (with ETA), monitoring, checkpoints and resume are those
+of ``compress.training``, shared with fine-tuning.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import argparse
 import dataclasses
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,8 +59,14 @@ class DistillConfig(TrainConfig):
     """``TrainConfig`` plus the student and the loss weights.
 
     Attributes:
-        student_layers: ``every-other`` (teacher layers 0, 2, 4, ...) or comma-separated teacher
-            layer indices to copy (``layers`` student).
+        student_layers: ``drop:N`` (remove the N least important layers, ``layer_importance``),
+            ``every-other`` (teacher layers 0, 2, 4, ...) or comma-separated teacher layer
+            indices to copy (``layers`` student).
+        layer_importance: ``angular`` or ``perplexity`` (module docstring).
+        calibration_records: training records that measure layer importance.
+        generate_records: training prompts the teacher answers with the engine (sequence-level
+            KD data, added to the training split); 0: none.
+        generate_tokens: most tokens per generated reply.
         student_config: ``config.json`` overrides for a randomly initialised student instead of
             a layer subset (e.g. ``{"num_hidden_layers": 4}``); ``None``: use ``student_layers``.
         alpha: weight of the temperature-scaled KL term.
@@ -57,13 +76,20 @@ class DistillConfig(TrainConfig):
     """
 
     run_dir: str = "runs/distill"
-    lr: float = 2e-4
-    student_layers: str = "every-other"
+    lr: float = 1e-4
+    max_steps: int = 120
+    micro_batch_size: int = 8
+    max_length: int = 128
+    student_layers: str = "drop:7"
+    layer_importance: str = "angular"
+    calibration_records: int = 32
+    generate_records: int = 400
+    generate_tokens: int = 64
     student_config: dict[str, Any] | None = None
-    alpha: float = 0.5
-    beta: float = 0.5
-    gamma: float = 0.1
-    temperature: float = 2.0
+    alpha: float = 1.0
+    beta: float = 0.0
+    gamma: float = 0.0
+    temperature: float = 1.0
 
     def validate(self) -> None:
         super().validate()
@@ -74,6 +100,13 @@ class DistillConfig(TrainConfig):
             raise UsageError("alpha, beta and gamma are all 0: nothing to train on")
         if self.temperature <= 0:
             raise UsageError(f"temperature={self.temperature}: must be > 0")
+        if self.layer_importance not in IMPORTANCE:
+            raise UsageError(f"layer_importance={self.layer_importance!r}: use one of {sorted(IMPORTANCE)}")
+        for name in ("calibration_records", "generate_tokens"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.generate_records < 0:
+            raise UsageError(f"generate_records={self.generate_records}: must be >= 0 (0: no teacher-generated data)")
         if self.student_config is not None:
             check_student_config(self.student_config)
 
@@ -98,21 +131,127 @@ def check_student_config(overrides: Any) -> None:
             raise UsageError(f"--student-config {key}={value!r}: must be an integer >= 1", fix=f"e.g. '{example}'")
 
 
-def select_layers(spec: str, num_teacher_layers: int) -> list[int]:
-    """Teacher layer indices from ``every-other`` or ``"0,2,5"``.
+def select_layers(spec: str, num_teacher_layers: int, importance: list[float] | None = None) -> list[int]:
+    """Teacher layer indices to keep, from ``drop:N``, ``every-other`` or ``"0,2,5"``.
+
+    Args:
+        importance: per teacher layer, higher = more important (``angular_importance`` /
+            ``perplexity_importance``); needed by ``drop:N``.
 
     Raises:
-        ValueError: an index out of range, unsorted or repeated indices, or an empty list.
+        ValueError: an index out of range, unsorted or repeated indices, an empty list, or a
+            ``drop:N`` that would remove the first or last layer.
     """
     if spec == "every-other":
         return list(range(0, num_teacher_layers, 2))
+    if spec.startswith("drop:"):
+        try:
+            n_drop = int(spec.removeprefix("drop:"))
+        except ValueError as exc:
+            raise UsageError(f"student_layers={spec!r}: use drop:N with an integer N") from exc
+        if not 1 <= n_drop <= num_teacher_layers - 2:
+            raise UsageError(f"student_layers={spec!r}: N must be in [1, {num_teacher_layers - 2}] (the first and last layers are kept)")
+        if importance is None or len(importance) != num_teacher_layers:
+            raise UsageError(f"student_layers={spec!r} needs one importance per teacher layer ({num_teacher_layers})")
+        middle = sorted(range(1, num_teacher_layers - 1), key=lambda i: importance[i])
+        dropped = set(middle[:n_drop])
+        return [i for i in range(num_teacher_layers) if i not in dropped]
     try:
         layers = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError as exc:
-        raise UsageError(f"student_layers={spec!r}: use 'every-other' or comma-separated layer indices") from exc
+        raise UsageError(f"student_layers={spec!r}: use 'drop:N', 'every-other' or comma-separated layer indices") from exc
     if not layers or layers != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= num_teacher_layers:
         raise UsageError(f"student_layers={spec!r}: need increasing, distinct indices in [0, {num_teacher_layers - 1}]")
     return layers
+
+
+def _layer_output(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+@torch.no_grad()
+def angular_importance(model, batches: list[torch.Tensor]) -> list[float]:
+    """ShortGPT Block Influence per decoder layer: mean over tokens of ``1 - cos(x_in, x_out)``.
+
+    Args:
+        model: a Llama-style ``transformers`` causal LM.
+        batches: token ids ``[1, T]`` (calibration records).
+
+    Returns:
+        One value per layer in [0, 2]; a layer that barely changes its input scores near 0.
+    """
+    layers = model.model.layers
+    sums, count = [0.0] * len(layers), 0
+    hooks = []
+    for i, layer in enumerate(layers):
+        def hook(module, args, kwargs, output, i=i):
+            x_in = (args[0] if args else kwargs["hidden_states"]).float()  # [1, T, hidden]
+            x_out = _layer_output(output).float()
+            sums[i] += float((1 - F.cosine_similarity(x_in, x_out, dim=-1)).sum())
+        hooks.append(layer.register_forward_hook(hook, with_kwargs=True))
+    try:
+        for ids in batches:
+            model(input_ids=ids, use_cache=False)
+            count += ids.shape[1]
+    finally:
+        for h in hooks:
+            h.remove()
+    return [v / max(count, 1) for v in sums]
+
+
+@torch.no_grad()
+def perplexity_importance(model, batches: list[torch.Tensor]) -> list[float]:
+    """Per decoder layer: the calibration loss (nats/token) with that layer removed (higher = more important)."""
+    layers = model.model.layers
+    n = len(layers)
+    scores = []
+    try:
+        for i in range(n):
+            model.model.layers = torch.nn.ModuleList([layers[j] for j in range(n) if j != i])
+            model.config.num_hidden_layers = n - 1
+            total, tokens = 0.0, 0
+            for ids in batches:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                total += float(loss) * (ids.shape[1] - 1)
+                tokens += ids.shape[1] - 1
+            scores.append(total / max(tokens, 1))
+    finally:
+        model.model.layers = layers
+        model.config.num_hidden_layers = n
+    return scores
+
+
+#: ``layer_importance`` name -> function ``(model, batches) -> [importance per layer]``.
+IMPORTANCE = {"angular": angular_importance, "perplexity": perplexity_importance}
+
+
+def teacher_generate(model_path, records: list[dict[str, Any]], *, max_tokens: int, log=print) -> list[dict[str, Any]]:
+    """The teacher's greedy replies to the records' first user turns (sequence-level KD data).
+
+    Runs the lmforge engine (``engine.LLM``, bf16, all prompts in one batched ``generate``).
+
+    Returns:
+        ``{"messages": [system?, user, assistant]}`` records, one per record with a user turn.
+    """
+    import time
+
+    from engine import LLM, SamplingParams
+
+    contexts = []
+    for record in records:
+        messages = record.get("messages") or []
+        users = [k for k, m in enumerate(messages) if m["role"] == "user"]
+        if users:
+            contexts.append(messages[: users[0] + 1])
+    if not contexts:
+        return []
+    llm = LLM(str(model_path), dtype="bfloat16")
+    start = time.perf_counter()
+    outputs = llm.generate(contexts, SamplingParams(temperature=0.0, max_tokens=max_tokens), chat=True)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    log(f"teacher generated {len(outputs)} replies, {tokens} tokens in {seconds:.0f} s ({tokens / max(seconds, 1e-9):.0f} tok/s, lmforge engine)")
+    return [{"messages": [*c, {"role": "assistant", "content": o.outputs[0].text.strip()}]} for c, o in zip(contexts, outputs) if o.outputs[0].text.strip()]
 
 
 def build_student(teacher, layers: list[int] | None = None, config_overrides: dict[str, Any] | None = None):
@@ -225,7 +364,10 @@ class DistillRecipe(TrainingRecipe):
         cfg = self.config
         teacher = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         n_teacher = teacher.config.num_hidden_layers
-        layers = None if cfg.student_config is not None else select_layers(cfg.student_layers, n_teacher)
+        self.importance = None
+        if cfg.student_config is None and cfg.student_layers.startswith("drop:"):
+            self.importance = IMPORTANCE[cfg.layer_importance](teacher.eval(), self._calibration_batches())
+        layers = None if cfg.student_config is not None else select_layers(cfg.student_layers, n_teacher, self.importance)
         student, self.layer_map = build_student(teacher, layers, cfg.student_config)
         if cfg.gamma > 0 and student.config.hidden_size != teacher.config.hidden_size:
             raise TrainingError(
@@ -237,12 +379,40 @@ class DistillRecipe(TrainingRecipe):
         self.teacher_layers = n_teacher
         return student.to(device)
 
+    def _calibration_batches(self) -> list[torch.Tensor]:
+        """Token ids ``[1, T]`` of the first ``calibration_records`` training records (chat-formatted)."""
+        from compress.data import read_data_file
+        from compress.packing import tokenize_record
+
+        records = read_data_file(Path(self.config.data) / "train.jsonl")[: self.config.calibration_records]
+        return [torch.tensor([tokenize_record(self.tokenizer, r, self.config.max_length)[0]]) for r in records]
+
     def setup(self) -> None:
         super().setup()
+        if self.config.generate_records:
+            self._add_teacher_generated()
         self.teacher_val_loss = self.evaluate(self.teacher)
         if self.is_main:
             print(f"teacher val loss {self.teacher_val_loss:.4f} (perplexity {math.exp(self.teacher_val_loss):.2f}), "
                   f"{self.teacher_layers} layers; student layers {self.layer_map}")
+
+    def _add_teacher_generated(self) -> None:
+        """Extend the training rows with the teacher's replies (cached for resume and reruns)."""
+        from compress.data import read_data_file
+        from compress.packing import tokenize_and_pack
+
+        cfg = self.config
+        cache = self.run_dir / "teacher_generated.jsonl"
+        train = read_data_file(Path(cfg.data) / "train.jsonl")
+        if cache.is_file():
+            generated = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
+        else:
+            generated = teacher_generate(self.model_path, train[: cfg.generate_records], max_tokens=cfg.generate_tokens,
+                                         log=print if self.is_main else (lambda _: None))
+            if self.is_main:
+                cache.write_text("".join(json.dumps(r) + "\n" for r in generated))
+        self.generated_records = len(generated)
+        self.train_data = tokenize_and_pack(self.tokenizer, train + generated, cfg.max_length)
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
@@ -272,13 +442,29 @@ class DistillRecipe(TrainingRecipe):
             "teacher_num_layers": self.teacher_layers,
             "student_num_layers": len(self.layer_map),
             "student_layer_map": self.layer_map,
+            "layer_importance": self.config.layer_importance if self.importance else None,
+            "layer_importance_values": [round(v, 5) for v in self.importance] if self.importance else None,
+            "teacher_generated_records": getattr(self, "generated_records", 0),
         }
+
+
+#: ``--full``: the longer budget (about an hour of a 2-core CPU, minutes on a GPU).
+FULL_BUDGET = {"student_layers": "drop:11", "max_steps": 600, "generate_records": 819, "generate_tokens": 96}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DistillConfig()
     add_train_arguments(parser, d)
-    parser.add_argument("--student-layers", default=d.student_layers, help="'every-other' or teacher layer indices '0,2,4'")
+    parser.add_argument("--full", action="store_true",
+                        help=f"longer budget: {', '.join(f'{k}={v}' for k, v in FULL_BUDGET.items())} (flags given explicitly still win)")
+    parser.add_argument("--student-layers", default=d.student_layers,
+                        help=f"'drop:N' (the N least important layers), 'every-other' or teacher layer indices '0,2,4' (default {d.student_layers})")
+    parser.add_argument("--layer-importance", default=d.layer_importance, choices=sorted(IMPORTANCE),
+                        help=f"how drop:N ranks layers (default {d.layer_importance})")
+    parser.add_argument("--calibration-records", type=int, default=d.calibration_records, help=f"records that rank layers (default {d.calibration_records})")
+    parser.add_argument("--generate-records", type=int, default=d.generate_records,
+                        help=f"training prompts the teacher answers with the engine, added as KD data (default {d.generate_records}; 0: none)")
+    parser.add_argument("--generate-tokens", type=int, default=d.generate_tokens, help=f"tokens per teacher reply (default {d.generate_tokens})")
     parser.add_argument("--student-config", default=None, help='JSON config overrides for a fresh student, e.g. \'{"num_hidden_layers": 4}\'')
     parser.add_argument("--alpha", type=float, default=d.alpha, help="weight of T^2 * KL(teacher || student)")
     parser.add_argument("--beta", type=float, default=d.beta, help="weight of the cross-entropy on labels")
@@ -291,8 +477,14 @@ def run(args: argparse.Namespace) -> int:
         student_config = json.loads(args.student_config) if args.student_config else None
     except json.JSONDecodeError as exc:
         raise UsageError(f"--student-config: not JSON ({exc})", fix='write e.g. \'{"num_hidden_layers": 4}\'') from exc
+    kwargs = {**train_config_kwargs(args), "student_layers": args.student_layers, "generate_records": args.generate_records,
+              "generate_tokens": args.generate_tokens}
+    if args.full:
+        defaults = DistillConfig()
+        kwargs.update({k: v for k, v in FULL_BUDGET.items() if kwargs[k] == getattr(defaults, k)})
     config = DistillConfig(
-        **train_config_kwargs(args), student_layers=args.student_layers, student_config=student_config,
+        **kwargs, student_config=student_config,
+        layer_importance=args.layer_importance, calibration_records=args.calibration_records,
         alpha=args.alpha, beta=args.beta, gamma=args.gamma, temperature=args.temperature,
     )
     return run_recipe(DistillRecipe, config)

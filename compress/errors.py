@@ -36,3 +36,7 @@ class UsageError(LmforgeError, ValueError):
     """A flag, value or input file the user must change (exit status 2)."""
 
     exit_code = 2
+
+
+class CheckpointError(LmforgeError, ValueError):
+    """A checkpoint is missing, corrupt or unsupported; the message names the file and the fix."""

@@ -20,8 +20,8 @@ first checkpoint listed: put the parent first):
 * ``decode_ms_per_token``: batch 1, CPU, greedy, with the KV cache:
   ``(time(1 + n tokens) - time(1 token)) / n``, each time the fastest of the repeats.
 
-Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``dynamic``
-(``compress.int8`` format), ``llm-int8`` (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
+Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``int8``
+(``compress.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8`` (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
 ONNX Runtime through Optimum).
 """
 
@@ -29,25 +29,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from compress.checkpoints import (
+    describe_weights,
     MANIFEST_NAME,
     read_safetensors_header,
     resolve_checkpoint,
     update_metrics,
 )
-from compress.data import iter_jsonl
 from compress.errors import LmforgeError
+from compress import records as records_module
 from compress.outputs import check_output_file
+from compress.quantize import load_int8_model, load_llm_int8_model
+from compress.records import default_split_records, encode_record
 from compress.int8 import INT8_WEIGHT_SUFFIX
 
 #: Fixed prompts of the greedy-agreement metric (chat-formatted).
@@ -73,7 +74,7 @@ class EvaluationError(LmforgeError, ValueError):
 
 
 def checkpoint_kind(checkpoint_dir: str | Path) -> str:
-    """``onnx``, ``dynamic``, ``llm-int8`` or ``pytorch``, from the files (not the directory name)."""
+    """``onnx``, ``int8``, ``llm-int8`` or ``pytorch``, from the files (not the directory name)."""
     checkpoint_dir = Path(checkpoint_dir)
     if (checkpoint_dir / "model.onnx").is_file():
         return "onnx"
@@ -82,26 +83,21 @@ def checkpoint_kind(checkpoint_dir: str | Path) -> str:
         return "llm-int8"
     for file in checkpoint_dir.glob("*.safetensors"):
         if any(name.endswith(INT8_WEIGHT_SUFFIX) for name in read_safetensors_header(file)):
-            return "dynamic"
+            return "int8"
     return "pytorch"
 
 
 def _load_pytorch(path: Path, num_threads: int | None = None):
-    import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()  # as stored: a bf16 checkpoint runs in bf16
 
 
-def _load_dynamic(path: Path, num_threads: int | None = None):
-    from compress.quantize import load_dynamic_int8_model
-
-    return load_dynamic_int8_model(path)
+def _load_int8(path: Path, num_threads: int | None = None):
+    return load_int8_model(path)
 
 
 def _load_llm_int8(path: Path, num_threads: int | None = None):
-    from compress.quantize import load_llm_int8_model
-
     return load_llm_int8_model(path, device="cpu")
 
 
@@ -119,7 +115,7 @@ def _load_onnx(path: Path, num_threads: int | None = None):
 #: checkpoint kind -> loader ``(path, num_threads) -> model`` (CPU).
 LOADERS: dict[str, Callable[[Path, int | None], Any]] = {
     "pytorch": _load_pytorch,
-    "dynamic": _load_dynamic,
+    "int8": _load_int8,
     "llm-int8": _load_llm_int8,
     "onnx": _load_onnx,
 }
@@ -163,85 +159,13 @@ def load_for_eval(spec: str | Path, *, num_threads: int | None = None) -> Loaded
 # --------------------------------------------------------------------------------------------
 
 
-def _validate_record(obj: Any, where: str) -> dict[str, Any]:
-    if not isinstance(obj, dict) or not ("messages" in obj or "text" in obj):
-        raise EvaluationError(f"{where}: a record must be a JSON object with 'messages' or 'text'")
-    if "text" in obj:
-        if not isinstance(obj["text"], str) or not obj["text"]:
-            raise EvaluationError(f"{where}: 'text' must be a non-empty string")
-        return {"text": obj["text"]}
-    messages = obj["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise EvaluationError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
-    for k, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
-            raise EvaluationError(f"{where}: messages[{k}] must be {{'role': system|user|assistant, 'content': string}}")
-    return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
-
-
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file (``val.jsonl`` of ``lmforge data``).
+    """Records of a JSONL file (``val.jsonl`` of ``lmforge data``; ``compress.records``).
 
     Raises:
         EvaluationError: missing file, bad JSON or record (names file:line), or no records.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise EvaluationError(f"--data {path}: file not found; pass a val.jsonl written by `lmforge data`")
-    records = [_validate_record(obj, f"{path}:{line_no}") for line_no, obj in iter_jsonl(path, EvaluationError)]
-    if not records:
-        raise EvaluationError(f"{path}: no records")
-    return records
-
-
-def _chatterbot_heldout(every: int = 20) -> list[dict[str, Any]]:
-    """Every ``every``-th English chatterbot-corpus dialog (deterministic), read with pyyaml."""
-    import importlib.util
-
-    import yaml
-
-    spec = importlib.util.find_spec("chatterbot_corpus")
-    if spec is None or not spec.submodule_search_locations:
-        raise EvaluationError("default data needs chatterbot-corpus (`pip install --no-deps chatterbot-corpus==1.3.3`), or pass --data val.jsonl")
-    root = Path(list(spec.submodule_search_locations)[0]) / "data" / "english"
-    dialogs = []
-    for file in sorted(root.glob("*.yml")):
-        for conversation in (yaml.safe_load(file.read_text(encoding="utf-8")) or {}).get("conversations", []):
-            if isinstance(conversation, list) and len(conversation) >= 2 and all(isinstance(t, str) for t in conversation):
-                dialogs.append({"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(conversation)]})
-    return dialogs[::every]
-
-
-def default_split_records(split: str = "val") -> tuple[list[dict[str, Any]], str]:
-    """A split of the English chatterbot-corpus dialogs and a description of where it came from.
-
-    Uses ``compress.data`` (deduplicated and filtered across both splits, so nothing leaks) when
-    that module is installed; else every 20th dialog is ``val`` and the rest ``train``.
-
-    Raises:
-        EvaluationError: ``split`` is neither ``train`` nor ``val``.
-    """
-    if split not in ("train", "val"):
-        raise EvaluationError(f"split={split!r}: use 'train' or 'val'")
-    records, name = _default_split_cached(split)
-    return [json.loads(json.dumps(r)) for r in records], name  # copies: callers may edit them
-
-
-@functools.lru_cache(maxsize=2)
-def _default_split_cached(split: str) -> tuple[list[dict[str, Any]], str]:
-    import tempfile
-
-    try:
-        from compress.data import DataConfig, prepare
-    except ImportError:
-        if split == "val":
-            return _chatterbot_heldout(), "chatterbot:english (every 20th dialog)"
-        dialogs = _chatterbot_heldout(every=1)
-        return [d for i, d in enumerate(dialogs) if i % 20], "chatterbot:english (all but every 20th dialog)"
-    with tempfile.TemporaryDirectory(prefix="lmforge-eval-data-") as tmp:
-        prepare(DataConfig(), tmp, verbose=False)
-        name = "validation" if split == "val" else "training"
-        return read_records(Path(tmp) / f"{split}.jsonl"), f"chatterbot:english (lmforge data {name} split)"
+    return records_module.read_records(path, EvaluationError)
 
 
 def default_heldout_records() -> tuple[list[dict[str, Any]], str]:
@@ -252,38 +176,6 @@ def default_heldout_records() -> tuple[list[dict[str, Any]], str]:
 # --------------------------------------------------------------------------------------------
 # Metrics
 # --------------------------------------------------------------------------------------------
-
-
-def encode_record(tokenizer, record: dict[str, Any], *, max_length: int = 512) -> tuple[list[int], list[bool]]:
-    """Token ids of a record and which of them are scored.
-
-    Returns:
-        ``(ids, scored)``, both of length ``T <= max_length``; ``scored[t]`` says whether token
-        ``t`` counts in the perplexity (assistant reply tokens of a chat, every token of a text;
-        token 0 is never scored: nothing predicts it).
-
-    Raises:
-        EvaluationError: a ``messages`` record with a tokenizer that has no chat template.
-    """
-    if "text" in record:
-        ids = tokenizer(record["text"], truncation=True, max_length=max_length)["input_ids"]
-        return ids, [False] + [True] * (len(ids) - 1)
-    if not getattr(tokenizer, "chat_template", None):
-        raise EvaluationError("records with 'messages' need a tokenizer with a chat template (tokenizer_config.json: chat_template); use {'text'} records")
-    messages = record["messages"]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []  # character ranges of the assistant replies (with their end-of-turn marker)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0
-        end = len(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
-        spans.append((start, end))
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_length)
-    scored = [any(s <= begin < e for s, e in spans) for begin, _ in encoding["offset_mapping"]]
-    if scored:
-        scored[0] = False
-    return encoding["input_ids"], scored
 
 
 def _logits(model, ids: list[int]):
@@ -481,7 +373,6 @@ def linear_weight_bytes(checkpoint_dir: str | Path) -> int:
 
 def checkpoint_size(checkpoint_dir: Path) -> tuple[int, int]:
     """``(size_bytes, num_parameters)`` of the weight files (safetensors and ONNX)."""
-    from compress.checkpoints import describe_weights
 
     num_parameters, size_bytes, _ = describe_weights(checkpoint_dir)
     if (checkpoint_dir / "model.onnx").is_file():

@@ -1,24 +1,53 @@
-"""INT8 weight format shared by ``compress quantize --method dynamic`` and the engine.
+"""INT8 linear layers shared by ``lmforge quantize``, ``lmforge evaluate`` and the engine.
 
-Storage (inside ``model.safetensors`` of a ``dynamic`` checkpoint): every quantized linear
-layer ``X`` stores ``X.weight_int8`` (int8, ``[out_features, in_features]``) and
-``X.weight_scale`` (float32, ``[out_features]``) in place of ``X.weight``; its bias (if any)
-and every other tensor stay in floating point. Dequantized weight = ``weight_int8 * scale[:, None]``.
+Storage (inside ``model.safetensors``): every quantized linear layer ``X`` stores
+``X.weight_int8`` (int8, ``[out_features, in_features]``) and ``X.weight_scale`` (float32,
+``[out_features]``) in place of ``X.weight``; its bias (if any) and every other tensor stay in
+floating point. Dequantized weight = ``weight_int8 * scale[:, None]``. Weights are symmetric per
+output channel: ``scale = max|w_row| / 127``, values rounded and clamped to [-127, 127]. The
+file's safetensors metadata ``lmforge_int8_scheme`` names how activations are treated
+(``SCHEMES``); files written by the former ``dynamic`` method have no such entry and run as
+``w8a8`` (their weights are in the same format; activations now get per-token scales).
 
-Scheme: symmetric per-output-channel weights, ``scale = max|w_row| / 127``, values rounded and
-clamped to [-127, 127]. At run time activations are quantized per tensor on the fly (PyTorch
-dynamic quantization, the scheme of Jacob et al. 2018 "Quantization and Training of Neural
-Networks for Efficient Integer-Arithmetic-Only Inference", as packaged by
-``torch.ao.nn.quantized.dynamic.Linear``).
+Schemes (no pickle and no ``torch.ao.nn.quantized``; the kernels are ATen / oneDNN operators):
+
+* ``weight-only``: activations stay in bf16 / fp32. Up to ``WEIGHT_ONLY_MAX_ROWS`` rows (decode)
+  run ``torch.ops.aten._weight_int8pack_mm``, which reads the int8 weights directly (half the
+  bytes of bf16); larger batches (prefill, many sequences) convert the int8 weights to the
+  activation dtype and run a float GEMM with the scales applied to its output, slower than a
+  bf16 checkpoint there (the conversion is paid at every call): ``gemm_microbench`` says so.
+* ``w8a8``: activations quantized per token at run time, ``s_x = max|x_row| / 127`` (the
+  dynamic per-token scheme of ZeroQuant, Yao et al. 2022), and an int8 x int8 -> int32 GEMM:
+  ``torch.ops.onednn.qlinear_pointwise`` on CPU (VNNI / AMX int8 where the CPU has them),
+  ``torch._int_mm`` on CUDA. Output = ``acc * s_x * s_w + b``.
+
+``gemm_microbench`` times these against fp32 and bf16 on given shapes, so ``lmforge quantize``
+and the benchmarks can say which variant is fastest on the CPU at hand instead of assuming
+INT8 is.
 """
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 INT8_WEIGHT_SUFFIX = ".weight_int8"
 INT8_SCALE_SUFFIX = ".weight_scale"
+SCHEME_METADATA_KEY = "lmforge_int8_scheme"
+SCHEMES = ("weight-only", "w8a8")
+#: A file with INT8 tensors but no scheme entry was written by the former ``dynamic`` method.
+LEGACY_SCHEME = "w8a8"
+#: Row count up to which weight-only layers use the int8 kernel (decode); above it, a float GEMM
+#: on the int8 weights converted to the activation dtype (exact: |w8| <= 127), scales applied to
+#: the output. Measured (1 thread, SmolLM2 shapes): the int8 kernel is ~2.5x faster than bf16 at
+#: 1 row, on a par with the conversion at 16 rows and 20-100x slower at 64 rows.
+WEIGHT_ONLY_MAX_ROWS = 8
 
 
 def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,6 +58,9 @@ def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, tor
 
     Returns:
         ``(weight_int8, scale)``: int8 ``[out, in]`` and float32 ``[out]``.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
@@ -43,36 +75,262 @@ def dequantize_weight(weight_int8: torch.Tensor, scale: torch.Tensor) -> torch.T
     return weight_int8.float() * scale.float()[:, None]
 
 
-class DynamicInt8Linear(torch.ao.nn.quantized.dynamic.Linear):
-    """PyTorch dynamic INT8 linear with full 8-bit activation range.
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row INT8 activations: ``x [M, K]`` -> ``(int8 [M, K], float32 scale [M, 1])``."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0  # [M, 1]
+    return torch.clamp(torch.round(x / scale), -127, 127).to(torch.int8), scale
 
-    ``torch.ao.nn.quantized.dynamic.Linear`` quantizes activations to 7 bits (``reduce_range``)
-    to rule out int16 saturation in the AVX2 u8*s8 multiply-add; on transformer activations with
-    outlier channels that doubles the output error (relative error 0.24 vs 0.12 measured on a
-    [64, 1536] input with five 50x channels), so this layer keeps all 8 bits.
+
+class _Int8Linear(nn.Module):
+    """Stored INT8 weights ``[out, in]``, float32 per-channel scales ``[out]`` and an optional bias."""
+
+    def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight_int8", weight_int8.to(torch.int8).contiguous())  # [out, in]
+        self.register_buffer("weight_scale", scale.float())  # [out]
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    @property
+    def in_features(self) -> int:
+        return self.weight_int8.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight_int8.shape[0]
+
+
+class Int8WeightOnlyLinear(_Int8Linear):
+    """``y = x @ (W8 * s)^T + b`` with float activations (``weight-only`` scheme).
+
+    Input ``[..., in_features]`` in fp32 or bf16; output of the same dtype ``[..., out_features]``.
     """
+
+    def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight_int8, scale, bias)
+        self._scales: dict[torch.dtype, torch.Tensor] = {}
+
+    def _scale(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._scales:
+            self._scales[dtype] = self.weight_scale.to(dtype)
+        return self._scales[dtype]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.quantized.linear_dynamic(x, self._packed_params._packed_params, False)
-        return y.to(x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+        if x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x2.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self._scale(x.dtype))  # [M, out]
+        else:
+            y = F.linear(x2, self.weight_int8.to(x.dtype)) * self._scale(x.dtype)  # [M, out]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def dynamic_int8_linear(weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
-    """Build a CPU dynamic-INT8 linear layer from stored INT8 weights (no re-quantization).
+class W8A8Linear(_Int8Linear):
+    """INT8 weights and per-token dynamic INT8 activations (``w8a8`` scheme).
+
+    Input ``[..., in_features]`` (fp32 / bf16); output of the same dtype. CPU: oneDNN
+    ``qlinear_pointwise`` on the prepacked weight (activation scale 1, so the int32
+    accumulators come back as float and the per-token and per-channel scales are applied after);
+    CUDA: ``torch._int_mm``.
+    """
+
+    def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight_int8, scale, bias)
+        self._packed = None
+        self._zero_points = torch.zeros(weight_int8.shape[0], dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+        xq, x_scale = quantize_per_token(x2)  # int8 [M, in], [M, 1]
+        if x2.device.type == "cpu":
+            if self._packed is None:
+                self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
+            acc = torch.ops.onednn.qlinear_pointwise(
+                xq, 1.0, 0, self._packed, self.weight_scale, self._zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+            )  # [M, out] = sum_k xq * w8 * s_w
+            y = acc * x_scale
+        else:
+            rows = x2.shape[0]
+            pad = max(0, 17 - rows)  # torch._int_mm on CUDA needs more than 16 rows
+            acc = torch._int_mm(F.pad(xq, (0, 0, 0, pad)), self.weight_int8.t())[:rows]  # int32 [M, out]
+            y = acc.float() * x_scale * self.weight_scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+#: scheme -> runtime layer class.
+LAYERS: dict[str, type[nn.Module]] = {"weight-only": Int8WeightOnlyLinear, "w8a8": W8A8Linear}
+
+
+def int8_linear(scheme: str, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """The runtime layer of ``scheme`` from stored INT8 weights (no re-quantization).
 
     Args:
-        weight_int8: int8 ``[out_features, in_features]``.
-        scale: float ``[out_features]``.
-        bias: optional float ``[out_features]``.
+        scheme: one of ``SCHEMES``.
+        weight_int8: int8 ``[out_features, in_features]``; scale: float ``[out_features]``;
+            bias: optional float ``[out_features]``.
+
+    Raises:
+        ValueError: unknown scheme.
+    """
+    if scheme not in LAYERS:
+        raise ValueError(f"INT8 scheme {scheme!r} is not supported; use one of {list(SCHEMES)}")
+    return LAYERS[scheme](weight_int8, scale, bias)
+
+
+def read_scheme(files: Iterable[str | Path]) -> str | None:
+    """The INT8 scheme of a checkpoint's safetensors files (metadata ``lmforge_int8_scheme``).
+
+    Returns ``None`` when no file holds INT8 tensors, ``LEGACY_SCHEME`` for a former ``dynamic``
+    checkpoint (INT8 tensors, no metadata).
+
+    Raises:
+        ValueError: a scheme outside ``SCHEMES`` (names the file and the fix).
+    """
+    from compress.checkpoints import read_safetensors_header
+
+    scheme, has_int8 = None, False
+    for file in files:
+        header = read_safetensors_header(file)
+        has_int8 = has_int8 or any(name.endswith(INT8_WEIGHT_SUFFIX) for name in header)
+        found = (header.get("__metadata__") or {}).get(SCHEME_METADATA_KEY)
+        if found is not None:
+            if found not in SCHEMES:
+                raise ValueError(f"{file}: {SCHEME_METADATA_KEY}={found!r} is not one of {list(SCHEMES)}; re-create it with `lmforge quantize`")
+            scheme = found
+    if not has_int8:
+        return None
+    return scheme or LEGACY_SCHEME
+
+
+def scheme_metadata(scheme: str) -> dict[str, str]:
+    """Safetensors metadata recording ``scheme`` (``save_file(..., metadata=...)``)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"INT8 scheme {scheme!r} is not supported; use one of {list(SCHEMES)}")
+    return {SCHEME_METADATA_KEY: scheme}
+
+
+# --------------------------------------------------------------------------------------------
+# Which variant is fastest here
+# --------------------------------------------------------------------------------------------
+
+
+def cpu_int8_flags() -> list[str]:
+    """The int8 / bf16 matrix instruction sets this CPU reports in /proc/cpuinfo (Linux)."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return []
+    return [f for f in ("avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16") if f in flags]
+
+
+def _best_us(fn, repeats: int, number: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        best = min(best, (time.perf_counter() - start) / number)
+    return best * 1e6
+
+
+def gemm_microbench(
+    shapes: Iterable[tuple[int, int]], *, rows: Iterable[int] = (1, 64), threads: int | None = None,
+    repeats: int = 5, number: int = 5, torchao: bool = False,
+) -> dict[str, dict[str, float]]:
+    """Time one forward of every linear shape per variant, random weights, on the CPU.
+
+    Args:
+        shapes: ``(out_features, in_features, count)`` of the layers of one model (e.g. a
+            decoder layer's fused qkv, o, gate_up, down times the number of layers, and the LM
+            head once); each figure is weighted by ``count``.
+        rows: activation rows ``M`` (1 = one decoding sequence, 64 = a batch).
+        threads: ``torch.set_num_threads`` for the measurement (restored after).
+        repeats / number: each figure is the best of ``repeats`` means over ``number`` calls
+            (the least disturbed by other processes).
+        torchao: also time torchao's ``Int8WeightOnlyConfig`` and
+            ``Int8DynamicActivationInt8WeightConfig`` (eager) on the same layers.
 
     Returns:
-        A ``DynamicInt8Linear`` computing ``x @ W^T + b`` for float input
-        ``[..., in_features]`` -> ``[..., out_features]`` (float32).
+        ``{"M=1": {"fp32": us, "bf16": us, "int8-weight-only": us, "w8a8": us, ...}, ...}``:
+        microseconds for all shapes together.
     """
-    out_features, in_features = weight_int8.shape
-    qweight = torch._make_per_channel_quantized_tensor(
-        weight_int8.to(torch.int8), scale.double(), torch.zeros(out_features, dtype=torch.long), 0
+    shapes = list(shapes)
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(0)
+    results: dict[str, dict[str, float]] = {}
+    try:
+        layers = []
+        for out_features, in_features, count in shapes:
+            w = torch.randn(out_features, in_features, generator=generator) * 0.05
+            w8, s = quantize_weight_per_channel(w)
+            variants = {
+                "fp32": (lambda x, w=w: F.linear(x, w), torch.float32),
+                "bf16": (lambda x, w=w.bfloat16(): F.linear(x, w), torch.bfloat16),
+                "int8-weight-only": (Int8WeightOnlyLinear(w8, s), torch.bfloat16),
+                "int8-weight-only-fp32": (Int8WeightOnlyLinear(w8, s), torch.float32),
+                "w8a8": (W8A8Linear(w8, s), torch.bfloat16),
+            }
+            if torchao:
+                variants.update(_torchao_variants(w))
+            layers.append((in_features, count, variants))
+        with torch.no_grad():
+            for m in rows:
+                totals: dict[str, float] = {}
+                for in_features, count, variants in layers:
+                    for name, (fn, dtype) in variants.items():
+                        x = torch.randn(m, in_features, generator=generator).to(dtype)
+                        totals[name] = totals.get(name, 0.0) + count * _best_us(lambda: fn(x), repeats, number)
+                results[f"M={m}"] = {k: round(v, 1) for k, v in totals.items()}
+    finally:
+        torch.set_num_threads(previous)
+    return results
+
+
+def _torchao_variants(w: torch.Tensor) -> dict:
+    from torchao.quantization import (
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        quantize_,
     )
-    layer = DynamicInt8Linear(in_features, out_features, bias_=bias is not None, dtype=torch.qint8)
-    layer.set_weight_bias(qweight, None if bias is None else bias.float())
-    return layer
+
+    out = {}
+    for name, config, dtype in (
+        ("torchao-weight-only", Int8WeightOnlyConfig(), torch.bfloat16),
+        ("torchao-w8a8", Int8DynamicActivationInt8WeightConfig(), torch.float32),
+    ):
+        layer = nn.Linear(w.shape[1], w.shape[0], bias=False).to(dtype)
+        layer.weight.data = w.to(dtype)
+        quantize_(layer, config)
+        out[name] = (layer, dtype)
+    return out
+
+
+def format_microbench(results: dict[str, dict[str, float]]) -> str:
+    """One line per row count: microseconds per variant and the fastest, plus the CPU flags."""
+    flags = cpu_int8_flags()
+    lines = [f"GEMM microbench (CPU flags: {', '.join(flags) or 'no VNNI / AMX / AVX-512 BF16'}):"]
+    for rows, times in results.items():
+        fastest = min(times, key=times.get)
+        cells = "  ".join(f"{k} {v / 1000:.2f} ms" for k, v in times.items())
+        lines.append(f"  {rows:<5} {cells}  -> fastest: {fastest} ({times['bf16'] / times[fastest]:.2f}x bf16)")
+    return "\n".join(lines)
+
+
+def model_linear_shapes(config_path: str | Path) -> list[tuple[int, int, int]]:
+    """``(out, in, count)`` of the fused linear layers of a Llama-style model (as the engine
+    runs them) and its LM head, from ``config.json``."""
+    c = json.loads(Path(config_path).read_text())
+    hidden, inter, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or hidden // heads
+    n = c["num_hidden_layers"]
+    return [
+        ((heads + 2 * kv_heads) * head_dim, hidden, n), (hidden, heads * head_dim, n),
+        (2 * inter, hidden, n), (hidden, inter, n), (c["vocab_size"], hidden, 1),
+    ]

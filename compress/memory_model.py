@@ -23,11 +23,11 @@ parallel splits. Sources:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
+
+from compress.model_spec import ModelSpec, check_positive
 
 
 class Precision(str, Enum):
@@ -57,91 +57,6 @@ class Precision(str, Enum):
 ADAM_STEP_BYTES = 4
 FP32_BYTES = 4
 INT64_BYTES = 8
-
-
-def _positive(name: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}={value!r}: must be a positive integer")
-    return value
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Sizes of a Llama-family decoder (``config.json`` field names of transformers).
-
-    Raises:
-        ValueError: a size is not a positive integer, or ``num_attention_heads`` is not a multiple
-            of ``num_key_value_heads``.
-    """
-
-    num_hidden_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    intermediate_size: int
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections
-    gated_mlp: bool = True  # SwiGLU (gate, up, down); False: a GPT MLP (up, GeLU, down)
-
-    def __post_init__(self) -> None:
-        for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                     "vocab_size", "intermediate_size"):
-            _positive(name, getattr(self, name))
-        if self.head_dim is not None:
-            _positive("head_dim", self.head_dim)
-        elif self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "
-                "pass head_dim explicitly"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-
-    @property
-    def dim_head(self) -> int:
-        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
-
-    @property
-    def q_size(self) -> int:
-        """Width of the query projection output: heads x head_dim."""
-        return self.num_attention_heads * self.dim_head
-
-    @property
-    def kv_size(self) -> int:
-        """Width of the key (and of the value) projection output: KV heads x head_dim."""
-        return self.num_key_value_heads * self.dim_head
-
-    @classmethod
-    def from_config(cls, config: dict) -> "ModelSpec":
-        """Build from a transformers ``config.json`` dict (Llama, Mistral, Qwen2)."""
-        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size")
-                   if k not in config]
-        if missing:
-            raise ValueError(f"config.json lacks {missing}; pass the model sizes explicitly")
-        return cls(
-            num_hidden_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            vocab_size=config["vocab_size"],
-            intermediate_size=config["intermediate_size"],
-            head_dim=config.get("head_dim"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
-        )
-
-    @classmethod
-    def from_checkpoint(cls, spec: str | Path) -> "ModelSpec":
-        """Read the sizes from a checkpoint's ``config.json`` (any spec ``resolve_checkpoint`` takes)."""
-        from compress.checkpoints import resolve_checkpoint
-
-        path = resolve_checkpoint(spec)
-        return cls.from_config(json.loads((path / "config.json").read_text()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +143,7 @@ def state_memory(params: ParamCount, precision: Precision, zero_stage: int, data
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r}: must be 0, 1, 2 or 3")
-    _positive("data_parallel", data_parallel)
+    check_positive("data_parallel", data_parallel)
     n = params.elements
     p = n * precision.param_bytes
     g = n * precision.param_bytes
@@ -337,7 +252,7 @@ def kv_bytes_per_token(model: ModelSpec, dtype_bytes: int, tensor_parallel: int 
     Raises:
         ValueError: ``num_key_value_heads`` not divisible by ``tensor_parallel``.
     """
-    _positive("dtype_bytes", dtype_bytes)
+    check_positive("dtype_bytes", dtype_bytes)
     if model.num_key_value_heads % tensor_parallel:
         raise ValueError(
             f"num_key_value_heads={model.num_key_value_heads} is not divisible by tensor_parallel={tensor_parallel}"
@@ -369,8 +284,8 @@ def kv_capacity(model: ModelSpec, *, budget_bytes: int, block_size: int, max_mod
     Raises:
         ValueError: non-positive sizes.
     """
-    _positive("block_size", block_size)
-    _positive("max_model_len", max_model_len)
+    check_positive("block_size", block_size)
+    check_positive("max_model_len", max_model_len)
     if budget_bytes < 0:
         raise ValueError(f"budget_bytes={budget_bytes}: the weights alone exceed the memory; add devices or memory")
     per_token = kv_bytes_per_token(model, dtype_bytes, tensor_parallel)
@@ -378,5 +293,5 @@ def kv_capacity(model: ModelSpec, *, budget_bytes: int, block_size: int, max_mod
     num_blocks = budget_bytes // block_bytes
     per_seq = -(-max_model_len // block_size)
     if max_num_seqs is not None:
-        num_blocks = min(num_blocks, _positive("max_num_seqs", max_num_seqs) * per_seq)
+        num_blocks = min(num_blocks, check_positive("max_num_seqs", max_num_seqs) * per_seq)
     return KVCapacity(per_token, block_bytes, num_blocks, per_seq, num_blocks // per_seq, num_blocks * block_size)

@@ -238,11 +238,6 @@ def quantize_onnx_int8(
     return output_dir
 
 
-def is_onnx_checkpoint(checkpoint_dir: str | Path) -> bool:
-    """True when the directory holds an ONNX model (``model.onnx``)."""
-    return (Path(checkpoint_dir) / ONNX_MODEL_NAME).is_file()
-
-
 def mean_pool(last_hidden_state, attention_mask):
     """Sentence embeddings as the mask-weighted mean of token states (Sentence-BERT pooling).
 

@@ -24,6 +24,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from compress.checkpoints import resolve_checkpoint
 from compress.comm_model import (
     CLUSTER_PRESETS,
     Cluster,
@@ -391,7 +392,7 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
         "intermediate_size": args.intermediate_size, "head_dim": args.head_dim,
     }
     if args.model:
-        base = asdict(ModelSpec.from_checkpoint(args.model))
+        base = asdict(ModelSpec.from_checkpoint(resolve_checkpoint(args.model)))
     else:
         missing = [k for k in ("num_layers", "hidden_size", "num_heads", "vocab_size", "intermediate_size")
                    if getattr(args, k) is None]
@@ -401,10 +402,6 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
         explicit["num_key_value_heads"] = args.num_kv_heads or args.num_heads
     base.update({k: v for k, v in explicit.items() if v is not None})
     return ModelSpec(**base)
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:8.2f}"
 
 
 def _s(x: float) -> str:

@@ -5,12 +5,13 @@ object with two steps, in the manner of torchao / gpt-fast: ``quantize`` makes t
 weights and writes a checkpoint directory; ``load`` converts a saved checkpoint into a model
 that runs them.
 
-* ``dynamic`` (``DynamicInt8Config``): symmetric per-output-channel INT8 weights for every
-  ``nn.Linear`` outside ``skip_modules`` (lm_head by default; embeddings are not linear layers),
-  stored in the format of ``compress.int8`` and run with PyTorch dynamic quantization
-  (``torch.ao.nn.quantized.dynamic.Linear``, activations quantized per tensor at run time).
-  SmoothQuant (``compress.smooth``, calibrated on training dialogs) first moves activation
-  outliers into the weights, which per-tensor activation scales need.
+* ``int8-weight-only`` (``Int8WeightOnlyConfig``) and ``w8a8`` (``W8A8Config``): symmetric
+  per-output-channel INT8 weights for every ``nn.Linear`` outside ``skip_modules`` (the LM head
+  included by default; embeddings are not linear layers), stored in the format of
+  ``compress.int8`` with the scheme in the safetensors metadata. Weight-only keeps activations in
+  bf16 / fp32; ``w8a8`` quantizes them per token at run time, after SmoothQuant
+  (``compress.smooth``, calibrated on training dialogs) has moved activation outliers into the
+  weights. Neither uses the deprecated ``torch.ao.nn.quantized`` modules.
 * ``llm-int8`` (``LlmInt8Config``): bitsandbytes LLM.int8() (Dettmers et al. 2022, "LLM.int8():
   8-bit Matrix Multiplication for Transformers at Scale"): row-wise INT8 weights, and input
   columns with an outlier above ``threshold`` computed in 16-bit. Loaded through
@@ -41,8 +42,10 @@ from compress.checkpoints import (
     write_manifest,
 )
 from compress.errors import UsageError
+from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, quantize_weight_per_channel, scheme_metadata
 from compress.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
-from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX
+from compress.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
+from compress.records import default_split_records, encode_record, read_records
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -58,25 +61,43 @@ def _check_skip_modules(skip_modules: tuple[str, ...]) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicInt8Config:
-    """``dynamic``: per-channel symmetric INT8 weights, dynamic per-tensor INT8 activations.
+class Int8WeightOnlyConfig:
+    """``int8-weight-only``: per-channel symmetric INT8 weights, activations kept in bf16 / fp32.
 
     Attributes:
         skip_modules: linear layers kept in floating point: a module is skipped when its
-            qualified name equals an entry or ends with ``.`` + entry (``lm_head`` skips the
-            output projection; ``mlp.down_proj`` would skip every layer's down projection).
+            qualified name equals an entry or ends with ``.`` + entry (``lm_head`` keeps the
+            output projection in float; ``mlp.down_proj`` every layer's down projection). By
+            default every linear layer is quantized, the LM head included (21% of SmolLM2's
+            weights); with tied embeddings only the head's copy is quantized, the embedding
+            table stays float.
+    """
+
+    skip_modules: tuple[str, ...] = ()
+    scheme: ClassVar[str] = "weight-only"
+
+    def __post_init__(self) -> None:
+        _check_skip_modules(self.skip_modules)
+
+
+@dataclasses.dataclass(frozen=True)
+class W8A8Config:
+    """``w8a8``: per-channel INT8 weights, per-token dynamic INT8 activations (``compress.int8``).
+
+    Attributes:
+        skip_modules: as in ``Int8WeightOnlyConfig``.
         smoothquant_alpha: SmoothQuant migration strength (``compress.smooth``) applied before
-            quantization; ``None`` disables it. Per-tensor INT8 activations need it on models
-            with activation outliers (SmolLM2: +200% perplexity without, about +0% with 0.8).
+            quantization; ``None`` disables it.
         calibration_records: records whose activations set the SmoothQuant scales.
         calibration_data: JSONL of calibration records; ``None`` = the training split of the
             English chatterbot-corpus dialogs (never the held-out split).
     """
 
-    skip_modules: tuple[str, ...] = ("lm_head",)
-    smoothquant_alpha: float | None = 0.8
+    skip_modules: tuple[str, ...] = ()
+    smoothquant_alpha: float | None = 0.5
     calibration_records: int = 32
     calibration_data: str | None = None
+    scheme: ClassVar[str] = "w8a8"
 
     def __post_init__(self) -> None:
         _check_skip_modules(self.skip_modules)
@@ -113,7 +134,7 @@ class OnnxInt8MethodConfig:
     Attributes:
         task: export task (``text-generation-with-past`` for causal LMs).
         smoothquant_alpha / calibration_records / calibration_data: SmoothQuant before export,
-            as in ``DynamicInt8Config``.
+            as in ``W8A8Config``.
         weight_type / per_channel / reduce_range / op_types_to_quantize / nodes_to_exclude:
             see ``compress.onnx.OnnxInt8Config``.
     """
@@ -129,15 +150,11 @@ class OnnxInt8MethodConfig:
     nodes_to_exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        from compress.onnx import OnnxExportConfig
-
         OnnxExportConfig(task=self.task)
         _check_smoothing(self.smoothquant_alpha, self.calibration_records)
         self.ort_config()
 
     def ort_config(self):
-        from compress.onnx import OnnxInt8Config
-
         return OnnxInt8Config(
             weight_type=self.weight_type,
             per_channel=self.per_channel,
@@ -163,11 +180,10 @@ def calibration_batches(tokenizer, *, data: str | None, num_records: int, max_le
     """Token id tensors ``[1, T]`` of the first ``num_records`` calibration records.
 
     Raises:
-        EvaluationError: a bad calibration file (names file:line).
+        DataError: a bad calibration file (names file:line).
     """
     import torch
 
-    from compress.evaluate import default_split_records, encode_record, read_records
 
     records = read_records(data) if data else default_split_records("train")[0]
     return [torch.tensor([encode_record(tokenizer, r, max_length=max_length)[0]]) for r in records[:num_records]]
@@ -245,23 +261,29 @@ class Quantizer(Protocol):
 
 
 @dataclasses.dataclass
-class DynamicInt8Quantizer:
-    """``dynamic``: PyTorch dynamic INT8 with per-channel weights (format of ``compress.int8``)."""
+class Int8Quantizer:
+    """``int8-weight-only`` / ``w8a8``: per-channel INT8 weights in the format of ``compress.int8``.
 
-    config: DynamicInt8Config = dataclasses.field(default_factory=DynamicInt8Config)
-    method: ClassVar[str] = "dynamic"
+    The scheme (how activations run) is the config's ``scheme``, written into the safetensors
+    metadata, so the engine, ``lmforge evaluate`` and the Triton model pick the same kernels.
+    """
+
+    config: Int8WeightOnlyConfig | W8A8Config = dataclasses.field(default_factory=Int8WeightOnlyConfig)
+
+    @property
+    def method(self) -> str:
+        return "int8-weight-only" if self.config.scheme == "weight-only" else "w8a8"
 
     def quantized_state_dict(self, model) -> dict[str, Any]:
         """Step 1: the checkpoint's tensors with selected linear weights in INT8.
 
         Each selected ``nn.Linear`` ``X`` contributes ``X.weight_int8`` (int8 ``[out, in]``) and
         ``X.weight_scale`` (float32 ``[out]``) instead of ``X.weight``; everything else stays
-        float32. Tensors shared by several names (tied embeddings) are stored once.
+        float32. Tensors shared by several names (tied embeddings) are stored once; a quantized
+        LM head tied to the embeddings stores its INT8 copy and leaves the embedding table float.
         """
         import torch
         from torch import nn
-
-        from compress.int8 import quantize_weight_per_channel
 
         quantized = {name for name, module in model.named_modules() if isinstance(module, nn.Linear) and not is_skipped(name, self.config.skip_modules)}
         state: dict[str, torch.Tensor] = {}
@@ -291,27 +313,30 @@ class DynamicInt8Quantizer:
 
         source_dir = _require_causal_lm(checkpoint, self.method)
         c = self.config
-        model = load_smoothed_model(source_dir, alpha=c.smoothquant_alpha, data=c.calibration_data, num_records=c.calibration_records)
+        alpha = getattr(c, "smoothquant_alpha", None)
+        model = load_smoothed_model(source_dir, alpha=alpha, data=getattr(c, "calibration_data", None), num_records=getattr(c, "calibration_records", 1))
         state = self.quantized_state_dict(model)
         output_dir = Path(output_dir)
         tmp = temp_sibling(output_dir)
         try:
-            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "lmforge_method": self.method})
+            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "lmforge_method": self.method, **scheme_metadata(c.scheme)})
             _copy_side_files(source_dir, tmp)
-            return _finish(tmp, output_dir, source_dir=source_dir, method=self.method, config=dataclasses.asdict(self.config))
+            config = {"scheme": c.scheme, **dataclasses.asdict(c)}
+            return _finish(tmp, output_dir, source_dir=source_dir, method=self.method, config=config)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def load(self, checkpoint_dir: str | Path):
-        return load_dynamic_int8_model(checkpoint_dir)
+        return load_int8_model(checkpoint_dir)
 
 
-def load_dynamic_int8_model(checkpoint_dir: str | Path):
-    """Step 2 of ``dynamic``: build the ``transformers`` model and swap in INT8 linear layers.
+def load_int8_model(checkpoint_dir: str | Path):
+    """Step 2: build the ``transformers`` model and swap in INT8 linear layers.
 
-    Every ``X.weight_int8`` / ``X.weight_scale`` pair becomes a
-    ``compress.int8.dynamic_int8_linear`` at module ``X`` (CPU only); all other tensors are
-    loaded as stored.
+    Every ``X.weight_int8`` / ``X.weight_scale`` pair becomes the runtime layer of the file's
+    scheme (``compress.int8.int8_linear``: ``Int8WeightOnlyLinear`` or ``W8A8Linear``) at module
+    ``X``; all other tensors are loaded as stored. Checkpoints of the former ``dynamic`` method
+    (same tensors, no scheme metadata) load as ``w8a8``.
 
     Returns:
         The causal LM in eval mode (``forward`` and ``generate`` as usual, float32 logits).
@@ -325,20 +350,24 @@ def load_dynamic_int8_model(checkpoint_dir: str | Path):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_utils import no_init_weights
 
-    from compress.int8 import dynamic_int8_linear
+    from compress.int8 import int8_linear, read_scheme
 
     checkpoint_dir = Path(checkpoint_dir)
     weights = checkpoint_dir / WEIGHTS_NAME
     resolve_checkpoint(checkpoint_dir)  # checks config.json, architecture and safetensors headers
     if not weights.is_file():
-        raise CheckpointError(f"{weights}: missing; a dynamic INT8 checkpoint stores its weights there")
+        raise CheckpointError(f"{weights}: missing; an INT8 checkpoint stores its weights there")
+    try:
+        scheme = read_scheme([weights])
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
     state = load_file(str(weights))
     config = AutoConfig.from_pretrained(checkpoint_dir)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     prefixes = sorted(k[: -len(INT8_WEIGHT_SUFFIX)] for k in state if k.endswith(INT8_WEIGHT_SUFFIX))
     if not prefixes:
-        raise CheckpointError(f"{weights}: no '*{INT8_WEIGHT_SUFFIX}' tensors; not a dynamic INT8 checkpoint (lmforge quantize --method dynamic)")
+        raise CheckpointError(f"{weights}: no '*{INT8_WEIGHT_SUFFIX}' tensors; not an INT8 checkpoint (lmforge quantize --method int8-weight-only or w8a8)")
     int8_layers = {}
     for prefix in prefixes:
         scale_key = prefix + INT8_SCALE_SUFFIX
@@ -353,7 +382,7 @@ def load_dynamic_int8_model(checkpoint_dir: str | Path):
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     expected_missing = {p + ".weight" for p in int8_layers} | {p + ".bias" for p in int8_layers}  # set on the INT8 module
-    if getattr(config, "tie_word_embeddings", False):
+    if getattr(config, "tie_word_embeddings", False) or "lm_head" in int8_layers:
         expected_missing.add("lm_head.weight")
     missing = [k for k in result.missing_keys if k not in expected_missing]
     if missing or result.unexpected_keys:
@@ -363,7 +392,7 @@ def load_dynamic_int8_model(checkpoint_dir: str | Path):
             model.get_submodule(prefix)
         except AttributeError as exc:
             raise CheckpointError(f"{weights}: tensor {prefix + INT8_WEIGHT_SUFFIX} names no module of {config.model_type}; the file does not match config.json") from exc
-        model.set_submodule(prefix, dynamic_int8_linear(weight_int8, scale, bias))
+        model.set_submodule(prefix, int8_linear(scheme, weight_int8, scale, bias))
     return model.eval()
 
 
@@ -455,8 +484,6 @@ class OnnxInt8Quantizer:
         Raises:
             CheckpointError: missing/corrupt checkpoint or a non-causal model.
         """
-        from compress.onnx import export_onnx, quantize_onnx_int8
-
         source_dir = _require_causal_lm(checkpoint, self.method) if self.config.task == "text-generation-with-past" else resolve_checkpoint(checkpoint, causal_lm=False)
         output_dir = Path(output_dir)
         output_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -484,7 +511,8 @@ class OnnxInt8Quantizer:
 
 #: ``--method`` name -> (quantizer class, config class).
 METHODS: dict[str, tuple[type, type]] = {
-    "dynamic": (DynamicInt8Quantizer, DynamicInt8Config),
+    "int8-weight-only": (Int8Quantizer, Int8WeightOnlyConfig),
+    "w8a8": (Int8Quantizer, W8A8Config),
     "llm-int8": (LlmInt8Quantizer, LlmInt8Config),
     "onnx-int8": (OnnxInt8Quantizer, OnnxInt8MethodConfig),
 }
@@ -496,6 +524,8 @@ def make_quantizer(method: str, **config: Any) -> Quantizer:
     Raises:
         ValueError: unknown method, unknown config field, or an invalid value (names the field).
     """
+    if method == "dynamic":
+        raise ValueError(REPLACED_DYNAMIC)
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not supported; use one of {sorted(METHODS)}")
     quantizer_cls, config_cls = METHODS[method]
@@ -507,7 +537,11 @@ def make_quantizer(method: str, **config: Any) -> Quantizer:
     return quantizer_cls(config_cls(**values))
 
 
-QUANTIZED_METHODS = ("dynamic", "llm-int8", "onnx-int8")
+QUANTIZED_METHODS = ("int8-weight-only", "w8a8", "dynamic", "llm-int8", "onnx-int8")
+REPLACED_DYNAMIC = (
+    "method 'dynamic' (torch.ao dynamic INT8, per-tensor activations) was replaced: use --method w8a8 (per-token "
+    "activation scales, same weight format) or --method int8-weight-only; existing dynamic checkpoints load as w8a8"
+)
 
 
 def quantize(checkpoint: str | Path, output_dir: str | Path, *, method: str, **config: Any) -> Path:
@@ -546,13 +580,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
     parser.add_argument("--out", required=True, help="output checkpoint directory: new, empty, or an earlier lmforge checkpoint (replaced)")
     parser.add_argument("--skip-modules", nargs="*", default=None, metavar="NAME",
-                        help="dynamic / llm-int8: linear layers kept in float (default: lm_head)")
+                        help="int8-weight-only / w8a8 (default: none, the LM head is quantized) and llm-int8 (default: lm_head): linear layers kept in float")
     parser.add_argument("--threshold", type=float, default=None, help="llm-int8: outlier threshold (default 6.0)")
     parser.add_argument("--device", default=None, help="llm-int8: cpu or cuda (default cpu)")
-    parser.add_argument("--smoothquant-alpha", type=float, default=None, help="dynamic / onnx-int8: SmoothQuant strength (default 0.8)")
-    parser.add_argument("--no-smoothquant", action="store_true", help="dynamic / onnx-int8: quantize without SmoothQuant")
-    parser.add_argument("--calibration-data", default=None, help="dynamic / onnx-int8: JSONL calibration records (default: training dialogs)")
+    parser.add_argument("--smoothquant-alpha", type=float, default=None, help="w8a8 (default 0.5) / onnx-int8 (default 0.8): SmoothQuant strength")
+    parser.add_argument("--no-smoothquant", action="store_true", help="w8a8 / onnx-int8: quantize without SmoothQuant")
+    parser.add_argument("--calibration-data", default=None, help="w8a8 / onnx-int8: JSONL calibration records (default: training dialogs)")
     parser.add_argument("--no-per-channel", action="store_true", help="onnx-int8: one scale per tensor instead of per channel")
+    parser.add_argument("--no-microbench", action="store_true",
+                        help="int8-weight-only / w8a8: skip the GEMM microbench that says which variant is fastest on this CPU")
     parser.add_argument("--op-types", nargs="+", default=None, metavar="OP",
                         help="onnx-int8: ONNX operator types to quantize (default MatMul Gather)")
 
@@ -581,10 +617,20 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.method == "dynamic":
+        raise UsageError(f"--method dynamic: {REPLACED_DYNAMIC}")
     if args.method not in METHODS:
         raise UsageError(f"--method {args.method!r} is not supported", fix=f"use one of {', '.join(METHODS)}")
     out = quantize(args.model, args.out, method=args.method, **_config_from_args(args))
     manifest = read_manifest(out)
     print(f"wrote {out}  (method {manifest.method}, {manifest.size_bytes / 2**20:.1f} MiB, parent {manifest.parent})")
     print(json.dumps(manifest.config, sort_keys=True))
+    if args.method in ("int8-weight-only", "w8a8") and not args.no_microbench:
+        import torch
+
+        from compress.int8 import format_microbench, gemm_microbench, model_linear_shapes
+
+        # INT8 is not always the fastest: measure this model's layer shapes here, now.
+        results = gemm_microbench(model_linear_shapes(out / "config.json"), threads=torch.get_num_threads(), repeats=3, number=3)
+        print(format_microbench(results))
     return 0

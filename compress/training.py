@@ -47,6 +47,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from compress.checkpoints import Manifest, describe_weights, read_manifest, resolve_checkpoint, write_manifest
+from compress.data import read_data_file
 from compress.distributed import ProcessGroup, local_shard
 from compress.errors import UsageError
 from compress.monitor import MetricsLog
@@ -281,8 +283,6 @@ class TrainingRecipe:
         """
         from transformers import AutoTokenizer
 
-        from compress.checkpoints import resolve_checkpoint
-        from compress.data import read_data_file
 
         cfg = self.config
         if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -525,7 +525,6 @@ class TrainingRecipe:
     def save(self) -> Path:
         """Write ``RUN_DIR/final/``: fp32 safetensors, config, tokenizer, chat template and an
         ``lmforge.json`` manifest (parent = input checkpoint, method, config, metrics)."""
-        from compress.checkpoints import Manifest, describe_weights, read_manifest, write_manifest
 
         out = self.run_dir / "final"
         full_state = None

@@ -92,11 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-length", type=int, default=256, help="encoder: tokens per text (longer texts are truncated)")
     parser.add_argument("--check", action="store_true", help="parse every config.pbtxt in --repo against Triton's model-config proto")
     group = parser.add_argument_group("engine (EngineConfig fields, written to model.json)")
-    try:
-        fields = engine_config_fields()
-    except ImportError:  # an installation without the engine can still export encoders
-        fields = {}
-    for name, kind in fields.items():
+    for name, kind in engine_config_fields().items():
         flag = "--" + name.replace("_", "-")
         if kind is bool:
             group.add_argument(flag, dest=f"engine_{name}", action=argparse.BooleanOptionalAction, default=None)

@@ -31,9 +31,10 @@ import yaml
 
 from compress.errors import LmforgeError, UsageError
 from compress.outputs import RENDERED, check_output_dir
+from deploy.triton import DEFAULT_PORTS
 
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"  # NGC 24.10 = Triton 2.51, the server lmforge tests against
-TRITON_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+TRITON_PORTS = DEFAULT_PORTS  # the ports tritonserver listens on (deploy.triton)
 LOCUST_PORTS = {"web": 8089, "master": 5557}
 #: Triton 2.51 metric families the autoscaling rule reads (checked against a real server's /metrics).
 QUEUE_METRIC = "nv_inference_queue_duration_us"
@@ -414,9 +415,9 @@ RUN pip install --upgrade pip && pip install . \\
 # mount one over /models instead to serve another.
 COPY ${{MODEL_REPOSITORY}} /models
 
-EXPOSE 8000 8001 8002
+EXPOSE {http_port} {grpc_port} {metrics_port}
 HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
-    CMD curl -fsS http://127.0.0.1:8000/v2/models/{model_name}/ready || exit 1
+    CMD curl -fsS http://127.0.0.1:{http_port}/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver"]
 CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true"]
 """
@@ -464,9 +465,9 @@ RUN pip install --upgrade pip \\
 
 COPY ${{MODEL_REPOSITORY}} /models
 
-EXPOSE 8000 8001 8002
+EXPOSE {http_port} {grpc_port} {metrics_port}
 HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
-    CMD curl -fsS http://127.0.0.1:8000/v2/models/{model_name}/ready || exit 1
+    CMD curl -fsS http://127.0.0.1:{http_port}/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver", "--backend-directory=/opt/lmforge/venv/lib/python3.11/site-packages/pytriton/tritonserver/backends"]
 CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true", "--allow-gpu-metrics=false"]
 """
@@ -574,7 +575,8 @@ def render_files(target: str, values: DeployValues) -> dict[str, str]:
         return files
     if target == "docker":
         fields = {"image": values.image, "image_cpu": cpu_image(values.image), "triton_image": TRITON_IMAGE,
-                  "model_name": values.model_name, "startup_timeout_s": values.startup_timeout_s}
+                  "model_name": values.model_name, "startup_timeout_s": values.startup_timeout_s,
+                  **{f"{name}_port": port for name, port in TRITON_PORTS.items()}}
         return {
             "Dockerfile": DOCKERFILE_GPU.format(**fields),
             "Dockerfile.cpu": DOCKERFILE_CPU.format(**fields),

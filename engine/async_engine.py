@@ -87,7 +87,7 @@ class AsyncLLMEngine:
         Closing the iterator early (e.g. the client went away) aborts the request.
         """
         self._raise_if_dead()
-        params, _, _ = self.engine.validate_request(prompt, params)  # ValueError for this request only
+        params, text, token_ids = self.engine.validate_request(prompt, params)  # ValueError for this request only
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -95,7 +95,7 @@ class AsyncLLMEngine:
             if request_id in self._queues:
                 raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
             self._queues[request_id] = (loop, queue)
-        self._submit(lambda: self._add(request_id, prompt, params))
+        self._submit(lambda: self._add(request_id, text, token_ids, params))
         finished = False
         try:
             while True:
@@ -172,9 +172,9 @@ class AsyncLLMEngine:
         with self._wake:
             self._wake.notify()
 
-    def _add(self, request_id: str, prompt, params: SamplingParams) -> None:
+    def _add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_validated_request(request_id, text, token_ids, params)
         except Exception as exc:  # noqa: BLE001 - refuses this request, never the loop
             error = exc if isinstance(exc, ValueError) else ValueError(f"request not added: {type(exc).__name__}: {exc}")
             self._send(request_id, error, last=True)

@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     parser.add_argument("--seed", type=int, default=None, help="seed of the request's sampler")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="engine dtype")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="engine dtype (auto: bfloat16 where the CPU has native bf16, else float32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the checkpoint's, capped at 8192)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

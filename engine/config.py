@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+#: ``/proc/cpuinfo`` flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 #: ``attention_backend`` names (``engine.attention.get_attention_backend``).
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -40,7 +43,9 @@ class EngineConfig:
             ``max_position_embeddings`` capped at 8192.
         enable_prefix_caching: reuse KV blocks of identical prefixes (hash of full blocks).
         enable_chunked_prefill: split long prompts over steps to respect the token budget.
-        dtype: weight and activation dtype for floating-point checkpoints.
+        dtype: weight and activation dtype for floating-point checkpoints; ``"auto"`` takes
+            ``bfloat16`` on a CPU with native bf16 (``CPU_BF16_FLAGS`` in ``/proc/cpuinfo``) or a
+            CUDA device that supports it, ``float32`` elsewhere (``resolve_dtype``).
         device: ``cpu`` or ``cuda`` (``cuda:N``).
         num_threads: ``torch.set_num_threads`` for the CPU path; ``None`` leaves torch's default.
         seed: seeds the generator of requests sampled without their own ``seed``.
@@ -77,7 +82,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     num_threads: int | None = None
     seed: int = 0
@@ -171,6 +176,29 @@ class EngineConfig:
     def replace(self, **changes: Any) -> "EngineConfig":
         """A validated copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """Feature flags of the first CPU in ``cpuinfo`` (empty where the file does not exist)."""
+    try:
+        text = open(cpuinfo, encoding="utf-8").read()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``"auto"`` -> ``bfloat16`` where the device computes it natively, else ``float32``; other values unchanged."""
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "bfloat16" if cpu_flags() & set(CPU_BF16_FLAGS) else "float32"
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 
 
 def _require_positive(name: str, value: Any) -> None:

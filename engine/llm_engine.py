@@ -19,7 +19,7 @@ import torch
 
 from compress.checkpoints import resolve_checkpoint
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model import read_model_spec
@@ -68,6 +68,7 @@ class LLMEngine:
                 f"max_model_len={max_model_len} > the checkpoint's max_position_embeddings="
                 f"{spec.max_position_embeddings}; decrease max_model_len"
             )
+        config = config.replace(dtype=resolve_dtype(config.dtype, config.device))
         self.runner = make_model_runner(config, self.path, max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(config, max_model_len)
         self.config = config = config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks, kv_cache_memory_bytes=None)
@@ -131,11 +132,23 @@ class LLMEngine:
                 vocabulary, a bad sampling parameter, or a duplicate ``request_id``; nothing is queued.
         """
         request_id = self.new_request_id() if request_id is None else str(request_id)
-        n = params.n if isinstance(params, SamplingParams) else 1
-        seq_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-        if request_id in self.groups or any(i in self.requests for i in seq_ids):
-            raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
+        self._sequence_ids(request_id, params.n if isinstance(params, SamplingParams) else 1)  # a duplicate fails before tokenizing
         params, text, token_ids = self.validate_request(prompt, params)
+        return self.add_validated_request(request_id, text, token_ids, params, arrival_time)
+
+    def add_validated_request(
+        self, request_id: str | None, text: str | None, token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> str:
+        """Queue a request that ``validate_request`` accepted (its prompt is not tokenized again); returns its id.
+
+        ``params.n`` sequences, as in ``add_request``.
+
+        Raises:
+            ValueError: a duplicate ``request_id``; nothing is queued.
+        """
+        request_id = self.new_request_id() if request_id is None else str(request_id)
+        n = params.n
+        seq_ids = self._sequence_ids(request_id, n)
         base_seed = params.seed
         if base_seed is None and not params.greedy:
             base_seed = self._seed_rng.getrandbits(62)
@@ -152,6 +165,13 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.groups[request_id] = group
         return request_id
+
+    def _sequence_ids(self, request_id: str, n: int) -> list[str]:
+        """The sequence ids of a request of ``n`` completions; ValueError if any is in use."""
+        seq_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        if request_id in self.groups or any(i in self.requests for i in seq_ids):
+            raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
+        return seq_ids
 
     def validate_request(self, prompt: str | list[int] | dict, params: SamplingParams | None) -> tuple[SamplingParams, str | None, list[int]]:
         """Check a request against the model without queueing it (safe from any thread).
@@ -503,9 +523,8 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt")
         engine = self.engine
         inputs = [self.apply_chat_template(p) if chat and not isinstance(p, dict) else p for p in prompts]
-        for p, sp in zip(inputs, params):
-            engine.validate_request(p, sp)  # validate all before running any
-        ids = [engine.add_request(None, p, sp) for p, sp in zip(inputs, params)]
+        validated = [engine.validate_request(p, sp) for p, sp in zip(inputs, params)]  # all before running any
+        ids = [engine.add_validated_request(None, text, token_ids, sp) for sp, text, token_ids in validated]
         finals: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:

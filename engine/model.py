@@ -7,100 +7,42 @@ checkpoint's ``rope_theta`` and ``linear`` / ``llama3`` scaling, grouped-query a
 
 ``Model.forward`` runs all scheduled tokens of a step as one flat batch of ``N`` tokens: linear
 layers see ``[N, hidden]``; attention is delegated to an ``engine.attention.AttentionBackend``
-with the step's metadata. INT8 ``dynamic`` checkpoints run their linear layers as PyTorch
-dynamic-INT8 layers on CPU; on CUDA their weights are dequantized to ``dtype``.
+with the step's metadata. INT8 checkpoints (``compress.int8``: ``weight-only`` or
+``w8a8``, named in the safetensors metadata) run their linear layers, the LM head included when it
+was quantized, with the INT8 kernels of ``compress.int8`` on CPU; on CUDA their weights are
+dequantized to ``dtype``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from compress.checkpoints import CheckpointError
-from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, dynamic_int8_linear
+from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, int8_linear, read_scheme
+from compress.model_spec import ModelSpec
+from engine.config import SUPPORTED_DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``EngineConfig.dtype`` names -> torch dtypes (``"auto"`` is resolved to one of them first).
+DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES if name != "auto"}
 
 
 # ------------------------------------------------------------------------------------ architecture
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """Shape and options of a Llama-family checkpoint, read from its ``config.json``."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    qkv_bias: bool
-    sliding_window: int | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-
-
-def _llama_bias(cfg) -> bool:
-    return bool(getattr(cfg, "attention_bias", False))
-
-
-def _qwen2_window(cfg) -> int | None:
-    if getattr(cfg, "use_sliding_window", False):
-        raise CheckpointError("qwen2 with use_sliding_window=True is not supported by the engine; set it to false")
-    return None
-
-
-#: model_type -> (has q/k/v bias, sliding window) readers. Add an architecture here.
-ARCHITECTURES: dict[str, tuple[Callable, Callable]] = {
-    "llama": (_llama_bias, lambda cfg: None),
-    "mistral": (lambda cfg: False, lambda cfg: getattr(cfg, "sliding_window", None)),
-    "qwen2": (lambda cfg: True, _qwen2_window),
-}
-
-
 def read_model_spec(path: Path) -> ModelSpec:
-    """Read ``config.json`` of a checkpoint directory.
+    """Read ``config.json`` of a checkpoint directory (``compress.model_spec``).
 
     Raises:
         CheckpointError: an architecture outside ``ARCHITECTURES`` (the supported ones are listed).
     """
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(path)
-    if cfg.model_type not in ARCHITECTURES:
-        raise CheckpointError(
-            f"{path}: model_type {cfg.model_type!r} is not supported by the engine; supported: {sorted(ARCHITECTURES)}"
-        )
-    bias_fn, window_fn = ARCHITECTURES[cfg.model_type]
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelSpec(
-        model_type=cfg.model_type,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_layers=cfg.num_hidden_layers,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=float(getattr(cfg, "rope_theta", 10000.0)),
-        rope_scaling=getattr(cfg, "rope_scaling", None),
-        qkv_bias=bias_fn(cfg),
-        sliding_window=window_fn(cfg),
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-    )
+    return ModelSpec.from_config(AutoConfig.from_pretrained(path).to_dict(), check_architecture=True, where=path)
 
 
 # ------------------------------------------------------------------------------------ rotary
@@ -144,15 +86,36 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ weights
 
 
-class Linear:
-    """``y = x @ W^T + b`` from float weights, or a CPU dynamic-INT8 layer (``compress.int8``)."""
+#: Batch size (rows) oneDNN picks its packed weight layout for: a full decode batch.
+PACK_BATCH_HINT = 64
 
-    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, int8_layer=None, dtype=None):
+
+def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
+    """Whether float weights can be pre-packed for oneDNN (fp32 / bf16 on CPU builds with mkldnn)."""
+    return device == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+class Linear:
+    """``y = x @ W^T + b`` from float weights, or a CPU INT8 layer of ``compress.int8`` (same dtype in and out).
+
+    With ``pack=True`` (CPU) the float weight ``[out, in]`` is reordered once into oneDNN's
+    blocked layout (``mkldnn._reorder_linear_weight``, as inductor's CPU weight-prepack pass
+    does) and every call runs ``mkldnn._linear_pointwise`` on it, so no call re-packs the
+    weight; in bf16 that uses AMX tiles where the CPU has them. ``weight`` keeps the plain
+    tensor (shared with the embedding when the lm head is tied).
+    """
+
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, int8_layer=None, dtype=None, pack: bool = False):
         self.weight, self.bias, self.int8_layer, self.dtype = weight, bias, int8_layer, dtype
+        self.packed = None
+        if pack and weight is not None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
-            return self.int8_layer(x.float()).to(self.dtype)
+            return self.int8_layer(x)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -181,6 +144,11 @@ class WeightLoader:
 
     def __init__(self, tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, device: str):
         self.tensors, self.path, self.dtype, self.device = tensors, path, dtype, device
+        try:
+            self.int8_scheme = read_scheme(sorted(path.glob("*.safetensors")))  # None for a float checkpoint
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from exc
+        self.pack = can_pack_weights(device, dtype)
 
     def has(self, name: str) -> bool:
         return name in self.tensors or name.removesuffix(".weight") + INT8_WEIGHT_SUFFIX in self.tensors
@@ -199,9 +167,9 @@ class WeightLoader:
         if all(self.is_int8(p) for p in prefixes) and self.device == "cpu":
             w8 = torch.cat([self.tensors[p + INT8_WEIGHT_SUFFIX] for p in prefixes])  # [sum(out), in]
             scale = torch.cat([self.tensors[p + INT8_SCALE_SUFFIX] for p in prefixes])
-            return Linear(None, int8_layer=dynamic_int8_linear(w8, scale, None if biases is None else biases.float()), dtype=self.dtype)
+            return Linear(None, int8_layer=int8_linear(self.int8_scheme, w8, scale, None if biases is None else biases.float()), dtype=self.dtype)
         weights = [self._float_weight(p) for p in prefixes]
-        return Linear(torch.cat(weights).contiguous(), biases)
+        return Linear(torch.cat(weights).contiguous(), biases, pack=self.pack)
 
     def _float_weight(self, prefix: str) -> torch.Tensor:
         if self.is_int8(prefix):
@@ -222,7 +190,7 @@ class LayerWeights:
 
 def load_layers(loader: WeightLoader, spec: ModelSpec) -> list[LayerWeights]:
     layers = []
-    for i in range(spec.num_layers):
+    for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         layers.append(
             LayerWeights(
@@ -261,10 +229,10 @@ class Model:
         self.embed = loader.tensor("model.embed_tokens.weight")  # [vocab, hidden]
         self.layers = load_layers(loader, spec)
         self.norm = loader.tensor("model.norm.weight")
-        if loader.has("lm_head.weight") and not spec.tie_word_embeddings:
+        if loader.is_int8("lm_head") or (loader.has("lm_head.weight") and not spec.tie_word_embeddings):
             self.lm_head = loader.linear(["lm_head"])
         else:
-            self.lm_head = Linear(self.embed)
+            self.lm_head = Linear(self.embed, pack=loader.pack)
         self.is_int8 = any(k.endswith(INT8_WEIGHT_SUFFIX) for k in tensors)
         del tensors
         inv_freq = rope_inv_freq(spec)
@@ -284,16 +252,16 @@ class Model:
         s = self.spec
         eps = s.rms_norm_eps
         n = input_ids.shape[0]
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q_size, kv_size = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
         cos = self.rope_cos[positions][:, None, :]  # [N, 1, head_dim]
         sin = self.rope_sin[positions][:, None, :]
         h = self.embed[input_ids]  # [N, hidden]
         for layer_idx, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)  # [N, q_size + 2 * kv_size]
-            q = qkv[:, :q_size].view(n, s.num_heads, s.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(n, s.num_kv_heads, s.head_dim)
-            v = qkv[:, q_size + kv_size:].view(n, s.num_kv_heads, s.head_dim)
+            q = qkv[:, :q_size].view(n, s.num_attention_heads, s.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(n, s.num_key_value_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size:].view(n, s.num_key_value_heads, s.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             out = attn.forward(q, k, v, kv_cache[layer_idx], attn_metadata)  # [N, q_size]

@@ -58,7 +58,7 @@ class ModelRunner:
         self.block_size = block_size
         self.model = Model(path, self.dtype, device, max_model_len)
         self.spec = s = self.model.spec
-        self.attn = get_attention_backend(device, s.num_heads, s.num_kv_heads, s.head_dim, s.sliding_window, attention_backend)
+        self.attn = get_attention_backend(device, s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.sliding_window, attention_backend)
         self.kv_cache: torch.Tensor | None = None
 
     @property
@@ -74,11 +74,11 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes of K and V of all layers for one block."""
         s = self.spec
-        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+        return 2 * s.num_hidden_layers * self.block_size * s.num_key_value_heads * s.head_dim * self.dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Zero-filled cache in the backend's layout (``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``)."""
-        shape = self.attn.kv_cache_shape(self.spec.num_layers, num_blocks, self.block_size)
+        shape = self.attn.kv_cache_shape(self.spec.num_hidden_layers, num_blocks, self.block_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------ inputs

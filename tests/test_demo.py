@@ -26,16 +26,19 @@ def test_demo_smoke_runs_every_stage_and_stops_the_server(tiny_llama_dir, tmp_pa
     printed = capsys.readouterr().out
     assert status == 0, printed
     report = json.loads((out / "report.json").read_text())
-    assert [s["name"] for s in report["stages"]] == ["load", "data", "fine-tune", "quantize", "evaluate", "export",
+    assert [s["name"] for s in report["stages"]] == ["load", "data", "fine-tune", "distill", "quantize", "evaluate", "export",
                                                      "serve + load test", "baseline: HF generate"]
     assert all(s["status"] == "done" for s in report["stages"]), report["stages"]
     rows = {r["model"]: r for r in report["comparison"]}
-    assert set(rows) == {"fp32", "int8"}
+    assert list(rows) == ["fp32", "bf16", "int8", "student", "student_int8"]
     for row in rows.values():
         assert row["output_tok_s"] > 0 and row["failed"] == 0
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
-        assert row["perplexity"] > 1 and row["size_mib"] > 0
-    for label in ("fp32", "int8"):
+        assert row["perplexity"] > 1 and row["size_mib"] > 0 and 0 <= row["same_top1"] <= 1
+    assert rows["fp32"]["kl_mean"] == 0 and rows["fp32"]["same_top1"] == 1.0  # the fine-tuned teacher is the reference
+    assert rows["student"]["kl_mean"] > 0
+    assert (out / "quality_vs_speed.png").stat().st_size > 0 and report["plot"] == str(out / "quality_vs_speed.png")
+    for label in rows:
         run_dir = out / "loadtest" / label
         for name in ("summary.json", "samples.jsonl", "locust_stats.csv", "ttft_cdf.png", "e2e_cdf.png"):
             assert (run_dir / name).stat().st_size > 0, name

@@ -11,7 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from compress.data import DataConfig, prepare
-from compress.distill import DistillConfig, DistillRecipe, build_student, distillation_loss, select_layers
+from compress.distill import (
+    DistillConfig,
+    DistillRecipe,
+    angular_importance,
+    build_student,
+    distillation_loss,
+    perplexity_importance,
+    select_layers,
+)
 from compress.monitor import read_metrics
 
 
@@ -39,6 +47,41 @@ def test_select_layers():
     for bad in ("3,1", "0,0", "0,9", "a,b"):
         with pytest.raises(ValueError, match="student_layers"):
             select_layers(bad, 6)
+
+
+def test_drop_n_removes_the_least_important_middle_layers():
+    importance = [0.01, 0.5, 0.02, 0.3, 0.04, 0.001]
+    assert select_layers("drop:2", 6, importance) == [0, 1, 3, 5]  # layers 0 and 5 kept although least important
+    assert select_layers("drop:4", 6, importance) == [0, 5]
+    for bad in ("drop:0", "drop:5", "drop:x"):
+        with pytest.raises(ValueError, match="student_layers"):
+            select_layers(bad, 6, importance)
+    with pytest.raises(ValueError, match="needs one importance per teacher layer"):
+        select_layers("drop:1", 6)
+
+
+def test_layer_importance_against_direct_computation(teacher_dir):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    with torch.no_grad():  # layer 2 becomes the identity: both residual branches write zeros
+        teacher.model.layers[2].self_attn.o_proj.weight.zero_()
+        teacher.model.layers[2].mlp.down_proj.weight.zero_()
+    batches = [torch.tensor([[1, 400, 5000, 31, 77, 9]]), torch.tensor([[3, 8, 120, 4]])]
+    angular = angular_importance(teacher, batches)
+    assert len(angular) == 4 and angular[2] == pytest.approx(0.0, abs=1e-6)
+    sums = torch.zeros(3)
+    with torch.no_grad():
+        for ids in batches:
+            hidden = teacher(input_ids=ids, output_hidden_states=True).hidden_states  # [n + 1] x [1, T, hidden]
+            for i in range(3):  # hidden[i + 1] is layer i's raw output for all but the last layer (normed)
+                sums[i] += (1 - F.cosine_similarity(hidden[i], hidden[i + 1], dim=-1)).sum()
+    assert angular[:3] == pytest.approx((sums / 10).tolist(), rel=1e-4, abs=1e-6)
+    with torch.no_grad():
+        full = sum(float(teacher(input_ids=ids, labels=ids).loss) * (ids.shape[1] - 1) for ids in batches) / 8
+    removed = perplexity_importance(teacher, batches)
+    assert removed[2] == pytest.approx(full, rel=1e-5)  # removing the identity layer changes nothing
+    assert len(teacher.model.layers) == 4 and teacher.config.num_hidden_layers == 4  # restored
 
 
 def test_student_copies_every_other_teacher_layer(teacher_dir):
@@ -82,7 +125,9 @@ def test_distill_run_halves_layers_lowers_loss_resumes_and_loads(teacher_dir, ch
     from transformers import AutoModelForCausalLM
 
     cfg = DistillConfig(model=str(teacher_dir), data=str(chat_data), run_dir=str(tmp_path / "run"), max_steps=6,
-                        micro_batch_size=2, max_length=48, lr=3e-3, eval_every=0, progress=False, stop_after=3)
+                        micro_batch_size=2, max_length=48, lr=3e-3, eval_every=0, progress=False, stop_after=3,
+                        student_layers="drop:2", calibration_records=4, generate_records=6, generate_tokens=8,
+                        alpha=0.5, beta=0.5, gamma=0.1, temperature=2.0)
     result, final = DistillRecipe(cfg).run()
     assert result.status == "stopped" and (tmp_path / "run" / "checkpoints" / "step_000003").is_dir()
     result, final = DistillRecipe(dataclasses.replace(cfg, stop_after=None, resume=True)).run()
@@ -97,7 +142,11 @@ def test_distill_run_halves_layers_lowers_loss_resumes_and_loads(teacher_dir, ch
     manifest = json.loads((final / "lmforge.json").read_text())
     assert manifest["method"] == "distill" and manifest["parent"] == str(teacher_dir)
     m = manifest["metrics"]
-    assert m["student_num_layers"] == 2 and m["teacher_num_layers"] == 4 and m["student_layer_map"] == [0, 2]
+    assert m["student_num_layers"] == 2 and m["teacher_num_layers"] == 4 and m["student_layer_map"] == [0, 3]
+    assert m["layer_importance"] == "angular" and len(m["layer_importance_values"]) == 4
+    generated = [json.loads(line) for line in (tmp_path / "run" / "teacher_generated.jsonl").read_text().splitlines()]
+    assert 0 < len(generated) <= 6 and m["teacher_generated_records"] == len(generated)
+    assert [t["role"] for t in generated[0]["messages"]][-2:] == ["user", "assistant"]
     assert m["val_ppl_after"] < m["val_ppl_before"] and m["teacher_val_ppl"] > 1
     student = AutoModelForCausalLM.from_pretrained(final)
     assert student.config.model_type == "llama" and student.config.num_hidden_layers == 2

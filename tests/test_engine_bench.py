@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.bound import ModelShape, percentile, ratio, workload_flops
+from bench.bound import percentile, ratio, workload_flops
 from bench.engine_backends import BACKENDS, left_pad
 from bench.engine_bench import engine_targets, parse_configs, parse_engine_args, summarize, summarize_single, token_agreement
+from compress.model_spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,14 +21,14 @@ SMOLLM2_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_lay
 
 
 def test_layer_params_of_smollm2_match_its_weights():
-    shape = ModelShape.from_config(SMOLLM2_CONFIG)
+    shape = ModelSpec.from_config(SMOLLM2_CONFIG)
     # q, o: 576x576; k, v: 576x192; gate, up, down: 576x1536
     assert shape.layer_matmul_params == 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 == 3_538_944
     assert shape.lm_head_flops == 2 * 576 * 49152
 
 
 def test_workload_flops_equals_token_by_token_sum():
-    shape = ModelShape.from_config({"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+    shape = ModelSpec.from_config({"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
                                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100})
     prompt_lens, system_of, shared, max_tokens = [10, 12, 9, 7], [0, 0, 1, 1], [8, 5], 4
     expected = sum(shape.body_flops(pos + 1) for s in shared for pos in range(s))

@@ -52,11 +52,11 @@ def test_vllm_config_without_vllm_is_not_installed(tmp_path):
     assert result.status == "not installed" and "run `make peers`" in result.reason and "--vllm-python" in result.reason
 
 
-def test_llama_server_adapter_against_a_fake_server(tmp_path):
+def test_llama_server_adapter_against_a_fake_server(tiny_llama_dir, tmp_path):
     gguf = tmp_path / "m-f32.gguf"
     gguf.write_bytes(b"GGUF")
     prompts = [[1, 2, 3], [10, 20, 30, 40], [7]]
-    spec = RunSpec(config="llama_cpp_server_f32", model=str(tmp_path), workload_path=str(_work(tmp_path, prompts, 5, single=[4, 4])),
+    spec = RunSpec(config="llama_cpp_server_f32", model=str(tiny_llama_dir), workload_path=str(_work(tmp_path, prompts, 5, single=[4, 4])),
                    gguf=str(gguf), llama_server=str(FAKE_SERVER), threads=2, log_dir=str(tmp_path))
     result = run_spec(spec)
     assert result.status == "ok", result.reason
@@ -67,9 +67,9 @@ def test_llama_server_adapter_against_a_fake_server(tmp_path):
     assert result.peak_rss_bytes > 1_000_000  # the server process's, sampled
 
 
-def test_llama_server_errors_are_reported(tmp_path):
+def test_llama_server_errors_are_reported(tiny_llama_dir, tmp_path):
     # the server refuses the model file: the row fails with the server's own words
-    spec = RunSpec(config="llama_cpp_server_q8_0", model=str(tmp_path), workload_path=str(_work(tmp_path, [[1]], 2)),
+    spec = RunSpec(config="llama_cpp_server_q8_0", model=str(tiny_llama_dir), workload_path=str(_work(tmp_path, [[1]], 2)),
                    gguf=str(tmp_path / "missing.gguf"), llama_server=str(FAKE_SERVER), log_dir=str(tmp_path))
     result = run_spec(spec)
     assert result.status == "failed" and "exited with 1" in result.reason and "missing.gguf not found" in result.reason

@@ -13,7 +13,7 @@ from engine.llm_engine import MAX_CONSECUTIVE_FAILED_STEPS
 from tests.test_engine_greedy import hf_greedy, random_prompts
 from tests.test_engine_requests import run_to_end
 
-CONFIG = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=64, max_model_len=64, max_num_seqs=2)
+CONFIG = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=64, max_model_len=64, max_num_seqs=2, dtype="float32")
 VOCAB = 49152  # make_tiny_llama: the SmolLM2 vocabulary
 
 

@@ -42,7 +42,7 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def make_llm(model_dir, **overrides) -> LLM:
-    config = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=256)
+    config = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=256, dtype="float32")
     config.update(overrides)
     return LLM(str(model_dir), **config)
 
@@ -117,7 +117,7 @@ def test_alone_equals_inside_batch_of_32(tiny_llama_dir):
 
 @pytest.mark.integration
 def test_real_smollm2_greedy_equals_hf(smollm2_dir):
-    llm = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=128)
+    llm = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=128, dtype="float32")
     tok = llm.tokenizer
     texts = ["The capital of France is", "def fibonacci(n):", "Here is a short poem about the sea:\n"]
     prompts = [tok(t).input_ids for t in texts]

@@ -1,29 +1,42 @@
-"""INT8 ``dynamic`` checkpoints load as dynamic-INT8 linears and track the dequantized model."""
+"""INT8 checkpoints (weight-only, w8a8, former ``dynamic``) run the INT8 layers and track the dequantized model."""
 
 from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 
 from compress.checkpoints import Manifest, make_tiny_llama, write_manifest
-from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, quantize_weight_per_channel
+from compress.int8 import (
+    INT8_SCALE_SUFFIX,
+    INT8_WEIGHT_SUFFIX,
+    LAYERS,
+    dequantize_weight,
+    quantize_weight_per_channel,
+    scheme_metadata,
+)
 from engine import LLM, SamplingParams
 from tests.test_engine_greedy import random_prompts
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_int8_checkpoint(src, dst) -> dict[str, torch.Tensor]:
-    """Quantize every decoder linear of ``src`` into ``dst`` (``dynamic`` format); return the dequantized state dict."""
+def write_int8_checkpoint(src, dst, scheme: str | None) -> dict[str, torch.Tensor]:
+    """Quantize every decoder linear and the (tied) LM head of ``src`` into ``dst``; return the dequantized state dict.
+
+    ``scheme=None`` writes the former ``dynamic`` layout: no scheme metadata, head kept float.
+    """
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
     (dst / "model.safetensors").unlink()
     state = load_file(str(src / "model.safetensors"))
     stored, dequantized = {}, {}
+    if scheme is not None:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: the head's copy is quantized
     for name, tensor in state.items():
-        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+        if (name.endswith(".weight") and name.split(".")[-2] in LINEARS) or name == "lm_head.weight":
             w8, scale = quantize_weight_per_channel(tensor)
             prefix = name.removesuffix(".weight")
             stored[prefix + INT8_WEIGHT_SUFFIX], stored[prefix + INT8_SCALE_SUFFIX] = w8, scale
@@ -31,21 +44,29 @@ def write_int8_checkpoint(src, dst) -> dict[str, torch.Tensor]:
         else:
             stored[name] = tensor
             dequantized[name] = tensor
-    save_file(stored, str(dst / "model.safetensors"))
-    write_manifest(dst, Manifest(source=str(src), parent=str(src), method="dynamic", dtype="int8"))
+    save_file(stored, str(dst / "model.safetensors"), metadata=scheme_metadata(scheme) if scheme else None)
+    method = {"weight-only": "int8-weight-only", "w8a8": "w8a8", None: "dynamic"}[scheme]
+    write_manifest(dst, Manifest(source=str(src), parent=str(src), method=method, dtype="int8"))
     return dequantized
 
 
-def test_int8_dynamic_checkpoint_matches_dequantized_hf(tmp_path):
+@pytest.mark.parametrize(("scheme", "dtype"), [("weight-only", "bfloat16"), ("w8a8", "float32"), (None, "float32")])
+def test_int8_checkpoint_matches_dequantized_hf(scheme, dtype, tmp_path):
     from transformers import AutoModelForCausalLM
 
     src = make_tiny_llama(tmp_path / "fp32", seed=5, hidden_size=128, intermediate_size=256)
-    dequantized = write_int8_checkpoint(src, tmp_path / "int8")
+    dequantized = write_int8_checkpoint(src, tmp_path / "int8", scheme)
     hf = AutoModelForCausalLM.from_pretrained(src).eval()
+    if scheme is not None:
+        hf.lm_head.weight = torch.nn.Parameter(dequantized.pop("lm_head.weight"))  # unties the head
     hf.load_state_dict(dequantized, strict=False)
-    llm = LLM(str(tmp_path / "int8"), block_size=4, num_kv_blocks=128, max_model_len=128)
-    assert llm.engine.runner.is_int8
-    assert isinstance(llm.engine.runner.layers[0].qkv.int8_layer, torch.ao.nn.quantized.dynamic.Linear)
+    llm = LLM(str(tmp_path / "int8"), dtype=dtype, block_size=4, num_kv_blocks=128, max_model_len=128)
+    runner = llm.engine.runner
+    assert runner.is_int8
+    layer_cls = LAYERS[scheme or "w8a8"]
+    assert isinstance(runner.layers[0].qkv.int8_layer, layer_cls)
+    lm_head = runner.model.lm_head
+    assert isinstance(lm_head.int8_layer, layer_cls) if scheme else lm_head.int8_layer is None
     prompts = random_prompts([4, 9, 15, 22, 30, 7], seed=23)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
     matched = total = 0

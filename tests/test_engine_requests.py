@@ -11,7 +11,7 @@ from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from tests.test_engine_greedy import hf_greedy, random_prompts
 
-CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=64, max_model_len=128)
+CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=64, max_model_len=128, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +232,18 @@ def test_cli_generate_uses_the_engine(tiny_llama_dir, capsys):
     assert engine_text == hf_text
     assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", prompt, "--top-p", "1.5"]) == 1
     assert "top_p" in capsys.readouterr().err
+
+
+def test_auto_dtype_is_bf16_where_the_cpu_has_it(tiny_llama_dir, tmp_path):
+    from engine.config import CPU_BF16_FLAGS, cpu_flags
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_bf16 amx_tile\n")
+    assert {"amx_bf16", "avx512f"} <= cpu_flags(str(info))
+    assert cpu_flags(str(tmp_path / "missing")) == set()
+    config = {k: v for k, v in CONFIG.items() if k != "dtype"}
+    llm = LLM(str(tiny_llama_dir), **config)
+    expected = "bfloat16" if cpu_flags() & set(CPU_BF16_FLAGS) else "float32"
+    assert llm.engine.config.dtype == expected
+    assert llm.engine.runner.kv_cache.dtype == getattr(torch, expected)
+    assert LLM(str(tiny_llama_dir), **CONFIG).engine.runner.kv_cache.dtype == torch.float32

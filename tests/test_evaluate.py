@@ -20,8 +20,8 @@ from compress.evaluate import (
     load_for_eval,
     perplexity,
     quality_metrics,
-    reference_logprobs,
     read_records,
+    reference_logprobs,
 )
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France, and it is lovely in spring."]

@@ -1,6 +1,16 @@
+import pytest
 import torch
 
-from compress.int8 import dequantize_weight, dynamic_int8_linear, quantize_weight_per_channel
+from compress.int8 import (
+    Int8WeightOnlyLinear,
+    W8A8Linear,
+    dequantize_weight,
+    format_microbench,
+    gemm_microbench,
+    int8_linear,
+    quantize_per_token,
+    quantize_weight_per_channel,
+)
 
 
 def test_per_channel_roundtrip_error_bounded_by_half_step():
@@ -11,9 +21,43 @@ def test_per_channel_roundtrip_error_bounded_by_half_step():
     assert (dequantize_weight(q, scale) - w).abs().max() <= scale.max() / 2 + 1e-6
 
 
-def test_dynamic_linear_close_to_float():
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_weight_only_equals_the_dequantized_float_linear(rows):
     torch.manual_seed(0)
-    w, b, x = torch.randn(64, 32), torch.randn(64), torch.randn(5, 32)
-    layer = dynamic_int8_linear(*quantize_weight_per_channel(w), b)
-    ref = x @ w.T + b
-    assert (layer(x) - ref).abs().max() < 0.05 * ref.abs().max()
+    w, b, x = torch.randn(64, 32), torch.randn(64), torch.randn(2, rows, 32)
+    w8, scale = quantize_weight_per_channel(w)
+    layer = Int8WeightOnlyLinear(w8, scale, b)
+    expected = x @ dequantize_weight(w8, scale).T + b  # [2, rows, 64]
+    got = layer(x)
+    assert got.shape == (2, rows, 64) and got.dtype == torch.float32
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+    got_bf16 = layer(x.bfloat16())
+    assert got_bf16.dtype == torch.bfloat16
+    assert (got_bf16.float() - expected).abs().max() < 0.02 * expected.abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_w8a8_equals_int8_arithmetic_with_per_token_scales(rows):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(48, 96), torch.randn(48), torch.randn(rows, 96)
+    x[:, 3] *= 30  # an outlier channel: per-token scales keep the other rows' precision
+    w8, scale = quantize_weight_per_channel(w)
+    layer = int8_linear("w8a8", w8, scale, b)
+    assert isinstance(layer, W8A8Linear)
+    xq, x_scale = quantize_per_token(x)
+    exact = (xq.double() @ w8.double().T) * x_scale.double() * scale.double() + b.double()  # [rows, 48]
+    got = layer(x)
+    assert torch.allclose(got.double(), exact, atol=1e-3, rtol=1e-4)
+    reference = x @ w.T + b
+    assert (got - reference).abs().max() < 0.03 * reference.abs().max()
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="scheme 'int4'"):
+        int8_linear("int4", w8, scale)
+
+
+def test_microbench_times_every_variant_and_names_the_fastest():
+    results = gemm_microbench([(64, 32, 2)], rows=(1, 8), threads=1, repeats=1, number=1)
+    assert set(results) == {"M=1", "M=8"}
+    assert set(results["M=1"]) == {"fp32", "bf16", "int8-weight-only", "int8-weight-only-fp32", "w8a8"}
+    assert all(v > 0 for times in results.values() for v in times.values())
+    assert "fastest:" in format_microbench(results)

@@ -81,11 +81,11 @@ def test_quantize_cli_refuses_foreign_cwd_and_input(tiny_llama_dir, precious, mo
     before = sorted(p.name for p in tiny_llama_dir.iterdir())
     for out, reason in [(precious, "not an earlier lmforge checkpoint"), (tiny_llama_dir, "would replace the input"),
                         (tiny_llama_dir / "int8", "inside the input")]:
-        assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "dynamic", "--out", str(out)]) == 2
+        assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "w8a8", "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert f"error: {Path(out).resolve()}: " in err and reason in err and "choose a new or empty directory" in err
     monkeypatch.chdir(precious)
-    assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "dynamic", "--out", "."]) == 2
+    assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "w8a8", "--out", "."]) == 2
     assert "working directory" in capsys.readouterr().err
     assert _kept(precious) and sorted(p.name for p in tiny_llama_dir.iterdir()) == before
 
@@ -211,7 +211,7 @@ def test_a_users_checkpoint_that_lmforge_only_read_is_never_replaced(tiny_llama_
     resolve_checkpoint(users)
     assert read_manifest(users).method == "import"
     before = sorted(p.name for p in users.iterdir())
-    assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "dynamic", "--out", str(users)]) == 2
+    assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "w8a8", "--out", str(users)]) == 2
     assert "not an earlier lmforge checkpoint (no lmforge.json that lmforge wrote)" in capsys.readouterr().err
     assert sorted(p.name for p in users.iterdir()) == before
     (tmp_path / "corrupt").mkdir()

@@ -16,7 +16,7 @@ from scipy.stats import chi2_contingency
 from engine import LLM, SamplingParams
 from tests.test_engine_greedy import random_prompts
 
-CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=256)
+CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=256, dtype="float32")
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
@@ -162,24 +162,27 @@ def test_stops_inside_an_accepted_run_truncate_like_without_speculation(target_d
 
 @pytest.fixture(scope="module")
 def small_vocab_dirs(tmp_path_factory):
-    """A 64-token-vocabulary target (prompts and outputs use ids < 64; EOS ignored) and a noisy draft of it."""
+    """A 64-token-vocabulary target (prompts and outputs use ids < 64; EOS ignored) and an unrelated draft."""
     from compress.checkpoints import make_tiny_llama
 
     target = make_tiny_llama(tmp_path_factory.mktemp("small-vocab"), seed=3, vocab_size=64, tie_word_embeddings=False)
-    return target, noisy_copy(target, tmp_path_factory.mktemp("small-vocab-draft"), 0.5)
+    draft = make_tiny_llama(tmp_path_factory.mktemp("small-vocab-draft"), seed=99, vocab_size=64, tie_word_embeddings=False)
+    return target, draft
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampling_distribution_equals_no_speculation(small_vocab_dirs, method):
     """Chi-square (contingency) of the tokens at output positions 1..3 over 600 seeded trials each.
 
-    A 64-token vocabulary keeps the cells few. ngram: one-hot proposals from the context, kept with
-    probability p(x); draft: q differs from p, so accept, reject and residual draws all happen.
+    A 64-token vocabulary keeps the cells few; temperature 0.3 sharpens the random models'
+    near-flat distributions, so p and q peak on different tokens and a sampler that kept every
+    proposal fails the test (checked). ngram: one-hot proposals from the context, kept with
+    probability p(x); draft: an unrelated model, so accept, reject and residual draws all happen.
     """
     target, draft = small_vocab_dirs
     trials = 600
     prompt = [5, 9, 17, 5, 9, 17, 5, 9]
-    base = dict(temperature=1.0, max_tokens=4, ignore_eos=True)
+    base = dict(temperature=0.3, max_tokens=4, ignore_eos=True)
     big = dict(CONFIG, num_kv_blocks=2 * trials * 4, max_num_batched_tokens=8192, max_num_seqs=trials)
     plain = LLM(str(target), **big)
     spec = spec_llm(target, method, draft, num_speculative_tokens=3, **big)
@@ -247,13 +250,12 @@ def test_draft_defaults_to_the_distilled_student_of_the_model(tmp_path, tiny_lla
 def test_real_smollm2_greedy_equals_no_speculation(smollm2_dir):
     paragraph = ("The city library will close for renovation from the first of March until the end of June. Books can be "
                  "returned at the community centre on Oak Street, which is open every day from nine until six.")
-    plain = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=96)
-    prompts = [plain.apply_chat_template(f"Rewrite this paragraph in simpler words:\n\n{paragraph}"),
-               plain.apply_chat_template("What is the boiling point of water?")]
-    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=96, dtype="float32")
+    prompts = [plain.apply_chat_template(f"Rewrite this paragraph in simpler words:\n\n{paragraph}")]
+    params = SamplingParams(temperature=0, max_tokens=24)
     want = tokens(plain.generate(prompts, params))
     del plain
-    spec = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=96, speculative_method="ngram")
+    spec = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=96, dtype="float32", speculative_method="ngram")
     assert tokens(spec.generate(prompts, params)) == want
     assert spec.engine.get_stats().spec_decode_num_accepted_tokens_total > 0
     spec.engine.check_invariants()

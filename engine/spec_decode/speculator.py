@@ -114,6 +114,9 @@ class Speculator:
         Returns:
             Per item, its new token ids and their logprobs entries (``None`` when not asked).
         """
+        if not any(item.spec_token_ids for item in items):  # nothing proposed (e.g. switched off): the plain path, no copy
+            result = sampler(logits, [item.seq for item in items])
+            return [[t] for t in result.token_ids], [[entry] for entry in result.logprobs]
         starts, row = [], 0
         for item in items:
             starts.append(row)
