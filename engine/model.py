@@ -91,8 +91,13 @@ PACK_BATCH_HINT = 64
 
 
 def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
-    """Whether float weights can be pre-packed for oneDNN (fp32 / bf16 on CPU builds with mkldnn)."""
-    return device == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    """Whether float weights are pre-packed for oneDNN: bf16 on CPU builds with mkldnn.
+
+    Measured on SmolLM2-135M, 2 threads, AVX-512 BF16 + AMX (one run, packed vs plain): bf16
+    64-request workload 250 vs 168 tok/s, one request 32.0 vs 27.7 tok/s; fp32 161 vs 313 and
+    20.9 vs 32.0 tok/s. fp32 therefore keeps ``F.linear`` on the plain weight.
+    """
+    return device == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
 class Linear:
