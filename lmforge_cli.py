@@ -36,20 +36,20 @@ class Command:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("info", "compress.checkpoints", "Resolve a checkpoint (converting GGUF once) and print its manifest."),
+    Command("info", "compress.checkpoint.store", "Resolve a checkpoint (converting GGUF once) and print its manifest."),
     Command("generate", "engine.cli", "Generate a completion with the engine (or --backend hf for transformers)."),
-    Command("data", "compress.data", "Load, deduplicate, filter and split dialog or text data."),
-    Command("finetune", "compress.finetune", "Fine-tune a checkpoint (AdamW, warmup+cosine, LoRA optional)."),
-    Command("distill", "compress.distill", "Distill a teacher checkpoint into a smaller student."),
-    Command("quantize", "compress.quantize", "INT8-quantize a checkpoint (dynamic, llm-int8, onnx-int8)."),
-    Command("evaluate", "compress.evaluate", "Compare checkpoints: perplexity, agreement, size, decode latency."),
+    Command("data", "compress.data.prepare", "Load, deduplicate, filter and split dialog or text data."),
+    Command("finetune", "compress.train.finetune", "Fine-tune a checkpoint (AdamW, warmup+cosine, LoRA optional)."),
+    Command("distill", "compress.train.distill", "Distill a teacher checkpoint into a smaller student."),
+    Command("quantize", "compress.quantize.methods", "INT8-quantize a checkpoint (dynamic, llm-int8, onnx-int8)."),
+    Command("evaluate", "compress.evaluate.quality", "Compare checkpoints: perplexity, agreement, size, decode latency."),
     Command("export", "deploy.export", "Export a checkpoint into a Triton model repository."),
     Command("serve", "deploy.serve", "Start (or --stop) the Triton Inference Server on a model repository."),
     Command("loadtest", "bench.loadtest", "Load-test a served model with Locust and write a report."),
     Command("bench", "bench.cli", "Benchmarks: engine throughput and latency, compression figures."),
     Command("demo", "bench.demo", "The whole job: compress, evaluate, export, serve, load-test, report."),
-    Command("plan", "compress.plan", "Plan memory and parallelism for training or inference at scale."),
-    Command("diagnose", "compress.diagnose", "Find the cause of a misbehaving training run from its metrics."),
+    Command("plan", "compress.scale.plan", "Plan memory and parallelism for training or inference at scale."),
+    Command("diagnose", "compress.scale.diagnose", "Find the cause of a misbehaving training run from its metrics."),
     Command("render", "deploy.render", "Render container / Kubernetes deployment files for a model."),
 )
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 
-from compress.model_spec import ModelSpec
+from compress.checkpoint.model_spec import ModelSpec
 
 
 def _span_flops(shape: ModelSpec, start: int, stop: int) -> int:

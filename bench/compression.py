@@ -5,12 +5,12 @@ Causal LM (default: the real SmolLM2-135M-Instruct) on the held-out English dial
 * size reduction of the transformer blocks' linear weights (target >= 3.5x) and of the whole
   weight files,
 * teacher-forced quality against fp32: perplexity change, mean and p99 KL(fp32 || variant),
-  same top-1 token (``compress.evaluate.quality_metrics``), with bf16 as a variant too,
+  same top-1 token (``compress.evaluate.quality.quality_metrics``), with bf16 as a variant too,
 * free-running greedy agreement with fp32 on the fixed prompt set (secondary),
 * HF decode latency (batch 1, ms/token),
 * our engine's output tok/s for 1 sequence alone and for the engine benchmark's workload
   (64 chat requests x 64 greedy tokens, ``bench.workload``), fp32 / bf16 / INT8 variants in one
-  process one after another, and a GEMM microbench (``compress.int8.gemm_microbench``) that
+  process one after another, and a GEMM microbench (``compress.quantize.int8.gemm_microbench``) that
   says which variant is fastest on this CPU.
 
 Targets (``TARGETS``): int8-weight-only KL <= 0.005, top-1 >= 97%, perplexity <= +1.5%, 1
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import UsageError
-from compress.outputs import BENCH_COMPRESSION, check_output_dir
+from compress.checkpoint.outputs import BENCH_COMPRESSION, check_output_dir
 
 TARGET_LINEAR_REDUCTION = 3.5
 TARGET_MINILM_COSINE = 0.99
@@ -73,13 +73,13 @@ def bf16_copy(parent: Path, out: Path) -> Path:
     """A bf16 safetensors copy of ``parent`` (for the quality columns of the bf16 row)."""
     import torch
 
-    from compress.checkpoints import (
+    from compress.checkpoint.store import (
         Manifest,
         describe_weights,
         load_causal_lm,
         write_manifest,
     )
-    from compress.quantize import _copy_side_files_missing
+    from compress.quantize.methods import _copy_side_files_missing
 
     model, _, _ = load_causal_lm(parent, dtype="bfloat16")
     out.mkdir(parents=True, exist_ok=True)
@@ -126,16 +126,16 @@ def engine_speed(models: dict[str, tuple[Path, str]], *, threads: int, num_reque
 
 def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Quantize with each method, evaluate all against fp32; returns per-method figures."""
-    from compress.checkpoints import resolve_checkpoint
-    from compress.evaluate import (
+    from compress.checkpoint.store import resolve_checkpoint
+    from compress.evaluate.quality import (
         EvalConfig,
         default_heldout_records,
         evaluate,
         format_table,
         read_records,
     )
-    from compress.int8 import format_microbench, gemm_microbench, model_linear_shapes
-    from compress.quantize import quantize
+    from compress.quantize.int8 import format_microbench, gemm_microbench, model_linear_shapes
+    from compress.quantize.methods import quantize
 
     parent = resolve_checkpoint(args.model)
     if args.data:
@@ -206,7 +206,7 @@ def _targets(method: str, m: dict[str, Any]) -> str:
 
 
 def _sentences(limit: int = 64) -> list[str]:
-    from compress.evaluate import default_heldout_records
+    from compress.evaluate.quality import default_heldout_records
 
     records, _ = default_heldout_records()
     texts = [m["content"] for r in records for m in r.get("messages", [])] + [r["text"] for r in records if "text" in r]
@@ -217,7 +217,7 @@ def _embed_each(model, tokenizer, sentences: list[str]):
     """Mean-pooled embeddings ``[n, hidden]``, one sentence per call (batch 1), and seconds taken."""
     import torch
 
-    from compress.onnx import mean_pool
+    from compress.quantize.onnx import mean_pool
 
     rows, start = [], time.perf_counter()
     with torch.no_grad():
@@ -234,8 +234,8 @@ def minilm_figures(out: Path, threads: int, repeats: int = 3) -> dict[str, Any]:
     from optimum.onnxruntime import ORTModelForFeatureExtraction
     from transformers import AutoModel, AutoTokenizer
 
-    from compress.checkpoints import resolve_checkpoint
-    from compress.onnx import export_onnx, quantize_onnx_int8
+    from compress.checkpoint.store import resolve_checkpoint
+    from compress.quantize.onnx import export_onnx, quantize_onnx_int8
 
     torch.set_num_threads(threads)
     source = resolve_checkpoint("minilm-l6", causal_lm=False)
@@ -329,7 +329,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from compress.quantize import METHODS
+    from compress.quantize.methods import METHODS
 
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:

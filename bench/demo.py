@@ -4,15 +4,15 @@ Stages, each printed with its progress and time:
 
 1. load the checkpoint (default: the embedded SmolLM2-135M-Instruct; ``--smoke``: a tiny random
    Llama);
-2. prepare the dialog data (``compress.data``: chatterbot-corpus English, or ``--data``);
-3. fine-tune a few dozen steps (``compress.finetune``, fp32 on CPU, one 96-token row a step): the
+2. prepare the dialog data (``compress.data.prepare``: chatterbot-corpus English, or ``--data``);
+3. fine-tune a few dozen steps (``compress.train.finetune``, fp32 on CPU, one 96-token row a step): the
    teacher of every later comparison;
-4. distil the fine-tuned teacher into a shallower student (``compress.distill``: least important
+4. distil the fine-tuned teacher into a shallower student (``compress.train.distill``: least important
    layers dropped, healed by logit KD on the dialogs plus the teacher's own engine-generated
    replies; ``--full`` spends the longer budget);
-5. INT8-quantize the teacher and the student (``compress.quantize``, ``--int8-method``);
+5. INT8-quantize the teacher and the student (``compress.quantize.methods``, ``--int8-method``);
 6. evaluate fp32, bf16, INT8, student and student+INT8 against the fine-tuned teacher
-   (``compress.evaluate``: teacher-forced perplexity, KL, same top-1 on the held-out split, size);
+   (``compress.evaluate.quality``: teacher-forced perplexity, KL, same top-1 on the held-out split, size);
 7. export them into a Triton model repository (``deploy.export``; bf16 = the fp32 checkpoint run
    by an engine in bf16), plus the fp32 model with ``max_num_seqs=1`` (batching off) unless
    ``--no-batching-compare``;
@@ -42,10 +42,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoints import DEFAULT_MODEL, resolve_checkpoint
+from compress.checkpoint.store import DEFAULT_MODEL, resolve_checkpoint
 from compress.errors import LmforgeError, UsageError
-from compress.outputs import DEMO, check_output_dir
-from compress.records import read_records
+from compress.checkpoint.outputs import DEMO, check_output_dir
+from compress.data.records import read_records
 
 
 SMOKE_MODEL = "tiny-random"
@@ -194,20 +194,20 @@ class Demo:
 
     def load(self) -> Path:
         if self.config.model == SMOKE_MODEL:
-            from compress.checkpoints import make_tiny_llama
+            from compress.checkpoint.store import make_tiny_llama
 
             return make_tiny_llama(self.out / "tiny-random", seed=0)
         return resolve_checkpoint(self.config.model)
 
     def prepare_data(self) -> Path:
-        data = _require("compress.data", "data preparation")
+        data = _require("compress.data.prepare", "data preparation")
         inputs = self.config.data or [data.DEFAULT_INPUT]
         out = self.out / "data"
         data.prepare(data.DataConfig(inputs=inputs), out, verbose=False)
         return out
 
     def finetune(self) -> Path:
-        finetune = _require("compress.finetune", "fine-tuning")
+        finetune = _require("compress.train.finetune", "fine-tuning")
         c = self.config
         config = finetune.FinetuneConfig(
             model=str(self.results["load"]), data=str(self.results["data"]), run_dir=str(self.out / "finetune"),
@@ -219,7 +219,7 @@ class Demo:
         return Path(final)
 
     def distill(self) -> Path:
-        distill = _require("compress.distill", "distillation")
+        distill = _require("compress.train.distill", "distillation")
         c = self.config
         overrides = dict(distill.FULL_BUDGET) if c.full else {}
         config = distill.DistillConfig(**{
@@ -236,7 +236,7 @@ class Demo:
 
     def quantize(self) -> dict[str, Path]:
         """INT8 (``--int8-method``) of the teacher (``int8``) and of the student (``student_int8``)."""
-        quantize = _require("compress.quantize", "INT8 quantization")
+        quantize = _require("compress.quantize.methods", "INT8 quantization")
         method = self.config.int8_method
         out = {"int8": Path(quantize.quantize(self.tuned(), self.out / f"int8-{method}", method=method))}
         if self.results.get("distill"):
@@ -256,7 +256,7 @@ class Demo:
         return models
 
     def evaluate(self) -> dict:
-        evaluate = _require("compress.evaluate", "evaluation")
+        evaluate = _require("compress.evaluate.quality", "evaluation")
         from bench.compression import bf16_copy
 
         models = self.models()
@@ -388,7 +388,7 @@ def evaluate_models(evaluate, models: dict[str, Path], data: Path | None, config
                     log: Callable[[str], None] = print) -> dict:
     """Perplexity on the held-out split, greedy agreement, size and decode latency of each model.
 
-    Uses ``compress.evaluate.evaluate`` (the first model is the agreement reference) and prints
+    Uses ``compress.evaluate.quality.evaluate`` (the first model is the agreement reference) and prints
     its table. Returns ``{label: metrics}`` with the labels of ``models``.
     """
     records, name = None, None
@@ -453,7 +453,7 @@ def comparison_rows(results: dict) -> list[dict]:
     """One row per model: size (MiB), quality vs the teacher, served output tok/s, TTFT p50/p99 (ms).
 
     Missing figures are ``None``. Quality: teacher-forced perplexity, mean KL(teacher || model)
-    and same top-1 on the held-out split (``compress.evaluate``).
+    and same top-1 on the held-out split (``compress.evaluate.quality``).
     """
     rows = []
     runs = results.get("serve + load test") or {}
@@ -547,7 +547,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoConfig()
     parser.add_argument("--model", default=d.model, help="checkpoint: name, .gguf file or directory (default smollm2-135m)")
     parser.add_argument("--data", action="append", default=None,
-                        help="data input for compress.data (chatterbot:LANG, .yml, .jsonl, .txt); repeatable")
+                        help="data input for compress.data.prepare (chatterbot:LANG, .yml, .jsonl, .txt); repeatable")
     parser.add_argument("--out", default=d.out, help="report directory (default reports/demo)")
     parser.add_argument("--finetune-steps", type=int, default=d.finetune_steps, help="optimizer steps of the fine-tune")
     parser.add_argument("--distill-steps", type=int, default=d.distill_steps, help=f"optimizer steps of the distillation (default {d.distill_steps})")
@@ -555,7 +555,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generate-records", type=int, default=d.generate_records,
                         help=f"teacher replies generated with the engine as KD data (default {d.generate_records})")
     parser.add_argument("--int8-method", choices=("int8-weight-only", "w8a8"), default=d.int8_method, help=f"INT8 method (default {d.int8_method})")
-    parser.add_argument("--full", action="store_true", help="the longer distillation budget (compress.distill.FULL_BUDGET)")
+    parser.add_argument("--full", action="store_true", help="the longer distillation budget (compress.train.distill.FULL_BUDGET)")
     parser.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     parser.add_argument("--max-length", type=int, default=d.max_length, help="tokens per training row")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default=d.precision,

@@ -31,7 +31,7 @@ from pathlib import Path
 from bench import spec_bench
 from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
-from compress.model_spec import ModelSpec
+from compress.checkpoint.model_spec import ModelSpec
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
 #: is the faster of the ``llama_cpp_server_*`` rows.
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="llama-server for llama_cpp_server_* (default: .peers/llama.cpp/build/bin/llama-server)")
     parser.add_argument("--gguf-dir", default=None, metavar="DIR",
                         help="keep the converted GGUFs here and reuse them in later runs (default: a temporary directory)")
-    parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 checkpoint (w8a8 or int8-weight-only) for engine_int8 (default: w8a8, made with compress.quantize)")
+    parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 checkpoint (w8a8 or int8-weight-only) for engine_int8 (default: w8a8, made with compress.quantize.methods)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="extra EngineConfig field for the engine configs (repeatable), e.g. max_num_seqs=64; "
                              "engine_fp32 / engine_bf16 / engine_prefix_off set dtype themselves")
@@ -153,18 +153,18 @@ def parse_engine_args(items: list[str]) -> dict:
 
 
 def find_int8(given: str | None, model_dir: Path, work_dir: Path) -> tuple[str | None, str | None]:
-    """The INT8 checkpoint for ``engine_int8``: ``--int8`` as given, else quantize with ``compress.quantize``.
+    """The INT8 checkpoint for ``engine_int8``: ``--int8`` as given, else quantize with ``compress.quantize.methods``.
 
     Returns ``(path or None, note)``; the note says where it came from or why there is none.
     """
     if given is not None:
         return given, f"given: {given}"
-    from compress.quantize import quantize  # torch and transformers: imported only when needed
+    from compress.quantize.methods import quantize  # torch and transformers: imported only when needed
     out = work_dir / "int8-w8a8"
     try:
-        return str(quantize(model_dir, out, method="w8a8")), f"made by compress.quantize (method w8a8) from {model_dir}"
+        return str(quantize(model_dir, out, method="w8a8")), f"made by compress.quantize.methods (method w8a8) from {model_dir}"
     except (ValueError, RuntimeError, OSError) as exc:  # reported; the benchmark goes on without it
-        return None, f"compress.quantize failed: {type(exc).__name__}: {exc}"
+        return None, f"compress.quantize.methods failed: {type(exc).__name__}: {exc}"
 
 
 @dataclasses.dataclass
@@ -439,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
         return spec_bench.run(args)
     from transformers import AutoTokenizer
 
-    from compress.checkpoints import CheckpointError, resolve_checkpoint
+    from compress.checkpoint.store import CheckpointError, resolve_checkpoint
     from bench.workload import WorkloadError, build_workload, single_prompt
 
     if args.smoke:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from compress.data import iter_jsonl
+from compress.data.prepare import iter_jsonl
 from compress.errors import UsageError
-from compress.records import default_split_records
+from compress.data.records import default_split_records
 
 
 class PromptError(UsageError):
@@ -62,7 +62,7 @@ def held_out_dialog_prompts() -> list[str]:
     """The user prompt of each held-out English chatterbot-corpus dialog.
 
     Held out means the validation split of ``lmforge data`` with its defaults
-    (``compress.records.default_split_records``: deduplicated and filtered together with the
+    (``compress.data.records.default_split_records``: deduplicated and filtered together with the
     training split, so no prompt was trained on). Prompts are deduplicated, order kept.
 
     Raises:
@@ -96,7 +96,7 @@ def render_chat(prompts: list[str], checkpoint: str, system_prompt: str | None =
     """
     from transformers import AutoTokenizer
 
-    from compress.checkpoints import CheckpointError, resolve_checkpoint
+    from compress.checkpoint.store import CheckpointError, resolve_checkpoint
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_checkpoint(checkpoint)))

@@ -140,7 +140,7 @@ def soak(args: argparse.Namespace, duration_s: float) -> dict:
 
 
 def _export(args: argparse.Namespace, out: Path) -> Path:
-    from compress.checkpoints import CheckpointError, make_tiny_llama, resolve_checkpoint
+    from compress.checkpoint.store import CheckpointError, make_tiny_llama, resolve_checkpoint
     from deploy.export import export
 
     try:

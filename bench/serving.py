@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_tokens < 1 or args.rounds < 1 or any(c < 1 for c in args.concurrency):
         parser.error("--max-tokens, --rounds and --concurrency must be >= 1")
 
-    from compress.checkpoints import resolve_checkpoint
+    from compress.checkpoint.store import resolve_checkpoint
 
     model = str(resolve_checkpoint(args.model))
     engine_config = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}

@@ -161,7 +161,7 @@ def _wait_health(url: str, process: subprocess.Popen, timeout_s: float) -> bool:
 
 def start_peers(args, out: Path, notes: list[str]) -> list[Peer]:
     """Start ``vllm serve`` and ``llama-server`` from the peers directory; notes say what was skipped."""
-    from compress.checkpoints import resolve_checkpoint
+    from compress.checkpoint.store import resolve_checkpoint
     from deploy.triton import free_ports
 
     peers_dir = Path(os.environ.get("LMFORGE_PEERS", DEFAULT_PEERS_DIR))

@@ -16,7 +16,7 @@ speculation (``same tok`` column):
 Configurations run in rotation, ``--spec-repeats`` times, and the fastest repeat of each counts
 (the machine may be shared). The draft is ``--draft DIR``, else the newest ``lmforge distill``
 output of the model under ``./runs``, else a layer subset of the model made here
-(``compress.distill.build_student``, no training) -- the report says which.
+(``compress.train.distill.build_student``, no training) -- the report says which.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def find_or_make_draft(args, model_dir: Path, work_dir: Path) -> tuple[Path, str
         return found, f"`lmforge distill` output of the model: {found}"
     layers = [int(x) for x in args.draft_layers.split(",")]
     return make_layer_draft(model_dir, layers, work_dir / "draft"), (
-        f"teacher layers {layers} with embeddings, final norm and head, no training (compress.distill.build_student)"
+        f"teacher layers {layers} with embeddings, final norm and head, no training (compress.train.distill.build_student)"
     )
 
 
@@ -137,8 +137,8 @@ def make_layer_draft(model_dir: Path, layers: list[int], out: Path) -> Path:
     """Save ``build_student(teacher, layers)`` with the teacher's tokenizer (no training)."""
     from transformers import AutoTokenizer
 
-    from compress.checkpoints import load_causal_lm
-    from compress.distill import build_student
+    from compress.checkpoint.store import load_causal_lm
+    from compress.train.distill import build_student
 
     teacher, _, _ = load_causal_lm(str(model_dir))
     student, _ = build_student(teacher, layers=layers)
@@ -278,7 +278,7 @@ def run(args) -> int:
 
     from bench.prompts import PromptError, load_prompts
     from bench.workload import WorkloadError, build_workload
-    from compress.checkpoints import CheckpointError, resolve_checkpoint
+    from compress.checkpoint.store import CheckpointError, resolve_checkpoint
 
     num_prompts, repeats, workload_requests = args.spec_prompts, args.spec_repeats, args.num_requests
     if args.smoke:

@@ -1,6 +1,6 @@
 """Sentence embeddings from an ONNX encoder (all-MiniLM-L6-v2 and other BERT-like models).
 
-Export (``prepare_encoder_onnx``): ``compress.onnx.export_onnx(task="feature-extraction")``
+Export (``prepare_encoder_onnx``): ``compress.quantize.onnx.export_onnx(task="feature-extraction")``
 gives a graph with output ``last_hidden_state`` ``[batch, seq, hidden]``. We append the
 sentence-transformers head to the graph -- mean pooling over the attention mask (Reimers &
 Gurevych 2019, Sentence-BERT) and, when the checkpoint's ``modules.json`` has a ``Normalize``
@@ -131,8 +131,8 @@ def prepare_encoder_onnx(checkpoint: str | Path, out_dir: Path, *, max_length: i
 
     import onnx
 
-    from compress.checkpoints import resolve_checkpoint
-    from compress.onnx import export_onnx
+    from compress.checkpoint.store import resolve_checkpoint
+    from compress.quantize.onnx import export_onnx
 
     source = resolve_checkpoint(checkpoint, causal_lm=False)
     out_dir = Path(out_dir)

@@ -29,9 +29,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoints import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
+from compress.checkpoint.store import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
 from compress.errors import UsageError
-from compress.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
+from compress.checkpoint.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from deploy.model_config import (
     CONFIG_NAME,
     check_repository,

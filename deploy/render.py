@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from compress.errors import LmforgeError, UsageError
-from compress.outputs import RENDERED, check_output_dir
+from compress.checkpoint.outputs import RENDERED, check_output_dir
 from deploy.triton import DEFAULT_PORTS
 
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"  # NGC 24.10 = Triton 2.51, the server lmforge tests against
@@ -601,7 +601,7 @@ def render_deploy(target: str, out_dir: str | Path, *, values: DeployValues | No
 
     Raises:
         ValueError: unknown target or field, or an invalid value (names the field).
-        OutputDirError: ``out_dir`` holds files that are not ours (``compress.outputs``).
+        OutputDirError: ``out_dir`` holds files that are not ours (``compress.checkpoint.outputs``).
     """
     unknown = set(overrides) - {f.name for f in dataclasses.fields(DeployValues)}
     if unknown:

@@ -115,7 +115,7 @@ def backend_directory(install: TritonInstallation) -> Path:
     Built once (symbolic links) under the lmforge cache, atomically so concurrent servers can
     share it.
     """
-    from compress.checkpoints import cache_dir
+    from compress.checkpoint.store import cache_dir
 
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     digest = hashlib.sha256(str(install.binary).encode()).hexdigest()[:10]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from compress.checkpoints import DEFAULT_MODEL, check_device
+from compress.checkpoint.store import DEFAULT_MODEL, check_device
 from compress.errors import UsageError
 
 
@@ -42,7 +42,7 @@ def hf_generate(model_spec: str, prompt: str, *, chat: bool, max_tokens: int) ->
     """
     import torch
 
-    from compress.checkpoints import load_causal_lm
+    from compress.checkpoint.store import load_causal_lm
 
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}; it must be >= 1")

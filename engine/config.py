@@ -32,7 +32,7 @@ class EngineConfig:
     """Configuration of an ``LLMEngine``; validated at construction.
 
     Attributes:
-        model: checkpoint name, ``.gguf`` file or directory (``compress.checkpoints.resolve_checkpoint``).
+        model: checkpoint name, ``.gguf`` file or directory (``compress.checkpoint.store.resolve_checkpoint``).
         block_size: tokens per KV cache block.
         num_kv_blocks: blocks in the KV pool; ``None`` derives it from ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: KV pool budget in bytes (K and V of every layer) when

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from compress.checkpoints import resolve_checkpoint
+from compress.checkpoint.store import resolve_checkpoint
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
@@ -52,7 +52,7 @@ class LLMEngine:
 
     Raises:
         ValueError: an inconsistent configuration (also once the checkpoint's limits are known).
-        compress.checkpoints.CheckpointError: the checkpoint is missing, corrupt or unsupported.
+        compress.checkpoint.store.CheckpointError: the checkpoint is missing, corrupt or unsupported.
     """
 
     def __init__(self, config: EngineConfig) -> None:

@@ -7,9 +7,9 @@ checkpoint's ``rope_theta`` and ``linear`` / ``llama3`` scaling, grouped-query a
 
 ``Model.forward`` runs all scheduled tokens of a step as one flat batch of ``N`` tokens: linear
 layers see ``[N, hidden]``; attention is delegated to an ``engine.attention.AttentionBackend``
-with the step's metadata. INT8 checkpoints (``compress.int8``: ``weight-only`` or
+with the step's metadata. INT8 checkpoints (``compress.quantize.int8``: ``weight-only`` or
 ``w8a8``, named in the safetensors metadata) run their linear layers, the LM head included when it
-was quantized, with the INT8 kernels of ``compress.int8`` on CPU; on CUDA their weights are
+was quantized, with the INT8 kernels of ``compress.quantize.int8`` on CPU; on CUDA their weights are
 dequantized to ``dtype``.
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from compress.checkpoints import CheckpointError
-from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, int8_linear, read_scheme
-from compress.model_spec import ModelSpec
+from compress.checkpoint.store import CheckpointError
+from compress.quantize.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, int8_linear, read_scheme
+from compress.checkpoint.model_spec import ModelSpec
 from engine.config import SUPPORTED_DTYPES
 
 #: ``EngineConfig.dtype`` names -> torch dtypes (``"auto"`` is resolved to one of them first).
@@ -35,7 +35,7 @@ DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES if name != "au
 
 
 def read_model_spec(path: Path) -> ModelSpec:
-    """Read ``config.json`` of a checkpoint directory (``compress.model_spec``).
+    """Read ``config.json`` of a checkpoint directory (``compress.checkpoint.model_spec``).
 
     Raises:
         CheckpointError: an architecture outside ``ARCHITECTURES`` (the supported ones are listed).
@@ -101,7 +101,7 @@ def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """``y = x @ W^T + b`` from float weights, or a CPU INT8 layer of ``compress.int8`` (same dtype in and out).
+    """``y = x @ W^T + b`` from float weights, or a CPU INT8 layer of ``compress.quantize.int8`` (same dtype in and out).
 
     With ``pack=True`` (CPU) the float weight ``[out, in]`` is reordered once into oneDNN's
     blocked layout (``mkldnn._reorder_linear_weight``, as inductor's CPU weight-prepack pass

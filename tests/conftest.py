@@ -14,7 +14,7 @@ ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "nu
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct checkpoint, converted from the shipped GGUF (cached)."""
-    from compress.checkpoints import resolve_checkpoint
+    from compress.checkpoint.store import resolve_checkpoint
 
     return resolve_checkpoint("smollm2-135m")
 
@@ -22,7 +22,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A random 2-layer Llama with grouped-query attention (4 heads, 2 KV heads) and the SmolLM2 tokenizer."""
-    from compress.checkpoints import make_tiny_llama
+    from compress.checkpoint.store import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.checkpoints import (
+from compress.checkpoint.store import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,

@@ -10,12 +10,12 @@ import types
 import pytest
 
 import lmforge_cli
-from compress.checkpoints import CheckpointError
-from compress.data import DataError
-from compress.diagnose import RunDirError
+from compress.checkpoint.store import CheckpointError
+from compress.data.prepare import DataError
+from compress.scale.diagnose import RunDirError
 from compress.errors import LmforgeError, UsageError
-from compress.evaluate import EvaluationError
-from compress.training import TrainingError
+from compress.evaluate.quality import EvaluationError
+from compress.train.loop import TrainingError
 from bench.loadtest import LoadTestError
 from bench.prompts import PromptError
 from bench.workload import WorkloadError
@@ -39,7 +39,7 @@ def _fake_command(monkeypatch, run):
     module = types.SimpleNamespace(add_arguments=lambda parser: None, run=run)
     real_import = lmforge_cli.importlib.import_module
     monkeypatch.setattr(lmforge_cli.importlib, "import_module",
-                        lambda name: module if name == "compress.checkpoints" else real_import(name))
+                        lambda name: module if name == "compress.checkpoint.store" else real_import(name))
 
 
 def _raise(exc: BaseException):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from compress.data import DataConfig, DataError, load_input, prepare, read_data_file
-from compress.dedup import MinHashConfig, cross_duplicates, near_duplicates
-from compress.packing import IGNORE_INDEX, pack, tokenize_and_pack, tokenize_record
+from compress.data.prepare import DataConfig, DataError, load_input, prepare, read_data_file
+from compress.data.dedup import MinHashConfig, cross_duplicates, near_duplicates
+from compress.data.packing import IGNORE_INDEX, pack, tokenize_and_pack, tokenize_record
 
 BASE = [
     "The quick brown fox jumps over the lazy dog near the river bank every single morning.",

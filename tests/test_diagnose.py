@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from compress.diagnose import RunDirError, diagnose, split_overlap
+from compress.scale.diagnose import RunDirError, diagnose, split_overlap
 from lmforge_cli import main
 
 STEPS = 200
@@ -178,7 +178,7 @@ def test_cli_reports_and_rejects_corrupt_logs(tmp_path, capsys):
 
 
 def test_warmup_length_from_finetune_config_or_lr(tmp_path):
-    from compress.diagnose import load_run, warmup_steps
+    from compress.scale.diagnose import load_run, warmup_steps
 
     records = healthy_records()
     run = {"train_data": None, "val_data": None, "config": {"warmup_ratio": 0.05, "max_steps": 200}}

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compress.data import DataConfig, prepare
-from compress.distill import (
+from compress.data.prepare import DataConfig, prepare
+from compress.train.distill import (
     DistillConfig,
     DistillRecipe,
     angular_importance,
@@ -20,13 +20,13 @@ from compress.distill import (
     perplexity_importance,
     select_layers,
 )
-from compress.monitor import read_metrics
+from compress.train.monitor import read_metrics
 
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory) -> Path:
     """A random 4-layer GQA Llama teacher with the SmolLM2 tokenizer."""
-    from compress.checkpoints import make_tiny_llama
+    from compress.checkpoint.store import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("teacher"), seed=1, num_hidden_layers=4)
 

@@ -12,7 +12,7 @@ import pytest
 from bench.bound import percentile, ratio, workload_flops
 from bench.engine_backends import BACKENDS, left_pad
 from bench.engine_bench import engine_targets, parse_configs, parse_engine_args, summarize, summarize_single, token_agreement
-from compress.model_spec import ModelSpec
+from compress.checkpoint.model_spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 

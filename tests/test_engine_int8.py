@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from compress.checkpoints import Manifest, make_tiny_llama, write_manifest
-from compress.int8 import (
+from compress.checkpoint.store import Manifest, make_tiny_llama, write_manifest
+from compress.quantize.int8 import (
     INT8_SCALE_SUFFIX,
     INT8_WEIGHT_SUFFIX,
     LAYERS,

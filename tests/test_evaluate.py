@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from compress.checkpoints import CheckpointError, read_manifest
-from compress.evaluate import (
+from compress.checkpoint.store import CheckpointError, read_manifest
+from compress.evaluate.quality import (
     EvalConfig,
     EvaluationError,
     agreement,

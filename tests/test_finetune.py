@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.data import DataConfig, prepare
-from compress.finetune import FinetuneConfig, FinetuneRecipe, run_recipe
-from compress.monitor import read_metrics
-from compress.training import TrainConfig, TrainingError, clip_gradients, cosine_schedule
+from compress.data.prepare import DataConfig, prepare
+from compress.train.finetune import FinetuneConfig, FinetuneRecipe, run_recipe
+from compress.train.monitor import read_metrics
+from compress.train.loop import TrainConfig, TrainingError, clip_gradients, cosine_schedule
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from compress.int8 import (
+from compress.quantize.int8 import (
     Int8WeightOnlyLinear,
     W8A8Linear,
     dequantize_weight,

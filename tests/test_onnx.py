@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from compress.checkpoints import CheckpointError, read_manifest, resolve_checkpoint
-from compress.onnx import export_onnx, mean_pool, quantize_onnx_int8
+from compress.checkpoint.store import CheckpointError, read_manifest, resolve_checkpoint
+from compress.quantize.onnx import export_onnx, mean_pool, quantize_onnx_int8
 
 PROMPTS = ["Hello there, how are you today?", "The capital of France is"]
 SENTENCES = ["A man is playing a guitar.", "The weather is lovely today.", "Quantization makes models smaller."]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import lmforge_cli
-from compress.outputs import CHECKPOINT, DATA, OutputDirError, check_copy, check_output_dir, staged_output_dir
+from compress.checkpoint.outputs import CHECKPOINT, DATA, OutputDirError, check_copy, check_output_dir, staged_output_dir
 
 
 @pytest.fixture()
@@ -91,7 +91,7 @@ def test_quantize_cli_refuses_foreign_cwd_and_input(tiny_llama_dir, precious, mo
 
 
 def test_onnx_export_refuses_a_foreign_directory(tiny_llama_dir, precious):
-    from compress.onnx import export_onnx
+    from compress.quantize.onnx import export_onnx
 
     with pytest.raises(OutputDirError, match="precious: not empty"):
         export_onnx(tiny_llama_dir, precious, task="text-generation-with-past")
@@ -194,7 +194,7 @@ def test_loadtest_relative_out_gets_the_child_files(tmp_path, monkeypatch):
 
 
 def test_gguf_conversion_refuses_a_foreign_directory(precious):
-    from compress.checkpoints import convert_gguf, named_source_path
+    from compress.checkpoint.store import convert_gguf, named_source_path
 
     with pytest.raises(OutputDirError, match="precious: not empty and not an earlier lmforge checkpoint"):
         convert_gguf(named_source_path("smollm2-135m"), precious)  # refused before the GGUF is loaded
@@ -203,7 +203,7 @@ def test_gguf_conversion_refuses_a_foreign_directory(precious):
 
 def test_a_users_checkpoint_that_lmforge_only_read_is_never_replaced(tiny_llama_dir, tmp_path, capsys):
     """Resolving a user's Hugging Face directory adds an ``import`` manifest; that does not make it ours."""
-    from compress.checkpoints import read_manifest, resolve_checkpoint
+    from compress.checkpoint.store import read_manifest, resolve_checkpoint
 
     users = tmp_path / "my-model"
     shutil.copytree(tiny_llama_dir, users)

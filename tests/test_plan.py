@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.checkpoints import tiny_llama_config
-from compress.comm_model import (
+from compress.checkpoint.store import tiny_llama_config
+from compress.scale.comm_model import (
     CLUSTER_PRESETS,
     LINK_EFFICIENCY,
     Cluster,
@@ -19,7 +19,7 @@ from compress.comm_model import (
     megatron_flops_per_iteration,
     training_step_time,
 )
-from compress.memory_model import (
+from compress.scale.memory_model import (
     ModelSpec,
     Precision,
     kv_bytes_per_token,
@@ -29,8 +29,8 @@ from compress.memory_model import (
     state_memory,
     total_params,
 )
-from compress.pipeline_schedule import bubble_fraction, simulate_1f1b
-from compress.plan import Split, TrainingSetup, check_split, plan_training, serving_options
+from compress.scale.pipeline_schedule import bubble_fraction, simulate_1f1b
+from compress.scale.plan import Split, TrainingSetup, check_split, plan_training, serving_options
 from lmforge_cli import main
 
 #: Stated tolerance of predicted vs measured activation bytes (the counts agree exactly on

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from compress.checkpoints import CheckpointError, make_tiny_llama, read_manifest
-from compress.evaluate import (
+from compress.checkpoint.store import CheckpointError, make_tiny_llama, read_manifest
+from compress.evaluate.quality import (
     AGREEMENT_PROMPTS,
     EvalConfig,
     agreement,
@@ -18,8 +18,8 @@ from compress.evaluate import (
     greedy_tokens,
     load_for_eval,
 )
-from compress.int8 import Int8WeightOnlyLinear, W8A8Linear
-from compress.quantize import (
+from compress.quantize.int8 import Int8WeightOnlyLinear, W8A8Linear
+from compress.quantize.methods import (
     METHODS,
     Int8WeightOnlyConfig,
     LlmInt8Config,
@@ -188,7 +188,7 @@ def test_bad_inputs_name_the_field_or_file(tiny_llama_dir, tmp_path, capsys):
 
 @pytest.mark.integration
 def test_int8_smollm2_stays_close_to_fp32(smollm2_dir, tmp_path):
-    from compress.evaluate import (
+    from compress.evaluate.quality import (
         default_heldout_records,
         quality_metrics,
         reference_logprobs,
@@ -211,7 +211,7 @@ def test_int8_smollm2_stays_close_to_fp32(smollm2_dir, tmp_path):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_smoothquant_keeps_the_fp32_function_and_flattens_outliers(model_type, tmp_path):
-    from compress.smooth import activation_absmax, smooth_model
+    from compress.quantize.smooth import activation_absmax, smooth_model
 
     model = load_for_eval(make_tiny_llama(tmp_path / model_type, seed=2, model_type=model_type), num_threads=1).model
     with torch.no_grad():  # plant an outlier channel in the MLP input, as in real LLMs
@@ -232,8 +232,8 @@ def test_smoothquant_keeps_the_fp32_function_and_flattens_outliers(model_type, t
 
 
 def test_out_dir_that_is_not_a_checkpoint_is_refused_and_kept(tiny_llama_dir, tmp_path, monkeypatch):
-    from compress.outputs import OutputDirError
-    from compress.quantize import quantize
+    from compress.checkpoint.outputs import OutputDirError
+    from compress.quantize.methods import quantize
 
     precious = tmp_path / "precious"
     precious.mkdir()
@@ -249,8 +249,8 @@ def test_out_dir_that_is_not_a_checkpoint_is_refused_and_kept(tiny_llama_dir, tm
 
 
 def test_quantizing_a_quantized_checkpoint_is_refused(tiny_llama_dir, tmp_path):
-    from compress.checkpoints import CheckpointError
-    from compress.quantize import quantize
+    from compress.checkpoint.store import CheckpointError
+    from compress.quantize.methods import quantize
 
     once = quantize(tiny_llama_dir, tmp_path / "once", method="w8a8", smoothquant_alpha=None)
     with pytest.raises(CheckpointError, match="already quantized \\(method w8a8\\)"):

@@ -306,7 +306,7 @@ def test_encoder_embeddings_match_in_process_onnxruntime(server, served_repo):
     import torch
     from transformers import AutoTokenizer
 
-    from compress.onnx import mean_pool
+    from compress.quantize.onnx import mean_pool
 
     body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [len(SENTENCES), 1], "data": SENTENCES}]}
     response = requests.post(f"{server.http_url}/v2/models/minilm/infer", json=body, timeout=60)

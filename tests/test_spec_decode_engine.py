@@ -34,7 +34,7 @@ def repetitive_prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     """A random tiny Llama with untied embeddings: varied greedy output (the tied one repeats its input)."""
-    from compress.checkpoints import make_tiny_llama
+    from compress.checkpoint.store import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("target"), seed=0, tie_word_embeddings=False)
 
@@ -163,7 +163,7 @@ def test_stops_inside_an_accepted_run_truncate_like_without_speculation(target_d
 @pytest.fixture(scope="module")
 def small_vocab_dirs(tmp_path_factory):
     """A 64-token-vocabulary target (prompts and outputs use ids < 64; EOS ignored) and an unrelated draft."""
-    from compress.checkpoints import make_tiny_llama
+    from compress.checkpoint.store import make_tiny_llama
 
     target = make_tiny_llama(tmp_path_factory.mktemp("small-vocab"), seed=3, vocab_size=64, tie_word_embeddings=False)
     draft = make_tiny_llama(tmp_path_factory.mktemp("small-vocab-draft"), seed=99, vocab_size=64, tie_word_embeddings=False)
@@ -216,7 +216,7 @@ def test_abort_mid_speculation_frees_every_block(target_dir, noisy_draft_dir):
 def test_draft_with_another_tokenizer_or_vocab_is_refused(tmp_path, tiny_llama_dir):
     from transformers import AutoTokenizer
 
-    from compress.checkpoints import make_tiny_llama
+    from compress.checkpoint.store import make_tiny_llama
 
     other_vocab = make_tiny_llama(tmp_path / "vocab", seed=1, vocab_size=49160)
     with pytest.raises(ValueError, match="vocab_size=49160"):
@@ -232,7 +232,7 @@ def test_draft_with_another_tokenizer_or_vocab_is_refused(tmp_path, tiny_llama_d
 def test_draft_defaults_to_the_distilled_student_of_the_model(tmp_path, tiny_llama_dir, monkeypatch):
     import shutil
 
-    from compress.checkpoints import read_manifest, write_manifest
+    from compress.checkpoint.store import read_manifest, write_manifest
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="no `lmforge distill` output"):

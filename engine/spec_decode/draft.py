@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from compress.checkpoints import MANIFEST_NAME, CheckpointError, read_manifest, resolve_checkpoint
+from compress.checkpoint.store import MANIFEST_NAME, CheckpointError, read_manifest, resolve_checkpoint
 from engine.block_manager import BlockManager
 from engine.model import read_model_spec
 from engine.model_runner import ModelRunner
@@ -81,7 +81,7 @@ class DraftProposer:
 
     Raises:
         ValueError: the draft's context is shorter than ``max_model_len``.
-        compress.checkpoints.CheckpointError: the draft checkpoint is missing or unsupported.
+        compress.checkpoint.store.CheckpointError: the draft checkpoint is missing or unsupported.
     """
 
     def __init__(self, draft_dir: Path, dtype: str, device: str, block_size: int, max_model_len: int, num_blocks: int) -> None:

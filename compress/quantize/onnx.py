@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoints import (
+from compress.checkpoint.store import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
@@ -30,7 +30,7 @@ from compress.checkpoints import (
     resolve_checkpoint,
     write_manifest,
 )
-from compress.outputs import CHECKPOINT, staged_output_dir
+from compress.checkpoint.outputs import CHECKPOINT, staged_output_dir
 
 ONNX_MODEL_NAME = "model.onnx"
 
@@ -136,7 +136,7 @@ def export_onnx(checkpoint_dir: str | Path, output_dir: str | Path, *, task: str
     Args:
         checkpoint_dir: a checkpoint (name, ``.gguf`` or directory; see ``resolve_checkpoint``).
         output_dir: the new checkpoint directory: new, empty or an earlier checkpoint (replaced).
-            ``OutputDirError`` otherwise (``compress.outputs``).
+            ``OutputDirError`` otherwise (``compress.checkpoint.outputs``).
         task: ``text-generation-with-past`` for causal LMs (exports the KV-cache inputs and
             outputs), ``feature-extraction`` for encoders (``last_hidden_state``
             ``[batch, seq, hidden]``).
@@ -190,7 +190,7 @@ def quantize_onnx_int8(
     Args:
         onnx_dir: a directory written by ``export_onnx`` (``model.onnx`` + config + tokenizer).
         output_dir: the new checkpoint directory: new, empty or an earlier checkpoint (replaced).
-            ``OutputDirError`` otherwise (``compress.outputs``).
+            ``OutputDirError`` otherwise (``compress.checkpoint.outputs``).
         config: quantization settings; ``OnnxInt8Config()`` (QInt8, per-channel) by default.
         parent: the manifest's ``parent``; defaults to ``onnx_dir`` (``lmforge quantize`` passes
             the PyTorch checkpoint when the fp32 export was only an intermediate step).
@@ -208,7 +208,7 @@ def quantize_onnx_int8(
     onnx_dir = Path(onnx_dir)
     model_path = onnx_dir / ONNX_MODEL_NAME
     if not model_path.is_file():
-        raise CheckpointError(f"{model_path}: missing; export the checkpoint first with compress.onnx.export_onnx (or lmforge quantize --method onnx-int8)")
+        raise CheckpointError(f"{model_path}: missing; export the checkpoint first with compress.quantize.onnx.export_onnx (or lmforge quantize --method onnx-int8)")
     export_manifest = read_manifest(onnx_dir) if (onnx_dir / MANIFEST_NAME).is_file() else None
     output_dir = Path(output_dir)
     sources = (onnx_dir,) if parent is None else (onnx_dir, parent)

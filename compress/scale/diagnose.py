@@ -17,10 +17,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from compress.dedup import MinHashConfig, cross_duplicates
+from compress.data.dedup import MinHashConfig, cross_duplicates
 from compress.errors import UsageError
-from compress.outputs import check_output_file
-from compress.records import read_records
+from compress.checkpoint.outputs import check_output_file
+from compress.data.records import read_records
 
 SPIKE_WINDOW = 10  # preceding train steps a spike is compared with
 SPIKE_MIN_HISTORY = 5
@@ -227,7 +227,7 @@ def read_texts(path: str | Path) -> list[str]:
     """Texts of a ``lmforge data`` JSONL split (``text`` or ``messages``), at most ``MAX_RECORDS``.
 
     Raises:
-        RunDirError: missing file or a line that is not a record (``compress.records``; names path and line).
+        RunDirError: missing file or a line that is not a record (``compress.data.records``; names path and line).
     """
     path = Path(path)
     if not path.is_file():
@@ -236,7 +236,7 @@ def read_texts(path: str | Path) -> list[str]:
 
 
 def split_overlap(train_path: str | Path, val_path: str | Path) -> dict:
-    """Fraction of val records with a near-duplicate in train: ``compress.dedup``'s definition
+    """Fraction of val records with a near-duplicate in train: ``compress.data.dedup``'s definition
     (MinHash of character shingles, Jaccard >= ``LEAK_JACCARD``), the one ``lmforge data`` applies."""
     train, val = read_texts(train_path), read_texts(val_path)
     pairs = cross_duplicates(train, val, MinHashConfig(threshold=LEAK_JACCARD, num_perm=LEAK_NUM_PERM))

@@ -17,12 +17,12 @@ What the loop does, per optimizer step:
   get_cosine_schedule_with_warmup``); the schedule counts optimizer steps, never micro-batches;
 * a non-finite loss or gradient norm stops the run with a message; the checkpoints already
   written (the last good state) are kept and nothing is written after the failure;
-* metrics appended to ``metrics.jsonl`` (``compress.monitor``), validation every
+* metrics appended to ``metrics.jsonl`` (``compress.train.monitor``), validation every
   ``eval_every`` steps, a checkpoint every ``save_every`` steps.
 
-The recipe keeps the loop; three classes own the rest: ``compress.distributed.ProcessGroup``
-(device, DDP/FSDP2, collectives), ``compress.train_checkpoints.TrainingCheckpoints`` (save,
-rotation, resume) and ``compress.monitor.MetricsLog`` (``metrics.jsonl`` and its plots).
+The recipe keeps the loop; three classes own the rest: ``compress.train.distributed.ProcessGroup``
+(device, DDP/FSDP2, collectives), ``compress.train.checkpoints.TrainingCheckpoints`` (save,
+rotation, resume) and ``compress.train.monitor.MetricsLog`` (``metrics.jsonl`` and its plots).
 
 Checkpoints (``RUN_DIR/checkpoints/step_NNNNNN/``, written to a temporary directory and swapped
 in, so a checkpoint directory is always complete) hold the trainable weights, the optimizer and
@@ -47,14 +47,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from compress.checkpoints import Manifest, describe_weights, read_manifest, resolve_checkpoint, write_manifest
-from compress.data import read_data_file
-from compress.distributed import ProcessGroup, local_shard
+from compress.checkpoint.store import Manifest, describe_weights, read_manifest, resolve_checkpoint, write_manifest
+from compress.data.prepare import read_data_file
+from compress.train.distributed import ProcessGroup, local_shard
 from compress.errors import UsageError
-from compress.monitor import MetricsLog
-from compress.outputs import CHECKPOINT, TRAINING_RUN, check_output_dir, staged_output_dir
-from compress.packing import IGNORE_INDEX, PackedData, tokenize_and_pack
-from compress.train_checkpoints import TrainingCheckpoints, TrainingError, TrainState
+from compress.train.monitor import MetricsLog
+from compress.checkpoint.outputs import CHECKPOINT, TRAINING_RUN, check_output_dir, staged_output_dir
+from compress.data.packing import IGNORE_INDEX, PackedData, tokenize_and_pack
+from compress.train.checkpoints import TrainingCheckpoints, TrainingError, TrainState
 
 __all__ = ["TrainConfig", "TrainResult", "TrainState", "TrainingError", "TrainingRecipe", "token_losses"]
 
@@ -66,7 +66,7 @@ class TrainConfig:
     """Settings shared by every training recipe (recorded in ``run.json`` and the manifest).
 
     Attributes:
-        model: input checkpoint (name, .gguf, or directory; ``compress.checkpoints``).
+        model: input checkpoint (name, .gguf, or directory; ``compress.checkpoint.store``).
         data: directory with ``train.jsonl`` and ``val.jsonl`` from ``lmforge data``.
         run_dir: output directory (metrics, plots, checkpoints, ``final/``).
         max_steps: optimizer steps in the whole run (the schedule's length).
@@ -512,7 +512,7 @@ class TrainingRecipe:
     # -- checkpoints -------------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_NNNNNN`` for the current step (``compress.train_checkpoints``)."""
+        """Write ``checkpoints/step_NNNNNN`` for the current step (``compress.train.checkpoints``)."""
         return self.checkpoints.save(self.model, self.optimizer, self.scheduler, self.scaler, self.state)
 
     def restore_checkpoint(self, path: Path) -> None:

@@ -1,11 +1,11 @@
 """Records: the JSONL files every stage reads, and the one default held-out split.
 
 A record is ``{"messages": [{"role", "content"}, ...]}`` or ``{"text": ...}``
-(``compress.data.validate_record`` is the schema). ``read_records`` reads a JSONL file of them
+(``compress.data.prepare.validate_record`` is the schema). ``read_records`` reads a JSONL file of them
 and names ``file:line`` in every error. The default split is the one ``lmforge data`` writes
 with its default settings (the English chatterbot corpus, deduplicated and filtered across both
 splits): it is made once and cached in ``CACHE/data/default-<key>/``, where ``<key>`` hashes the
-settings and the corpus version (``compress.checkpoints.cache_dir``), so evaluation, quantization
+settings and the corpus version (``compress.checkpoint.store.cache_dir``), so evaluation, quantization
 calibration and the benchmarks' prompts all use the same validation dialogs.
 """
 
@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoints import cache_dir
-from compress.data import DataConfig, DataError, iter_jsonl, prepare, validate_record
+from compress.checkpoint.store import cache_dir
+from compress.data.prepare import DataConfig, DataError, iter_jsonl, prepare, validate_record
 from compress.errors import LmforgeError
 
 SPLITS = ("train", "val")

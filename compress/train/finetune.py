@@ -1,9 +1,9 @@
 """``lmforge finetune``: supervised fine-tuning of a causal LM on chat data.
 
 The recipe is ``FinetuneRecipe(FinetuneConfig).run()`` = setup -> train -> save, on the loop of
-``compress.training`` (AdamW, warmup + cosine, clipping, accumulation, bf16 autocast with fp32
+``compress.train.loop`` (AdamW, warmup + cosine, clipping, accumulation, bf16 autocast with fp32
 master weights, checkpoints with exact resume, DDP/FSDP2 under ``torchrun``). The loss is the
-next-token cross-entropy on assistant tokens only (``compress.packing``). With ``lora`` the
+next-token cross-entropy on assistant tokens only (``compress.data.packing``). With ``lora`` the
 model gets low-rank adapters (Hu et al. 2021, via ``peft``) on the attention projections; they
 are merged into the weights on save, so ``final/`` is a plain checkpoint.
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from compress.errors import UsageError
-from compress.training import TrainConfig, TrainingRecipe, token_losses
+from compress.train.loop import TrainConfig, TrainingRecipe, token_losses
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

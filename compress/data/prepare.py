@@ -11,15 +11,15 @@ Pipeline (each step counts what it removes; the counts are printed and written t
 3. quality heuristics in the style of Gopher (Rae et al. 2021, appendix A) and C4 (Raffel et al.
    2020): length bounds, symbol ratio, non-alphabetic ratio, repeated-line fraction, at least one
    assistant turn;
-4. a word-list toxicity filter (``compress/resources/blocklist.txt``, as C4's bad-words list);
-5. MinHash LSH near-duplicate removal (``compress.dedup``) over all records *before* the split,
+4. a word-list toxicity filter (``compress/data/resources/blocklist.txt``, as C4's bad-words list);
+5. MinHash LSH near-duplicate removal (``compress.data.dedup``) over all records *before* the split,
    so no validation record near-duplicates a training one;
 6. a seeded shuffle and split; optionally a fraction of training records gets noisy labels
    (assistant replies swapped between dialogs) for robustness experiments.
 
 Outputs ``OUT/train.jsonl``, ``OUT/val.jsonl`` (one record a line) and ``OUT/data_report.json``.
 Tokenization with the chat template, assistant-only loss masks and packing live in
-``compress.packing`` and run when a training recipe reads these files.
+``compress.data.packing`` and run when a training recipe reads these files.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from compress.dedup import MinHashConfig, exact_key, near_duplicates, normalize
+from compress.data.dedup import MinHashConfig, exact_key, near_duplicates, normalize
 from compress.errors import LmforgeError, UsageError
-from compress.outputs import DATA, check_output_dir, staged_output_dir
+from compress.checkpoint.outputs import DATA, check_output_dir, staged_output_dir
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_INPUT = "chatterbot:english"
@@ -92,7 +92,7 @@ class DataConfig:
             (CJK characters count as letters).
         max_duplicate_line_fraction: largest share of lines (turns) repeating an earlier line.
         blocklist: word list file of the toxicity filter; ``None`` disables the filter.
-        dedup_threshold / num_perm / shingle_size: MinHash LSH settings (``compress.dedup``).
+        dedup_threshold / num_perm / shingle_size: MinHash LSH settings (``compress.data.dedup``).
         noise_ratio: share of training dialogs whose assistant replies are swapped with other
             dialogs' replies (label noise); 0 disables.
     """
@@ -457,7 +457,7 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
     Raises:
         DataError: a malformed record, an empty input, or nothing (or a single record) left
             after filtering (names the files and lines removed and why).
-        OutputDirError: ``out`` is unsafe to replace (``compress.outputs.check_output_dir``).
+        OutputDirError: ``out`` is unsafe to replace (``compress.checkpoint.outputs.check_output_dir``).
     """
     started = time.monotonic()
     sources = tuple(path for path in config.inputs if Path(path).exists())

@@ -8,9 +8,9 @@ that runs them.
 * ``int8-weight-only`` (``Int8WeightOnlyConfig``) and ``w8a8`` (``W8A8Config``): symmetric
   per-output-channel INT8 weights for every ``nn.Linear`` outside ``skip_modules`` (the LM head
   included by default; embeddings are not linear layers), stored in the format of
-  ``compress.int8`` with the scheme in the safetensors metadata. Weight-only keeps activations in
+  ``compress.quantize.int8`` with the scheme in the safetensors metadata. Weight-only keeps activations in
   bf16 / fp32; ``w8a8`` quantizes them per token at run time, after SmoothQuant
-  (``compress.smooth``, calibrated on training dialogs) has moved activation outliers into the
+  (``compress.quantize.smooth``, calibrated on training dialogs) has moved activation outliers into the
   weights. Neither uses the deprecated ``torch.ao.nn.quantized`` modules.
 * ``llm-int8`` (``LlmInt8Config``): bitsandbytes LLM.int8() (Dettmers et al. 2022, "LLM.int8():
   8-bit Matrix Multiplication for Transformers at Scale"): row-wise INT8 weights, and input
@@ -18,7 +18,7 @@ that runs them.
   ``transformers`` ``BitsAndBytesConfig(load_in_8bit=True)``; runs on CPU (bitsandbytes >= 0.48)
   and CUDA.
 * ``onnx-int8`` (``OnnxInt8MethodConfig``): SmoothQuant, Optimum ONNX export with the KV cache,
-  then ONNX Runtime dynamic INT8 (``compress.onnx``).
+  then ONNX Runtime dynamic INT8 (``compress.quantize.onnx``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from compress.checkpoints import (
+from compress.checkpoint.store import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
@@ -42,10 +42,10 @@ from compress.checkpoints import (
     write_manifest,
 )
 from compress.errors import UsageError
-from compress.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, quantize_weight_per_channel, scheme_metadata
-from compress.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
-from compress.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
-from compress.records import default_split_records, encode_record, read_records
+from compress.quantize.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, quantize_weight_per_channel, scheme_metadata
+from compress.checkpoint.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
+from compress.quantize.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
+from compress.data.records import default_split_records, encode_record, read_records
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -82,11 +82,11 @@ class Int8WeightOnlyConfig:
 
 @dataclasses.dataclass(frozen=True)
 class W8A8Config:
-    """``w8a8``: per-channel INT8 weights, per-token dynamic INT8 activations (``compress.int8``).
+    """``w8a8``: per-channel INT8 weights, per-token dynamic INT8 activations (``compress.quantize.int8``).
 
     Attributes:
         skip_modules: as in ``Int8WeightOnlyConfig``.
-        smoothquant_alpha: SmoothQuant migration strength (``compress.smooth``) applied before
+        smoothquant_alpha: SmoothQuant migration strength (``compress.quantize.smooth``) applied before
             quantization; ``None`` disables it.
         calibration_records: records whose activations set the SmoothQuant scales.
         calibration_data: JSONL of calibration records; ``None`` = the training split of the
@@ -136,7 +136,7 @@ class OnnxInt8MethodConfig:
         smoothquant_alpha / calibration_records / calibration_data: SmoothQuant before export,
             as in ``W8A8Config``.
         weight_type / per_channel / reduce_range / op_types_to_quantize / nodes_to_exclude:
-            see ``compress.onnx.OnnxInt8Config``.
+            see ``compress.quantize.onnx.OnnxInt8Config``.
     """
 
     task: str = "text-generation-with-past"
@@ -194,7 +194,7 @@ def load_smoothed_model(source_dir: Path, *, alpha: float | None, data: str | No
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compress.smooth import smooth_model
+    from compress.quantize.smooth import smooth_model
 
     model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
     if alpha is not None:
@@ -262,7 +262,7 @@ class Quantizer(Protocol):
 
 @dataclasses.dataclass
 class Int8Quantizer:
-    """``int8-weight-only`` / ``w8a8``: per-channel INT8 weights in the format of ``compress.int8``.
+    """``int8-weight-only`` / ``w8a8``: per-channel INT8 weights in the format of ``compress.quantize.int8``.
 
     The scheme (how activations run) is the config's ``scheme``, written into the safetensors
     metadata, so the engine, ``lmforge evaluate`` and the Triton model pick the same kernels.
@@ -334,7 +334,7 @@ def load_int8_model(checkpoint_dir: str | Path):
     """Step 2: build the ``transformers`` model and swap in INT8 linear layers.
 
     Every ``X.weight_int8`` / ``X.weight_scale`` pair becomes the runtime layer of the file's
-    scheme (``compress.int8.int8_linear``: ``Int8WeightOnlyLinear`` or ``W8A8Linear``) at module
+    scheme (``compress.quantize.int8.int8_linear``: ``Int8WeightOnlyLinear`` or ``W8A8Linear``) at module
     ``X``; all other tensors are loaded as stored. Checkpoints of the former ``dynamic`` method
     (same tensors, no scheme metadata) load as ``w8a8``.
 
@@ -350,7 +350,7 @@ def load_int8_model(checkpoint_dir: str | Path):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_utils import no_init_weights
 
-    from compress.int8 import int8_linear, read_scheme
+    from compress.quantize.int8 import int8_linear, read_scheme
 
     checkpoint_dir = Path(checkpoint_dir)
     weights = checkpoint_dir / WEIGHTS_NAME
@@ -549,7 +549,7 @@ def quantize(checkpoint: str | Path, output_dir: str | Path, *, method: str, **c
 
     Raises:
         CheckpointError: the input is missing, corrupt or already quantized, or ``output_dir``
-            is unsafe to replace (``compress.outputs.OutputDirError``, see ``check_output_dir``).
+            is unsafe to replace (``compress.checkpoint.outputs.OutputDirError``, see ``check_output_dir``).
     """
     quantizer = make_quantizer(method, **config)
     if isinstance(getattr(quantizer.config, "device", None), str):
@@ -628,7 +628,7 @@ def run(args: argparse.Namespace) -> int:
     if args.method in ("int8-weight-only", "w8a8") and not args.no_microbench:
         import torch
 
-        from compress.int8 import format_microbench, gemm_microbench, model_linear_shapes
+        from compress.quantize.int8 import format_microbench, gemm_microbench, model_linear_shapes
 
         # INT8 is not always the fastest: measure this model's layer shapes here, now.
         results = gemm_microbench(model_linear_shapes(out / "config.json"), threads=torch.get_num_threads(), repeats=3, number=3)

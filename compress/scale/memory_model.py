@@ -1,6 +1,6 @@
 """Memory of a decoder-only transformer (Llama family) per device, for training and inference.
 
-Every number here is a closed form in the model sizes; ``compress.plan`` combines them over
+Every number here is a closed form in the model sizes; ``compress.scale.plan`` combines them over
 parallel splits. Sources:
 
 * Model states (parameters, gradients, optimizer states) and their partitioning by ZeRO stage:
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from compress.model_spec import ModelSpec, check_positive
+from compress.checkpoint.model_spec import ModelSpec, check_positive
 
 
 class Precision(str, Enum):

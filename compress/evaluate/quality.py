@@ -21,7 +21,7 @@ first checkpoint listed: put the parent first):
   ``(time(1 + n tokens) - time(1 token)) / n``, each time the fastest of the repeats.
 
 Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``int8``
-(``compress.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8`` (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
+(``compress.quantize.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8`` (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
 ONNX Runtime through Optimum).
 """
 
@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoints import (
+from compress.checkpoint.store import (
     describe_weights,
     MANIFEST_NAME,
     read_safetensors_header,
@@ -45,11 +45,11 @@ from compress.checkpoints import (
     update_metrics,
 )
 from compress.errors import LmforgeError
-from compress import records as records_module
-from compress.outputs import check_output_file
-from compress.quantize import load_int8_model, load_llm_int8_model
-from compress.records import default_split_records, encode_record
-from compress.int8 import INT8_WEIGHT_SUFFIX
+from compress.data import records as records_module
+from compress.checkpoint.outputs import check_output_file
+from compress.quantize.methods import load_int8_model, load_llm_int8_model
+from compress.data.records import default_split_records, encode_record
+from compress.quantize.int8 import INT8_WEIGHT_SUFFIX
 
 #: Fixed prompts of the greedy-agreement metric (chat-formatted).
 AGREEMENT_PROMPTS: tuple[str, ...] = (
@@ -160,7 +160,7 @@ def load_for_eval(spec: str | Path, *, num_threads: int | None = None) -> Loaded
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file (``val.jsonl`` of ``lmforge data``; ``compress.records``).
+    """Records of a JSONL file (``val.jsonl`` of ``lmforge data``; ``compress.data.records``).
 
     Raises:
         EvaluationError: missing file, bad JSON or record (names file:line), or no records.
@@ -376,7 +376,7 @@ def checkpoint_size(checkpoint_dir: Path) -> tuple[int, int]:
 
     num_parameters, size_bytes, _ = describe_weights(checkpoint_dir)
     if (checkpoint_dir / "model.onnx").is_file():
-        from compress.onnx import onnx_num_parameters
+        from compress.quantize.onnx import onnx_num_parameters
 
         num_parameters = onnx_num_parameters(checkpoint_dir / "model.onnx")
     return size_bytes, num_parameters

@@ -34,7 +34,7 @@ Defaults: logit KL at T = 1 only (``alpha=1, beta=0, gamma=0``). The KL term cov
 non-padding position; the hidden-state term pairs student layer input i with the teacher layer
 it was copied from (and the final normed outputs). The teacher runs in eval mode under
 ``torch.no_grad``. The loop, progress bar (with ETA), monitoring, checkpoints and resume are those
-of ``compress.training``, shared with fine-tuning.
+of ``compress.train.loop``, shared with fine-tuning.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from compress.errors import UsageError
-from compress.finetune import add_train_arguments, run_recipe, train_config_kwargs
-from compress.training import TrainConfig, TrainingError, TrainingRecipe, token_losses
+from compress.train.finetune import add_train_arguments, run_recipe, train_config_kwargs
+from compress.train.loop import TrainConfig, TrainingError, TrainingRecipe, token_losses
 
 
 @dataclasses.dataclass
@@ -381,8 +381,8 @@ class DistillRecipe(TrainingRecipe):
 
     def _calibration_batches(self) -> list[torch.Tensor]:
         """Token ids ``[1, T]`` of the first ``calibration_records`` training records (chat-formatted)."""
-        from compress.data import read_data_file
-        from compress.packing import tokenize_record
+        from compress.data.prepare import read_data_file
+        from compress.data.packing import tokenize_record
 
         records = read_data_file(Path(self.config.data) / "train.jsonl")[: self.config.calibration_records]
         return [torch.tensor([tokenize_record(self.tokenizer, r, self.config.max_length)[0]]) for r in records]
@@ -398,8 +398,8 @@ class DistillRecipe(TrainingRecipe):
 
     def _add_teacher_generated(self) -> None:
         """Extend the training rows with the teacher's replies (cached for resume and reruns)."""
-        from compress.data import read_data_file
-        from compress.packing import tokenize_and_pack
+        from compress.data.prepare import read_data_file
+        from compress.data.packing import tokenize_and_pack
 
         cfg = self.config
         cache = self.run_dir / "teacher_generated.jsonl"

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import CheckpointError, UsageError
-from compress.model_spec import ARCHITECTURES, check_architecture_supported
-from compress.outputs import CHECKPOINT, IMPORTED_METHOD, MANIFEST_NAME, TOKENIZER, check_output_dir, staged_output_dir
+from compress.checkpoint.model_spec import ARCHITECTURES, check_architecture_supported
+from compress.checkpoint.outputs import CHECKPOINT, IMPORTED_METHOD, MANIFEST_NAME, TOKENIZER, check_output_dir, staged_output_dir
 
 #: Files of which a checkpoint needs at least one for ``AutoTokenizer`` (fast, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -109,7 +109,7 @@ def read_manifest(checkpoint_dir: str | Path) -> Manifest:
     """
     path = Path(checkpoint_dir) / MANIFEST_NAME
     if not path.is_file():
-        raise CheckpointError(f"{path}: no manifest; write one with compress.checkpoints.write_manifest")
+        raise CheckpointError(f"{path}: no manifest; write one with compress.checkpoint.store.write_manifest")
     try:
         data = json.loads(path.read_text())
         fields = {f.name for f in dataclasses.fields(Manifest)}

@@ -189,7 +189,7 @@ def read_scheme(files: Iterable[str | Path]) -> str | None:
     Raises:
         ValueError: a scheme outside ``SCHEMES`` (names the file and the fix).
     """
-    from compress.checkpoints import read_safetensors_header
+    from compress.checkpoint.store import read_safetensors_header
 
     scheme, has_int8 = None, False
     for file in files:

@@ -1,7 +1,7 @@
 """Time of a parallel training step or a serving decode step: compute, communication, bubble.
 
-``compress.memory_model`` says what fits; this module says how long it takes, so that
-``compress.plan`` can rank data / tensor / pipeline splits by tokens per second. Every term is a
+``compress.scale.memory_model`` says what fits; this module says how long it takes, so that
+``compress.scale.plan`` can rank data / tensor / pipeline splits by tokens per second. Every term is a
 closed form in the model sizes, the split and the machine (``Cluster``); the sources:
 
 * Collectives (ring algorithms; Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective
@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from compress.memory_model import ModelSpec, Precision, kv_bytes_per_token, layer_activation_bytes
+from compress.scale.memory_model import ModelSpec, Precision, kv_bytes_per_token, layer_activation_bytes
 
 #: Fraction of tensor-core peak a large bf16/fp16 GEMM sustains once its tiles fill every SM:
 #: large cuBLAS GEMMs reach 75-85 % of the datasheet peak on A100 and 65-75 % on H100 (whose
@@ -275,7 +275,7 @@ def layer_times(model: ModelSpec, batch: int, seq_len: int, cluster: Cluster, *,
     GEMMs plus a softmax that writes and reads the scores once each in the forward. The rest of the
     backward is twice the forward (two GEMMs per forward GEMM). Element-wise work (norms, activation function, rotary, residual adds) is memory
     traffic: ``ELEMENTWISE_PASSES`` x the bytes the layer saves for backward
-    (``compress.memory_model.layer_activation_bytes``, checked against real tensors), split over
+    (``compress.scale.memory_model.layer_activation_bytes``, checked against real tensors), split over
     ``t`` as that count is (norms only with sequence parallelism).
     """
     t, a = tensor_parallel, dtype_bytes
@@ -350,7 +350,7 @@ def training_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
 
     Args:
         stage_param_elements: parameters one device holds before ZeRO partitioning (the most
-            loaded stage's tensor shard; ``compress.memory_model.stage_params``).
+            loaded stage's tensor shard; ``compress.scale.memory_model.stage_params``).
         dtype_bytes: bytes of a 16-bit (2) or fp32 (4) activation, parameter and gradient (fp32
             GEMMs are still timed at the 16-bit peak: fp32 training is not modelled).
         overlap_grad_reduce: the overlap assumption (module docstring).

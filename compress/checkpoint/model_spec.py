@@ -1,7 +1,7 @@
 """The model spec: one description of a Llama-family decoder, and the architectures lmforge runs.
 
 ``ModelSpec`` holds the ``config.json`` fields (transformers' names) that the engine, the
-training planner (``compress.memory_model``, ``compress.plan``), the benchmarks' compute bound
+training planner (``compress.scale.memory_model``, ``compress.scale.plan``), the benchmarks' compute bound
 (``bench.bound``) and the checkpoint checks need. ``ARCHITECTURES`` is the one registry of
 supported ``model_type`` values: Llama (incl. SmolLM2), Mistral (sliding window) and Qwen2
 (q/k/v bias); adding an architecture is one entry there.

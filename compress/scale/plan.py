@@ -2,10 +2,10 @@
 
 Training: for every (data, tensor, pipeline) split of the devices, micro-batch count, ZeRO stage
 and checkpointing choice, the per-device memory (parameters, gradients, optimizer states,
-activations; formulas and sources in ``compress.memory_model``) and the step time by cause:
+activations; formulas and sources in ``compress.scale.memory_model``) and the step time by cause:
 compute at an achieved (not peak) FLOP rate, tensor-parallel all-reduces, pipeline sends,
 data-parallel / ZeRO collectives not hidden behind the backward, the 1F1B bubble
-(``compress.pipeline_schedule``) and the optimizer update (``compress.comm_model``, on a
+(``compress.scale.pipeline_schedule``) and the optimizer update (``compress.scale.comm_model``, on a
 ``Cluster``: peak, memory bandwidth, devices per node, intra- and inter-node link rates). The
 feasible configurations are ranked by tokens per second; the others list the constraint they break.
 
@@ -24,8 +24,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from compress.checkpoints import resolve_checkpoint
-from compress.comm_model import (
+from compress.checkpoint.store import resolve_checkpoint
+from compress.scale.comm_model import (
     CLUSTER_PRESETS,
     Cluster,
     DecodeTime,
@@ -36,7 +36,7 @@ from compress.comm_model import (
     training_step_time,
 )
 from compress.errors import LmforgeError, UsageError
-from compress.memory_model import (
+from compress.scale.memory_model import (
     KVCapacity,
     ModelSpec,
     Precision,
@@ -47,8 +47,8 @@ from compress.memory_model import (
     state_memory,
     total_params,
 )
-from compress.outputs import check_output_file
-from compress.pipeline_schedule import bubble_fraction, simulate_1f1b
+from compress.checkpoint.outputs import check_output_file
+from compress.scale.pipeline_schedule import bubble_fraction, simulate_1f1b
 
 GIB = 2**30
 
@@ -71,7 +71,7 @@ class TrainingSetup:
     cluster: Cluster = CLUSTER_PRESETS["a100-80gb-sxm"]  # peak FLOP/s, memory and network of the devices
     sequence_parallel: bool = False
     fused_attention: bool = True  # flash / SDPA is_causal; False: SDPA with a materialised mask
-    overlap_grad_reduce: bool = True  # gradient reduction overlaps the backward (compress.comm_model)
+    overlap_grad_reduce: bool = True  # gradient reduction overlaps the backward (compress.scale.comm_model)
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch", "num_devices", "device_memory_bytes"):
@@ -302,7 +302,7 @@ def serving_options(model: ModelSpec, cluster: Cluster, *, device_memory_bytes: 
                     max_num_seqs: int | None = None) -> list[ServingOption]:
     """For each tensor-parallel size inside one node that divides the KV heads: what fits and the ITL.
 
-    ITL is ``compress.comm_model.decode_step_time`` at ``max_model_len`` tokens of context, for one
+    ITL is ``compress.scale.comm_model.decode_step_time`` at ``max_model_len`` tokens of context, for one
     sequence and for as many full-length sequences as the KV cache holds (capped by ``max_num_seqs``).
     """
     options = []

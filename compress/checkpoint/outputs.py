@@ -77,7 +77,7 @@ def _rendered_by_lmforge(path: Path) -> bool:
         return b"lmforge render" in f.read(4096)
 
 
-#: The checkpoint manifest (see ``compress.checkpoints``); it marks a directory as a checkpoint.
+#: The checkpoint manifest (see ``compress.checkpoint.store``); it marks a directory as a checkpoint.
 MANIFEST_NAME = "lmforge.json"
 
 #: ``Manifest.method`` of a directory lmforge did not write (see ``_made_by_lmforge``).
@@ -90,7 +90,7 @@ COPIED_CHECKPOINT = OutputKind("copy of a checkpoint", (MANIFEST_NAME,))
 TOKENIZER = OutputKind("tokenizer directory", ("tokenizer.json",))
 DATA = OutputKind("lmforge data directory", ("data_report.json",))
 TRAINING_RUN = OutputKind("lmforge training run", ("run.json",))
-#: One checkpoint of a training run (``compress.train_checkpoints``).
+#: One checkpoint of a training run (``compress.train.checkpoints``).
 TRAINING_CHECKPOINT = OutputKind("lmforge training checkpoint", ("trainer_state.json",))
 LOADTEST_REPORT = OutputKind("lmforge load-test report", ("summary.json", "locust.log"))
 DEMO = OutputKind("lmforge demo directory", ("report.json", "data/data_report.json", "finetune/run.json"))

@@ -1,0 +1,1 @@
+"""Data preparation: read, deduplicate, filter, split, tokenize and pack dialogs."""

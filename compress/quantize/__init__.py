@@ -1,0 +1,1 @@
+"""INT8 quantization methods and their kernels, SmoothQuant, ONNX export."""

@@ -1,0 +1,1 @@
+"""Training at scale: memory and communication model, parallelism planner, run diagnosis."""

@@ -1,0 +1,1 @@
+"""Training: the shared loop, fine-tuning, distillation and metric logging."""
