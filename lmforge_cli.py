@@ -42,7 +42,9 @@ COMMANDS: tuple[Command, ...] = (
     Command("finetune", "compress.train.finetune", "Fine-tune a checkpoint (AdamW, warmup+cosine, LoRA optional)."),
     Command("distill", "compress.train.distill", "Distill a teacher checkpoint into a smaller student."),
     Command("quantize", "compress.quantize.methods", "INT8-quantize a checkpoint (dynamic, llm-int8, onnx-int8)."),
-    Command("evaluate", "compress.evaluate.quality", "Compare checkpoints: perplexity, agreement, size, decode latency."),
+    Command(
+        "evaluate", "compress.evaluate.quality", "Compare checkpoints: perplexity, agreement, size, decode latency."
+    ),
     Command("export", "deploy.export", "Export a checkpoint into a Triton model repository."),
     Command("serve", "deploy.serve", "Start (or --stop) the Triton Inference Server on a model repository."),
     Command("loadtest", "bench.loadtest", "Load-test a served model with Locust and write a report."),

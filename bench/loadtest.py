@@ -35,8 +35,8 @@ from pathlib import Path
 from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summaries, summarize
 from bench.prompts import PromptError, load_prompts, render_chat, with_system_prompt
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
-from compress.errors import LmforgeError
 from compress.checkpoint.outputs import LOADTEST_REPORT, check_output_dir
+from compress.errors import LmforgeError
 
 LOCUST_PREFIX = "locust"
 CHECK_TIMEOUT_S = 3.0
@@ -98,21 +98,34 @@ class LoadTestConfig:
         checks = [
             (self.users >= 1, f"users={self.users}; at least 1 user is needed (--users)"),
             (self.spawn_rate > 0, f"spawn_rate={self.spawn_rate}; it must be > 0 (--spawn-rate)"),
-            (0 < self.run_time_s <= MAX_RUN_TIME_S, f"run_time_s={self.run_time_s}; it must be in (0, {MAX_RUN_TIME_S:.0f}] (--run-time)"),
+            (
+                0 < self.run_time_s <= MAX_RUN_TIME_S,
+                f"run_time_s={self.run_time_s}; it must be in (0, {MAX_RUN_TIME_S:.0f}] (--run-time)",
+            ),
             (self.max_tokens >= 1, f"max_tokens={self.max_tokens}; it must be >= 1 (--max-tokens)"),
             (self.request_timeout_s > 0, f"request_timeout_s={self.request_timeout_s}; it must be > 0"),
-            (self.warmup_requests is None or self.warmup_requests >= 0, f"warmup_requests={self.warmup_requests}; it must be >= 0 (--warmup-requests)"),
+            (
+                self.warmup_requests is None or self.warmup_requests >= 0,
+                f"warmup_requests={self.warmup_requests}; it must be >= 0 (--warmup-requests)",
+            ),
             (self.api in ("triton", "openai"), f"api={self.api!r}; use triton or openai (--api)"),
-            (self.endpoint in (("chat", "completions") if self.api == "openai" else ("generate_stream", "generate")),
-             f"endpoint={self.endpoint!r}; use {'chat or completions' if self.api == 'openai' else 'generate_stream or generate'} with --api {self.api}"),
-            (not (self.api == "openai" and self.endpoint == "chat" and self.chat_template),
-             "--chat-template with --api openai --endpoint chat: the server applies its own template; drop it"),
+            (
+                self.endpoint in (("chat", "completions") if self.api == "openai" else ("generate_stream", "generate")),
+                f"endpoint={self.endpoint!r}; use {'chat or completions' if self.api == 'openai' else 'generate_stream or generate'} with --api {self.api}",
+            ),
+            (
+                not (self.api == "openai" and self.endpoint == "chat" and self.chat_template),
+                "--chat-template with --api openai --endpoint chat: the server applies its own template; drop it",
+            ),
             (self.shape in ("constant", "steps"), f"shape={self.shape!r}; use constant or steps (--shape)"),
             (bool(self.model), "model is empty; pass the Triton model name (--model)"),
         ]
         if self.shape == "steps":
             checks += [
-                (self.step_users >= 1 and self.step_s > 0, f"step_users={self.step_users}, step_s={self.step_s}; both must be positive"),
+                (
+                    self.step_users >= 1 and self.step_s > 0,
+                    f"step_users={self.step_users}, step_s={self.step_s}; both must be positive",
+                ),
                 (self.max_users >= self.users, f"max_users={self.max_users} < users={self.users}; raise --max-users"),
                 (self.ttft_p90_bound_ms > 0, f"ttft_p90_bound_ms={self.ttft_p90_bound_ms}; it must be > 0"),
             ]
@@ -190,13 +203,17 @@ def preflight(config: LoadTestConfig) -> None:
         status, _ = _get(f"{host}/v2/health/ready")
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise LoadTestError(f"cannot reach a Triton server at {host} ({reason}); start one with "
-                            "`lmforge serve --repo model_repository` or fix --host") from exc
+        raise LoadTestError(
+            f"cannot reach a Triton server at {host} ({reason}); start one with "
+            "`lmforge serve --repo model_repository` or fix --host"
+        ) from exc
     model_status, _ = _get(f"{host}/v2/models/{urllib.parse.quote(config.model)}/ready")
     if status != 200 and model_status != 200:
         raise LoadTestError(f"the server at {host} is not ready (/v2/health/ready: HTTP {status})")
     if model_status != 200:  # (the server may be "not ready" only because another model failed to load)
-        raise LoadTestError(f"model {config.model!r} is not ready on {host}; models there: {_models(host)}; fix --model")
+        raise LoadTestError(
+            f"model {config.model!r} is not ready on {host}; models there: {_models(host)}; fix --model"
+        )
 
 
 def _openai_headers(config: LoadTestConfig) -> dict:
@@ -208,8 +225,10 @@ def _preflight_openai(config: LoadTestConfig, host: str) -> None:
     try:
         status, _ = _get(f"{host}/health")
     except (urllib.error.URLError, OSError) as exc:
-        raise LoadTestError(f"cannot reach an OpenAI-compatible server at {host} ({getattr(exc, 'reason', exc)}); "
-                            "start one (`lmforge serve --openai-port PORT`, `vllm serve`, `llama-server`) or fix --host") from exc
+        raise LoadTestError(
+            f"cannot reach an OpenAI-compatible server at {host} ({getattr(exc, 'reason', exc)}); "
+            "start one (`lmforge serve --openai-port PORT`, `vllm serve`, `llama-server`) or fix --host"
+        ) from exc
     if status != 200:
         raise LoadTestError(f"the server at {host} is not ready (/health: HTTP {status})")
     request = urllib.request.Request(f"{host}/v1/models", headers=_openai_headers(config))
@@ -221,7 +240,9 @@ def _preflight_openai(config: LoadTestConfig, host: str) -> None:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise LoadTestError(f"GET {host}/v1/models failed ({exc})") from exc
     if config.model not in ids:
-        raise LoadTestError(f"model {config.model!r} is not served at {host}; models there: {', '.join(map(str, ids)) or 'none'}; fix --model")
+        raise LoadTestError(
+            f"model {config.model!r} is not served at {host}; models there: {', '.join(map(str, ids)) or 'none'}; fix --model"
+        )
 
 
 def _models(host: str) -> str:
@@ -283,11 +304,15 @@ def _warm_up_one(config: LoadTestConfig, prompt: str) -> str | None:
     sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "top_p": config.top_p}
     if config.api == "openai":
         url = f"{check_host(config.host)}{OPENAI_PATHS[config.endpoint]}"
-        body = json.dumps(openai_payload(prompt, sampling, model=config.model, endpoint=config.endpoint, stream=False)).encode()
+        body = json.dumps(
+            openai_payload(prompt, sampling, model=config.model, endpoint=config.endpoint, stream=False)
+        ).encode()
     else:
         url = f"{check_host(config.host)}/v2/models/{urllib.parse.quote(config.model)}/generate"
         body = json.dumps(request_payload(prompt, sampling, stream=False)).encode()
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json", **_openai_headers(config)})
+    request = urllib.request.Request(
+        url, data=body, method="POST", headers={"Content-Type": "application/json", **_openai_headers(config)}
+    )
     try:
         with urllib.request.urlopen(request, timeout=config.request_timeout_s) as response:
             response.read()
@@ -300,12 +325,37 @@ def _warm_up_one(config: LoadTestConfig, prompt: str) -> str | None:
 
 def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
     command = [
-        sys.executable, "-m", "bench.locust_runner",
-        "--host", check_host(config.host), "--users", str(config.users), "--spawn-rate", str(config.spawn_rate),
-        "--run-time-s", str(config.run_time_s), "--csv-prefix", str(out_dir / LOCUST_PREFIX), "--shape", config.shape,
-        "--model", config.model, "--endpoint", config.endpoint, "--max-tokens", str(config.max_tokens),
-        "--temperature", str(config.temperature), "--top-p", str(config.top_p), "--seed", str(config.seed),
-        "--request-timeout-s", str(config.request_timeout_s), "--samples-out", str(out_dir / "samples.jsonl"),
+        sys.executable,
+        "-m",
+        "bench.locust_runner",
+        "--host",
+        check_host(config.host),
+        "--users",
+        str(config.users),
+        "--spawn-rate",
+        str(config.spawn_rate),
+        "--run-time-s",
+        str(config.run_time_s),
+        "--csv-prefix",
+        str(out_dir / LOCUST_PREFIX),
+        "--shape",
+        config.shape,
+        "--model",
+        config.model,
+        "--endpoint",
+        config.endpoint,
+        "--max-tokens",
+        str(config.max_tokens),
+        "--temperature",
+        str(config.temperature),
+        "--top-p",
+        str(config.top_p),
+        "--seed",
+        str(config.seed),
+        "--request-timeout-s",
+        str(config.request_timeout_s),
+        "--samples-out",
+        str(out_dir / "samples.jsonl"),
     ]
     command += ["--prompts", str(out_dir / PROMPTS_FILE)]  # resolved by the parent (write_prompts)
     command += ["--api", config.api]
@@ -318,10 +368,19 @@ def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
     if config.keep_going:
         command.append("--keep-going")
     if config.shape == "steps":
-        command += ["--shape-config", json.dumps({
-            "start_users": config.users, "step_users": config.step_users, "step_s": config.step_s,
-            "max_users": config.max_users, "ttft_p90_bound_ms": config.ttft_p90_bound_ms,
-            "spawn_rate": config.spawn_rate})]
+        command += [
+            "--shape-config",
+            json.dumps(
+                {
+                    "start_users": config.users,
+                    "step_users": config.step_users,
+                    "step_s": config.step_s,
+                    "max_users": config.max_users,
+                    "ttft_p90_bound_ms": config.ttft_p90_bound_ms,
+                    "spawn_rate": config.spawn_rate,
+                }
+            ),
+        ]
     return command
 
 
@@ -340,7 +399,9 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     prompts = write_prompts(config, out / PROMPTS_FILE)
     warm_up(config, prompts)
     (out / "samples.jsonl").unlink(missing_ok=True)
-    log(f"load test: {config.users} users ({config.shape}) on {config.model} at {config.host}, {config.run_time_s:g} s ...")
+    log(
+        f"load test: {config.users} users ({config.shape}) on {config.model} at {config.host}, {config.run_time_s:g} s ..."
+    )
     started = time.time()
     child_log = out / "locust.log"
     timeout_s = config.run_time_s + config.request_timeout_s + CHILD_GRACE_S
@@ -348,8 +409,14 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     repo_root = str(Path(__file__).resolve().parent.parent)
     with child_log.open("w", encoding="utf-8") as handle:
         try:
-            child = subprocess.run(_child_command(config, out), stdout=handle, stderr=subprocess.STDOUT,
-                                   timeout=timeout_s, cwd=repo_root, check=False)
+            child = subprocess.run(
+                _child_command(config, out),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                cwd=repo_root,
+                check=False,
+            )
             if child.returncode != 0:
                 note = f"the load generator exited with status {child.returncode}; see {child_log}"
         except subprocess.TimeoutExpired:
@@ -363,8 +430,9 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     return summary
 
 
-def build_summary(config: LoadTestConfig, samples, records: list[dict], out: Path, *, started: float,
-                  note: str | None) -> dict:
+def build_summary(
+    config: LoadTestConfig, samples, records: list[dict], out: Path, *, started: float, note: str | None
+) -> dict:
     """The content of ``summary.json`` (see the module docstring)."""
     unreachable = next((r["error"] for r in records if r["kind"] == "server_unreachable"), None)
     summary = {
@@ -372,12 +440,17 @@ def build_summary(config: LoadTestConfig, samples, records: list[dict], out: Pat
         "started_at_s": started,
         "metrics": summarize(samples),
         "by_concurrency": latency_by_concurrency(samples),
-        "server": {"unreachable_during_run": unreachable, "ready_after_run": server_ready(check_host(config.host), config.api)},
+        "server": {
+            "unreachable_during_run": unreachable,
+            "ready_after_run": server_ready(check_host(config.host), config.api),
+        },
         "notes": [n for n in (note,) if n],
         "files": sorted([p.name for p in out.glob(f"{LOCUST_PREFIX}_*.csv")] + ["samples.jsonl", *PLOT_FILES]),
     }
     if unreachable or not summary["server"]["ready_after_run"]:
-        summary["notes"].append("the server stopped answering during the run; the figures cover what was measured before")
+        summary["notes"].append(
+            "the server stopped answering during the run; the figures cover what was measured before"
+        )
     if config.shape == "steps":
         summary.update(_steps_summary(config, samples, records, out))
     return summary
@@ -394,11 +467,19 @@ def _steps_summary(config: LoadTestConfig, samples, records: list[dict], out: Pa
     else:
         starts = [r for r in records if r["kind"] == "step"]
         stop = next((r.get("reason") for r in records if r["kind"] == "shape_stop"), None)
-    steps = [LoadStep(r["users"], r["start_s"], r.get("end_s") or (starts[i + 1]["start_s"] if i + 1 < len(starts) else run_end))
-             for i, r in enumerate(starts)]
+    steps = [
+        LoadStep(
+            r["users"], r["start_s"], r.get("end_s") or (starts[i + 1]["start_s"] if i + 1 < len(starts) else run_end)
+        )
+        for i, r in enumerate(starts)
+    ]
     rows = step_summaries(samples, steps, config.ttft_p90_bound_ms)
-    return {"steps": rows, "goodput": goodput(rows), "ttft_p90_bound_ms": config.ttft_p90_bound_ms,
-            "stop_reason": stop or "run time reached"}
+    return {
+        "steps": rows,
+        "goodput": goodput(rows),
+        "ttft_p90_bound_ms": config.ttft_p90_bound_ms,
+        "stop_reason": stop or "run time reached",
+    }
 
 
 def format_report(summary: dict) -> str:
@@ -409,11 +490,16 @@ def format_report(summary: dict) -> str:
         for row in summary["steps"]:
             p90 = "-" if row["ttft_p90_ms"] is None else f"{row['ttft_p90_ms']:.0f}"
             tok_s = "-" if row["output_throughput_tok_s"] is None else f"{row['output_throughput_tok_s']:.1f}"
-            lines.append(f"    {row['users']:>3} users: {tok_s} tok/s, TTFT p90 {p90} ms, "
-                         f"{'meets' if row['meets_slo'] else 'misses'} the bound")
+            lines.append(
+                f"    {row['users']:>3} users: {tok_s} tok/s, TTFT p90 {p90} ms, "
+                f"{'meets' if row['meets_slo'] else 'misses'} the bound"
+            )
         best = summary["goodput"]
-        lines.append(f"  goodput: {best['output_throughput_tok_s']:.1f} tok/s at {best['users']} users"
-                     if best else "  goodput: no step met the bound")
+        lines.append(
+            f"  goodput: {best['output_throughput_tok_s']:.1f} tok/s at {best['users']} users"
+            if best
+            else "  goodput: no step met the bound"
+        )
         lines.append(f"  stopped: {summary['stop_reason']}")
     for name, count in summary["metrics"]["errors"].items():
         lines.append(f"  error x{count}: {name}")
@@ -424,47 +510,84 @@ def format_report(summary: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", required=True, help="server HTTP endpoint, http://127.0.0.1:PORT")
     parser.add_argument("--model", required=True, help="the model name (Triton's, or the OpenAI server's)")
-    parser.add_argument("--api", choices=["triton", "openai"], default="triton",
-                        help="triton: generate extension; openai: /v1/chat/completions or /v1/completions (ours, vllm serve, llama-server)")
+    parser.add_argument(
+        "--api",
+        choices=["triton", "openai"],
+        default="triton",
+        help="triton: generate extension; openai: /v1/chat/completions or /v1/completions (ours, vllm serve, llama-server)",
+    )
     parser.add_argument("--api-key", default=None, help="bearer token for --api openai")
     parser.add_argument("--users", type=int, default=2, help="concurrent users (start users for --shape steps)")
     parser.add_argument("--spawn-rate", type=float, default=2.0, help="users started per second")
     parser.add_argument("--run-time", default="60s", help="duration, e.g. 60s, 2m (an upper bound for --shape steps)")
-    parser.add_argument("--shape", choices=["constant", "steps"], default="constant",
-                        help="steps: add users until TTFT p90 passes --ttft-p90-bound-ms, report goodput")
+    parser.add_argument(
+        "--shape",
+        choices=["constant", "steps"],
+        default="constant",
+        help="steps: add users until TTFT p90 passes --ttft-p90-bound-ms, report goodput",
+    )
     parser.add_argument("--step-users", type=int, default=2, help="users added per step")
     parser.add_argument("--step-time", default="10s", help="duration of each step")
     parser.add_argument("--max-users", type=int, default=32, help="stop stepping at this many users")
     parser.add_argument("--ttft-p90-bound-ms", type=float, default=1000.0, help="latency objective for goodput")
-    parser.add_argument("--endpoint", choices=["generate_stream", "generate", "chat", "completions"], default=None,
-                        help="triton: generate_stream (default) or generate; openai: chat (default) or completions")
+    parser.add_argument(
+        "--endpoint",
+        choices=["generate_stream", "generate", "chat", "completions"],
+        default=None,
+        help="triton: generate_stream (default) or generate; openai: chat (default) or completions",
+    )
     parser.add_argument("--prompts", default=None, help="JSONL of prompts (default: held-out chatterbot dialogs)")
     parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--system-prompt", default=None, help="shared prefix before every prompt (prefix reuse)")
-    parser.add_argument("--chat-template", default=None, metavar="CKPT",
-                        help="render prompts with this checkpoint's chat template (instruct models)")
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="CKPT",
+        help="render prompts with this checkpoint's chat template (instruct models)",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
-    parser.add_argument("--warmup-requests", type=int, default=None,
-                        help="unmeasured requests sent first, up to --users at once (default: one per user)")
+    parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=None,
+        help="unmeasured requests sent first, up to --users at once (default: one per user)",
+    )
     parser.add_argument("--out", default="reports/loadtest", help="report directory (default reports/loadtest)")
 
 
 def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
     """Raises :class:`LoadTestError` for a run time that is not a duration."""
     return LoadTestConfig(
-        host=args.host, model=args.model, users=args.users, spawn_rate=args.spawn_rate,
-        run_time_s=parse_duration(args.run_time), endpoint=args.endpoint or ("chat" if args.api == "openai" else "generate_stream"),
-        prompts=args.prompts, api=args.api, api_key=args.api_key,
-        num_prompts=args.num_prompts, system_prompt=args.system_prompt, chat_template=args.chat_template, max_tokens=args.max_tokens,
-        temperature=args.temperature, top_p=args.top_p, ignore_eos=args.ignore_eos, seed=args.seed,
-        request_timeout_s=args.request_timeout_s, shape=args.shape, step_users=args.step_users,
-        step_s=parse_duration(args.step_time), max_users=args.max_users, ttft_p90_bound_ms=args.ttft_p90_bound_ms,
-        warmup_requests=args.warmup_requests)
+        host=args.host,
+        model=args.model,
+        users=args.users,
+        spawn_rate=args.spawn_rate,
+        run_time_s=parse_duration(args.run_time),
+        endpoint=args.endpoint or ("chat" if args.api == "openai" else "generate_stream"),
+        prompts=args.prompts,
+        api=args.api,
+        api_key=args.api_key,
+        num_prompts=args.num_prompts,
+        system_prompt=args.system_prompt,
+        chat_template=args.chat_template,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+        request_timeout_s=args.request_timeout_s,
+        shape=args.shape,
+        step_users=args.step_users,
+        step_s=parse_duration(args.step_time),
+        max_users=args.max_users,
+        ttft_p90_bound_ms=args.ttft_p90_bound_ms,
+        warmup_requests=args.warmup_requests,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

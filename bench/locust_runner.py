@@ -10,8 +10,6 @@ torch (the demo), and a child can be bounded by a hard timeout. It drives
 
 from __future__ import annotations
 
-import locust  # noqa: I001  (first: gevent monkey-patching must precede other imports)
-
 import argparse
 import csv
 import json
@@ -47,8 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     options.headless = True  # the shape worker quits (not just stops) at its end
     setup_logging("WARNING")
     shape = StepLoadShape(**json.loads(options.shape_config)) if options.shape == "steps" else None
-    env = Environment(user_classes=[LLMUser], shape_class=shape, events=events, host=options.host,
-                      parsed_options=options, stop_timeout=options.stop_timeout_s)
+    env = Environment(
+        user_classes=[LLMUser],
+        shape_class=shape,
+        events=events,
+        host=options.host,
+        parsed_options=options,
+        stop_timeout=options.stop_timeout_s,
+    )
     runner = env.create_local_runner()
     writer = StatsCSVFileWriter(env, PERCENTILES_TO_REPORT, options.csv_prefix, full_history=True)
     greenlets = [gevent.spawn(writer.stats_writer), gevent.spawn(stats_history, runner)]
@@ -74,8 +78,11 @@ def _write_final_csvs(env: Environment, writer: StatsCSVFileWriter, prefix: str)
     writer.stats_history_flush()
     writer.close_files()
     final = StatsCSV(env, PERCENTILES_TO_REPORT)
-    for suffix, method in (("_stats.csv", final.requests_csv), ("_failures.csv", final.failures_csv),
-                           ("_exceptions.csv", final.exceptions_csv)):
+    for suffix, method in (
+        ("_stats.csv", final.requests_csv),
+        ("_failures.csv", final.failures_csv),
+        ("_exceptions.csv", final.exceptions_csv),
+    ):
         with open(prefix + suffix, "w", newline="", encoding="utf-8") as handle:
             method(csv.writer(handle))
 

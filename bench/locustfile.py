@@ -45,11 +45,18 @@ import requests
 from locust import HttpUser, constant, events, task
 
 from bench.metrics import RequestSample
+from bench.prompts import load_prompts, with_system_prompt
 from bench.protocol import (
-    OPENAI_PATHS, StreamError, StreamResult, openai_payload, read_openai_stream, read_openai_whole, read_stream, read_whole,
+    OPENAI_PATHS,
+    StreamError,
+    StreamResult,
+    openai_payload,
+    read_openai_stream,
+    read_openai_whole,
+    read_stream,
+    read_whole,
     request_payload,
 )
-from bench.prompts import load_prompts, with_system_prompt
 
 CONNECT_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
@@ -59,9 +66,15 @@ def add_options(parser) -> None:
     """The locustfile's own command-line options (also used by ``bench.locust_runner``)."""
     group = parser.add_argument_group("lmforge LLM load")
     group.add_argument("--model", default=None, help="model name (required): Triton's, or the OpenAI server's")
-    group.add_argument("--api", choices=["triton", "openai"], default="triton", help="Triton's generate extension or the OpenAI API")
-    group.add_argument("--endpoint", choices=["generate_stream", "generate", "chat", "completions"], default=None,
-                       help="triton: generate_stream (TTFT, ITL; default) or generate (E2E only); openai: chat (default) or completions")
+    group.add_argument(
+        "--api", choices=["triton", "openai"], default="triton", help="Triton's generate extension or the OpenAI API"
+    )
+    group.add_argument(
+        "--endpoint",
+        choices=["generate_stream", "generate", "chat", "completions"],
+        default=None,
+        help="triton: generate_stream (TTFT, ITL; default) or generate (E2E only); openai: chat (default) or completions",
+    )
     group.add_argument("--no-stream", action="store_true", help="openai: non-streaming requests (E2E only)")
     group.add_argument("--api-key", default=None, help="openai: bearer token")
     group.add_argument("--prompts", default=None, help="JSONL of prompts (default: the held-out dialogs)")
@@ -74,9 +87,15 @@ def add_options(parser) -> None:
     group.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed")
     group.add_argument("--request-timeout-s", type=float, default=120.0, help="read timeout per request")
     group.add_argument("--samples-out", default=None, help="append one JSON line per request to this file")
-    group.add_argument("--bad-share", type=float, default=0.0, help="share of requests replaced by bad ones (expect HTTP 400)")
-    group.add_argument("--disconnect-share", type=float, default=0.0, help="share of streams closed after their first event")
-    group.add_argument("--keep-going", action="store_true", help="keep sending when the server stops answering (it is expected back)")
+    group.add_argument(
+        "--bad-share", type=float, default=0.0, help="share of requests replaced by bad ones (expect HTTP 400)"
+    )
+    group.add_argument(
+        "--disconnect-share", type=float, default=0.0, help="share of streams closed after their first event"
+    )
+    group.add_argument(
+        "--keep-going", action="store_true", help="keep sending when the server stops answering (it is expected back)"
+    )
 
 
 #: Requests the model must refuse with HTTP 400 (sampling_parameters JSON; None = a top-level unknown field).
@@ -146,7 +165,9 @@ class LoadConfig:
     def payload(self, prompt: str, stream: bool | None = None) -> dict:
         stream = self.stream if stream is None else stream
         if self.api == "openai":
-            return openai_payload(prompt, self.sampling_parameters, model=self.model, endpoint=self.endpoint, stream=stream)
+            return openai_payload(
+                prompt, self.sampling_parameters, model=self.model, endpoint=self.endpoint, stream=stream
+            )
         return request_payload(prompt, self.sampling_parameters, stream=stream)
 
     def reader(self):
@@ -198,8 +219,19 @@ def config_from_options(options) -> LoadConfig:
     if options.ignore_eos:
         sampling["ignore_eos"] = True
     stream = endpoint == "generate_stream" if api == "triton" else not getattr(options, "no_stream", False)
-    return LoadConfig(options.model, endpoint, prompts, sampling, options.request_timeout_s, options.seed, bad, disconnect,
-                      api=api, stream=stream, api_key=getattr(options, "api_key", None))
+    return LoadConfig(
+        options.model,
+        endpoint,
+        prompts,
+        sampling,
+        options.request_timeout_s,
+        options.seed,
+        bad,
+        disconnect,
+        api=api,
+        stream=stream,
+        api_key=getattr(options, "api_key", None),
+    )
 
 
 @events.test_start.add_listener
@@ -242,13 +274,24 @@ class LLMUser(HttpUser):
         index = next(state.prompt_counter)
         prompt = prompts[(index + config.seed) % len(prompts)]
         draw = state.fault_rng.random()
-        fault = "bad" if draw < config.bad_share else "disconnect" if draw < config.bad_share + config.disconnect_share else None
+        fault = (
+            "bad"
+            if draw < config.bad_share
+            else "disconnect"
+            if draw < config.bad_share + config.disconnect_share
+            else None
+        )
         stream = (config.stream and fault is None) or fault == "disconnect"  # bad: a non-streaming request (a 400)
         path = config.path(stream)
         state.in_flight += 1
-        sample = RequestSample(start_s=time.time(), e2e_s=0.0, concurrency=state.in_flight,
-                               users=self.environment.runner.user_count if self.environment.runner else 1,
-                               endpoint=config.endpoint if config.api == "openai" else path.rsplit("/", 1)[-1], fault=fault)
+        sample = RequestSample(
+            start_s=time.time(),
+            e2e_s=0.0,
+            concurrency=state.in_flight,
+            users=self.environment.runner.user_count if self.environment.runner else 1,
+            endpoint=config.endpoint if config.api == "openai" else path.rsplit("/", 1)[-1],
+            fault=fault,
+        )
         payload = config.payload(prompt, stream)
         try:
             if fault == "bad":
@@ -268,8 +311,15 @@ class LLMUser(HttpUser):
         t0 = time.perf_counter()
         name = path.rsplit("/", 1)[-1]
         headers = _auth(state.config)
-        with self.client.post(path, json=payload, stream=stream, name=name, catch_response=True, headers=headers,
-                              timeout=(CONNECT_TIMEOUT_S, state.config.request_timeout_s)) as response:
+        with self.client.post(
+            path,
+            json=payload,
+            stream=stream,
+            name=name,
+            catch_response=True,
+            headers=headers,
+            timeout=(CONNECT_TIMEOUT_S, state.config.request_timeout_s),
+        ) as response:
             error = None
             try:
                 error = _http_error(response)
@@ -289,15 +339,27 @@ class LLMUser(HttpUser):
                 response.failure(error)
         if sample.ttft_s is not None:
             self.environment.events.request.fire(
-                request_type="TTFT", name=name, response_time=sample.ttft_s * 1000.0, response_length=0,
-                exception=None, context={})
+                request_type="TTFT",
+                name=name,
+                response_time=sample.ttft_s * 1000.0,
+                response_length=0,
+                exception=None,
+                context={},
+            )
         if error is not None and _is_connection_error(response):
             self._check_server(state, error)
 
     def _send_bad(self, state: RunState, path: str, payload: dict, sample: RequestSample) -> None:
         """A request the server must refuse: HTTP 400 with an error message is the success."""
         t0 = time.perf_counter()
-        with self.client.post(path, json=payload, name="bad", catch_response=True, headers=_auth(state.config), timeout=(CONNECT_TIMEOUT_S, 60.0)) as response:
+        with self.client.post(
+            path,
+            json=payload,
+            name="bad",
+            catch_response=True,
+            headers=_auth(state.config),
+            timeout=(CONNECT_TIMEOUT_S, 60.0),
+        ) as response:
             error = _http_error(response)
             sample.e2e_s = time.perf_counter() - t0
             if response.status_code == 400 and error:
@@ -309,8 +371,15 @@ class LLMUser(HttpUser):
     def _send_disconnect(self, state: RunState, path: str, payload: dict, sample: RequestSample) -> None:
         """A stream the client closes after its first event (the server must abort it)."""
         t0 = time.perf_counter()
-        with self.client.post(path, json=payload, stream=True, name="disconnect", catch_response=True, headers=_auth(state.config),
-                              timeout=(CONNECT_TIMEOUT_S, 60.0)) as response:
+        with self.client.post(
+            path,
+            json=payload,
+            stream=True,
+            name="disconnect",
+            catch_response=True,
+            headers=_auth(state.config),
+            timeout=(CONNECT_TIMEOUT_S, 60.0),
+        ) as response:
             error = _http_error(response)
             if error is None:
                 try:
@@ -373,4 +442,3 @@ def _fill_sample(sample: RequestSample, result: StreamResult, t0: float, end: fl
     sample.output_tokens = result.output_tokens if result.output_tokens is not None else len(times)
     sample.input_tokens = result.input_tokens
     sample.finish_reason = result.finish_reason
-

@@ -218,12 +218,14 @@ def latency_by_concurrency(samples: Sequence[RequestSample]) -> list[dict]:
     rows = []
     for level in sorted(levels):
         group = levels[level]
-        rows.append({
-            "concurrency": level,
-            "requests": len(group),
-            "ttft_ms": _ms(percentiles([s.ttft_s for s in group if s.ttft_s is not None], (50, 90))),
-            "e2e_ms": _ms(percentiles([s.e2e_s for s in group], (50, 90))),
-        })
+        rows.append(
+            {
+                "concurrency": level,
+                "requests": len(group),
+                "ttft_ms": _ms(percentiles([s.ttft_s for s in group if s.ttft_s is not None], (50, 90))),
+                "e2e_ms": _ms(percentiles([s.e2e_s for s in group], (50, 90))),
+            }
+        )
     return rows
 
 
@@ -249,17 +251,19 @@ def step_summaries(samples: Sequence[RequestSample], steps: Sequence[LoadStep], 
         inside = [s for s in samples if step.start_s <= s.end_s < step.end_s]
         summary = summarize(inside, duration_s=max(step.end_s - step.start_s, 1e-9))
         p90 = summary["ttft_ms"]["p90"]
-        rows.append({
-            "users": step.users,
-            "start_s": step.start_s,
-            "duration_s": step.end_s - step.start_s,
-            "requests": summary["requests"],
-            "failed": summary["failed"],
-            "request_throughput_req_s": summary["request_throughput_req_s"],
-            "output_throughput_tok_s": summary["output_throughput_tok_s"],
-            "ttft_p90_ms": p90,
-            "meets_slo": p90 is not None and p90 <= ttft_p90_bound_ms and summary["failed"] == 0,
-        })
+        rows.append(
+            {
+                "users": step.users,
+                "start_s": step.start_s,
+                "duration_s": step.end_s - step.start_s,
+                "requests": summary["requests"],
+                "failed": summary["failed"],
+                "request_throughput_req_s": summary["request_throughput_req_s"],
+                "output_throughput_tok_s": summary["output_throughput_tok_s"],
+                "ttft_p90_ms": p90,
+                "meets_slo": p90 is not None and p90 <= ttft_p90_bound_ms and summary["failed"] == 0,
+            }
+        )
     return rows
 
 

@@ -58,7 +58,9 @@ def gguf_converter() -> tuple[Path, Path] | None:
     return (python, script) if python is not None and script.is_file() else None
 
 
-def convert_to_gguf(model_dir: Path, outtype: str, out_path: Path, converter: tuple[Path, Path], timeout_s: float = 1800.0) -> Path:
+def convert_to_gguf(
+    model_dir: Path, outtype: str, out_path: Path, converter: tuple[Path, Path], timeout_s: float = 1800.0
+) -> Path:
     """Convert an HF checkpoint directory to a GGUF file with llama.cpp's converter.
 
     Args:
@@ -209,7 +211,9 @@ def stream_completion(base_url: str, prompt: list[int] | str, max_tokens: int, t
     tokens: list[int] = []
     first: float | None = None
     try:
-        with requests.post(f"{base_url}/completion", json=completion_payload(prompt, max_tokens), stream=True, timeout=timeout_s) as response:
+        with requests.post(
+            f"{base_url}/completion", json=completion_payload(prompt, max_tokens), stream=True, timeout=timeout_s
+        ) as response:
             if response.status_code != 200:
                 raise PeerError(f"llama-server /completion answered {response.status_code}: {response.text[:300]}")
             for line in response.iter_lines(chunk_size=None):
@@ -248,8 +252,19 @@ class LlamaServer:
             ``ready_timeout_s``.
     """
 
-    def __init__(self, binary: Path, gguf: Path, *, n_parallel: int, ctx_per_slot: int, threads: int | None,
-                 log_path: Path, port: int | None = None, ready_timeout_s: float = 300.0, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        binary: Path,
+        gguf: Path,
+        *,
+        n_parallel: int,
+        ctx_per_slot: int,
+        threads: int | None,
+        log_path: Path,
+        port: int | None = None,
+        ready_timeout_s: float = 300.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.binary, self.gguf = Path(binary), Path(gguf)
         self.n_parallel, self.ctx_per_slot, self.threads = n_parallel, ctx_per_slot, threads
         self.log_path = Path(log_path)
@@ -264,9 +279,22 @@ class LlamaServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
-               "-np", str(self.n_parallel), "-c", str(self.n_parallel * self.ctx_per_slot), "--cont-batching",
-               "--no-webui", *self.extra_args]
+        cmd = [
+            str(self.binary),
+            "-m",
+            str(self.gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-np",
+            str(self.n_parallel),
+            "-c",
+            str(self.n_parallel * self.ctx_per_slot),
+            "--cont-batching",
+            "--no-webui",
+            *self.extra_args,
+        ]
         if self.threads:
             cmd += ["-t", str(self.threads), "-tb", str(self.threads)]
         return cmd
@@ -277,7 +305,9 @@ class LlamaServer:
 
             self.port = free_ports(1)[0]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         try:
             self._wait_ready()
         except BaseException:

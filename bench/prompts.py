@@ -12,8 +12,8 @@ import functools
 from pathlib import Path
 
 from compress.data.prepare import iter_jsonl
-from compress.errors import UsageError
 from compress.data.records import default_split_records
+from compress.errors import UsageError
 
 
 class PromptError(UsageError):
@@ -105,5 +105,9 @@ def render_chat(prompts: list[str], checkpoint: str, system_prompt: str | None =
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError(f"{checkpoint}: its tokenizer has no chat template; drop --chat-template")
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return [tokenizer.apply_chat_template(system + [{"role": "user", "content": p}], tokenize=False,
-                                          add_generation_prompt=True) for p in prompts]
+    return [
+        tokenizer.apply_chat_template(
+            system + [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p in prompts
+    ]

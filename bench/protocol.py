@@ -127,8 +127,12 @@ OPENAI_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"
 def openai_payload(prompt: str, sampling_parameters: dict, *, model: str, endpoint: str, stream: bool) -> dict:
     """The JSON body of an OpenAI ``/v1/chat/completions`` (prompt as one user message) or
     ``/v1/completions`` request with the same sampling fields; streamed with usage."""
-    body: dict = {"model": model, "max_tokens": sampling_parameters["max_tokens"],
-                  "temperature": sampling_parameters.get("temperature", 1.0), "top_p": sampling_parameters.get("top_p", 1.0)}
+    body: dict = {
+        "model": model,
+        "max_tokens": sampling_parameters["max_tokens"],
+        "temperature": sampling_parameters.get("temperature", 1.0),
+        "top_p": sampling_parameters.get("top_p", 1.0),
+    }
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:

@@ -51,17 +51,44 @@ class ReliabilityError(LmforgeError, RuntimeError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="tiny (random 2-layer Llama, default) or a checkpoint name/dir, e.g. smollm2-135m")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (random 2-layer Llama, default) or a checkpoint name/dir, e.g. smollm2-135m",
+    )
     parser.add_argument("--duration", default="3m", help="soak duration, e.g. 90s, 3m (default 3m)")
     parser.add_argument("--users", type=int, default=16, help="concurrent Locust users (default 16)")
     parser.add_argument("--bad-share", type=float, default=0.1, help="share of bad requests (default 0.1)")
-    parser.add_argument("--disconnect-share", type=float, default=0.1, help="share of streams closed after the first event (default 0.1)")
-    parser.add_argument("--kill-at", type=float, default=0.6, help="kill -9 the model stub at this fraction of the duration; 0 = never (default 0.6)")
-    parser.add_argument("--warmup-fraction", type=float, default=0.25, help="share of the pre-kill time before the RSS baseline (default 0.25)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="SamplingParams.max_tokens of the good requests (default 32)")
-    parser.add_argument("--request-timeout-s", type=float, default=20.0,
-                        help="client read timeout (default 20): requests in flight in a killed stub are never answered")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads of the served engine (default: torch's)")
+    parser.add_argument(
+        "--disconnect-share",
+        type=float,
+        default=0.1,
+        help="share of streams closed after the first event (default 0.1)",
+    )
+    parser.add_argument(
+        "--kill-at",
+        type=float,
+        default=0.6,
+        help="kill -9 the model stub at this fraction of the duration; 0 = never (default 0.6)",
+    )
+    parser.add_argument(
+        "--warmup-fraction",
+        type=float,
+        default=0.25,
+        help="share of the pre-kill time before the RSS baseline (default 0.25)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=32, help="SamplingParams.max_tokens of the good requests (default 32)"
+    )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=20.0,
+        help="client read timeout (default 20): requests in flight in a killed stub are never answered",
+    )
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads of the served engine (default: torch's)"
+    )
     parser.add_argument("--out", default="reports/reliability", help="report directory (default reports/reliability)")
 
 
@@ -84,8 +111,10 @@ def _check_args(args: argparse.Namespace, duration_s: float) -> None:
     checks = [
         (duration_s >= 30, f"--duration={args.duration}; give at least 30s (warm-up, kill and recovery must fit)"),
         (args.users >= 1, f"--users={args.users}; it must be >= 1"),
-        (0 <= args.bad_share and 0 <= args.disconnect_share and args.bad_share + args.disconnect_share < 1,
-         f"--bad-share={args.bad_share}, --disconnect-share={args.disconnect_share}; each >= 0, sum < 1"),
+        (
+            0 <= args.bad_share and 0 <= args.disconnect_share and args.bad_share + args.disconnect_share < 1,
+            f"--bad-share={args.bad_share}, --disconnect-share={args.disconnect_share}; each >= 0, sum < 1",
+        ),
         (0 <= args.kill_at < 1, f"--kill-at={args.kill_at}; it must be in [0, 1)"),
         (0 < args.warmup_fraction < 1, f"--warmup-fraction={args.warmup_fraction}; it must be in (0, 1)"),
         (args.max_tokens >= 1, f"--max-tokens={args.max_tokens}; it must be >= 1"),
@@ -112,7 +141,16 @@ def soak(args: argparse.Namespace, duration_s: float) -> dict:
     events: list[dict] = []
     log = lambda line: (events.append({"time_s": time.time(), "event": line}), print(line, flush=True))  # noqa: E731
     http, grpc, metrics = free_ports(3)
-    server = TritonServer(repo, http, grpc, metrics, models=["llm"], log_path=out / "tritonserver.log", write_pid_file=False, startup_timeout_s=900)
+    server = TritonServer(
+        repo,
+        http,
+        grpc,
+        metrics,
+        models=["llm"],
+        log_path=out / "tritonserver.log",
+        write_pid_file=False,
+        startup_timeout_s=900,
+    )
     try:
         server.start()
     except TritonError as exc:
@@ -122,11 +160,20 @@ def soak(args: argparse.Namespace, duration_s: float) -> dict:
         kill_after_s = args.kill_at * duration_s if args.kill_at > 0 else None
         monitor = StubMonitor(server, kill_after_s, args.warmup_fraction, log)
         config = LoadTestConfig(
-            host=server.http_url, model="llm", users=args.users, spawn_rate=float(args.users), run_time_s=duration_s,
-            max_tokens=args.max_tokens, bad_share=args.bad_share, disconnect_share=args.disconnect_share,
-            request_timeout_s=args.request_timeout_s, keep_going=True,
+            host=server.http_url,
+            model="llm",
+            users=args.users,
+            spawn_rate=float(args.users),
+            run_time_s=duration_s,
+            max_tokens=args.max_tokens,
+            bad_share=args.bad_share,
+            disconnect_share=args.disconnect_share,
+            request_timeout_s=args.request_timeout_s,
+            keep_going=True,
         )
-        log(f"soak: {args.users} users for {duration_s:.0f} s on {args.model}; stub kill at {kill_after_s or 'never'} s")
+        log(
+            f"soak: {args.users} users for {duration_s:.0f} s on {args.model}; stub kill at {kill_after_s or 'never'} s"
+        )
         monitor.start_when_load_starts()
         summary = run_loadtest(config, out / "loadtest", log=log)
         monitor.stop()
@@ -206,10 +253,16 @@ class StubMonitor:
 
     def _time_recovery(self) -> None:
         deadline = self.kill_s + 600
-        body = json.dumps({"text_input": "Hello", "sampling_parameters": json.dumps({"max_tokens": 2, "temperature": 0})}).encode()
+        body = json.dumps(
+            {"text_input": "Hello", "sampling_parameters": json.dumps({"max_tokens": 2, "temperature": 0})}
+        ).encode()
         while time.time() < deadline and not self._stop.is_set():
-            request = urllib.request.Request(f"{self.server.http_url}/v2/models/llm/generate", data=body, method="POST",
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                f"{self.server.http_url}/v2/models/llm/generate",
+                data=body,
+                method="POST",
+                headers={"Content-Type": "application/json"},
+            )
             try:
                 with urllib.request.urlopen(request, timeout=10) as response:
                     if response.status == 200:
@@ -229,7 +282,7 @@ def read_metrics(server) -> dict[str, float]:
     except (urllib.error.URLError, OSError):
         return {}
     values: dict[str, float] = {}
-    for name, labels, value in re.findall(r'^(lmforge_\w+)\{([^}]*)\} (\S+)$', text, re.M):
+    for name, labels, value in re.findall(r"^(lmforge_\w+)\{([^}]*)\} (\S+)$", text, re.M):
         if 'model="llm"' in labels:
             values[name] = values.get(name, 0.0) + float(value)
     return values
@@ -241,7 +294,11 @@ def _wait_idle(server, timeout_s: float = 30.0) -> dict[str, float]:
     values = read_metrics(server)
     while time.monotonic() < deadline:
         values = read_metrics(server)
-        if values and values.get("lmforge_num_requests_running", 1) == 0 and values.get("lmforge_num_requests_waiting", 1) == 0:
+        if (
+            values
+            and values.get("lmforge_num_requests_running", 1) == 0
+            and values.get("lmforge_num_requests_waiting", 1) == 0
+        ):
             time.sleep(0.5)  # one more stats interval
             return read_metrics(server)
         time.sleep(0.25)
@@ -253,7 +310,9 @@ def _wait_idle(server, timeout_s: float = 30.0) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def build_report(args, duration_s: float, samples_path: Path, monitor: StubMonitor, after: dict, summary: dict, events: list[dict]) -> dict:
+def build_report(
+    args, duration_s: float, samples_path: Path, monitor: StubMonitor, after: dict, summary: dict, events: list[dict]
+) -> dict:
     """The figures of one soak (see the module docstring) and whether each target is met."""
     from bench.report import read_samples
 
@@ -284,19 +343,26 @@ def build_report(args, duration_s: float, samples_path: Path, monitor: StubMonit
         "requests_aborted_total_before_kill": aborted_before,
         "requests_aborted_total_after_reload": aborted_after if kill_s is not None else None,
         "rss": rss_growth,
-        "after_load": {"kv_cache_usage_ratio": after.get("lmforge_kv_cache_usage_ratio"),
-                       "num_requests_running": after.get("lmforge_num_requests_running"),
-                       "num_requests_waiting": after.get("lmforge_num_requests_waiting")},
-        "kill": None if kill_s is None else {"after_load_start_s": kill_s - monitor.load_start_s,
-                                             "served_again_after_s": recovery_s,
-                                             "recovered_by": _recovered_by(events)},
+        "after_load": {
+            "kv_cache_usage_ratio": after.get("lmforge_kv_cache_usage_ratio"),
+            "num_requests_running": after.get("lmforge_num_requests_running"),
+            "num_requests_waiting": after.get("lmforge_num_requests_waiting"),
+        },
+        "kill": None
+        if kill_s is None
+        else {
+            "after_load_start_s": kill_s - monitor.load_start_s,
+            "served_again_after_s": recovery_s,
+            "recovered_by": _recovered_by(events),
+        },
         "good_metrics": {k: summary["metrics"].get(k) for k in ("successful", "failed", "output_throughput_tok_s")},
         "events": events,
     }
     report["targets"] = {
         "good_failures_before_kill == 0": report["good_failures_before_kill"] == 0,
         "bad requests all refused with 400": report["bad_not_refused_with_400_before_kill"] == 0,
-        f"rss growth <= {RSS_TARGET_GROWTH:.0%}": rss_growth["growth"] is not None and rss_growth["growth"] <= RSS_TARGET_GROWTH,
+        f"rss growth <= {RSS_TARGET_GROWTH:.0%}": rss_growth["growth"] is not None
+        and rss_growth["growth"] <= RSS_TARGET_GROWTH,
         "kv usage 0 after load": report["after_load"]["kv_cache_usage_ratio"] == 0.0,
         "served again after the kill": kill_s is None or recovery_s is not None,
     }
@@ -341,8 +407,17 @@ def format_report(report: dict) -> str:
         f"  after the load: KV usage {after['kv_cache_usage_ratio']}, running {after['num_requests_running']}, waiting {after['num_requests_waiting']} (target 0)",
     ]
     if kill is not None:
-        served = "not served again" if kill["served_again_after_s"] is None else f"served again after {kill['served_again_after_s']:.1f} s"
+        served = (
+            "not served again"
+            if kill["served_again_after_s"] is None
+            else f"served again after {kill['served_again_after_s']:.1f} s"
+        )
         lines.append(f"  stub killed at {kill['after_load_start_s']:.0f} s: {served} ({kill['recovered_by']})")
-    lines += [f"  example failure: {e}" for e in report["good_failures_before_kill_examples"] + report["bad_not_refused_examples"]]
-    lines.append("  targets: " + ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in report["targets"].items()))
+    lines += [
+        f"  example failure: {e}"
+        for e in report["good_failures_before_kill_examples"] + report["bad_not_refused_examples"]
+    ]
+    lines.append(
+        "  targets: " + ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in report["targets"].items())
+    )
     return "\n".join(lines)

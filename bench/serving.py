@@ -49,7 +49,9 @@ class LevelResult:
 
 
 def _summarise(backend: str, concurrency: int, ttfts_s: list[float], tokens: list[int], wall_s: float) -> LevelResult:
-    return LevelResult(backend, concurrency, len(tokens), sum(tokens), wall_s, sum(tokens) / wall_s, statistics.median(ttfts_s) * 1000)
+    return LevelResult(
+        backend, concurrency, len(tokens), sum(tokens), wall_s, sum(tokens) / wall_s, statistics.median(ttfts_s) * 1000
+    )
 
 
 async def _bounded(coroutines, concurrency: int) -> list:
@@ -89,7 +91,7 @@ async def _triton_level(session, url: str, concurrency: int, prompts: list[str],
             async for line in response.content:
                 if not line.startswith(b"data: "):
                     continue
-                event = json.loads(line[len(b"data: "):])
+                event = json.loads(line[len(b"data: ") :])
                 if "error" in event:
                     raise RuntimeError(f"Triton error: {event['error']}")
                 if ttft is None and event.get("text_output"):
@@ -103,7 +105,9 @@ async def _triton_level(session, url: str, concurrency: int, prompts: list[str],
     return _summarise("triton", concurrency, [r[0] for r in results], [r[1] for r in results], wall)
 
 
-async def _run_rounds(engine, session, url: str, levels: list[int], prompts_per_level: dict[int, list[str]], params: dict, rounds: int):
+async def _run_rounds(
+    engine, session, url: str, levels: list[int], prompts_per_level: dict[int, list[str]], params: dict, rounds: int
+):
     """Alternate engine and Triton at each level, ``rounds`` times; keep each one's best round."""
     from engine import SamplingParams
 
@@ -113,15 +117,30 @@ async def _run_rounds(engine, session, url: str, levels: list[int], prompts_per_
     best: dict[tuple[str, int], LevelResult] = {}
     for round_index in range(rounds):
         for c in levels:
-            for result in (await _engine_level(engine, c, prompts_per_level[c], engine_params), await _triton_level(session, url, c, prompts_per_level[c], params)):
-                print(f"  round {round_index + 1}: {result.backend:>6} c={c:<3} {result.output_tok_s:7.1f} tok/s  TTFT p50 {result.ttft_p50_ms:8.1f} ms", flush=True)
+            for result in (
+                await _engine_level(engine, c, prompts_per_level[c], engine_params),
+                await _triton_level(session, url, c, prompts_per_level[c], params),
+            ):
+                print(
+                    f"  round {round_index + 1}: {result.backend:>6} c={c:<3} {result.output_tok_s:7.1f} tok/s  TTFT p50 {result.ttft_p50_ms:8.1f} ms",
+                    flush=True,
+                )
                 key = (result.backend, c)
                 if key not in best or result.output_tok_s > best[key].output_tok_s:
                     best[key] = result
     return [best[("engine", c)] for c in levels], [best[("triton", c)] for c in levels]
 
 
-def bench(model: str, engine_config: dict, levels: list[int], prompts_per_level: dict[int, list[str]], params: dict, *, ports: list[int], rounds: int):
+def bench(
+    model: str,
+    engine_config: dict,
+    levels: list[int],
+    prompts_per_level: dict[int, list[str]],
+    params: dict,
+    *,
+    ports: list[int],
+    rounds: int,
+):
     """In-process ``AsyncLLMEngine`` and the same engine behind the real ``tritonserver``
     (exported into a temporary repository), both loaded, measured in alternation."""
     import aiohttp
@@ -156,7 +175,9 @@ def format_table(engine: list[LevelResult], triton: list[LevelResult]) -> str:
     ]
     for e, t in zip(engine, triton):
         overhead = 1 - t.output_tok_s / e.output_tok_s
-        lines.append(f"{e.concurrency:>11} | {e.output_tok_s:>12.1f} | {t.output_tok_s:>12.1f} | {overhead:>7.1%} | {e.ttft_p50_ms:>18.1f} | {t.ttft_p50_ms:>18.1f}")
+        lines.append(
+            f"{e.concurrency:>11} | {e.output_tok_s:>12.1f} | {t.output_tok_s:>12.1f} | {overhead:>7.1%} | {e.ttft_p50_ms:>18.1f} | {t.ttft_p50_ms:>18.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -171,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-threads", type=int, help="EngineConfig.num_threads for both (default: torch's)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="EngineConfig.max_num_seqs (default 16)")
     parser.add_argument("--max-model-len", type=int, default=512, help="EngineConfig.max_model_len (default 512)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; each backend's best is reported (default 2)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds; each backend's best is reported (default 2)"
+    )
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if args.max_tokens < 1 or args.rounds < 1 or any(c < 1 for c in args.concurrency):
@@ -184,12 +207,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_threads:
         engine_config["num_threads"] = args.num_threads
     params = {"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": True}
-    prompts = {c: [PROMPTS[i % len(PROMPTS)] for i in range(args.requests_per_level or max(4, 2 * c))] for c in args.concurrency}
-    print(f"model {model}, engine {engine_config}, {args.max_tokens} output tokens per request, best of {args.rounds} rounds")
-    engine, triton = bench(model, engine_config, args.concurrency, prompts, params, ports=free_ports(3), rounds=args.rounds)
+    prompts = {
+        c: [PROMPTS[i % len(PROMPTS)] for i in range(args.requests_per_level or max(4, 2 * c))]
+        for c in args.concurrency
+    }
+    print(
+        f"model {model}, engine {engine_config}, {args.max_tokens} output tokens per request, best of {args.rounds} rounds"
+    )
+    engine, triton = bench(
+        model, engine_config, args.concurrency, prompts, params, ports=free_ports(3), rounds=args.rounds
+    )
     print(format_table(engine, triton))
     if args.out:
-        Path(args.out).write_text(json.dumps({"engine": [asdict(r) for r in engine], "triton": [asdict(r) for r in triton]}, indent=2) + "\n")
+        Path(args.out).write_text(
+            json.dumps({"engine": [asdict(r) for r in engine], "triton": [asdict(r) for r in triton]}, indent=2) + "\n"
+        )
     return 0
 
 

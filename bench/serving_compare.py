@@ -85,25 +85,35 @@ def row_from_summary(name: str, users: int, summary: dict, samples, bound_ms: fl
     m = summary["metrics"]
     pick = lambda key, p: (m[key] or {}).get(p)  # noqa: E731
     return {
-        "endpoint": name, "users": users, "requests": m["successful"], "failed": m["failed"],
+        "endpoint": name,
+        "users": users,
+        "requests": m["successful"],
+        "failed": m["failed"],
         "output_tok_s": m["output_throughput_tok_s"],
-        "ttft_p50_ms": pick("ttft_ms", "p50"), "ttft_p99_ms": pick("ttft_ms", "p99"),
-        "itl_p50_ms": pick("itl_ms", "p50"), "itl_p99_ms": pick("itl_ms", "p99"),
-        "e2e_p50_ms": pick("e2e_ms", "p50"), "e2e_p99_ms": pick("e2e_ms", "p99"),
+        "ttft_p50_ms": pick("ttft_ms", "p50"),
+        "ttft_p99_ms": pick("ttft_ms", "p99"),
+        "itl_p50_ms": pick("itl_ms", "p50"),
+        "itl_p99_ms": pick("itl_ms", "p99"),
+        "e2e_p50_ms": pick("e2e_ms", "p50"),
+        "e2e_p99_ms": pick("e2e_ms", "p99"),
         "goodput_tok_s": goodput_tok_s(samples, bound_ms, m["duration_s"] or 0.0),
         "errors": m["errors"],
     }
 
 
 def format_table(rows: list[dict], bound_ms: float) -> str:
-    head = ("| endpoint | users | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-            f"| E2E p50 ms | E2E p99 ms | goodput tok/s (TTFT <= {bound_ms:g} ms) |")
+    head = (
+        "| endpoint | users | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+        f"| E2E p50 ms | E2E p99 ms | goodput tok/s (TTFT <= {bound_ms:g} ms) |"
+    )
     lines = [head, "|" + "---|" * 11]
     fmt = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in rows:
-        lines.append(f"| {r['endpoint']} | {r['users']} | {r['requests']} (+{r['failed']} failed) | {fmt(r['output_tok_s'])} "
-                     f"| {fmt(r['ttft_p50_ms'], 0)} | {fmt(r['ttft_p99_ms'], 0)} | {fmt(r['itl_p50_ms'])} | {fmt(r['itl_p99_ms'])} "
-                     f"| {fmt(r['e2e_p50_ms'], 0)} | {fmt(r['e2e_p99_ms'], 0)} | {fmt(r['goodput_tok_s'])} |")
+        lines.append(
+            f"| {r['endpoint']} | {r['users']} | {r['requests']} (+{r['failed']} failed) | {fmt(r['output_tok_s'])} "
+            f"| {fmt(r['ttft_p50_ms'], 0)} | {fmt(r['ttft_p99_ms'], 0)} | {fmt(r['itl_p50_ms'])} | {fmt(r['itl_p99_ms'])} "
+            f"| {fmt(r['e2e_p50_ms'], 0)} | {fmt(r['e2e_p99_ms'], 0)} | {fmt(r['goodput_tok_s'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -115,8 +125,10 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    for key, label, name in (("output_tok_s", "output tok/s", "throughput_vs_users.png"),
-                             ("ttft_p99_ms", "TTFT p99 (ms)", "ttft_p99_vs_users.png")):
+    for key, label, name in (
+        ("output_tok_s", "output tok/s", "throughput_vs_users.png"),
+        ("ttft_p99_ms", "TTFT p99 (ms)", "ttft_p99_vs_users.png"),
+    ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for endpoint in dict.fromkeys(r["endpoint"] for r in rows):
             points = [(r["users"], r[key]) for r in rows if r["endpoint"] == endpoint and r[key] is not None]
@@ -172,28 +184,83 @@ def start_peers(args, out: Path, notes: list[str]) -> list[Peer]:
     name = args.peer_model_name
     started: list[Peer] = []
     candidates = []
-    vllm = next((p for p in (peers_dir / "vllm" / "bin" / "vllm", peers_dir / "vllm-venv" / "bin" / "vllm") if p.is_file()), None)
+    vllm = next(
+        (p for p in (peers_dir / "vllm" / "bin" / "vllm", peers_dir / "vllm-venv" / "bin" / "vllm") if p.is_file()),
+        None,
+    )
     if vllm is None:
         notes.append(f"vllm skipped: no vllm executable under {peers_dir}")
     else:
         port = free_ports(1)[0]
-        candidates.append(("vllm", [str(vllm), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
-                                    "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--served-model-name", name,
-                                    "--max-num-seqs", str(max(args.users))], port))
-    server = next((p for p in (peers_dir / "llama-server", peers_dir / "bin" / "llama-server",
-                               peers_dir / "llama.cpp" / "build" / "bin" / "llama-server") if p.is_file()), None)
+        candidates.append(
+            (
+                "vllm",
+                [
+                    str(vllm),
+                    "serve",
+                    str(checkpoint),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--dtype",
+                    args.dtype,
+                    "--max-model-len",
+                    str(args.max_model_len),
+                    "--served-model-name",
+                    name,
+                    "--max-num-seqs",
+                    str(max(args.users)),
+                ],
+                port,
+            )
+        )
+    server = next(
+        (
+            p
+            for p in (
+                peers_dir / "llama-server",
+                peers_dir / "bin" / "llama-server",
+                peers_dir / "llama.cpp" / "build" / "bin" / "llama-server",
+            )
+            if p.is_file()
+        ),
+        None,
+    )
     want = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[args.dtype]
     gguf = Path(args.gguf) if args.gguf else next(iter(sorted(peers_dir.rglob(f"*{want}*.gguf"))), None)
     if server is None:
         notes.append(f"llama-server skipped: no llama-server binary under {peers_dir}")
     elif gguf is None:
-        notes.append(f"llama-server skipped: no *{want}*.gguf under {peers_dir} and no --gguf (same dtype as the others)")
+        notes.append(
+            f"llama-server skipped: no *{want}*.gguf under {peers_dir} and no --gguf (same dtype as the others)"
+        )
     else:
         slots = max(args.users)
         port = free_ports(1)[0]
-        candidates.append(("llama-server", [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                                            "-np", str(slots), "-c", str(slots * args.max_model_len), "--alias", name,
-                                            "-t", str(os.cpu_count() or 1)], port))
+        candidates.append(
+            (
+                "llama-server",
+                [
+                    str(server),
+                    "-m",
+                    str(gguf),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "-np",
+                    str(slots),
+                    "-c",
+                    str(slots * args.max_model_len),
+                    "--alias",
+                    name,
+                    "-t",
+                    str(os.cpu_count() or 1),
+                ],
+                port,
+            )
+        )
     for peer_name, command, port in candidates:
         log = out / f"{peer_name}.log"
         with log.open("w") as handle:
@@ -202,7 +269,9 @@ def start_peers(args, out: Path, notes: list[str]) -> list[Peer]:
         if _wait_health(url, process, PEER_START_TIMEOUT_S):
             started.append(Peer(Endpoint(peer_name, "openai", url, name, args.peer_endpoint), process, log))
         else:
-            notes.append(f"{peer_name} skipped: it did not become healthy within {PEER_START_TIMEOUT_S:.0f} s; log {log}")
+            notes.append(
+                f"{peer_name} skipped: it did not become healthy within {PEER_START_TIMEOUT_S:.0f} s; log {log}"
+            )
             _stop(process)
     return started
 
@@ -220,16 +289,31 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--endpoint", action="append", default=[], metavar="SPEC",
-                        help="name=N,api=triton|openai,url=http://127.0.0.1:PORT,model=M[,endpoint=E][,key=K] (repeat)")
+    parser.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="name=N,api=triton|openai,url=http://127.0.0.1:PORT,model=M[,endpoint=E][,key=K] (repeat)",
+    )
     parser.add_argument("--peers", action="store_true", help="also start vllm serve and llama-server from `make peers`")
-    parser.add_argument("--checkpoint", default="smollm2-135m", help="checkpoint the peers serve (default smollm2-135m)")
+    parser.add_argument(
+        "--checkpoint", default="smollm2-135m", help="checkpoint the peers serve (default smollm2-135m)"
+    )
     parser.add_argument("--peer-model-name", default="smollm2_135m", help="model name the peers answer to")
-    parser.add_argument("--peer-endpoint", choices=["chat", "completions"], default="completions", help="OpenAI route used on the peers")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="peers' dtype (same as ours)")
+    parser.add_argument(
+        "--peer-endpoint", choices=["chat", "completions"], default="completions", help="OpenAI route used on the peers"
+    )
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="peers' dtype (same as ours)"
+    )
     parser.add_argument("--max-model-len", type=int, default=2048, help="peers' context length")
-    parser.add_argument("--gguf", default=None, help="GGUF for llama-server (default: *f32*.gguf etc. under the peers directory)")
-    parser.add_argument("--users", type=int, nargs="+", default=list(DEFAULT_USERS), help="user counts (default 1 4 16 64)")
+    parser.add_argument(
+        "--gguf", default=None, help="GGUF for llama-server (default: *f32*.gguf etc. under the peers directory)"
+    )
+    parser.add_argument(
+        "--users", type=int, nargs="+", default=list(DEFAULT_USERS), help="user counts (default 1 4 16 64)"
+    )
     parser.add_argument("--run-time", default="30s", help="measured time per endpoint and user count (default 30s)")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (EOS ignored)")
     parser.add_argument("--prompts", default=None, help="JSONL of prompts (default: the held-out dialogs)")
@@ -262,10 +346,20 @@ def run(args: argparse.Namespace) -> int:
         for users in args.users:
             for ep in endpoints:
                 config = LoadTestConfig(
-                    host=ep.url, model=ep.model, api=ep.api, api_key=ep.key, users=users, spawn_rate=float(users),
-                    run_time_s=run_time_s, endpoint=ep.endpoint or ("chat" if ep.api == "openai" else "generate_stream"),
-                    prompts=args.prompts, num_prompts=args.num_prompts, max_tokens=args.max_tokens, ignore_eos=True,
-                    request_timeout_s=args.request_timeout_s)
+                    host=ep.url,
+                    model=ep.model,
+                    api=ep.api,
+                    api_key=ep.key,
+                    users=users,
+                    spawn_rate=float(users),
+                    run_time_s=run_time_s,
+                    endpoint=ep.endpoint or ("chat" if ep.api == "openai" else "generate_stream"),
+                    prompts=args.prompts,
+                    num_prompts=args.num_prompts,
+                    max_tokens=args.max_tokens,
+                    ignore_eos=True,
+                    request_timeout_s=args.request_timeout_s,
+                )
                 run_dir = out / ep.name / f"u{users}"
                 print(f"{ep.name}: {users} users for {run_time_s:g} s ...", flush=True)
                 try:
@@ -277,13 +371,22 @@ def run(args: argparse.Namespace) -> int:
                 samples, _ = read_samples(run_dir / "samples.jsonl")
                 rows.append(row_from_summary(ep.name, users, summary, samples, args.ttft_bound_ms))
                 r = rows[-1]
-                print(f"  {r['output_tok_s'] or 0:.1f} tok/s, TTFT p50 {r['ttft_p50_ms'] or 0:.0f} ms, p99 {r['ttft_p99_ms'] or 0:.0f} ms", flush=True)
+                print(
+                    f"  {r['output_tok_s'] or 0:.1f} tok/s, TTFT p50 {r['ttft_p50_ms'] or 0:.0f} ms, p99 {r['ttft_p99_ms'] or 0:.0f} ms",
+                    flush=True,
+                )
     finally:
         for peer in peers:
             _stop(peer.process)
-    report = {"endpoints": [dataclasses.asdict(e) | {"key": None} for e in endpoints], "users": args.users,
-              "run_time_s": run_time_s, "max_tokens": args.max_tokens, "ttft_bound_ms": args.ttft_bound_ms,
-              "rows": rows, "notes": notes}
+    report = {
+        "endpoints": [dataclasses.asdict(e) | {"key": None} for e in endpoints],
+        "users": args.users,
+        "run_time_s": run_time_s,
+        "max_tokens": args.max_tokens,
+        "ttft_bound_ms": args.ttft_bound_ms,
+        "rows": rows,
+        "notes": notes,
+    }
     (out / "serving.json").write_text(json.dumps(report, indent=2))
     table = format_table(rows, args.ttft_bound_ms)
     (out / "serving.md").write_text(table + "\n" + "".join(f"\nnote: {n}" for n in notes) + "\n")

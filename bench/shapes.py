@@ -19,7 +19,6 @@ import time
 import numpy as np
 from locust import LoadTestShape
 
-
 PASS, WAIT = "pass", "wait"
 MAX_STEP_STRETCH = 4  # a step with no finished request yet is held up to this many step lengths
 
@@ -31,16 +30,31 @@ class StepLoadShape(LoadTestShape):
     seconds) and ``stop_reason`` (why it stopped, in words).
     """
 
-    def __init__(self, start_users: int = 1, step_users: int = 2, step_s: float = 10.0, max_users: int = 32,
-                 ttft_p90_bound_ms: float = 1000.0, spawn_rate: float = 10.0, max_steps: int = 20):
+    def __init__(
+        self,
+        start_users: int = 1,
+        step_users: int = 2,
+        step_s: float = 10.0,
+        max_users: int = 32,
+        ttft_p90_bound_ms: float = 1000.0,
+        spawn_rate: float = 10.0,
+        max_steps: int = 20,
+    ):
         super().__init__()
         if start_users < 1 or step_users < 1 or max_users < start_users:
-            raise ValueError(f"start_users={start_users}, step_users={step_users}, max_users={max_users}; "
-                             "need start_users >= 1, step_users >= 1 and max_users >= start_users")
+            raise ValueError(
+                f"start_users={start_users}, step_users={step_users}, max_users={max_users}; "
+                "need start_users >= 1, step_users >= 1 and max_users >= start_users"
+            )
         if step_s <= 0 or ttft_p90_bound_ms <= 0:
             raise ValueError(f"step_s={step_s}, ttft_p90_bound_ms={ttft_p90_bound_ms}; both must be > 0")
         self.start_users, self.step_users, self.step_s = start_users, step_users, step_s
-        self.max_users, self.bound_ms, self.spawn_rate, self.max_steps = max_users, ttft_p90_bound_ms, spawn_rate, max_steps
+        self.max_users, self.bound_ms, self.spawn_rate, self.max_steps = (
+            max_users,
+            ttft_p90_bound_ms,
+            spawn_rate,
+            max_steps,
+        )
         self.steps: list[dict] = []
         self.stop_reason: str | None = None
 
@@ -55,11 +69,16 @@ class StepLoadShape(LoadTestShape):
             if verdict == WAIT and elapsed < MAX_STEP_STRETCH * self.step_s:
                 return step["users"], self.spawn_rate  # nothing finished yet: hold the step longer
             if verdict != PASS:
-                return self._stop(verdict if verdict != WAIT else
-                                  f"no request finished within {elapsed:.0f} s at {step['users']} users")
+                return self._stop(
+                    verdict
+                    if verdict != WAIT
+                    else f"no request finished within {elapsed:.0f} s at {step['users']} users"
+                )
             users = step["users"] + self.step_users
             if users > self.max_users or len(self.steps) >= self.max_steps:
-                return self._stop(f"reached the limit ({self.max_users} users, {self.max_steps} steps) within the bound")
+                return self._stop(
+                    f"reached the limit ({self.max_users} users, {self.max_steps} steps) within the bound"
+                )
             self._begin_step(users)
         return self.steps[-1]["users"], self.spawn_rate
 

@@ -107,15 +107,40 @@ class SpecRow:
 def add_arguments(parser) -> None:
     """Flags of the speculative mode (the rest of ``lmforge bench engine`` is shared)."""
     group = parser.add_argument_group("speculative decoding (--speculative)")
-    group.add_argument("--speculative", action="store_true", help="benchmark speculative decoding (ngram, draft) against no speculation")
-    group.add_argument("--draft", default=None, metavar="DIR", help="draft checkpoint (default: newest `lmforge distill` output of --model under ./runs, else a layer subset made here)")
-    group.add_argument("--draft-layers", default="0,1,2,27,28,29", help="teacher layers of the draft made here when there is none (default 0,1,2,27,28,29)")
+    group.add_argument(
+        "--speculative",
+        action="store_true",
+        help="benchmark speculative decoding (ngram, draft) against no speculation",
+    )
+    group.add_argument(
+        "--draft",
+        default=None,
+        metavar="DIR",
+        help="draft checkpoint (default: newest `lmforge distill` output of --model under ./runs, else a layer subset made here)",
+    )
+    group.add_argument(
+        "--draft-layers",
+        default="0,1,2,27,28,29",
+        help="teacher layers of the draft made here when there is none (default 0,1,2,27,28,29)",
+    )
     group.add_argument("--spec-prompts", type=int, default=6, help="prompts per prompt set (default 6)")
-    group.add_argument("--spec-repeats", type=int, default=2, help="rotations of the configurations; the fastest counts (default 2)")
-    group.add_argument("--spec-dtypes", default=",".join(DTYPES), help="comma-separated dtypes (default float32,bfloat16)")
-    group.add_argument("--spec-methods", default=",".join(METHODS), help="comma-separated subset of off,ngram,draft (default all; off is always run)")
-    group.add_argument("--spec-tokens", type=int, default=None, help="num_speculative_tokens (default: the engine's per method)")
-    group.add_argument("--spec-skip", default="", help="comma-separated parts to skip: alone (1 and 4 concurrent), sweep, workload")
+    group.add_argument(
+        "--spec-repeats", type=int, default=2, help="rotations of the configurations; the fastest counts (default 2)"
+    )
+    group.add_argument(
+        "--spec-dtypes", default=",".join(DTYPES), help="comma-separated dtypes (default float32,bfloat16)"
+    )
+    group.add_argument(
+        "--spec-methods",
+        default=",".join(METHODS),
+        help="comma-separated subset of off,ngram,draft (default all; off is always run)",
+    )
+    group.add_argument(
+        "--spec-tokens", type=int, default=None, help="num_speculative_tokens (default: the engine's per method)"
+    )
+    group.add_argument(
+        "--spec-skip", default="", help="comma-separated parts to skip: alone (1 and 4 concurrent), sweep, workload"
+    )
 
 
 def find_or_make_draft(args, model_dir: Path, work_dir: Path) -> tuple[Path, str]:
@@ -196,9 +221,17 @@ def measure(engines: dict, batches: list[list], params, repeats: int, label: dic
     for method in engines:
         num_tokens = sum(len(t) for t in outputs[method])
         same = sum(a == b for a, b in zip(outputs[method], base)) / len(base) if base else None
-        rows.append(SpecRow(method=method, output_tok_s=num_tokens / best[method], output_tok_per_cpu_s=num_tokens / best_cpu[method],
-                            acceptance_rate=figures[method][0],
-                            mean_accepted_length=figures[method][1], same_tokens=same, **label))
+        rows.append(
+            SpecRow(
+                method=method,
+                output_tok_s=num_tokens / best[method],
+                output_tok_per_cpu_s=num_tokens / best_cpu[method],
+                acceptance_rate=figures[method][0],
+                mean_accepted_length=figures[method][1],
+                same_tokens=same,
+                **label,
+            )
+        )
     off = next((r for r in rows if r.method == "off"), None)
     for r in rows:
         r.speedup = r.output_tok_s / off.output_tok_s if off else None
@@ -206,8 +239,16 @@ def measure(engines: dict, batches: list[list], params, repeats: int, label: dic
     return rows
 
 
-def run_dtype(dtype: str, model_dir: Path, draft: Path, args, chat: list[list[int]], grounded: list[list[int]],
-              grounded_all: list[list[int]], workload) -> list[SpecRow]:
+def run_dtype(
+    dtype: str,
+    model_dir: Path,
+    draft: Path,
+    args,
+    chat: list[list[int]],
+    grounded: list[list[int]],
+    grounded_all: list[list[int]],
+    workload,
+) -> list[SpecRow]:
     """Every measurement of one dtype (engines built here and freed at the end)."""
     from engine import SamplingParams
 
@@ -218,17 +259,29 @@ def run_dtype(dtype: str, model_dir: Path, draft: Path, args, chat: list[list[in
         engines = {m: _engine(model_dir, dtype, m, draft, args) for m in methods}
         for name, prompts in (("chat", chat), ("grounded", grounded)):
             for concurrency in CONCURRENCY:
-                batches = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
-                rows += measure(engines, batches, params, args.spec_repeats, dict(dtype=dtype, prompts=name, concurrency=concurrency))
-                _print_rows(rows[-len(engines):])
+                batches = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+                rows += measure(
+                    engines,
+                    batches,
+                    params,
+                    args.spec_repeats,
+                    dict(dtype=dtype, prompts=name, concurrency=concurrency),
+                )
+                _print_rows(rows[-len(engines) :])
         del engines
         gc.collect()
     if "sweep" not in args.spec_skip:
-        sweep = {m: _engine(model_dir, dtype, m, draft, args, speculative_disable_by_batch_size=None) if m != "off"
-                 else _engine(model_dir, dtype, m, draft, args) for m in ("off", "ngram")}
+        sweep = {
+            m: _engine(model_dir, dtype, m, draft, args, speculative_disable_by_batch_size=None)
+            if m != "off"
+            else _engine(model_dir, dtype, m, draft, args)
+            for m in ("off", "ngram")
+        }
         for batch in SWEEP_BATCH_SIZES:
             prompts = [grounded_all[i % len(grounded_all)] for i in range(batch)]
-            rows += measure(sweep, [prompts], params, args.spec_repeats, dict(dtype=dtype, prompts="sweep", concurrency=batch))
+            rows += measure(
+                sweep, [prompts], params, args.spec_repeats, dict(dtype=dtype, prompts="sweep", concurrency=batch)
+            )
             _print_rows(rows[-2:])
         del sweep
         gc.collect()
@@ -236,9 +289,14 @@ def run_dtype(dtype: str, model_dir: Path, draft: Path, args, chat: list[list[in
         wl_params = SamplingParams(temperature=0, max_tokens=workload.max_tokens, ignore_eos=True)
         big = dict(num_kv_blocks=None)
         wl = {m: _engine(model_dir, dtype, m, draft, args, **big) for m in methods}
-        rows += measure(wl, [workload.prompts], wl_params, args.spec_repeats,
-                        dict(dtype=dtype, prompts=f"workload{workload.num_requests}", concurrency=workload.num_requests))
-        _print_rows(rows[-len(wl):])
+        rows += measure(
+            wl,
+            [workload.prompts],
+            wl_params,
+            args.spec_repeats,
+            dict(dtype=dtype, prompts=f"workload{workload.num_requests}", concurrency=workload.num_requests),
+        )
+        _print_rows(rows[-len(wl) :])
         del wl
         gc.collect()
     return rows
@@ -250,20 +308,37 @@ def _fmt(value, spec: str) -> str:
 
 def _print_rows(rows: list[SpecRow]) -> None:
     for r in rows:
-        print(f"  {r.dtype:8s} {r.prompts:10s} x{r.concurrency:<3d} {r.method:5s} {r.output_tok_s:7.1f} tok/s "
-              f"x{_fmt(r.speedup, '.2f'):5s} {r.output_tok_per_cpu_s:7.1f} tok/CPU-s x{_fmt(r.speedup_cpu, '.2f'):5s} accept {_fmt(r.acceptance_rate, '.0%'):>4s}  "
-              f"len {_fmt(r.mean_accepted_length, '.2f'):4s}  same tok {_fmt(r.same_tokens, '.0%')}", flush=True)
+        print(
+            f"  {r.dtype:8s} {r.prompts:10s} x{r.concurrency:<3d} {r.method:5s} {r.output_tok_s:7.1f} tok/s "
+            f"x{_fmt(r.speedup, '.2f'):5s} {r.output_tok_per_cpu_s:7.1f} tok/CPU-s x{_fmt(r.speedup_cpu, '.2f'):5s} accept {_fmt(r.acceptance_rate, '.0%'):>4s}  "
+            f"len {_fmt(r.mean_accepted_length, '.2f'):4s}  same tok {_fmt(r.same_tokens, '.0%')}",
+            flush=True,
+        )
 
 
 def targets(rows: list[SpecRow]) -> list[tuple[str, float | None, str]]:
     """The issue's targets on ``speedup_cpu`` (wall time is not comparable on a shared machine): ``(what, measured, target)``."""
+
     def speedup(dtype, prompts, concurrency, method):
-        return next((r.speedup_cpu for r in rows if (r.dtype, r.prompts, r.concurrency, r.method) == (dtype, prompts, concurrency, method)), None)
+        return next(
+            (
+                r.speedup_cpu
+                for r in rows
+                if (r.dtype, r.prompts, r.concurrency, r.method) == (dtype, prompts, concurrency, method)
+            ),
+            None,
+        )
 
     out = []
     for dtype in sorted({r.dtype for r in rows}):
         out.append((f"{dtype} alone, grounded, ngram", speedup(dtype, "grounded", 1, "ngram"), ">= 1.5"))
-        out.append((f"{dtype} alone, chat, best method", max(filter(None, [speedup(dtype, "chat", 1, m) for m in ("ngram", "draft")]), default=None), ">= 1.2"))
+        out.append(
+            (
+                f"{dtype} alone, chat, best method",
+                max(filter(None, [speedup(dtype, "chat", 1, m) for m in ("ngram", "draft")]), default=None),
+                ">= 1.2",
+            )
+        )
         out.append((f"{dtype} alone, chat, draft", speedup(dtype, "chat", 1, "draft"), ">= 1.3"))
         for r in rows:
             if r.dtype == dtype and r.prompts.startswith("workload") and r.method != "off":
@@ -282,7 +357,12 @@ def run(args) -> int:
 
     num_prompts, repeats, workload_requests = args.spec_prompts, args.spec_repeats, args.num_requests
     if args.smoke:
-        num_prompts, args.max_tokens, args.spec_repeats, workload_requests = SMOKE["prompts"], SMOKE["max_tokens"], SMOKE["repeats"], SMOKE["workload_requests"]
+        num_prompts, args.max_tokens, args.spec_repeats, workload_requests = (
+            SMOKE["prompts"],
+            SMOKE["max_tokens"],
+            SMOKE["repeats"],
+            SMOKE["workload_requests"],
+        )
     if num_prompts < 1 or repeats < 1:
         print(f"error: --spec-prompts {num_prompts} and --spec-repeats {repeats} must be >= 1")
         return 2
@@ -295,18 +375,29 @@ def run(args) -> int:
     try:
         model_dir = resolve_checkpoint(args.model)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        chat_template = lambda text: list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))  # noqa: E731
+        chat_template = lambda text: list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+        )  # noqa: E731
         chat = [chat_template(p) for p in load_prompts(limit=num_prompts)]
         grounded = [chat_template(p) for p in grounded_prompts()]
-        workload = build_workload(tokenizer, num_requests=workload_requests, max_tokens=args.max_tokens) if "workload" not in args.spec_skip else None
+        workload = (
+            build_workload(tokenizer, num_requests=workload_requests, max_tokens=args.max_tokens)
+            if "workload" not in args.spec_skip
+            else None
+        )
     except (CheckpointError, PromptError, WorkloadError, ValueError) as exc:
         print(f"error: {exc}")
         return 2
     grounded_main = grounded[:num_prompts]
     with tempfile.TemporaryDirectory(prefix="lmforge-spec-bench-") as tmp:
         draft, draft_note = find_or_make_draft(args, model_dir, Path(tmp))
-        print(f"model: {model_dir}\ndraft: {draft_note}\nthreads: {torch.get_num_threads()}; greedy, up to {args.max_tokens} new tokens; "
-              f"{len(chat)} chat + {len(grounded_main)} grounded prompts; fastest of {args.spec_repeats} rotations", flush=True)
+        print(
+            f"model: {model_dir}\ndraft: {draft_note}\nthreads: {torch.get_num_threads()}; greedy, up to {args.max_tokens} new tokens; "
+            f"{len(chat)} chat + {len(grounded_main)} grounded prompts; fastest of {args.spec_repeats} rotations",
+            flush=True,
+        )
         rows = []
         for dtype in dtypes:
             rows += run_dtype(dtype, model_dir, draft, args, chat, grounded_main, grounded, workload)
@@ -317,14 +408,21 @@ def run(args) -> int:
     print("\ntargets (speed-up in tokens per CPU-second vs the same engine without speculation, same dtype):")
     for what, value, target in found:
         print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {_met(value, target)}")
-    report = {"model": str(model_dir), "draft": draft_note, "max_tokens": args.max_tokens, "engine": ENGINE,
-              "rows": [dataclasses.asdict(r) for r in rows],
-              "targets": [{"what": w, "measured": v, "target": t, "result": _met(v, t)} for w, v, t in found]}
+    report = {
+        "model": str(model_dir),
+        "draft": draft_note,
+        "max_tokens": args.max_tokens,
+        "engine": ENGINE,
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "targets": [{"what": w, "measured": v, "target": t, "result": _met(v, t)} for w, v, t in found],
+    }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     bad = [r for r in rows if r.same_tokens is not None and r.same_tokens < 1.0]
     for r in bad:
-        print(f"warning: {r.dtype} {r.prompts} x{r.concurrency} {r.method}: {r.same_tokens:.0%} of requests have the tokens of 'off'")
+        print(
+            f"warning: {r.dtype} {r.prompts} x{r.concurrency} {r.method}: {r.same_tokens:.0%} of requests have the tokens of 'off'"
+        )
     return 0
 
 
@@ -333,5 +431,7 @@ def _print_sweep_end(rows: list[SpecRow]) -> None:
     sweep = [r for r in rows if r.prompts == "sweep" and r.method == "ngram"]
     if sweep:
         losing = [r.concurrency for r in sweep if r.speedup_cpu is not None and r.speedup_cpu < 1.0]
-        print(f"  {sweep[0].dtype}: ngram stops paying from batch {losing[0] if losing else '> ' + str(sweep[-1].concurrency)}", flush=True)
-
+        print(
+            f"  {sweep[0].dtype}: ngram stops paying from batch {losing[0] if losing else '> ' + str(sweep[-1].concurrency)}",
+            flush=True,
+        )

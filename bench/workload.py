@@ -29,8 +29,14 @@ SYSTEM_PROMPT = (
 
 #: Organisation names that make the system prompts differ when ``--systems`` > 1.
 ORGANISATIONS = (
-    "Northwind Labs", "Blue Harbor Systems", "Cedar Analytics", "Orbit Data Works",
-    "Maple Compute", "Granite Cloud", "Silverline AI", "Aurora Networks",
+    "Northwind Labs",
+    "Blue Harbor Systems",
+    "Cedar Analytics",
+    "Orbit Data Works",
+    "Maple Compute",
+    "Granite Cloud",
+    "Silverline AI",
+    "Aurora Networks",
 )
 
 
@@ -184,5 +190,7 @@ def single_prompt(tokenizer, num_tokens: int = 160) -> list[int]:
         raise WorkloadError(f"single prompt num_tokens={num_tokens}; it must be >= 1")
     ids = tokenizer(" ".join(reversed(load_questions())), add_special_tokens=False).input_ids
     if len(ids) < num_tokens:
-        raise WorkloadError(f"the corpus questions give {len(ids)} tokens, fewer than the {num_tokens} asked for the single prompt")
+        raise WorkloadError(
+            f"the corpus questions give {len(ids)} tokens, fewer than the {num_tokens} asked for the single prompt"
+        )
     return ids[:num_tokens]

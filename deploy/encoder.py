@@ -82,29 +82,39 @@ def add_pooling_head(model, *, normalize: bool):
     if opset < 13:
         raise ValueError(f"ONNX opset {opset} is too old for the pooling head; export with opset >= 13")
     graph = model.graph
-    if "attention_mask" not in {i.name for i in graph.input} or "last_hidden_state" not in {o.name for o in graph.output}:
-        raise ValueError("the graph needs input attention_mask and output last_hidden_state (export with task feature-extraction)")
+    if "attention_mask" not in {i.name for i in graph.input} or "last_hidden_state" not in {
+        o.name for o in graph.output
+    }:
+        raise ValueError(
+            "the graph needs input attention_mask and output last_hidden_state (export with task feature-extraction)"
+        )
     hidden_size = _hidden_size(graph)
-    graph.initializer.extend([
-        numpy_helper.from_array(np.array([-1], dtype=np.int64), "pool_axis_last"),
-        numpy_helper.from_array(np.array([1], dtype=np.int64), "pool_axis_seq"),
-        numpy_helper.from_array(np.array(1e-9, dtype=np.float32), "pool_eps"),
-    ])
-    graph.node.extend([
-        helper.make_node("Cast", ["attention_mask"], ["pool_mask_f"], to=TensorProto.FLOAT),  # [b, s]
-        helper.make_node("Unsqueeze", ["pool_mask_f", "pool_axis_last"], ["pool_mask_3d"]),  # [b, s, 1]
-        helper.make_node("Mul", ["last_hidden_state", "pool_mask_3d"], ["pool_masked"]),  # [b, s, h]
-        helper.make_node("ReduceSum", ["pool_masked", "pool_axis_seq"], ["pool_sum"], keepdims=0),  # [b, h]
-        helper.make_node("ReduceSum", ["pool_mask_3d", "pool_axis_seq"], ["pool_count"], keepdims=0),  # [b, 1]
-        helper.make_node("Max", ["pool_count", "pool_eps"], ["pool_count_safe"]),
-        helper.make_node("Div", ["pool_sum", "pool_count_safe"], ["pool_mean" if normalize else POOLED_OUTPUT]),
-    ])
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([-1], dtype=np.int64), "pool_axis_last"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "pool_axis_seq"),
+            numpy_helper.from_array(np.array(1e-9, dtype=np.float32), "pool_eps"),
+        ]
+    )
+    graph.node.extend(
+        [
+            helper.make_node("Cast", ["attention_mask"], ["pool_mask_f"], to=TensorProto.FLOAT),  # [b, s]
+            helper.make_node("Unsqueeze", ["pool_mask_f", "pool_axis_last"], ["pool_mask_3d"]),  # [b, s, 1]
+            helper.make_node("Mul", ["last_hidden_state", "pool_mask_3d"], ["pool_masked"]),  # [b, s, h]
+            helper.make_node("ReduceSum", ["pool_masked", "pool_axis_seq"], ["pool_sum"], keepdims=0),  # [b, h]
+            helper.make_node("ReduceSum", ["pool_mask_3d", "pool_axis_seq"], ["pool_count"], keepdims=0),  # [b, 1]
+            helper.make_node("Max", ["pool_count", "pool_eps"], ["pool_count_safe"]),
+            helper.make_node("Div", ["pool_sum", "pool_count_safe"], ["pool_mean" if normalize else POOLED_OUTPUT]),
+        ]
+    )
     if normalize:  # sentence-transformers Normalize: x / max(||x||_2, eps)
-        graph.node.extend([
-            helper.make_node("ReduceL2", ["pool_mean", "pool_axis_last"], ["pool_norm"], keepdims=1),  # [b, 1]
-            helper.make_node("Max", ["pool_norm", "pool_eps"], ["pool_norm_safe"]),
-            helper.make_node("Div", ["pool_mean", "pool_norm_safe"], [POOLED_OUTPUT]),
-        ])
+        graph.node.extend(
+            [
+                helper.make_node("ReduceL2", ["pool_mean", "pool_axis_last"], ["pool_norm"], keepdims=1),  # [b, 1]
+                helper.make_node("Max", ["pool_norm", "pool_eps"], ["pool_norm_safe"]),
+                helper.make_node("Div", ["pool_mean", "pool_norm_safe"], [POOLED_OUTPUT]),
+            ]
+        )
     graph.output.append(helper.make_tensor_value_info(POOLED_OUTPUT, TensorProto.FLOAT, ["batch_size", hidden_size]))
     onnx.checker.check_model(model)
     return model
@@ -207,7 +217,9 @@ class OnnxEncoder:
         options = ort.SessionOptions()
         if num_threads:
             options.intra_op_num_threads = num_threads
-        self.session = ort.InferenceSession(str(self.model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(
+            str(self.model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"]
+        )
 
     def tokenize(self, texts: list[str]) -> dict[str, np.ndarray]:
         """Token tensors ``{name: [batch, seq] int64}`` for the graph inputs (padded to the longest)."""

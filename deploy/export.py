@@ -29,9 +29,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from compress.checkpoint.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from compress.checkpoint.store import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
 from compress.errors import UsageError
-from compress.checkpoint.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from deploy.model_config import (
     CONFIG_NAME,
     check_repository,
@@ -83,14 +83,27 @@ def engine_config_fields() -> dict[str, type]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint: name (smollm2-135m, minilm-l6), .gguf, directory, or an ONNX export")
+    parser.add_argument(
+        "--model", help="checkpoint: name (smollm2-135m, minilm-l6), .gguf, directory, or an ONNX export"
+    )
     parser.add_argument("--repo", default="model_repository", help="Triton model repository (default model_repository)")
     parser.add_argument("--name", help="model name in the repository (default: from the checkpoint)")
-    parser.add_argument("--kind", choices=["auto", "llm", "encoder"], default="auto", help="what the checkpoint is (default: from its config)")
+    parser.add_argument(
+        "--kind",
+        choices=["auto", "llm", "encoder"],
+        default="auto",
+        help="what the checkpoint is (default: from its config)",
+    )
     parser.add_argument("--instances", type=int, default=1, help="model instances (one engine each; default 1)")
-    parser.add_argument("--copy-weights", action="store_true", help="copy the checkpoint into NAME/1/weights instead of pointing at it")
-    parser.add_argument("--max-length", type=int, default=256, help="encoder: tokens per text (longer texts are truncated)")
-    parser.add_argument("--check", action="store_true", help="parse every config.pbtxt in --repo against Triton's model-config proto")
+    parser.add_argument(
+        "--copy-weights", action="store_true", help="copy the checkpoint into NAME/1/weights instead of pointing at it"
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=256, help="encoder: tokens per text (longer texts are truncated)"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="parse every config.pbtxt in --repo against Triton's model-config proto"
+    )
     group = parser.add_argument_group("engine (EngineConfig fields, written to model.json)")
     for name, kind in engine_config_fields().items():
         flag = "--" + name.replace("_", "-")
@@ -103,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineConfig`` fields given on the command line."""
     prefix = "engine_"
-    return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
+    return {k[len(prefix) :]: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,8 +125,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--model is required", fix="or pass --check to check a repository")
     if args.model is not None:
         written = export(
-            args.model, repo, name=args.name, kind=args.kind, engine=engine_overrides(args),
-            instances=args.instances, copy_weights=args.copy_weights, max_length=args.max_length,
+            args.model,
+            repo,
+            name=args.name,
+            kind=args.kind,
+            engine=engine_overrides(args),
+            instances=args.instances,
+            copy_weights=args.copy_weights,
+            max_length=args.max_length,
         )
         for path in written:
             print(f"wrote {path}")
@@ -188,11 +207,15 @@ def export(
     name = check_name(name or default_name(checkpoint))
     detected = detect_kind(checkpoint)
     if kind == "encoder" and detected == "llm":
-        raise UsageError(f"--kind encoder: {checkpoint} is a causal LM", fix="export it with --kind llm (or --kind auto)")
+        raise UsageError(
+            f"--kind encoder: {checkpoint} is a causal LM", fix="export it with --kind llm (or --kind auto)"
+        )
     kind = detected if kind == "auto" else kind
     repo = Path(repo)
     if repo.exists() and not repo.is_dir():
-        raise UsageError(f"--repo {repo}: exists and is not a directory", fix="pass a Triton model repository directory")
+        raise UsageError(
+            f"--repo {repo}: exists and is not a directory", fix="pass a Triton model repository directory"
+        )
     source = resolve_checkpoint(checkpoint, causal_lm=False)
     for model_name in [name] if kind == "llm" else encoder_model_names(name):
         check_output_dir(repo / model_name, kind=TRITON_MODEL, sources=(source,))
@@ -216,7 +239,9 @@ def write_model_dir(repo: Path, name: str, config, kind: str | None) -> Path:
     return version_dir
 
 
-def export_llm(checkpoint: str | Path, repo: Path, name: str, *, engine: dict[str, Any], instances: int, copy_weights: bool) -> Path:
+def export_llm(
+    checkpoint: str | Path, repo: Path, name: str, *, engine: dict[str, Any], instances: int, copy_weights: bool
+) -> Path:
     """The decoupled LLM model; ``model.json`` holds the checkpoint and every EngineConfig field."""
     from engine import EngineConfig
 
@@ -225,8 +250,10 @@ def export_llm(checkpoint: str | Path, repo: Path, name: str, *, engine: dict[st
     check_device(config.device, flag="--device")  # the server would fail on it at load time
     max_positions = json.loads((source / "config.json").read_text()).get("max_position_embeddings")
     if config.max_model_len is not None and isinstance(max_positions, int) and config.max_model_len > max_positions:
-        raise UsageError(f"--max-model-len {config.max_model_len}: longer than the model's max_position_embeddings={max_positions}",
-                         fix=f"use at most {max_positions}")
+        raise UsageError(
+            f"--max-model-len {config.max_model_len}: longer than the model's max_position_embeddings={max_positions}",
+            fix=f"use at most {max_positions}",
+        )
     version_dir = write_model_dir(repo, name, llm_config(name, instance_count=instances), "llm")
     pointer = str(source)
     if copy_weights:
@@ -260,17 +287,37 @@ def export_encoder(checkpoint: str | Path, repo: Path, name: str, *, instances: 
 
     version_dir = repo / name / VERSION
     info = prepare_encoder_onnx(checkpoint, version_dir, max_length=max_length)
-    write_model_dir(repo, name, encoder_python_config(name, hidden_size=info.hidden_size, instance_count=instances), "encoder")
-    (version_dir / MODEL_INFO_NAME).write_text(json.dumps({"kind": "encoder", "source": str(checkpoint)}, indent=2) + "\n")
+    write_model_dir(
+        repo, name, encoder_python_config(name, hidden_size=info.hidden_size, instance_count=instances), "encoder"
+    )
+    (version_dir / MODEL_INFO_NAME).write_text(
+        json.dumps({"kind": "encoder", "source": str(checkpoint)}, indent=2) + "\n"
+    )
 
     _, onnx_name, tokenizer_name, ensemble_name = encoder_model_names(name)
-    onnx_dir = write_model_dir(repo, onnx_name, encoder_onnx_config(onnx_name, input_names=info.input_names, hidden_size=info.hidden_size), None)
+    onnx_dir = write_model_dir(
+        repo,
+        onnx_name,
+        encoder_onnx_config(onnx_name, input_names=info.input_names, hidden_size=info.hidden_size),
+        None,
+    )
     _link_or_copy(version_dir / "model.onnx", onnx_dir / "model.onnx")
-    tokenizer_dir = write_model_dir(repo, tokenizer_name, tokenizer_config(tokenizer_name, output_names=info.input_names, max_length=info.max_length), "tokenizer")
+    tokenizer_dir = write_model_dir(
+        repo,
+        tokenizer_name,
+        tokenizer_config(tokenizer_name, output_names=info.input_names, max_length=info.max_length),
+        "tokenizer",
+    )
     for file in version_dir.iterdir():
         if file.is_file() and file.suffix != ".onnx" and file.name not in ("model.py", MODEL_INFO_NAME):
             _link_or_copy(file, tokenizer_dir / file.name)
-    ensemble = encoder_ensemble_config(ensemble_name, tokenizer=tokenizer_name, encoder=onnx_name, tensor_names=info.input_names, hidden_size=info.hidden_size)
+    ensemble = encoder_ensemble_config(
+        ensemble_name,
+        tokenizer=tokenizer_name,
+        encoder=onnx_name,
+        tensor_names=info.input_names,
+        hidden_size=info.hidden_size,
+    )
     (repo / ensemble_name / VERSION).mkdir(parents=True, exist_ok=True)  # Triton wants a version dir, even empty
     (repo / ensemble_name / CONFIG_NAME).write_text(to_text(ensemble))
     return [repo / n / CONFIG_NAME for n in (name, onnx_name, tokenizer_name, ensemble_name)]

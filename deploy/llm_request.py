@@ -73,11 +73,17 @@ def parse_sampling_parameters(text: str | None):
     try:
         fields = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"sampling_parameters: malformed JSON ({exc.msg} at position {exc.pos}); send a JSON object such as {{\"max_tokens\": 32}}") from exc
+        raise ValueError(
+            f'sampling_parameters: malformed JSON ({exc.msg} at position {exc.pos}); send a JSON object such as {{"max_tokens": 32}}'
+        ) from exc
     except RecursionError as exc:
-        raise ValueError("sampling_parameters: JSON nested too deeply; send a flat JSON object such as {\"max_tokens\": 32}") from exc
+        raise ValueError(
+            'sampling_parameters: JSON nested too deeply; send a flat JSON object such as {"max_tokens": 32}'
+        ) from exc
     except ValueError as exc:  # e.g. an integer of more than 4300 digits
-        raise ValueError(f"sampling_parameters: unreadable JSON ({exc}); send a JSON object such as {{\"max_tokens\": 32}}") from exc
+        raise ValueError(
+            f'sampling_parameters: unreadable JSON ({exc}); send a JSON object such as {{"max_tokens": 32}}'
+        ) from exc
     if not isinstance(fields, dict):
         raise ValueError(f"sampling_parameters: expected a JSON object, got {type(fields).__name__}")
     known = {f.name for f in dataclasses.fields(SamplingParams)} if dataclasses.is_dataclass(SamplingParams) else None
@@ -92,7 +98,10 @@ def parse_sampling_parameters(text: str | None):
 
 
 def parse_request(
-    text_input: Any, stream: Any = None, sampling_parameters: Any = None, exclude_input_in_output: Any = None,
+    text_input: Any,
+    stream: Any = None,
+    sampling_parameters: Any = None,
+    exclude_input_in_output: Any = None,
     prompt_token_ids: Any = None,
 ) -> LLMRequest:
     """Build an ``LLMRequest`` from the input tensors' values (``None`` = input absent).
@@ -118,10 +127,16 @@ def parse_request(
         if len(ids) > MAX_PROMPT_CHARS:
             raise ValueError(f"prompt_token_ids: {len(ids)} tokens is over the {MAX_PROMPT_CHARS} limit")
         prompt = {"prompt_token_ids": ids}
-    params_text = None if sampling_parameters is None else decode_text(_first(sampling_parameters, "sampling_parameters"), "sampling_parameters")
+    params_text = (
+        None
+        if sampling_parameters is None
+        else decode_text(_first(sampling_parameters, "sampling_parameters"), "sampling_parameters")
+    )
     return LLMRequest(
         prompt=prompt,
         sampling_params=parse_sampling_parameters(params_text),
         stream=False if stream is None else bool(_first(stream, "stream")),
-        exclude_input_in_output=False if exclude_input_in_output is None else bool(_first(exclude_input_in_output, "exclude_input_in_output")),
+        exclude_input_in_output=False
+        if exclude_input_in_output is None
+        else bool(_first(exclude_input_in_output, "exclude_input_in_output")),
     )

@@ -58,7 +58,9 @@ def parse_config_file(path: str | Path):
         raise ConfigCheckError(f"{path}: not UTF-8 text (byte {exc.start}); re-export the model") from exc
     config = parse_config_text(text, path)
     if config.name and config.name != path.parent.name:
-        raise ConfigCheckError(f"{path}: name {config.name!r} differs from its directory {path.parent.name!r}; Triton refuses to load it")
+        raise ConfigCheckError(
+            f"{path}: name {config.name!r} differs from its directory {path.parent.name!r}; Triton refuses to load it"
+        )
     return config
 
 
@@ -84,7 +86,9 @@ def check_repository(repo: str | Path) -> tuple[list[Path], list[ConfigProblem]]
         raise ConfigCheckError(f"{repo}: not a directory; pass a Triton model repository")
     paths = sorted(repo.glob(f"*/{CONFIG_NAME}"))
     if not paths:
-        raise ConfigCheckError(f"{repo}: no */{CONFIG_NAME}; export a model into it with `lmforge export --repo {repo}`")
+        raise ConfigCheckError(
+            f"{repo}: no */{CONFIG_NAME}; export a model into it with `lmforge export --repo {repo}`"
+        )
     problems = []
     for path in paths:
         try:
@@ -98,7 +102,7 @@ def check_repository(repo: str | Path) -> tuple[list[Path], list[ConfigProblem]]
 def _check_semantics(config, path: Path) -> None:
     """Checks the proto cannot express: a backend or platform, and a version directory."""
     if not config.backend and not config.platform:
-        raise ConfigCheckError(f"{path}: neither backend nor platform is set; add e.g. backend: \"python\"")
+        raise ConfigCheckError(f'{path}: neither backend nor platform is set; add e.g. backend: "python"')
     if config.platform != "ensemble" and not any(p.is_dir() and p.name.isdigit() for p in path.parent.iterdir()):
         raise ConfigCheckError(f"{path}: no numeric version directory (e.g. {path.parent / '1'}) next to it")
 
@@ -165,7 +169,9 @@ def _dynamic_batching(config, max_batch_size: int, max_queue_delay_us: int) -> N
     config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
 
 
-def encoder_python_config(name: str, *, hidden_size: int, max_batch_size: int = 64, max_queue_delay_us: int = 2000, instance_count: int = 1):
+def encoder_python_config(
+    name: str, *, hidden_size: int, max_batch_size: int = 64, max_queue_delay_us: int = 2000, instance_count: int = 1
+):
     """Python-backend encoder (bundled server): ``text`` STRING [1] -> ``embeddings`` FP32 [hidden].
 
     With the batch dimension a request of N texts gives ``[N, hidden]``; the dynamic batcher
@@ -179,7 +185,9 @@ def encoder_python_config(name: str, *, hidden_size: int, max_batch_size: int = 
     return config
 
 
-def encoder_onnx_config(name: str, *, input_names: list[str], hidden_size: int, max_batch_size: int = 64, max_queue_delay_us: int = 2000):
+def encoder_onnx_config(
+    name: str, *, input_names: list[str], hidden_size: int, max_batch_size: int = 64, max_queue_delay_us: int = 2000
+):
     """``backend: "onnxruntime"`` encoder with dynamic batching (full Triton container).
 
     Inputs: the tokenizer's INT64 ``[-1]`` tensors; output ``embeddings`` FP32 [hidden] (mean
@@ -194,7 +202,9 @@ def encoder_onnx_config(name: str, *, input_names: list[str], hidden_size: int, 
     return config
 
 
-def tokenizer_config(name: str, *, output_names: list[str], max_length: int, max_batch_size: int = 64, max_queue_delay_us: int = 1000):
+def tokenizer_config(
+    name: str, *, output_names: list[str], max_length: int, max_batch_size: int = 64, max_queue_delay_us: int = 1000
+):
     """Python-backend tokenizer: ``text`` STRING [1] -> INT64 ``[max_length]`` tensors (padded)."""
     config = _pb().ModelConfig(name=name, backend="python")
     _dynamic_batching(config, max_batch_size, max_queue_delay_us)
@@ -206,7 +216,9 @@ def tokenizer_config(name: str, *, output_names: list[str], max_length: int, max
     return config
 
 
-def encoder_ensemble_config(name: str, *, tokenizer: str, encoder: str, tensor_names: list[str], hidden_size: int, max_batch_size: int = 64):
+def encoder_ensemble_config(
+    name: str, *, tokenizer: str, encoder: str, tensor_names: list[str], hidden_size: int, max_batch_size: int = 64
+):
     """Ensemble ``text`` -> tokenizer -> ONNX Runtime encoder -> ``embeddings`` (full container)."""
     pb = _pb()
     config = pb.ModelConfig(name=name, platform="ensemble", max_batch_size=max_batch_size)

@@ -122,7 +122,15 @@ class ChatCompletionRequest(_SamplingFields):
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape with an HTTP status."""
 
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -210,11 +218,21 @@ def discover_models(repo: str | Path, names: list[str] | None = None) -> dict[st
         if not checkpoint.is_absolute():
             checkpoint = info_path.parent / checkpoint
         config = json.loads((checkpoint / "config.json").read_text())
-        max_model_len = (info.get("engine") or {}).get("max_model_len") or min(config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP), DEFAULT_MAX_MODEL_LEN_CAP)
-        found[name] = ServedModel(name, checkpoint, AutoTokenizer.from_pretrained(checkpoint), int(max_model_len), int(info_path.stat().st_mtime))
+        max_model_len = (info.get("engine") or {}).get("max_model_len") or min(
+            config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP), DEFAULT_MAX_MODEL_LEN_CAP
+        )
+        found[name] = ServedModel(
+            name,
+            checkpoint,
+            AutoTokenizer.from_pretrained(checkpoint),
+            int(max_model_len),
+            int(info_path.stat().st_mtime),
+        )
     missing = sorted(set(names or []) - set(found))
     if missing:
-        raise ValueError(f"{repo}: no LLM model(s) {missing} (a directory with 1/model.json of kind llm); export them with `lmforge export`")
+        raise ValueError(
+            f"{repo}: no LLM model(s) {missing} (a directory with 1/model.json of kind llm); export them with `lmforge export`"
+        )
     if not found:
         raise ValueError(f"{repo}: no LLM model; export one with `lmforge export --model CKPT --repo {repo}`")
     return found
@@ -249,7 +267,9 @@ def _check_prompt_ids(ids: list[int], model: ServedModel, param: str) -> list[in
 
 def _tokenize(text: str, model: ServedModel, param: str) -> list[int]:
     if len(text) > MAX_PROMPT_CHARS:
-        raise OpenAIError(400, f"{param}: {len(text)} characters is over the {MAX_PROMPT_CHARS} limit; shorten it", param=param)
+        raise OpenAIError(
+            400, f"{param}: {len(text)} characters is over the {MAX_PROMPT_CHARS} limit; shorten it", param=param
+        )
     return _check_prompt_ids(model.tokenizer(text).input_ids, model, param)
 
 
@@ -274,7 +294,9 @@ def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> list[int]
             message["content"] = "".join(part.text for part in m.content)
         messages.append(message)
     if sum(len(m.get("content") or "") for m in messages) > MAX_PROMPT_CHARS:
-        raise OpenAIError(400, f"messages: over {MAX_PROMPT_CHARS} characters of content; shorten them", param="messages")
+        raise OpenAIError(
+            400, f"messages: over {MAX_PROMPT_CHARS} characters of content; shorten them", param="messages"
+        )
     if model.tokenizer.chat_template is None:
         raise OpenAIError(400, f"model {model.name} has no chat template; use /v1/completions", param="messages")
     try:
@@ -297,22 +319,37 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
 
     model = models.get(request.model)
     if model is None:
-        raise OpenAIError(404, f"the model `{request.model}` does not exist; GET /v1/models lists {sorted(models)}", param="model", code="model_not_found")
+        raise OpenAIError(
+            404,
+            f"the model `{request.model}` does not exist; GET /v1/models lists {sorted(models)}",
+            param="model",
+            code="model_not_found",
+        )
     chat = isinstance(request, ChatCompletionRequest)
     prompts = [chat_prompt(request, model)] if chat else completion_prompts(request, model)
     if len(prompts) * request.n > MAX_CHOICES:
-        raise OpenAIError(400, f"n x prompts = {len(prompts) * request.n} completions; at most {MAX_CHOICES}", param="n")
+        raise OpenAIError(
+            400, f"n x prompts = {len(prompts) * request.n} completions; at most {MAX_CHOICES}", param="n"
+        )
     max_tokens = (request.max_completion_tokens or request.max_tokens) if chat else request.max_tokens
     param = "max_completion_tokens" if chat and request.max_completion_tokens else "max_tokens"
     longest = max(len(p) for p in prompts)
     if longest >= model.max_model_len:
-        raise OpenAIError(400, f"this model's maximum context length is {model.max_model_len} tokens; the prompt has {longest}", param="messages" if chat else "prompt", code="context_length_exceeded")
+        raise OpenAIError(
+            400,
+            f"this model's maximum context length is {model.max_model_len} tokens; the prompt has {longest}",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
         max_tokens = model.max_model_len - longest if chat else 16
     if longest + max_tokens > model.max_model_len:
         raise OpenAIError(
-            400, f"this model's maximum context length is {model.max_model_len} tokens; you requested {longest + max_tokens} "
-            f"({longest} in the prompt, {max_tokens} in the completion); reduce {param}", param=param, code="context_length_exceeded",
+            400,
+            f"this model's maximum context length is {model.max_model_len} tokens; you requested {longest + max_tokens} "
+            f"({longest} in the prompt, {max_tokens} in the completion); reduce {param}",
+            param=param,
+            code="context_length_exceeded",
         )
     if chat:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -321,14 +358,25 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
     else:
         logprobs = request.logprobs
     sampling = {
-        "max_tokens": max_tokens, "n": request.n, "presence_penalty": request.presence_penalty,
-        "frequency_penalty": request.frequency_penalty, "min_p": request.min_p, "min_tokens": request.min_tokens,
-        "repetition_penalty": request.repetition_penalty, "ignore_eos": request.ignore_eos,
+        "max_tokens": max_tokens,
+        "n": request.n,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "min_p": request.min_p,
+        "min_tokens": request.min_tokens,
+        "repetition_penalty": request.repetition_penalty,
+        "ignore_eos": request.ignore_eos,
         "temperature": 1.0 if request.temperature is None else request.temperature,
         "top_p": 1.0 if request.top_p is None else request.top_p,
     }
-    optional = {"seed": request.seed, "stop": request.stop, "top_k": request.top_k, "logprobs": logprobs,
-                "stop_token_ids": request.stop_token_ids, "logit_bias": request.logit_bias}
+    optional = {
+        "seed": request.seed,
+        "stop": request.stop,
+        "top_k": request.top_k,
+        "logprobs": logprobs,
+        "stop_token_ids": request.stop_token_ids,
+        "logit_bias": request.logit_bias,
+    }
     sampling.update({k: v for k, v in optional.items() if v is not None})
     try:
         SamplingParams(**sampling)  # the engine's own checks, before anything is sent
@@ -385,7 +433,9 @@ class TritonBackend:
         except Exception:  # noqa: BLE001 - Triton not reachable: not ready
             return False
 
-    async def generate(self, model: str, prompt_ids: list[int], sampling: dict, prompt_index: int, n: int) -> AsyncIterator[Piece]:
+    async def generate(
+        self, model: str, prompt_ids: list[int], sampling: dict, prompt_index: int, n: int
+    ) -> AsyncIterator[Piece]:
         """Stream the pieces of one prompt's ``n`` completions until every one has finished.
 
         Raises:
@@ -528,10 +578,17 @@ def chat_logprobs(tokenizer, piece: Piece, top_k: int) -> dict:
     for token_id, entry in zip(piece.token_ids, piece.logprobs or []):
         text = _token_text(tokenizer, token_id)
         alternatives = sorted(entry.items(), key=lambda kv: -kv[1])[:top_k]
-        content.append({
-            "token": text, "logprob": entry.get(token_id), "bytes": list(text.encode()),
-            "top_logprobs": [{"token": (s := _token_text(tokenizer, t)), "logprob": lp, "bytes": list(s.encode())} for t, lp in alternatives],
-        })
+        content.append(
+            {
+                "token": text,
+                "logprob": entry.get(token_id),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (s := _token_text(tokenizer, t)), "logprob": lp, "bytes": list(s.encode())}
+                    for t, lp in alternatives
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -572,7 +629,9 @@ def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | Non
         yield
         await backend.close()
 
-    app = FastAPI(title="lmforge OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="lmforge OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.backend = backend
 
     def error(exc: OpenAIError) -> JSONResponse:
@@ -591,11 +650,19 @@ def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | Non
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc):
-        return error(OpenAIError(404, f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions", code="not_found"))
+        return error(
+            OpenAIError(
+                404,
+                f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions",
+                code="not_found",
+            )
+        )
 
     @app.exception_handler(405)
     async def bad_method(request: Request, exc):
-        return error(OpenAIError(405, f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed"))
+        return error(
+            OpenAIError(405, f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
+        )
 
     @app.get("/health")
     async def health():
@@ -608,10 +675,19 @@ def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | Non
     async def list_models(request: Request):
         if (denied := unauthorized(request)) is not None:
             return denied
-        return {"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "lmforge", "max_model_len": m.max_model_len}
-            for m in models.values()
-        ]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": m.name,
+                    "object": "model",
+                    "created": m.created,
+                    "owned_by": "lmforge",
+                    "max_model_len": m.max_model_len,
+                }
+                for m in models.values()
+            ],
+        }
 
     @app.get("/v1/models/{name}")
     async def get_model(name: str, request: Request):
@@ -620,7 +696,13 @@ def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | Non
         if name not in models:
             return error(OpenAIError(404, f"the model `{name}` does not exist", param="model", code="model_not_found"))
         m = models[name]
-        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "lmforge", "max_model_len": m.max_model_len}
+        return {
+            "id": m.name,
+            "object": "model",
+            "created": m.created,
+            "owned_by": "lmforge",
+            "max_model_len": m.max_model_len,
+        }
 
     async def handle(request: Request, schema):
         if (denied := unauthorized(request)) is not None:
@@ -644,8 +726,11 @@ def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | Non
         except StopAsyncIteration:
             return error(OpenAIError(500, "no output from Triton", type_="server_error"))
         if plan.stream:
-            return StreamingResponse(sse(plan, chat, first, stream, top_k), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                sse(plan, chat, first, stream, top_k),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         try:
             return await whole(plan, chat, first, stream, top_k)
         except OpenAIError as exc:
@@ -674,19 +759,39 @@ def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | Non
         for key in sorted(texts):
             text = "".join(texts[key])
             index = key[0] * plan.n + key[1]
-            joined = Piece(key[0], key[1], text, [t for p in pieces[key] for t in p.token_ids],
-                           [e for p in pieces[key] for e in (p.logprobs or [])], reasons[key], 0, 0)
+            joined = Piece(
+                key[0],
+                key[1],
+                text,
+                [t for p in pieces[key] for t in p.token_ids],
+                [e for p in pieces[key] for e in (p.logprobs or [])],
+                reasons[key],
+                0,
+                0,
+            )
             if chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text},
-                          "logprobs": chat_logprobs(tokenizer, joined, top_k) if plan.logprobs is not None else None,
-                          "finish_reason": _finish_reason(reasons[key])}
+                choice = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": chat_logprobs(tokenizer, joined, top_k) if plan.logprobs is not None else None,
+                    "finish_reason": _finish_reason(reasons[key]),
+                }
             else:
-                choice = {"index": index, "text": text,
-                          "logprobs": completion_logprobs(tokenizer, joined, 0) if plan.logprobs is not None else None,
-                          "finish_reason": _finish_reason(reasons[key])}
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": completion_logprobs(tokenizer, joined, 0) if plan.logprobs is not None else None,
+                    "finish_reason": _finish_reason(reasons[key]),
+                }
             choices.append(choice)
-        return {"id": _new_id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": plan.model.name, "choices": choices, "usage": usage.body()}
+        return {
+            "id": _new_id(chat),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": plan.model.name,
+            "choices": choices,
+            "usage": usage.body(),
+        }
 
     async def sse(plan: Plan, chat: bool, first: Piece, stream, top_k: int):
         tokenizer = plan.model.tokenizer
@@ -710,17 +815,48 @@ def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | Non
                 out = []
                 if index not in started:  # the first chunk of a choice names the role
                     started.add(index)
-                    out.append(chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+                    out.append(
+                        chunk(
+                            [
+                                {
+                                    "index": index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+                    )
                 if plan.logprobs is not None:
                     logprobs = chat_logprobs(tokenizer, piece, top_k)
                 delta = {"content": piece.text} if piece.text else {}
-                out.append(chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": _finish_reason(piece.finish_reason)}]))
+                out.append(
+                    chunk(
+                        [
+                            {
+                                "index": index,
+                                "delta": delta,
+                                "logprobs": logprobs,
+                                "finish_reason": _finish_reason(piece.finish_reason),
+                            }
+                        ]
+                    )
+                )
                 return "".join(out)
             key = (piece.prompt_index, piece.index)
             if plan.logprobs is not None:
                 logprobs = completion_logprobs(tokenizer, piece, offsets.get(key, 0))
             offsets[key] = offsets.get(key, 0) + len(piece.text)
-            return chunk([{"index": index, "text": piece.text, "logprobs": logprobs, "finish_reason": _finish_reason(piece.finish_reason)}])
+            return chunk(
+                [
+                    {
+                        "index": index,
+                        "text": piece.text,
+                        "logprobs": logprobs,
+                        "finish_reason": _finish_reason(piece.finish_reason),
+                    }
+                ]
+            )
 
         try:
             yield render(first)
@@ -755,7 +891,9 @@ def _new_id(chat: bool) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repo", default="model_repository", help="Triton model repository (its LLMs' model.json name the checkpoints)")
+    parser.add_argument(
+        "--repo", default="model_repository", help="Triton model repository (its LLMs' model.json name the checkpoints)"
+    )
     parser.add_argument("--grpc-url", default="127.0.0.1:8001", help="Triton's gRPC address (default 127.0.0.1:8001)")
     parser.add_argument("--models", nargs="+", help="LLM models to serve (default: every LLM of the repository)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -779,7 +917,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     api_key = args.api_key or os.environ.get("LMFORGE_API_KEY")
     app = create_app(models, args.grpc_url, api_key)
-    print(f"OpenAI API on http://{args.host}:{args.port}/v1 for {', '.join(models)} -> Triton gRPC {args.grpc_url}", flush=True)
+    print(
+        f"OpenAI API on http://{args.host}:{args.port}/v1 for {', '.join(models)} -> Triton gRPC {args.grpc_url}",
+        flush=True,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

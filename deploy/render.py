@@ -29,8 +29,8 @@ from typing import Any
 
 import yaml
 
-from compress.errors import LmforgeError, UsageError
 from compress.checkpoint.outputs import RENDERED, check_output_dir
+from compress.errors import LmforgeError, UsageError
 from deploy.triton import DEFAULT_PORTS
 
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"  # NGC 24.10 = Triton 2.51, the server lmforge tests against
@@ -114,7 +114,9 @@ class DeployValues:
         if self.gpus < 0:
             raise ValueError(f"gpus={self.gpus}: must be >= 0 (0 renders the CPU variant)")
         if self.pvc_access_mode not in ("ReadWriteMany", "ReadOnlyMany", "ReadWriteOnce"):
-            raise ValueError(f"pvc_access_mode={self.pvc_access_mode!r}: use ReadWriteMany, ReadOnlyMany or ReadWriteOnce")
+            raise ValueError(
+                f"pvc_access_mode={self.pvc_access_mode!r}: use ReadWriteMany, ReadOnlyMany or ReadWriteOnce"
+            )
         if self.monitor not in ("servicemonitor", "podmonitor"):
             raise ValueError(f"monitor={self.monitor!r}: use 'servicemonitor' or 'podmonitor'")
         if self.model_repository != "pvc" and not self.model_repository.startswith("s3://"):
@@ -135,16 +137,36 @@ class DeployValues:
     def _check_formats(self) -> None:
         """Names, quantities, images and durations the cluster or Docker would reject later."""
         for key in ("name", "namespace"):
-            _check(key, getattr(self, key), DNS1123_LABEL, "a Kubernetes name: lowercase letters, digits and '-', at most 63, e.g. lmforge-triton")
+            _check(
+                key,
+                getattr(self, key),
+                DNS1123_LABEL,
+                "a Kubernetes name: lowercase letters, digits and '-', at most 63, e.g. lmforge-triton",
+            )
         for key in ("s3_secret", "prometheus_release") + (("storage_class",) if self.storage_class else ()):
-            _check(key, getattr(self, key), DNS1123_SUBDOMAIN, "a Kubernetes name: lowercase letters, digits, '-' and '.', at most 253")
-        _check("model_name", self.model_name, MODEL_NAME, "a Triton model name: letters, digits, '_' and '-', at most 63 (lmforge export --name)")
+            _check(
+                key,
+                getattr(self, key),
+                DNS1123_SUBDOMAIN,
+                "a Kubernetes name: lowercase letters, digits, '-' and '.', at most 253",
+            )
+        _check(
+            "model_name",
+            self.model_name,
+            MODEL_NAME,
+            "a Triton model name: letters, digits, '_' and '-', at most 63 (lmforge export --name)",
+        )
         for key in ("cpu", "memory", "shm_size", "pvc_size"):
             _check(key, getattr(self, key), QUANTITY, "a Kubernetes quantity, e.g. 4, 500m, 16Gi, 512Mi")
         if not float(re.match(r"[0-9.]+", self.cpu).group()) > 0:
             raise ValueError(f"cpu={self.cpu!r}: must be > 0; fix --cpu (or cpu in --values)")
         for key in ("image", "locust_image"):
-            _check(key, getattr(self, key), IMAGE_REFERENCE, "an image reference, e.g. registry.example.com:5000/team/lmforge-triton:0.1.0")
+            _check(
+                key,
+                getattr(self, key),
+                IMAGE_REFERENCE,
+                "an image reference, e.g. registry.example.com:5000/team/lmforge-triton:0.1.0",
+            )
         _check("locust_run_time", self.locust_run_time, RUN_TIME, "a duration like 10m, 1h30m or 90s")
 
     @property
@@ -158,8 +180,11 @@ class DeployValues:
 
 
 def _labels(v: DeployValues, component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": v.name, "app.kubernetes.io/component": component,
-            "app.kubernetes.io/part-of": "lmforge"}
+    return {
+        "app.kubernetes.io/name": v.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "lmforge",
+    }
 
 
 def _meta(v: DeployValues, name: str, component: str, **extra_labels: str) -> dict[str, Any]:
@@ -187,12 +212,19 @@ def model_ready_path(model_name: str) -> str:
 
 
 def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s, "failureThreshold": failures,
-            "timeoutSeconds": 5}
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period_s,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
 
 
 def triton_deployment(v: DeployValues) -> dict[str, Any]:
-    resources: dict[str, Any] = {"requests": {"cpu": v.cpu, "memory": v.memory}, "limits": {"cpu": v.cpu, "memory": v.memory}}
+    resources: dict[str, Any] = {
+        "requests": {"cpu": v.cpu, "memory": v.memory},
+        "limits": {"cpu": v.cpu, "memory": v.memory},
+    }
     if v.gpus:
         resources["requests"]["nvidia.com/gpu"] = v.gpus
         resources["limits"]["nvidia.com/gpu"] = v.gpus
@@ -212,7 +244,9 @@ def triton_deployment(v: DeployValues) -> dict[str, Any]:
         "volumeMounts": mounts,
     }
     if v.model_repository == "pvc":
-        volumes.append({"name": "model-repository", "persistentVolumeClaim": {"claimName": f"{v.name}-models", "readOnly": True}})
+        volumes.append(
+            {"name": "model-repository", "persistentVolumeClaim": {"claimName": f"{v.name}-models", "readOnly": True}}
+        )
         mounts.append({"name": "model-repository", "mountPath": "/models", "readOnly": True})
     else:
         container["envFrom"] = [{"secretRef": {"name": v.s3_secret, "optional": True}}]
@@ -249,8 +283,12 @@ def model_repository_pvc(v: DeployValues) -> dict[str, Any]:
     spec: dict[str, Any] = {"accessModes": [v.pvc_access_mode], "resources": {"requests": {"storage": v.pvc_size}}}
     if v.storage_class:
         spec["storageClassName"] = v.storage_class
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _meta(v, f"{v.name}-models", "server"),
-            "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(v, f"{v.name}-models", "server"),
+        "spec": spec,
+    }
 
 
 def horizontal_pod_autoscaler(v: DeployValues) -> dict[str, Any]:
@@ -262,14 +300,24 @@ def horizontal_pod_autoscaler(v: DeployValues) -> dict[str, Any]:
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": v.name},
             "minReplicas": v.replicas,
             "maxReplicas": v.max_replicas,
-            "metrics": [{
-                "type": "Pods",
-                "pods": {"metric": {"name": HPA_METRIC},
-                         "target": {"type": "AverageValue", "averageValue": str(v.queue_time_target_us)}},
-            }],
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": HPA_METRIC},
+                        "target": {"type": "AverageValue", "averageValue": str(v.queue_time_target_us)},
+                    },
+                }
+            ],
             "behavior": {
-                "scaleUp": {"stabilizationWindowSeconds": 60, "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},
-                "scaleDown": {"stabilizationWindowSeconds": 300, "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
+                "scaleUp": {
+                    "stabilizationWindowSeconds": 60,
+                    "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}],
+                },
+                "scaleDown": {
+                    "stabilizationWindowSeconds": 300,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}],
+                },
             },
         },
     }
@@ -282,8 +330,10 @@ def adapter_query(v: DeployValues, window: str = "1m") -> str:
     Triton 2.51, for the served model only; the denominator is clamped so an idle pod reads 0.
     """
     matchers = f'<<.LabelMatchers>>,model="{v.model_name}"'
-    return (f"sum by (<<.GroupBy>>) (rate({QUEUE_METRIC}{{{matchers}}}[{window}])) / "
-            f"clamp_min(sum by (<<.GroupBy>>) (rate({SUCCESS_METRIC}{{{matchers}}}[{window}])), 0.001)")
+    return (
+        f"sum by (<<.GroupBy>>) (rate({QUEUE_METRIC}{{{matchers}}}[{window}])) / "
+        f"clamp_min(sum by (<<.GroupBy>>) (rate({SUCCESS_METRIC}{{{matchers}}}[{window}])), 0.001)"
+    )
 
 
 def prometheus_adapter_values(v: DeployValues) -> dict[str, Any]:
@@ -292,12 +342,14 @@ def prometheus_adapter_values(v: DeployValues) -> dict[str, Any]:
         "prometheus": {"url": "http://prometheus-operated.monitoring.svc", "port": 9090},
         "rules": {
             "default": False,
-            "custom": [{
-                "seriesQuery": f'{QUEUE_METRIC}{{namespace!="",pod!=""}}',
-                "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
-                "name": {"matches": f"^{QUEUE_METRIC}$", "as": HPA_METRIC},
-                "metricsQuery": adapter_query(v),
-            }],
+            "custom": [
+                {
+                    "seriesQuery": f'{QUEUE_METRIC}{{namespace!="",pod!=""}}',
+                    "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+                    "name": {"matches": f"^{QUEUE_METRIC}$", "as": HPA_METRIC},
+                    "metricsQuery": adapter_query(v),
+                }
+            ],
         },
     }
 
@@ -308,51 +360,90 @@ def monitor(v: DeployValues) -> dict[str, Any]:
     if v.monitor == "servicemonitor":
         kind, spec = "ServiceMonitor", {"selector": {"matchLabels": _labels(v, "server")}, "endpoints": [endpoint]}
     else:
-        kind, spec = "PodMonitor", {"selector": {"matchLabels": _labels(v, "server")}, "podMetricsEndpoints": [endpoint]}
+        kind, spec = (
+            "PodMonitor",
+            {"selector": {"matchLabels": _labels(v, "server")}, "podMetricsEndpoints": [endpoint]},
+        )
     spec["namespaceSelector"] = {"matchNames": [v.namespace]}
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": kind,
-            "metadata": _meta(v, v.name, "server", release=v.prometheus_release), "spec": spec}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": kind,
+        "metadata": _meta(v, v.name, "server", release=v.prometheus_release),
+        "spec": spec,
+    }
 
 
 def _locust_container(v: DeployValues, args: list[str], ports: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"name": "locust", "image": v.locust_image, "command": ["locust"], "args": args, "ports": ports,
-            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}}
+    return {
+        "name": "locust",
+        "image": v.locust_image,
+        "command": ["locust"],
+        "args": args,
+        "ports": ports,
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
+    }
 
 
 def locust_master(v: DeployValues) -> list[dict[str, Any]]:
     """Master Deployment (web UI on 8089, workers connect on 5557) and its Service."""
     name = f"{v.name}-locust-master"
-    args = ["-f", "/opt/lmforge/bench/locustfile.py", "--master", f"--host=http://{v.name}:{TRITON_PORTS['http']}",
-            f"--model={v.model_name}", f"--expect-workers={v.locust_workers}"]
-    ports = [{"name": "web", "containerPort": LOCUST_PORTS["web"]}, {"name": "master", "containerPort": LOCUST_PORTS["master"]}]
+    args = [
+        "-f",
+        "/opt/lmforge/bench/locustfile.py",
+        "--master",
+        f"--host=http://{v.name}:{TRITON_PORTS['http']}",
+        f"--model={v.model_name}",
+        f"--expect-workers={v.locust_workers}",
+    ]
+    ports = [
+        {"name": "web", "containerPort": LOCUST_PORTS["web"]},
+        {"name": "master", "containerPort": LOCUST_PORTS["master"]},
+    ]
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(v, name, "locust-master"),
-        "spec": {"replicas": 1, "selector": {"matchLabels": _labels(v, "locust-master")},
-                 "template": {"metadata": {"labels": _labels(v, "locust-master")},
-                              "spec": {"containers": [_locust_container(v, args, ports)]}}},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": _labels(v, "locust-master")},
+            "template": {
+                "metadata": {"labels": _labels(v, "locust-master")},
+                "spec": {"containers": [_locust_container(v, args, ports)]},
+            },
+        },
     }
     service = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(v, name, "locust-master"),
-        "spec": {"selector": _labels(v, "locust-master"),
-                 "ports": [{"name": n, "port": p, "targetPort": n} for n, p in LOCUST_PORTS.items()]},
+        "spec": {
+            "selector": _labels(v, "locust-master"),
+            "ports": [{"name": n, "port": p, "targetPort": n} for n, p in LOCUST_PORTS.items()],
+        },
     }
     return [deployment, service]
 
 
 def locust_workers(v: DeployValues) -> dict[str, Any]:
-    args = ["-f", "/opt/lmforge/bench/locustfile.py", "--worker", f"--master-host={v.name}-locust-master",
-            f"--master-port={LOCUST_PORTS['master']}"]
+    args = [
+        "-f",
+        "/opt/lmforge/bench/locustfile.py",
+        "--worker",
+        f"--master-host={v.name}-locust-master",
+        f"--master-port={LOCUST_PORTS['master']}",
+    ]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(v, f"{v.name}-locust-worker", "locust-worker"),
-        "spec": {"replicas": v.locust_workers, "selector": {"matchLabels": _labels(v, "locust-worker")},
-                 "template": {"metadata": {"labels": _labels(v, "locust-worker")},
-                              "spec": {"containers": [_locust_container(v, args, [])]}}},
+        "spec": {
+            "replicas": v.locust_workers,
+            "selector": {"matchLabels": _labels(v, "locust-worker")},
+            "template": {
+                "metadata": {"labels": _labels(v, "locust-worker")},
+                "spec": {"containers": [_locust_container(v, args, [])]},
+            },
+        },
     }
 
 
@@ -371,8 +462,12 @@ def k8s_documents(v: DeployValues) -> dict[str, list[dict[str, Any]]]:
 
 
 def kustomization(v: DeployValues, resources: list[str]) -> dict[str, Any]:
-    return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": v.namespace,
-            "resources": sorted(resources)}
+    return {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": v.namespace,
+        "resources": sorted(resources),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,12 +584,20 @@ def _triton_service(v: DeployValues, profile: str) -> dict[str, Any]:
         "ports": [f"127.0.0.1:{p}:{p}" for p in TRITON_PORTS.values()],
         "volumes": ["${MODEL_REPOSITORY:-../../model_repository}:/models:ro"],
         "networks": {"default": {"aliases": ["triton"]}},
-        "healthcheck": {"test": ["CMD", "curl", "-fsS", f"http://127.0.0.1:8000{model_ready_path(v.model_name)}"],
-                        "interval": "10s", "timeout": "5s", "retries": 3, "start_period": f"{v.startup_timeout_s}s"},
+        "healthcheck": {
+            "test": ["CMD", "curl", "-fsS", f"http://127.0.0.1:8000{model_ready_path(v.model_name)}"],
+            "interval": "10s",
+            "timeout": "5s",
+            "retries": 3,
+            "start_period": f"{v.startup_timeout_s}s",
+        },
     }
     if gpu:
-        service["deploy"] = {"resources": {"reservations": {"devices": [
-            {"driver": "nvidia", "count": max(v.gpus, 1), "capabilities": ["gpu"]}]}}}
+        service["deploy"] = {
+            "resources": {
+                "reservations": {"devices": [{"driver": "nvidia", "count": max(v.gpus, 1), "capabilities": ["gpu"]}]}
+            }
+        }
     return service
 
 
@@ -516,11 +619,20 @@ def compose(v: DeployValues) -> dict[str, Any]:
                 "profiles": ["load"],
                 "image": locust_image,
                 "entrypoint": ["locust"],
-                "command": ["-f", "/opt/lmforge/bench/locustfile.py", "--master", "--headless",
-                            f"--users={v.locust_users}", f"--spawn-rate={v.locust_spawn_rate}",
-                            f"--run-time={v.locust_run_time}", f"--expect-workers={v.locust_workers}",
-                            f"--host=http://triton:{TRITON_PORTS['http']}", f"--model={v.model_name}",
-                            "--csv=/results/locust", "--html=/results/locust.html"],
+                "command": [
+                    "-f",
+                    "/opt/lmforge/bench/locustfile.py",
+                    "--master",
+                    "--headless",
+                    f"--users={v.locust_users}",
+                    f"--spawn-rate={v.locust_spawn_rate}",
+                    f"--run-time={v.locust_run_time}",
+                    f"--expect-workers={v.locust_workers}",
+                    f"--host=http://triton:{TRITON_PORTS['http']}",
+                    f"--model={v.model_name}",
+                    "--csv=/results/locust",
+                    "--html=/results/locust.html",
+                ],
                 "volumes": ["./results:/results"],
                 "ports": [f"127.0.0.1:{LOCUST_PORTS['web']}:{LOCUST_PORTS['web']}"],
             },
@@ -537,9 +649,16 @@ def compose(v: DeployValues) -> dict[str, Any]:
 
 
 def prometheus_config(v: DeployValues) -> dict[str, Any]:
-    return {"global": {"scrape_interval": "5s"},
-            "scrape_configs": [{"job_name": "triton", "metrics_path": "/metrics",
-                                "static_configs": [{"targets": [f"triton:{TRITON_PORTS['metrics']}"]}]}]}
+    return {
+        "global": {"scrape_interval": "5s"},
+        "scrape_configs": [
+            {
+                "job_name": "triton",
+                "metrics_path": "/metrics",
+                "static_configs": [{"targets": [f"triton:{TRITON_PORTS['metrics']}"]}],
+            }
+        ],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -574,9 +693,14 @@ def render_files(target: str, values: DeployValues) -> dict[str, str]:
         files["prometheus-adapter-values.yaml"] = dump_yaml([prometheus_adapter_values(values)])
         return files
     if target == "docker":
-        fields = {"image": values.image, "image_cpu": cpu_image(values.image), "triton_image": TRITON_IMAGE,
-                  "model_name": values.model_name, "startup_timeout_s": values.startup_timeout_s,
-                  **{f"{name}_port": port for name, port in TRITON_PORTS.items()}}
+        fields = {
+            "image": values.image,
+            "image_cpu": cpu_image(values.image),
+            "triton_image": TRITON_IMAGE,
+            "model_name": values.model_name,
+            "startup_timeout_s": values.startup_timeout_s,
+            **{f"{name}_port": port for name, port in TRITON_PORTS.items()},
+        }
         return {
             "Dockerfile": DOCKERFILE_GPU.format(**fields),
             "Dockerfile.cpu": DOCKERFILE_CPU.format(**fields),
@@ -588,7 +712,9 @@ def render_files(target: str, values: DeployValues) -> dict[str, str]:
     raise ValueError(f"target={target!r}: use one of {TARGETS}")
 
 
-def render_deploy(target: str, out_dir: str | Path, *, values: DeployValues | None = None, **overrides: Any) -> list[Path]:
+def render_deploy(
+    target: str, out_dir: str | Path, *, values: DeployValues | None = None, **overrides: Any
+) -> list[Path]:
     """Write the ``target`` files into ``out_dir`` and return their paths.
 
     Args:
@@ -605,7 +731,9 @@ def render_deploy(target: str, out_dir: str | Path, *, values: DeployValues | No
     """
     unknown = set(overrides) - {f.name for f in dataclasses.fields(DeployValues)}
     if unknown:
-        raise ValueError(f"unknown deploy values {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(DeployValues)]}")
+        raise ValueError(
+            f"unknown deploy values {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(DeployValues)]}"
+        )
     values = dataclasses.replace(values or DeployValues(), **overrides)
     files = render_files(target, values)
     out = check_output_dir(out_dir, kind=RENDERED)  # files of the same name are replaced: ours only
@@ -622,8 +750,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory to write the files into")
     parser.add_argument("--values", help="YAML file of DeployValues fields (flags override it)")
     for f in dataclasses.fields(DeployValues):
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=None,
-                            help=f"default {f.default!r}")
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=type(f.default),
+            default=None,
+            help=f"default {f.default!r}",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -636,7 +769,9 @@ def run(args: argparse.Namespace) -> int:
         if not isinstance(base, dict):
             raise UsageError(f"--values {args.values}: expected a mapping of DeployValues fields")
     try:
-        flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(DeployValues) if getattr(args, f.name) is not None}
+        flags = {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(DeployValues) if getattr(args, f.name) is not None
+        }
         paths = render_deploy(args.target, args.out, **{**base, **flags})
     except ValueError as error:  # a value the manifests cannot hold
         raise error if isinstance(error, LmforgeError) else UsageError(str(error)) from error
@@ -647,7 +782,11 @@ def run(args: argparse.Namespace) -> int:
 
 def render_committed(root: str | Path = ".") -> list[Path]:
     """Re-render every directory in ``COMMITTED`` under the repository ``root``."""
-    return [path for rel, (target, values) in COMMITTED.items() for path in render_deploy(target, Path(root) / rel, **values)]
+    return [
+        path
+        for rel, (target, values) in COMMITTED.items()
+        for path in render_deploy(target, Path(root) / rel, **values)
+    ]
 
 
 if __name__ == "__main__":

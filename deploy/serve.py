@@ -34,8 +34,17 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from deploy.triton import (DEFAULT_PORTS, ModelSupervisor, TritonError, TritonServer, _pid_alive, check_ports,
-                           lmforge_source_root, stop_from_pid_file, stop_process)
+from deploy.triton import (
+    DEFAULT_PORTS,
+    ModelSupervisor,
+    TritonError,
+    TritonServer,
+    _pid_alive,
+    check_ports,
+    lmforge_source_root,
+    stop_from_pid_file,
+    stop_process,
+)
 
 OPENAI_PID_FILE = "openai_server.pid"
 OPENAI_LOG_FILE = "openai_server.log"
@@ -43,17 +52,31 @@ OPENAI_LOG_FILE = "openai_server.log"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repo", default="model_repository", help="Triton model repository (default model_repository)")
-    parser.add_argument("--http-port", type=int, default=DEFAULT_PORTS["http"], help="HTTP port on 127.0.0.1 (default 8000)")
-    parser.add_argument("--grpc-port", type=int, default=DEFAULT_PORTS["grpc"], help="gRPC port on 127.0.0.1 (default 8001)")
-    parser.add_argument("--metrics-port", type=int, default=DEFAULT_PORTS["metrics"], help="Prometheus metrics port (default 8002)")
+    parser.add_argument(
+        "--http-port", type=int, default=DEFAULT_PORTS["http"], help="HTTP port on 127.0.0.1 (default 8000)"
+    )
+    parser.add_argument(
+        "--grpc-port", type=int, default=DEFAULT_PORTS["grpc"], help="gRPC port on 127.0.0.1 (default 8001)"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=DEFAULT_PORTS["metrics"], help="Prometheus metrics port (default 8002)"
+    )
     parser.add_argument("--models", nargs="+", help="models to load (default: every model this server can serve)")
     parser.add_argument("--log", help="server log file (default REPO/tritonserver.log)")
-    parser.add_argument("--startup-timeout-s", type=float, default=600.0, help="deadline for all models to be ready (default 600)")
-    parser.add_argument("--grace-s", type=float, default=15.0, help="seconds between SIGINT and SIGKILL when stopping (default 15)")
+    parser.add_argument(
+        "--startup-timeout-s", type=float, default=600.0, help="deadline for all models to be ready (default 600)"
+    )
+    parser.add_argument(
+        "--grace-s", type=float, default=15.0, help="seconds between SIGINT and SIGKILL when stopping (default 15)"
+    )
     parser.add_argument("--stop", action="store_true", help="stop the server `lmforge serve` started on --repo")
-    parser.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible API on this port (default: off)")
+    parser.add_argument(
+        "--openai-port", type=int, help="also serve the OpenAI-compatible API on this port (default: off)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address the OpenAI API binds (default 127.0.0.1)")
-    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on the OpenAI API's /v1 routes (or $LMFORGE_API_KEY)")
+    parser.add_argument(
+        "--api-key", help="require `Authorization: Bearer KEY` on the OpenAI API's /v1 routes (or $LMFORGE_API_KEY)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,8 +99,14 @@ def run(args: argparse.Namespace) -> int:
             return 1
     try:
         server = TritonServer(
-            args.repo, args.http_port, args.grpc_port, args.metrics_port,
-            models=args.models, log_path=args.log, startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s,
+            args.repo,
+            args.http_port,
+            args.grpc_port,
+            args.metrics_port,
+            models=args.models,
+            log_path=args.log,
+            startup_timeout_s=args.startup_timeout_s,
+            grace_s=args.grace_s,
         )
     except TritonError as exc:
         print(f"error: {exc}")
@@ -131,7 +160,6 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
-
 def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -153,8 +181,21 @@ def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: floa
     api_key = args.api_key or env.get("LMFORGE_API_KEY")
     if api_key:
         env["LMFORGE_API_KEY"] = api_key  # not on the command line, where `ps` shows it
-    command = [sys.executable, "-m", "deploy.openai_server", "--repo", str(repo), "--grpc-url", server.grpc_url,
-               "--host", args.host, "--port", str(args.openai_port), "--models", *names]
+    command = [
+        sys.executable,
+        "-m",
+        "deploy.openai_server",
+        "--repo",
+        str(repo),
+        "--grpc-url",
+        server.grpc_url,
+        "--host",
+        args.host,
+        "--port",
+        str(args.openai_port),
+        "--models",
+        *names,
+    ]
     log = open(repo / OPENAI_LOG_FILE, "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
@@ -164,7 +205,9 @@ def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: floa
     while time.monotonic() < deadline:
         if process.poll() is not None:
             (repo / OPENAI_PID_FILE).unlink(missing_ok=True)
-            raise TritonError(f"the OpenAI API exited (status {process.returncode}); log {repo / OPENAI_LOG_FILE}:\n{(repo / OPENAI_LOG_FILE).read_text()[-2000:]}")
+            raise TritonError(
+                f"the OpenAI API exited (status {process.returncode}); log {repo / OPENAI_LOG_FILE}:\n{(repo / OPENAI_LOG_FILE).read_text()[-2000:]}"
+            )
         try:
             with urllib.request.urlopen(f"http://{host}:{args.openai_port}/health", timeout=2) as reply:
                 if reply.status == 200:

@@ -94,7 +94,9 @@ def find_triton() -> TritonInstallation:
     """
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise TritonError("the Triton server ships in nvidia-pytriton; install it with `pip install nvidia-pytriton==0.7.0`")
+        raise TritonError(
+            "the Triton server ships in nvidia-pytriton; install it with `pip install nvidia-pytriton==0.7.0`"
+        )
     package = Path(list(spec.submodule_search_locations)[0])
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     install = TritonInstallation(
@@ -105,7 +107,9 @@ def find_triton() -> TritonInstallation:
     )
     for path in (install.binary, install.libs, install.python_backend / "libtriton_python.so", install.stub):
         if not path.exists():
-            raise TritonError(f"{path}: missing from nvidia-pytriton (Python {version}); reinstall nvidia-pytriton==0.7.0")
+            raise TritonError(
+                f"{path}: missing from nvidia-pytriton (Python {version}); reinstall nvidia-pytriton==0.7.0"
+            )
     return install
 
 
@@ -184,14 +188,20 @@ def servable_models(repo: Path, backends: tuple[str, ...] = BUNDLED_BACKENDS) ->
     skipped: dict[str, str] = {}
     for name, config in configs.items():
         if config.platform != "ensemble" and config.backend not in backends:
-            skipped[name] = f"backend {config.backend or config.platform!r} is not in this server (only {', '.join(backends)}); serve it in the full Triton container"
+            skipped[name] = (
+                f"backend {config.backend or config.platform!r} is not in this server (only {', '.join(backends)}); serve it in the full Triton container"
+            )
     changed = True
     while changed:  # ensembles whose steps are skipped are skipped too
         changed = False
         for name, config in configs.items():
             if name in skipped or config.platform != "ensemble":
                 continue
-            missing = [s.model_name for s in config.ensemble_scheduling.step if s.model_name in skipped or s.model_name not in configs]
+            missing = [
+                s.model_name
+                for s in config.ensemble_scheduling.step
+                if s.model_name in skipped or s.model_name not in configs
+            ]
             if missing:
                 skipped[name] = f"ensemble step(s) {', '.join(missing)} cannot be served here"
                 changed = True
@@ -317,7 +327,9 @@ class TritonServer:
             raise UsageError(f"ports {self.ports}: HTTP, gRPC and metrics need three different ports")
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
-            raise TritonError(f"{self.repo}: model repository not found; create one with `lmforge export --repo {repo} ...`")
+            raise TritonError(
+                f"{self.repo}: model repository not found; create one with `lmforge export --repo {repo} ...`"
+            )
         self.models = models
         self.skipped: dict[str, str] = {}
         self.log_path = Path(log_path) if log_path else self.repo / LOG_FILE_NAME
@@ -355,10 +367,15 @@ class TritonServer:
             "--exit-on-error=false",  # stay up so the repository index can tell why a model failed
             "--strict-readiness=true",
             f"--exit-timeout-secs={self.exit_timeout_s}",  # drain in-flight requests and connections
-            f"--http-address={HOST}", f"--http-port={self.ports['http']}",
-            f"--grpc-address={HOST}", f"--grpc-port={self.ports['grpc']}",
-            f"--metrics-address={HOST}", f"--metrics-port={self.ports['metrics']}",
-            "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true",
+            f"--http-address={HOST}",
+            f"--http-port={self.ports['http']}",
+            f"--grpc-address={HOST}",
+            f"--grpc-port={self.ports['grpc']}",
+            f"--metrics-address={HOST}",
+            f"--metrics-port={self.ports['metrics']}",
+            "--allow-metrics=true",
+            "--allow-gpu-metrics=false",
+            "--allow-cpu-metrics=true",
             f"--log-verbose={self.log_verbose}",
         ]
         return cmd
@@ -371,20 +388,26 @@ class TritonServer:
         if self.models is None:
             self.models, self.skipped = servable_models(self.repo)
         if not self.models:
-            raise TritonError(f"{self.repo}: no model this server can load; export one with `lmforge export --repo {self.repo} ...`")
+            raise TritonError(
+                f"{self.repo}: no model this server can load; export one with `lmforge export --repo {self.repo} ...`"
+            )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         try:
             self.process = subprocess.Popen(
                 self.command(install, self.models),
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 env=server_environment(install),
                 start_new_session=True,  # its own process group: the stubs are stopped with it
             )
         finally:
             log.close()
         if self.pid_path is not None:
-            self.pid_path.write_text(json.dumps({"pid": self.process.pid, "ports": self.ports, "log": str(self.log_path)}) + "\n")
+            self.pid_path.write_text(
+                json.dumps({"pid": self.process.pid, "ports": self.ports, "log": str(self.log_path)}) + "\n"
+            )
         try:
             self._wait_ready()
         except BaseException:
@@ -423,7 +446,9 @@ class TritonServer:
             if failures:
                 raise ModelLoadError(failures, self.log_path)
             time.sleep(0.25)
-        raise TritonError(f"server not ready within {self.startup_timeout_s:.0f} s; see {self.log_path}\n{self.log_tail()}")
+        raise TritonError(
+            f"server not ready within {self.startup_timeout_s:.0f} s; see {self.log_path}\n{self.log_tail()}"
+        )
 
     def _exit_message(self) -> str:
         tail = self.log_tail()
@@ -456,7 +481,9 @@ class TritonServer:
         known = {entry.get("name") for entry in index}
         for name in self.models or []:
             if name not in known:
-                failures[name] = f"no model directory {self.repo / name}; the repository has: {', '.join(sorted(known)) or 'nothing'}"
+                failures[name] = (
+                    f"no model directory {self.repo / name}; the repository has: {', '.join(sorted(known)) or 'nothing'}"
+                )
         return failures
 
     def stub_pids(self, name: str) -> list[int]:
@@ -493,14 +520,21 @@ class TritonServer:
         """
         deadline = time.monotonic() + timeout_s
         if self.model_state(name)[0] == "READY":
-            status, body = http_json(f"{self.http_url}/v2/repository/models/{name}/unload", method="POST", body={}, timeout_s=timeout_s)
+            status, body = http_json(
+                f"{self.http_url}/v2/repository/models/{name}/unload", method="POST", body={}, timeout_s=timeout_s
+            )
             if status != 200:
                 raise TritonError(f"unloading {name} failed: HTTP {status} {body}; see {self.log_path}")
             while self.model_state(name)[0] == "READY":
                 if time.monotonic() > deadline:
                     raise TritonError(f"{name} did not start unloading within {timeout_s:.0f} s; see {self.log_path}")
                 time.sleep(0.1)
-        status, body = http_json(f"{self.http_url}/v2/repository/models/{name}/load", method="POST", body={}, timeout_s=max(1.0, deadline - time.monotonic()))
+        status, body = http_json(
+            f"{self.http_url}/v2/repository/models/{name}/load",
+            method="POST",
+            body={},
+            timeout_s=max(1.0, deadline - time.monotonic()),
+        )
         if status != 200:
             raise TritonError(f"loading {name} again failed: HTTP {status} {body}; see {self.log_path}")
 
@@ -587,7 +621,9 @@ class ModelSupervisor:
             elif name in self.python_models and entry.get("state") == "READY":
                 alive = len(self.server.stub_pids(name))
                 if alive < self.stub_counts[name]:
-                    problems[name] = f"{self.stub_counts[name] - alive} of its {self.stub_counts[name]} Python backend stub process(es) exited"
+                    problems[name] = (
+                        f"{self.stub_counts[name] - alive} of its {self.stub_counts[name]} Python backend stub process(es) exited"
+                    )
         return problems
 
     def check_once(self) -> dict[str, float]:
@@ -642,7 +678,9 @@ class ModelSupervisor:
         reasons = [line.strip() for line in tail.splitlines() if "what():" in line or "Signal (" in line]
         why = f"status {status}" + (f": {reasons[-1][:200]}" if reasons else "")
         if len(self.restarts) >= self.max_restarts:
-            self.report(f"tritonserver exited ({why}); not restarting after {self.max_restarts} restarts; log {self.server.log_path}")
+            self.report(
+                f"tritonserver exited ({why}); not restarting after {self.max_restarts} restarts; log {self.server.log_path}"
+            )
             return False
         _kill_group(self.server.process.pid)  # its stubs, if any survived it
         kept = self.server.log_path.with_name(f"{self.server.log_path.name}.{len(self.restarts) + 1}")

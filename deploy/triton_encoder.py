@@ -72,7 +72,7 @@ class TritonPythonModel:
             if isinstance(texts, str):
                 responses.append(_error(texts))
                 continue
-            rows = embeddings[start:start + len(texts)]  # [n, hidden]
+            rows = embeddings[start : start + len(texts)]  # [n, hidden]
             start += len(texts)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(POOLED_OUTPUT, rows)]))
         return responses

@@ -92,34 +92,69 @@ class LLMMetrics:
 
     def __init__(self, labels: dict[str, str]) -> None:
         self.labels = labels
-        gauge, counter, histogram = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.HISTOGRAM
+        gauge, counter, histogram = (
+            pb_utils.MetricFamily.GAUGE,
+            pb_utils.MetricFamily.COUNTER,
+            pb_utils.MetricFamily.HISTOGRAM,
+        )
         self.families = {}  # kept alive as long as their metrics (Triton's rule)
 
         def family(name: str, description: str, kind):
             self.families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
             return self.families[name]
 
-        self.running = family("lmforge_num_requests_running", "Requests running in the engine", gauge).Metric(labels=labels)
-        self.waiting = family("lmforge_num_requests_waiting", "Requests waiting for KV blocks or a batch slot", gauge).Metric(labels=labels)
-        self.running_max = family("lmforge_num_requests_running_max", "Most requests running in one engine batch since the model loaded", gauge).Metric(labels=labels)
-        self.kv_usage = family("lmforge_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", gauge).Metric(labels=labels)
-        self.hit_rate = family("lmforge_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens queried", gauge).Metric(labels=labels)
-        self.preemptions = family("lmforge_num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks", counter).Metric(labels=labels)
-        self._finished_family = family("lmforge_requests_finished_total", "Requests finished, by finish reason", counter)
+        self.running = family("lmforge_num_requests_running", "Requests running in the engine", gauge).Metric(
+            labels=labels
+        )
+        self.waiting = family(
+            "lmforge_num_requests_waiting", "Requests waiting for KV blocks or a batch slot", gauge
+        ).Metric(labels=labels)
+        self.running_max = family(
+            "lmforge_num_requests_running_max",
+            "Most requests running in one engine batch since the model loaded",
+            gauge,
+        ).Metric(labels=labels)
+        self.kv_usage = family("lmforge_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", gauge).Metric(
+            labels=labels
+        )
+        self.hit_rate = family(
+            "lmforge_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens queried", gauge
+        ).Metric(labels=labels)
+        self.preemptions = family(
+            "lmforge_num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks", counter
+        ).Metric(labels=labels)
+        self._finished_family = family(
+            "lmforge_requests_finished_total", "Requests finished, by finish reason", counter
+        )
         self._finished: dict[str, object] = {}
-        self.aborted = family("lmforge_requests_aborted_total", "Requests aborted because the client cancelled or disconnected", counter).Metric(labels=labels)
-        self.errors = family("lmforge_request_errors_total", "Requests answered with an error", counter).Metric(labels=labels)
-        self.ttft = family("lmforge_time_to_first_token_seconds", "Time to first token (s)", histogram).Metric(labels=labels, buckets=TTFT_BUCKETS_S)
-        self.tpot = family("lmforge_time_per_output_token_seconds", "Time per output token after the first (s)", histogram).Metric(labels=labels, buckets=TPOT_BUCKETS_S)
-        self.acceptance_rate = family("lmforge_spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed tokens", gauge).Metric(labels=labels)
+        self.aborted = family(
+            "lmforge_requests_aborted_total", "Requests aborted because the client cancelled or disconnected", counter
+        ).Metric(labels=labels)
+        self.errors = family("lmforge_request_errors_total", "Requests answered with an error", counter).Metric(
+            labels=labels
+        )
+        self.ttft = family("lmforge_time_to_first_token_seconds", "Time to first token (s)", histogram).Metric(
+            labels=labels, buckets=TTFT_BUCKETS_S
+        )
+        self.tpot = family(
+            "lmforge_time_per_output_token_seconds", "Time per output token after the first (s)", histogram
+        ).Metric(labels=labels, buckets=TPOT_BUCKETS_S)
+        self.acceptance_rate = family(
+            "lmforge_spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed tokens", gauge
+        ).Metric(labels=labels)
         self.mean_accepted_length = family(
-            "lmforge_spec_decode_mean_accepted_length", "Speculative decoding: tokens emitted per request-step that verified proposals", gauge
+            "lmforge_spec_decode_mean_accepted_length",
+            "Speculative decoding: tokens emitted per request-step that verified proposals",
+            gauge,
         ).Metric(labels=labels)
         #: EngineStats counter field -> (Prometheus counter, value already added).
         self._counters = {
             "num_preemptions_total": [self.preemptions, 0],
             **{
-                f"spec_decode_{name}_total": [family(f"lmforge_spec_decode_{name}_total", help_text, counter).Metric(labels=labels), 0]
+                f"spec_decode_{name}_total": [
+                    family(f"lmforge_spec_decode_{name}_total", help_text, counter).Metric(labels=labels),
+                    0,
+                ]
                 for name, help_text in (
                     ("num_drafts", "Speculative decoding: request-steps that verified proposed tokens"),
                     ("num_draft_tokens", "Speculative decoding: proposed tokens verified by the model"),
@@ -211,7 +246,7 @@ def _check_parameters(text: str) -> None:
     if unknown:
         raise ValueError(
             f"unknown field(s) {unknown}; the inputs are text_input, stream, sampling_parameters (a JSON string "
-            "such as \"{\\\"max_tokens\\\": 32}\") and exclude_input_in_output"
+            'such as "{\\"max_tokens\\": 32}") and exclude_input_in_output'
         )
 
 
@@ -233,7 +268,9 @@ class TritonPythonModel:
         self.dead_reported = False
         info = read_model_info(Path(args["model_repository"]) / args["model_version"])
         self.engine = AsyncLLMEngine(EngineConfig(model=info["checkpoint"], **info.get("engine", {})))
-        self.logger.log_info(f"lmforge: {args['model_name']} engine ready on {info['checkpoint']} (torch threads {torch.get_num_threads()})")
+        self.logger.log_info(
+            f"lmforge: {args['model_name']} engine ready on {info['checkpoint']} (torch threads {torch.get_num_threads()})"
+        )
         self.metrics = LLMMetrics({"model": args["model_name"], "version": args["model_version"]})
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self._run_loop, name="lmforge-engine-loop", daemon=True)
@@ -284,7 +321,11 @@ class TritonPythonModel:
         """Answer one request: parse it, stream the engine's outputs, always end with FINAL."""
         sender = request.get_response_sender()
         if self.engine.is_dead:
-            self._send_error(sender, f"the engine of {self.model_name} is dead ({self.engine.dead_reason}); it is being reloaded, retry", pb_utils.TritonError.UNAVAILABLE)
+            self._send_error(
+                sender,
+                f"the engine of {self.model_name} is dead ({self.engine.dead_reason}); it is being reloaded, retry",
+                pb_utils.TritonError.UNAVAILABLE,
+            )
             return
         try:
             _check_parameters(request.parameters())
@@ -315,7 +356,11 @@ class TritonPythonModel:
             self._close(sender, None)
             raise
         except EngineDeadError as exc:
-            self._send_error(sender, f"the engine of {self.model_name} is dead ({self.engine.dead_reason or exc}); it is being reloaded, retry", pb_utils.TritonError.UNAVAILABLE)
+            self._send_error(
+                sender,
+                f"the engine of {self.model_name} is dead ({self.engine.dead_reason or exc}); it is being reloaded, retry",
+                pb_utils.TritonError.UNAVAILABLE,
+            )
             return
         except Exception as exc:  # noqa: BLE001 -- answer this client, keep serving the others
             self.logger.log_error(f"lmforge: request {request_id} failed: {traceback.format_exc()}")
@@ -385,7 +430,9 @@ class TritonPythonModel:
             index = completion.index
             if index in sent.done or not (request.stream or output.finished):
                 continue
-            start_chars, start_tokens = (sent.chars.get(index, 0), sent.tokens.get(index, 0)) if request.stream else (0, 0)
+            start_chars, start_tokens = (
+                (sent.chars.get(index, 0), sent.tokens.get(index, 0)) if request.stream else (0, 0)
+            )
             delta = completion.text[start_chars:]
             new_tokens = completion.token_ids[start_tokens:]
             has_logprobs = completion.logprobs is not None and len(new_tokens) > 0
@@ -400,7 +447,9 @@ class TritonPythonModel:
             responses.append(_output_tensors(delta, output, completion, completion.finish_reason, new_tokens, logprobs))
         for i, tensors in enumerate(responses):
             final = output.finished and i == len(responses) - 1
-            sender.send(pb_utils.InferenceResponse(tensors), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+            sender.send(
+                pb_utils.InferenceResponse(tensors), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            )
         if output.finished and not responses:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return output.finished

@@ -93,7 +93,9 @@ class AsyncLLMEngine:
         queue: asyncio.Queue = asyncio.Queue()
         with self._queues_lock:
             if request_id in self._queues:
-                raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
+                raise ValueError(
+                    f"request_id={request_id!r} is already in use by an unfinished request; pick another id"
+                )
             self._queues[request_id] = (loop, queue)
         self._submit(lambda: self._add(request_id, text, token_ids, params))
         finished = False
@@ -176,7 +178,9 @@ class AsyncLLMEngine:
         try:
             self.engine.add_validated_request(request_id, text, token_ids, params)
         except Exception as exc:  # noqa: BLE001 - refuses this request, never the loop
-            error = exc if isinstance(exc, ValueError) else ValueError(f"request not added: {type(exc).__name__}: {exc}")
+            error = (
+                exc if isinstance(exc, ValueError) else ValueError(f"request not added: {type(exc).__name__}: {exc}")
+            )
             self._send(request_id, error, last=True)
 
     def _run(self) -> None:

@@ -80,7 +80,9 @@ class AttentionBackend(abc.ABC):
         """This backend's metadata for one step (called once per step, shared by all layers)."""
 
     @abc.abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata
+    ) -> torch.Tensor:
         """Write the new K/V into the cache and attend.
 
         Args:
@@ -219,7 +221,7 @@ class TorchAttentionBackend(AttentionBackend):
         """
         d, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kv
-        qg = q.view(d, kv, g, hd) * (hd ** -0.5)  # [D, kv, g, hd]
+        qg = q.view(d, kv, g, hd) * (hd**-0.5)  # [D, kv, g, hd]
         keys = self._gather(k_cache, group.block_tables)  # [D, kv, Tu, hd]
         scores = torch.matmul(qg, keys.transpose(-1, -2))  # [D, kv, g, Tu]
         scores = scores.masked_fill(~group.mask, float("-inf"))
@@ -245,7 +247,9 @@ class TorchAttentionBackend(AttentionBackend):
         qp = q[group.query_index].transpose(1, 2)  # [P, num_heads, max_q, head_dim]
         keys = self._gather(k_cache, group.block_tables)  # [P, kv_heads, T, head_dim]
         values = self._gather(v_cache, group.block_tables)
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=group.mask, enable_gqa=True)  # [P, H, max_q, hd]
+        out = F.scaled_dot_product_attention(
+            qp, keys, values, attn_mask=group.mask, enable_gqa=True
+        )  # [P, H, max_q, hd]
         out = out.transpose(1, 2).reshape(p * max_q, self.num_heads * self.head_dim)
         return out[group.output_index]
 
@@ -259,8 +263,9 @@ def common_prefix_blocks(tables: torch.Tensor, limit: int) -> int:
     return int(same.long().cumprod(0).sum())
 
 
-def get_attention_backend(device: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None,
-                          name: str | None = None) -> AttentionBackend:
+def get_attention_backend(
+    device: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None, name: str | None = None
+) -> AttentionBackend:
     """The attention backend ``name`` (``None``: ``triton`` on CUDA, ``torch`` elsewhere).
 
     ``triton`` (``engine.attention_triton``) needs the ``triton`` package; on CPU it runs under

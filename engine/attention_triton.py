@@ -47,8 +47,9 @@ def _pow2_at_least_16(n: int) -> int:
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v,
-                     ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v, ROW: tl.constexpr, BLOCK_ROW: tl.constexpr
+):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
@@ -61,11 +62,29 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k,
 
 
 @triton.jit
-def _paged_decode_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
-                         scale, stride_q_tok, stride_q_head, stride_o_tok, stride_bt,
-                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PAGE: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _paged_decode_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    scale,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_bt,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -74,8 +93,11 @@ def _paged_decode_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_p
     gm = g < GROUP
     dm = d < HEAD_DIM
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
-                mask=gm[:, None] & dm[None, :], other=0.0)  # [G, D]
+    q = tl.load(
+        q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
+        mask=gm[:, None] & dm[None, :],
+        other=0.0,
+    )  # [G, D]
     if DOT_FP32:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -109,16 +131,38 @@ def _paged_decode_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_p
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + req * stride_o_tok + heads[:, None] * HEAD_DIM + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+    tl.store(
+        out_ptr + req * stride_o_tok + heads[:, None] * HEAD_DIM + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=gm[:, None] & dm[None, :],
+    )
 
 
 @triton.jit
-def _paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
-                          query_start_ptr, scale, stride_q_tok, stride_q_head, stride_o_tok, stride_bt,
-                          NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          PAGE: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _paged_prefill_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    scale,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_bt,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     req = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -133,8 +177,11 @@ def _paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_
         qm = m < q_len
         dm = d < HEAD_DIM
         q_pos = context + m  # [M] positions of the tile's queries
-        q = tl.load(q_ptr + (q_start + m)[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
-                    mask=qm[:, None] & dm[None, :], other=0.0)  # [M, D]
+        q = tl.load(
+            q_ptr + (q_start + m)[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
+            mask=qm[:, None] & dm[None, :],
+            other=0.0,
+        )  # [M, D]
         if DOT_FP32:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -170,14 +217,19 @@ def _paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (q_start + m)[:, None] * stride_o_tok + head * HEAD_DIM + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=qm[:, None] & dm[None, :])
+        tl.store(
+            out_ptr + (q_start + m)[:, None] * stride_o_tok + head * HEAD_DIM + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=qm[:, None] & dm[None, :],
+        )
 
 
 # ------------------------------------------------------------------------------------ launchers
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write ``k, v [N, kv_heads, head_dim]`` into ``k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]``.
 
     Row ``i`` goes to physical slot ``slot_mapping[i]`` (``block * block_size + offset``);
@@ -188,8 +240,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     k, v = _rows(k), _rows(v)
     row = kv * hd
-    _store_kv_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                           ROW=row, BLOCK_ROW=triton.next_power_of_2(row))
+    _store_kv_kernel[(n,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, BLOCK_ROW=triton.next_power_of_2(row)
+    )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -216,8 +269,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query token per request against its paged context.
 
     Args:
@@ -239,17 +299,42 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return out
     group = h // kv
     _paged_decode_kernel[(b, kv)](
-        out, q, k_cache, v_cache, block_table, seq_lens, hd ** -0.5,
-        q.stride(0), q.stride(1), out.stride(0), block_table.stride(0),
-        NUM_KV_HEADS=kv, GROUP=group, HEAD_DIM=hd, PAGE=k_cache.shape[1], WINDOW=sliding_window or 0,
-        PRECISION=_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), BLOCK_G=_pow2_at_least_16(group), BLOCK_D=_pow2_at_least_16(hd), BLOCK_N=BLOCK_N,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        hd**-0.5,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        block_table.stride(0),
+        NUM_KV_HEADS=kv,
+        GROUP=group,
+        HEAD_DIM=hd,
+        PAGE=k_cache.shape[1],
+        WINDOW=sliding_window or 0,
+        PRECISION=_precision(q.dtype),
+        DOT_FP32=_dot_fp32(q.dtype),
+        BLOCK_G=_pow2_at_least_16(group),
+        BLOCK_D=_pow2_at_least_16(hd),
+        BLOCK_N=BLOCK_N,
     )
     return out
 
 
-def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                  sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of ragged prefill chunks against their paged context (their own K/V already stored).
 
     Args:
@@ -272,10 +357,28 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     grid = (p, h, triton.cdiv(max_query_len, BLOCK_M))
     _paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, hd ** -0.5,
-        q.stride(0), q.stride(1), out.stride(0), block_table.stride(0),
-        NUM_KV_HEADS=kv, GROUP=h // kv, HEAD_DIM=hd, PAGE=k_cache.shape[1], WINDOW=sliding_window or 0,
-        PRECISION=_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=_pow2_at_least_16(hd), BLOCK_N=BLOCK_N,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        hd**-0.5,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        block_table.stride(0),
+        NUM_KV_HEADS=kv,
+        GROUP=h // kv,
+        HEAD_DIM=hd,
+        PAGE=k_cache.shape[1],
+        WINDOW=sliding_window or 0,
+        PRECISION=_precision(q.dtype),
+        DOT_FP32=_dot_fp32(q.dtype),
+        BLOCK_M=BLOCK_M,
+        BLOCK_D=_pow2_at_least_16(hd),
+        BLOCK_N=BLOCK_N,
     )
     return out
 
@@ -313,7 +416,9 @@ class TritonAttentionBackend(AttentionBackend):
         d = common.num_decodes
         # int32 tables and lengths, as the CUDA-graph buffers hold them: one compiled variant per kernel
         block_table, seq_lens = common.block_table.to(torch.int32), common.seq_lens.to(torch.int32)
-        meta = TritonAttentionMetadata(common.slot_mapping, d, block_table[:d] if d else None, seq_lens[:d] if d else None)
+        meta = TritonAttentionMetadata(
+            common.slot_mapping, d, block_table[:d] if d else None, seq_lens[:d] if d else None
+        )
         if d < len(common.query_lens_cpu):
             meta.prefill_block_table = block_table[d:]
             meta.prefill_seq_lens = seq_lens[d:]
@@ -321,7 +426,9 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_prefill_query_len = max(common.query_lens_cpu[d:])
         return meta
 
-    def decode_metadata(self, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> TritonAttentionMetadata:
+    def decode_metadata(
+        self, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+    ) -> TritonAttentionMetadata:
         """Metadata of a batch of decodes only (the CUDA-graph path: static tensors, padding rows
         with slot ``-1`` and ``seq_len`` 0)."""
         return TritonAttentionMetadata(slot_mapping, slot_mapping.shape[0], block_table, seq_lens)
@@ -333,10 +440,25 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(n, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         d = metadata.num_decode_tokens
         if d:
-            paged_decode(q[:d], k_cache, v_cache, metadata.decode_block_table, metadata.decode_seq_lens,
-                         self.sliding_window, out=out[:d])
+            paged_decode(
+                q[:d],
+                k_cache,
+                v_cache,
+                metadata.decode_block_table,
+                metadata.decode_seq_lens,
+                self.sliding_window,
+                out=out[:d],
+            )
         if d < n:
-            paged_prefill(q[d:], k_cache, v_cache, metadata.prefill_block_table, metadata.prefill_seq_lens,
-                          metadata.prefill_query_start_loc, metadata.max_prefill_query_len,
-                          self.sliding_window, out=out[d:])
+            paged_prefill(
+                q[d:],
+                k_cache,
+                v_cache,
+                metadata.prefill_block_table,
+                metadata.prefill_seq_lens,
+                metadata.prefill_query_start_loc,
+                metadata.max_prefill_query_len,
+                self.sliding_window,
+                out=out[d:],
+            )
         return out

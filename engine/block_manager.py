@@ -91,7 +91,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), seq.num_tokens // bs):
             parent = hashes[i - 1] if i else ROOT_HASH
-            hashes.append(self.hash_fn(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            hashes.append(self.hash_fn(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -107,7 +107,7 @@ class BlockManager:
         bs = self.block_size
         for i, h in enumerate(self.full_block_hashes(seq)[:max_blocks]):
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits
@@ -155,7 +155,7 @@ class BlockManager:
             if block.block_hash is not None:
                 continue
             block.block_hash = hashes[i]
-            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self.hash_to_block.setdefault(hashes[i], block.block_id)
 
     def free(self, seq: Sequence) -> None:
@@ -184,7 +184,9 @@ class BlockManager:
         while len(seq.block_table) > keep:
             block = self.blocks[seq.block_table.pop()]
             if block.ref_count != 1 or block.block_hash is not None:
-                raise KVCacheInvariantError(f"block {block.block_id} past the computed tokens of {seq.request_id} is shared or hashed")
+                raise KVCacheInvariantError(
+                    f"block {block.block_id} past the computed tokens of {seq.request_id} is shared or hashed"
+                )
             block.ref_count = 0
             self.num_used_blocks -= 1
             self.free_block_ids.append(block.block_id)
@@ -244,11 +246,17 @@ class BlockManager:
         if len(free) != len(self.free_block_ids):
             raise KVCacheInvariantError("a block appears twice in the free list")
         if free & cached or free & used or cached & used:
-            raise KVCacheInvariantError(f"blocks in two states: free&cached={free & cached} free&used={free & used} cached&used={cached & used}")
+            raise KVCacheInvariantError(
+                f"blocks in two states: free&cached={free & cached} free&used={free & used} cached&used={cached & used}"
+            )
         if len(free) + len(cached) + len(used) != self.num_blocks:
-            raise KVCacheInvariantError(f"free {len(free)} + cached {len(cached)} + used {len(used)} != total {self.num_blocks}")
+            raise KVCacheInvariantError(
+                f"free {len(free)} + cached {len(cached)} + used {len(used)} != total {self.num_blocks}"
+            )
         if len(used) != self.num_used_blocks:
-            raise KVCacheInvariantError(f"num_used_blocks={self.num_used_blocks} but {len(used)} blocks have refcount > 0")
+            raise KVCacheInvariantError(
+                f"num_used_blocks={self.num_used_blocks} but {len(used)} blocks have refcount > 0"
+            )
         if any(b.ref_count < 0 for b in self.blocks):
             raise KVCacheInvariantError("negative refcount")
         for block_id in cached:

@@ -18,18 +18,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     parser.add_argument("--seed", type=int, default=None, help="seed of the request's sampler")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="engine dtype (auto: bfloat16 where the CPU has native bf16, else float32)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the checkpoint's, capped at 8192)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--stats", action="store_true", help="print tokens/s, TTFT, prefix-cache and speculation figures")
-    parser.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
-                        help="speculative decoding: ngram (prompt lookup) or draft (a small model); default off")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed per step (default: 4 ngram, 3 draft)")
-    parser.add_argument("--speculative-model", default=None,
-                        help="draft checkpoint (default: the newest `lmforge distill` output of --model under ./runs)")
     parser.add_argument(
-        "--backend", choices=["engine", "hf"], default="engine",
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="engine dtype (auto: bfloat16 where the CPU has native bf16, else float32)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output (default: the checkpoint's, capped at 8192)",
+    )
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--stats", action="store_true", help="print tokens/s, TTFT, prefix-cache and speculation figures"
+    )
+    parser.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft"],
+        default=None,
+        help="speculative decoding: ngram (prompt lookup) or draft (a small model); default off",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="tokens proposed per step (default: 4 ngram, 3 draft)"
+    )
+    parser.add_argument(
+        "--speculative-model",
+        default=None,
+        help="draft checkpoint (default: the newest `lmforge distill` output of --model under ./runs)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["engine", "hf"],
+        default="engine",
         help="engine: lmforge engine (default); hf: transformers generate (greedy reference)",
     )
 
@@ -48,15 +71,20 @@ def hf_generate(model_spec: str, prompt: str, *, chat: bool, max_tokens: int) ->
         raise ValueError(f"max_tokens={max_tokens}; it must be >= 1")
     model, tokenizer, _ = load_causal_lm(model_spec)
     if chat:
-        input_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+        input_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+        )
     else:
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.inference_mode():
         output = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens, do_sample=False,
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         )
-    return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
 
 
 def engine_generate(args: argparse.Namespace) -> list[str]:
@@ -67,9 +95,16 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
     check_device(args.device)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, num_threads=args.num_threads,
-              speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-              speculative_model=args.speculative_model)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_model=args.speculative_model,
+    )
     start = time.perf_counter()
     outputs = llm.generate(args.prompt, params, chat=args.chat)
     elapsed_s = time.perf_counter() - start
@@ -96,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as exc:  # bytes that are not UTF-8 arrive as lone surrogates
-            raise UsageError(f"--prompt #{number}: not UTF-8 text (character {exc.start})", fix="pass the prompt as UTF-8") from exc
+            raise UsageError(
+                f"--prompt #{number}: not UTF-8 text (character {exc.start})", fix="pass the prompt as UTF-8"
+            ) from exc
     if args.backend == "hf":
         if args.temperature != 0:
             raise UsageError("--backend hf is the greedy reference", fix="use --temperature 0")

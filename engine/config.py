@@ -113,7 +113,9 @@ class EngineConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}; use 'cpu' or 'cuda' / 'cuda:N'")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
-            raise ValueError(f"attention_backend={self.attention_backend!r}; use one of {ATTENTION_BACKENDS} or None (by device)")
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r}; use one of {ATTENTION_BACKENDS} or None (by device)"
+            )
         if self.max_model_len is not None:
             self.check_model_len(self.max_model_len)
         self._check_speculative()
@@ -127,7 +129,9 @@ class EngineConfig:
         if method is None:
             for name in ("num_speculative_tokens", "speculative_model"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name}={getattr(self, name)!r} without speculative_method; set speculative_method='ngram' or 'draft'")
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} without speculative_method; set speculative_method='ngram' or 'draft'"
+                    )
             return
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS[method]
@@ -143,7 +147,9 @@ class EngineConfig:
             _require_positive("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
         if method == "ngram":
             if self.speculative_model is not None:
-                raise ValueError(f"speculative_model={self.speculative_model!r} with speculative_method='ngram'; the ngram proposer uses no model: drop it or use 'draft'")
+                raise ValueError(
+                    f"speculative_model={self.speculative_model!r} with speculative_method='ngram'; the ngram proposer uses no model: drop it or use 'draft'"
+                )
             _require_positive("ngram_prompt_lookup_min", self.ngram_prompt_lookup_min)
             _require_positive("ngram_prompt_lookup_max", self.ngram_prompt_lookup_max)
             if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:

@@ -76,8 +76,13 @@ class DecodeBuffers:
         def make(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
-        return cls(make(max_batch), make(max_batch), make(max_batch), make(max_batch, dtype=torch.int32),
-                   make(max_batch, max_blocks, dtype=torch.int32))
+        return cls(
+            make(max_batch),
+            make(max_batch),
+            make(max_batch),
+            make(max_batch, dtype=torch.int32),
+            make(max_batch, max_blocks, dtype=torch.int32),
+        )
 
     def fields(self) -> list[torch.Tensor]:
         return [self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_table]
@@ -123,8 +128,10 @@ class DecodeStaging:
             pos = seq.num_computed_tokens
             blocks = seq.block_table
             if len(blocks) > self.max_blocks:
-                raise ValueError(f"block table of {len(blocks)} blocks > max_blocks={self.max_blocks}; increase max_model_len")
-            table[row, :len(blocks)] = blocks
+                raise ValueError(
+                    f"block table of {len(blocks)} blocks > max_blocks={self.max_blocks}; increase max_model_len"
+                )
+            table[row, : len(blocks)] = blocks
             ids.append(seq.token_ids[pos])
             positions.append(pos)
             slots.append(blocks[pos // bs] * bs + pos % bs)
@@ -153,11 +160,23 @@ class StaticDecodeModelRunner(ModelRunner):
         enforce_eager: never capture graphs (the static buffers are still used).
     """
 
-    def __init__(self, path: Path, dtype: str, device: str, block_size: int, max_model_len: int, *,
-                 max_num_seqs: int, enforce_eager: bool = False, attention_backend: str | None = None):
+    def __init__(
+        self,
+        path: Path,
+        dtype: str,
+        device: str,
+        block_size: int,
+        max_model_len: int,
+        *,
+        max_num_seqs: int,
+        enforce_eager: bool = False,
+        attention_backend: str | None = None,
+    ):
         super().__init__(path, dtype, device, block_size, max_model_len, attention_backend=attention_backend)
         if not hasattr(self.attn, "decode_metadata"):
-            raise ValueError(f"{type(self.attn).__name__} has no decode_metadata; static decode batches need attention_backend='triton'")
+            raise ValueError(
+                f"{type(self.attn).__name__} has no decode_metadata; static decode batches need attention_backend='triton'"
+            )
         self.sizes = capture_sizes(max_num_seqs)
         max_blocks = -(-max_model_len // block_size)
         self.staging = DecodeStaging(self.sizes[-1], max_blocks, block_size, device)
@@ -173,7 +192,9 @@ class StaticDecodeModelRunner(ModelRunner):
         """Forward + logits of the first ``batch`` rows of the device buffers -> ``[batch, vocab]`` float32."""
         b = self.staging.device_buffers
         meta = self.attn.decode_metadata(b.slot_mapping[:batch], b.block_table[:batch], b.seq_lens[:batch])
-        hidden = self.model.forward(b.input_ids[:batch], b.positions[:batch], self.kv_cache, self.attn, meta)  # [batch, hidden]
+        hidden = self.model.forward(
+            b.input_ids[:batch], b.positions[:batch], self.kv_cache, self.attn, meta
+        )  # [batch, hidden]
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -30,10 +30,10 @@ class IncrementalDetokenizer:
         """Append one token; return the newly completed text (possibly empty)."""
         self.ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        new_text = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        new_text = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
+            delta = new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             return delta

@@ -12,7 +12,8 @@ import json
 import logging
 import random
 import time
-from collections.abc import Iterable, Sequence as SequenceABC
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 
 import torch
@@ -71,7 +72,9 @@ class LLMEngine:
         config = config.replace(dtype=resolve_dtype(config.dtype, config.device))
         self.runner = make_model_runner(config, self.path, max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(config, max_model_len)
-        self.config = config = config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks, kv_cache_memory_bytes=None)
+        self.config = config = config.replace(
+            max_model_len=max_model_len, num_kv_blocks=num_blocks, kv_cache_memory_bytes=None
+        )
         self.runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -132,12 +135,19 @@ class LLMEngine:
                 vocabulary, a bad sampling parameter, or a duplicate ``request_id``; nothing is queued.
         """
         request_id = self.new_request_id() if request_id is None else str(request_id)
-        self._sequence_ids(request_id, params.n if isinstance(params, SamplingParams) else 1)  # a duplicate fails before tokenizing
+        self._sequence_ids(
+            request_id, params.n if isinstance(params, SamplingParams) else 1
+        )  # a duplicate fails before tokenizing
         params, text, token_ids = self.validate_request(prompt, params)
         return self.add_validated_request(request_id, text, token_ids, params, arrival_time)
 
     def add_validated_request(
-        self, request_id: str | None, text: str | None, token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str | None,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
     ) -> str:
         """Queue a request that ``validate_request`` accepted (its prompt is not tokenized again); returns its id.
 
@@ -154,11 +164,23 @@ class LLMEngine:
             base_seed = self._seed_rng.getrandbits(62)
         group = []
         for index, seq_id in enumerate(seq_ids):
-            child = params if n == 1 else dataclasses.replace(params, n=1, seed=None if base_seed is None else base_seed + index)
+            child = (
+                params
+                if n == 1
+                else dataclasses.replace(params, n=1, seed=None if base_seed is None else base_seed + index)
+            )
             generator = None
             if not params.greedy:
                 generator = torch.Generator(device=self.config.device).manual_seed(base_seed + index)
-            seq = Sequence(seq_id, text, token_ids, child, IncrementalDetokenizer(self.tokenizer, token_ids), generator, arrival_time)
+            seq = Sequence(
+                seq_id,
+                text,
+                token_ids,
+                child,
+                IncrementalDetokenizer(self.tokenizer, token_ids),
+                generator,
+                arrival_time,
+            )
             seq.group_id, seq.index = request_id, index
             group.append(seq)
             self.requests[seq_id] = seq
@@ -173,7 +195,9 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request; pick another id")
         return seq_ids
 
-    def validate_request(self, prompt: str | list[int] | dict, params: SamplingParams | None) -> tuple[SamplingParams, str | None, list[int]]:
+    def validate_request(
+        self, prompt: str | list[int] | dict, params: SamplingParams | None
+    ) -> tuple[SamplingParams, str | None, list[int]]:
         """Check a request against the model without queueing it (safe from any thread).
 
         Returns:
@@ -205,13 +229,17 @@ class LLMEngine:
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise ValueError(f"prompt is not valid Unicode text ({exc.reason} at position {exc.start}); send UTF-8 text") from exc
+                raise ValueError(
+                    f"prompt is not valid Unicode text ({exc.reason} at position {exc.start}); send UTF-8 text"
+                ) from exc
             token_ids = self.tokenizer(prompt).input_ids
             text: str | None = prompt
         elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids, text = list(prompt), None
         else:
-            raise ValueError(f"prompt must be a string, a list of token ids or {{\"prompt_token_ids\": [...]}}, got {type(prompt).__name__}")
+            raise ValueError(
+                f'prompt must be a string, a list of token ids or {{"prompt_token_ids": [...]}}, got {type(prompt).__name__}'
+            )
         if not token_ids:
             raise ValueError("prompt is empty (no tokens); give at least one token")
         vocab = self.runner.spec.vocab_size
@@ -315,7 +343,7 @@ class LLMEngine:
 
     def _process_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> None:
         """Stop checks, text and stats of a step's new tokens, one at a time; tokens after a stop are dropped."""
-        del seq.token_ids[len(seq.token_ids) - len(tokens):]
+        del seq.token_ids[len(seq.token_ids) - len(tokens) :]
         for token, entry in zip(tokens, logprobs):
             seq.token_ids.append(token)
             self._process_token(seq, token, entry, now)
@@ -337,7 +365,9 @@ class LLMEngine:
         try:
             self.check_invariants()
         except Exception as broken:
-            raise EngineDeadError(f"KV cache bookkeeping is broken after a failed step ({broken}); restart the engine") from exc
+            raise EngineDeadError(
+                f"KV cache bookkeeping is broken after a failed step ({broken}); restart the engine"
+            ) from exc
         if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise EngineDeadError(
                 f"{self.num_consecutive_failed_steps} steps failed in a row (last: {type(exc).__name__}: {exc}); restart the engine"
@@ -383,7 +413,7 @@ class LLMEngine:
             search_from = max(0, text_before - longest + 1)
             hits = [i for i in (seq.output_text.find(s, search_from) for s in p.stop) if i >= 0]
             if hits:
-                seq.output_text = seq.output_text[:min(hits)]
+                seq.output_text = seq.output_text[: min(hits)]
                 return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
@@ -392,17 +422,25 @@ class LLMEngine:
     def _output(self, group: list[Sequence]) -> RequestOutput:
         """The request's state: one ``CompletionOutput`` per sequence (cumulative)."""
         completions = [
-            CompletionOutput(seq.index, seq.output_text, seq.output_token_ids, seq.status.finish_reason,
-                             None if seq.logprobs is None else list(seq.logprobs), seq.error)
+            CompletionOutput(
+                seq.index,
+                seq.output_text,
+                seq.output_token_ids,
+                seq.status.finish_reason,
+                None if seq.logprobs is None else list(seq.logprobs),
+                seq.error,
+            )
             for seq in group
         ]
         first = group[0]
         first_times = [s.first_token_time for s in group if s.first_token_time is not None]
         finished = all(s.is_finished for s in group)
         metrics = RequestMetrics(
-            first.arrival_time, min(first_times) if first_times else None,
+            first.arrival_time,
+            min(first_times) if first_times else None,
             max(s.finished_time for s in group) if finished else None,
-            first.num_cached_tokens or 0, sum(s.num_output_tokens for s in group),
+            first.num_cached_tokens or 0,
+            sum(s.num_output_tokens for s in group),
         )
         return RequestOutput(first.group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)
 
@@ -431,8 +469,11 @@ class LLMEngine:
         sp = self.speculator
         if sp is None:
             return {}
-        return dict(spec_decode_num_drafts_total=sp.num_drafts, spec_decode_num_draft_tokens_total=sp.num_draft_tokens,
-                    spec_decode_num_accepted_tokens_total=sp.num_accepted_tokens)
+        return dict(
+            spec_decode_num_drafts_total=sp.num_drafts,
+            spec_decode_num_draft_tokens_total=sp.num_draft_tokens,
+            spec_decode_num_accepted_tokens_total=sp.num_accepted_tokens,
+        )
 
     @property
     def proposer(self):
@@ -452,9 +493,16 @@ def make_model_runner(config: EngineConfig, path: Path, max_model_len: int) -> M
     ``triton`` attention backend, ``ModelRunner`` otherwise."""
     backend = config.attention_backend or ("triton" if config.device.startswith("cuda") else "torch")
     if backend == "triton":
-        return StaticDecodeModelRunner(path, config.dtype, config.device, config.block_size, max_model_len,
-                                       max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
-                                       attention_backend=backend)
+        return StaticDecodeModelRunner(
+            path,
+            config.dtype,
+            config.device,
+            config.block_size,
+            max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            enforce_eager=config.enforce_eager,
+            attention_backend=backend,
+        )
     return ModelRunner(path, config.dtype, config.device, config.block_size, max_model_len)
 
 
@@ -520,7 +568,9 @@ class LLM:
         prompts = _as_prompt_list(prompts, chat)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt")
+            raise ValueError(
+                f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt"
+            )
         engine = self.engine
         inputs = [self.apply_chat_template(p) if chat and not isinstance(p, dict) else p for p in prompts]
         validated = [engine.validate_request(p, sp) for p, sp in zip(inputs, params)]  # all before running any
@@ -557,7 +607,7 @@ def _unwrap_prompt_dict(prompt: dict) -> str | list[int]:
         return ids
     if keys == {"prompt"} and isinstance(prompt["prompt"], str):
         return prompt["prompt"]
-    raise ValueError(f"prompt dict with keys {sorted(keys)}; give {{\"prompt_token_ids\": [ids]}} or {{\"prompt\": text}}")
+    raise ValueError(f'prompt dict with keys {sorted(keys)}; give {{"prompt_token_ids": [ids]}} or {{"prompt": text}}')
 
 
 def _as_prompt_list(prompts, chat: bool) -> list:

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from compress.checkpoint.model_spec import ModelSpec
 from compress.checkpoint.store import CheckpointError
 from compress.quantize.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, int8_linear, read_scheme
-from compress.checkpoint.model_spec import ModelSpec
 from engine.config import SUPPORTED_DTYPES
 
 #: ``EngineConfig.dtype`` names -> torch dtypes (``"auto"`` is resolved to one of them first).
@@ -110,7 +110,14 @@ class Linear:
     tensor (shared with the embedding when the lm head is tied).
     """
 
-    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, int8_layer=None, dtype=None, pack: bool = False):
+    def __init__(
+        self,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+        int8_layer=None,
+        dtype=None,
+        pack: bool = False,
+    ):
         self.weight, self.bias, self.int8_layer, self.dtype = weight, bias, int8_layer, dtype
         self.packed = None
         if pack and weight is not None:
@@ -172,7 +179,11 @@ class WeightLoader:
         if all(self.is_int8(p) for p in prefixes) and self.device == "cpu":
             w8 = torch.cat([self.tensors[p + INT8_WEIGHT_SUFFIX] for p in prefixes])  # [sum(out), in]
             scale = torch.cat([self.tensors[p + INT8_SCALE_SUFFIX] for p in prefixes])
-            return Linear(None, int8_layer=int8_linear(self.int8_scheme, w8, scale, None if biases is None else biases.float()), dtype=self.dtype)
+            return Linear(
+                None,
+                int8_layer=int8_linear(self.int8_scheme, w8, scale, None if biases is None else biases.float()),
+                dtype=self.dtype,
+            )
         weights = [self._float_weight(p) for p in prefixes]
         return Linear(torch.cat(weights).contiguous(), biases, pack=self.pack)
 
@@ -200,7 +211,9 @@ def load_layers(loader: WeightLoader, spec: ModelSpec) -> list[LayerWeights]:
         layers.append(
             LayerWeights(
                 input_norm=loader.tensor(p + "input_layernorm.weight"),
-                qkv=loader.linear([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"], bias=spec.qkv_bias),
+                qkv=loader.linear(
+                    [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"], bias=spec.qkv_bias
+                ),
                 o=loader.linear([p + "self_attn.o_proj"]),
                 post_norm=loader.tensor(p + "post_attention_layernorm.weight"),
                 gate_up=loader.linear([p + "mlp.gate_proj", p + "mlp.up_proj"]),
@@ -247,7 +260,9 @@ class Model:
         self.rope_cos = emb.cos().to(device=device, dtype=dtype)
         self.rope_sin = emb.sin().to(device=device, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn, attn_metadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn, attn_metadata
+    ) -> torch.Tensor:
         """``[N]`` token ids at ``[N]`` positions -> ``[N, hidden]`` last hidden states (before the final norm).
 
         Args:
@@ -265,8 +280,8 @@ class Model:
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)  # [N, q_size + 2 * kv_size]
             q = qkv[:, :q_size].view(n, s.num_attention_heads, s.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(n, s.num_key_value_heads, s.head_dim)
-            v = qkv[:, q_size + kv_size:].view(n, s.num_key_value_heads, s.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(n, s.num_key_value_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size :].view(n, s.num_key_value_heads, s.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             out = attn.forward(q, k, v, kv_cache[layer_idx], attn_metadata)  # [N, q_size]

@@ -51,14 +51,23 @@ class ModelRunner:
         CheckpointError: unsupported architecture, missing or corrupt weights.
     """
 
-    def __init__(self, path: Path, dtype: str, device: str, block_size: int, max_model_len: int,
-                 attention_backend: str | None = None):
+    def __init__(
+        self,
+        path: Path,
+        dtype: str,
+        device: str,
+        block_size: int,
+        max_model_len: int,
+        attention_backend: str | None = None,
+    ):
         self.dtype = DTYPES[dtype]
         self.device = device
         self.block_size = block_size
         self.model = Model(path, self.dtype, device, max_model_len)
         self.spec = s = self.model.spec
-        self.attn = get_attention_backend(device, s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.sliding_window, attention_backend)
+        self.attn = get_attention_backend(
+            device, s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.sliding_window, attention_backend
+        )
         self.kv_cache: torch.Tensor | None = None
 
     @property
@@ -95,7 +104,7 @@ class ModelRunner:
         for item in out.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n] + item.spec_token_ids)  # proposals follow the last token
+            ids.extend(seq.token_ids[start : start + n] + item.spec_token_ids)  # proposals follow the last token
             query_lens.append(n)
             computed.append(start)
             tables.append(seq.block_table)
@@ -103,12 +112,16 @@ class ModelRunner:
             if n == 1 and num_decodes == len(query_lens) - 1:
                 num_decodes += 1
         width = max(len(t) for t in tables)
-        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)  # [B, width]
+        block_table = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device
+        )  # [B, width]
         qlens = torch.tensor(query_lens, dtype=torch.long, device=device)  # [B]
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.long, device=device)
         torch.cumsum(qlens, 0, out=query_start_loc[1:])
         num_tokens = len(ids)
-        req_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device), qlens, output_size=num_tokens)  # [N]
+        req_of_token = torch.repeat_interleave(
+            torch.arange(len(query_lens), device=device), qlens, output_size=num_tokens
+        )  # [N]
         first_pos = torch.tensor(computed, dtype=torch.long, device=device) - query_start_loc[:-1]  # [B]
         positions = torch.arange(num_tokens, device=device) + first_pos[req_of_token]  # [N]
         slot_mapping = block_table[req_of_token, positions // bs] * bs + positions % bs  # [N]
@@ -133,5 +146,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; return float32 logits ``[S, vocab]`` of the sampled rows (in ``out.scheduled`` order)."""
         inputs = self.prepare(out)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, self.attn, inputs.attn_metadata)  # [N, hidden]
+        hidden = self.model.forward(
+            inputs.input_ids, inputs.positions, self.kv_cache, self.attn, inputs.attn_metadata
+        )  # [N, hidden]
         return self.model.compute_logits(hidden[inputs.logits_index])  # [S, vocab]

@@ -82,7 +82,9 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _probs(row: torch.Tensor, temperature: float, top_k: int | None, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    def _probs(
+        row: torch.Tensor, temperature: float, top_k: int | None, top_p: float, min_p: float = 0.0
+    ) -> torch.Tensor:
         """``[vocab]`` logits -> ``[vocab]`` probabilities after temperature, min-p, top-k and top-p."""
         row = row / temperature
         if min_p > 0.0:

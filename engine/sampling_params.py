@@ -71,7 +71,9 @@ class SamplingParams:
         if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
             raise ValueError(f"temperature={self.temperature!r}; it must be a finite number >= 0 (0 = greedy)")
         if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature={self.temperature!r} is below {MIN_TEMPERATURE} and would overflow the logits; use 0 for greedy")
+            raise ValueError(
+                f"temperature={self.temperature!r} is below {MIN_TEMPERATURE} and would overflow the logits; use 0 for greedy"
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r}; it must be in (0, 1]")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
@@ -83,19 +85,25 @@ class SamplingParams:
         self.stop = _check_stop(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}; it must be a list of non-negative token ids")
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r}; it must be a bool")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}; it must be a finite number > 0 (1 = off)")
+            raise ValueError(
+                f"repetition_penalty={self.repetition_penalty!r}; it must be a finite number > 0 (1 = off)"
+            )
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs={self.logprobs!r}; it must be an integer >= 0, or None")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n={self.n!r}; it must be an integer >= 1 (completions per prompt)")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens!r}; it must be an integer in [0, max_tokens={self.max_tokens}]")
+            raise ValueError(
+                f"min_tokens={self.min_tokens!r}; it must be an integer in [0, max_tokens={self.max_tokens}]"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
@@ -121,9 +129,13 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={bad_ids[:5]} are outside the vocabulary [0, {vocab_size}); remove them")
         bad_bias = sorted(t for t in (self.logit_bias or {}) if t >= vocab_size)
         if bad_bias:
-            raise ValueError(f"logit_bias has token ids {bad_bias[:5]} outside the vocabulary [0, {vocab_size}); remove them")
+            raise ValueError(
+                f"logit_bias has token ids {bad_bias[:5]} outside the vocabulary [0, {vocab_size}); remove them"
+            )
         if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(f"logprobs={self.logprobs} > the vocabulary size {vocab_size}; ask for at most {vocab_size}")
+            raise ValueError(
+                f"logprobs={self.logprobs} > the vocabulary size {vocab_size}; ask for at most {vocab_size}"
+            )
         if num_prompt_tokens + self.max_tokens > max_model_len:
             raise ValueError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({self.max_tokens}) = {num_prompt_tokens + self.max_tokens} "
@@ -138,8 +150,13 @@ class SamplingParams:
     @property
     def changes_logits(self) -> bool:
         """Whether any penalty or bias changes the logits before the token is chosen."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+        )
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":

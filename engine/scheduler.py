@@ -135,7 +135,9 @@ class Scheduler:
         """
         sampling = [item for item in out.scheduled if item.samples]
         if len(sampling) != len(sampled_token_ids):
-            raise ValueError(f"{len(sampled_token_ids)} token lists for {len(sampling)} sampling sequences; give one per sequence")
+            raise ValueError(
+                f"{len(sampled_token_ids)} token lists for {len(sampling)} sampling sequences; give one per sequence"
+            )
         new_tokens = {id(item): tokens for item, tokens in zip(sampling, sampled_token_ids)}
         for item in out.scheduled:
             seq, tokens = item.seq, new_tokens.get(id(item), [])
@@ -155,7 +157,7 @@ class Scheduler:
         if not seq.spec_token_ids or seq.num_uncomputed_tokens != 1:
             return []
         room = min(budget - 1, speculative_room(seq, self.config.max_model_len))
-        return seq.spec_token_ids[:max(0, room)]
+        return seq.spec_token_ids[: max(0, room)]
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
         """Allocate ``n`` slots for running ``seq``, preempting newer requests; False if ``seq`` itself was preempted."""
@@ -200,7 +202,7 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, n))
             budget -= n
             if bm.enable_prefix_caching:
-                in_flight.update(bm.full_block_hashes(seq)[len(cached):])
+                in_flight.update(bm.full_block_hashes(seq)[len(cached) :])
         return budget
 
     def _in_flight_hashes(self) -> set[int]:
@@ -211,7 +213,7 @@ class Scheduler:
         hashes: set[int] = set()
         for seq in self.running:
             if seq.is_prefilling:
-                hashes.update(self.block_manager.full_block_hashes(seq)[seq.num_computed_tokens // bs:])
+                hashes.update(self.block_manager.full_block_hashes(seq)[seq.num_computed_tokens // bs :])
         return hashes
 
     def _prefix_in_flight(self, seq: Sequence, num_cached_blocks: int, in_flight: set[int]) -> bool:

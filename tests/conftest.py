@@ -44,7 +44,9 @@ def server(served_repo):
     from deploy.triton import TritonServer, free_ports
 
     http, grpc, metrics = free_ports(3)
-    with TritonServer(served_repo, http, grpc, metrics, models=["llm", "minilm"], startup_timeout_s=600, exit_timeout_s=3) as triton:
+    with TritonServer(
+        served_repo, http, grpc, metrics, models=["llm", "minilm"], startup_timeout_s=600, exit_timeout_s=3
+    ) as triton:
         yield triton
 
 

@@ -41,7 +41,9 @@ def reference_attention(q, keys, values, positions, window=None):
 class PagedCase:
     """Random requests laid out in a paged cache; request 0's first ``shared`` blocks are reused by all."""
 
-    def __init__(self, seq_lens, block_size, num_heads, num_kv_heads, head_dim=16, shared_blocks=0, seed=0, dtype=torch.float32):
+    def __init__(
+        self, seq_lens, block_size, num_heads, num_kv_heads, head_dim=16, shared_blocks=0, seed=0, dtype=torch.float32
+    ):
         g = torch.Generator().manual_seed(seed)
         self.seq_lens, self.bs = seq_lens, block_size
         nb = [-(-n // block_size) for n in seq_lens]
@@ -49,7 +51,7 @@ class PagedCase:
         perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered physical blocks
         self.tables, used = [], 0
         for i, n in enumerate(nb):
-            own = perm[used:used + n]
+            own = perm[used : used + n]
             used += n
             if i > 0 and shared_blocks:
                 own[:shared_blocks] = self.tables[0][:shared_blocks]
@@ -75,14 +77,16 @@ class PagedCase:
 
 @pytest.mark.parametrize("block_size, num_heads, num_kv_heads", [(1, 2, 2), (4, 4, 2), (16, 8, 2), (32, 4, 1)])
 def test_paged_decode_matches_reference(block_size, num_heads, num_kv_heads):
-    case = PagedCase([max(1, block_size), 7 + block_size, 33, 18 + block_size], block_size, num_heads, num_kv_heads, shared_blocks=1)
+    case = PagedCase(
+        [max(1, block_size), 7 + block_size, 33, 18 + block_size], block_size, num_heads, num_kv_heads, shared_blocks=1
+    )
     q = torch.randn(4, num_heads, case.head_dim, generator=case.g)
     seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32)
     out = paged_decode(*case.on(q, case.k_cache, case.v_cache, case.block_table, seq_lens)).cpu()
     for i, n in enumerate(case.seq_lens):
         k, v = case.contiguous_kv(i)
-        ref = reference_attention(q[i:i + 1], k, v, torch.tensor([n - 1]))
-        torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)
+        ref = reference_attention(q[i : i + 1], k, v, torch.tensor([n - 1]))
+        torch.testing.assert_close(out[i : i + 1], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_paged_decode_sliding_window_and_padding_rows():
@@ -92,12 +96,14 @@ def test_paged_decode_sliding_window_and_padding_rows():
     out = paged_decode(*case.on(q, case.k_cache, case.v_cache, case.block_table, seq_lens), sliding_window=6).cpu()
     for i in range(2):
         k, v = case.contiguous_kv(i)
-        ref = reference_attention(q[i:i + 1], k, v, torch.tensor([case.seq_lens[i] - 1]), window=6)
-        torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)
+        ref = reference_attention(q[i : i + 1], k, v, torch.tensor([case.seq_lens[i] - 1]), window=6)
+        torch.testing.assert_close(out[i : i + 1], ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[2], torch.zeros(4 * 16))
 
 
-@pytest.mark.parametrize("block_size, num_heads, num_kv_heads, window", [(4, 4, 2, None), (16, 4, 4, None), (8, 8, 2, 5), (1, 2, 1, None)])
+@pytest.mark.parametrize(
+    "block_size, num_heads, num_kv_heads, window", [(4, 4, 2, None), (16, 4, 4, None), (8, 8, 2, 5), (1, 2, 1, None)]
+)
 def test_paged_prefill_matches_reference(block_size, num_heads, num_kv_heads, window):
     # chunk lengths with cached context before them: (context, chunk)
     chunks = [(0, 5), (block_size, 19), (3, 1), (0, 37)]
@@ -106,8 +112,11 @@ def test_paged_prefill_matches_reference(block_size, num_heads, num_kv_heads, wi
     lens = [n for _, n in chunks]
     q = torch.randn(sum(lens), num_heads, case.head_dim, generator=case.g)
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    out = paged_prefill(*case.on(q, case.k_cache, case.v_cache, case.block_table, torch.tensor(seq_lens, dtype=torch.int32), qsl),
-                        max(lens), sliding_window=window).cpu()
+    out = paged_prefill(
+        *case.on(q, case.k_cache, case.v_cache, case.block_table, torch.tensor(seq_lens, dtype=torch.int32), qsl),
+        max(lens),
+        sliding_window=window,
+    ).cpu()
     for i, (c, n) in enumerate(chunks):
         k, v = case.contiguous_kv(i)
         rows = slice(int(qsl[i]), int(qsl[i + 1]))
@@ -119,7 +128,9 @@ def test_paged_prefill_bfloat16_within_tolerance():
     case = PagedCase([21, 12], 8, 4, 2, dtype=torch.bfloat16)
     q = torch.randn(33, 4, 16, generator=case.g).to(torch.bfloat16)
     qsl = torch.tensor([0, 21, 33], dtype=torch.int32)
-    out = paged_prefill(*case.on(q, case.k_cache, case.v_cache, case.block_table, torch.tensor([21, 12], dtype=torch.int32), qsl), 21).cpu()
+    out = paged_prefill(
+        *case.on(q, case.k_cache, case.v_cache, case.block_table, torch.tensor([21, 12], dtype=torch.int32), qsl), 21
+    ).cpu()
     for i in range(2):
         k, v = case.contiguous_kv(i)
         rows = slice(int(qsl[i]), int(qsl[i + 1]))
@@ -162,11 +173,19 @@ def test_backend_equals_torch_backend_on_a_mixed_step():
     slot_mapping = block_table[req, positions // bs] * bs + positions % bs
     qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist())
     seq_lens = [c + n for c, n in zip(computed, qlens)]
-    common = CommonAttentionMetadata(qsl, torch.tensor(seq_lens), block_table, slot_mapping, positions, qlens, seq_lens, 2, bs)
+    common = CommonAttentionMetadata(
+        qsl, torch.tensor(seq_lens), block_table, slot_mapping, positions, qlens, seq_lens, 2, bs
+    )
     n = sum(qlens)
-    q, k, v = torch.randn(n, h, hd, generator=g), torch.randn(n, kv, hd, generator=g), torch.randn(n, kv, hd, generator=g)
+    q, k, v = (
+        torch.randn(n, h, hd, generator=g),
+        torch.randn(n, kv, hd, generator=g),
+        torch.randn(n, kv, hd, generator=g),
+    )
     expected = torch_backend.forward(q, k, v, cache.clone(), torch_backend.build(common))
-    dev = CommonAttentionMetadata(*case_on(qsl, torch.tensor(seq_lens), block_table, slot_mapping, positions), qlens, seq_lens, 2, bs)
+    dev = CommonAttentionMetadata(
+        *case_on(qsl, torch.tensor(seq_lens), block_table, slot_mapping, positions), qlens, seq_lens, 2, bs
+    )
     cache_d = cache.clone().to(DEVICE)
     got = triton_backend.forward(*case_on(q, k, v), cache_d, triton_backend.build(dev)).cpu()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

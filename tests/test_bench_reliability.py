@@ -21,8 +21,13 @@ def _args(*argv: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize(
     "argv, field",
-    [(["--users", "0"], "--users"), (["--bad-share", "0.6", "--disconnect-share", "0.5"], "--bad-share"),
-     (["--kill-at", "1"], "--kill-at"), (["--warmup-fraction", "0"], "--warmup-fraction"), (["--max-tokens", "0"], "--max-tokens")],
+    [
+        (["--users", "0"], "--users"),
+        (["--bad-share", "0.6", "--disconnect-share", "0.5"], "--bad-share"),
+        (["--kill-at", "1"], "--kill-at"),
+        (["--warmup-fraction", "0"], "--warmup-fraction"),
+        (["--max-tokens", "0"], "--max-tokens"),
+    ],
 )
 def test_bad_flags_name_the_flag(argv, field):
     with pytest.raises(ReliabilityError, match=field):
@@ -43,11 +48,23 @@ def test_report_splits_at_the_kill_and_checks_each_target(tmp_path):
     ]
     path = tmp_path / "samples.jsonl"
     path.write_text("".join(json.dumps({"kind": "request", **s.to_json()}) + "\n" for s in samples))
-    monitor = types.SimpleNamespace(kill_s=t0 + 10, load_start_s=t0, served_again_s=t0 + 31.5, aborted_before_kill=3.0,
-                                    warmup_fraction=0.25, rss=[(t0 + i, 100 + (i >= 5) * 2) for i in range(10)])
-    after = {"lmforge_kv_cache_usage_ratio": 0.0, "lmforge_num_requests_running": 0.0, "lmforge_num_requests_waiting": 0.0,
-             "lmforge_requests_aborted_total": 1.0}
-    events = [{"time_s": t0 + 10, "event": "model llm: 1 of its 1 Python backend stub process(es) exited; loading it again"}]
+    monitor = types.SimpleNamespace(
+        kill_s=t0 + 10,
+        load_start_s=t0,
+        served_again_s=t0 + 31.5,
+        aborted_before_kill=3.0,
+        warmup_fraction=0.25,
+        rss=[(t0 + i, 100 + (i >= 5) * 2) for i in range(10)],
+    )
+    after = {
+        "lmforge_kv_cache_usage_ratio": 0.0,
+        "lmforge_num_requests_running": 0.0,
+        "lmforge_num_requests_waiting": 0.0,
+        "lmforge_requests_aborted_total": 1.0,
+    }
+    events = [
+        {"time_s": t0 + 10, "event": "model llm: 1 of its 1 Python backend stub process(es) exited; loading it again"}
+    ]
     report = build_report(_args(), 60.0, path, monitor, after, {"metrics": {}}, events)
     assert report["requests"] == {"good": 3, "bad": 2, "disconnect": 1}
     assert report["good_failures_before_kill"] == 0
@@ -57,8 +74,13 @@ def test_report_splits_at_the_kill_and_checks_each_target(tmp_path):
     assert report["requests_aborted_total_after_reload"] == 1.0
     assert report["rss"] == {"baseline_bytes": 100, "final_bytes": 102, "growth": 0.02}  # baseline at t0 + 2.5 s
     assert report["kill"]["served_again_after_s"] == 21.5 and "unload + load" in report["kill"]["recovered_by"]
-    assert report["targets"] == {"good_failures_before_kill == 0": True, "bad requests all refused with 400": False,
-                                 "rss growth <= 5%": True, "kv usage 0 after load": True, "served again after the kill": True}
+    assert report["targets"] == {
+        "good_failures_before_kill == 0": True,
+        "bad requests all refused with 400": False,
+        "rss growth <= 5%": True,
+        "kv usage 0 after load": True,
+        "served again after the kill": True,
+    }
     assert not report["targets_met"]
     text = format_report(report)
     assert "served again after 21.5 s" in text and "bad requests all refused with 400: MISSED" in text

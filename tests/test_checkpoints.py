@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from compress.checkpoint.store import (
-    MANIFEST_NAME,
     CheckpointError,
     Manifest,
     check_gguf,
@@ -40,7 +39,13 @@ def test_manifest_roundtrip_and_metrics(tmp_path):
     write_manifest(tmp_path, Manifest(source="x", parent="p", method="finetune", config={"lr": 1e-4}))
     update_metrics(tmp_path, {"perplexity": 12.5})
     m = read_manifest(tmp_path)
-    assert (m.source, m.parent, m.method, m.config, m.metrics) == ("x", "p", "finetune", {"lr": 1e-4}, {"perplexity": 12.5})
+    assert (m.source, m.parent, m.method, m.config, m.metrics) == (
+        "x",
+        "p",
+        "finetune",
+        {"lr": 1e-4},
+        {"perplexity": 12.5},
+    )
 
 
 def test_missing_path_names_it(tmp_path):

@@ -10,24 +10,32 @@ import types
 import pytest
 
 import lmforge_cli
-from compress.checkpoint.store import CheckpointError
-from compress.data.prepare import DataError
-from compress.scale.diagnose import RunDirError
-from compress.errors import LmforgeError, UsageError
-from compress.evaluate.quality import EvaluationError
-from compress.train.loop import TrainingError
 from bench.loadtest import LoadTestError
 from bench.prompts import PromptError
 from bench.workload import WorkloadError
+from compress.checkpoint.store import CheckpointError
+from compress.data.prepare import DataError
+from compress.errors import LmforgeError, UsageError
+from compress.evaluate.quality import EvaluationError
+from compress.scale.diagnose import RunDirError
+from compress.train.loop import TrainingError
 from deploy.model_config import ConfigCheckError
 from deploy.triton import TritonError
 
 
 def test_error_classes_share_the_base_and_keep_their_builtin_base():
-    for cls, builtin in [(CheckpointError, ValueError), (DataError, ValueError), (EvaluationError, ValueError),
-                         (RunDirError, ValueError), (PromptError, ValueError), (WorkloadError, ValueError),
-                         (ConfigCheckError, ValueError), (TrainingError, RuntimeError), (LoadTestError, RuntimeError),
-                         (TritonError, RuntimeError)]:
+    for cls, builtin in [
+        (CheckpointError, ValueError),
+        (DataError, ValueError),
+        (EvaluationError, ValueError),
+        (RunDirError, ValueError),
+        (PromptError, ValueError),
+        (WorkloadError, ValueError),
+        (ConfigCheckError, ValueError),
+        (TrainingError, RuntimeError),
+        (LoadTestError, RuntimeError),
+        (TritonError, RuntimeError),
+    ]:
         assert issubclass(cls, LmforgeError) and issubclass(cls, builtin), cls
     assert UsageError("--x 3: too big", fix="use 2").exit_code == 2 and CheckpointError("p").exit_code == 1
     assert str(UsageError("--x 3: too big", fix="use 2")) == "--x 3: too big; use 2"
@@ -38,24 +46,35 @@ def _fake_command(monkeypatch, run):
     """Point ``lmforge info`` at a module whose ``run`` is ``run``."""
     module = types.SimpleNamespace(add_arguments=lambda parser: None, run=run)
     real_import = lmforge_cli.importlib.import_module
-    monkeypatch.setattr(lmforge_cli.importlib, "import_module",
-                        lambda name: module if name == "compress.checkpoint.store" else real_import(name))
+    monkeypatch.setattr(
+        lmforge_cli.importlib,
+        "import_module",
+        lambda name: module if name == "compress.checkpoint.store" else real_import(name),
+    )
 
 
 def _raise(exc: BaseException):
     def run(args: argparse.Namespace) -> int:
         raise exc
+
     return run
 
 
-@pytest.mark.parametrize("exc, status, message", [
-    (UsageError("--port 70000: out of range", fix="use 1-65535"), 2, "error: --port 70000: out of range; use 1-65535"),
-    (CheckpointError("/m/config.json: not JSON"), 1, "error: /m/config.json: not JSON"),
-    (PermissionError(13, "Permission denied", "/ro/out"), 1, "error: /ro/out: Permission denied"),
-    (ValueError("max_num_seqs=0; it must be >= 1"), 1, "error: max_num_seqs=0; it must be >= 1"),
-    (KeyError("boom"), 1, "error: unexpected KeyError: 'boom' (rerun with --debug"),
-    (KeyboardInterrupt(), 130, "error: interrupted"),
-])
+@pytest.mark.parametrize(
+    "exc, status, message",
+    [
+        (
+            UsageError("--port 70000: out of range", fix="use 1-65535"),
+            2,
+            "error: --port 70000: out of range; use 1-65535",
+        ),
+        (CheckpointError("/m/config.json: not JSON"), 1, "error: /m/config.json: not JSON"),
+        (PermissionError(13, "Permission denied", "/ro/out"), 1, "error: /ro/out: Permission denied"),
+        (ValueError("max_num_seqs=0; it must be >= 1"), 1, "error: max_num_seqs=0; it must be >= 1"),
+        (KeyError("boom"), 1, "error: unexpected KeyError: 'boom' (rerun with --debug"),
+        (KeyboardInterrupt(), 130, "error: interrupted"),
+    ],
+)
 def test_main_prints_one_line_and_exits_with_the_class_status(monkeypatch, capsys, exc, status, message):
     _fake_command(monkeypatch, _raise(exc))
     assert lmforge_cli.main(["info"]) == status
@@ -102,34 +121,56 @@ def test_false_success_is_refused(tiny_llama_dir, tmp_path, capsys):
     _fails(["diagnose", str(run)], 2, "metrics.jsonl: no train records, nothing to diagnose", capsys=capsys)
     (run / "metrics.jsonl").write_text('{"step": "1", "split": "train"}\n')
     _fails(["diagnose", str(run)], 2, "metrics.jsonl:1: step='1'; expected an integer", capsys=capsys)
-    _fails(["export", "--model", str(tiny_llama_dir), "--repo", str(tmp_path / "repo"), "--kind", "encoder"], 2,
-           "--kind encoder:", "is a causal LM", "--kind llm", capsys=capsys)
+    _fails(
+        ["export", "--model", str(tiny_llama_dir), "--repo", str(tmp_path / "repo"), "--kind", "encoder"],
+        2,
+        "--kind encoder:",
+        "is a causal LM",
+        "--kind llm",
+        capsys=capsys,
+    )
     assert not (tmp_path / "repo").exists()
 
 
-@pytest.mark.parametrize("flag, value, field", [
-    ("--model-name", 'm"} or vector(1)', "model_name="),  # would be spliced into the PromQL rule
-    ("--memory", "lots", "not a Kubernetes quantity"),
-    ("--cpu", "0", "cpu='0': must be > 0"),
-    ("--image", "Bad Image", "not an image reference"),
-    ("--name", "Bad_Name", "not a Kubernetes name"),
-    ("--namespace", "a" * 64, "not a Kubernetes name"),
-    ("--locust-run-time", "soon", "not a duration"),
-])
+@pytest.mark.parametrize(
+    "flag, value, field",
+    [
+        ("--model-name", 'm"} or vector(1)', "model_name="),  # would be spliced into the PromQL rule
+        ("--memory", "lots", "not a Kubernetes quantity"),
+        ("--cpu", "0", "cpu='0': must be > 0"),
+        ("--image", "Bad Image", "not an image reference"),
+        ("--name", "Bad_Name", "not a Kubernetes name"),
+        ("--namespace", "a" * 64, "not a Kubernetes name"),
+        ("--locust-run-time", "soon", "not a duration"),
+    ],
+)
 def test_render_validates_values_before_writing(tmp_path, capsys, flag, value, field):
-    _fails(["render", "--target", "k8s", "--out", str(tmp_path / "k8s"), flag, value], 2, field,
-           f"fix {flag}", capsys=capsys)
+    _fails(
+        ["render", "--target", "k8s", "--out", str(tmp_path / "k8s"), flag, value],
+        2,
+        field,
+        f"fix {flag}",
+        capsys=capsys,
+    )
     assert not (tmp_path / "k8s").exists()
 
 
 def test_render_values_file_types_and_encoding(tmp_path, capsys):
     values = tmp_path / "values.yaml"
     values.write_text("cpu: 2\nreplicas: three\n")
-    _fails(["render", "--target", "k8s", "--out", str(tmp_path / "a"), "--values", str(values)], 2,
-           "replicas='three': must be an integer", capsys=capsys)
+    _fails(
+        ["render", "--target", "k8s", "--out", str(tmp_path / "a"), "--values", str(values)],
+        2,
+        "replicas='three': must be an integer",
+        capsys=capsys,
+    )
     values.write_bytes(b"model_name: caf\xe9\n")
-    _fails(["render", "--target", "k8s", "--out", str(tmp_path / "b"), "--values", str(values)], 2,
-           f"--values {values}: not a UTF-8 YAML file", capsys=capsys)
+    _fails(
+        ["render", "--target", "k8s", "--out", str(tmp_path / "b"), "--values", str(values)],
+        2,
+        f"--values {values}: not a UTF-8 YAML file",
+        capsys=capsys,
+    )
     values.write_text("cpu: 2\n")  # a YAML number where a quantity string is meant is fine
     assert lmforge_cli.main(["render", "--target", "k8s", "--out", str(tmp_path / "c"), "--values", str(values)]) == 0
 
@@ -139,15 +180,27 @@ def test_export_validates_device_and_length_against_the_machine_and_model(tiny_l
 
     repo = tmp_path / "repo"
     if not torch.cuda.is_available():
-        _fails(["export", "--model", str(tiny_llama_dir), "--repo", str(repo), "--device", "cuda"], 2,
-               "--device cuda: CUDA is not available", capsys=capsys)
+        _fails(
+            ["export", "--model", str(tiny_llama_dir), "--repo", str(repo), "--device", "cuda"],
+            2,
+            "--device cuda: CUDA is not available",
+            capsys=capsys,
+        )
     max_positions = json.loads((tiny_llama_dir / "config.json").read_text())["max_position_embeddings"]
-    _fails(["export", "--model", str(tiny_llama_dir), "--repo", str(repo), "--max-model-len", str(max_positions + 1)], 2,
-           f"--max-model-len {max_positions + 1}: longer than the model's max_position_embeddings={max_positions}", capsys=capsys)
+    _fails(
+        ["export", "--model", str(tiny_llama_dir), "--repo", str(repo), "--max-model-len", str(max_positions + 1)],
+        2,
+        f"--max-model-len {max_positions + 1}: longer than the model's max_position_embeddings={max_positions}",
+        capsys=capsys,
+    )
     assert not repo.exists()
     (tmp_path / "file").write_text("x")
-    _fails(["export", "--model", str(tiny_llama_dir), "--repo", str(tmp_path / "file")], 2,
-           "exists and is not a directory", capsys=capsys)
+    _fails(
+        ["export", "--model", str(tiny_llama_dir), "--repo", str(tmp_path / "file")],
+        2,
+        "exists and is not a directory",
+        capsys=capsys,
+    )
 
 
 def test_checkpoint_files_are_checked_by_path(tiny_llama_dir, tmp_path, capsys):
@@ -156,7 +209,9 @@ def test_checkpoint_files_are_checked_by_path(tiny_llama_dir, tmp_path, capsys):
     for file in no_tokenizer.glob("tokenizer*"):
         file.unlink()
     for command in (["info", "--model"], ["generate", "--prompt", "hi", "--model"]):
-        _fails([*command, str(no_tokenizer)], 1, f"{no_tokenizer}: no tokenizer files", "save_pretrained", capsys=capsys)
+        _fails(
+            [*command, str(no_tokenizer)], 1, f"{no_tokenizer}: no tokenizer files", "save_pretrained", capsys=capsys
+        )
     (no_tokenizer / "config.json").write_bytes(b"\xff\xfe{}")
     _fails(["info", "--model", str(no_tokenizer)], 1, "config.json: not valid JSON", capsys=capsys)
     _fails(["info", "--model", ""], 1, "--model is empty", capsys=capsys)
@@ -167,48 +222,183 @@ def test_non_utf8_inputs_name_the_file(tiny_llama_dir, tmp_path, capsys):
     bad.write_bytes(b'{"text": "caf\xe9"}\n')
     message = f"{bad}: not UTF-8 text (byte 13"
     _fails(["data", "--input", str(bad), "--out", str(tmp_path / "d")], 1, message, capsys=capsys)
-    _fails(["evaluate", str(tiny_llama_dir), "--data", str(bad), "--no-latency", "--no-write"], 1, message, capsys=capsys)
-    _fails(["loadtest", "--host", "http://127.0.0.1:9", "--model", "m", "--prompts", str(bad), "--out", str(tmp_path / "lt")],
-           1, message, capsys=capsys)
-    _fails(["generate", "--model", str(tiny_llama_dir), "--prompt", "caf\udce9"], 2, "--prompt #1: not UTF-8 text", capsys=capsys)
+    _fails(
+        ["evaluate", str(tiny_llama_dir), "--data", str(bad), "--no-latency", "--no-write"], 1, message, capsys=capsys
+    )
+    _fails(
+        [
+            "loadtest",
+            "--host",
+            "http://127.0.0.1:9",
+            "--model",
+            "m",
+            "--prompts",
+            str(bad),
+            "--out",
+            str(tmp_path / "lt"),
+        ],
+        1,
+        message,
+        capsys=capsys,
+    )
+    _fails(
+        ["generate", "--model", str(tiny_llama_dir), "--prompt", "caf\udce9"],
+        2,
+        "--prompt #1: not UTF-8 text",
+        capsys=capsys,
+    )
     assert not (tmp_path / "d").exists()
 
 
 def test_flags_out_of_range_are_usage_errors(tiny_llama_dir, tmp_path, capsys):
-    _fails(["serve", "--repo", str(tmp_path), "--http-port", "70000"], 2, "--http-port 70000: not a TCP port", capsys=capsys)
-    _fails(["serve", "--repo", str(tmp_path), "--grpc-port", "8000", "--http-port", "8000"], 2, "three different ports", capsys=capsys)
-    _fails(["loadtest", "--host", "http://127.0.0.1:99999", "--model", "m", "--out", str(tmp_path / "lt")], 1,
-           "the port is not a number in 1-65535", capsys=capsys)
-    _fails(["distill", "--model", str(tiny_llama_dir), "--data", str(tmp_path), "--run-dir", str(tmp_path / "r"),
-            "--student-config", '{"num_hidden_layers": -1}'], 2, "--student-config num_hidden_layers=-1: must be an integer >= 1",
-           capsys=capsys)
-    _fails(["distill", "--model", str(tiny_llama_dir), "--data", str(tmp_path), "--run-dir", str(tmp_path / "r"),
-            "--student-config", "[4]"], 2, "expected a JSON object", capsys=capsys)
-    _fails(["plan", "--model", str(tiny_llama_dir), "--dp", "1", "--tp", "0", "--pp", "1"], 2,
-           "--tp 0: a parallel degree must be >= 1", capsys=capsys)
-    _fails(["quantize", "--model", str(tiny_llama_dir), "--method", "llm-int8", "--device", "tpu", "--out", str(tmp_path / "q")],
-           1, "device='tpu'", capsys=capsys)
-    _fails(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", "--device", "tpu"], 2, "--device 'tpu': not a device",
-           capsys=capsys)
-    _fails(["finetune", "--model", str(tiny_llama_dir), "--data", str(tmp_path), "--run-dir", str(tmp_path / "r"), "--lr", "-1"],
-           2, "lr=-1.0: must be > 0", capsys=capsys)
-    _fails(["data", "--val-fraction", "2", "--out", str(tmp_path / "d")], 2, "val_fraction=2.0: must be in (0, 1)", capsys=capsys)
+    _fails(
+        ["serve", "--repo", str(tmp_path), "--http-port", "70000"],
+        2,
+        "--http-port 70000: not a TCP port",
+        capsys=capsys,
+    )
+    _fails(
+        ["serve", "--repo", str(tmp_path), "--grpc-port", "8000", "--http-port", "8000"],
+        2,
+        "three different ports",
+        capsys=capsys,
+    )
+    _fails(
+        ["loadtest", "--host", "http://127.0.0.1:99999", "--model", "m", "--out", str(tmp_path / "lt")],
+        1,
+        "the port is not a number in 1-65535",
+        capsys=capsys,
+    )
+    _fails(
+        [
+            "distill",
+            "--model",
+            str(tiny_llama_dir),
+            "--data",
+            str(tmp_path),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--student-config",
+            '{"num_hidden_layers": -1}',
+        ],
+        2,
+        "--student-config num_hidden_layers=-1: must be an integer >= 1",
+        capsys=capsys,
+    )
+    _fails(
+        [
+            "distill",
+            "--model",
+            str(tiny_llama_dir),
+            "--data",
+            str(tmp_path),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--student-config",
+            "[4]",
+        ],
+        2,
+        "expected a JSON object",
+        capsys=capsys,
+    )
+    _fails(
+        ["plan", "--model", str(tiny_llama_dir), "--dp", "1", "--tp", "0", "--pp", "1"],
+        2,
+        "--tp 0: a parallel degree must be >= 1",
+        capsys=capsys,
+    )
+    _fails(
+        [
+            "quantize",
+            "--model",
+            str(tiny_llama_dir),
+            "--method",
+            "llm-int8",
+            "--device",
+            "tpu",
+            "--out",
+            str(tmp_path / "q"),
+        ],
+        1,
+        "device='tpu'",
+        capsys=capsys,
+    )
+    _fails(
+        ["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", "--device", "tpu"],
+        2,
+        "--device 'tpu': not a device",
+        capsys=capsys,
+    )
+    _fails(
+        [
+            "finetune",
+            "--model",
+            str(tiny_llama_dir),
+            "--data",
+            str(tmp_path),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--lr",
+            "-1",
+        ],
+        2,
+        "lr=-1.0: must be > 0",
+        capsys=capsys,
+    )
+    _fails(
+        ["data", "--val-fraction", "2", "--out", str(tmp_path / "d")],
+        2,
+        "val_fraction=2.0: must be in (0, 1)",
+        capsys=capsys,
+    )
     assert not (tmp_path / "q").exists() and not (tmp_path / "r").exists() and not (tmp_path / "d").exists()
 
 
 def test_unwritable_json_outputs_are_refused_before_the_work(tiny_llama_dir, tmp_path, capsys):
-    _fails(["evaluate", str(tiny_llama_dir), "--no-latency", "--no-write", "--json", str(tmp_path)], 2,
-           f"--json {tmp_path}: is a directory", capsys=capsys)
-    _fails(["plan", "--model", str(tiny_llama_dir), "--json", str(tmp_path / "missing" / "p.json")], 2,
-           "does not exist", capsys=capsys)
+    _fails(
+        ["evaluate", str(tiny_llama_dir), "--no-latency", "--no-write", "--json", str(tmp_path)],
+        2,
+        f"--json {tmp_path}: is a directory",
+        capsys=capsys,
+    )
+    _fails(
+        ["plan", "--model", str(tiny_llama_dir), "--json", str(tmp_path / "missing" / "p.json")],
+        2,
+        "does not exist",
+        capsys=capsys,
+    )
 
 
 def test_lora_target_modules_are_checked_against_the_model(tiny_llama_dir, tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
     for name in ("train.jsonl", "val.jsonl"):
-        (data / name).write_text("".join(json.dumps({"text": f"record {i} of the tiny data set"}) + "\n" for i in range(8)))
-    _fails(["finetune", "--model", str(tiny_llama_dir), "--data", str(data), "--run-dir", str(tmp_path / "run"), "--lora",
-            "--lora-target-modules", "q_proj,nope", "--max-steps", "1", "--micro-batch-size", "1", "--max-length", "16",
-            "--no-progress"], 2,
-           "--lora-target-modules: nope not in", "choose from its linear layers: ", "q_proj", capsys=capsys)
+        (data / name).write_text(
+            "".join(json.dumps({"text": f"record {i} of the tiny data set"}) + "\n" for i in range(8))
+        )
+    _fails(
+        [
+            "finetune",
+            "--model",
+            str(tiny_llama_dir),
+            "--data",
+            str(data),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--lora",
+            "--lora-target-modules",
+            "q_proj,nope",
+            "--max-steps",
+            "1",
+            "--micro-batch-size",
+            "1",
+            "--max-length",
+            "16",
+            "--no-progress",
+        ],
+        2,
+        "--lora-target-modules: nope not in",
+        "choose from its linear layers: ",
+        "q_proj",
+        capsys=capsys,
+    )

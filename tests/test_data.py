@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from compress.data.prepare import DataConfig, DataError, load_input, prepare, read_data_file
 from compress.data.dedup import MinHashConfig, cross_duplicates, near_duplicates
 from compress.data.packing import IGNORE_INDEX, pack, tokenize_and_pack, tokenize_record
+from compress.data.prepare import DataConfig, DataError, load_input, prepare, read_data_file
 
 BASE = [
     "The quick brown fox jumps over the lazy dog near the river bank every single morning.",
@@ -66,13 +66,20 @@ def test_prepare_counts_every_filter_and_split_has_no_leak(tmp_path):
         {"messages": [{"role": "user", "content": "only a question"}]},  # nothing to learn
     ]
     src = _write_jsonl(tmp_path / "in.jsonl", records)
-    report = prepare(DataConfig(inputs=[str(src)], val_fraction=0.4, dedup_threshold=0.7), tmp_path / "out", verbose=False)
+    report = prepare(
+        DataConfig(inputs=[str(src)], val_fraction=0.4, dedup_threshold=0.7), tmp_path / "out", verbose=False
+    )
     f = report["filters"]
     assert report["total_loaded"] == 12
     assert f["exact_duplicate"]["removed"] == 1
     assert f["near_duplicate"]["removed"] == 1
     assert f["toxicity"]["by_reason"] == {"idiot": 1}
-    assert f["quality"]["by_reason"] == {"symbol_ratio": 1, "non_alpha_ratio": 1, "repeated_lines": 1, "no_assistant_turn": 1}
+    assert f["quality"]["by_reason"] == {
+        "symbol_ratio": 1,
+        "non_alpha_ratio": 1,
+        "repeated_lines": 1,
+        "no_assistant_turn": 1,
+    }
     assert report["kept"] == 5 and report["train"] + report["val"] == 5 and report["val"] == 2
     assert json.loads((tmp_path / "out" / "data_report.json").read_text())["kept"] == 5
     prepare(DataConfig(inputs=[str(src)], val_fraction=0.4, dedup_threshold=0.7), tmp_path / "again", verbose=False)
@@ -106,7 +113,10 @@ def test_malformed_records_name_file_and_line(tmp_path):
 
 def test_nothing_left_after_filtering_names_file_and_lines(tmp_path):
     src = _write_jsonl(tmp_path / "toxic.jsonl", [_dialog("hey", "shut up, moron"), _dialog("#", "@@@###")])
-    with pytest.raises(DataError, match=r"no records left after filtering .*toxic.jsonl:1 toxicity: moron; .*toxic.jsonl:2 quality: symbol_ratio"):
+    with pytest.raises(
+        DataError,
+        match=r"no records left after filtering .*toxic.jsonl:1 toxicity: moron; .*toxic.jsonl:2 quality: symbol_ratio",
+    ):
         prepare(DataConfig(inputs=[str(src)]), tmp_path / "out", verbose=False)
 
 
@@ -120,17 +130,27 @@ def test_chatterbot_english_default_and_chinese(tmp_path):
     assert [m["role"] for m in first["messages"]][:2] == ["user", "assistant"]
     zh = load_input("chatterbot:chinese")
     assert len(zh) == 467
-    assert any(r.data["messages"][:2] == [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "嗨"}] for r in zh)
+    assert any(
+        r.data["messages"][:2] == [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "嗨"}]
+        for r in zh
+    )
 
 
 def test_noise_ratio_swaps_replies_in_train_only(tmp_path):
     records = [_dialog(f"Question number {i} about {t}", f"Reply {i} for {t}") for i in range(4) for t in BASE]
     src = _write_jsonl(tmp_path / "in.jsonl", records)
     clean = prepare(DataConfig(inputs=[str(src)], dedup_threshold=0.95), tmp_path / "clean", verbose=False)
-    noisy = prepare(DataConfig(inputs=[str(src)], dedup_threshold=0.95, noise_ratio=0.5), tmp_path / "noisy", verbose=False)
+    noisy = prepare(
+        DataConfig(inputs=[str(src)], dedup_threshold=0.95, noise_ratio=0.5), tmp_path / "noisy", verbose=False
+    )
     assert noisy["noised"] == round(0.5 * clean["train"])
     assert (tmp_path / "clean" / "val.jsonl").read_text() == (tmp_path / "noisy" / "val.jsonl").read_text()
-    changed = sum(a != b for a, b in zip(read_data_file(tmp_path / "clean" / "train.jsonl"), read_data_file(tmp_path / "noisy" / "train.jsonl")))
+    changed = sum(
+        a != b
+        for a, b in zip(
+            read_data_file(tmp_path / "clean" / "train.jsonl"), read_data_file(tmp_path / "noisy" / "train.jsonl")
+        )
+    )
     assert 0 < changed <= noisy["noised"]
 
 
@@ -142,12 +162,14 @@ def test_text_loader_splits_paragraphs(tmp_path):
 
 
 def test_loss_mask_covers_only_assistant_turns(tokenizer):
-    record = {"messages": [
-        {"role": "user", "content": "What is two plus two?"},
-        {"role": "assistant", "content": "Four."},
-        {"role": "user", "content": "And three plus three?"},
-        {"role": "assistant", "content": "Six."},
-    ]}
+    record = {
+        "messages": [
+            {"role": "user", "content": "What is two plus two?"},
+            {"role": "assistant", "content": "Four."},
+            {"role": "user", "content": "And three plus three?"},
+            {"role": "assistant", "content": "Six."},
+        ]
+    }
     ids, labels = tokenize_record(tokenizer, record, max_length=512)
     assert len(ids) == len(labels)
     trained = tokenizer.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX])

@@ -26,8 +26,17 @@ def test_demo_smoke_runs_every_stage_and_stops_the_server(tiny_llama_dir, tmp_pa
     printed = capsys.readouterr().out
     assert status == 0, printed
     report = json.loads((out / "report.json").read_text())
-    assert [s["name"] for s in report["stages"]] == ["load", "data", "fine-tune", "distill", "quantize", "evaluate", "export",
-                                                     "serve + load test", "baseline: HF generate"]
+    assert [s["name"] for s in report["stages"]] == [
+        "load",
+        "data",
+        "fine-tune",
+        "distill",
+        "quantize",
+        "evaluate",
+        "export",
+        "serve + load test",
+        "baseline: HF generate",
+    ]
     assert all(s["status"] == "done" for s in report["stages"]), report["stages"]
     rows = {r["model"]: r for r in report["comparison"]}
     assert list(rows) == ["fp32", "bf16", "int8", "student", "student_int8"]
@@ -52,8 +61,18 @@ def test_demo_smoke_runs_every_stage_and_stops_the_server(tiny_llama_dir, tmp_pa
 
 def test_demo_stops_at_the_failing_stage(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "demo"
-    status = main(["demo", "--smoke", "--model", str(tiny_llama_dir), "--out", str(out),
-                   "--data", str(tmp_path / "missing.jsonl")])
+    status = main(
+        [
+            "demo",
+            "--smoke",
+            "--model",
+            str(tiny_llama_dir),
+            "--out",
+            str(out),
+            "--data",
+            str(tmp_path / "missing.jsonl"),
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 1
     assert "stage 'data' failed" in err and "missing.jsonl" in err

@@ -42,8 +42,12 @@ def _documents(text: str) -> list[dict]:
 
 
 def _k8s_docs(files: dict[str, str]) -> list[dict]:
-    return [d for name, text in files.items() if name.endswith(".yaml") and name not in
-            ("kustomization.yaml", "prometheus-adapter-values.yaml") for d in _documents(text)]
+    return [
+        d
+        for name, text in files.items()
+        if name.endswith(".yaml") and name not in ("kustomization.yaml", "prometheus-adapter-values.yaml")
+        for d in _documents(text)
+    ]
 
 
 def test_committed_files_are_the_rendered_defaults(tmp_path):
@@ -61,14 +65,28 @@ def test_every_yaml_under_deploy_parses():
 
 
 def _custom_values(**more) -> DeployValues:
-    return DeployValues(model_name="llama_int8", image="registry.example.com/ml/lmforge:1.2", replicas=3,
-                        max_replicas=12, gpus=2, cpu="8", memory="32Gi", **more)
+    return DeployValues(
+        model_name="llama_int8",
+        image="registry.example.com/ml/lmforge:1.2",
+        replicas=3,
+        max_replicas=12,
+        gpus=2,
+        cpu="8",
+        memory="32Gi",
+        **more,
+    )
 
 
-@pytest.mark.parametrize("values", [
-    DeployValues(), DeployValues(gpus=0), _custom_values(),
-    _custom_values(model_repository="s3://models-bucket/lmforge", monitor="podmonitor"),
-], ids=["gpu", "cpu", "custom", "s3-podmonitor"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        DeployValues(),
+        DeployValues(gpus=0),
+        _custom_values(),
+        _custom_values(model_repository="s3://models-bucket/lmforge", monitor="podmonitor"),
+    ],
+    ids=["gpu", "cpu", "custom", "s3-podmonitor"],
+)
 def test_k8s_manifests_validate_against_kubernetes_schemas(values):
     docs = _k8s_docs(render_files("k8s", values))
     kinds = [d["kind"] for d in docs]
@@ -113,15 +131,19 @@ def _exported_metric_types() -> dict[str, str]:
 def test_autoscaling_reads_metrics_the_real_triton_exports():
     exported = _exported_metric_types()
     assert exported[QUEUE_METRIC] == "counter" and exported[SUCCESS_METRIC] == "counter"
-    assert re.search(r'^nv_inference_queue_duration_us\{model="echo",version="1"\} \d+$', METRICS_CAPTURE.read_text(), re.M)
+    assert re.search(
+        r'^nv_inference_queue_duration_us\{model="echo",version="1"\} \d+$', METRICS_CAPTURE.read_text(), re.M
+    )
     adapter = _documents(render_files("k8s", DeployValues())["prometheus-adapter-values.yaml"])[0]
     rule = adapter["rules"]["custom"][0]
     used = set(re.findall(r"\bnv_\w+", rule["seriesQuery"] + " " + rule["metricsQuery"]))
     assert used == {QUEUE_METRIC, SUCCESS_METRIC} and used <= exported.keys()
     assert rule["name"]["as"] == HPA_METRIC
-    assert re.fullmatch(rf"sum by \(<<.GroupBy>>\) \(rate\({QUEUE_METRIC}\{{.*\}}\[1m\]\)\) / "
-                        rf"clamp_min\(sum by \(<<.GroupBy>>\) \(rate\({SUCCESS_METRIC}\{{.*\}}\[1m\]\)\), 0.001\)",
-                        rule["metricsQuery"])
+    assert re.fullmatch(
+        rf"sum by \(<<.GroupBy>>\) \(rate\({QUEUE_METRIC}\{{.*\}}\[1m\]\)\) / "
+        rf"clamp_min\(sum by \(<<.GroupBy>>\) \(rate\({SUCCESS_METRIC}\{{.*\}}\[1m\]\)\), 0.001\)",
+        rule["metricsQuery"],
+    )
 
 
 def test_compose_validates_against_the_compose_spec():
@@ -133,7 +155,9 @@ def test_compose_validates_against_the_compose_spec():
         compose = _documents(render_files("docker", values)["compose.yaml"])[0]
         jsonschema.Draft202012Validator(schema).validate(compose)
         assert set(compose["services"]) == {"triton-gpu", "triton-cpu", "prometheus", "locust-master", "locust-worker"}
-        assert compose["services"]["triton-gpu"]["profiles"] == ["gpu"] and compose["services"]["triton-cpu"]["profiles"] == ["cpu"]
+        assert compose["services"]["triton-gpu"]["profiles"] == ["gpu"] and compose["services"]["triton-cpu"][
+            "profiles"
+        ] == ["cpu"]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft202012Validator(schema).validate({"services": {"x": {"shm_size": [1]}}})
     prometheus = _documents((ROOT / "deploy/docker/prometheus.yml").read_text())[0]
@@ -146,7 +170,11 @@ def test_dockerfiles_build_on_triton_2_51_and_copy_existing_paths():
     assert re.search(rf"^FROM {re.escape(TRITON_IMAGE)}$", gpu, re.M) and TRITON_IMAGE.endswith(":24.10-py3")
     assert re.search(r"^FROM python:3\.11-slim", cpu, re.M)
     for text in (gpu, cpu):
-        assert "EXPOSE 8000 8001 8002" in text and "/v2/models/smollm2_135m/ready" in text and "--load-model=smollm2_135m" in text
+        assert (
+            "EXPOSE 8000 8001 8002" in text
+            and "/v2/models/smollm2_135m/ready" in text
+            and "--load-model=smollm2_135m" in text
+        )
         for source in re.findall(r"^COPY (?!\$)(.+) \S+$", text, re.M):
             for item in source.split():
                 assert (ROOT / item).exists(), item
@@ -173,28 +201,44 @@ def _changed_paths(before: dict[str, str], after: dict[str, str]) -> set[tuple]:
 def test_custom_values_change_what_they_should_and_nothing_else():
     base = render_files("k8s", DeployValues())
     changed = _changed_paths(base, render_files("k8s", DeployValues(replicas=3, max_replicas=9)))
-    assert changed == {("deployment.yaml", 0, 0, "spec", "replicas"), ("hpa.yaml", 0, 0, "spec", "minReplicas"),
-                       ("hpa.yaml", 0, 0, "spec", "maxReplicas")}
+    assert changed == {
+        ("deployment.yaml", 0, 0, "spec", "replicas"),
+        ("hpa.yaml", 0, 0, "spec", "minReplicas"),
+        ("hpa.yaml", 0, 0, "spec", "maxReplicas"),
+    }
     changed = _changed_paths(base, render_files("k8s", DeployValues(image="registry.example.com/ml/lmforge:1.2")))
     assert changed == {("deployment.yaml", 0, 0, "spec", "template", "spec", "containers", 0, "image")}
     container = ("deployment.yaml", 0, 0, "spec", "template", "spec", "containers", 0)
     changed = _changed_paths(base, render_files("k8s", DeployValues(cpu="8", memory="32Gi", gpus=2)))
-    assert changed == {container + ("resources", kind, res) for kind in ("requests", "limits")
-                       for res in ("cpu", "memory", "nvidia.com/gpu")}
+    assert changed == {
+        container + ("resources", kind, res)
+        for kind in ("requests", "limits")
+        for res in ("cpu", "memory", "nvidia.com/gpu")
+    }
     changed = _changed_paths(base, render_files("k8s", DeployValues(model_name="llama_int8")))
-    assert changed == {container + ("args", 2)} | {container + (probe, "httpGet", "path")
-                                                   for probe in ("startupProbe", "livenessProbe", "readinessProbe")} | {
-                       ("locust.yaml", 0, 0, "spec", "template", "spec", "containers", 0, "args", 4),
-                       ("prometheus-adapter-values.yaml", 0, 0, "rules", "custom", 0, "metricsQuery")}
+    assert changed == {container + ("args", 2)} | {
+        container + (probe, "httpGet", "path") for probe in ("startupProbe", "livenessProbe", "readinessProbe")
+    } | {
+        ("locust.yaml", 0, 0, "spec", "template", "spec", "containers", 0, "args", 4),
+        ("prometheus-adapter-values.yaml", 0, 0, "rules", "custom", 0, "metricsQuery"),
+    }
     gpu_off = _changed_paths(base, render_files("k8s", DeployValues(gpus=0)))
-    tolerations = {("deployment.yaml", 0, 0, "spec", "template", "spec", "tolerations", 0, key)
-                   for key in ("key", "operator", "effect")}
-    assert gpu_off == {container + ("resources", kind, "nvidia.com/gpu") for kind in ("requests", "limits")} | {
-        container + ("args", 7)} | tolerations
+    tolerations = {
+        ("deployment.yaml", 0, 0, "spec", "template", "spec", "tolerations", 0, key)
+        for key in ("key", "operator", "effect")
+    }
+    assert (
+        gpu_off
+        == {container + ("resources", kind, "nvidia.com/gpu") for kind in ("requests", "limits")}
+        | {container + ("args", 7)}
+        | tolerations
+    )
     docker = render_files("docker", DeployValues())
     changed = _changed_paths(docker, render_files("docker", DeployValues(locust_workers=16)))
-    assert changed == {("compose.yaml", 0, 0, "services", "locust-master", "command", 7),
-                       ("compose.yaml", 0, 0, "services", "locust-worker", "deploy", "replicas")}
+    assert changed == {
+        ("compose.yaml", 0, 0, "services", "locust-master", "command", 7),
+        ("compose.yaml", 0, 0, "services", "locust-worker", "deploy", "replicas"),
+    }
 
 
 def test_render_api_cli_and_errors(tmp_path, capsys):
@@ -206,12 +250,32 @@ def test_render_api_cli_and_errors(tmp_path, capsys):
     assert DeployValues(**example) == DeployValues()  # the documented defaults are the real ones
     values_file = tmp_path / "values.yaml"
     values_file.write_text("model_name: from_file\nreplicas: 2\nmax_replicas: 5\n")
-    assert main(["render", "--target", "k8s", "--out", str(tmp_path / "cli"), "--values", str(values_file),
-                 "--replicas", "3"]) == 0
+    assert (
+        main(
+            [
+                "render",
+                "--target",
+                "k8s",
+                "--out",
+                str(tmp_path / "cli"),
+                "--values",
+                str(values_file),
+                "--replicas",
+                "3",
+            ]
+        )
+        == 0
+    )
     deployment = _documents((tmp_path / "cli" / "deployment.yaml").read_text())[0]
-    assert deployment["spec"]["replicas"] == 3 and "--load-model=from_file" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (
+        deployment["spec"]["replicas"] == 3
+        and "--load-model=from_file" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
     capsys.readouterr()
-    assert main(["render", "--target", "k8s", "--out", str(tmp_path / "bad"), "--replicas", "5", "--max-replicas", "2"]) == 2
+    assert (
+        main(["render", "--target", "k8s", "--out", str(tmp_path / "bad"), "--replicas", "5", "--max-replicas", "2"])
+        == 2
+    )
     assert "max_replicas=2 < replicas=5" in capsys.readouterr().err
     with pytest.raises(ValueError, match="model_repository='gs://x'"):
         render_deploy("k8s", tmp_path / "x", model_repository="gs://x")

@@ -77,14 +77,28 @@ def echo_server(tmp_path_factory):
     (root / "repo" / "echo" / "1" / "model.py").write_text(MODEL)
     _check_ports_free(PORTS)
     http, grpc, metrics = PORTS
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-           "LD_LIBRARY_PATH": str(triton.parent.parent / "nvidia_pytriton.libs")}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        "LD_LIBRARY_PATH": str(triton.parent.parent / "nvidia_pytriton.libs"),
+    }
     log = (root / "server.log").open("w")
     process = subprocess.Popen(
-        [str(triton / "bin" / "tritonserver"), f"--model-repository={root / 'repo'}", f"--backend-directory={root / 'backends'}",
-         "--http-address=127.0.0.1", f"--http-port={http}", "--grpc-address=127.0.0.1", f"--grpc-port={grpc}",
-         "--metrics-address=127.0.0.1", f"--metrics-port={metrics}", "--allow-gpu-metrics=false"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            str(triton / "bin" / "tritonserver"),
+            f"--model-repository={root / 'repo'}",
+            f"--backend-directory={root / 'backends'}",
+            "--http-address=127.0.0.1",
+            f"--http-port={http}",
+            "--grpc-address=127.0.0.1",
+            f"--grpc-port={grpc}",
+            "--metrics-address=127.0.0.1",
+            f"--metrics-port={metrics}",
+            "--allow-gpu-metrics=false",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -136,7 +150,10 @@ def test_hpa_metrics_exist_on_a_live_triton_and_count_requests(echo_server):
         out = client.infer("echo", [data]).as_numpy("OUTPUT0")
         assert out.tolist() == [i, i + 1, i + 2]
     deadline = time.monotonic() + 10
-    while _value(_scrape(metrics), SUCCESS_METRIC) < _value(before, SUCCESS_METRIC) + requests and time.monotonic() < deadline:
+    while (
+        _value(_scrape(metrics), SUCCESS_METRIC) < _value(before, SUCCESS_METRIC) + requests
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.2)  # counters are updated after the response is sent
     after = _scrape(metrics)
     assert _value(after, SUCCESS_METRIC) - _value(before, SUCCESS_METRIC) == requests

@@ -26,12 +26,20 @@ def healthy_records(seed: int = 0) -> list[dict]:
             lr = PEAK_LR * step / WARMUP
         else:
             lr = PEAK_LR * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (STEPS - WARMUP)))
-        records.append({
-            "step": step, "split": "train", "loss": 2.0 + 3.0 * math.exp(-step / 50) + rng.gauss(0, 0.01), "lr": lr,
-            "grad_norm": (0.5 + 0.5 * math.exp(-step / 100)) * (1 + rng.gauss(0, 0.05)), "tokens": 4096 * step,
-            "data_wait_s": 0.004 + rng.random() * 0.002, "compute_s": 0.1 + rng.random() * 0.01,
-            "time_s": 0.11 * step, "param_change": {"attn": 1e-3, "mlp": 1e-3},
-        })
+        records.append(
+            {
+                "step": step,
+                "split": "train",
+                "loss": 2.0 + 3.0 * math.exp(-step / 50) + rng.gauss(0, 0.01),
+                "lr": lr,
+                "grad_norm": (0.5 + 0.5 * math.exp(-step / 100)) * (1 + rng.gauss(0, 0.05)),
+                "tokens": 4096 * step,
+                "data_wait_s": 0.004 + rng.random() * 0.002,
+                "compute_s": 0.1 + rng.random() * 0.01,
+                "time_s": 0.11 * step,
+                "param_change": {"attn": 1e-3, "mlp": 1e-3},
+            }
+        )
         if step % 20 == 0:
             records.append({"step": step, "split": "val", "loss": 2.2 + 3.0 * math.exp(-step / 50)})
     return records
@@ -40,8 +48,9 @@ def healthy_records(seed: int = 0) -> list[dict]:
 def write_run(run_dir: Path, records: list[dict], run: dict | None = None) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (run_dir / "run.json").write_text(json.dumps(run or {"train_data": None, "val_data": None,
-                                                          "config": {"warmup_steps": WARMUP}}))
+    (run_dir / "run.json").write_text(
+        json.dumps(run or {"train_data": None, "val_data": None, "config": {"warmup_steps": WARMUP}})
+    )
     return run_dir
 
 
@@ -107,8 +116,13 @@ def test_train_val_divergence(tmp_path):
 
 
 def _write_split(path: Path, texts: list[str]) -> str:
-    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t},
-                                                     {"role": "assistant", "content": "ok " + t}]}) + "\n" for t in texts))
+    path.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": "ok " + t}]})
+            + "\n"
+            for t in texts
+        )
+    )
     return str(path)
 
 
@@ -118,8 +132,11 @@ def test_flat_val_runs_the_overlap_check(tmp_path, leaked):
     words = [f"w{i}" for i in range(2000)]
     train_texts = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(200)]
     val_texts = train_texts[:40] if leaked else [" ".join(rng.choice(words) for _ in range(30)) for _ in range(40)]
-    run = {"train_data": _write_split(tmp_path / "train.jsonl", train_texts),
-           "val_data": _write_split(tmp_path / "val.jsonl", val_texts), "config": {"warmup_steps": WARMUP}}
+    run = {
+        "train_data": _write_split(tmp_path / "train.jsonl", train_texts),
+        "val_data": _write_split(tmp_path / "val.jsonl", val_texts),
+        "config": {"warmup_steps": WARMUP},
+    }
     records = healthy_records()
     for r in records:
         if r["split"] == "val":
@@ -139,7 +156,9 @@ def test_split_overlap_counts_near_duplicates(tmp_path):
     near = [b.replace("_99", "_x") for b in base[:10]]  # one word of 100 changed (Jaccard about 0.97)
     other = [" ".join(f"u{i}_{j}" for j in range(100)) for i in range(5)]
     result = split_overlap(_write_split(tmp_path / "a.jsonl", base), _write_split(tmp_path / "b.jsonl", near + other))
-    assert result["val_with_near_duplicate_in_train"] == 10 and result["overlap_fraction"] == pytest.approx(10 / 15, abs=1e-4)
+    assert result["val_with_near_duplicate_in_train"] == 10 and result["overlap_fraction"] == pytest.approx(
+        10 / 15, abs=1e-4
+    )
 
 
 def test_short_warmup_blamed_for_early_instability(tmp_path):

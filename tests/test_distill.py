@@ -112,22 +112,59 @@ def test_distillation_loss_terms():
     assert same.item() == pytest.approx(0.0, abs=1e-6)
     loss, parts = distillation_loss(logits_s, logits_t, labels, mask, **kw)
     m = mask.bool()
-    expected = F.kl_div(F.log_softmax(logits_s[m] / 2, -1), F.log_softmax(logits_t[m] / 2, -1), log_target=True, reduction="batchmean") * 4
+    expected = (
+        F.kl_div(
+            F.log_softmax(logits_s[m] / 2, -1),
+            F.log_softmax(logits_t[m] / 2, -1),
+            log_target=True,
+            reduction="batchmean",
+        )
+        * 4
+    )
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    ce_only, parts = distillation_loss(logits_s, logits_t, labels, mask, alpha=0.0, beta=1.0, gamma=0.0, temperature=2.0)
-    assert ce_only.item() == pytest.approx(F.cross_entropy(logits_s[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1)).item(), rel=1e-5)
-    cos, parts = distillation_loss(logits_s, logits_t, labels, mask, alpha=0.0, beta=0.0, gamma=1.0, temperature=1.0,
-                                   hidden_pairs=[(hidden, hidden), (hidden, -hidden)])
+    ce_only, parts = distillation_loss(
+        logits_s, logits_t, labels, mask, alpha=0.0, beta=1.0, gamma=0.0, temperature=2.0
+    )
+    assert ce_only.item() == pytest.approx(
+        F.cross_entropy(logits_s[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1)).item(), rel=1e-5
+    )
+    cos, parts = distillation_loss(
+        logits_s,
+        logits_t,
+        labels,
+        mask,
+        alpha=0.0,
+        beta=0.0,
+        gamma=1.0,
+        temperature=1.0,
+        hidden_pairs=[(hidden, hidden), (hidden, -hidden)],
+    )
     assert cos.item() == pytest.approx((0.0 + 2.0) / 2, rel=1e-5)  # mean over pairs of 1 - cos
 
 
 def test_distill_run_halves_layers_lowers_loss_resumes_and_loads(teacher_dir, chat_data, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    cfg = DistillConfig(model=str(teacher_dir), data=str(chat_data), run_dir=str(tmp_path / "run"), max_steps=6,
-                        micro_batch_size=2, max_length=48, lr=3e-3, eval_every=0, progress=False, stop_after=3,
-                        student_layers="drop:2", calibration_records=4, generate_records=6, generate_tokens=8,
-                        alpha=0.5, beta=0.5, gamma=0.1, temperature=2.0)
+    cfg = DistillConfig(
+        model=str(teacher_dir),
+        data=str(chat_data),
+        run_dir=str(tmp_path / "run"),
+        max_steps=6,
+        micro_batch_size=2,
+        max_length=48,
+        lr=3e-3,
+        eval_every=0,
+        progress=False,
+        stop_after=3,
+        student_layers="drop:2",
+        calibration_records=4,
+        generate_records=6,
+        generate_tokens=8,
+        alpha=0.5,
+        beta=0.5,
+        gamma=0.1,
+        temperature=2.0,
+    )
     result, final = DistillRecipe(cfg).run()
     assert result.status == "stopped" and (tmp_path / "run" / "checkpoints" / "step_000003").is_dir()
     result, final = DistillRecipe(dataclasses.replace(cfg, stop_after=None, resume=True)).run()

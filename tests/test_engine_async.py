@@ -13,7 +13,9 @@ from tests.test_engine_greedy import hf_greedy, random_prompts
 def test_async_streams_abort_and_bad_request(tiny_llama_dir):
     prompts = random_prompts([5, 11, 17], seed=21)
     reference = hf_greedy(tiny_llama_dir, prompts[:2], 8)
-    config = EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128, max_model_len=128, dtype="float32")
+    config = EngineConfig(
+        model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128, max_model_len=128, dtype="float32"
+    )
 
     async def collect(engine, prompt, request_id, params):
         outs = []

@@ -11,13 +11,27 @@ import pytest
 
 from bench.bound import percentile, ratio, workload_flops
 from bench.engine_backends import BACKENDS, left_pad
-from bench.engine_bench import engine_targets, parse_configs, parse_engine_args, summarize, summarize_single, token_agreement
+from bench.engine_bench import (
+    engine_targets,
+    parse_configs,
+    parse_engine_args,
+    summarize,
+    summarize_single,
+    token_agreement,
+)
 from compress.checkpoint.model_spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SMOLLM2_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                  "num_key_value_heads": 3, "vocab_size": 49152, "head_dim": 64}
+SMOLLM2_CONFIG = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "head_dim": 64,
+}
 
 
 def test_layer_params_of_smollm2_match_its_weights():
@@ -28,8 +42,16 @@ def test_layer_params_of_smollm2_match_its_weights():
 
 
 def test_workload_flops_equals_token_by_token_sum():
-    shape = ModelSpec.from_config({"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
-                                    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100})
+    shape = ModelSpec.from_config(
+        {
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 100,
+        }
+    )
     prompt_lens, system_of, shared, max_tokens = [10, 12, 9, 7], [0, 0, 1, 1], [8, 5], 4
     expected = sum(shape.body_flops(pos + 1) for s in shared for pos in range(s))
     for n, s in zip(prompt_lens, system_of):
@@ -38,7 +60,9 @@ def test_workload_flops_equals_token_by_token_sum():
     assert workload_flops(shape, prompt_lens, max_tokens, shared, system_of) == expected
     # sharing the prefix saves exactly the prefix work of the requests after the first
     unshared = workload_flops(shape, prompt_lens, max_tokens, [0, 0], system_of)
-    assert unshared - expected == sum(shape.body_flops(p + 1) for p in range(8)) + sum(shape.body_flops(p + 1) for p in range(5))
+    assert unshared - expected == sum(shape.body_flops(p + 1) for p in range(8)) + sum(
+        shape.body_flops(p + 1) for p in range(5)
+    )
     with pytest.raises(ValueError, match="longer than a prompt"):
         workload_flops(shape, [4], 2, [5], [0])
 
@@ -56,18 +80,38 @@ def test_percentile_ratio_agreement():
 
 def test_summary_ratios_bound_per_dtype_and_targets():
     def ok(name, tokens, seconds, ttft, hit=None, single=None):
-        return {"config": name, "status": "ok", "output_tokens": tokens, "elapsed_s": seconds, "ttft_s": ttft, "startup_s": 2.0,
-                "peak_rss_bytes": 2**20, "prefix_hit_rate": hit, "token_ids": [[1, 2]], "single": single}
+        return {
+            "config": name,
+            "status": "ok",
+            "output_tokens": tokens,
+            "elapsed_s": seconds,
+            "ttft_s": ttft,
+            "startup_s": 2.0,
+            "peak_rss_bytes": 2**20,
+            "prefix_hit_rate": hit,
+            "token_ids": [[1, 2]],
+            "single": single,
+        }
 
     def one(seconds, ttft, tokens=(5, 6, 7, 8, 9)):
         return {"elapsed_s": seconds, "ttft_s": ttft, "token_ids": list(tokens)}
 
-    results = [ok("hf_sequential", 100, 10.0, [1.0], single=one(1.0, 0.2)), ok("hf_static", 100, 4.0, [2.0]),
-               {"config": "llama_cpp_server_f32", "status": "not installed", "reason": "llama-server not installed: run `make peers`"},
-               ok("llama_cpp_server_q8_0", 100, 2.0, [0.5]),
-               ok("vllm_fp32", 100, 1.0, [0.2, 0.4], single=one(0.5, 0.1)), ok("vllm_bf16", 100, 0.5, [0.1], single=one(0.25, 0.05)),
-               ok("engine_prefix_off", 100, 1.0, [0.4], 0.0), ok("engine_fp32", 100, 0.5, [0.1, 0.3], 0.9, single=one(0.25, 0.05)),
-               ok("engine_bf16", 100, 0.25, [0.05], 0.9, single=one(0.5, 0.1, (5, 6, 7, 8, 0))), ok("engine_int8", 100, 0.2, [0.05], 0.9)]
+    results = [
+        ok("hf_sequential", 100, 10.0, [1.0], single=one(1.0, 0.2)),
+        ok("hf_static", 100, 4.0, [2.0]),
+        {
+            "config": "llama_cpp_server_f32",
+            "status": "not installed",
+            "reason": "llama-server not installed: run `make peers`",
+        },
+        ok("llama_cpp_server_q8_0", 100, 2.0, [0.5]),
+        ok("vllm_fp32", 100, 1.0, [0.2, 0.4], single=one(0.5, 0.1)),
+        ok("vllm_bf16", 100, 0.5, [0.1], single=one(0.25, 0.05)),
+        ok("engine_prefix_off", 100, 1.0, [0.4], 0.0),
+        ok("engine_fp32", 100, 0.5, [0.1, 0.3], 0.9, single=one(0.25, 0.05)),
+        ok("engine_bf16", 100, 0.25, [0.05], 0.9, single=one(0.5, 0.1, (5, 6, 7, 8, 0))),
+        ok("engine_int8", 100, 0.2, [0.05], 0.9),
+    ]
     bound = {"fp32": 400.0, "bf16": 800.0, "int8": 1000.0}
     rows = {r.config: r for r in summarize(results, bound)}
     fp32, bf16, int8 = rows["engine_fp32"], rows["engine_bf16"], rows["engine_int8"]
@@ -80,11 +124,19 @@ def test_summary_ratios_bound_per_dtype_and_targets():
     assert rows["llama_cpp_server_f32"].status == "not installed" and rows["llama_cpp_server_f32"].output_tok_s is None
 
     singles = {s.config: s for s in summarize_single(results)}
-    assert set(singles) == {"hf_sequential_single", "vllm_fp32_single", "vllm_bf16_single", "engine_fp32_single", "engine_bf16_single"}
+    assert set(singles) == {
+        "hf_sequential_single",
+        "vllm_fp32_single",
+        "vllm_bf16_single",
+        "engine_fp32_single",
+        "engine_bf16_single",
+    }
     e = singles["engine_fp32_single"]
     assert e.output_tok_s == 20.0 and e.ttft_ms == pytest.approx(50.0) and e.decode_tok_s == pytest.approx(4 / 0.2)
     assert e.speedup_vllm == 2.0 and e.same_tokens_as_hf is True
-    assert singles["engine_bf16_single"].speedup_vllm == 0.5 and singles["engine_bf16_single"].same_tokens_as_hf is False
+    assert (
+        singles["engine_bf16_single"].speedup_vllm == 0.5 and singles["engine_bf16_single"].same_tokens_as_hf is False
+    )
 
     targets = {w: (v, t) for w, v, t in engine_targets(list(rows.values()), list(singles.values()))}
     assert targets["engine_fp32 / vllm_fp32 output tok/s"] == (2.0, ">= 1.0")
@@ -100,8 +152,18 @@ def test_summary_ratios_bound_per_dtype_and_targets():
 def test_configuration_names():
     assert parse_configs(" engine_fp32,vllm_bf16 ,engine_fp32,") == ["engine_fp32", "vllm_bf16"]
     names = set(parse_configs(",".join(BACKENDS)))
-    assert {"engine_fp32", "engine_bf16", "engine_int8", "engine_prefix_off", "vllm_fp32", "vllm_bf16",
-            "llama_cpp_server_f32", "llama_cpp_server_q8_0", "hf_sequential", "hf_static"} <= names
+    assert {
+        "engine_fp32",
+        "engine_bf16",
+        "engine_int8",
+        "engine_prefix_off",
+        "vllm_fp32",
+        "vllm_bf16",
+        "llama_cpp_server_f32",
+        "llama_cpp_server_q8_0",
+        "hf_sequential",
+        "hf_static",
+    } <= names
     assert {BACKENDS[c].dtype for c in ("engine_bf16", "vllm_bf16")} == {"bf16"}
     assert BACKENDS["llama_cpp_server_q8_0"].gguf_type == "q8_0" and BACKENDS["vllm_fp32"].interpreter == "vllm"
     with pytest.raises(ValueError, match="unknown engine_prefix_on; choose from"):
@@ -131,8 +193,20 @@ def test_workload_is_deterministic_and_shares_the_system_prompt(tiny_llama_dir):
 
 def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "lmforge_cli", "bench", "engine", "--model", str(tiny_llama_dir), "--smoke",
-           "--configs", "hf_sequential,hf_static,engine_fp32", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmforge_cli",
+        "bench",
+        "engine",
+        "--model",
+        str(tiny_llama_dir),
+        "--smoke",
+        "--configs",
+        "hf_sequential,hf_static,engine_fp32",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())

@@ -4,8 +4,6 @@ the "not installed" path, and the matmul peak per dtype. No real peer is needed.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +25,9 @@ def _fake_tokens(prompt: list[int], n: int, offset: int = 0) -> list[int]:
 
 def _work(tmp_path: Path, prompts: list[list[int]], max_tokens: int, single: list[int] | None = None) -> Path:
     path = tmp_path / "workload.json"
-    path.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "single_prompt": single, "single_max_tokens": 3}))
+    path.write_text(
+        json.dumps({"prompts": prompts, "max_tokens": max_tokens, "single_prompt": single, "single_max_tokens": 3})
+    )
     return path
 
 
@@ -56,8 +56,15 @@ def test_llama_server_adapter_against_a_fake_server(tiny_llama_dir, tmp_path):
     gguf = tmp_path / "m-f32.gguf"
     gguf.write_bytes(b"GGUF")
     prompts = [[1, 2, 3], [10, 20, 30, 40], [7]]
-    spec = RunSpec(config="llama_cpp_server_f32", model=str(tiny_llama_dir), workload_path=str(_work(tmp_path, prompts, 5, single=[4, 4])),
-                   gguf=str(gguf), llama_server=str(FAKE_SERVER), threads=2, log_dir=str(tmp_path))
+    spec = RunSpec(
+        config="llama_cpp_server_f32",
+        model=str(tiny_llama_dir),
+        workload_path=str(_work(tmp_path, prompts, 5, single=[4, 4])),
+        gguf=str(gguf),
+        llama_server=str(FAKE_SERVER),
+        threads=2,
+        log_dir=str(tmp_path),
+    )
     result = run_spec(spec)
     assert result.status == "ok", result.reason
     assert result.token_ids == [_fake_tokens(p, 5) for p in prompts]  # token-id prompts arrived intact, one stream each
@@ -69,8 +76,14 @@ def test_llama_server_adapter_against_a_fake_server(tiny_llama_dir, tmp_path):
 
 def test_llama_server_errors_are_reported(tiny_llama_dir, tmp_path):
     # the server refuses the model file: the row fails with the server's own words
-    spec = RunSpec(config="llama_cpp_server_q8_0", model=str(tiny_llama_dir), workload_path=str(_work(tmp_path, [[1]], 2)),
-                   gguf=str(tmp_path / "missing.gguf"), llama_server=str(FAKE_SERVER), log_dir=str(tmp_path))
+    spec = RunSpec(
+        config="llama_cpp_server_q8_0",
+        model=str(tiny_llama_dir),
+        workload_path=str(_work(tmp_path, [[1]], 2)),
+        gguf=str(tmp_path / "missing.gguf"),
+        llama_server=str(FAKE_SERVER),
+        log_dir=str(tmp_path),
+    )
     result = run_spec(spec)
     assert result.status == "failed" and "exited with 1" in result.reason and "missing.gguf not found" in result.reason
 
@@ -91,7 +104,9 @@ def test_vllm_adapter_runs_under_another_interpreter(tiny_llama_dir, tmp_path):
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     results = {}
     for config in ("vllm_fp32", "vllm_bf16"):
-        spec = RunSpec(config=config, model=str(tiny_llama_dir), workload_path=str(_work(tmp_path, prompts, 4, single=[3])))
+        spec = RunSpec(
+            config=config, model=str(tiny_llama_dir), workload_path=str(_work(tmp_path, prompts, 4, single=[3]))
+        )
         results[config] = run_config(spec, tmp_path, timeout_s=120, python=Path(sys.executable), env=env)
     fp32, bf16 = results["vllm_fp32"], results["vllm_bf16"]
     assert fp32["status"] == "ok", fp32["reason"]

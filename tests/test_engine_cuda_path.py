@@ -83,8 +83,14 @@ def reference(tiny_llama_dir, prompts):
 
 
 def _llm(model_dir, **overrides):
-    config = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=64, max_num_seqs=8,
-                  attention_backend="triton")
+    config = dict(
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        max_num_seqs=8,
+        attention_backend="triton",
+    )
     config.update(overrides)
     return LLM(str(model_dir), **config)
 

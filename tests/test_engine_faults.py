@@ -13,7 +13,9 @@ from engine.llm_engine import MAX_CONSECUTIVE_FAILED_STEPS
 from tests.test_engine_greedy import hf_greedy, random_prompts
 from tests.test_engine_requests import run_to_end
 
-CONFIG = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=64, max_model_len=64, max_num_seqs=2, dtype="float32")
+CONFIG = dict(
+    block_size=4, num_kv_blocks=128, max_num_batched_tokens=64, max_model_len=64, max_num_seqs=2, dtype="float32"
+)
 VOCAB = 49152  # make_tiny_llama: the SmolLM2 vocabulary
 
 
@@ -82,11 +84,18 @@ def test_bad_prompts_fail_alone_and_good_requests_match_hf(llm, tiny_llama_dir):
     for i, p in enumerate(prompts):
         engine.add_request(f"good-{i}", p, SamplingParams(temperature=0, max_tokens=8))
     engine.step()
-    for prompt, field in [("bad \ud800 surrogate", "Unicode"), ([5, VOCAB], "vocabulary"), ([-1], "vocabulary"), (list(range(5, 69)), "max_model_len")]:
+    for prompt, field in [
+        ("bad \ud800 surrogate", "Unicode"),
+        ([5, VOCAB], "vocabulary"),
+        ([-1], "vocabulary"),
+        (list(range(5, 69)), "max_model_len"),
+    ]:
         with pytest.raises(ValueError, match=field):
             engine.add_request("bad", prompt, SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="logprobs"):  # the offline API validates every request before running any
-        llm.generate([prompts[0], prompts[1]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, logprobs=VOCAB + 1)])
+        llm.generate(
+            [prompts[0], prompts[1]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, logprobs=VOCAB + 1)]
+        )
     finals = run_to_end(engine)
     assert [finals[f"good-{i}"].outputs[0].token_ids for i in range(2)] == reference
 
@@ -146,7 +155,10 @@ def test_fault_in_sampler_and_in_one_detokenizer(llm, tiny_llama_dir, monkeypatc
 
     monkeypatch.setattr(engine.requests["detok-bad"].detokenizer, "add_token", broken)
     finals = run_to_end(engine)
-    assert finals["detok-bad"].outputs[0].finish_reason == "error" and "UnicodeDecodeError" in finals["detok-bad"].outputs[0].error
+    assert (
+        finals["detok-bad"].outputs[0].finish_reason == "error"
+        and "UnicodeDecodeError" in finals["detok-bad"].outputs[0].error
+    )
     assert finals["detok-good"].outputs[0].token_ids == reference[1]
 
 
@@ -168,7 +180,10 @@ def test_every_step_failing_kills_the_engine_and_async_reports_it(tiny_llama_dir
             good = await collect(engine, prompts[1], "serves")
             engine.check_invariants()
             engine.engine.runner.execute = _raise
-            results = await asyncio.gather(*(collect(engine, prompts[0], f"doomed-{i}") for i in range(2 * MAX_CONSECUTIVE_FAILED_STEPS)), return_exceptions=True)  # 2 per step
+            results = await asyncio.gather(
+                *(collect(engine, prompts[0], f"doomed-{i}") for i in range(2 * MAX_CONSECUTIVE_FAILED_STEPS)),
+                return_exceptions=True,
+            )  # 2 per step
             for _ in range(100):
                 if engine.is_dead:
                     break
@@ -178,7 +193,10 @@ def test_every_step_failing_kills_the_engine_and_async_reports_it(tiny_llama_dir
     once, good, results, dead, reason, engine = asyncio.run(main())
     assert good[-1].outputs[0].token_ids == reference[0] and good[-1].outputs[0].finish_reason == "length"
     assert dead and "steps failed in a row" in reason and "injected fault" in reason
-    assert all(isinstance(r, list) and r[-1].outputs[0].finish_reason == "error" or isinstance(r, EngineDeadError) for r in results)
+    assert all(
+        isinstance(r, list) and r[-1].outputs[0].finish_reason == "error" or isinstance(r, EngineDeadError)
+        for r in results
+    )
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(engine, prompts[1], "after"))
 

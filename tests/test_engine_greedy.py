@@ -32,8 +32,10 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
-            results.append(out[0, len(p):].tolist())
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2
+            )
+            results.append(out[0, len(p) :].tolist())
     return results
 
 
@@ -89,7 +91,9 @@ def test_prefix_cache_cold_and_warm_give_same_tokens(tiny_llama_dir, prompts, re
 
 def test_chunked_prefill_on_and_off_give_same_tokens(tiny_llama_dir, prompts, reference):
     chunked = make_llm(tiny_llama_dir, max_num_batched_tokens=7, enable_prefix_caching=False)
-    whole = make_llm(tiny_llama_dir, max_num_batched_tokens=256, enable_chunked_prefill=False, enable_prefix_caching=False)
+    whole = make_llm(
+        tiny_llama_dir, max_num_batched_tokens=256, enable_chunked_prefill=False, enable_prefix_caching=False
+    )
     assert tokens(chunked.generate(prompts, GREEDY)) == reference
     assert tokens(whole.generate(prompts, GREEDY)) == reference
     assert chunked.engine.get_stats().num_steps_total > whole.engine.get_stats().num_steps_total
@@ -143,7 +147,7 @@ def test_bfloat16_tracks_hf_bfloat16(tiny_llama_dir):
     matched = total = 0
     with torch.inference_mode():
         for prompt, out in zip(prompts, outs):  # teacher-forced: HF's choice after each engine prefix
-            logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1]
             matched += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), out))
             total += len(out)
     assert matched / total >= 0.8, f"bf16 engine agrees with HF bf16 on {matched}/{total} tokens"

@@ -74,7 +74,7 @@ def test_int8_checkpoint_matches_dequantized_hf(scheme, dtype, tmp_path):
         for prompt, out in zip(prompts, outs):
             # Teacher-forced agreement: HF's greedy choice after each engine prefix.
             ids = torch.tensor([prompt + out.outputs[0].token_ids])
-            logits = hf(ids).logits[0, len(prompt) - 1:-1]  # [8, vocab]
+            logits = hf(ids).logits[0, len(prompt) - 1 : -1]  # [8, vocab]
             hf_choice = logits.argmax(-1).tolist()
             matched += sum(a == b for a, b in zip(hf_choice, out.outputs[0].token_ids))
             total += len(hf_choice)

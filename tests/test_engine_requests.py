@@ -54,16 +54,16 @@ def test_stop_token_ids_and_max_tokens(llm):
     first = full.token_ids.index(stop_token)
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token]))[0].outputs[0]
     assert out.finish_reason == "stop"
-    assert out.token_ids == full.token_ids[:first + 1]
+    assert out.token_ids == full.token_ids[: first + 1]
 
 
 def test_stop_string_truncates_text(llm):
     prompt = "The weather today is"
     full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
-    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop=[stop, "zzzz-never"]))[0].outputs[0]
     assert out.finish_reason == "stop"
-    assert out.text == full.text[:full.text.index(stop)]
+    assert out.text == full.text[: full.text.index(stop)]
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
@@ -79,7 +79,10 @@ def test_seeded_sampling_is_reproducible_alone_or_in_batch(llm):
     prompts = random_prompts([5, 9, 14], seed=13)
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=1234)
     alone = llm.generate([prompts[1]], params)[0].outputs[0].token_ids
-    batch = llm.generate(prompts, [SamplingParams(temperature=1.0, max_tokens=10), params, SamplingParams(temperature=0.7, max_tokens=10)])
+    batch = llm.generate(
+        prompts,
+        [SamplingParams(temperature=1.0, max_tokens=10), params, SamplingParams(temperature=0.7, max_tokens=10)],
+    )
     assert batch[1].outputs[0].token_ids == alone
     other_seed = llm.generate([prompts[1]], SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=99))
     assert other_seed[0].outputs[0].token_ids != alone
@@ -89,16 +92,30 @@ def test_repetition_penalty_equals_hf(llm, tiny_llama_dir, hf_model):
     prompt = random_prompts([7], seed=14)[0]
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5))[0].outputs[0]
     ids = torch.tensor([prompt])
-    ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, repetition_penalty=1.5, pad_token_id=2)
-    assert out.token_ids == ref[0, len(prompt):].tolist()
+    ref = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=10,
+        do_sample=False,
+        repetition_penalty=1.5,
+        pad_token_id=2,
+    )
+    assert out.token_ids == ref[0, len(prompt) :].tolist()
 
 
 def test_logprobs_match_hf_scores(llm, hf_model):
     prompt = random_prompts([6], seed=15)[0]
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0].outputs[0]
     ids = torch.tensor([prompt])
-    ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=2,
-                            output_scores=True, return_dict_in_generate=True)
+    ref = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=2,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     assert len(out.logprobs) == 5
     for token, entry, scores in zip(out.token_ids, out.logprobs, ref.scores):
         expected = torch.log_softmax(scores[0].float(), dim=-1)
@@ -111,7 +128,9 @@ def test_bad_requests_fail_alone_while_others_finish(llm, tiny_llama_dir):
     engine = llm.engine
     prompts = random_prompts([6, 10], seed=16)
     reference = hf_greedy(tiny_llama_dir, prompts, 8)
-    good = [engine.add_request(f"good-{i}", p, SamplingParams(temperature=0, max_tokens=8)) for i, p in enumerate(prompts)]
+    good = [
+        engine.add_request(f"good-{i}", p, SamplingParams(temperature=0, max_tokens=8)) for i, p in enumerate(prompts)
+    ]
     engine.step()
     too_long = list(range(5, 5 + CONFIG["max_model_len"] + 1))
     bad = [
@@ -183,7 +202,9 @@ def test_forced_hash_collision_keeps_outputs_correct(llm, tiny_llama_dir):
 
 def test_chat_template_and_stats(llm):
     out = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=4), chat=True)[0]
-    expected = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True, tokenize=True)
+    expected = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}], add_generation_prompt=True, tokenize=True
+    )
     assert out.prompt_token_ids == list(expected)
     assert out.metrics.ttft_s is not None and out.metrics.ttft_s >= 0
     assert out.metrics.tpot_s is not None and out.metrics.tpot_s >= 0
@@ -227,7 +248,10 @@ def test_cli_generate_uses_the_engine(tiny_llama_dir, capsys):
     prompt = "Once upon a time"
     assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", prompt, "--max-tokens", "5"]) == 0
     engine_text = capsys.readouterr().out.rstrip("\n")
-    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", prompt, "--max-tokens", "5", "--backend", "hf"]) == 0
+    assert (
+        main(["generate", "--model", str(tiny_llama_dir), "--prompt", prompt, "--max-tokens", "5", "--backend", "hf"])
+        == 0
+    )
     hf_text = capsys.readouterr().out.rstrip("\n")
     assert engine_text == hf_text
     assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", prompt, "--top-p", "1.5"]) == 1

@@ -57,7 +57,9 @@ def test_min_p_keeps_tokens_within_a_factor_of_the_top_probability():
 
 def test_logit_bias_steers_greedy_generation(llm):
     prompt = random_prompts([6], seed=21)[0]
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={1234: 100.0}))[0].outputs[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={1234: 100.0}))[
+        0
+    ].outputs[0]
     assert out.token_ids == [1234] * 6
 
 
@@ -66,15 +68,26 @@ def test_min_tokens_blocks_stop_ids_until_reached(llm):
     first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
     stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first]))[0].outputs[0]
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
-    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first], min_tokens=4))[0].outputs[0]
+    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first], min_tokens=4))[
+        0
+    ].outputs[0]
     assert len(held.token_ids) >= 4 and first not in held.token_ids[:4]
 
 
 def test_penalties_change_greedy_tokens_in_the_engine(llm):
     prompt = random_prompts([5], seed=23)[0]
     plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
-    penalized = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0))[0].outputs[0].token_ids
-    assert len(set(penalized)) >= len(set(plain)) and penalized != plain  # a random model repeats itself; the penalty breaks it
+    penalized = (
+        llm.generate(
+            prompt,
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    assert (
+        len(set(penalized)) >= len(set(plain)) and penalized != plain
+    )  # a random model repeats itself; the penalty breaks it
 
 
 def test_n_seeded_completions_are_distinct_and_reproducible(llm):
@@ -86,7 +99,11 @@ def test_n_seeded_completions_are_distinct_and_reproducible(llm):
     a, b = (c.token_ids for c in first.outputs)
     assert a != b and [c.token_ids for c in again.outputs] == [a, b]
     # completion i samples as a single request seeded with seed + i
-    single = llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=8))[0].outputs[0].token_ids
+    single = (
+        llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=8))[0]
+        .outputs[0]
+        .token_ids
+    )
     assert single == b
     assert first.metrics.num_output_tokens == 20
 
@@ -94,13 +111,22 @@ def test_n_seeded_completions_are_distinct_and_reproducible(llm):
 def test_greedy_n_gives_equal_completions_sharing_the_prompt_blocks(llm):
     prompt = random_prompts([17], seed=25)[0]  # four full blocks of 4 tokens
     engine = llm.engine
-    reference = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+    reference = (
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+    )
     other = random_prompts([17], seed=26)[0]
     hits_before = engine.block_manager.prefix_cache_hits_tokens
-    out = llm.generate({"prompt_token_ids": other}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3))[0]
+    out = llm.generate({"prompt_token_ids": other}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3))[
+        0
+    ]
     assert len(out.outputs) == 3 and out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids
     assert engine.block_manager.prefix_cache_hits_tokens - hits_before == 2 * 16  # 2nd and 3rd hit the 1st's blocks
-    assert llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids == reference
+    assert (
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+        == reference
+    )
 
 
 def test_abort_of_an_n_request_frees_every_completion(llm):

@@ -25,8 +25,14 @@ from compress.evaluate.quality import (
 )
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France, and it is lovely in spring."]
-DIALOG = {"messages": [{"role": "user", "content": "What is AI?"}, {"role": "assistant", "content": "A branch of science."},
-                       {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You are welcome."}]}
+DIALOG = {
+    "messages": [
+        {"role": "user", "content": "What is AI?"},
+        {"role": "assistant", "content": "A branch of science."},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "You are welcome."},
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +101,9 @@ def test_evaluate_writes_metrics_and_table(tiny_llama_dir, tmp_path):
     data = tmp_path / "val.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in [DIALOG, {"text": TEXTS[0]}]) + "\n")
     config = EvalConfig(agreement_tokens=6, latency_tokens=8, latency_repeats=2, num_threads=1)
-    results = evaluate([tiny_llama_dir], records=read_records(data), data_name=str(data), config=config, log=lambda _: None)
+    results = evaluate(
+        [tiny_llama_dir], records=read_records(data), data_name=str(data), config=config, log=lambda _: None
+    )
     metrics = results[str(tiny_llama_dir)]
     assert metrics["greedy_agreement"] == 1.0 and metrics["eval_data"] == str(data)
     assert metrics["kl_mean"] == 0 and metrics["kl_p99"] == 0 and metrics["same_top1"] == 1.0
@@ -115,7 +123,9 @@ def test_bad_inputs_name_the_file_or_field(tiny_llama_dir, tmp_path, capsys):
     import lmforge_cli
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
+    bad.write_text(
+        json.dumps({"text": "fine"}) + "\n" + json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n"
+    )
     with pytest.raises(EvaluationError, match=r"bad.jsonl:2: messages\[0\]"):
         read_records(bad)
     with pytest.raises(EvaluationError, match="missing.jsonl: file not found"):

@@ -40,18 +40,40 @@ def test_built_configs_round_trip_through_the_proto():
         encoder_python_config("enc", hidden_size=384),
         encoder_onnx_config("enc_onnx", input_names=["input_ids", "attention_mask"], hidden_size=384),
         tokenizer_config("enc_tok", output_names=["input_ids", "attention_mask"], max_length=128),
-        encoder_ensemble_config("enc_ens", tokenizer="enc_tok", encoder="enc_onnx", tensor_names=["input_ids", "attention_mask"], hidden_size=384),
+        encoder_ensemble_config(
+            "enc_ens",
+            tokenizer="enc_tok",
+            encoder="enc_onnx",
+            tensor_names=["input_ids", "attention_mask"],
+            hidden_size=384,
+        ),
     ]
     for config in builders:
         assert parse_config_text(to_text(config)) == config
     llm = builders[0]
     assert llm.model_transaction_policy.decoupled and llm.backend == "python"
-    assert [i.name for i in llm.input] == ["text_input", "prompt_token_ids", "stream", "sampling_parameters", "exclude_input_in_output"]
+    assert [i.name for i in llm.input] == [
+        "text_input",
+        "prompt_token_ids",
+        "stream",
+        "sampling_parameters",
+        "exclude_input_in_output",
+    ]
     assert all(i.optional for i in llm.input)  # one of text_input / prompt_token_ids: checked by the model
-    assert [o.name for o in llm.output] == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "index", "output_token_ids", "logprobs"]
+    assert [o.name for o in llm.output] == [
+        "text_output",
+        "finish_reason",
+        "num_input_tokens",
+        "num_output_tokens",
+        "index",
+        "output_token_ids",
+        "logprobs",
+    ]
     onnx_config = builders[2]
     assert onnx_config.backend == "onnxruntime" and onnx_config.dynamic_batching.max_queue_delay_microseconds > 0
-    assert list(onnx_config.output[0].dims) == [384] and onnx_config.max_batch_size == 64  # [-1, 384] with the batch dim
+    assert (
+        list(onnx_config.output[0].dims) == [384] and onnx_config.max_batch_size == 64
+    )  # [-1, 384] with the batch dim
 
 
 def test_llm_export_writes_config_model_py_and_engine_config(llm_repo, tiny_llama_dir):
@@ -70,7 +92,9 @@ def test_check_catches_a_wrong_field_by_file(llm_repo, tmp_path, capsys):
     shutil.copytree(llm_repo, repo)
     shutil.copytree(repo / "llm", repo / "broken")
     text = (repo / "broken" / "config.pbtxt").read_text().replace('name: "llm"', 'name: "broken"')
-    (repo / "broken" / "config.pbtxt").write_text(text.replace('name: "broken"', 'name: "broken"\nmax_batch_sise: 0'))  # misspelt field
+    (repo / "broken" / "config.pbtxt").write_text(
+        text.replace('name: "broken"', 'name: "broken"\nmax_batch_sise: 0')
+    )  # misspelt field
     checked, problems = check_repository(repo)
     assert len(checked) == 2 and [p.path for p in problems] == [repo / "broken" / "config.pbtxt"]
     assert "max_batch_sise" in problems[0].message and str(repo / "broken" / "config.pbtxt") in problems[0].message
@@ -100,7 +124,23 @@ def test_export_rejects_bad_engine_fields_and_names(tiny_llama_dir, tmp_path):
 def test_cli_export_and_check(tiny_llama_dir, tmp_path):
     from lmforge_cli import main
 
-    assert main(["export", "--model", str(tiny_llama_dir), "--repo", str(tmp_path), "--name", "cli_llm", "--max-model-len", "128", "--no-enable-prefix-caching"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--model",
+                str(tiny_llama_dir),
+                "--repo",
+                str(tmp_path),
+                "--name",
+                "cli_llm",
+                "--max-model-len",
+                "128",
+                "--no-enable-prefix-caching",
+            ]
+        )
+        == 0
+    )
     engine = json.loads((tmp_path / "cli_llm" / "1" / "model.json").read_text())["engine"]
     assert engine["max_model_len"] == 128 and engine["enable_prefix_caching"] is False
     assert main(["export", "--check", "--repo", str(tmp_path)]) == 0
@@ -140,7 +180,10 @@ def test_parse_request_defaults_and_values():
     assert request.prompt == "Hello" and not request.stream and not request.exclude_input_in_output
     assert request.sampling_params.max_tokens == 16
     request = parse_request(
-        np.array([[b"Hello"]], dtype=object), np.array([True]), np.array([b'{"temperature": 0, "max_tokens": 5}'], dtype=object), np.array([True]),
+        np.array([[b"Hello"]], dtype=object),
+        np.array([True]),
+        np.array([b'{"temperature": 0, "max_tokens": 5}'], dtype=object),
+        np.array([True]),
     )
     assert request.stream and request.exclude_input_in_output
     assert request.sampling_params.temperature == 0 and request.sampling_params.max_tokens == 5
@@ -148,7 +191,14 @@ def test_parse_request_defaults_and_values():
     request = parse_request(None, None, np.array([fields], dtype=object), None, np.array([3, 4, 5], dtype=np.int64))
     assert request.prompt == {"prompt_token_ids": [3, 4, 5]} and request.prompt_text == ""
     p = request.sampling_params
-    assert (p.n, p.min_tokens, p.presence_penalty, p.frequency_penalty, p.min_p, p.logit_bias) == (2, 2, 0.5, -0.5, 0.1, {7: -100.0})
+    assert (p.n, p.min_tokens, p.presence_penalty, p.frequency_penalty, p.min_p, p.logit_bias) == (
+        2,
+        2,
+        0.5,
+        -0.5,
+        0.1,
+        {7: -100.0},
+    )
 
 
 def test_port_helpers():

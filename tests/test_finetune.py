@@ -15,8 +15,8 @@ import torch
 
 from compress.data.prepare import DataConfig, prepare
 from compress.train.finetune import FinetuneConfig, FinetuneRecipe, run_recipe
-from compress.train.monitor import read_metrics
 from compress.train.loop import TrainConfig, TrainingError, clip_gradients, cosine_schedule
+from compress.train.monitor import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,8 +33,17 @@ def chat_data(tmp_path_factory) -> Path:
 
 
 def _config(tiny_llama_dir, chat_data, run_dir, **overrides) -> FinetuneConfig:
-    values = dict(model=str(tiny_llama_dir), data=str(chat_data), run_dir=str(run_dir), max_steps=6,
-                  micro_batch_size=2, max_length=48, lr=3e-3, eval_every=0, progress=False)
+    values = dict(
+        model=str(tiny_llama_dir),
+        data=str(chat_data),
+        run_dir=str(run_dir),
+        max_steps=6,
+        micro_batch_size=2,
+        max_length=48,
+        lr=3e-3,
+        eval_every=0,
+        progress=False,
+    )
     values.update(overrides)
     return FinetuneConfig(**values)
 
@@ -92,7 +101,12 @@ def test_finetune_lowers_val_loss_and_resume_matches_uninterrupted(tiny_llama_di
     assert set(train[-1]["param_change"]) == {"embed", "layers.0", "layers.1", "norm"}
     assert train[0]["param_change"]["layers.0"] == 0.0 and train[1]["param_change"]["layers.0"] > 0  # lr 0 at step 1
     assert train[-1]["tokens"] > train[0]["tokens"] > 0
-    assert {p.name for p in (tmp_path / "full" / "plots").glob("*.png")} == {"loss.png", "grad_norm.png", "lr.png", "param_change.png"}
+    assert {p.name for p in (tmp_path / "full" / "plots").glob("*.png")} == {
+        "loss.png",
+        "grad_norm.png",
+        "lr.png",
+        "param_change.png",
+    }
     manifest = json.loads((final / "lmforge.json").read_text())
     assert manifest["method"] == "finetune" and manifest["parent"] == str(tiny_llama_dir)
     assert manifest["config"]["grad_accum_steps"] == 2
@@ -142,15 +156,25 @@ def test_lora_with_gradient_checkpointing_is_merged_on_save(tiny_llama_dir, chat
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(tiny_llama_dir, chat_data, tmp_path / "lora", lora=True, max_steps=3, lr=1e-2, warmup_ratio=0.0,
-                  gradient_checkpointing=True)
+    cfg = _config(
+        tiny_llama_dir,
+        chat_data,
+        tmp_path / "lora",
+        lora=True,
+        max_steps=3,
+        lr=1e-2,
+        warmup_ratio=0.0,
+        gradient_checkpointing=True,
+    )
     result, final = FinetuneRecipe(cfg).run()
     assert result.status == "completed"
     train = [r for r in read_metrics(tmp_path / "lora") if r["split"] == "train"]
     assert set(train[-1]["param_change"]) == {"layers.0", "layers.1"}  # only the adapters train
     merged, base = load_file(final / "model.safetensors"), load_file(tiny_llama_dir / "model.safetensors")
     assert set(merged) == set(base)  # no adapter tensors left
-    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]
+    )
     assert torch.equal(merged["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
     AutoModelForCausalLM.from_pretrained(final)
 
@@ -172,7 +196,9 @@ def test_resume_never_unpickles_code(tiny_llama_dir, chat_data, tmp_path, plante
     state_file = tmp_path / "run" / "checkpoints" / "step_000001" / planted
     marker = tmp_path / "code-ran"
     torch.save({"state": _RunsCode(marker)}, state_file)
-    with pytest.raises(TrainingError, match=f"{planted}: not a training-state file lmforge wrote.*run without --resume"):
+    with pytest.raises(
+        TrainingError, match=f"{planted}: not a training-state file lmforge wrote.*run without --resume"
+    ):
         FinetuneRecipe(dataclasses.replace(part, stop_after=None, resume=True)).run()
     assert not marker.exists()
 
@@ -192,10 +218,34 @@ def test_bad_settings_are_rejected(tiny_llama_dir, chat_data, tmp_path):
 def test_ddp_two_cpu_processes(tiny_llama_dir, chat_data, tmp_path):
     """torchrun --nproc_per_node 2 (gloo): both ranks train, rank 0 writes metrics and the model."""
     run_dir = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "lmforge_cli", "finetune", "--model", str(tiny_llama_dir), "--data", str(chat_data),
-           "--run-dir", str(run_dir), "--max-steps", "2", "--micro-batch-size", "2", "--max-length", "48",
-           "--device", "cpu", "--no-progress", "--save-every", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "lmforge_cli",
+        "finetune",
+        "--model",
+        str(tiny_llama_dir),
+        "--data",
+        str(chat_data),
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--max-length",
+        "48",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--save-every",
+        "2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -204,4 +254,7 @@ def test_ddp_two_cpu_processes(tiny_llama_dir, chat_data, tmp_path):
     # tokens count both ranks' micro-batches: more than one rank's 2 rows could hold alone.
     assert train[0]["tokens"] > 2 * 48
     assert (run_dir / "final" / "model.safetensors").is_file()
-    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_000002").glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_000002").glob("rng_rank*.pt")) == [
+        "rng_rank0.pt",
+        "rng_rank1.pt",
+    ]

@@ -22,14 +22,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_script_dry_run_passes_and_reports(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu.run", "--dry-run", "--out", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu.run", "--dry-run", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_report.json").read_text())
     assert report["mode"] == "dry-run" and report["passed"]
     assert [c["name"] for c in report["checks"]] == [
-        "greedy_fp32_equals_hf_generate", "prefix_cache_cold_equals_warm", "preemption_safe",
-        "bf16_logprobs_within_tolerance_of_hf_bf16"]
+        "greedy_fp32_equals_hf_generate",
+        "prefix_cache_cold_equals_warm",
+        "preemption_safe",
+        "bf16_logprobs_within_tolerance_of_hf_bf16",
+    ]
     assert all(c["passed"] for c in report["checks"])
     assert report["checks"][0]["attention_backend"] == "TritonAttentionBackend"
     w = report["workload"]

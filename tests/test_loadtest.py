@@ -25,8 +25,17 @@ from bench.report import read_samples
 
 def _sample(start, ttft, itls, tokens, error=None, concurrency=1):
     e2e = ttft + sum(itls)
-    return RequestSample(start_s=start, e2e_s=e2e, ttft_s=ttft, itl_s=list(itls), input_tokens=10,
-                         output_tokens=tokens, finish_reason="length", error=error, concurrency=concurrency)
+    return RequestSample(
+        start_s=start,
+        e2e_s=e2e,
+        ttft_s=ttft,
+        itl_s=list(itls),
+        input_tokens=10,
+        output_tokens=tokens,
+        finish_reason="length",
+        error=error,
+        concurrency=concurrency,
+    )
 
 
 def test_percentiles_are_exact_on_known_values():
@@ -38,9 +47,9 @@ def test_percentiles_are_exact_on_known_values():
 
 def test_summarize_follows_genai_perf_and_vllm_definitions():
     samples = [
-        _sample(100.0, 0.2, [0.1, 0.1, 0.1], 4),   # e2e 0.5, tpot (0.5-0.2)/3 = 0.1
-        _sample(100.5, 0.4, [0.3], 2),             # e2e 0.7, tpot 0.3
-        _sample(101.0, 0.1, [], 1),                # one token: no ITL, no TPOT
+        _sample(100.0, 0.2, [0.1, 0.1, 0.1], 4),  # e2e 0.5, tpot (0.5-0.2)/3 = 0.1
+        _sample(100.5, 0.4, [0.3], 2),  # e2e 0.7, tpot 0.3
+        _sample(101.0, 0.1, [], 1),  # one token: no ITL, no TPOT
         RequestSample(start_s=101.5, e2e_s=0.5, error="HTTP 400: bad", output_tokens=0),
     ]
     s = summarize(samples)
@@ -73,8 +82,11 @@ def test_throughput_timeline_conserves_tokens():
 
 
 def test_latency_by_concurrency_groups_levels():
-    samples = [_sample(0, 0.1, [0.1], 2, concurrency=1), _sample(1, 0.3, [0.1], 2, concurrency=2),
-               _sample(2, 0.5, [0.1], 2, concurrency=2)]
+    samples = [
+        _sample(0, 0.1, [0.1], 2, concurrency=1),
+        _sample(1, 0.3, [0.1], 2, concurrency=2),
+        _sample(2, 0.5, [0.1], 2, concurrency=2),
+    ]
     rows = latency_by_concurrency(samples)
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert rows[1]["requests"] == 2 and rows[1]["ttft_ms"]["p50"] == pytest.approx(400.0)
@@ -95,9 +107,17 @@ def test_goodput_is_best_step_within_the_bound():
 
 def test_prompts_from_jsonl_and_held_out_dialogs(tmp_path):
     path = tmp_path / "p.jsonl"
-    records = [{"prompt": "a"}, {"text": "b"}, {"messages": [{"role": "system", "content": "s"},
-                                                             {"role": "user", "content": "c"},
-                                                             {"role": "assistant", "content": "d"}]}]
+    records = [
+        {"prompt": "a"},
+        {"text": "b"},
+        {
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "c"},
+                {"role": "assistant", "content": "d"},
+            ]
+        },
+    ]
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
     assert load_prompts(path) == ["a", "b", "c"]
     assert load_prompts(path, limit=2) == ["a", "b"]
@@ -144,9 +164,11 @@ def test_sse_stream_parsing_and_errors_inside_the_stream():
     assert parse_sse_line(b"") is None and parse_sse_line(b": keep-alive") is None
     with pytest.raises(ValueError):
         parse_sse_line(b"data: [1, 2]")
-    events = [{"text_output": "Hel", "num_input_tokens": 3, "num_output_tokens": 1},
-              {"text_output": "", "num_output_tokens": 1},
-              {"text_output": "lo", "num_output_tokens": 2, "finish_reason": "length"}]
+    events = [
+        {"text_output": "Hel", "num_input_tokens": 3, "num_output_tokens": 1},
+        {"text_output": "", "num_output_tokens": 1},
+        {"text_output": "lo", "num_output_tokens": 2, "finish_reason": "length"},
+    ]
     result = StreamResult()
     read_stream(_response(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)), result)
     assert (result.text, result.input_tokens, result.output_tokens, result.finish_reason) == ("Hello", 3, 2, "length")
@@ -162,10 +184,12 @@ def test_sse_stream_parsing_and_errors_inside_the_stream():
 def test_openai_sse_parsing_usage_and_done():
     from bench.protocol import StreamError, StreamResult, openai_payload, read_openai_stream
 
-    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-              {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
-              {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]},
-              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}]
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}},
+    ]
     body = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
     result = StreamResult()
     read_openai_stream(_response(body), result)
@@ -175,11 +199,17 @@ def test_openai_sse_parsing_usage_and_done():
     read_openai_stream(_response(completions), other := StreamResult())
     assert other.text == "ab" and other.finish_reason == "stop"
     with pytest.raises(StreamError, match="DONE"):
-        read_openai_stream(_response(b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": null}]}\n\n'), StreamResult())
+        read_openai_stream(
+            _response(b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": null}]}\n\n'), StreamResult()
+        )
     with pytest.raises(StreamError, match="server error"):
         read_openai_stream(_response(b'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n'), StreamResult())
-    payload = openai_payload("hi", {"max_tokens": 4, "temperature": 0, "ignore_eos": True}, model="m", endpoint="chat", stream=True)
-    assert payload["messages"] == [{"role": "user", "content": "hi"}] and payload["stream_options"] == {"include_usage": True}
+    payload = openai_payload(
+        "hi", {"max_tokens": 4, "temperature": 0, "ignore_eos": True}, model="m", endpoint="chat", stream=True
+    )
+    assert payload["messages"] == [{"role": "user", "content": "hi"}] and payload["stream_options"] == {
+        "include_usage": True
+    }
     assert payload["ignore_eos"] is True and payload["max_tokens"] == 4
     assert "prompt" in openai_payload("hi", {"max_tokens": 4}, model="m", endpoint="completions", stream=False)
 
@@ -188,12 +218,24 @@ def test_serving_comparison_endpoint_specs_and_goodput():
     from bench.serving_compare import Endpoint, goodput_tok_s
 
     ep = Endpoint.parse("name=ours,api=openai,url=http://127.0.0.1:9000,model=m,endpoint=completions")
-    assert (ep.name, ep.api, ep.url, ep.model, ep.endpoint) == ("ours", "openai", "http://127.0.0.1:9000", "m", "completions")
-    for bad, message in (("name=a,api=x,url=u,model=m", "api='x'"), ("name=a,url=u", "missing api, model"), ("name=a,colour=red", "colour")):
+    assert (ep.name, ep.api, ep.url, ep.model, ep.endpoint) == (
+        "ours",
+        "openai",
+        "http://127.0.0.1:9000",
+        "m",
+        "completions",
+    )
+    for bad, message in (
+        ("name=a,api=x,url=u,model=m", "api='x'"),
+        ("name=a,url=u", "missing api, model"),
+        ("name=a,colour=red", "colour"),
+    ):
         with pytest.raises(ValueError, match=message):
             Endpoint.parse(bad)
     samples = [_sample(0, 0.1, [0.1], 2), _sample(0, 3.0, [0.1], 5), _sample(0, 0.2, [], 1, error="boom")]
-    assert goodput_tok_s(samples, bound_ms=1000.0, duration_s=2.0) == pytest.approx(1.0)  # only the first request counts
+    assert goodput_tok_s(samples, bound_ms=1000.0, duration_s=2.0) == pytest.approx(
+        1.0
+    )  # only the first request counts
 
 
 def test_the_caller_never_imports_locust():
@@ -201,7 +243,9 @@ def test_the_caller_never_imports_locust():
     import subprocess
     import sys
 
-    code = "import sys, bench.loadtest, bench.demo, bench.report; print('locust' in sys.modules, 'gevent' in sys.modules)"
+    code = (
+        "import sys, bench.loadtest, bench.demo, bench.report; print('locust' in sys.modules, 'gevent' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
@@ -268,8 +312,17 @@ def triton(tiny_llama_dir, tmp_path_factory):
 
 
 def _config(server, **changes) -> LoadTestConfig:
-    base = dict(host=server.http_url, model="llm", users=2, spawn_rate=2.0, run_time_s=4.0,
-                max_tokens=MAX_TOKENS, ignore_eos=True, num_prompts=8, request_timeout_s=30.0)
+    base = dict(
+        host=server.http_url,
+        model="llm",
+        users=2,
+        spawn_rate=2.0,
+        run_time_s=4.0,
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        num_prompts=8,
+        request_timeout_s=30.0,
+    )
     return LoadTestConfig(**{**base, **changes})
 
 
@@ -291,8 +344,15 @@ def test_locust_streams_from_triton_with_plausible_metrics(triton, tmp_path):
     assert m["failed"] == 0 and m["output_throughput_tok_s"] > 0
     assert m["ttft_ms"]["p50"] <= m["e2e_ms"]["p50"] and m["itl_ms"]["p50"] > 0
     assert summary["server"] == {"unreachable_during_run": None, "ready_after_run": True}
-    for name in ("summary.json", "samples.jsonl", "locust_stats.csv", "locust_stats_history.csv",
-                 "locust_failures.csv", "locust_exceptions.csv", *PLOT_FILES):
+    for name in (
+        "summary.json",
+        "samples.jsonl",
+        "locust_stats.csv",
+        "locust_stats_history.csv",
+        "locust_failures.csv",
+        "locust_exceptions.csv",
+        *PLOT_FILES,
+    ):
         assert (tmp_path / name).stat().st_size > 0, name
     with (tmp_path / "locust_stats.csv").open() as handle:
         rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(handle)}
@@ -315,8 +375,16 @@ def test_non_streaming_endpoint_measures_end_to_end(triton, tmp_path):
 def test_step_shape_reports_goodput(triton, tmp_path):
     from bench.loadtest import run_loadtest
 
-    config = _config(triton, users=1, shape="steps", step_users=1, step_s=2.5, max_users=2,
-                     ttft_p90_bound_ms=60_000.0, run_time_s=20.0)
+    config = _config(
+        triton,
+        users=1,
+        shape="steps",
+        step_users=1,
+        step_s=2.5,
+        max_users=2,
+        ttft_p90_bound_ms=60_000.0,
+        run_time_s=20.0,
+    )
     summary = run_loadtest(config, tmp_path, log=lambda _m: None)
     assert [row["users"] for row in summary["steps"]] == [1, 2]
     assert all(row["meets_slo"] for row in summary["steps"])
@@ -339,8 +407,11 @@ def test_server_that_dies_mid_run_keeps_the_measurements(triton, tmp_path):
     from bench.loadtest import run_loadtest
 
     result = {}
-    worker = threading.Thread(target=lambda: result.update(
-        summary=run_loadtest(_config(triton, run_time_s=60.0), tmp_path, log=lambda _m: None)))
+    worker = threading.Thread(
+        target=lambda: result.update(
+            summary=run_loadtest(_config(triton, run_time_s=60.0), tmp_path, log=lambda _m: None)
+        )
+    )
     started = time.monotonic()
     worker.start()
     deadline = time.monotonic() + 60

@@ -65,7 +65,9 @@ def test_minilm_onnx_embeddings_match_pytorch(minilm_onnx_dir):
     tokenizer = AutoTokenizer.from_pretrained(source)
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
     with torch.no_grad():
-        expected = mean_pool(AutoModel.from_pretrained(source).eval()(**batch).last_hidden_state, batch["attention_mask"])
+        expected = mean_pool(
+            AutoModel.from_pretrained(source).eval()(**batch).last_hidden_state, batch["attention_mask"]
+        )
     fp32 = ORTModelForFeatureExtraction.from_pretrained(minilm_onnx_dir)
     got = mean_pool(fp32(**batch).last_hidden_state, batch["attention_mask"])
     assert torch.nn.functional.cosine_similarity(got, expected).min() >= 0.999

@@ -35,9 +35,24 @@ def frontend(server, served_repo, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("openai") / "frontend.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "deploy.openai_server", "--repo", str(served_repo), "--models", "llm",
-             "--grpc-url", server.grpc_url, "--port", str(port), "--api-key", API_KEY],
-            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "deploy.openai_server",
+                "--repo",
+                str(served_repo),
+                "--models",
+                "llm",
+                "--grpc-url",
+                server.grpc_url,
+                "--port",
+                str(port),
+                "--api-key",
+                API_KEY,
+            ],
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -76,7 +91,11 @@ def chat_ids(tokenizer, messages) -> list[int]:
 
 def metric(server, name: str) -> float:
     text = requests.get(server.metrics_url, timeout=10).text
-    values = [float(v) for labels, v in re.findall(rf'^{re.escape(name)}\{{([^}}]*)\}} ([0-9.eE+-]+)$', text, re.M) if 'model="llm"' in labels]
+    values = [
+        float(v)
+        for labels, v in re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.eE+-]+)$", text, re.M)
+        if 'model="llm"' in labels
+    ]
     assert values, f"metric {name} not exported"
     return sum(values)
 
@@ -102,27 +121,42 @@ def test_health_and_models(frontend, client):
 def test_completions_greedy_equals_engine_with_exact_usage(client, engine_text, tokenizer):
     expected, num_tokens = engine_text(PROMPT, temperature=0, max_tokens=24, ignore_eos=True)
     out = client.completions.create(model="llm", prompt=PROMPT, **GREEDY)
-    assert out.object == "text_completion" and out.choices[0].text == expected and out.choices[0].finish_reason == "length"
+    assert (
+        out.object == "text_completion" and out.choices[0].text == expected and out.choices[0].finish_reason == "length"
+    )
     prompt_tokens = len(tokenizer(PROMPT).input_ids)
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (prompt_tokens, 24, prompt_tokens + 24)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        prompt_tokens,
+        24,
+        prompt_tokens + 24,
+    )
     # a list of prompts (text and token ids): one choice each, usage summed
     other = tokenizer("Once upon a time").input_ids
     many = client.completions.create(model="llm", prompt=[PROMPT, "Once upon a time"], **GREEDY)
     assert [c.index for c in many.choices] == [0, 1] and many.choices[0].text == expected
     assert many.usage.completion_tokens == 48
     ids = client.completions.create(model="llm", prompt=other, **GREEDY)
-    assert ids.choices[0].text == engine_text({"prompt_token_ids": other}, temperature=0, max_tokens=24, ignore_eos=True)[0]
+    assert (
+        ids.choices[0].text
+        == engine_text({"prompt_token_ids": other}, temperature=0, max_tokens=24, ignore_eos=True)[0]
+    )
     assert ids.usage.prompt_tokens == len(other)
 
 
 def test_completions_stream_with_usage_and_done(frontend, client, engine_text):
     expected, _ = engine_text(PROMPT, temperature=0, max_tokens=24, ignore_eos=True)
-    chunks = list(client.completions.create(model="llm", prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model="llm", prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert len(chunks) > 2 and "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
     assert all(c.usage is None for c in chunks[:-1])
     body = {"model": "llm", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
-    with requests.post(f"{frontend}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, stream=True, timeout=60) as raw:
+    with requests.post(
+        f"{frontend}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, stream=True, timeout=60
+    ) as raw:
         assert raw.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in raw.iter_lines() if line]
     assert lines[-1] == b"data: [DONE]" and all(line.startswith(b"data: ") for line in lines)
@@ -136,11 +170,26 @@ def test_chat_async_stream_and_not_equal_engine(frontend, engine_text, tokenizer
     expected, _ = engine_text({"prompt_token_ids": ids}, temperature=0, max_tokens=16, ignore_eos=True)
 
     async def run():
-        async with openai.AsyncOpenAI(base_url=f"{frontend}/v1", api_key=API_KEY, max_retries=0, timeout=120) as aclient:
+        async with openai.AsyncOpenAI(
+            base_url=f"{frontend}/v1", api_key=API_KEY, max_retries=0, timeout=120
+        ) as aclient:
             whole, stream = await asyncio.gather(
-                aclient.chat.completions.create(model="llm", messages=MESSAGES, max_completion_tokens=16, temperature=0, extra_body={"ignore_eos": True}),
-                aclient.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=16, temperature=0, stream=True,
-                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}),
+                aclient.chat.completions.create(
+                    model="llm",
+                    messages=MESSAGES,
+                    max_completion_tokens=16,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                ),
+                aclient.chat.completions.create(
+                    model="llm",
+                    messages=MESSAGES,
+                    max_tokens=16,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                ),
             )
             return whole, [chunk async for chunk in stream]
 
@@ -158,18 +207,31 @@ def test_n_2_stop_strings_and_logprobs(client, engine_text):
     greedy = client.completions.create(model="llm", prompt=PROMPT, n=2, **GREEDY)
     assert [c.index for c in greedy.choices] == [0, 1] and greedy.choices[0].text == greedy.choices[1].text == expected
     assert greedy.usage.completion_tokens == 48
-    sampled = client.chat.completions.create(model="llm", messages=MESSAGES, n=2, seed=3, temperature=1.0, max_tokens=12, extra_body={"ignore_eos": True})
-    again = client.chat.completions.create(model="llm", messages=MESSAGES, n=2, seed=3, temperature=1.0, max_tokens=12, extra_body={"ignore_eos": True})
+    sampled = client.chat.completions.create(
+        model="llm", messages=MESSAGES, n=2, seed=3, temperature=1.0, max_tokens=12, extra_body={"ignore_eos": True}
+    )
+    again = client.chat.completions.create(
+        model="llm", messages=MESSAGES, n=2, seed=3, temperature=1.0, max_tokens=12, extra_body={"ignore_eos": True}
+    )
     texts = [c.message.content for c in sampled.choices]
     assert texts[0] != texts[1] and texts == [c.message.content for c in again.choices]
-    stop = expected[len(expected) // 3: len(expected) // 3 + 4]
+    stop = expected[len(expected) // 3 : len(expected) // 3 + 4]
     cut = client.completions.create(model="llm", prompt=PROMPT, stop=[stop], **GREEDY)
-    assert cut.choices[0].text == expected[:expected.index(stop)] and cut.choices[0].finish_reason == "stop"
-    logprobs = client.completions.create(model="llm", prompt=PROMPT, logprobs=2, temperature=0, max_tokens=5, extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == expected[: expected.index(stop)] and cut.choices[0].finish_reason == "stop"
+    logprobs = client.completions.create(
+        model="llm", prompt=PROMPT, logprobs=2, temperature=0, max_tokens=5, extra_body={"ignore_eos": True}
+    )
     lp = logprobs.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5 and "".join(lp.tokens) == logprobs.choices[0].text
-    assert all(max(top.values()) == token_lp for top, token_lp in zip(lp.top_logprobs, lp.token_logprobs))  # greedy: the top token
-    chat_lp = client.chat.completions.create(model="llm", messages=MESSAGES, logprobs=True, top_logprobs=3, temperature=0, max_tokens=4)
+    assert (
+        len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+        and "".join(lp.tokens) == logprobs.choices[0].text
+    )
+    assert all(
+        max(top.values()) == token_lp for top, token_lp in zip(lp.top_logprobs, lp.token_logprobs)
+    )  # greedy: the top token
+    chat_lp = client.chat.completions.create(
+        model="llm", messages=MESSAGES, logprobs=True, top_logprobs=3, temperature=0, max_tokens=4
+    )
     content = chat_lp.choices[0].logprobs.content
     assert len(content) == chat_lp.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
 
@@ -190,15 +252,39 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("route, body, status, param", BAD_INPUTS, ids=[
-    "wrong-type", "prompt-type", "missing-messages", "empty-messages", "unknown-field", "max-tokens-beyond-context",
-    "n-0", "negative-temperature", "1-MB-prompt", "invalid-json", "unknown-model", "min-tokens-over-max"])
+@pytest.mark.parametrize(
+    "route, body, status, param",
+    BAD_INPUTS,
+    ids=[
+        "wrong-type",
+        "prompt-type",
+        "missing-messages",
+        "empty-messages",
+        "unknown-field",
+        "max-tokens-beyond-context",
+        "n-0",
+        "negative-temperature",
+        "1-MB-prompt",
+        "invalid-json",
+        "unknown-model",
+        "min-tokens-over-max",
+    ],
+)
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(frontend, client, route, body, status, param):
     data = body if isinstance(body, str) else json.dumps(body)
-    response = requests.post(f"{frontend}{route}", data=data, headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}, timeout=60)
+    response = requests.post(
+        f"{frontend}{route}",
+        data=data,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+        timeout=60,
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"] == "invalid_request_error"
+    assert (
+        set(error) == {"message", "type", "param", "code"}
+        and error["message"]
+        and error["type"] == "invalid_request_error"
+    )
     assert error["param"] == param or (param is not None and param in error["message"]), error
     assert client.completions.create(model="llm", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
 
@@ -211,15 +297,28 @@ def test_api_key_is_required_on_v1_routes(frontend):
         response = requests.get(f"{frontend}/v1/models", headers=headers, timeout=10)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{frontend}/v1", api_key="wrong", max_retries=0).completions.create(model="llm", prompt=PROMPT, max_tokens=2)
+        openai.OpenAI(base_url=f"{frontend}/v1", api_key="wrong", max_retries=0).completions.create(
+            model="llm", prompt=PROMPT, max_tokens=2
+        )
 
 
 def test_locust_load_through_the_openai_api(frontend, tmp_path):
     from bench.loadtest import LoadTestConfig, run_loadtest
     from bench.report import read_samples
 
-    config = LoadTestConfig(host=frontend, model="llm", api="openai", api_key=API_KEY, users=2, spawn_rate=2.0, run_time_s=4.0,
-                            max_tokens=8, ignore_eos=True, num_prompts=8, request_timeout_s=30.0)
+    config = LoadTestConfig(
+        host=frontend,
+        model="llm",
+        api="openai",
+        api_key=API_KEY,
+        users=2,
+        spawn_rate=2.0,
+        run_time_s=4.0,
+        max_tokens=8,
+        ignore_eos=True,
+        num_prompts=8,
+        request_timeout_s=30.0,
+    )
     summary = run_loadtest(config, tmp_path, log=lambda _m: None)
     samples, _ = read_samples(tmp_path / "samples.jsonl")
     assert len(samples) >= 2 and all(s.ok for s in samples), summary["metrics"]["errors"]
@@ -232,28 +331,82 @@ def test_locust_load_through_the_openai_api(frontend, tmp_path):
 def test_serving_comparison_report_over_triton_and_the_frontend(frontend, server, tmp_path):
     from lmforge_cli import main
 
-    assert main(["bench", "serving", "--endpoint", f"name=triton,api=triton,url={server.http_url},model=llm",
-                 "--endpoint", f"name=openai,api=openai,url={frontend},model=llm,endpoint=completions,key={API_KEY}",
-                 "--users", "1", "2", "--run-time", "2s", "--max-tokens", "6", "--num-prompts", "8", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serving",
+                "--endpoint",
+                f"name=triton,api=triton,url={server.http_url},model=llm",
+                "--endpoint",
+                f"name=openai,api=openai,url={frontend},model=llm,endpoint=completions,key={API_KEY}",
+                "--users",
+                "1",
+                "2",
+                "--run-time",
+                "2s",
+                "--max-tokens",
+                "6",
+                "--num-prompts",
+                "8",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "serving.json").read_text())
-    assert [(r["endpoint"], r["users"]) for r in report["rows"]] == [("triton", 1), ("openai", 1), ("triton", 2), ("openai", 2)]
-    assert all(r["failed"] == 0 and r["requests"] >= 1 and r["output_tok_s"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in report["rows"])
+    assert [(r["endpoint"], r["users"]) for r in report["rows"]] == [
+        ("triton", 1),
+        ("openai", 1),
+        ("triton", 2),
+        ("openai", 2),
+    ]
+    assert all(
+        r["failed"] == 0 and r["requests"] >= 1 and r["output_tok_s"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0
+        for r in report["rows"]
+    )
     assert all(r["goodput_tok_s"] <= r["output_tok_s"] + 1e-9 for r in report["rows"])
-    assert all((tmp_path / name).stat().st_size > 0 for name in ("serving.md", "throughput_vs_users.png", "ttft_p99_vs_users.png"))
+    assert all(
+        (tmp_path / name).stat().st_size > 0
+        for name in ("serving.md", "throughput_vs_users.png", "ttft_p99_vs_users.png")
+    )
     assert report["endpoints"][1]["key"] is None  # the key is not written to the report
 
 
 def test_disconnect_mid_stream_cancels_the_triton_request(frontend, server, client, tokenizer):
-    aborted_before = metric(server, "lmforge_requests_aborted_total") if "lmforge_requests_aborted_total{" in requests.get(server.metrics_url, timeout=10).text else 0.0
+    aborted_before = (
+        metric(server, "lmforge_requests_aborted_total")
+        if "lmforge_requests_aborted_total{" in requests.get(server.metrics_url, timeout=10).text
+        else 0.0
+    )
     longest = 512 - len(chat_ids(tokenizer, MESSAGES))  # the whole context: a window of seconds
-    body = {"model": "llm", "messages": MESSAGES, "max_tokens": longest, "temperature": 0, "stream": True, "ignore_eos": True}
-    response = requests.post(f"{frontend}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, stream=True, timeout=60)
+    body = {
+        "model": "llm",
+        "messages": MESSAGES,
+        "max_tokens": longest,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    response = requests.post(
+        f"{frontend}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        stream=True,
+        timeout=60,
+    )
     events = (line for line in response.iter_lines() if line.startswith(b"data: "))
     for _ in range(3):  # a few tokens arrive, then the client goes away
         next(events)
     response.close()
     closed = time.monotonic()
-    assert wait_for(lambda: metric(server, "lmforge_num_requests_running") == 0 and metric(server, "lmforge_kv_cache_usage_ratio") == 0.0)
+    assert wait_for(
+        lambda: (
+            metric(server, "lmforge_num_requests_running") == 0
+            and metric(server, "lmforge_kv_cache_usage_ratio") == 0.0
+        )
+    )
     freed_s = time.monotonic() - closed
     assert metric(server, "lmforge_requests_aborted_total") >= aborted_before + 1
     print(f"KV blocks back in the pool {freed_s * 1000:.0f} ms after the client disconnected")

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 import lmforge_cli
-from compress.checkpoint.outputs import CHECKPOINT, DATA, OutputDirError, check_copy, check_output_dir, staged_output_dir
+from compress.checkpoint.outputs import (
+    CHECKPOINT,
+    DATA,
+    OutputDirError,
+    check_copy,
+    check_output_dir,
+    staged_output_dir,
+)
 
 
 @pytest.fixture()
@@ -79,9 +85,14 @@ def test_staged_writer_replaces_an_earlier_output_whole_and_keeps_it_on_failure(
 
 def test_quantize_cli_refuses_foreign_cwd_and_input(tiny_llama_dir, precious, monkeypatch, capsys):
     before = sorted(p.name for p in tiny_llama_dir.iterdir())
-    for out, reason in [(precious, "not an earlier lmforge checkpoint"), (tiny_llama_dir, "would replace the input"),
-                        (tiny_llama_dir / "int8", "inside the input")]:
-        assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "w8a8", "--out", str(out)]) == 2
+    for out, reason in [
+        (precious, "not an earlier lmforge checkpoint"),
+        (tiny_llama_dir, "would replace the input"),
+        (tiny_llama_dir / "int8", "inside the input"),
+    ]:
+        assert (
+            lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "w8a8", "--out", str(out)]) == 2
+        )
         err = capsys.readouterr().err
         assert f"error: {Path(out).resolve()}: " in err and reason in err and "choose a new or empty directory" in err
     monkeypatch.chdir(precious)
@@ -101,8 +112,23 @@ def test_onnx_export_refuses_a_foreign_directory(tiny_llama_dir, precious):
 def test_finetune_and_distill_refuse_a_foreign_run_dir(tiny_llama_dir, precious, tmp_path, capsys):
     data = tmp_path / "data"
     for command in ("finetune", "distill"):
-        assert lmforge_cli.main([command, "--model", str(tiny_llama_dir), "--data", str(data), "--run-dir", str(precious),
-                                 "--max-steps", "1", "--no-progress"]) == 2
+        assert (
+            lmforge_cli.main(
+                [
+                    command,
+                    "--model",
+                    str(tiny_llama_dir),
+                    "--data",
+                    str(data),
+                    "--run-dir",
+                    str(precious),
+                    "--max-steps",
+                    "1",
+                    "--no-progress",
+                ]
+            )
+            == 2
+        )
         assert "not an earlier lmforge training run (no run.json)" in capsys.readouterr().err
     assert _kept(precious)
 
@@ -127,22 +153,55 @@ def test_export_copy_weights_into_the_checkpoint_is_refused(tiny_llama_dir, tmp_
     foreign = tmp_path / "repo" / "m"
     foreign.mkdir(parents=True)
     (foreign / "notes.txt").write_text("keep me")
-    assert lmforge_cli.main(["export", "--model", str(tiny_llama_dir), "--repo", str(tmp_path / "repo"), "--name", "m"]) == 2
+    assert (
+        lmforge_cli.main(["export", "--model", str(tiny_llama_dir), "--repo", str(tmp_path / "repo"), "--name", "m"])
+        == 2
+    )
     assert "not an earlier Triton model directory (no config.pbtxt)" in capsys.readouterr().err
     assert _kept(foreign)
     users = tmp_path / "users-model"  # a checkpoint lmforge only read: its manifest says method import
     shutil.copytree(tiny_llama_dir, users)
     (users / "lmforge.json").unlink()
     for _ in range(2):
-        assert lmforge_cli.main(["export", "--model", str(users), "--repo", str(tmp_path / "repo"), "--name", "u",
-                                 "--copy-weights"]) == 0
+        assert (
+            lmforge_cli.main(
+                ["export", "--model", str(users), "--repo", str(tmp_path / "repo"), "--name", "u", "--copy-weights"]
+            )
+            == 0
+        )
     assert json.loads((tmp_path / "repo" / "u" / "1" / "weights" / "lmforge.json").read_text())["method"] == "import"
-    assert lmforge_cli.main(["export", "--model", str(tiny_llama_dir), "--repo", str(tmp_path / "repo"), "--name", "w",
-                             "--copy-weights"]) == 0
+    assert (
+        lmforge_cli.main(
+            [
+                "export",
+                "--model",
+                str(tiny_llama_dir),
+                "--repo",
+                str(tmp_path / "repo"),
+                "--name",
+                "w",
+                "--copy-weights",
+            ]
+        )
+        == 0
+    )
     weights = tmp_path / "repo" / "w" / "1" / "weights"
     assert sorted(p.name for p in weights.iterdir()) == before
-    assert lmforge_cli.main(["export", "--model", str(tiny_llama_dir), "--repo", str(tmp_path / "repo"), "--name", "w",
-                             "--copy-weights"]) == 0  # an earlier export of the same name is replaced
+    assert (
+        lmforge_cli.main(
+            [
+                "export",
+                "--model",
+                str(tiny_llama_dir),
+                "--repo",
+                str(tmp_path / "repo"),
+                "--name",
+                "w",
+                "--copy-weights",
+            ]
+        )
+        == 0
+    )  # an earlier export of the same name is replaced
     assert sorted(p.name for p in weights.iterdir()) == before
 
 
@@ -190,7 +249,9 @@ def test_loadtest_relative_out_gets_the_child_files(tmp_path, monkeypatch):
     with pytest.raises(loadtest.LoadTestError, match="no requests were measured"):
         loadtest.run_loadtest(loadtest.LoadTestConfig(host="http://127.0.0.1:9", model="m"), "reports/rel")
     assert Path(seen["cwd"]) != tmp_path
-    assert (tmp_path / "reports" / "rel" / "samples.jsonl").is_file() and (tmp_path / "reports" / "rel" / "locust.log").is_file()
+    assert (tmp_path / "reports" / "rel" / "samples.jsonl").is_file() and (
+        tmp_path / "reports" / "rel" / "locust.log"
+    ).is_file()
 
 
 def test_gguf_conversion_refuses_a_foreign_directory(precious):

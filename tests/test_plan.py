@@ -10,9 +10,9 @@ from compress.scale.comm_model import (
     CLUSTER_PRESETS,
     LINK_EFFICIENCY,
     Cluster,
+    ParallelConfig,
     all_gather_s,
     all_reduce_s,
-    ParallelConfig,
     data_parallel_bytes,
     decode_step_time,
     group_link,
@@ -67,8 +67,11 @@ def test_model_state_bytes_equal_real_tensors_of_tiny_llama(tiny_llama_dir):
 def test_model_state_bytes_untied_qwen2_with_biases():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    values = {k: v for k, v in tiny_llama_config(vocab_size=320, tie_word_embeddings=False).to_dict().items()
-              if k != "model_type"}
+    values = {
+        k: v
+        for k, v in tiny_llama_config(vocab_size=320, tie_word_embeddings=False).to_dict().items()
+        if k != "model_type"
+    }
     config = Qwen2Config(**values)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
@@ -126,23 +129,38 @@ def _measure_saved_activation_peak(model: torch.nn.Module, ids: torch.Tensor) ->
 
 @pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
 @pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("layers,hidden,heads,kv_heads,inter,batch,seq", [(2, 64, 4, 2, 160, 2, 64), (3, 96, 6, 3, 256, 3, 40)])
-def test_activation_bytes_match_measured_peak(precision, checkpointing, layers, hidden, heads, kv_heads, inter, batch, seq):
+@pytest.mark.parametrize(
+    "layers,hidden,heads,kv_heads,inter,batch,seq", [(2, 64, 4, 2, 160, 2, 64), (3, 96, 6, 3, 256, 3, 40)]
+)
+def test_activation_bytes_match_measured_peak(
+    precision, checkpointing, layers, hidden, heads, kv_heads, inter, batch, seq
+):
     """Without checkpointing transformers runs SDPA with ``is_causal`` (the fused path: no mask, K/V at
     KV-head width); gradient checkpointing switches ``use_cache`` off and SDPA gets an explicit mask
     with K/V repeated to the query heads (the masked path). Both are modelled."""
     from transformers import LlamaForCausalLM
 
-    config = tiny_llama_config(vocab_size=256, num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                               num_key_value_heads=kv_heads, intermediate_size=inter)
+    config = tiny_llama_config(
+        vocab_size=256,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32 if precision is Precision.FP32 else torch.bfloat16).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     measured = _measure_saved_activation_peak(model, torch.randint(0, 256, (batch, seq)))
-    predicted = stage_activation_bytes(ModelSpec.from_config(config.to_dict()), micro_batch=batch, seq_len=seq,
-                                       precision=precision, checkpointing=checkpointing,
-                                       fused_attention=not checkpointing)
+    predicted = stage_activation_bytes(
+        ModelSpec.from_config(config.to_dict()),
+        micro_batch=batch,
+        seq_len=seq,
+        precision=precision,
+        checkpointing=checkpointing,
+        fused_attention=not checkpointing,
+    )
     assert abs(predicted - measured) <= ACTIVATION_TOLERANCE * measured, (predicted, measured)
 
 
@@ -155,25 +173,41 @@ def test_schedule_simulation_confirms_closed_form_bubble(p, m):
 
 
 def test_kv_bytes_per_token_equal_a_paged_cache_of_that_shape():
-    spec = ModelSpec(num_hidden_layers=3, hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
-                     vocab_size=100, intermediate_size=128)
+    spec = ModelSpec(
+        num_hidden_layers=3,
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=100,
+        intermediate_size=128,
+    )
     num_blocks, block_size = 7, 16
     for dtype, nbytes in ((torch.float16, 2), (torch.float32, 4)):
-        cache = [torch.empty(num_blocks, block_size, spec.num_key_value_heads, spec.dim_head, dtype=dtype)
-                 for _layer in range(spec.num_hidden_layers) for _k_or_v in range(2)]
+        cache = [
+            torch.empty(num_blocks, block_size, spec.num_key_value_heads, spec.dim_head, dtype=dtype)
+            for _layer in range(spec.num_hidden_layers)
+            for _k_or_v in range(2)
+        ]
         assert kv_bytes_per_token(spec, nbytes) * num_blocks * block_size == _tensor_bytes(cache)
     cap = kv_capacity(spec, budget_bytes=1_000_000, block_size=block_size, max_model_len=100, dtype_bytes=2)
     cache_bytes = _tensor_bytes(torch.empty(cap.num_blocks, block_size, 2, 16, dtype=torch.float16) for _ in range(6))
     assert cache_bytes <= 1_000_000 < cache_bytes + cap.block_bytes
     assert cap.blocks_per_sequence == 7 and cap.max_concurrent_sequences == cap.num_blocks // 7
-    capped = kv_capacity(spec, budget_bytes=1_000_000, block_size=block_size, max_model_len=100, dtype_bytes=2,
-                         max_num_seqs=2)
+    capped = kv_capacity(
+        spec, budget_bytes=1_000_000, block_size=block_size, max_model_len=100, dtype_bytes=2, max_num_seqs=2
+    )
     assert capped.num_blocks == 14 < cap.num_blocks and capped.max_concurrent_sequences == 2
 
 
 def test_bad_input_names_the_constraint():
-    spec = ModelSpec(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                     vocab_size=49152, intermediate_size=1536)
+    spec = ModelSpec(
+        num_hidden_layers=30,
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        intermediate_size=1536,
+    )
     setup = TrainingSetup(seq_len=512, global_batch=8, num_devices=8, device_memory_bytes=2**34)
     with pytest.raises(ValueError, match="num_attention_heads=9 not divisible by tensor degree 2"):
         check_split(spec, Split(4, 2, 1), setup)
@@ -188,8 +222,15 @@ def test_bad_input_names_the_constraint():
 
 
 def test_plan_ranks_feasible_and_explains_infeasible():
-    spec = ModelSpec(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                     vocab_size=49152, intermediate_size=1536, tie_word_embeddings=True)
+    spec = ModelSpec(
+        num_hidden_layers=30,
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        intermediate_size=1536,
+        tie_word_embeddings=True,
+    )
     setup = TrainingSetup(seq_len=2048, global_batch=32, num_devices=6, device_memory_bytes=8 * 2**30)
     entries = plan_training(spec, setup)
     feasible = [e for e in entries if not e.infeasible]
@@ -200,19 +241,55 @@ def test_plan_ranks_feasible_and_explains_infeasible():
     reasons = {r.split(":")[0] for e in entries for r in e.infeasible}
     assert {"memory", "tensor degree", "ZeRO with pipeline"} <= reasons
     # more micro-batches shrink the bubble, so among pipeline splits the step gets shorter
-    pp3 = sorted((e for e in feasible if e.split.pipeline == 3 and e.zero_stage == 1 and e.checkpointing),
-                 key=lambda e: e.micro_batches)
+    pp3 = sorted(
+        (e for e in feasible if e.split.pipeline == 3 and e.zero_stage == 1 and e.checkpointing),
+        key=lambda e: e.micro_batches,
+    )
     assert len(pp3) >= 2 and pp3[-1].step_time_s < pp3[0].step_time_s
 
 
 def test_cli_plan_from_checkpoint_and_errors(tiny_llama_dir, capsys):
-    assert main(["plan", "--model", str(tiny_llama_dir), "--devices", "4", "--seq-len", "128",
-                 "--global-batch", "8", "--device-memory-gib", "1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                str(tiny_llama_dir),
+                "--devices",
+                "4",
+                "--seq-len",
+                "128",
+                "--global-batch",
+                "8",
+                "--device-memory-gib",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "best: " in out and "feasible of" in out and "1F1B schedule simulation" in out
     assert "winner dp=" in out and "vs runner-up dp=" in out and "tp_comm" in out
-    assert main(["plan", "--model", str(tiny_llama_dir), "--mode", "inference", "--device-memory-gib", "1",
-                 "--block-size", "16", "--max-model-len", "256", "--cluster", "h100-sxm"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                str(tiny_llama_dir),
+                "--mode",
+                "inference",
+                "--device-memory-gib",
+                "1",
+                "--block-size",
+                "16",
+                "--max-model-len",
+                "256",
+                "--cluster",
+                "h100-sxm",
+            ]
+        )
+        == 0
+    )
     spec = ModelSpec.from_checkpoint(tiny_llama_dir)
     out = capsys.readouterr().out
     assert f"kv_bytes_per_token: {kv_bytes_per_token(spec, 2):,}" in out
@@ -228,7 +305,7 @@ def test_cli_plan_from_checkpoint_and_errors(tiny_llama_dir, capsys):
 #: One rank of a 2-process gloo job: a tiny model (every parameter tensor has an even first
 #: dimension, so FSDP shards need no padding) trained one step with DDP and one with FSDP2;
 #: prints the bytes handed to each collective, counted by wrapping ``torch.distributed``.
-_COLLECTIVE_WORKER = r'''
+_COLLECTIVE_WORKER = r"""
 import inspect, json, os
 import torch, torch.distributed as dist
 from torch import nn
@@ -271,7 +348,7 @@ model(ids).float().sum().backward()
 print(json.dumps({"params": params, "ddp": ddp_counts, "fsdp": counts,
                   "shard": sum(p.to_local().numel() for p in model.parameters())}))
 dist.destroy_process_group()
-'''
+"""
 
 
 def _run_two_gloo_ranks(code: str) -> list[dict]:
@@ -284,9 +361,23 @@ def _run_two_gloo_ranks(code: str) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outputs = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
@@ -353,11 +444,23 @@ def _megatron_2021_tflops(model: ModelSpec, split: Split, batch: int, micro_batc
     Megatron-LM ran in 2021: fp16, recomputation, no ZeRO, unfused (materialised) attention,
     gradient all-reduce after the backward, on DGX A100 nodes."""
     devices = split.data * split.tensor * split.pipeline
-    setup = TrainingSetup(seq_len=2048, global_batch=batch, num_devices=devices, device_memory_bytes=80 * 2**30,
-                          precision=Precision.FP16, zero_stages=(0,), checkpointing=(True,),
-                          cluster=CLUSTER_PRESETS["a100-80gb-sxm"], fused_attention=False, overlap_grad_reduce=False)
-    entries = [e for e in plan_training(model, setup, [split]) if not e.infeasible
-               and micro_batch_size in (None, e.micro_batch_size)]
+    setup = TrainingSetup(
+        seq_len=2048,
+        global_batch=batch,
+        num_devices=devices,
+        device_memory_bytes=80 * 2**30,
+        precision=Precision.FP16,
+        zero_stages=(0,),
+        checkpointing=(True,),
+        cluster=CLUSTER_PRESETS["a100-80gb-sxm"],
+        fused_attention=False,
+        overlap_grad_reduce=False,
+    )
+    entries = [
+        e
+        for e in plan_training(model, setup, [split])
+        if not e.infeasible and micro_batch_size in (None, e.micro_batch_size)
+    ]
     assert entries, f"no feasible plan for {split}"
     return megatron_flops_per_iteration(model, batch, 2048) / entries[0].step_time_s / devices / 1e12
 
@@ -385,7 +488,10 @@ def test_split_rankings_follow_the_paper():
     the pipeline (resp. tensor) degree grows at the expense of data parallelism, for every batch."""
     big, small = _gpt(32, 20480, 128), _gpt(32, 3840, 32)
     for batch in (32, 128):
-        fig13 = {(t, p): _megatron_2021_tflops(big, Split(1, t, p), batch, 1) for t, p in ((2, 32), (4, 16), (8, 8), (16, 4), (32, 2))}
+        fig13 = {
+            (t, p): _megatron_2021_tflops(big, Split(1, t, p), batch, 1)
+            for t, p in ((2, 32), (4, 16), (8, 8), (16, 4), (32, 2))
+        }
         assert max(fig13, key=fig13.get) == (8, 8), (batch, fig13)
     for batch in (32, 128, 512):
         fig14 = [_megatron_2021_tflops(small, Split(64 // p, 1, p), batch, 1) for p in (2, 4, 8, 16, 32)]
@@ -397,13 +503,17 @@ def test_llama3_8b_example_ranks_by_distinct_step_times():
     """The issue's example: a Llama-3-8B shape on 16 x 80 GiB devices of 400 TFLOP/s peak, seq 4096, batch 256."""
     spec = ModelSpec(32, 4096, 32, 8, 128256, 14336)
     cluster = Cluster(peak_tflops=400.0, hbm_gbs=2039.0)
-    setup = TrainingSetup(seq_len=4096, global_batch=256, num_devices=16, device_memory_bytes=80 * 2**30, cluster=cluster)
+    setup = TrainingSetup(
+        seq_len=4096, global_batch=256, num_devices=16, device_memory_bytes=80 * 2**30, cluster=cluster
+    )
     feasible = [e for e in plan_training(spec, setup) if not e.infeasible]
     top = feasible[:10]
     assert len({round(e.step_time_s, 6) for e in top}) >= 8  # ranked by modelled time, not by tie-breaks
     for e in top:
         t = e.time
-        assert t.compute_s + t.tp_comm_s + t.pp_comm_s + t.dp_comm_s + t.bubble_s + t.optimizer_s == pytest.approx(e.step_time_s)
+        assert t.compute_s + t.tp_comm_s + t.pp_comm_s + t.dp_comm_s + t.bubble_s + t.optimizer_s == pytest.approx(
+            e.step_time_s
+        )
     splits = {(e.split.data, e.split.tensor, e.split.pipeline): e for e in reversed(feasible)}
     assert splits[(8, 2, 1)].time.tp_comm_s > 0 and splits[(4, 1, 4)].time.bubble_s > 0
     print(f"\nbest {top[0].describe()}: MFU {top[0].mfu:.1%}, 6N-only MFU {top[0].mfu_6n:.1%}")
@@ -416,8 +526,14 @@ def test_overlap_assumption_and_zero_traffic_show_in_the_step():
     shard = stage_params(spec, 0).elements
 
     def step(zero, overlap, micro_batches=4):
-        return training_step_time(spec, ParallelConfig(16, 1, 1, micro_batches, 1, zero), a100, seq_len=4096,
-                                  stage_param_elements=shard, overlap_grad_reduce=overlap)
+        return training_step_time(
+            spec,
+            ParallelConfig(16, 1, 1, micro_batches, 1, zero),
+            a100,
+            seq_len=4096,
+            stage_param_elements=shard,
+            overlap_grad_reduce=overlap,
+        )
 
     assert step(0, False).dp_comm_s > step(0, True).dp_comm_s  # overlap hides part of the all-reduce
     # ZeRO-3 moves 3 x the parameters per micro-batch: more of it shows when it is not overlapped
@@ -428,8 +544,16 @@ def test_overlap_assumption_and_zero_traffic_show_in_the_step():
 def test_serving_needs_tensor_parallelism_when_weights_do_not_fit_and_pays_all_reduce():
     llama70b = ModelSpec(80, 8192, 64, 8, 128256, 28672)
     h100 = CLUSTER_PRESETS["h100-sxm"]
-    options = serving_options(llama70b, h100, device_memory_bytes=80 * 2**30, memory_utilization=0.9, block_size=16,
-                              max_model_len=4096, weight_bytes=2, kv_dtype_bytes=2)
+    options = serving_options(
+        llama70b,
+        h100,
+        device_memory_bytes=80 * 2**30,
+        memory_utilization=0.9,
+        block_size=16,
+        max_model_len=4096,
+        weight_bytes=2,
+        kv_dtype_bytes=2,
+    )
     by_tp = {o.tensor_parallel: o for o in options}
     assert by_tp[1].itl_batch1 is None and by_tp[2].itl_batch1 is not None  # 131 GiB of weights need tp >= 2
     assert by_tp[8].itl_batch1.tp_comm_s > by_tp[4].itl_batch1.tp_comm_s > by_tp[2].itl_batch1.tp_comm_s > 0

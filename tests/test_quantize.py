@@ -32,7 +32,10 @@ from compress.quantize.methods import (
 
 PROMPTS = AGREEMENT_PROMPTS[:3]
 CONFIGS = {
-    "int8-weight-only": Int8WeightOnlyConfig(), "w8a8": W8A8Config(), "llm-int8": LlmInt8Config(), "onnx-int8": OnnxInt8MethodConfig(),
+    "int8-weight-only": Int8WeightOnlyConfig(),
+    "w8a8": W8A8Config(),
+    "llm-int8": LlmInt8Config(),
+    "onnx-int8": OnnxInt8MethodConfig(),
 }
 
 
@@ -114,7 +117,9 @@ def test_former_dynamic_checkpoint_loads_as_w8a8_and_the_method_names_its_replac
 
     legacy = tmp_path / "dynamic"
     shutil.copytree(quantized_dirs["w8a8"], legacy)
-    save_file(load_file(str(legacy / "model.safetensors")), str(legacy / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        load_file(str(legacy / "model.safetensors")), str(legacy / "model.safetensors"), metadata={"format": "pt"}
+    )
     model = load_int8_model(legacy)
     assert isinstance(model.model.layers[0].self_attn.q_proj, W8A8Linear)
     with pytest.raises(ValueError, match="'dynamic'.*replaced: use --method w8a8"):
@@ -140,8 +145,15 @@ def test_onnx_int8_graph_uses_integer_matmuls(quantized_dirs, tiny_llama_dir):
 
 
 def test_every_kind_is_evaluable_and_metrics_go_into_manifests(quantized_dirs, tiny_llama_dir):
-    records = [{"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How are you?"}]},
-               {"text": "The quick brown fox jumps over the lazy dog."}]
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": "Hi there"},
+                {"role": "assistant", "content": "Hello! How are you?"},
+            ]
+        },
+        {"text": "The quick brown fox jumps over the lazy dog."},
+    ]
     checkpoints = [tiny_llama_dir, *quantized_dirs.values()]
     config = EvalConfig(agreement_tokens=8, latency_tokens=8, latency_repeats=2, num_threads=1)
     results = evaluate(checkpoints, records=records, data_name="inline", config=config, log=lambda _: None)
@@ -178,11 +190,34 @@ def test_bad_inputs_name_the_field_or_file(tiny_llama_dir, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="model.safetensors.*weight_int8"):
         load_int8_model(tiny_llama_dir)
     assert not (tmp_path / "out").exists()
-    assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "int4", "--out", str(tmp_path / "o")]) == 2
+    assert (
+        lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "int4", "--out", str(tmp_path / "o")])
+        == 2
+    )
     assert "--method 'int4'" in capsys.readouterr().err
-    assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "w8a8", "--threshold", "5", "--out", str(tmp_path / "o")]) == 1
+    assert (
+        lmforge_cli.main(
+            [
+                "quantize",
+                "--model",
+                str(tiny_llama_dir),
+                "--method",
+                "w8a8",
+                "--threshold",
+                "5",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 1
+    )
     assert "--threshold: not an option of --method w8a8" in capsys.readouterr().err
-    assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "dynamic", "--out", str(tmp_path / "o")]) == 2
+    assert (
+        lmforge_cli.main(
+            ["quantize", "--model", str(tiny_llama_dir), "--method", "dynamic", "--out", str(tmp_path / "o")]
+        )
+        == 2
+    )
     assert "use --method w8a8" in capsys.readouterr().err
 
 
@@ -200,7 +235,11 @@ def test_int8_smollm2_stays_close_to_fp32(smollm2_dir, tmp_path):
     ppl_fp32 = quality_metrics(fp32.model, fp32.tokenizer, records)["perplexity"]
     del fp32
     for method, max_kl, min_top1 in (("int8-weight-only", 0.01, 0.95), ("w8a8", 0.04, 0.9)):
-        out = quantize(smollm2_dir, tmp_path / method, method=method, calibration_records=8) if method == "w8a8" else quantize(smollm2_dir, tmp_path / method, method=method)
+        out = (
+            quantize(smollm2_dir, tmp_path / method, method=method, calibration_records=8)
+            if method == "w8a8"
+            else quantize(smollm2_dir, tmp_path / method, method=method)
+        )
         loaded = load_for_eval(out, num_threads=2)
         m = quality_metrics(loaded.model, loaded.tokenizer, records, reference)
         # measured on these 6 dialogs: see README (weight-only KL ~0.004, w8a8 ~0.01)

@@ -8,12 +8,10 @@ temporary repository and starts one server on free ports of 127.0.0.1 for all te
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +29,12 @@ pytestmark = pytest.mark.integration
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
-SENTENCES = ["A man is playing a guitar.", "The weather is lovely today.", "Quantization makes models smaller.", "Triton serves models."]
+SENTENCES = [
+    "A man is playing a guitar.",
+    "The weather is lovely today.",
+    "Quantization makes models smaller.",
+    "Triton serves models.",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -48,11 +51,13 @@ def generate_stream(server, prompt: str, params: dict, **extra) -> list[dict]:
     """POST generate_stream and return the SSE events (parsed JSON)."""
     body = {"text_input": prompt, "sampling_parameters": json.dumps(params), "stream": True, **extra}
     events = []
-    with requests.post(f"{server.http_url}/v2/models/llm/generate_stream", json=body, stream=True, timeout=120) as response:
+    with requests.post(
+        f"{server.http_url}/v2/models/llm/generate_stream", json=body, stream=True, timeout=120
+    ) as response:
         assert response.status_code == 200, response.text
         for line in response.iter_lines():
             if line.startswith(b"data: "):
-                events.append(json.loads(line[len(b"data: "):]))
+                events.append(json.loads(line[len(b"data: ") :]))
     return events
 
 
@@ -63,7 +68,7 @@ def metric_values(server, name: str, model: str = "llm") -> list[float]:
 
 def _labelled(server, name: str, model: str = "llm") -> list[tuple[str, float]]:
     text = requests.get(server.metrics_url, timeout=10).text
-    pattern = re.compile(rf'^{re.escape(name)}\{{([^}}]*)\}} ([0-9.eE+-]+)$', re.M)
+    pattern = re.compile(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.eE+-]+)$", re.M)
     return [(labels, float(value)) for labels, value in pattern.findall(text) if f'model="{model}"' in labels]
 
 
@@ -132,7 +137,11 @@ def test_grpc_stream_ends_with_final_flag(server, engine_text):
     expected, _ = engine_text(PROMPT, **GREEDY)
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("stream", [1], "BOOL"), grpcclient.InferInput("sampling_parameters", [1], "BYTES")]
+    inputs = [
+        grpcclient.InferInput("text_input", [1], "BYTES"),
+        grpcclient.InferInput("stream", [1], "BOOL"),
+        grpcclient.InferInput("sampling_parameters", [1], "BYTES"),
+    ]
     inputs[0].set_data_from_numpy(np.array([PROMPT.encode()], dtype=object))
     inputs[1].set_data_from_numpy(np.array([True]))
     inputs[2].set_data_from_numpy(np.array([json.dumps(GREEDY).encode()], dtype=object))
@@ -160,9 +169,15 @@ def test_token_id_prompt_with_n_2_streams_both_completions(server, engine_text, 
 
     expected, _ = engine_text(PROMPT, **GREEDY)
     ids = AutoTokenizer.from_pretrained(tiny_llama_dir)(PROMPT).input_ids
-    body = {"prompt_token_ids": ids, "stream": True, "sampling_parameters": json.dumps({**GREEDY, "n": 2, "logprobs": 1})}
+    body = {
+        "prompt_token_ids": ids,
+        "stream": True,
+        "sampling_parameters": json.dumps({**GREEDY, "n": 2, "logprobs": 1}),
+    }
     events = []
-    with requests.post(f"{server.http_url}/v2/models/llm/generate_stream", json=body, stream=True, timeout=120) as response:
+    with requests.post(
+        f"{server.http_url}/v2/models/llm/generate_stream", json=body, stream=True, timeout=120
+    ) as response:
         assert response.status_code == 200, response.text
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ")]
     for index in (0, 1):
@@ -207,7 +222,11 @@ def test_bad_request_fails_alone(server, prompt, params, message):
 
 
 BAD_BODIES = [  # (JSON body or raw bytes, HTTP status, part of the error)
-    ({"text_input": PROMPT, "sampling_parameters": json.dumps({"logprobs": 100000})}, 400, "logprobs=100000 > the vocabulary size"),
+    (
+        {"text_input": PROMPT, "sampling_parameters": json.dumps({"logprobs": 100000})},
+        400,
+        "logprobs=100000 > the vocabulary size",
+    ),
     ({"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": "4"})}, 400, "max_tokens='4'"),
     ({"text_input": PROMPT, "sampling_parameters": json.dumps({"temperature": "hot"})}, 400, "temperature='hot'"),
     ({"text_input": PROMPT, "sampling_parameters": json.dumps({"stop_token_ids": [10**9]})}, 400, "stop_token_ids"),
@@ -232,7 +251,10 @@ def test_wrong_types_and_out_of_range_values_get_clear_errors(server):
             bad = requests.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=60)
         else:
             bad = requests.post(url, json=body, timeout=60)
-        assert bad.status_code == status and message in bad.json()["error"], (body if isinstance(body, bytes) else str(body)[:80], bad.text)
+        assert bad.status_code == status and message in bad.json()["error"], (
+            body if isinstance(body, bytes) else str(body)[:80],
+            bad.text,
+        )
     good = generate(server, PROMPT, {"temperature": 0, "max_tokens": 4}, exclude_input_in_output=True)
     assert good.status_code == 200 and good.json()["num_output_tokens"] == 4
     assert requests.get(f"{server.http_url}/v2/models/llm/ready", timeout=5).status_code == 200
@@ -241,34 +263,59 @@ def test_wrong_types_and_out_of_range_values_get_clear_errors(server):
 def test_client_disconnect_aborts_and_frees_blocks(server):
     import tritonclient.grpc as grpcclient
 
-    aborted_before = metric(server, "lmforge_requests_aborted_total") if metric_values(server, "lmforge_requests_aborted_total") else 0.0
-    finished_length = lambda: sum(v for labels, v in _labelled(server, "lmforge_requests_finished_total") if 'finish_reason="length"' in labels)
+    aborted_before = (
+        metric(server, "lmforge_requests_aborted_total")
+        if metric_values(server, "lmforge_requests_aborted_total")
+        else 0.0
+    )
+    finished_length = lambda: sum(
+        v for labels, v in _labelled(server, "lmforge_requests_finished_total") if 'finish_reason="length"' in labels
+    )
     length_before = finished_length()
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("stream", [1], "BOOL"), grpcclient.InferInput("sampling_parameters", [1], "BYTES")]
+    inputs = [
+        grpcclient.InferInput("text_input", [1], "BYTES"),
+        grpcclient.InferInput("stream", [1], "BOOL"),
+        grpcclient.InferInput("sampling_parameters", [1], "BYTES"),
+    ]
     inputs[0].set_data_from_numpy(np.array([PROMPT.encode()], dtype=object))
     inputs[1].set_data_from_numpy(np.array([True]))
-    inputs[2].set_data_from_numpy(np.array([json.dumps({"temperature": 0, "max_tokens": 460, "ignore_eos": True}).encode()], dtype=object))
+    inputs[2].set_data_from_numpy(
+        np.array([json.dumps({"temperature": 0, "max_tokens": 460, "ignore_eos": True}).encode()], dtype=object)
+    )
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     client.async_stream_infer("llm", inputs, request_id="to-cancel")
     for _ in range(3):  # a few tokens arrive, then the client goes away
         results.get(timeout=60)
     # the request holds KV blocks while it streams (460 tokens leave a window of seconds)
-    assert wait_for(lambda: metric(server, "lmforge_kv_cache_usage_ratio") > 0 or metric(server, "lmforge_num_requests_running") > 0, timeout_s=5)
+    assert wait_for(
+        lambda: (
+            metric(server, "lmforge_kv_cache_usage_ratio") > 0 or metric(server, "lmforge_num_requests_running") > 0
+        ),
+        timeout_s=5,
+    )
     client.stop_stream(cancel_requests=True)
     client.close()
-    assert wait_for(lambda: metric(server, "lmforge_requests_aborted_total") >= aborted_before + 1), "the engine did not abort"
+    assert wait_for(lambda: metric(server, "lmforge_requests_aborted_total") >= aborted_before + 1), (
+        "the engine did not abort"
+    )
     assert wait_for(lambda: metric(server, "lmforge_num_requests_running") == 0)
     assert wait_for(lambda: metric(server, "lmforge_kv_cache_usage_ratio") == 0.0)  # blocks returned
     # the same for an HTTP client that closes its SSE stream
-    body = {"text_input": PROMPT, "stream": True, "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": 460, "ignore_eos": True})}
+    body = {
+        "text_input": PROMPT,
+        "stream": True,
+        "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": 460, "ignore_eos": True}),
+    }
     response = requests.post(f"{server.http_url}/v2/models/llm/generate_stream", json=body, stream=True, timeout=60)
     events = (line for line in response.iter_lines() if line.startswith(b"data: "))
     for _ in range(3):
         next(events)
     response.close()
-    assert wait_for(lambda: metric(server, "lmforge_requests_aborted_total") >= aborted_before + 2), "the engine did not abort"
+    assert wait_for(lambda: metric(server, "lmforge_requests_aborted_total") >= aborted_before + 2), (
+        "the engine did not abort"
+    )
     assert wait_for(lambda: metric(server, "lmforge_kv_cache_usage_ratio") == 0.0)
     assert finished_length() == length_before  # neither ran to max_tokens
     good = generate(server, PROMPT, {"temperature": 0, "max_tokens": 4}, exclude_input_in_output=True)
@@ -337,19 +384,29 @@ def test_encoder_embeddings_match_in_process_onnxruntime(server, served_repo):
 
 def test_every_exported_config_parses_and_the_server_accepts_it(server, served_repo):
     checked, problems = check_repository(served_repo)
-    assert problems == [] and {p.parent.name for p in checked} == {"llm", "minilm", "minilm_onnx", "minilm_tokenizer", "minilm_ensemble"}
+    assert problems == [] and {p.parent.name for p in checked} == {
+        "llm",
+        "minilm",
+        "minilm_onnx",
+        "minilm_tokenizer",
+        "minilm_ensemble",
+    }
     # llm and minilm are loaded (the fixture); the tokenizer loads too; the ONNX Runtime model
     # and the ensemble are for the full container: 2.51 accepts their configs and stops only at
     # the missing onnxruntime backend.
     load = lambda name: requests.post(f"{server.http_url}/v2/repository/models/{name}/load", json={}, timeout=300)
     assert load("minilm_tokenizer").status_code == 200
     onnx_load = load("minilm_onnx")
-    assert onnx_load.status_code == 400 and "unable to find backend library for backend 'onnxruntime'" in onnx_load.json()["error"]
+    assert (
+        onnx_load.status_code == 400
+        and "unable to find backend library for backend 'onnxruntime'" in onnx_load.json()["error"]
+    )
     ensemble_load = load("minilm_ensemble")
     assert ensemble_load.status_code == 400 and "depends on 'minilm_onnx'" in ensemble_load.json()["error"]
     tokens = requests.post(
         f"{server.http_url}/v2/models/minilm_tokenizer/infer",
-        json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": ["hello world"]}]}, timeout=60,
+        json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": ["hello world"]}]},
+        timeout=60,
     ).json()
     assert {o["name"] for o in tokens["outputs"]} == {"input_ids", "attention_mask", "token_type_ids"}
     assert tokens["outputs"][0]["shape"] == [1, 256]
@@ -364,16 +421,21 @@ def test_every_exported_config_parses_and_the_server_accepts_it(server, served_r
 def test_second_server_on_busy_ports_gets_a_clear_error(server, served_repo, tmp_path):
     start = time.monotonic()
     with pytest.raises(PortsBusyError, match=f"127.0.0.1:{server.ports['http']}"):
-        TritonServer(served_repo, *server.ports.values(), write_pid_file=False, log_path=tmp_path / "second.log").start()
+        TritonServer(
+            served_repo, *server.ports.values(), write_pid_file=False, log_path=tmp_path / "second.log"
+        ).start()
     assert time.monotonic() - start < 10
     result = subprocess.run(
         [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(tmp_path), *_port_flags(server.ports)],
-        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
     )
     assert result.returncode == 1 and "already in use" in result.stdout and "--http-port" in result.stdout
 
 
-ECHO_MODEL = '''
+ECHO_MODEL = """
 import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
@@ -383,15 +445,15 @@ class TritonPythonModel:
 
     def execute(self, requests):
         return [pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())]) for r in requests]
-'''
+"""
 
-ECHO_CONFIG = '''name: "{name}"
+ECHO_CONFIG = """name: "{name}"
 backend: "python"
 max_batch_size: 0
 input [ {{ name: "x" data_type: TYPE_STRING dims: [ 1 ] }} ]
 output [ {{ name: "y" data_type: TYPE_STRING dims: [ 1 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: 1 }} ]
-'''
+"""
 
 
 def _echo_repo(root: Path, names: list[str]) -> Path:
@@ -403,15 +465,35 @@ def _echo_repo(root: Path, names: list[str]) -> Path:
 
 
 def _port_flags(ports: dict[str, int]) -> list[str]:
-    return ["--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"])]
+    return [
+        "--http-port",
+        str(ports["http"]),
+        "--grpc-port",
+        str(ports["grpc"]),
+        "--metrics-port",
+        str(ports["metrics"]),
+    ]
 
 
 def test_serve_reports_load_failure_reason_and_exits_nonzero(tmp_path):
     repo = _echo_repo(tmp_path / "repo", ["echo", "broken"])
     ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
     result = subprocess.run(
-        [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), *_port_flags(ports), "--startup-timeout-s", "120"],
-        capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
+        [
+            sys.executable,
+            "-m",
+            "lmforge_cli",
+            "serve",
+            "--repo",
+            str(repo),
+            *_port_flags(ports),
+            "--startup-timeout-s",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO_ROOT,
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "broken: " in result.stdout and "weights missing: run lmforge export first" in result.stdout
@@ -422,8 +504,24 @@ def test_serve_models_flag_refuses_a_missing_model(tmp_path):
     repo = _echo_repo(tmp_path / "repo", ["echo"])
     ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
     result = subprocess.run(
-        [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), *_port_flags(ports), "--models", "echo", "missing", "--startup-timeout-s", "120"],
-        capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
+        [
+            sys.executable,
+            "-m",
+            "lmforge_cli",
+            "serve",
+            "--repo",
+            str(repo),
+            *_port_flags(ports),
+            "--models",
+            "echo",
+            "missing",
+            "--startup-timeout-s",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO_ROOT,
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "ready in" not in result.stdout
@@ -436,7 +534,10 @@ def test_serve_foreground_then_stop(tmp_path):
     ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
     process = subprocess.Popen(
         [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), *_port_flags(ports)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
     )
     try:
         lines = []
@@ -448,11 +549,35 @@ def test_serve_foreground_then_stop(tmp_path):
             lines.append(line)
         assert any("ready in" in line for line in lines), "".join(lines)
         with requests.Session() as session:  # closed: an open keep-alive connection delays Triton's exit
-            reply = session.post(f"http://127.0.0.1:{ports['http']}/v2/models/echo/infer", json={"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]}, timeout=30)
+            reply = session.post(
+                f"http://127.0.0.1:{ports['http']}/v2/models/echo/infer",
+                json={"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]},
+                timeout=30,
+            )
         assert reply.json()["outputs"][0]["data"] == ["hi"]
-        again = subprocess.run([sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), *_port_flags(dict(zip(("http", "grpc", "metrics"), free_ports(3))))], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        again = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lmforge_cli",
+                "serve",
+                "--repo",
+                str(repo),
+                *_port_flags(dict(zip(("http", "grpc", "metrics"), free_ports(3)))),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO_ROOT,
+        )
         assert again.returncode == 1 and "already serves" in again.stdout
-        stop = subprocess.run([sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), "--stop"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        stop = subprocess.run(
+            [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), "--stop"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO_ROOT,
+        )
         assert stop.returncode == 0 and "stopped tritonserver" in stop.stdout
         assert process.wait(timeout=60) == 0, process.stdout.read() + (repo / "tritonserver.log").read_text()[-1500:]
         assert not (repo / "tritonserver.pid").exists()
@@ -474,7 +599,12 @@ def test_real_smollm2_served_matches_in_process_engine(server, served_repo, smol
     try:
         prompt = "The capital of France is"
         params = {"temperature": 0, "max_tokens": 12}
-        expected = LLM(str(smollm2_dir), max_model_len=512, num_threads=1).generate([prompt], SamplingParams(**params))[0].outputs[0].text
+        expected = (
+            LLM(str(smollm2_dir), max_model_len=512, num_threads=1)
+            .generate([prompt], SamplingParams(**params))[0]
+            .outputs[0]
+            .text
+        )
         body = {"text_input": prompt, "sampling_parameters": json.dumps(params), "exclude_input_in_output": True}
         served = requests.post(f"{server.http_url}/v2/models/smollm2/generate", json=body, timeout=120).json()
         assert served["text_output"] == expected and "Paris" in expected

@@ -28,7 +28,9 @@ def repetitive_prompts() -> list[list[int]]:
     """Prompts whose n-grams repeat (the ngram proposer finds matches) and random ones."""
     g = torch.Generator().manual_seed(21)
     phrase = torch.randint(3, 49000, (7,), generator=g).tolist()
-    return [phrase * 3, phrase[:4] + torch.randint(3, 49000, (9,), generator=g).tolist() + phrase] + random_prompts([5, 19, 33], seed=22)
+    return [phrase * 3, phrase[:4] + torch.randint(3, 49000, (9,), generator=g).tolist() + phrase] + random_prompts(
+        [5, 19, 33], seed=22
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +102,10 @@ def check_all_freed(llm) -> None:
         assert proposer.block_manager.num_used_blocks == 0 and not proposer.shadows
 
 
-@pytest.mark.parametrize("model,method,draft", [("tied", "ngram", None), ("untied", "ngram", None), ("untied", "draft", "self"), ("untied", "draft", "noisy")])
+@pytest.mark.parametrize(
+    "model,method,draft",
+    [("tied", "ngram", None), ("untied", "ngram", None), ("untied", "draft", "self"), ("untied", "draft", "noisy")],
+)
 def test_greedy_equals_no_speculation(models, prompts, noisy_draft_dir, reference, model, method, draft):
     llm = spec_llm(models[model], method, noisy_draft_dir if draft == "noisy" else None)
     cold = tokens(llm.generate(prompts[model], GREEDY))
@@ -141,7 +146,7 @@ def test_stops_inside_an_accepted_run_truncate_like_without_speculation(target_d
     prompt = random_prompts([9], seed=23)[0]
     full = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     stop_token = full.token_ids[6]  # mid-run: tokens 1..5 come in the first speculative step, 6..10 in the next
-    stop_text = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    stop_text = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
     cases = [
         SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token]),
         SamplingParams(temperature=0, max_tokens=20, stop=[stop_text]),
@@ -166,7 +171,9 @@ def small_vocab_dirs(tmp_path_factory):
     from compress.checkpoint.store import make_tiny_llama
 
     target = make_tiny_llama(tmp_path_factory.mktemp("small-vocab"), seed=3, vocab_size=64, tie_word_embeddings=False)
-    draft = make_tiny_llama(tmp_path_factory.mktemp("small-vocab-draft"), seed=99, vocab_size=64, tie_word_embeddings=False)
+    draft = make_tiny_llama(
+        tmp_path_factory.mktemp("small-vocab-draft"), seed=99, vocab_size=64, tie_word_embeddings=False
+    )
     return target, draft
 
 
@@ -248,8 +255,10 @@ def test_draft_defaults_to_the_distilled_student_of_the_model(tmp_path, tiny_lla
 
 @pytest.mark.integration
 def test_real_smollm2_greedy_equals_no_speculation(smollm2_dir):
-    paragraph = ("The city library will close for renovation from the first of March until the end of June. Books can be "
-                 "returned at the community centre on Oak Street, which is open every day from nine until six.")
+    paragraph = (
+        "The city library will close for renovation from the first of March until the end of June. Books can be "
+        "returned at the community centre on Oak Street, which is open every day from nine until six."
+    )
     plain = LLM(str(smollm2_dir), max_model_len=512, num_kv_blocks=96, dtype="float32")
     prompts = [plain.apply_chat_template(f"Rewrite this paragraph in simpler words:\n\n{paragraph}")]
     params = SamplingParams(temperature=0, max_tokens=24)

@@ -74,11 +74,14 @@ def test_rejection_sampling_emits_the_target_distribution(deterministic_draft):
         if deterministic_draft:
             proposal, q = [2, 1], None  # one-hot q (the ngram case)
         else:
-            proposal = [int(torch.multinomial(draft[0], 1, generator=g)), int(torch.multinomial(draft[1], 1, generator=g))]
+            proposal = [
+                int(torch.multinomial(draft[0], 1, generator=g)),
+                int(torch.multinomial(draft[1], 1, generator=g)),
+            ]
             q = draft
         result = rejection_sample(target, proposal, q, g)
         assert 1 <= len(result.token_ids) == result.num_accepted + 1 <= 3
-        assert result.token_ids[:result.num_accepted] == proposal[:result.num_accepted]
+        assert result.token_ids[: result.num_accepted] == proposal[: result.num_accepted]
         first.append(result.token_ids[0])
         if result.num_accepted >= 1:
             second_given_accept.append(result.token_ids[1])
@@ -103,10 +106,16 @@ def test_rejection_sampling_checks_shapes():
         (dict(num_speculative_tokens=3), "without speculative_method"),
         (dict(speculative_model="x"), "without speculative_method"),
         (dict(speculative_method="ngram", speculative_model="x"), "uses no model"),
-        (dict(speculative_method="ngram", ngram_prompt_lookup_min=3, ngram_prompt_lookup_max=2), "ngram_prompt_lookup_min=3"),
+        (
+            dict(speculative_method="ngram", ngram_prompt_lookup_min=3, ngram_prompt_lookup_max=2),
+            "ngram_prompt_lookup_min=3",
+        ),
         (dict(speculative_method="ngram", ngram_prompt_lookup_min=0), "ngram_prompt_lookup_min=0"),
         (dict(speculative_method="ngram", speculative_disable_by_batch_size=0), "speculative_disable_by_batch_size=0"),
-        (dict(speculative_method="ngram", num_speculative_tokens=8, max_num_batched_tokens=8), "max_num_batched_tokens=8"),
+        (
+            dict(speculative_method="ngram", num_speculative_tokens=8, max_num_batched_tokens=8),
+            "max_num_batched_tokens=8",
+        ),
     ],
 )
 def test_bad_speculative_configs_name_the_field(fields, message):

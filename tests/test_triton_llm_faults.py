@@ -67,10 +67,15 @@ def pb(monkeypatch):
     fake.unloaded = []
     fake.unload_model = fake.unloaded.append
     fake.logged = []
-    fake.Logger = types.SimpleNamespace(**{f"log_{level}": (lambda level: lambda m: fake.logged.append((level, m)))(level)
-                                           for level in ("info", "warn", "error", "verbose")})
+    fake.Logger = types.SimpleNamespace(
+        **{
+            f"log_{level}": (lambda level: lambda m: fake.logged.append((level, m)))(level)
+            for level in ("info", "warn", "error", "verbose")
+        }
+    )
     fake.get_input_tensor_by_name = lambda request, name: (
-        None if name not in request.inputs else types.SimpleNamespace(as_numpy=lambda: request.inputs[name]))
+        None if name not in request.inputs else types.SimpleNamespace(as_numpy=lambda: request.inputs[name])
+    )
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
     monkeypatch.delitem(sys.modules, "deploy.triton_llm", raising=False)
     yield fake
@@ -105,7 +110,13 @@ def _model(pb, engine):
 
 
 def _request(parameters=None, sampling="{}"):
-    return FakeRequest({"text_input": np.array([b"Hello"], dtype=object), "sampling_parameters": np.array([sampling.encode()], dtype=object)}, parameters)
+    return FakeRequest(
+        {
+            "text_input": np.array([b"Hello"], dtype=object),
+            "sampling_parameters": np.array([sampling.encode()], dtype=object),
+        },
+        parameters,
+    )
 
 
 def _error_output(message: str) -> RequestOutput:
@@ -137,7 +148,7 @@ def test_dead_engine_is_logged_answered_unavailable_and_unloads_the_model(pb):
     model = _model(pb, FakeEngine(dead_reason="EngineDeadError: 8 steps failed in a row"))
     model._report_dead()
     assert pb.unloaded == ["llm"]
-    (level, message), = [entry for entry in pb.logged if entry[0] == "error"]
+    ((level, message),) = [entry for entry in pb.logged if entry[0] == "error"]
     assert "llm engine is dead (EngineDeadError: 8 steps failed in a row)" in message
     request = _request()
     asyncio.run(model._serve(request))
@@ -148,10 +159,21 @@ def test_dead_engine_is_logged_answered_unavailable_and_unloads_the_model(pb):
 def _n_outputs(finish_second: str | None) -> list[RequestOutput]:
     """Two steps of an ``n=2`` request: both completions grow, then #0 stops and #1 ends with ``finish_second``."""
     metrics = RequestMetrics(0.0, 0.1, None, 0, 2)
-    step1 = RequestOutput("r", "Hello", [1, 2], [CompletionOutput(0, "a", [5], None), CompletionOutput(1, "b", [6], None)], False, metrics)
+    step1 = RequestOutput(
+        "r", "Hello", [1, 2], [CompletionOutput(0, "a", [5], None), CompletionOutput(1, "b", [6], None)], False, metrics
+    )
     done = RequestMetrics(0.0, 0.1, 0.2, 0, 4)
-    step2 = RequestOutput("r", "Hello", [1, 2], [CompletionOutput(0, "ac", [5, 8], "stop"),
-                                                  CompletionOutput(1, "bd", [6, 9], finish_second, None, "RuntimeError: boom")], True, done)
+    step2 = RequestOutput(
+        "r",
+        "Hello",
+        [1, 2],
+        [
+            CompletionOutput(0, "ac", [5, 8], "stop"),
+            CompletionOutput(1, "bd", [6, 9], finish_second, None, "RuntimeError: boom"),
+        ],
+        True,
+        done,
+    )
     return [step1, step2]
 
 
@@ -165,8 +187,9 @@ def test_n_completions_stream_per_index_with_final_on_the_last(pb):
     request.inputs["stream"] = np.array([True])
     asyncio.run(model._serve(request))
     sent = [(_tensors(r), flags) for r, flags in request.sender.sent]
-    assert [(int(t["index"][0]), t["text_output"][0].decode(), t["output_token_ids"].tolist(), flags) for t, flags in sent] == [
-        (0, "a", [5], 0), (1, "b", [6], 0), (0, "c", [8], 0), (1, "d", [9], FINAL)]
+    assert [
+        (int(t["index"][0]), t["text_output"][0].decode(), t["output_token_ids"].tolist(), flags) for t, flags in sent
+    ] == [(0, "a", [5], 0), (1, "b", [6], 0), (0, "c", [8], 0), (1, "d", [9], FINAL)]
     assert [t["finish_reason"][0].decode() for t, _ in sent[2:]] == ["stop", "length"]
 
 

@@ -57,16 +57,40 @@ def triton_llm(monkeypatch):
 
 
 def _stats(**spec) -> EngineStats:
-    return EngineStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, num_preemptions_total=2,
-                       prefix_cache_queries_tokens_total=10, prefix_cache_hits_tokens_total=5, num_prompt_tokens_total=10,
-                       num_generation_tokens_total=20, num_requests_finished_total=1, num_steps_total=7, num_kv_blocks=8,
-                       num_free_kv_blocks=4, num_cached_kv_blocks=0, **spec)
+    return EngineStats(
+        num_running=1,
+        num_waiting=0,
+        kv_cache_usage=0.5,
+        num_preemptions_total=2,
+        prefix_cache_queries_tokens_total=10,
+        prefix_cache_hits_tokens_total=5,
+        num_prompt_tokens_total=10,
+        num_generation_tokens_total=20,
+        num_requests_finished_total=1,
+        num_steps_total=7,
+        num_kv_blocks=8,
+        num_free_kv_blocks=4,
+        num_cached_kv_blocks=0,
+        **spec,
+    )
 
 
 def test_speculative_counters_and_gauges(triton_llm):
     metrics = triton_llm.LLMMetrics({"model": "m", "version": "1"})
-    metrics.update_stats(_stats(spec_decode_num_drafts_total=4, spec_decode_num_draft_tokens_total=16, spec_decode_num_accepted_tokens_total=8))
-    metrics.update_stats(_stats(spec_decode_num_drafts_total=6, spec_decode_num_draft_tokens_total=24, spec_decode_num_accepted_tokens_total=18))
+    metrics.update_stats(
+        _stats(
+            spec_decode_num_drafts_total=4,
+            spec_decode_num_draft_tokens_total=16,
+            spec_decode_num_accepted_tokens_total=8,
+        )
+    )
+    metrics.update_stats(
+        _stats(
+            spec_decode_num_drafts_total=6,
+            spec_decode_num_draft_tokens_total=24,
+            spec_decode_num_accepted_tokens_total=18,
+        )
+    )
     value = {name: family.metric.value for name, family in FakeFamily.created.items() if hasattr(family, "metric")}
     assert FakeFamily.created["lmforge_spec_decode_num_draft_tokens_total"].kind == "counter"
     assert value["lmforge_spec_decode_num_drafts_total"] == 6

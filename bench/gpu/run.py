@@ -36,14 +36,31 @@ import time
 from pathlib import Path
 
 #: Model shapes (``transformers.LlamaConfig`` fields).
-LLAMA_3_2_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                    intermediate_size=8192, vocab_size=128256)
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=512)
+LLAMA_3_2_1B = dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=8192,
+    vocab_size=128256,
+)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+)
 #: Log-probability tolerance of bf16 engine vs Hugging Face bf16 (both round activations to bf16).
 BF16_LOGPROB_ATOL = 0.05
 #: Output tok/s of the same workload on an H200 with transformers 5.17, as quoted by issue 14.
-QUOTED_TOK_S = {"hf_sequential": 52.0, "hf_static_batch": 2915.0, "hf_generate_batch": 1024.0, "bf16_compute_bound": 320000.0}
+QUOTED_TOK_S = {
+    "hf_sequential": 52.0,
+    "hf_static_batch": 2915.0,
+    "hf_generate_batch": 1024.0,
+    "bf16_compute_bound": 320000.0,
+}
 TARGET_TOK_S = 30000.0
 
 
@@ -62,7 +79,9 @@ DRY = Workload(num_requests=4, prompt_len=20, shared_prefix_len=16, max_tokens=4
 # ------------------------------------------------------------------------------------ checkpoints
 
 
-def write_random_checkpoint(out_dir: Path, shape: dict, dtype, device: str, seed: int, max_position_embeddings: int) -> Path:
+def write_random_checkpoint(
+    out_dir: Path, shape: dict, dtype, device: str, seed: int, max_position_embeddings: int
+) -> Path:
     """A Llama checkpoint of ``shape`` with N(0, 0.02) weights (ones for the norms), tied embeddings,
     and a word-level tokenizer ``t<i>`` over the vocabulary. Weights are drawn on ``device``."""
     import torch
@@ -70,8 +89,15 @@ def write_random_checkpoint(out_dir: Path, shape: dict, dtype, device: str, seed
     from transformers import LlamaConfig
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(**shape, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=None, pad_token_id=2)  # no EOS: HF never stops early
+    cfg = LlamaConfig(
+        **shape,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=2,
+    )  # no EOS: HF never stops early
     cfg.save_pretrained(out_dir)
     h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     hd = h // shape["num_attention_heads"]
@@ -84,14 +110,19 @@ def write_random_checkpoint(out_dir: Path, shape: dict, dtype, device: str, seed
     tensors = {"model.embed_tokens.weight": rand(v, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
-            p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
-            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
-            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
-            p + "mlp.down_proj.weight": rand(h, inter),
-        })
+        tensors.update(
+            {
+                p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+                p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+                p + "self_attn.q_proj.weight": rand(q, h),
+                p + "self_attn.k_proj.weight": rand(kv, h),
+                p + "self_attn.v_proj.weight": rand(kv, h),
+                p + "self_attn.o_proj.weight": rand(h, q),
+                p + "mlp.gate_proj.weight": rand(inter, h),
+                p + "mlp.up_proj.weight": rand(inter, h),
+                p + "mlp.down_proj.weight": rand(h, inter),
+            }
+        )
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     write_word_tokenizer(out_dir, v)
     return out_dir
@@ -105,8 +136,9 @@ def write_word_tokenizer(out_dir: Path, vocab_size: int) -> None:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                            pad_token="</s>").save_pretrained(out_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
+    ).save_pretrained(out_dir)
 
 
 def random_prompts(num: int, length: int, shared: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -135,9 +167,10 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, device: str)
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p], device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=2)
-            results.append(out[0, len(p):].tolist())
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2
+            )
+            results.append(out[0, len(p) :].tolist())
     return results
 
 
@@ -157,26 +190,47 @@ def run_checks(work: Path, device: str, dry_run: bool) -> list[dict]:
 
     path = write_random_checkpoint(work / "tiny", TINY, torch.float32, device, seed=0, max_position_embeddings=256)
     lengths = [1, 5, 17, 33] if dry_run else [1, 5, 17, 33, 64, 100]
-    prompts = [p[:n] for p, n in zip(random_prompts(len(lengths), 100, 0, TINY["vocab_size"], seed=1), lengths)]  # <= 100 + 12 < max_model_len
+    prompts = [
+        p[:n] for p, n in zip(random_prompts(len(lengths), 100, 0, TINY["vocab_size"], seed=1), lengths)
+    ]  # <= 100 + 12 < max_model_len
     prompts += random_prompts(2 if dry_run else 4, 40, 32, TINY["vocab_size"], seed=2)  # a shared 32-token prefix
     max_new = 3 if dry_run else 12
     greedy = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     model = hf_model(path, torch.float32, device)
     reference = hf_greedy(model, prompts, max_new, device)
-    engine_args = dict(device=device, dtype="float32", block_size=16, max_model_len=128, max_num_seqs=16,
-                       max_num_batched_tokens=512, attention_backend="triton")
+    engine_args = dict(
+        device=device,
+        dtype="float32",
+        block_size=16,
+        max_model_len=128,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        attention_backend="triton",
+    )
     results = []
 
     llm = LLM(str(path), num_kv_blocks=128, **engine_args)
     runner = llm.engine.runner
-    info = {"runner": type(runner).__name__, "attention_backend": type(runner.attn).__name__,
-            "cuda_graph_sizes": sorted(getattr(runner, "graphs", {}))}
+    info = {
+        "runner": type(runner).__name__,
+        "attention_backend": type(runner.attn).__name__,
+        "cuda_graph_sizes": sorted(getattr(runner, "graphs", {})),
+    }
     cold = engine_tokens(llm.generate(prompts, greedy))
-    results.append(check("greedy_fp32_equals_hf_generate", cold == reference, **info,
-                         equal_requests=sum(a == b for a, b in zip(cold, reference)), requests=len(prompts)))
+    results.append(
+        check(
+            "greedy_fp32_equals_hf_generate",
+            cold == reference,
+            **info,
+            equal_requests=sum(a == b for a, b in zip(cold, reference)),
+            requests=len(prompts),
+        )
+    )
     warm = engine_tokens(llm.generate(prompts, greedy))
     hit_rate = llm.engine.get_stats().prefix_cache_hit_rate
-    results.append(check("prefix_cache_cold_equals_warm", warm == cold and hit_rate > 0, prefix_cache_hit_rate=round(hit_rate, 3)))
+    results.append(
+        check("prefix_cache_cold_equals_warm", warm == cold and hit_rate > 0, prefix_cache_hit_rate=round(hit_rate, 3))
+    )
     llm.engine.check_invariants()
     del llm
 
@@ -187,8 +241,15 @@ def run_checks(work: Path, device: str, dry_run: bool) -> list[dict]:
     small = LLM(str(path), num_kv_blocks=32, enable_prefix_caching=False, **{**engine_args, "block_size": 4})
     preempted = engine_tokens(small.generate(packed, greedy))
     n_pre = small.engine.get_stats().num_preemptions_total
-    results.append(check("preemption_safe", preempted == packed_reference and n_pre > 0, num_preemptions=n_pre,
-                         equal_requests=sum(a == b for a, b in zip(preempted, packed_reference)), requests=len(packed)))
+    results.append(
+        check(
+            "preemption_safe",
+            preempted == packed_reference and n_pre > 0,
+            num_preemptions=n_pre,
+            equal_requests=sum(a == b for a, b in zip(preempted, packed_reference)),
+            requests=len(packed),
+        )
+    )
     small.engine.check_invariants()
     del small
 
@@ -217,9 +278,15 @@ def check_bf16_logprobs(path: Path, prompts: list[list[int]], device: str, engin
             worst_flip_gap = max(worst_flip_gap, float(ref[hf_top] - ref[chosen]))  # 0 when they agree
     # a different top-1 is a bf16 rounding tie only if HF itself rates the two within the tolerance
     passed = worst <= BF16_LOGPROB_ATOL and worst_flip_gap <= BF16_LOGPROB_ATOL
-    return check("bf16_logprobs_within_tolerance_of_hf_bf16", passed, max_abs_logprob_diff=round(worst, 5),
-                 atol=BF16_LOGPROB_ATOL, same_top1=same_top1, requests=len(prompts),
-                 max_top1_logprob_gap=round(worst_flip_gap, 5))
+    return check(
+        "bf16_logprobs_within_tolerance_of_hf_bf16",
+        passed,
+        max_abs_logprob_diff=round(worst, 5),
+        atol=BF16_LOGPROB_ATOL,
+        same_top1=same_top1,
+        requests=len(prompts),
+        max_top1_logprob_gap=round(worst_flip_gap, 5),
+    )
 
 
 # ------------------------------------------------------------------------------------ workload
@@ -232,13 +299,22 @@ def run_workload(work: Path, device: str, shape: dict, w: Workload) -> dict:
     from engine import LLM, SamplingParams
 
     t = time.perf_counter()
-    path = write_random_checkpoint(work / "workload", shape, torch.bfloat16, device, seed=0,
-                                   max_position_embeddings=w.prompt_len + w.max_tokens)
+    path = write_random_checkpoint(
+        work / "workload", shape, torch.bfloat16, device, seed=0, max_position_embeddings=w.prompt_len + w.max_tokens
+    )
     write_s = time.perf_counter() - t
     t = time.perf_counter()
-    llm = LLM(str(path), device=device, dtype="bfloat16", attention_backend="triton", block_size=16, max_num_seqs=w.num_requests,
-              max_num_batched_tokens=8192, max_model_len=w.prompt_len + w.max_tokens,
-              kv_cache_memory_bytes=16 << 30 if device != "cpu" else 64 << 20)
+    llm = LLM(
+        str(path),
+        device=device,
+        dtype="bfloat16",
+        attention_backend="triton",
+        block_size=16,
+        max_num_seqs=w.num_requests,
+        max_num_batched_tokens=8192,
+        max_model_len=w.prompt_len + w.max_tokens,
+        kv_cache_memory_bytes=16 << 30 if device != "cpu" else 64 << 20,
+    )
     load_s = time.perf_counter() - t
     vocab = shape["vocab_size"]
     prompts = random_prompts(w.num_requests, w.prompt_len, w.shared_prefix_len, vocab, seed=3)
@@ -264,25 +340,38 @@ def run_workload(work: Path, device: str, shape: dict, w: Workload) -> dict:
     tok_s = num_out / wall_s
     runner = llm.engine.runner
     result = {
-        "workload": dataclasses.asdict(w), "shape": shape, "dtype": "bfloat16",
-        "engine_config": {k: v for k, v in dataclasses.asdict(llm.engine.config).items() if not k.startswith(("speculative", "ngram"))},
-        "runner": type(runner).__name__, "attention_backend": type(runner.attn).__name__,
+        "workload": dataclasses.asdict(w),
+        "shape": shape,
+        "dtype": "bfloat16",
+        "engine_config": {
+            k: v for k, v in dataclasses.asdict(llm.engine.config).items() if not k.startswith(("speculative", "ngram"))
+        },
+        "runner": type(runner).__name__,
+        "attention_backend": type(runner.attn).__name__,
         "cuda_graph_sizes": sorted(getattr(runner, "graphs", {})),
-        "output_tokens": num_out, "wall_s": round(wall_s, 3), "output_tok_s": round(tok_s, 1),
-        "ttft_p50_ms": _ms(percentiles(ttft)["p50"]), "ttft_p99_ms": _ms(percentiles(ttft)["p99"]),
+        "output_tokens": num_out,
+        "wall_s": round(wall_s, 3),
+        "output_tok_s": round(tok_s, 1),
+        "ttft_p50_ms": _ms(percentiles(ttft)["p50"]),
+        "ttft_p99_ms": _ms(percentiles(ttft)["p99"]),
         "tpot_p50_ms": _ms(percentiles(tpot)["p50"]),
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
         "num_preemptions": stats.num_preemptions_total - stats_before.num_preemptions_total,
         "all_requests_full_length": all(len(o.outputs[0].token_ids) == w.max_tokens for o in outs),
-        "checkpoint_write_s": round(write_s, 2), "engine_load_s": round(load_s, 2), "warmup_s": round(warmup_s, 2),
+        "checkpoint_write_s": round(write_s, 2),
+        "engine_load_s": round(load_s, 2),
+        "warmup_s": round(warmup_s, 2),
         "target_output_tok_s": TARGET_TOK_S,
         "quoted_tok_s_transformers_5_17_h200": QUOTED_TOK_S,
         "ratio_to_quoted": {k: round(tok_s / v, 3) for k, v in QUOTED_TOK_S.items()},
     }
     if device.startswith("cuda"):
         result["gpu_memory_peak_bytes"] = torch.cuda.max_memory_allocated()
-    print(f"workload: {num_out} output tokens in {wall_s:.2f} s = {tok_s:.1f} tok/s; TTFT p50 {result['ttft_p50_ms']} ms; "
-          f"prefix hit rate {result['prefix_cache_hit_rate']}", flush=True)
+    print(
+        f"workload: {num_out} output tokens in {wall_s:.2f} s = {tok_s:.1f} tok/s; TTFT p50 {result['ttft_p50_ms']} ms; "
+        f"prefix hit rate {result['prefix_cache_hit_rate']}",
+        flush=True,
+    )
     return result
 
 
@@ -300,8 +389,13 @@ def _sync(device: str) -> None:
 def environment() -> dict:
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
-           "cuda": torch.version.cuda, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "cuda": torch.version.cuda,
+        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+    }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     for name in ("triton", "transformers", "tokenizers", "safetensors"):

@@ -84,8 +84,14 @@ class ModelSpec:
     max_position_embeddings: int = 2048
 
     def __post_init__(self) -> None:
-        for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                     "vocab_size", "intermediate_size"):
+        for name in (
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "intermediate_size",
+        ):
             check_positive(name, getattr(self, name))
         if self.head_dim is not None:
             check_positive("head_dim", self.head_dim)
@@ -142,8 +148,9 @@ class ModelSpec:
     # -- reading
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], *, check_architecture: bool = False,
-                    where: str | Path = "config.json") -> ModelSpec:
+    def from_config(
+        cls, config: dict[str, Any], *, check_architecture: bool = False, where: str | Path = "config.json"
+    ) -> ModelSpec:
         """Build from a transformers ``config.json`` dict.
 
         Args:
@@ -156,8 +163,11 @@ class ModelSpec:
             ValueError: a size field is missing or not valid (``__post_init__``).
             CheckpointError: ``check_architecture`` and the architecture is not supported.
         """
-        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size")
-                   if k not in config]
+        missing = [
+            k
+            for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size")
+            if k not in config
+        ]
         if missing:
             raise ValueError(f"config.json lacks {missing}; pass the model sizes explicitly")
         model_type = config.get("model_type") or "llama"
@@ -197,8 +207,10 @@ def check_architecture_supported(config: dict[str, Any], where: str | Path, *, e
     """
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise CheckpointError(f"{where}: unsupported architecture model_type={model_type!r}; "
-                              f"supported causal LMs: {', '.join(ARCHITECTURES)}")
+        raise CheckpointError(
+            f"{where}: unsupported architecture model_type={model_type!r}; "
+            f"supported causal LMs: {', '.join(ARCHITECTURES)}"
+        )
     reason = ARCHITECTURES[model_type].refuse(config) if engine else None
     if reason:
         raise CheckpointError(f"{where}: {reason}")

@@ -101,7 +101,9 @@ TRITON_MODEL = OutputKind("Triton model directory", ("config.pbtxt",))
 _FIX = "choose a new or empty directory"
 
 
-def check_output_dir(output_dir: str | Path, *, kind: OutputKind = CHECKPOINT, sources: tuple[str | Path, ...] = ()) -> Path:
+def check_output_dir(
+    output_dir: str | Path, *, kind: OutputKind = CHECKPOINT, sources: tuple[str | Path, ...] = ()
+) -> Path:
     """Refuse an output directory whose writing or replacement would destroy what is not ours.
 
     Args:
@@ -150,10 +152,14 @@ def temp_sibling(output_dir: str | Path) -> Path:
     except (FileExistsError, NotADirectoryError) as exc:
         raise OutputDirError(f"{out.parent}: not a directory, cannot hold the output {out.name}", fix=_FIX) from exc
     except PermissionError as exc:
-        raise OutputDirError(f"{out.parent}: not writable, cannot hold the output {out.name}", fix="choose a writable directory") from exc
+        raise OutputDirError(
+            f"{out.parent}: not writable, cannot hold the output {out.name}", fix="choose a writable directory"
+        ) from exc
 
 
-def replace_dir(tmp: str | Path, output_dir: str | Path, *, kind: OutputKind = CHECKPOINT, sources: tuple[str | Path, ...] = ()) -> Path:
+def replace_dir(
+    tmp: str | Path, output_dir: str | Path, *, kind: OutputKind = CHECKPOINT, sources: tuple[str | Path, ...] = ()
+) -> Path:
     """Swap the finished ``tmp`` into ``output_dir`` after checking it again; returns ``output_dir``.
 
     An existing output is first renamed aside, then removed once ``tmp`` is in place, so the
@@ -179,7 +185,9 @@ def replace_dir(tmp: str | Path, output_dir: str | Path, *, kind: OutputKind = C
 
 
 @contextlib.contextmanager
-def staged_output_dir(path: str | Path, *, kind: OutputKind = CHECKPOINT, sources: tuple[str | Path, ...] = ()) -> Iterator[Path]:
+def staged_output_dir(
+    path: str | Path, *, kind: OutputKind = CHECKPOINT, sources: tuple[str | Path, ...] = ()
+) -> Iterator[Path]:
     """Build an output in a temporary sibling of ``path``; swapped into ``path`` on success.
 
     The target is checked before the work starts and again before the swap; on an exception the
@@ -208,7 +216,9 @@ def check_copy(source: str | Path, target: str | Path) -> None:
     """
     src, dst = Path(source).resolve(), Path(target).resolve()
     if src == dst or src in dst.parents or dst in src.parents:
-        raise OutputDirError(f"cannot copy {src} to {dst}: one contains the other", fix="export to a repository outside the checkpoint")
+        raise OutputDirError(
+            f"cannot copy {src} to {dst}: one contains the other", fix="export to a repository outside the checkpoint"
+        )
 
 
 def check_output_file(path: str | Path, *, flag: str) -> Path:
@@ -224,7 +234,9 @@ def check_output_file(path: str | Path, *, flag: str) -> Path:
     if out.is_dir():
         raise OutputDirError(f"{flag} {path}: is a directory", fix="pass a file path, e.g. DIR/results.json")
     if not out.parent.is_dir():
-        raise OutputDirError(f"{flag} {path}: the directory {out.parent} does not exist", fix="create it first or pass another path")
+        raise OutputDirError(
+            f"{flag} {path}: the directory {out.parent} does not exist", fix="create it first or pass another path"
+        )
     if not os.access(out.parent, os.W_OK):
         raise OutputDirError(f"{flag} {path}: the directory {out.parent} is not writable", fix="pass a writable path")
     return out

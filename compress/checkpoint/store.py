@@ -29,9 +29,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from compress.errors import CheckpointError, UsageError
 from compress.checkpoint.model_spec import ARCHITECTURES, check_architecture_supported
-from compress.checkpoint.outputs import CHECKPOINT, IMPORTED_METHOD, MANIFEST_NAME, TOKENIZER, check_output_dir, staged_output_dir
+from compress.checkpoint.outputs import (
+    CHECKPOINT,
+    IMPORTED_METHOD,
+    MANIFEST_NAME,
+    TOKENIZER,
+    check_output_dir,
+    staged_output_dir,
+)
+from compress.errors import CheckpointError, UsageError
 
 #: Files of which a checkpoint needs at least one for ``AutoTokenizer`` (fast, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -115,7 +122,9 @@ def read_manifest(checkpoint_dir: str | Path) -> Manifest:
         fields = {f.name for f in dataclasses.fields(Manifest)}
         return Manifest(**{k: v for k, v in data.items() if k in fields})
     except (json.JSONDecodeError, TypeError) as exc:
-        raise CheckpointError(f"{path}: not a valid lmforge manifest ({exc}); delete it and re-create the checkpoint") from exc
+        raise CheckpointError(
+            f"{path}: not a valid lmforge manifest ({exc}); delete it and re-create the checkpoint"
+        ) from exc
 
 
 def update_metrics(checkpoint_dir: str | Path, metrics: dict[str, Any]) -> Manifest:
@@ -235,7 +244,9 @@ def check_checkpoint_dir(path: str | Path, *, causal_lm: bool = True) -> dict[st
     """
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{path}: checkpoint not found; pass a checkpoint directory, a .gguf file, or one of {sorted(NAMED_SOURCES)}")
+        raise CheckpointError(
+            f"{path}: checkpoint not found; pass a checkpoint directory, a .gguf file, or one of {sorted(NAMED_SOURCES)}"
+        )
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory or .gguf file")
     config_path = path / "config.json"
@@ -246,7 +257,9 @@ def check_checkpoint_dir(path: str | Path, *, causal_lm: bool = True) -> dict[st
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from exc
     if not isinstance(config, dict):
-        raise CheckpointError(f"{config_path}: expected a JSON object (the model's config), got {type(config).__name__}")
+        raise CheckpointError(
+            f"{config_path}: expected a JSON object (the model's config), got {type(config).__name__}"
+        )
     weights = list(path.glob("*.safetensors"))
     if not weights and not list(path.glob("*.onnx")) and not list(path.glob("*.bin")):
         raise CheckpointError(f"{path}: no weight files (*.safetensors); the checkpoint is incomplete")
@@ -323,11 +336,17 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
     with staged_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,)) as tmp:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
         except ValueError as exc:
-            raise CheckpointError(f"{gguf_path}: cannot convert ({exc}); supported causal LMs: {', '.join(SUPPORTED_CAUSAL_LM_TYPES)}") from exc
+            raise CheckpointError(
+                f"{gguf_path}: cannot convert ({exc}); supported causal LMs: {', '.join(SUPPORTED_CAUSAL_LM_TYPES)}"
+            ) from exc
         if model.config.model_type not in SUPPORTED_CAUSAL_LM_TYPES:
-            raise CheckpointError(f"{gguf_path}: unsupported architecture {model.config.model_type!r}; supported: {', '.join(SUPPORTED_CAUSAL_LM_TYPES)}")
+            raise CheckpointError(
+                f"{gguf_path}: unsupported architecture {model.config.model_type!r}; supported: {', '.join(SUPPORTED_CAUSAL_LM_TYPES)}"
+            )
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         num_parameters, size_bytes, dtype = describe_weights(tmp)
@@ -361,7 +380,9 @@ def resolve_checkpoint(spec: str | Path, *, causal_lm: bool = True) -> Path:
     """
     spec_str = str(spec)
     if not spec_str.strip():
-        raise CheckpointError("--model is empty", fix=f"pass a checkpoint directory, a .gguf file, or one of {sorted(NAMED_SOURCES)}")
+        raise CheckpointError(
+            "--model is empty", fix=f"pass a checkpoint directory, a .gguf file, or one of {sorted(NAMED_SOURCES)}"
+        )
     source = spec_str
     if spec_str in NAMED_SOURCES:
         path = named_source_path(spec_str)
@@ -382,7 +403,12 @@ def resolve_checkpoint(spec: str | Path, *, causal_lm: bool = True) -> Path:
     check_checkpoint_dir(path, causal_lm=causal_lm)
     if spec_str not in NAMED_SOURCES and not (path / MANIFEST_NAME).is_file() and os.access(path, os.W_OK):
         num_parameters, size_bytes, dtype = describe_weights(path)
-        write_manifest(path, Manifest(source=source, method=IMPORTED_METHOD, dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes))
+        write_manifest(
+            path,
+            Manifest(
+                source=source, method=IMPORTED_METHOD, dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes
+            ),
+        )
     return path
 
 
@@ -398,9 +424,15 @@ def check_device(device: str, *, flag: str = "--device") -> str:
     if device != "cpu" and not (device.split(":")[0] == "cuda" and (index == "" or index.isdigit())):
         raise UsageError(f"{flag} {device!r}: not a device", fix="use cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"{flag} {device}: CUDA is not available on this machine", fix="use --device cpu, or run on a machine with a GPU")
+        raise UsageError(
+            f"{flag} {device}: CUDA is not available on this machine",
+            fix="use --device cpu, or run on a machine with a GPU",
+        )
     if index and int(index) >= torch.cuda.device_count():
-        raise UsageError(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)", fix=f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        raise UsageError(
+            f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)",
+            fix=f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}",
+        )
     return device
 
 
@@ -518,7 +550,9 @@ def make_tiny_llama(output_dir: str | Path, *, seed: int = 0, model_type: str = 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"name ({', '.join(NAMED_SOURCES)}), .gguf file or checkpoint directory")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"name ({', '.join(NAMED_SOURCES)}), .gguf file or checkpoint directory"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

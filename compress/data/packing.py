@@ -42,7 +42,9 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
         head = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else None
         upto = _render(tokenizer, messages[: i + 1])
         if head is None or not text.startswith(upto) or not upto.startswith(head):
-            raise ValueError("the chat template does not render dialog prefixes as text prefixes; start dialogs with a user or system turn")
+            raise ValueError(
+                "the chat template does not render dialog prefixes as text prefixes; start dialogs with a user or system turn"
+            )
         spans.append((len(head), len(upto)))
     return text, spans
 
@@ -88,7 +90,11 @@ class PackedData:
     def batch(self, rows: list[int] | torch.Tensor) -> dict[str, torch.Tensor]:
         """The rows ``rows`` as a model batch (``input_ids``, ``labels``, ``attention_mask``)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
-        return {"input_ids": self.input_ids[rows], "labels": self.labels[rows], "attention_mask": self.attention_mask[rows]}
+        return {
+            "input_ids": self.input_ids[rows],
+            "labels": self.labels[rows],
+            "attention_mask": self.attention_mask[rows],
+        }
 
     @property
     def num_label_tokens(self) -> int:

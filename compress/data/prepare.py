@@ -37,9 +37,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from compress.checkpoint.outputs import DATA, check_output_dir, staged_output_dir
 from compress.data.dedup import MinHashConfig, exact_key, near_duplicates, normalize
 from compress.errors import LmforgeError, UsageError
-from compress.checkpoint.outputs import DATA, check_output_dir, staged_output_dir
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_INPUT = "chatterbot:english"
@@ -149,7 +149,9 @@ def validate_record(obj: Any, source: str, line: int) -> dict[str, Any]:
         clean = []
         for k, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: messages[{k}] must be {{'role': one of {list(ROLES)}, 'content': string}}, got {m!r}")
+                raise DataError(
+                    f"{where}: messages[{k}] must be {{'role': one of {list(ROLES)}, 'content': string}}, got {m!r}"
+                )
             clean.append({"role": m["role"], "content": m["content"]})
         return {"messages": clean}
     if "text" in obj:
@@ -167,7 +169,9 @@ def chatterbot_dir(language: str) -> Path:
     """
     spec = importlib.util.find_spec("chatterbot_corpus")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("chatterbot:*: needs the package chatterbot-corpus; `pip install --no-deps chatterbot-corpus==1.3.3`")
+        raise DataError(
+            "chatterbot:*: needs the package chatterbot-corpus; `pip install --no-deps chatterbot-corpus==1.3.3`"
+        )
     root = Path(list(spec.submodule_search_locations)[0]) / "data"
     path = root / language
     if not path.is_dir():
@@ -212,7 +216,9 @@ def load_chatterbot_file(path: Path, skipped: list[tuple[Record, str]] | None = 
             text = str(node.value) if isinstance(node, yaml.ScalarNode) else repr(node.value)[:60]
             skipped.append((Record({"text": text}, str(path), line), problem))
             continue
-        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": str(t.value)} for i, t in enumerate(turns)]
+        messages = [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": str(t.value)} for i, t in enumerate(turns)
+        ]
         records.append(Record({"messages": messages}, str(path), line))
     return records
 
@@ -305,7 +311,9 @@ def load_input(spec: str, skipped: list[tuple[Record, str]] | None = None) -> li
 def quality_problem(record: Record, config: DataConfig) -> str | None:
     """The first quality rule ``record`` breaks (a short reason), or ``None`` if it passes."""
     text = record.text
-    if "messages" in record.data and not any(m["role"] == "assistant" and m["content"].strip() for m in record.data["messages"]):
+    if "messages" in record.data and not any(
+        m["role"] == "assistant" and m["content"].strip() for m in record.data["messages"]
+    ):
         return "no_assistant_turn"
     length = len(text.strip())
     if length < config.min_chars:
@@ -370,7 +378,9 @@ class FilterStep:
         return {"removed": sum(self.removed.values()), "by_reason": dict(self.removed), "examples": self.examples}
 
 
-def _run_filters(records: list[Record], config: DataConfig) -> tuple[list[Record], list[FilterStep], list[tuple[Record, str]]]:
+def _run_filters(
+    records: list[Record], config: DataConfig
+) -> tuple[list[Record], list[FilterStep], list[tuple[Record, str]]]:
     """Apply steps 2-5; returns the kept records, each step's tally, and every removal."""
     removals: list[tuple[Record, str]] = []
     steps = {name: FilterStep(name) for name in ("exact_duplicate", "quality", "toxicity", "near_duplicate")}
@@ -439,7 +449,8 @@ def add_label_noise(records: list[dict[str, Any]], ratio: float, rng: random.Ran
         rec = records[idx]
         if "messages" in rec:
             rec["messages"] = [
-                {**m, "content": rng.choice(replies)} if m["role"] == "assistant" and replies else m for m in rec["messages"]
+                {**m, "content": rng.choice(replies)} if m["role"] == "assistant" and replies else m
+                for m in rec["messages"]
             ]
         else:
             words = rec["text"].split()
@@ -477,7 +488,9 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
     if not final:
         raise _empty_error(config.inputs, removals)
     if len(final) < 2:
-        raise DataError(f"only one record left after filtering ({final[0].where}); a train/validation split needs at least 2")
+        raise DataError(
+            f"only one record left after filtering ({final[0].where}); a train/validation split needs at least 2"
+        )
     rng = random.Random(config.seed)
     order = list(range(len(final)))
     rng.shuffle(order)
@@ -514,10 +527,15 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
 
 def format_report(report: dict[str, Any]) -> str:
     """A short human-readable table of what each step removed."""
-    lines = [f"loaded {report['total_loaded']} records from {', '.join(f'{k} ({v})' for k, v in report['loaded'].items())}"]
+    lines = [
+        f"loaded {report['total_loaded']} records from {', '.join(f'{k} ({v})' for k, v in report['loaded'].items())}"
+    ]
     for name, step in report["filters"].items():
         reasons = ", ".join(f"{k} {v}" for k, v in step["by_reason"].items())
-        lines.append(f"  {name:<16} removed {step['removed']:>6}" + (f"  ({reasons})" if reasons and name in ("quality", "toxicity") else ""))
+        lines.append(
+            f"  {name:<16} removed {step['removed']:>6}"
+            + (f"  ({reasons})" if reasons and name in ("quality", "toxicity") else "")
+        )
     if report["noised"]:
         lines.append(f"  label noise on {report['noised']} training records")
     lines.append(f"kept {report['kept']}: train {report['train']}, val {report['val']}")
@@ -546,9 +564,16 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DataConfig()
-    parser.add_argument("--input", action="append", dest="inputs", metavar="SPEC",
-                        help=f"chatterbot:LANG (english, chinese, ...), a .yml dialog file, .jsonl or text file; repeatable (default {DEFAULT_INPUT})")
-    parser.add_argument("--out", default="runs/data", help="output directory (train.jsonl, val.jsonl, data_report.json)")
+    parser.add_argument(
+        "--input",
+        action="append",
+        dest="inputs",
+        metavar="SPEC",
+        help=f"chatterbot:LANG (english, chinese, ...), a .yml dialog file, .jsonl or text file; repeatable (default {DEFAULT_INPUT})",
+    )
+    parser.add_argument(
+        "--out", default="runs/data", help="output directory (train.jsonl, val.jsonl, data_report.json)"
+    )
     parser.add_argument("--val-fraction", type=float, default=d.val_fraction)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--min-chars", type=int, default=d.min_chars)
@@ -560,7 +585,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dedup-threshold", type=float, default=d.dedup_threshold, help="MinHash Jaccard threshold")
     parser.add_argument("--num-perm", type=int, default=d.num_perm, help="MinHash permutations")
     parser.add_argument("--shingle-size", type=int, default=d.shingle_size, help="characters per shingle")
-    parser.add_argument("--noise-ratio", type=float, default=d.noise_ratio, help="share of training dialogs given swapped replies")
+    parser.add_argument(
+        "--noise-ratio", type=float, default=d.noise_ratio, help="share of training dialogs given swapped replies"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -105,7 +105,9 @@ def encode_record(tokenizer, record: dict[str, Any], *, max_length: int = 512) -
         ids = tokenizer(record["text"], truncation=True, max_length=max_length)["input_ids"]
         return ids, [False] + [True] * (len(ids) - 1)
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("records with 'messages' need a tokenizer with a chat template (tokenizer_config.json: chat_template); use {'text'} records")
+        raise DataError(
+            "records with 'messages' need a tokenizer with a chat template (tokenizer_config.json: chat_template); use {'text'} records"
+        )
     messages = record["messages"]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []  # character ranges of the assistant replies (with their end-of-turn marker)
@@ -115,7 +117,9 @@ def encode_record(tokenizer, record: dict[str, Any], *, max_length: int = 512) -
         start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0
         end = len(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
         spans.append((start, end))
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_length)
+    encoding = tokenizer(
+        text, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_length
+    )
     scored = [any(s <= begin < e for s, e in spans) for begin, _ in encoding["offset_mapping"]]
     if scored:
         scored[0] = False

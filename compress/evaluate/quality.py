@@ -37,19 +37,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from compress.checkpoint.outputs import check_output_file
 from compress.checkpoint.store import (
-    describe_weights,
     MANIFEST_NAME,
+    describe_weights,
     read_safetensors_header,
     resolve_checkpoint,
     update_metrics,
 )
-from compress.errors import LmforgeError
 from compress.data import records as records_module
-from compress.checkpoint.outputs import check_output_file
-from compress.quantize.methods import load_int8_model, load_llm_int8_model
 from compress.data.records import default_split_records, encode_record
+from compress.errors import LmforgeError
 from compress.quantize.int8 import INT8_WEIGHT_SUFFIX
+from compress.quantize.methods import load_int8_model, load_llm_int8_model
 
 #: Fixed prompts of the greedy-agreement metric (chat-formatted).
 AGREEMENT_PROMPTS: tuple[str, ...] = (
@@ -209,10 +209,14 @@ def reference_logprobs(model, tokenizer, records: Sequence[dict[str, Any]], *, m
 
     Memory: ``4 * vocab`` bytes per scored token (SmolLM2: 190 KiB; 920 tokens = 174 MiB).
     """
-    return [r for r in (scored_logprobs(model, tokenizer, rec, max_length=max_length) for rec in records) if r is not None]
+    return [
+        r for r in (scored_logprobs(model, tokenizer, rec, max_length=max_length) for rec in records) if r is not None
+    ]
 
 
-def quality_metrics(model, tokenizer, records: Sequence[dict[str, Any]], reference=None, *, max_length: int = 512) -> dict[str, Any]:
+def quality_metrics(
+    model, tokenizer, records: Sequence[dict[str, Any]], reference=None, *, max_length: int = 512
+) -> dict[str, Any]:
     """Teacher-forced quality of ``model`` on ``records``, against a reference's distributions.
 
     Every scored token ``t`` (see ``encode_record``) contributes its negative log-likelihood
@@ -234,11 +238,17 @@ def quality_metrics(model, tokenizer, records: Sequence[dict[str, Any]], referen
     import torch
 
     total_nll, count, kls, same = 0.0, 0, [], 0
-    ours = [r for r in (scored_logprobs(model, tokenizer, rec, max_length=max_length) for rec in records) if r is not None]
+    ours = [
+        r for r in (scored_logprobs(model, tokenizer, rec, max_length=max_length) for rec in records) if r is not None
+    ]
     if not ours:
-        raise EvaluationError("no scored tokens in the evaluation data (every record is empty or has no assistant reply)")
+        raise EvaluationError(
+            "no scored tokens in the evaluation data (every record is empty or has no assistant reply)"
+        )
     if reference is not None and [t.tolist() for _, t in reference] != [t.tolist() for _, t in ours]:
-        raise EvaluationError("the reference was scored on other tokens: compare checkpoints that share a tokenizer, on the same records")
+        raise EvaluationError(
+            "the reference was scored on other tokens: compare checkpoints that share a tokenizer, on the same records"
+        )
     for i, (logprobs, targets) in enumerate(ours):
         total_nll -= float(logprobs.gather(1, targets[:, None]).sum())
         count += len(targets)
@@ -249,7 +259,12 @@ def quality_metrics(model, tokenizer, records: Sequence[dict[str, Any]], referen
     metrics: dict[str, Any] = {"perplexity": math.exp(total_nll / count), "perplexity_tokens": count}
     if reference is not None:
         kl = torch.cat(kls).double()
-        metrics.update(kl_mean=float(kl.mean()), kl_p99=float(torch.quantile(kl, 0.99)), kl_max=float(kl.max()), same_top1=same / count)
+        metrics.update(
+            kl_mean=float(kl.mean()),
+            kl_p99=float(torch.quantile(kl, 0.99)),
+            kl_max=float(kl.max()),
+            same_top1=same / count,
+        )
     return metrics
 
 
@@ -268,7 +283,9 @@ def perplexity(model, tokenizer, records: Sequence[dict[str, Any]], *, max_lengt
 
 def _prompt_ids(tokenizer, prompt: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True
+        )
     return tokenizer(prompt)["input_ids"]
 
 
@@ -280,10 +297,13 @@ def greedy_tokens(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: i
     for prompt in prompts:
         ids = torch.tensor([_prompt_ids(tokenizer, prompt)])  # [1, T]
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=tokenizer.eos_token_id,
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
         )
-        outputs.append(out[0, ids.shape[1]:].tolist())
+        outputs.append(out[0, ids.shape[1] :].tolist())
     return outputs
 
 
@@ -300,7 +320,9 @@ def agreement(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[i
     return same / total if total else 1.0
 
 
-def decode_ms_per_token(model, tokenizer, *, new_tokens: int = 32, repeats: int = 3, prompt: str = AGREEMENT_PROMPTS[0]) -> float:
+def decode_ms_per_token(
+    model, tokenizer, *, new_tokens: int = 32, repeats: int = 3, prompt: str = AGREEMENT_PROMPTS[0]
+) -> float:
     """Decode latency (ms per token, batch 1) with the KV cache, prefill subtracted.
 
     Times ``generate`` of 1 token and of ``1 + new_tokens`` tokens (EOS suppressed with
@@ -314,7 +336,14 @@ def decode_ms_per_token(model, tokenizer, *, new_tokens: int = 32, repeats: int 
 
     def timed(n: int) -> float:
         start = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )
         return time.perf_counter() - start
 
     timed(2)  # warm-up (allocations, ONNX Runtime first-run optimizations)
@@ -440,7 +469,10 @@ def evaluate_checkpoint(
     }
     if config.measure_latency:
         metrics["decode_ms_per_token"] = round(
-            decode_ms_per_token(loaded.model, loaded.tokenizer, new_tokens=config.latency_tokens, repeats=config.latency_repeats), 3
+            decode_ms_per_token(
+                loaded.model, loaded.tokenizer, new_tokens=config.latency_tokens, repeats=config.latency_repeats
+            ),
+            3,
         )
     return metrics
 
@@ -483,8 +515,12 @@ def evaluate(
         records, data_name = default_heldout_records()
     records = list(records)[: config.max_records]
     loaded_reference = load_for_eval(reference_path, num_threads=config.num_threads)
-    reference_tokens = greedy_tokens(loaded_reference.model, loaded_reference.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens)
-    reference_scores = reference_logprobs(loaded_reference.model, loaded_reference.tokenizer, records, max_length=config.max_length)
+    reference_tokens = greedy_tokens(
+        loaded_reference.model, loaded_reference.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens
+    )
+    reference_scores = reference_logprobs(
+        loaded_reference.model, loaded_reference.tokenizer, records, max_length=config.max_length
+    )
     del loaded_reference
     results: dict[str, dict[str, Any]] = {}
     for path in paths:
@@ -492,10 +528,14 @@ def evaluate(
         loaded = load_for_eval(path, num_threads=config.num_threads)
         metrics = evaluate_checkpoint(loaded, records, reference_tokens, config, reference_scores)
         del loaded
-        metrics.update({
-            "reference": str(reference_path), "eval_data": data_name or "records", "eval_records": len(records),
-            "num_threads": config.num_threads,
-        })
+        metrics.update(
+            {
+                "reference": str(reference_path),
+                "eval_data": data_name or "records",
+                "eval_records": len(records),
+                "num_threads": config.num_threads,
+            }
+        )
         results[str(path)] = metrics
         if write and (path / MANIFEST_NAME).is_file() and os.access(path / MANIFEST_NAME, os.W_OK):
             update_metrics(path, metrics)
@@ -534,14 +574,35 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = EvalConfig()
     parser.add_argument("checkpoints", nargs="+", metavar="CKPT", help="checkpoints to compare (put the parent first)")
-    parser.add_argument("--data", default=None, help="held-out JSONL ({'messages'} or {'text'} records); default: held-out chatterbot-corpus English dialogs")
-    parser.add_argument("--reference", default=None, help="model whose distributions define KL / same top-1 and whose greedy outputs define agreement (default: the first checkpoint)")
-    parser.add_argument("--max-records", type=int, default=d.max_records, help=f"records scored (default {d.max_records})")
-    parser.add_argument("--max-length", type=int, default=d.max_length, help=f"tokens per record (default {d.max_length})")
-    parser.add_argument("--agreement-tokens", type=int, default=d.agreement_tokens, help=f"greedy tokens per prompt (default {d.agreement_tokens})")
-    parser.add_argument("--latency-tokens", type=int, default=d.latency_tokens, help=f"decode tokens timed (default {d.latency_tokens})")
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="held-out JSONL ({'messages'} or {'text'} records); default: held-out chatterbot-corpus English dialogs",
+    )
+    parser.add_argument(
+        "--reference",
+        default=None,
+        help="model whose distributions define KL / same top-1 and whose greedy outputs define agreement (default: the first checkpoint)",
+    )
+    parser.add_argument(
+        "--max-records", type=int, default=d.max_records, help=f"records scored (default {d.max_records})"
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=d.max_length, help=f"tokens per record (default {d.max_length})"
+    )
+    parser.add_argument(
+        "--agreement-tokens",
+        type=int,
+        default=d.agreement_tokens,
+        help=f"greedy tokens per prompt (default {d.agreement_tokens})",
+    )
+    parser.add_argument(
+        "--latency-tokens", type=int, default=d.latency_tokens, help=f"decode tokens timed (default {d.latency_tokens})"
+    )
     parser.add_argument("--no-latency", action="store_true", help="skip the decode latency measurement")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for every checkpoint (default: library defaults)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for every checkpoint (default: library defaults)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--no-write", action="store_true", help="do not write metrics into the manifests")
 
@@ -550,11 +611,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_output_file(args.json, flag="--json")
     config = EvalConfig(
-        max_records=args.max_records, max_length=args.max_length, agreement_tokens=args.agreement_tokens,
-        latency_tokens=args.latency_tokens, measure_latency=not args.no_latency, num_threads=args.threads,
+        max_records=args.max_records,
+        max_length=args.max_length,
+        agreement_tokens=args.agreement_tokens,
+        latency_tokens=args.latency_tokens,
+        measure_latency=not args.no_latency,
+        num_threads=args.threads,
     )
     records = read_records(args.data) if args.data else None
-    results = evaluate(args.checkpoints, records=records, data_name=args.data, reference=args.reference, config=config, write=not args.no_write)
+    results = evaluate(
+        args.checkpoints,
+        records=records,
+        data_name=args.data,
+        reference=args.reference,
+        config=config,
+        write=not args.no_write,
+    )
     print(format_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -147,7 +147,19 @@ class W8A8Linear(_Int8Linear):
             if self._packed is None:
                 self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
             acc = torch.ops.onednn.qlinear_pointwise(
-                xq, 1.0, 0, self._packed, self.weight_scale, self._zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+                xq,
+                1.0,
+                0,
+                self._packed,
+                self.weight_scale,
+                self._zero_points,
+                None,
+                1.0,
+                0,
+                torch.float32,
+                "none",
+                [],
+                "",
             )  # [M, out] = sum_k xq * w8 * s_w
             y = acc * x_scale
         else:
@@ -164,7 +176,9 @@ class W8A8Linear(_Int8Linear):
 LAYERS: dict[str, type[nn.Module]] = {"weight-only": Int8WeightOnlyLinear, "w8a8": W8A8Linear}
 
 
-def int8_linear(scheme: str, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+def int8_linear(
+    scheme: str, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> nn.Module:
     """The runtime layer of ``scheme`` from stored INT8 weights (no re-quantization).
 
     Args:
@@ -198,7 +212,9 @@ def read_scheme(files: Iterable[str | Path]) -> str | None:
         found = (header.get("__metadata__") or {}).get(SCHEME_METADATA_KEY)
         if found is not None:
             if found not in SCHEMES:
-                raise ValueError(f"{file}: {SCHEME_METADATA_KEY}={found!r} is not one of {list(SCHEMES)}; re-create it with `lmforge quantize`")
+                raise ValueError(
+                    f"{file}: {SCHEME_METADATA_KEY}={found!r} is not one of {list(SCHEMES)}; re-create it with `lmforge quantize`"
+                )
             scheme = found
     if not has_int8:
         return None
@@ -220,7 +236,9 @@ def scheme_metadata(scheme: str) -> dict[str, str]:
 def cpu_int8_flags() -> list[str]:
     """The int8 / bf16 matrix instruction sets this CPU reports in /proc/cpuinfo (Linux)."""
     try:
-        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
+        flags = set(
+            next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+        )
     except (OSError, StopIteration):
         return []
     return [f for f in ("avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16") if f in flags]
@@ -238,8 +256,13 @@ def _best_us(fn, repeats: int, number: int) -> float:
 
 
 def gemm_microbench(
-    shapes: Iterable[tuple[int, int]], *, rows: Iterable[int] = (1, 64), threads: int | None = None,
-    repeats: int = 5, number: int = 5, torchao: bool = False,
+    shapes: Iterable[tuple[int, int]],
+    *,
+    rows: Iterable[int] = (1, 64),
+    threads: int | None = None,
+    repeats: int = 5,
+    number: int = 5,
+    torchao: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Time one forward of every linear shape per variant, random weights, on the CPU.
 
@@ -331,6 +354,9 @@ def model_linear_shapes(config_path: str | Path) -> list[tuple[int, int, int]]:
     head_dim = c.get("head_dim") or hidden // heads
     n = c["num_hidden_layers"]
     return [
-        ((heads + 2 * kv_heads) * head_dim, hidden, n), (hidden, heads * head_dim, n),
-        (2 * inter, hidden, n), (hidden, inter, n), (c["vocab_size"], hidden, 1),
+        ((heads + 2 * kv_heads) * head_dim, hidden, n),
+        (hidden, heads * head_dim, n),
+        (2 * inter, hidden, n),
+        (hidden, inter, n),
+        (c["vocab_size"], hidden, 1),
     ]

@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from compress.checkpoint.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
 from compress.checkpoint.store import (
     MANIFEST_NAME,
     CheckpointError,
@@ -41,11 +42,10 @@ from compress.checkpoint.store import (
     resolve_checkpoint,
     write_manifest,
 )
+from compress.data.records import default_split_records, encode_record, read_records
 from compress.errors import UsageError
 from compress.quantize.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, quantize_weight_per_channel, scheme_metadata
-from compress.checkpoint.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
 from compress.quantize.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
-from compress.data.records import default_split_records, encode_record, read_records
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -184,7 +184,6 @@ def calibration_batches(tokenizer, *, data: str | None, num_records: int, max_le
     """
     import torch
 
-
     records = read_records(data) if data else default_split_records("train")[0]
     return [torch.tensor([encode_record(tokenizer, r, max_length=max_length)[0]]) for r in records[:num_records]]
 
@@ -220,7 +219,11 @@ def _require_causal_lm(checkpoint: str | Path, method: str) -> Path:
 def _copy_side_files(source_dir: Path, target_dir: Path) -> None:
     """Copy config, generation config and tokenizer files (everything but weights and manifest)."""
     for file in source_dir.iterdir():
-        if not file.is_file() or file.name == MANIFEST_NAME or file.suffix in (".safetensors", ".bin", ".onnx", ".gguf"):
+        if (
+            not file.is_file()
+            or file.name == MANIFEST_NAME
+            or file.suffix in (".safetensors", ".bin", ".onnx", ".gguf")
+        ):
             continue
         if file.name.endswith(".safetensors.index.json"):
             continue
@@ -285,7 +288,11 @@ class Int8Quantizer:
         import torch
         from torch import nn
 
-        quantized = {name for name, module in model.named_modules() if isinstance(module, nn.Linear) and not is_skipped(name, self.config.skip_modules)}
+        quantized = {
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and not is_skipped(name, self.config.skip_modules)
+        }
         state: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for key, tensor in model.state_dict().items():
@@ -314,12 +321,21 @@ class Int8Quantizer:
         source_dir = _require_causal_lm(checkpoint, self.method)
         c = self.config
         alpha = getattr(c, "smoothquant_alpha", None)
-        model = load_smoothed_model(source_dir, alpha=alpha, data=getattr(c, "calibration_data", None), num_records=getattr(c, "calibration_records", 1))
+        model = load_smoothed_model(
+            source_dir,
+            alpha=alpha,
+            data=getattr(c, "calibration_data", None),
+            num_records=getattr(c, "calibration_records", 1),
+        )
         state = self.quantized_state_dict(model)
         output_dir = Path(output_dir)
         tmp = temp_sibling(output_dir)
         try:
-            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "lmforge_method": self.method, **scheme_metadata(c.scheme)})
+            save_file(
+                state,
+                str(tmp / WEIGHTS_NAME),
+                metadata={"format": "pt", "lmforge_method": self.method, **scheme_metadata(c.scheme)},
+            )
             _copy_side_files(source_dir, tmp)
             config = {"scheme": c.scheme, **dataclasses.asdict(c)}
             return _finish(tmp, output_dir, source_dir=source_dir, method=self.method, config=config)
@@ -367,13 +383,21 @@ def load_int8_model(checkpoint_dir: str | Path):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     prefixes = sorted(k[: -len(INT8_WEIGHT_SUFFIX)] for k in state if k.endswith(INT8_WEIGHT_SUFFIX))
     if not prefixes:
-        raise CheckpointError(f"{weights}: no '*{INT8_WEIGHT_SUFFIX}' tensors; not an INT8 checkpoint (lmforge quantize --method int8-weight-only or w8a8)")
+        raise CheckpointError(
+            f"{weights}: no '*{INT8_WEIGHT_SUFFIX}' tensors; not an INT8 checkpoint (lmforge quantize --method int8-weight-only or w8a8)"
+        )
     int8_layers = {}
     for prefix in prefixes:
         scale_key = prefix + INT8_SCALE_SUFFIX
         if scale_key not in state:
-            raise CheckpointError(f"{weights}: {prefix + INT8_WEIGHT_SUFFIX} has no {scale_key}; re-create the checkpoint")
-        int8_layers[prefix] = (state.pop(prefix + INT8_WEIGHT_SUFFIX), state.pop(scale_key), state.pop(prefix + ".bias", None))
+            raise CheckpointError(
+                f"{weights}: {prefix + INT8_WEIGHT_SUFFIX} has no {scale_key}; re-create the checkpoint"
+            )
+        int8_layers[prefix] = (
+            state.pop(prefix + INT8_WEIGHT_SUFFIX),
+            state.pop(scale_key),
+            state.pop(prefix + ".bias", None),
+        )
     stray = [k for k in state if k.endswith(INT8_SCALE_SUFFIX)]
     if stray:
         raise CheckpointError(f"{weights}: scales without INT8 weights: {stray[:3]}; re-create the checkpoint")
@@ -381,17 +405,23 @@ def load_int8_model(checkpoint_dir: str | Path):
     result = model.load_state_dict(state, strict=False)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    expected_missing = {p + ".weight" for p in int8_layers} | {p + ".bias" for p in int8_layers}  # set on the INT8 module
+    expected_missing = {p + ".weight" for p in int8_layers} | {
+        p + ".bias" for p in int8_layers
+    }  # set on the INT8 module
     if getattr(config, "tie_word_embeddings", False) or "lm_head" in int8_layers:
         expected_missing.add("lm_head.weight")
     missing = [k for k in result.missing_keys if k not in expected_missing]
     if missing or result.unexpected_keys:
-        raise CheckpointError(f"{weights}: tensors do not match config.json: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+        raise CheckpointError(
+            f"{weights}: tensors do not match config.json: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
     for prefix, (weight_int8, scale, bias) in int8_layers.items():
         try:
             model.get_submodule(prefix)
         except AttributeError as exc:
-            raise CheckpointError(f"{weights}: tensor {prefix + INT8_WEIGHT_SUFFIX} names no module of {config.model_type}; the file does not match config.json") from exc
+            raise CheckpointError(
+                f"{weights}: tensor {prefix + INT8_WEIGHT_SUFFIX} names no module of {config.model_type}; the file does not match config.json"
+            ) from exc
         model.set_submodule(prefix, int8_linear(scheme, weight_int8, scale, bias))
     return model.eval()
 
@@ -436,7 +466,9 @@ class LlmInt8Quantizer:
         try:
             model.save_pretrained(tmp, safe_serialization=True)
             _copy_side_files_missing(source_dir, tmp)
-            return _finish(tmp, output_dir, source_dir=source_dir, method=self.method, config=dataclasses.asdict(self.config))
+            return _finish(
+                tmp, output_dir, source_dir=source_dir, method=self.method, config=dataclasses.asdict(self.config)
+            )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -447,7 +479,12 @@ class LlmInt8Quantizer:
 def _copy_side_files_missing(source_dir: Path, target_dir: Path) -> None:
     """Copy tokenizer files that ``save_pretrained`` of the model did not write."""
     for file in source_dir.iterdir():
-        if file.is_file() and not (target_dir / file.name).exists() and file.name != MANIFEST_NAME and file.suffix not in (".safetensors", ".bin", ".onnx", ".gguf"):
+        if (
+            file.is_file()
+            and not (target_dir / file.name).exists()
+            and file.name != MANIFEST_NAME
+            and file.suffix not in (".safetensors", ".bin", ".onnx", ".gguf")
+        ):
             if not file.name.endswith(".safetensors.index.json"):
                 shutil.copy2(file, target_dir / file.name)
 
@@ -466,7 +503,9 @@ def load_llm_int8_model(checkpoint_dir: str | Path, *, device: str = "cpu"):
     resolve_checkpoint(checkpoint_dir)
     quant = json.loads((checkpoint_dir / "config.json").read_text()).get("quantization_config", {})
     if quant.get("quant_method") != "bitsandbytes" or not quant.get("load_in_8bit"):
-        raise CheckpointError(f"{checkpoint_dir / 'config.json'}: no bitsandbytes 8-bit quantization_config; not an llm-int8 checkpoint")
+        raise CheckpointError(
+            f"{checkpoint_dir / 'config.json'}: no bitsandbytes 8-bit quantization_config; not an llm-int8 checkpoint"
+        )
     model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, device_map=device, dtype=torch.float32)
     return model.eval()
 
@@ -484,7 +523,11 @@ class OnnxInt8Quantizer:
         Raises:
             CheckpointError: missing/corrupt checkpoint or a non-causal model.
         """
-        source_dir = _require_causal_lm(checkpoint, self.method) if self.config.task == "text-generation-with-past" else resolve_checkpoint(checkpoint, causal_lm=False)
+        source_dir = (
+            _require_causal_lm(checkpoint, self.method)
+            if self.config.task == "text-generation-with-past"
+            else resolve_checkpoint(checkpoint, causal_lm=False)
+        )
         output_dir = Path(output_dir)
         output_dir.parent.mkdir(parents=True, exist_ok=True)
         c = self.config
@@ -492,7 +535,9 @@ class OnnxInt8Quantizer:
             export_source = source_dir
             if c.smoothquant_alpha is not None and c.task == "text-generation-with-past":
                 export_source = Path(tmp) / "smoothed"
-                model = load_smoothed_model(source_dir, alpha=c.smoothquant_alpha, data=c.calibration_data, num_records=c.calibration_records)
+                model = load_smoothed_model(
+                    source_dir, alpha=c.smoothquant_alpha, data=c.calibration_data, num_records=c.calibration_records
+                )
                 model.save_pretrained(export_source, safe_serialization=True)
                 _copy_side_files_missing(source_dir, export_source)
                 del model
@@ -578,19 +623,47 @@ def _require_unquantized(checkpoint: str | Path) -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="checkpoint to quantize: name, .gguf file or directory")
     parser.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
-    parser.add_argument("--out", required=True, help="output checkpoint directory: new, empty, or an earlier lmforge checkpoint (replaced)")
-    parser.add_argument("--skip-modules", nargs="*", default=None, metavar="NAME",
-                        help="int8-weight-only / w8a8 (default: none, the LM head is quantized) and llm-int8 (default: lm_head): linear layers kept in float")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output checkpoint directory: new, empty, or an earlier lmforge checkpoint (replaced)",
+    )
+    parser.add_argument(
+        "--skip-modules",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="int8-weight-only / w8a8 (default: none, the LM head is quantized) and llm-int8 (default: lm_head): linear layers kept in float",
+    )
     parser.add_argument("--threshold", type=float, default=None, help="llm-int8: outlier threshold (default 6.0)")
     parser.add_argument("--device", default=None, help="llm-int8: cpu or cuda (default cpu)")
-    parser.add_argument("--smoothquant-alpha", type=float, default=None, help="w8a8 (default 0.5) / onnx-int8 (default 0.8): SmoothQuant strength")
+    parser.add_argument(
+        "--smoothquant-alpha",
+        type=float,
+        default=None,
+        help="w8a8 (default 0.5) / onnx-int8 (default 0.8): SmoothQuant strength",
+    )
     parser.add_argument("--no-smoothquant", action="store_true", help="w8a8 / onnx-int8: quantize without SmoothQuant")
-    parser.add_argument("--calibration-data", default=None, help="w8a8 / onnx-int8: JSONL calibration records (default: training dialogs)")
-    parser.add_argument("--no-per-channel", action="store_true", help="onnx-int8: one scale per tensor instead of per channel")
-    parser.add_argument("--no-microbench", action="store_true",
-                        help="int8-weight-only / w8a8: skip the GEMM microbench that says which variant is fastest on this CPU")
-    parser.add_argument("--op-types", nargs="+", default=None, metavar="OP",
-                        help="onnx-int8: ONNX operator types to quantize (default MatMul Gather)")
+    parser.add_argument(
+        "--calibration-data",
+        default=None,
+        help="w8a8 / onnx-int8: JSONL calibration records (default: training dialogs)",
+    )
+    parser.add_argument(
+        "--no-per-channel", action="store_true", help="onnx-int8: one scale per tensor instead of per channel"
+    )
+    parser.add_argument(
+        "--no-microbench",
+        action="store_true",
+        help="int8-weight-only / w8a8: skip the GEMM microbench that says which variant is fastest on this CPU",
+    )
+    parser.add_argument(
+        "--op-types",
+        nargs="+",
+        default=None,
+        metavar="OP",
+        help="onnx-int8: ONNX operator types to quantize (default MatMul Gather)",
+    )
 
 
 def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -631,6 +704,8 @@ def run(args: argparse.Namespace) -> int:
         from compress.quantize.int8 import format_microbench, gemm_microbench, model_linear_shapes
 
         # INT8 is not always the fastest: measure this model's layer shapes here, now.
-        results = gemm_microbench(model_linear_shapes(out / "config.json"), threads=torch.get_num_threads(), repeats=3, number=3)
+        results = gemm_microbench(
+            model_linear_shapes(out / "config.json"), threads=torch.get_num_threads(), repeats=3, number=3
+        )
         print(format_microbench(results))
     return 0

@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from compress.checkpoint.outputs import CHECKPOINT, staged_output_dir
 from compress.checkpoint.store import (
     MANIFEST_NAME,
     CheckpointError,
@@ -30,7 +31,6 @@ from compress.checkpoint.store import (
     resolve_checkpoint,
     write_manifest,
 )
-from compress.checkpoint.outputs import CHECKPOINT, staged_output_dir
 
 ONNX_MODEL_NAME = "model.onnx"
 
@@ -108,10 +108,16 @@ def onnx_num_parameters(model_path: str | Path) -> int:
 
 def _onnx_size_bytes(directory: Path) -> int:
     """Bytes of the ONNX graph and its external data files."""
-    return sum(f.stat().st_size for f in directory.iterdir() if f.suffix in (".onnx", ".onnx_data") or f.name.endswith(".onnx.data"))
+    return sum(
+        f.stat().st_size
+        for f in directory.iterdir()
+        if f.suffix in (".onnx", ".onnx_data") or f.name.endswith(".onnx.data")
+    )
 
 
-def _write_onnx_manifest(directory: Path, *, source: str, parent: str, method: str, config: dict[str, Any], dtype: str) -> None:
+def _write_onnx_manifest(
+    directory: Path, *, source: str, parent: str, method: str, config: dict[str, Any], dtype: str
+) -> None:
     write_manifest(
         directory,
         Manifest(
@@ -166,7 +172,9 @@ def export_onnx(checkpoint_dir: str | Path, output_dir: str | Path, *, task: str
             local_files_only=True,
         )
         if not (tmp / ONNX_MODEL_NAME).is_file():
-            raise CheckpointError(f"{tmp / ONNX_MODEL_NAME}: the exporter wrote no model; files: {sorted(p.name for p in tmp.iterdir())}")
+            raise CheckpointError(
+                f"{tmp / ONNX_MODEL_NAME}: the exporter wrote no model; files: {sorted(p.name for p in tmp.iterdir())}"
+            )
         _write_onnx_manifest(
             tmp,
             source=_source_of(source_dir),
@@ -208,13 +216,21 @@ def quantize_onnx_int8(
     onnx_dir = Path(onnx_dir)
     model_path = onnx_dir / ONNX_MODEL_NAME
     if not model_path.is_file():
-        raise CheckpointError(f"{model_path}: missing; export the checkpoint first with compress.quantize.onnx.export_onnx (or lmforge quantize --method onnx-int8)")
+        raise CheckpointError(
+            f"{model_path}: missing; export the checkpoint first with compress.quantize.onnx.export_onnx (or lmforge quantize --method onnx-int8)"
+        )
     export_manifest = read_manifest(onnx_dir) if (onnx_dir / MANIFEST_NAME).is_file() else None
     output_dir = Path(output_dir)
     sources = (onnx_dir,) if parent is None else (onnx_dir, parent)
     with staged_output_dir(output_dir, kind=CHECKPOINT, sources=sources) as tmp:
         for file in onnx_dir.iterdir():
-            if file.is_file() and file.suffix != ".onnx" and file.name != MANIFEST_NAME and "onnx_data" not in file.name and not file.name.endswith(".onnx.data"):
+            if (
+                file.is_file()
+                and file.suffix != ".onnx"
+                and file.name != MANIFEST_NAME
+                and "onnx_data" not in file.name
+                and not file.name.endswith(".onnx.data")
+            ):
                 shutil.copy2(file, tmp / file.name)
         quantize_dynamic(
             model_path,

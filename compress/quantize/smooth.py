@@ -41,7 +41,11 @@ def smooth_groups(model) -> list[SmoothGroup]:
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}"
         groups += [
-            SmoothGroup((f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj", f"{p}.self_attn.v_proj"), f"{p}.input_layernorm", "norm"),
+            SmoothGroup(
+                (f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj", f"{p}.self_attn.v_proj"),
+                f"{p}.input_layernorm",
+                "norm",
+            ),
             SmoothGroup((f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"), f"{p}.post_attention_layernorm", "norm"),
             SmoothGroup((f"{p}.mlp.down_proj",), f"{p}.mlp.up_proj", "rows"),
             SmoothGroup((f"{p}.self_attn.o_proj",), f"{p}.self_attn.v_proj", "gqa_rows"),
@@ -62,9 +66,11 @@ def activation_absmax(model, batches: Iterable[torch.Tensor], layer_names: set[s
     stats: dict[str, torch.Tensor] = {}
     hooks = []
     for name in layer_names:
+
         def hook(module, inputs, output, name=name):
             x = inputs[0].detach().abs().reshape(-1, inputs[0].shape[-1]).amax(dim=0).float()  # [in]
             stats[name] = torch.maximum(stats[name], x) if name in stats else x
+
         hooks.append(model.get_submodule(name).register_forward_hook(hook))
     try:
         for ids in batches:
@@ -99,7 +105,10 @@ def smooth_model(model, batches: Iterable[torch.Tensor], *, alpha: float = 0.5) 
         raise ValueError("calibration data is empty; SmoothQuant needs at least one record")
     stats = activation_absmax(model, batches, names)
     config = model.config
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads, kv_heads = (
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     for group in groups:
         linears = [model.get_submodule(n) for n in group.layers]

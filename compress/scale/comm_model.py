@@ -134,7 +134,9 @@ class Cluster:
 #: 900 GB/s); NVIDIA DGX H100 datasheet (8 GPUs, 8 ConnectX-7 400 Gb/s NDR: one per GPU). SM
 #: counts from the A100 (108) and H100 SXM5 (132) architecture whitepapers.
 CLUSTER_PRESETS: dict[str, Cluster] = {
-    "a100-80gb-sxm": Cluster(312.0, 2039.0, 8, 300 * 8, 200.0, "8x A100 80GB SXM (NVLink 600 GB/s) + 200 Gb/s HDR per GPU"),
+    "a100-80gb-sxm": Cluster(
+        312.0, 2039.0, 8, 300 * 8, 200.0, "8x A100 80GB SXM (NVLink 600 GB/s) + 200 Gb/s HDR per GPU"
+    ),
     "h100-sxm": Cluster(989.0, 3350.0, 8, 450 * 8, 400.0, "8x H100 SXM (NVLink 900 GB/s) + 400 Gb/s NDR per GPU", 132),
 }
 
@@ -206,8 +208,9 @@ class DataParallelBytes:
     all_gather: float = 0.0
 
 
-def data_parallel_bytes(param_elements: float, zero_stage: int, micro_batches: int, param_bytes: int,
-                        grad_bytes: int) -> DataParallelBytes:
+def data_parallel_bytes(
+    param_elements: float, zero_stage: int, micro_batches: int, param_bytes: int, grad_bytes: int
+) -> DataParallelBytes:
     """Collective bytes of one step for ``param_elements`` parameters on a device (the replicated model shard).
 
     Stage 0: one all-reduce of the gradients. Stage 1: one reduce-scatter of the gradients and
@@ -264,8 +267,17 @@ def memory_s(nbytes: float, cluster: Cluster) -> float:
     return nbytes / (HBM_EFFICIENCY * cluster.hbm_bytes_per_s)
 
 
-def layer_times(model: ModelSpec, batch: int, seq_len: int, cluster: Cluster, *, tensor_parallel: int = 1,
-                sequence_parallel: bool = False, fused_attention: bool = True, dtype_bytes: int = 2) -> tuple[float, float]:
+def layer_times(
+    model: ModelSpec,
+    batch: int,
+    seq_len: int,
+    cluster: Cluster,
+    *,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    fused_attention: bool = True,
+    dtype_bytes: int = 2,
+) -> tuple[float, float]:
     """Forward and backward time of one decoder layer on one tensor rank for ``batch`` sequences of ``seq_len``.
 
     GEMMs (per rank, ``M = batch x seq_len``): QKV ``[M, h] x [h, (q + 2 kv)/t]``, output
@@ -282,18 +294,27 @@ def layer_times(model: ModelSpec, batch: int, seq_len: int, cluster: Cluster, *,
     h, q, kv, inter = model.hidden_size, model.q_size, model.kv_size, model.intermediate_size
     tokens = batch * seq_len
     up = (2 if model.gated_mlp else 1) * inter
-    gemms = (gemm_s(tokens, (q + 2 * kv) / t, h, cluster, a) + gemm_s(tokens, h, q / t, cluster, a)
-             + gemm_s(tokens, up / t, h, cluster, a) + gemm_s(tokens, h, inter / t, cluster, a))
+    gemms = (
+        gemm_s(tokens, (q + 2 * kv) / t, h, cluster, a)
+        + gemm_s(tokens, h, q / t, cluster, a)
+        + gemm_s(tokens, up / t, h, cluster, a)
+        + gemm_s(tokens, h, inter / t, cluster, a)
+    )
     heads = model.num_attention_heads / t
     if fused_attention:
         attn_flops = 4 * batch * seq_len * seq_len * model.dim_head * heads
         attn_bytes = batch * seq_len * (2 * q + 2 * kv) / t * a  # read q, k, v, write the output
-        attention = max(attn_flops / 2 / (FLASH_ATTENTION_EFFICIENCY * cluster.peak_flops), memory_s(attn_bytes, cluster))
+        attention = max(
+            attn_flops / 2 / (FLASH_ATTENTION_EFFICIENCY * cluster.peak_flops), memory_s(attn_bytes, cluster)
+        )
         attention_backward = FLASH_BACKWARD_RATIO * attention
     else:
         scores = batch * heads * seq_len * seq_len * a
-        attention = (gemm_s(seq_len, seq_len, model.dim_head, cluster, a, batch * heads)
-                     + gemm_s(seq_len, model.dim_head, seq_len, cluster, a, batch * heads) + memory_s(2 * scores, cluster))
+        attention = (
+            gemm_s(seq_len, seq_len, model.dim_head, cluster, a, batch * heads)
+            + gemm_s(seq_len, model.dim_head, seq_len, cluster, a, batch * heads)
+            + memory_s(2 * scores, cluster)
+        )
         attention_backward = 2 * attention
     precision = Precision.FP32 if dtype_bytes == 4 else Precision.BF16
     saved = layer_activation_bytes(model, batch, seq_len, precision, t, sequence_parallel, fused_attention)
@@ -301,7 +322,9 @@ def layer_times(model: ModelSpec, batch: int, seq_len: int, cluster: Cluster, *,
     return rest + attention, 2 * rest + attention_backward
 
 
-def head_forward_s(model: ModelSpec, tokens: int, cluster: Cluster, tensor_parallel: int = 1, dtype_bytes: int = 2) -> float:
+def head_forward_s(
+    model: ModelSpec, tokens: int, cluster: Cluster, tensor_parallel: int = 1, dtype_bytes: int = 2
+) -> float:
     """Forward time of the LM head and the loss on the last stage: ``[M, h] x [h, V/t]`` plus an
     fp32 log-softmax that writes and reads the ``[M, V/t]`` logits."""
     vocab = model.vocab_size / tensor_parallel
@@ -343,9 +366,17 @@ class ParallelConfig:
     sequence_parallel: bool = False
 
 
-def training_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluster, *, seq_len: int,
-                       stage_param_elements: float, dtype_bytes: int = 2, fused_attention: bool = True,
-                       overlap_grad_reduce: bool = True) -> StepTime:
+def training_step_time(
+    model: ModelSpec,
+    config: ParallelConfig,
+    cluster: Cluster,
+    *,
+    seq_len: int,
+    stage_param_elements: float,
+    dtype_bytes: int = 2,
+    fused_attention: bool = True,
+    overlap_grad_reduce: bool = True,
+) -> StepTime:
     """Time one optimizer step of ``config`` (see the module docstring for each term).
 
     Args:
@@ -365,9 +396,16 @@ def training_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     t, p, d, m, b = c.tensor, c.pipeline, c.data, c.micro_batches, c.micro_batch_size
     tokens = b * seq_len
     layers = model.num_hidden_layers / p
-    layer_fwd, layer_bwd = layer_times(model, b, seq_len, cluster, tensor_parallel=t,
-                                       sequence_parallel=c.sequence_parallel, fused_attention=fused_attention,
-                                       dtype_bytes=dtype_bytes)
+    layer_fwd, layer_bwd = layer_times(
+        model,
+        b,
+        seq_len,
+        cluster,
+        tensor_parallel=t,
+        sequence_parallel=c.sequence_parallel,
+        fused_attention=fused_attention,
+        dtype_bytes=dtype_bytes,
+    )
     head = head_forward_s(model, tokens, cluster, t, dtype_bytes)  # backward: twice; never recomputed
     forward_part = layers * layer_fwd + head
     backward_part = layers * (layer_bwd + (layer_fwd if c.checkpointing else 0.0)) + 2 * head
@@ -419,8 +457,16 @@ class DecodeTime:
         return self.weights_s + self.attention_s + self.tp_comm_s
 
 
-def decode_step_time(model: ModelSpec, cluster: Cluster, *, batch: int, context_len: int, tensor_parallel: int = 1,
-                     weight_bytes: int = 2, kv_dtype_bytes: int = 2) -> DecodeTime:
+def decode_step_time(
+    model: ModelSpec,
+    cluster: Cluster,
+    *,
+    batch: int,
+    context_len: int,
+    tensor_parallel: int = 1,
+    weight_bytes: int = 2,
+    kv_dtype_bytes: int = 2,
+) -> DecodeTime:
     """Inter-token latency of a decode step with ``batch`` sequences of ``context_len`` tokens.
 
     GEMMs with ``M = batch`` through ``gemm_s`` (weight-bandwidth bound at small batch; weight
@@ -437,8 +483,12 @@ def decode_step_time(model: ModelSpec, cluster: Cluster, *, batch: int, context_
     h, q, kv, inter = model.hidden_size, model.q_size, model.kv_size, model.intermediate_size
     up = (2 if model.gated_mlp else 1) * inter
     w = weight_bytes
-    layer = (gemm_s(batch, (q + 2 * kv) / t, h, cluster, w) + gemm_s(batch, h, q / t, cluster, w)
-             + gemm_s(batch, up / t, h, cluster, w) + gemm_s(batch, h, inter / t, cluster, w))
+    layer = (
+        gemm_s(batch, (q + 2 * kv) / t, h, cluster, w)
+        + gemm_s(batch, h, q / t, cluster, w)
+        + gemm_s(batch, up / t, h, cluster, w)
+        + gemm_s(batch, h, inter / t, cluster, w)
+    )
     weights = model.num_hidden_layers * layer + gemm_s(batch, model.vocab_size / t, h, cluster, w)
     attention = memory_s(batch * context_len * kv_bytes_per_token(model, kv_dtype_bytes, t), cluster)
     comm = model.num_hidden_layers * 2 * all_reduce_s(batch * h * 2, t, group_link(cluster, 1, t))
@@ -456,4 +506,3 @@ def model_flops_per_token(model: ModelSpec, param_count: int, seq_len: int) -> f
     """Model FLOPs per trained token for MFU: ``6 N + 12 L s q`` (Chowdhery et al. 2022, App. B;
     no recomputation counted)."""
     return 6 * param_count + 12 * model.num_hidden_layers * seq_len * model.q_size
-

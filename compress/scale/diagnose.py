@@ -17,10 +17,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from compress.data.dedup import MinHashConfig, cross_duplicates
-from compress.errors import UsageError
 from compress.checkpoint.outputs import check_output_file
+from compress.data.dedup import MinHashConfig, cross_duplicates
 from compress.data.records import read_records
+from compress.errors import UsageError
 
 SPIKE_WINDOW = 10  # preceding train steps a spike is compared with
 SPIKE_MIN_HISTORY = 5
@@ -96,7 +96,9 @@ def load_run(run_dir: str | Path) -> RunLog:
             raise RunDirError(f"{metrics}:{number}: step={record['step']!r}; expected an integer >= 0")
         (train if record["split"] == "train" else val).append(record)
     if not train:
-        raise RunDirError(f"{metrics}: no train records, nothing to diagnose; run (or resume) finetune/distill until it logs a step")
+        raise RunDirError(
+            f"{metrics}: no train records, nothing to diagnose; run (or resume) finetune/distill until it logs a step"
+        )
     run = {}
     run_json = run_dir / "run.json"
     if run_json.is_file():
@@ -120,13 +122,15 @@ def spike_steps(series: list[tuple[int, float]]) -> list[tuple[int, float, float
     """``(step, value, rolling median)`` where a value jumps far above the preceding window."""
     spikes = []
     for i in range(SPIKE_MIN_HISTORY, len(series)):
-        window = [v for _, v in series[max(0, i - SPIKE_WINDOW):i] if math.isfinite(v)]
+        window = [v for _, v in series[max(0, i - SPIKE_WINDOW) : i] if math.isfinite(v)]
         if len(window) < SPIKE_MIN_HISTORY:
             continue
         med = _median(window)
         mad = 1.4826 * _median([abs(v - med) for v in window])
         step, value = series[i]
-        if not math.isfinite(value) or (value - med > SPIKE_MAD_FACTOR * mad and value > med * (1 + SPIKE_MIN_RELATIVE)):
+        if not math.isfinite(value) or (
+            value - med > SPIKE_MAD_FACTOR * mad and value > med * (1 + SPIKE_MIN_RELATIVE)
+        ):
             spikes.append((step, value, med))
     return spikes
 
@@ -135,12 +139,15 @@ def detect_loss_spikes(log: RunLog) -> list[Finding]:
     spikes = spike_steps(log.series("loss"))
     if not spikes:
         return []
-    return [Finding(
-        "loss_spikes", f"{len(spikes)} train loss spike(s)",
-        {"spikes": [{"step": s, "loss": v, "preceding_median": round(m, 4)} for s, v, m in spikes[:20]]},
-        "check that the data is shuffled (a spike at the same step each epoch points to bad records), "
-        "lower the learning rate or raise the batch size, clip gradients (max_grad_norm 1.0)",
-    )]
+    return [
+        Finding(
+            "loss_spikes",
+            f"{len(spikes)} train loss spike(s)",
+            {"spikes": [{"step": s, "loss": v, "preceding_median": round(m, 4)} for s, v, m in spikes[:20]]},
+            "check that the data is shuffled (a spike at the same step each epoch points to bad records), "
+            "lower the learning rate or raise the batch size, clip gradients (max_grad_norm 1.0)",
+        )
+    ]
 
 
 def detect_oscillation(log: RunLog) -> list[Finding]:
@@ -150,18 +157,26 @@ def detect_oscillation(log: RunLog) -> list[Finding]:
     diffs = [b - a for a, b in zip(losses, losses[1:])]
     flips = sum(1 for a, b in zip(diffs, diffs[1:]) if a * b < 0) / (len(diffs) - 1)
     half = 3
-    residuals = [abs(losses[i] - _median(losses[i - half:i + half + 1])) / abs(_median(losses[i - half:i + half + 1]) or 1)
-                 for i in range(half, len(losses) - half)]
+    residuals = [
+        abs(losses[i] - _median(losses[i - half : i + half + 1])) / abs(_median(losses[i - half : i + half + 1]) or 1)
+        for i in range(half, len(losses) - half)
+    ]
     amplitude = _median(residuals)
     if flips < OSCILLATION_SIGN_CHANGES or amplitude < OSCILLATION_AMPLITUDE:
         return []
-    return [Finding(
-        "loss_oscillation", "train loss oscillates instead of decreasing",
-        {"sign_change_fraction": round(flips, 3), "median_relative_amplitude": round(amplitude, 4),
-         "loss_first_last": [losses[0], losses[-1]]},
-        "lower the learning rate (the optimiser overshoots), raise the batch size or gradient accumulation, "
-        "check shuffling (alternating easy/hard batches), clip gradients",
-    )]
+    return [
+        Finding(
+            "loss_oscillation",
+            "train loss oscillates instead of decreasing",
+            {
+                "sign_change_fraction": round(flips, 3),
+                "median_relative_amplitude": round(amplitude, 4),
+                "loss_first_last": [losses[0], losses[-1]],
+            },
+            "lower the learning rate (the optimiser overshoots), raise the batch size or gradient accumulation, "
+            "check shuffling (alternating easy/hard batches), clip gradients",
+        )
+    ]
 
 
 def detect_grad_norm(log: RunLog) -> list[Finding]:
@@ -170,25 +185,34 @@ def detect_grad_norm(log: RunLog) -> list[Finding]:
     exploded = []
     for i, (step, value) in enumerate(series):
         earlier = [v for _, v in series[:i] if math.isfinite(v)]
-        if not math.isfinite(value) or (len(earlier) >= SPIKE_MIN_HISTORY and value > EXPLOSION_FACTOR * _median(earlier)):
+        if not math.isfinite(value) or (
+            len(earlier) >= SPIKE_MIN_HISTORY and value > EXPLOSION_FACTOR * _median(earlier)
+        ):
             exploded.append({"step": step, "grad_norm": value, "median_before": _median(earlier) if earlier else None})
     if exploded:
-        findings.append(Finding(
-            "grad_norm_explosion", f"gradient norm exploded at {len(exploded)} step(s)", {"steps": exploded[:20]},
-            "clip gradients (max_grad_norm 1.0), lower the learning rate, lengthen warm-up, use bf16 instead of fp16 "
-            "(or a dynamic loss scale), look for bad records at those steps",
-        ))
+        findings.append(
+            Finding(
+                "grad_norm_explosion",
+                f"gradient norm exploded at {len(exploded)} step(s)",
+                {"steps": exploded[:20]},
+                "clip gradients (max_grad_norm 1.0), lower the learning rate, lengthen warm-up, use bf16 instead of fp16 "
+                "(or a dynamic loss scale), look for bad records at those steps",
+            )
+        )
     finite = [v for _, v in series if math.isfinite(v)]
     if len(finite) >= 8:
         quarter = len(finite) // 4
         early, late = _median(finite[:quarter]), _median(finite[-quarter:])
         if early > 0 and late < VANISHING_RATIO * early:
-            findings.append(Finding(
-                "grad_norm_vanishing", "gradient norm vanished",
-                {"early_median": early, "late_median": late, "steps": [series[0][0], series[-1][0]]},
-                "check the learning rate schedule did not decay to zero, that parameters are not frozen by mistake "
-                "(param_change per group), that the loss mask is not empty; use residual-friendly init / norms",
-            ))
+            findings.append(
+                Finding(
+                    "grad_norm_vanishing",
+                    "gradient norm vanished",
+                    {"early_median": early, "late_median": late, "steps": [series[0][0], series[-1][0]]},
+                    "check the learning rate schedule did not decay to zero, that parameters are not frozen by mistake "
+                    "(param_change per group), that the loss mask is not empty; use residual-friendly init / norms",
+                )
+            )
     return findings
 
 
@@ -207,20 +231,28 @@ def detect_divergence(log: RunLog) -> list[Finding]:
     train_at_best, train_last = _median(at_best[-3:]), _median(after[-3:])
     if train_last >= train_at_best:
         return []
-    return [Finding(
-        "train_val_divergence", "validation loss rises while train loss keeps falling (overfitting)",
-        {"best_val": {"step": best_step, "loss": best}, "last_val": {"step": last_step, "loss": last},
-         "train_loss": {"at_best_val": round(train_at_best, 4), "last": round(train_last, 4)}},
-        f"keep the checkpoint of step {best_step} (early stopping), add regularisation (weight decay, dropout, "
-        "LoRA with a smaller rank), more or more varied data, fewer epochs",
-    )]
+    return [
+        Finding(
+            "train_val_divergence",
+            "validation loss rises while train loss keeps falling (overfitting)",
+            {
+                "best_val": {"step": best_step, "loss": best},
+                "last_val": {"step": last_step, "loss": last},
+                "train_loss": {"at_best_val": round(train_at_best, 4), "last": round(train_last, 4)},
+            },
+            f"keep the checkpoint of step {best_step} (early stopping), add regularisation (weight decay, dropout, "
+            "LoRA with a smaller rank), more or more varied data, fewer epochs",
+        )
+    ]
 
 
 def _record_text(record: dict) -> str:
     if isinstance(record.get("text"), str):
         return record["text"]
     messages = record.get("messages") or []
-    return "\n".join(m.get("content", "") for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return "\n".join(
+        m.get("content", "") for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
+    )
 
 
 def read_texts(path: str | Path) -> list[str]:
@@ -241,8 +273,13 @@ def split_overlap(train_path: str | Path, val_path: str | Path) -> dict:
     train, val = read_texts(train_path), read_texts(val_path)
     pairs = cross_duplicates(train, val, MinHashConfig(threshold=LEAK_JACCARD, num_perm=LEAK_NUM_PERM))
     leaked = sorted({j for _, j, _ in pairs})
-    return {"train_records": len(train), "val_records": len(val), "val_with_near_duplicate_in_train": len(leaked),
-            "overlap_fraction": round(len(leaked) / len(val), 4) if val else 0.0, "example_val_indices": leaked[:10]}
+    return {
+        "train_records": len(train),
+        "val_records": len(val),
+        "val_with_near_duplicate_in_train": len(leaked),
+        "overlap_fraction": round(len(leaked) / len(val), 4) if val else 0.0,
+        "example_val_indices": leaked[:10],
+    }
 
 
 def detect_flat_val(log: RunLog) -> list[Finding]:
@@ -255,8 +292,10 @@ def detect_flat_val(log: RunLog) -> list[Finding]:
     train_drop = (_median(train[:k]) - _median(train[-k:])) / abs(_median(train[:k]))
     if val_drop >= FLAT_VAL_DROP or train_drop <= FLAT_TRAIN_DROP:
         return []
-    evidence = {"val_loss": {"first": val[0], "best": min(val), "evals": len(val)},
-                "train_loss_drop_fraction": round(train_drop, 4)}
+    evidence = {
+        "val_loss": {"first": val[0], "best": min(val), "evals": len(val)},
+        "train_loss_drop_fraction": round(train_drop, 4),
+    }
     paths = (log.run.get("train_data"), log.run.get("val_data"))
     if all(paths):
         try:
@@ -267,12 +306,16 @@ def detect_flat_val(log: RunLog) -> list[Finding]:
         evidence["split_overlap"] = {"error": "run.json names no train_data/val_data"}
     overlap = evidence["split_overlap"].get("overlap_fraction")
     if overlap is not None and overlap > 0.05:
-        remedy = (f"{overlap:.0%} of validation records are near-duplicates of training records: the split leaks; "
-                  "re-split after cross-split deduplication (lmforge data) so validation measures generalisation")
+        remedy = (
+            f"{overlap:.0%} of validation records are near-duplicates of training records: the split leaks; "
+            "re-split after cross-split deduplication (lmforge data) so validation measures generalisation"
+        )
     else:
-        remedy = ("no train/validation leakage found; check that validation uses the same format and loss mask as "
-                  "training (chat template, assistant-only loss), that it is from the task's distribution, and that "
-                  "the learning rate is not too low for the model to generalise")
+        remedy = (
+            "no train/validation leakage found; check that validation uses the same format and loss mask as "
+            "training (chat template, assistant-only loss), that it is from the task's distribution, and that "
+            "the learning rate is not too low for the model to generalise"
+        )
     return [Finding("val_flat", "validation loss flat from the start while train loss falls", evidence, remedy)]
 
 
@@ -303,17 +346,22 @@ def detect_short_warmup(log: RunLog) -> list[Finding]:
     first = log.train[0]["step"] if log.train else 0
     total = (log.train[-1]["step"] - first + 1) if log.train else 0
     horizon = first + max(WARMUP_HORIZON * warmup, 0.1 * total)
-    unstable = sorted({s for s, _, _ in spike_steps(log.series("loss")) if s <= horizon}
-                      | {f["step"] for f in _explosions(log) if f["step"] <= horizon})
+    unstable = sorted(
+        {s for s, _, _ in spike_steps(log.series("loss")) if s <= horizon}
+        | {f["step"] for f in _explosions(log) if f["step"] <= horizon}
+    )
     if not unstable:
         return []
     suggested = max(2 * unstable[-1] - 2 * first, 2 * warmup, int(0.05 * total), 10)
-    return [Finding(
-        "warmup_too_short", f"instability within the first {int(horizon - first)} steps, warm-up is {warmup} steps",
-        {"warmup_steps": warmup, "unstable_steps": unstable[:20], "total_steps": total},
-        f"lengthen linear warm-up to about {suggested} steps (Adam's early second-moment estimates are noisy; "
-        "5-10 % of training is common), or lower the peak learning rate",
-    )]
+    return [
+        Finding(
+            "warmup_too_short",
+            f"instability within the first {int(horizon - first)} steps, warm-up is {warmup} steps",
+            {"warmup_steps": warmup, "unstable_steps": unstable[:20], "total_steps": total},
+            f"lengthen linear warm-up to about {suggested} steps (Adam's early second-moment estimates are noisy; "
+            "5-10 % of training is common), or lower the peak learning rate",
+        )
+    ]
 
 
 def _explosions(log: RunLog) -> list[dict]:
@@ -322,8 +370,11 @@ def _explosions(log: RunLog) -> list[dict]:
 
 
 def detect_data_bottleneck(log: RunLog) -> list[Finding]:
-    rows = [(r["step"], float(r["data_wait_s"]), float(r["compute_s"])) for r in log.train
-            if isinstance(r.get("data_wait_s"), (int, float)) and isinstance(r.get("compute_s"), (int, float))]
+    rows = [
+        (r["step"], float(r["data_wait_s"]), float(r["compute_s"]))
+        for r in log.train
+        if isinstance(r.get("data_wait_s"), (int, float)) and isinstance(r.get("compute_s"), (int, float))
+    ]
     if not rows:
         return []
     wait, compute = sum(w for _, w, _ in rows), sum(c for _, _, c in rows)
@@ -331,18 +382,33 @@ def detect_data_bottleneck(log: RunLog) -> list[Finding]:
     if fraction <= DATA_WAIT_FRACTION:
         return []
     worst = sorted(rows, key=lambda r: -r[1])[:5]
-    return [Finding(
-        "data_loader_bottleneck", f"{fraction:.0%} of step time waits for data",
-        {"data_wait_fraction": round(fraction, 4), "median_data_wait_s": round(_median([w for _, w, _ in rows]), 4),
-         "median_compute_s": round(_median([c for _, _, c in rows]), 4),
-         "slowest_steps": [{"step": s, "data_wait_s": round(w, 4), "compute_s": round(c, 4)} for s, w, c in worst]},
-        "raise DataLoader num_workers, set pin_memory and prefetch_factor, pre-tokenize the data once instead of "
-        "per step, keep the data on local disk; the accelerator idles while it waits",
-    )]
+    return [
+        Finding(
+            "data_loader_bottleneck",
+            f"{fraction:.0%} of step time waits for data",
+            {
+                "data_wait_fraction": round(fraction, 4),
+                "median_data_wait_s": round(_median([w for _, w, _ in rows]), 4),
+                "median_compute_s": round(_median([c for _, _, c in rows]), 4),
+                "slowest_steps": [
+                    {"step": s, "data_wait_s": round(w, 4), "compute_s": round(c, 4)} for s, w, c in worst
+                ],
+            },
+            "raise DataLoader num_workers, set pin_memory and prefetch_factor, pre-tokenize the data once instead of "
+            "per step, keep the data on local disk; the accelerator idles while it waits",
+        )
+    ]
 
 
-DETECTORS = (detect_loss_spikes, detect_oscillation, detect_grad_norm, detect_divergence, detect_flat_val,
-             detect_short_warmup, detect_data_bottleneck)
+DETECTORS = (
+    detect_loss_spikes,
+    detect_oscillation,
+    detect_grad_norm,
+    detect_divergence,
+    detect_flat_val,
+    detect_short_warmup,
+    detect_data_bottleneck,
+)
 
 
 def diagnose(run_dir: str | Path) -> list[Finding]:

@@ -167,8 +167,15 @@ def rmsnorm_activation_bytes(tokens: int, hidden: int, precision: Precision) -> 
     return tokens * (hidden * FP32_BYTES + FP32_BYTES + 2 * hidden * precision.activation_bytes)
 
 
-def layer_activation_bytes(model: ModelSpec, batch: int, seq_len: int, precision: Precision, tensor_parallel: int = 1,
-                           sequence_parallel: bool = False, fused_attention: bool = True) -> int:
+def layer_activation_bytes(
+    model: ModelSpec,
+    batch: int,
+    seq_len: int,
+    precision: Precision,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    fused_attention: bool = True,
+) -> int:
     """Bytes one decoder layer saves for backward for a micro-batch of ``batch`` sequences of ``seq_len``.
 
     Per token, in the compute dtype ``a``: 2 RMSNorms (see ``rmsnorm_activation_bytes``);
@@ -204,14 +211,28 @@ def rotary_activation_bytes(model: ModelSpec, seq_len: int, precision: Precision
 
 def output_activation_bytes(model: ModelSpec, tokens: int, precision: Precision, tensor_parallel: int = 1) -> int:
     """Bytes saved by the output side: final RMSNorm, fp32 log-softmax over the (vocab-parallel) logits, int64 labels, the loss."""
-    return (rmsnorm_activation_bytes(tokens, model.hidden_size, precision)
-            + math.ceil(tokens * model.vocab_size * FP32_BYTES / tensor_parallel) + tokens * INT64_BYTES + FP32_BYTES)
+    return (
+        rmsnorm_activation_bytes(tokens, model.hidden_size, precision)
+        + math.ceil(tokens * model.vocab_size * FP32_BYTES / tensor_parallel)
+        + tokens * INT64_BYTES
+        + FP32_BYTES
+    )
 
 
-def stage_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, precision: Precision,
-                           stage: int = 0, pipeline_parallel: int = 1, in_flight: int = 1, tensor_parallel: int = 1,
-                           checkpointing: bool = False, sequence_parallel: bool = False,
-                           fused_attention: bool = True) -> int:
+def stage_activation_bytes(
+    model: ModelSpec,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    precision: Precision,
+    stage: int = 0,
+    pipeline_parallel: int = 1,
+    in_flight: int = 1,
+    tensor_parallel: int = 1,
+    checkpointing: bool = False,
+    sequence_parallel: bool = False,
+    fused_attention: bool = True,
+) -> int:
     """Peak activation bytes on one device of pipeline stage ``stage`` (0-based).
 
     ``in_flight`` micro-batches have run their forward and wait for their backward (1F1B: stage
@@ -226,8 +247,9 @@ def stage_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, 
     tokens = micro_batch * seq_len
     layers = model.num_hidden_layers // pipeline_parallel
     first, last = stage == 0, stage == pipeline_parallel - 1
-    full_layer = layer_activation_bytes(model, micro_batch, seq_len, precision, tensor_parallel, sequence_parallel,
-                                        fused_attention)
+    full_layer = layer_activation_bytes(
+        model, micro_batch, seq_len, precision, tensor_parallel, sequence_parallel, fused_attention
+    )
     rotary = rotary_activation_bytes(model, seq_len, precision)
     hidden_buffer = tokens * model.hidden_size * precision.activation_bytes
     if sequence_parallel:
@@ -272,8 +294,16 @@ class KVCapacity:
     max_tokens: int
 
 
-def kv_capacity(model: ModelSpec, *, budget_bytes: int, block_size: int, max_model_len: int, dtype_bytes: int,
-                tensor_parallel: int = 1, max_num_seqs: int | None = None) -> KVCapacity:
+def kv_capacity(
+    model: ModelSpec,
+    *,
+    budget_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    dtype_bytes: int,
+    tensor_parallel: int = 1,
+    max_num_seqs: int | None = None,
+) -> KVCapacity:
     """Blocks of ``block_size`` tokens that fit ``budget_bytes`` and full-length sequences they hold.
 
     ``num_blocks = budget // (block_size x kv_bytes_per_token)``, as a paged engine sizes its cache;

@@ -50,8 +50,9 @@ class ScheduleResult:
     max_in_flight: list[int]  # per stage: most micro-batches between their forward and backward
 
 
-def simulate_1f1b(pipeline_parallel: int, micro_batches: int, forward_time: float = 1.0,
-                  backward_time: float = 2.0) -> ScheduleResult:
+def simulate_1f1b(
+    pipeline_parallel: int, micro_batches: int, forward_time: float = 1.0, backward_time: float = 2.0
+) -> ScheduleResult:
     """Run the 1F1B schedule on ``p`` stages with uniform op times; measure the idle fraction.
 
     An op starts when its stage is free and its input is ready: ``F(i, j)`` after ``F(i-1, j)``,

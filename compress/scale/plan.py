@@ -24,7 +24,9 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from compress.checkpoint.outputs import check_output_file
 from compress.checkpoint.store import resolve_checkpoint
+from compress.errors import LmforgeError, UsageError
 from compress.scale.comm_model import (
     CLUSTER_PRESETS,
     Cluster,
@@ -35,7 +37,6 @@ from compress.scale.comm_model import (
     model_flops_per_token,
     training_step_time,
 )
-from compress.errors import LmforgeError, UsageError
 from compress.scale.memory_model import (
     KVCapacity,
     ModelSpec,
@@ -47,7 +48,6 @@ from compress.scale.memory_model import (
     state_memory,
     total_params,
 )
-from compress.checkpoint.outputs import check_output_file
 from compress.scale.pipeline_schedule import bubble_fraction, simulate_1f1b
 
 GIB = 2**30
@@ -120,8 +120,10 @@ class PlanEntry:
     def describe(self) -> str:
         """``dp=.. tp=.. pp=.. m=.. mbs=.. ZeRO-.. ckpt ..``"""
         s = self.split
-        return (f"dp={s.data} tp={s.tensor} pp={s.pipeline} m={self.micro_batches} mbs={self.micro_batch_size} "
-                f"ZeRO-{self.zero_stage} ckpt {'on' if self.checkpointing else 'off'}")
+        return (
+            f"dp={s.data} tp={s.tensor} pp={s.pipeline} m={self.micro_batches} mbs={self.micro_batch_size} "
+            f"ZeRO-{self.zero_stage} ckpt {'on' if self.checkpointing else 'off'}"
+        )
 
 
 def divisors(n: int) -> list[int]:
@@ -134,13 +136,21 @@ def split_constraints(model: ModelSpec, split: Split, global_batch: int) -> list
     problems = []
     t, p, d = split.tensor, split.pipeline, split.data
     if model.num_attention_heads % t:
-        problems.append(f"tensor degree: num_attention_heads={model.num_attention_heads} not divisible by tensor degree {t}")
+        problems.append(
+            f"tensor degree: num_attention_heads={model.num_attention_heads} not divisible by tensor degree {t}"
+        )
     if model.num_key_value_heads % t:
-        problems.append(f"tensor degree: num_key_value_heads={model.num_key_value_heads} not divisible by tensor degree {t}")
+        problems.append(
+            f"tensor degree: num_key_value_heads={model.num_key_value_heads} not divisible by tensor degree {t}"
+        )
     if model.intermediate_size % t:
-        problems.append(f"tensor degree: intermediate_size={model.intermediate_size} not divisible by tensor degree {t}")
+        problems.append(
+            f"tensor degree: intermediate_size={model.intermediate_size} not divisible by tensor degree {t}"
+        )
     if model.num_hidden_layers % p:
-        problems.append(f"pipeline degree: num_hidden_layers={model.num_hidden_layers} not divisible by pipeline degree {p}")
+        problems.append(
+            f"pipeline degree: num_hidden_layers={model.num_hidden_layers} not divisible by pipeline degree {p}"
+        )
     if global_batch % d:
         problems.append(f"data degree: global_batch={global_batch} not divisible by data degree {d}")
     return problems
@@ -171,17 +181,30 @@ def evaluate_entry(model: ModelSpec, setup: TrainingSetup, entry: PlanEntry) -> 
         )
     worst: tuple[int, StateMemory, int] | None = None
     for stage in range(s.pipeline):
-        states = state_memory(stage_params(model, stage, s.pipeline, s.tensor), setup.precision, entry.zero_stage, s.data)
+        states = state_memory(
+            stage_params(model, stage, s.pipeline, s.tensor), setup.precision, entry.zero_stage, s.data
+        )
         acts = stage_activation_bytes(
-            model, micro_batch=entry.micro_batch_size, seq_len=setup.seq_len, precision=setup.precision, stage=stage,
-            pipeline_parallel=s.pipeline, in_flight=min(entry.micro_batches, s.pipeline - stage),
-            tensor_parallel=s.tensor, checkpointing=entry.checkpointing, sequence_parallel=setup.sequence_parallel,
+            model,
+            micro_batch=entry.micro_batch_size,
+            seq_len=setup.seq_len,
+            precision=setup.precision,
+            stage=stage,
+            pipeline_parallel=s.pipeline,
+            in_flight=min(entry.micro_batches, s.pipeline - stage),
+            tensor_parallel=s.tensor,
+            checkpointing=entry.checkpointing,
+            sequence_parallel=setup.sequence_parallel,
             fused_attention=setup.fused_attention,
         )
         if worst is None or states.total_bytes + acts > worst[0]:
             worst = (states.total_bytes + acts, states, acts)
     _, states, acts = worst
-    entry.params_bytes, entry.grads_bytes, entry.optimizer_bytes = states.params_bytes, states.grads_bytes, states.optimizer_bytes
+    entry.params_bytes, entry.grads_bytes, entry.optimizer_bytes = (
+        states.params_bytes,
+        states.grads_bytes,
+        states.optimizer_bytes,
+    )
     entry.activations_bytes = acts
     if entry.total_bytes > setup.device_memory_bytes:
         entry.infeasible.append(
@@ -189,12 +212,27 @@ def evaluate_entry(model: ModelSpec, setup: TrainingSetup, entry: PlanEntry) -> 
             f"(states {states.total_bytes / GIB:.1f}, activations {acts / GIB:.1f})"
         )
     entry.bubble_fraction = bubble_fraction(s.pipeline, entry.micro_batches)
-    config = ParallelConfig(s.data, s.tensor, s.pipeline, entry.micro_batches, entry.micro_batch_size, entry.zero_stage,
-                            entry.checkpointing, setup.sequence_parallel)
+    config = ParallelConfig(
+        s.data,
+        s.tensor,
+        s.pipeline,
+        entry.micro_batches,
+        entry.micro_batch_size,
+        entry.zero_stage,
+        entry.checkpointing,
+        setup.sequence_parallel,
+    )
     shard = max(stage_params(model, stage, s.pipeline, s.tensor).elements for stage in range(s.pipeline))
-    entry.time = training_step_time(model, config, setup.cluster, seq_len=setup.seq_len, stage_param_elements=shard,
-                                    dtype_bytes=setup.precision.param_bytes, fused_attention=setup.fused_attention,
-                                    overlap_grad_reduce=setup.overlap_grad_reduce)
+    entry.time = training_step_time(
+        model,
+        config,
+        setup.cluster,
+        seq_len=setup.seq_len,
+        stage_param_elements=shard,
+        dtype_bytes=setup.precision.param_bytes,
+        fused_attention=setup.fused_attention,
+        overlap_grad_reduce=setup.overlap_grad_reduce,
+    )
     tokens = setup.global_batch * setup.seq_len
     entry.step_time_s = entry.time.step_s
     entry.tokens_per_s = tokens / entry.step_time_s
@@ -240,9 +278,18 @@ def plan_training(model: ModelSpec, setup: TrainingSetup, splits: list[Split] | 
     return entries
 
 
-def inference_capacity(model: ModelSpec, *, device_memory_bytes: int, memory_utilization: float, block_size: int,
-                       max_model_len: int, weight_bytes: int, kv_dtype_bytes: int, tensor_parallel: int = 1,
-                       max_num_seqs: int | None = None) -> KVCapacity:
+def inference_capacity(
+    model: ModelSpec,
+    *,
+    device_memory_bytes: int,
+    memory_utilization: float,
+    block_size: int,
+    max_model_len: int,
+    weight_bytes: int,
+    kv_dtype_bytes: int,
+    tensor_parallel: int = 1,
+    max_num_seqs: int | None = None,
+) -> KVCapacity:
     """KV capacity of one device after the weights: budget = memory x utilization - weights / t.
 
     Raises:
@@ -253,13 +300,24 @@ def inference_capacity(model: ModelSpec, *, device_memory_bytes: int, memory_uti
         raise ValueError(f"memory_utilization={memory_utilization}: must be in (0, 1]")
     weights = math.ceil(total_params(model) * weight_bytes / tensor_parallel)
     budget = int(device_memory_bytes * memory_utilization) - weights
-    return kv_capacity(model, budget_bytes=budget, block_size=block_size, max_model_len=max_model_len,
-                       dtype_bytes=kv_dtype_bytes, tensor_parallel=tensor_parallel, max_num_seqs=max_num_seqs)
+    return kv_capacity(
+        model,
+        budget_bytes=budget,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        dtype_bytes=kv_dtype_bytes,
+        tensor_parallel=tensor_parallel,
+        max_num_seqs=max_num_seqs,
+    )
 
 
 TIME_TERMS = {
-    "compute_s": "compute", "tp_comm_s": "tensor-parallel all-reduce", "pp_comm_s": "pipeline sends",
-    "dp_comm_s": "exposed data-parallel communication", "bubble_s": "pipeline bubble", "optimizer_s": "optimizer update",
+    "compute_s": "compute",
+    "tp_comm_s": "tensor-parallel all-reduce",
+    "pp_comm_s": "pipeline sends",
+    "dp_comm_s": "exposed data-parallel communication",
+    "bubble_s": "pipeline bubble",
+    "optimizer_s": "optimizer update",
 }
 
 
@@ -276,8 +334,10 @@ def explain_winner(best: PlanEntry, other: PlanEntry) -> str:
     loses = max(deltas, key=deltas.get)
     gains = min(deltas, key=deltas.get)
     gap = other.step_time_s - best.step_time_s
-    line = (f"winner {best.describe()} vs runner-up {other.describe()}: {gap:.3f} s per step "
-            f"({gap / other.step_time_s:.1%}) faster; the runner-up spends {deltas[loses]:.3f} s more on {TIME_TERMS[loses]}")
+    line = (
+        f"winner {best.describe()} vs runner-up {other.describe()}: {gap:.3f} s per step "
+        f"({gap / other.step_time_s:.1%}) faster; the runner-up spends {deltas[loses]:.3f} s more on {TIME_TERMS[loses]}"
+    )
     if deltas[gains] < 0:
         line += f" and saves {-deltas[gains]:.3f} s of {TIME_TERMS[gains]}"
     memory = best.total_bytes - other.total_bytes
@@ -297,9 +357,18 @@ class ServingOption:
     full_batch: int
 
 
-def serving_options(model: ModelSpec, cluster: Cluster, *, device_memory_bytes: int, memory_utilization: float,
-                    block_size: int, max_model_len: int, weight_bytes: int, kv_dtype_bytes: int,
-                    max_num_seqs: int | None = None) -> list[ServingOption]:
+def serving_options(
+    model: ModelSpec,
+    cluster: Cluster,
+    *,
+    device_memory_bytes: int,
+    memory_utilization: float,
+    block_size: int,
+    max_model_len: int,
+    weight_bytes: int,
+    kv_dtype_bytes: int,
+    max_num_seqs: int | None = None,
+) -> list[ServingOption]:
     """For each tensor-parallel size inside one node that divides the KV heads: what fits and the ITL.
 
     ITL is ``compress.scale.comm_model.decode_step_time`` at ``max_model_len`` tokens of context, for one
@@ -311,18 +380,40 @@ def serving_options(model: ModelSpec, cluster: Cluster, *, device_memory_bytes: 
             continue
         weights = math.ceil(total_params(model) * weight_bytes / t)
         try:
-            cap = inference_capacity(model, device_memory_bytes=device_memory_bytes, memory_utilization=memory_utilization,
-                                     block_size=block_size, max_model_len=max_model_len, weight_bytes=weight_bytes,
-                                     kv_dtype_bytes=kv_dtype_bytes, tensor_parallel=t, max_num_seqs=max_num_seqs)
+            cap = inference_capacity(
+                model,
+                device_memory_bytes=device_memory_bytes,
+                memory_utilization=memory_utilization,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                weight_bytes=weight_bytes,
+                kv_dtype_bytes=kv_dtype_bytes,
+                tensor_parallel=t,
+                max_num_seqs=max_num_seqs,
+            )
         except ValueError:
             cap = None
         if cap is None or cap.max_concurrent_sequences < 1:
             options.append(ServingOption(t, weights, cap, None, None, 0))
             continue
-        one = decode_step_time(model, cluster, batch=1, context_len=max_model_len, tensor_parallel=t,
-                               weight_bytes=weight_bytes, kv_dtype_bytes=kv_dtype_bytes)
-        full = decode_step_time(model, cluster, batch=cap.max_concurrent_sequences, context_len=max_model_len,
-                                tensor_parallel=t, weight_bytes=weight_bytes, kv_dtype_bytes=kv_dtype_bytes)
+        one = decode_step_time(
+            model,
+            cluster,
+            batch=1,
+            context_len=max_model_len,
+            tensor_parallel=t,
+            weight_bytes=weight_bytes,
+            kv_dtype_bytes=kv_dtype_bytes,
+        )
+        full = decode_step_time(
+            model,
+            cluster,
+            batch=cap.max_concurrent_sequences,
+            context_len=max_model_len,
+            tensor_parallel=t,
+            weight_bytes=weight_bytes,
+            kv_dtype_bytes=kv_dtype_bytes,
+        )
         options.append(ServingOption(t, weights, cap, one, full, cap.max_concurrent_sequences))
     return options
 
@@ -351,25 +442,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group("training")
     train.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     train.add_argument("--global-batch", type=int, default=64, help="sequences per optimizer step")
-    train.add_argument("--precision", choices=[p.value for p in Precision], default="bf16",
-                       help="fp32, or bf16/fp16 mixed precision with fp32 master weights")
-    train.add_argument("--zero-stage", type=int, action="append", choices=(0, 1, 2, 3),
-                       help="ZeRO stage(s) to consider (repeat; default all)")
-    train.add_argument("--checkpointing", choices=("off", "on", "both"), default="both",
-                       help="gradient checkpointing (full recomputation)")
-    train.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism with tensor parallelism")
-    train.add_argument("--attention", choices=("fused", "masked"), default="fused",
-                       help="fused: flash attention / SDPA is_causal; masked: SDPA with a [b,1,s,s] mask, K/V repeated")
+    train.add_argument(
+        "--precision",
+        choices=[p.value for p in Precision],
+        default="bf16",
+        help="fp32, or bf16/fp16 mixed precision with fp32 master weights",
+    )
+    train.add_argument(
+        "--zero-stage",
+        type=int,
+        action="append",
+        choices=(0, 1, 2, 3),
+        help="ZeRO stage(s) to consider (repeat; default all)",
+    )
+    train.add_argument(
+        "--checkpointing",
+        choices=("off", "on", "both"),
+        default="both",
+        help="gradient checkpointing (full recomputation)",
+    )
+    train.add_argument(
+        "--sequence-parallel", action="store_true", help="Megatron sequence parallelism with tensor parallelism"
+    )
+    train.add_argument(
+        "--attention",
+        choices=("fused", "masked"),
+        default="fused",
+        help="fused: flash attention / SDPA is_causal; masked: SDPA with a [b,1,s,s] mask, K/V repeated",
+    )
     hw = parser.add_argument_group("devices and network (a preset, or explicit values that override it)")
-    hw.add_argument("--cluster", choices=tuple(CLUSTER_PRESETS), default="a100-80gb-sxm",
-                    help="; ".join(f"{k}: {v.name}" for k, v in CLUSTER_PRESETS.items()))
-    hw.add_argument("--device-tflops", type=float, help="peak dense 16-bit TFLOP/s per device (achieved rate is modelled)")
+    hw.add_argument(
+        "--cluster",
+        choices=tuple(CLUSTER_PRESETS),
+        default="a100-80gb-sxm",
+        help="; ".join(f"{k}: {v.name}" for k, v in CLUSTER_PRESETS.items()),
+    )
+    hw.add_argument(
+        "--device-tflops", type=float, help="peak dense 16-bit TFLOP/s per device (achieved rate is modelled)"
+    )
     hw.add_argument("--hbm-gbs", type=float, help="device memory bandwidth, GB/s")
     hw.add_argument("--devices-per-node", type=int, help="devices sharing the NVLink-class network")
     hw.add_argument("--intra-node-gbps", type=float, help="NVLink class, Gb/s per device per direction")
     hw.add_argument("--inter-node-gbps", type=float, help="InfiniBand / Ethernet class, Gb/s per device per direction")
-    train.add_argument("--no-overlap-grad-reduce", action="store_true",
-                       help="gradient reduction after the backward (default: overlapped with it, as DDP/FSDP do)")
+    train.add_argument(
+        "--no-overlap-grad-reduce",
+        action="store_true",
+        help="gradient reduction after the backward (default: overlapped with it, as DDP/FSDP do)",
+    )
     train.add_argument("--dp", type=int, help="fix the data degree (with --tp and --pp)")
     train.add_argument("--tp", type=int, help="fix the tensor degree (train) / tensor parallel size (inference)")
     train.add_argument("--pp", type=int, help="fix the pipeline degree")
@@ -379,23 +498,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     infer.add_argument("--max-model-len", type=int, default=2048, help="tokens per sequence (prompt + output)")
     infer.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
     infer.add_argument("--weight-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
-    infer.add_argument("--max-num-seqs", type=int, help="cap the pool at this many full-length sequences (engine field)")
-    infer.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of device memory for weights + KV")
+    infer.add_argument(
+        "--max-num-seqs", type=int, help="cap the pool at this many full-length sequences (engine field)"
+    )
+    infer.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="fraction of device memory for weights + KV"
+    )
     parser.add_argument("--json", dest="json_out", help="also write the full plan to this JSON file")
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The model from ``--model`` or from the explicit sizes (which override the checkpoint's)."""
     explicit = {
-        "num_hidden_layers": args.num_layers, "hidden_size": args.hidden_size, "num_attention_heads": args.num_heads,
-        "num_key_value_heads": args.num_kv_heads, "vocab_size": args.vocab_size,
-        "intermediate_size": args.intermediate_size, "head_dim": args.head_dim,
+        "num_hidden_layers": args.num_layers,
+        "hidden_size": args.hidden_size,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "vocab_size": args.vocab_size,
+        "intermediate_size": args.intermediate_size,
+        "head_dim": args.head_dim,
     }
     if args.model:
         base = asdict(ModelSpec.from_checkpoint(resolve_checkpoint(args.model)))
     else:
-        missing = [k for k in ("num_layers", "hidden_size", "num_heads", "vocab_size", "intermediate_size")
-                   if getattr(args, k) is None]
+        missing = [
+            k
+            for k in ("num_layers", "hidden_size", "num_heads", "vocab_size", "intermediate_size")
+            if getattr(args, k) is None
+        ]
         if missing:
             raise ValueError(f"pass --model or all of: {', '.join('--' + m.replace('_', '-') for m in missing)}")
         base = {"tie_word_embeddings": args.tie_word_embeddings}
@@ -443,9 +573,11 @@ def format_training(model: ModelSpec, setup: TrainingSetup, entries: list[PlanEn
         if other is not None:
             lines.append(explain_winner(best, other))
         simulated = simulate_1f1b(best.split.pipeline, best.micro_batches)
-        lines.append(f"1F1B schedule simulation for pp={best.split.pipeline}, m={best.micro_batches}: bubble "
-                     f"{simulated.bubble_fraction:.4f} (closed form (p-1)/(m+p-1) = {best.bubble_fraction:.4f}), "
-                     f"micro-batches held per stage {simulated.max_in_flight}")
+        lines.append(
+            f"1F1B schedule simulation for pp={best.split.pipeline}, m={best.micro_batches}: bubble "
+            f"{simulated.bubble_fraction:.4f} (closed form (p-1)/(m+p-1) = {best.bubble_fraction:.4f}), "
+            f"micro-batches held per stage {simulated.max_in_flight}"
+        )
     reasons: dict[str, list[tuple[PlanEntry, str]]] = {}
     for e in entries:
         for reason in e.infeasible:
@@ -464,8 +596,13 @@ def format_training(model: ModelSpec, setup: TrainingSetup, entries: list[PlanEn
 def cluster_from_args(args: argparse.Namespace) -> Cluster:
     """The ``--cluster`` preset with any explicit device and network values replacing its own."""
     preset = CLUSTER_PRESETS[args.cluster]
-    overrides = {"peak_tflops": args.device_tflops, "hbm_gbs": args.hbm_gbs, "devices_per_node": args.devices_per_node,
-                 "intra_node_gbps": args.intra_node_gbps, "inter_node_gbps": args.inter_node_gbps}
+    overrides = {
+        "peak_tflops": args.device_tflops,
+        "hbm_gbs": args.hbm_gbs,
+        "devices_per_node": args.devices_per_node,
+        "intra_node_gbps": args.intra_node_gbps,
+        "inter_node_gbps": args.inter_node_gbps,
+    }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if not overrides:
         return preset
@@ -474,12 +611,17 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
 
 def run_training(args: argparse.Namespace, model: ModelSpec) -> dict:
     setup = TrainingSetup(
-        seq_len=args.seq_len, global_batch=args.global_batch, num_devices=args.devices,
-        device_memory_bytes=int(args.device_memory_gib * GIB), precision=Precision(args.precision),
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        num_devices=args.devices,
+        device_memory_bytes=int(args.device_memory_gib * GIB),
+        precision=Precision(args.precision),
         zero_stages=tuple(args.zero_stage or (0, 1, 2, 3)),
         checkpointing={"off": (False,), "on": (True,), "both": (False, True)}[args.checkpointing],
-        cluster=cluster_from_args(args), sequence_parallel=args.sequence_parallel,
-        fused_attention=args.attention == "fused", overlap_grad_reduce=not args.no_overlap_grad_reduce,
+        cluster=cluster_from_args(args),
+        sequence_parallel=args.sequence_parallel,
+        fused_attention=args.attention == "fused",
+        overlap_grad_reduce=not args.no_overlap_grad_reduce,
     )
     fixed = (args.dp, args.tp, args.pp)
     splits = None
@@ -492,8 +634,11 @@ def run_training(args: argparse.Namespace, model: ModelSpec) -> dict:
         splits = [Split(args.dp, args.tp, args.pp)]
     entries = plan_training(model, setup, splits)
     print(format_training(model, setup, entries, args.top))
-    return {"model": asdict(model), "setup": {**asdict(setup), "precision": setup.precision.value},
-            "entries": [{**asdict(e), "total_bytes": e.total_bytes} for e in entries]}
+    return {
+        "model": asdict(model),
+        "setup": {**asdict(setup), "precision": setup.precision.value},
+        "entries": [{**asdict(e), "total_bytes": e.total_bytes} for e in entries],
+    }
 
 
 def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
@@ -502,54 +647,91 @@ def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
             raise ValueError(f"{flag} {value}: must be >= 1 (or left out)")
     cluster = cluster_from_args(args)
     memory = int(args.device_memory_gib * GIB)
-    cap = inference_capacity(
-        model, device_memory_bytes=memory, memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size, max_model_len=args.max_model_len, weight_bytes=DTYPE_BYTES[args.weight_dtype],
-        kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype], tensor_parallel=args.tp or 1, max_num_seqs=args.max_num_seqs,
-    ) if args.tp else None
-    options = serving_options(model, cluster, device_memory_bytes=memory, memory_utilization=args.gpu_memory_utilization,
-                              block_size=args.block_size, max_model_len=args.max_model_len,
-                              weight_bytes=DTYPE_BYTES[args.weight_dtype], kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
-                              max_num_seqs=args.max_num_seqs)
+    cap = (
+        inference_capacity(
+            model,
+            device_memory_bytes=memory,
+            memory_utilization=args.gpu_memory_utilization,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            weight_bytes=DTYPE_BYTES[args.weight_dtype],
+            kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
+            tensor_parallel=args.tp or 1,
+            max_num_seqs=args.max_num_seqs,
+        )
+        if args.tp
+        else None
+    )
+    options = serving_options(
+        model,
+        cluster,
+        device_memory_bytes=memory,
+        memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        weight_bytes=DTYPE_BYTES[args.weight_dtype],
+        kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
+        max_num_seqs=args.max_num_seqs,
+    )
     if cap is None:
         fitting = [o for o in options if o.capacity is not None and o.full_batch >= 1]
         if not fitting:
-            raise ValueError(f"weights and one sequence of max_model_len={args.max_model_len} fit no tensor-parallel size up "
-                             f"to {cluster.devices_per_node} devices of {args.device_memory_gib:g} GiB; add memory, "
-                             "quantize the weights (--weight-dtype int8) or lower --max-model-len")
+            raise ValueError(
+                f"weights and one sequence of max_model_len={args.max_model_len} fit no tensor-parallel size up "
+                f"to {cluster.devices_per_node} devices of {args.device_memory_gib:g} GiB; add memory, "
+                "quantize the weights (--weight-dtype int8) or lower --max-model-len"
+            )
         cap = fitting[0].capacity
         args.tp = fitting[0].tensor_parallel
     t = args.tp
-    print(f"model: {total_params(model):,} parameters; KV cache {args.kv_dtype}, block_size {args.block_size}, "
-          f"tensor parallel {t}")
-    print(f"kv_bytes_per_token: {cap.kv_bytes_per_token:,} "
-          f"(2 x {model.num_hidden_layers} layers x {model.num_key_value_heads // t} KV heads x "
-          f"{model.dim_head} head_dim x {DTYPE_BYTES[args.kv_dtype]} bytes)")
+    print(
+        f"model: {total_params(model):,} parameters; KV cache {args.kv_dtype}, block_size {args.block_size}, "
+        f"tensor parallel {t}"
+    )
+    print(
+        f"kv_bytes_per_token: {cap.kv_bytes_per_token:,} "
+        f"(2 x {model.num_hidden_layers} layers x {model.num_key_value_heads // t} KV heads x "
+        f"{model.dim_head} head_dim x {DTYPE_BYTES[args.kv_dtype]} bytes)"
+    )
     print(f"num_blocks: {cap.num_blocks:,} ({cap.block_bytes:,} bytes each) = {cap.max_tokens:,} tokens")
-    print(f"max concurrent sequences of max_model_len {args.max_model_len}: {cap.max_concurrent_sequences:,} "
-          f"({cap.blocks_per_sequence} blocks each)")
-    print(f"\ntensor-parallel sizes on {cluster.peak_tflops:g} TFLOP/s, {cluster.hbm_gbs:g} GB/s devices, "
-          f"{cluster.intra_node_gbps:g} Gb/s NVLink-class (ITL at {args.max_model_len} tokens of context):")
+    print(
+        f"max concurrent sequences of max_model_len {args.max_model_len}: {cap.max_concurrent_sequences:,} "
+        f"({cap.blocks_per_sequence} blocks each)"
+    )
+    print(
+        f"\ntensor-parallel sizes on {cluster.peak_tflops:g} TFLOP/s, {cluster.hbm_gbs:g} GB/s devices, "
+        f"{cluster.intra_node_gbps:g} Gb/s NVLink-class (ITL at {args.max_model_len} tokens of context):"
+    )
     print("  tp  weights_GiB  max_seqs  itl_1seq_ms  allreduce_ms  itl_full_ms  allreduce_ms   tok/s_full")
     for o in options:
         if o.itl_batch1 is None:
             print(f"{o.tensor_parallel:4d} {o.weights_bytes / GIB:12.2f}  does not fit (weights + one sequence)")
             continue
-        print(f"{o.tensor_parallel:4d} {o.weights_bytes / GIB:12.2f} {o.full_batch:9d} {o.itl_batch1.itl_s * 1e3:12.2f} "
-              f"{o.itl_batch1.tp_comm_s * 1e3:13.2f} {o.itl_full.itl_s * 1e3:12.2f} {o.itl_full.tp_comm_s * 1e3:13.2f} "
-              f"{o.full_batch / o.itl_full.itl_s:12.0f}")
+        print(
+            f"{o.tensor_parallel:4d} {o.weights_bytes / GIB:12.2f} {o.full_batch:9d} {o.itl_batch1.itl_s * 1e3:12.2f} "
+            f"{o.itl_batch1.tp_comm_s * 1e3:13.2f} {o.itl_full.itl_s * 1e3:12.2f} {o.itl_full.tp_comm_s * 1e3:13.2f} "
+            f"{o.full_batch / o.itl_full.itl_s:12.0f}"
+        )
     usable = [o for o in options if o.itl_batch1 is not None]
     if usable and usable[0].tensor_parallel > 1:
-        print(f"needs tp >= {usable[0].tensor_parallel}: the weights ({total_params(model) * DTYPE_BYTES[args.weight_dtype] / GIB:.1f} GiB) "
-              f"and one sequence do not fit one device; the all-reduces cost {usable[0].itl_batch1.tp_comm_s * 1e3:.2f} ms "
-              f"of {usable[0].itl_batch1.itl_s * 1e3:.2f} ms ITL at batch 1")
+        print(
+            f"needs tp >= {usable[0].tensor_parallel}: the weights ({total_params(model) * DTYPE_BYTES[args.weight_dtype] / GIB:.1f} GiB) "
+            f"and one sequence do not fit one device; the all-reduces cost {usable[0].itl_batch1.tp_comm_s * 1e3:.2f} ms "
+            f"of {usable[0].itl_batch1.itl_s * 1e3:.2f} ms ITL at batch 1"
+        )
     elif len(usable) > 1:
         one, two = usable[0], usable[1]
-        print(f"fits on one device; tp={two.tensor_parallel} changes ITL at batch 1 from {one.itl_batch1.itl_s * 1e3:.2f} to "
-              f"{two.itl_batch1.itl_s * 1e3:.2f} ms ({two.itl_batch1.tp_comm_s * 1e3:.2f} ms of all-reduce) and holds "
-              f"{two.full_batch} instead of {one.full_batch} full-length sequences per replica")
-    return {"model": asdict(model), "capacity": asdict(cap), "tensor_parallel": t,
-            "serving_options": [asdict(o) for o in options]}
+        print(
+            f"fits on one device; tp={two.tensor_parallel} changes ITL at batch 1 from {one.itl_batch1.itl_s * 1e3:.2f} to "
+            f"{two.itl_batch1.itl_s * 1e3:.2f} ms ({two.itl_batch1.tp_comm_s * 1e3:.2f} ms of all-reduce) and holds "
+            f"{two.full_batch} instead of {one.full_batch} full-length sequences per replica"
+        )
+    return {
+        "model": asdict(model),
+        "capacity": asdict(cap),
+        "tensor_parallel": t,
+        "serving_options": [asdict(o) for o in options],
+    }
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from compress.errors import LmforgeError
 from compress.checkpoint.outputs import TRAINING_CHECKPOINT, replace_dir
+from compress.errors import LmforgeError
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -81,7 +81,9 @@ class TrainingCheckpoints:
         barrier: waits for every rank (a no-op in a single process).
     """
 
-    def __init__(self, run_dir: Path, *, rank: int, device: torch.device, keep: int, barrier: Callable[[], None]) -> None:
+    def __init__(
+        self, run_dir: Path, *, rank: int, device: torch.device, keep: int, barrier: Callable[[], None]
+    ) -> None:
         self.root = Path(run_dir) / CHECKPOINTS
         self.rank = rank
         self.device = device
@@ -145,7 +147,9 @@ class TrainingCheckpoints:
 
         model_state = load_state_file(path / "model.pt")
         optim_state = load_state_file(path / "optimizer.pt")
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=_state_options())
+        set_state_dict(
+            model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=_state_options()
+        )
         scheduler.load_state_dict(load_state_file(path / "scheduler.pt"))
         if scaler and (path / "scaler.pt").is_file():
             scaler.load_state_dict(load_state_file(path / "scaler.pt"))

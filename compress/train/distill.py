@@ -112,8 +112,16 @@ class DistillConfig(TrainConfig):
 
 
 #: ``config.json`` shape fields a student may override; each must be an integer >= 1.
-STUDENT_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                        "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+STUDENT_SHAPE_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 def check_student_config(overrides: Any) -> None:
@@ -124,7 +132,10 @@ def check_student_config(overrides: Any) -> None:
     """
     example = '{"num_hidden_layers": 4}'
     if not isinstance(overrides, dict):
-        raise UsageError(f"--student-config {json.dumps(overrides)}: expected a JSON object of config.json fields", fix=f"e.g. '{example}'")
+        raise UsageError(
+            f"--student-config {json.dumps(overrides)}: expected a JSON object of config.json fields",
+            fix=f"e.g. '{example}'",
+        )
     for key in STUDENT_SHAPE_FIELDS:
         value = overrides.get(key)
         if key in overrides and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -150,7 +161,9 @@ def select_layers(spec: str, num_teacher_layers: int, importance: list[float] | 
         except ValueError as exc:
             raise UsageError(f"student_layers={spec!r}: use drop:N with an integer N") from exc
         if not 1 <= n_drop <= num_teacher_layers - 2:
-            raise UsageError(f"student_layers={spec!r}: N must be in [1, {num_teacher_layers - 2}] (the first and last layers are kept)")
+            raise UsageError(
+                f"student_layers={spec!r}: N must be in [1, {num_teacher_layers - 2}] (the first and last layers are kept)"
+            )
         if importance is None or len(importance) != num_teacher_layers:
             raise UsageError(f"student_layers={spec!r} needs one importance per teacher layer ({num_teacher_layers})")
         middle = sorted(range(1, num_teacher_layers - 1), key=lambda i: importance[i])
@@ -159,7 +172,9 @@ def select_layers(spec: str, num_teacher_layers: int, importance: list[float] | 
     try:
         layers = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError as exc:
-        raise UsageError(f"student_layers={spec!r}: use 'drop:N', 'every-other' or comma-separated layer indices") from exc
+        raise UsageError(
+            f"student_layers={spec!r}: use 'drop:N', 'every-other' or comma-separated layer indices"
+        ) from exc
     if not layers or layers != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= num_teacher_layers:
         raise UsageError(f"student_layers={spec!r}: need increasing, distinct indices in [0, {num_teacher_layers - 1}]")
     return layers
@@ -184,10 +199,12 @@ def angular_importance(model, batches: list[torch.Tensor]) -> list[float]:
     sums, count = [0.0] * len(layers), 0
     hooks = []
     for i, layer in enumerate(layers):
+
         def hook(module, args, kwargs, output, i=i):
             x_in = (args[0] if args else kwargs["hidden_states"]).float()  # [1, T, hidden]
             x_out = _layer_output(output).float()
             sums[i] += float((1 - F.cosine_similarity(x_in, x_out, dim=-1)).sum())
+
         hooks.append(layer.register_forward_hook(hook, with_kwargs=True))
     try:
         for ids in batches:
@@ -250,8 +267,14 @@ def teacher_generate(model_path, records: list[dict[str, Any]], *, max_tokens: i
     outputs = llm.generate(contexts, SamplingParams(temperature=0.0, max_tokens=max_tokens), chat=True)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    log(f"teacher generated {len(outputs)} replies, {tokens} tokens in {seconds:.0f} s ({tokens / max(seconds, 1e-9):.0f} tok/s, lmforge engine)")
-    return [{"messages": [*c, {"role": "assistant", "content": o.outputs[0].text.strip()}]} for c, o in zip(contexts, outputs) if o.outputs[0].text.strip()]
+    log(
+        f"teacher generated {len(outputs)} replies, {tokens} tokens in {seconds:.0f} s ({tokens / max(seconds, 1e-9):.0f} tok/s, lmforge engine)"
+    )
+    return [
+        {"messages": [*c, {"role": "assistant", "content": o.outputs[0].text.strip()}]}
+        for c, o in zip(contexts, outputs)
+        if o.outputs[0].text.strip()
+    ]
 
 
 def build_student(teacher, layers: list[int] | None = None, config_overrides: dict[str, Any] | None = None):
@@ -274,13 +297,17 @@ def build_student(teacher, layers: list[int] | None = None, config_overrides: di
     if config_overrides is not None:
         for key, value in config_overrides.items():
             if not hasattr(config, key):
-                raise UsageError(f"--student-config: unknown config field {key!r}", fix="use fields of the teacher's config.json")
+                raise UsageError(
+                    f"--student-config: unknown config field {key!r}", fix="use fields of the teacher's config.json"
+                )
             setattr(config, key, value)
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % kv_heads:
-            raise UsageError(f"--student-config: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
-                             fix="choose head counts that divide")
+            raise UsageError(
+                f"--student-config: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
+                fix="choose head counts that divide",
+            )
         _fix_layer_types(config, None)
         student = AutoModelForCausalLM.from_config(config)
         n = config.num_hidden_layers
@@ -342,9 +369,9 @@ def distillation_loss(
     ce = ce_sum / n.clamp(min=1)
     cos = torch.zeros((), device=student_logits.device)
     if hidden_pairs:
-        cos = torch.stack([
-            (1 - F.cosine_similarity(hs[mask].float(), ht[mask].float(), dim=-1)).mean() for hs, ht in hidden_pairs
-        ]).mean()
+        cos = torch.stack(
+            [(1 - F.cosine_similarity(hs[mask].float(), ht[mask].float(), dim=-1)).mean() for hs, ht in hidden_pairs]
+        ).mean()
     loss = alpha * kd + beta * ce + gamma * cos
     return loss, {"kd_loss": float(kd.detach()), "ce_loss": float(ce.detach()), "cos_loss": float(cos.detach())}
 
@@ -367,7 +394,9 @@ class DistillRecipe(TrainingRecipe):
         self.importance = None
         if cfg.student_config is None and cfg.student_layers.startswith("drop:"):
             self.importance = IMPORTANCE[cfg.layer_importance](teacher.eval(), self._calibration_batches())
-        layers = None if cfg.student_config is not None else select_layers(cfg.student_layers, n_teacher, self.importance)
+        layers = (
+            None if cfg.student_config is not None else select_layers(cfg.student_layers, n_teacher, self.importance)
+        )
         student, self.layer_map = build_student(teacher, layers, cfg.student_config)
         if cfg.gamma > 0 and student.config.hidden_size != teacher.config.hidden_size:
             raise TrainingError(
@@ -381,8 +410,8 @@ class DistillRecipe(TrainingRecipe):
 
     def _calibration_batches(self) -> list[torch.Tensor]:
         """Token ids ``[1, T]`` of the first ``calibration_records`` training records (chat-formatted)."""
-        from compress.data.prepare import read_data_file
         from compress.data.packing import tokenize_record
+        from compress.data.prepare import read_data_file
 
         records = read_data_file(Path(self.config.data) / "train.jsonl")[: self.config.calibration_records]
         return [torch.tensor([tokenize_record(self.tokenizer, r, self.config.max_length)[0]]) for r in records]
@@ -393,13 +422,15 @@ class DistillRecipe(TrainingRecipe):
             self._add_teacher_generated()
         self.teacher_val_loss = self.evaluate(self.teacher)
         if self.is_main:
-            print(f"teacher val loss {self.teacher_val_loss:.4f} (perplexity {math.exp(self.teacher_val_loss):.2f}), "
-                  f"{self.teacher_layers} layers; student layers {self.layer_map}")
+            print(
+                f"teacher val loss {self.teacher_val_loss:.4f} (perplexity {math.exp(self.teacher_val_loss):.2f}), "
+                f"{self.teacher_layers} layers; student layers {self.layer_map}"
+            )
 
     def _add_teacher_generated(self) -> None:
         """Extend the training rows with the teacher's replies (cached for resume and reruns)."""
-        from compress.data.prepare import read_data_file
         from compress.data.packing import tokenize_and_pack
+        from compress.data.prepare import read_data_file
 
         cfg = self.config
         cache = self.run_dir / "teacher_generated.jsonl"
@@ -407,14 +438,20 @@ class DistillRecipe(TrainingRecipe):
         if cache.is_file():
             generated = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
         else:
-            generated = teacher_generate(self.model_path, train[: cfg.generate_records], max_tokens=cfg.generate_tokens,
-                                         log=print if self.is_main else (lambda _: None))
+            generated = teacher_generate(
+                self.model_path,
+                train[: cfg.generate_records],
+                max_tokens=cfg.generate_tokens,
+                log=print if self.is_main else (lambda _: None),
+            )
             if self.is_main:
                 cache.write_text("".join(json.dumps(r) + "\n" for r in generated))
         self.generated_records = len(generated)
         self.train_data = tokenize_and_pack(self.tokenizer, train + generated, cfg.max_length)
 
-    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute_loss(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
         want_hidden = cfg.gamma > 0
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
@@ -428,8 +465,15 @@ class DistillRecipe(TrainingRecipe):
             pairs = [(out.hidden_states[i], t_out.hidden_states[self.layer_map[i]]) for i in range(1, n)]
             pairs.append((out.hidden_states[n], t_out.hidden_states[self.teacher_layers]))
         return distillation_loss(
-            out.logits, t_out.logits, batch["labels"], batch["attention_mask"],
-            alpha=cfg.alpha, beta=cfg.beta, gamma=cfg.gamma, temperature=cfg.temperature, hidden_pairs=pairs,
+            out.logits,
+            t_out.logits,
+            batch["labels"],
+            batch["attention_mask"],
+            alpha=cfg.alpha,
+            beta=cfg.beta,
+            gamma=cfg.gamma,
+            temperature=cfg.temperature,
+            hidden_pairs=pairs,
         )
 
     def final_metrics(self) -> dict[str, Any]:
@@ -455,17 +499,45 @@ FULL_BUDGET = {"student_layers": "drop:11", "max_steps": 600, "generate_records"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DistillConfig()
     add_train_arguments(parser, d)
-    parser.add_argument("--full", action="store_true",
-                        help=f"longer budget: {', '.join(f'{k}={v}' for k, v in FULL_BUDGET.items())} (flags given explicitly still win)")
-    parser.add_argument("--student-layers", default=d.student_layers,
-                        help=f"'drop:N' (the N least important layers), 'every-other' or teacher layer indices '0,2,4' (default {d.student_layers})")
-    parser.add_argument("--layer-importance", default=d.layer_importance, choices=sorted(IMPORTANCE),
-                        help=f"how drop:N ranks layers (default {d.layer_importance})")
-    parser.add_argument("--calibration-records", type=int, default=d.calibration_records, help=f"records that rank layers (default {d.calibration_records})")
-    parser.add_argument("--generate-records", type=int, default=d.generate_records,
-                        help=f"training prompts the teacher answers with the engine, added as KD data (default {d.generate_records}; 0: none)")
-    parser.add_argument("--generate-tokens", type=int, default=d.generate_tokens, help=f"tokens per teacher reply (default {d.generate_tokens})")
-    parser.add_argument("--student-config", default=None, help='JSON config overrides for a fresh student, e.g. \'{"num_hidden_layers": 4}\'')
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help=f"longer budget: {', '.join(f'{k}={v}' for k, v in FULL_BUDGET.items())} (flags given explicitly still win)",
+    )
+    parser.add_argument(
+        "--student-layers",
+        default=d.student_layers,
+        help=f"'drop:N' (the N least important layers), 'every-other' or teacher layer indices '0,2,4' (default {d.student_layers})",
+    )
+    parser.add_argument(
+        "--layer-importance",
+        default=d.layer_importance,
+        choices=sorted(IMPORTANCE),
+        help=f"how drop:N ranks layers (default {d.layer_importance})",
+    )
+    parser.add_argument(
+        "--calibration-records",
+        type=int,
+        default=d.calibration_records,
+        help=f"records that rank layers (default {d.calibration_records})",
+    )
+    parser.add_argument(
+        "--generate-records",
+        type=int,
+        default=d.generate_records,
+        help=f"training prompts the teacher answers with the engine, added as KD data (default {d.generate_records}; 0: none)",
+    )
+    parser.add_argument(
+        "--generate-tokens",
+        type=int,
+        default=d.generate_tokens,
+        help=f"tokens per teacher reply (default {d.generate_tokens})",
+    )
+    parser.add_argument(
+        "--student-config",
+        default=None,
+        help="JSON config overrides for a fresh student, e.g. '{\"num_hidden_layers\": 4}'",
+    )
     parser.add_argument("--alpha", type=float, default=d.alpha, help="weight of T^2 * KL(teacher || student)")
     parser.add_argument("--beta", type=float, default=d.beta, help="weight of the cross-entropy on labels")
     parser.add_argument("--gamma", type=float, default=d.gamma, help="weight of the hidden-state cosine loss")
@@ -476,15 +548,24 @@ def run(args: argparse.Namespace) -> int:
     try:
         student_config = json.loads(args.student_config) if args.student_config else None
     except json.JSONDecodeError as exc:
-        raise UsageError(f"--student-config: not JSON ({exc})", fix='write e.g. \'{"num_hidden_layers": 4}\'') from exc
-    kwargs = {**train_config_kwargs(args), "student_layers": args.student_layers, "generate_records": args.generate_records,
-              "generate_tokens": args.generate_tokens}
+        raise UsageError(f"--student-config: not JSON ({exc})", fix="write e.g. '{\"num_hidden_layers\": 4}'") from exc
+    kwargs = {
+        **train_config_kwargs(args),
+        "student_layers": args.student_layers,
+        "generate_records": args.generate_records,
+        "generate_tokens": args.generate_tokens,
+    }
     if args.full:
         defaults = DistillConfig()
         kwargs.update({k: v for k, v in FULL_BUDGET.items() if kwargs[k] == getattr(defaults, k)})
     config = DistillConfig(
-        **kwargs, student_config=student_config,
-        layer_importance=args.layer_importance, calibration_records=args.calibration_records,
-        alpha=args.alpha, beta=args.beta, gamma=args.gamma, temperature=args.temperature,
+        **kwargs,
+        student_config=student_config,
+        layer_importance=args.layer_importance,
+        calibration_records=args.calibration_records,
+        alpha=args.alpha,
+        beta=args.beta,
+        gamma=args.gamma,
+        temperature=args.temperature,
     )
     return run_recipe(DistillRecipe, config)

@@ -68,17 +68,28 @@ class FinetuneRecipe(TrainingRecipe):
         if cfg.lora:
             from peft import LoraConfig, get_peft_model
 
-            linear = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            linear = sorted(
+                {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            )
             missing = sorted(set(cfg.lora_target_modules) - set(linear))
             if missing:
-                raise UsageError(f"--lora-target-modules: {', '.join(missing)} not in {self.model_path}",
-                                 fix=f"choose from its linear layers: {','.join(linear)}")
-            lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                              target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+                raise UsageError(
+                    f"--lora-target-modules: {', '.join(missing)} not in {self.model_path}",
+                    fix=f"choose from its linear layers: {','.join(linear)}",
+                )
+            lora = LoraConfig(
+                r=cfg.lora_r,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                target_modules=list(cfg.lora_target_modules),
+                task_type="CAUSAL_LM",
+            )
             model = get_peft_model(model, lora)
         return model
 
-    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute_loss(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Mean cross-entropy over the micro-batch's label (assistant) tokens."""
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         loss_sum, n = token_losses(logits, batch["labels"])
@@ -103,20 +114,26 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
     parser.add_argument("--data", default=d.data, help="directory with train.jsonl and val.jsonl (lmforge data)")
     parser.add_argument("--run-dir", default=d.run_dir, help="output: metrics.jsonl, plots/, checkpoints/, final/")
     parser.add_argument("--max-steps", type=int, default=d.max_steps, help="optimizer steps")
-    parser.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="packed rows per forward, per process")
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=d.micro_batch_size, help="packed rows per forward, per process"
+    )
     parser.add_argument("--grad-accum-steps", type=int, default=d.grad_accum_steps)
     parser.add_argument("--max-length", type=int, default=d.max_length, help="tokens per packed row")
     parser.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
     parser.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio, help="share of steps in linear warmup")
-    parser.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="clip the global gradient norm (0 disables)")
+    parser.add_argument(
+        "--max-grad-norm", type=float, default=d.max_grad_norm, help="clip the global gradient norm (0 disables)"
+    )
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--eval-every", type=int, default=d.eval_every)
     parser.add_argument("--max-val-batches", type=int, default=d.max_val_batches)
     parser.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: none)")
     parser.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    parser.add_argument("--stop-after", type=int, default=d.stop_after, help="stop after step N with a checkpoint (resume later)")
+    parser.add_argument(
+        "--stop-after", type=int, default=d.stop_after, help="stop after step N with a checkpoint (resume later)"
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
@@ -147,8 +164,10 @@ def run_recipe(recipe_cls, config: TrainConfig) -> int:
             print(result.message)
         else:
             m = recipe.state
-            print(f"val loss {m.val_loss_before:.4f} -> {m.val_loss_last:.4f} after {m.step} steps, "
-                  f"{time.monotonic() - started:.1f} s; wrote {final}")
+            print(
+                f"val loss {m.val_loss_before:.4f} -> {m.val_loss_last:.4f} after {m.step} steps, "
+                f"{time.monotonic() - started:.1f} s; wrote {final}"
+            )
     return 1 if result.status == "nan" else 0
 
 
@@ -164,7 +183,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = FinetuneConfig(
-        **train_config_kwargs(args), lora=args.lora, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout, lora_target_modules=[m for m in args.lora_target_modules.split(",") if m],
+        **train_config_kwargs(args),
+        lora=args.lora,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        lora_target_modules=[m for m in args.lora_target_modules.split(",") if m],
     )
     return run_recipe(FinetuneRecipe, config)

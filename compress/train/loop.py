@@ -47,14 +47,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from compress.checkpoint.store import Manifest, describe_weights, read_manifest, resolve_checkpoint, write_manifest
-from compress.data.prepare import read_data_file
-from compress.train.distributed import ProcessGroup, local_shard
-from compress.errors import UsageError
-from compress.train.monitor import MetricsLog
 from compress.checkpoint.outputs import CHECKPOINT, TRAINING_RUN, check_output_dir, staged_output_dir
+from compress.checkpoint.store import Manifest, describe_weights, read_manifest, resolve_checkpoint, write_manifest
 from compress.data.packing import IGNORE_INDEX, PackedData, tokenize_and_pack
+from compress.data.prepare import read_data_file
+from compress.errors import UsageError
 from compress.train.checkpoints import TrainingCheckpoints, TrainingError, TrainState
+from compress.train.distributed import ProcessGroup, local_shard
+from compress.train.monitor import MetricsLog
 
 __all__ = ["TrainConfig", "TrainResult", "TrainState", "TrainingError", "TrainingRecipe", "token_losses"]
 
@@ -187,7 +187,9 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig):
     """
     from transformers import get_cosine_schedule_with_warmup
 
-    return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=config.max_steps)
+    return get_cosine_schedule_with_warmup(
+        optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=config.max_steps
+    )
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
@@ -198,7 +200,10 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps
+        [g for g in groups if g["params"]],
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
     )
 
 
@@ -259,7 +264,9 @@ class TrainingRecipe:
     def build_model(self, device: torch.device) -> torch.nn.Module:
         raise NotImplementedError
 
-    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute_loss(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
     def export_model(self):
@@ -282,7 +289,6 @@ class TrainingRecipe:
             TrainingError: bad device/precision combination, missing data, nothing to resume.
         """
         from transformers import AutoTokenizer
-
 
         cfg = self.config
         if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -311,11 +317,17 @@ class TrainingRecipe:
         self.scheduler = cosine_schedule(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
         self.metrics = MetricsLog(self.run_dir, enabled=self.is_main)
-        self.checkpoints = TrainingCheckpoints(self.run_dir, rank=self.rank, device=self.device,
-                                               keep=cfg.keep_checkpoints, barrier=self.group.barrier)
+        self.checkpoints = TrainingCheckpoints(
+            self.run_dir, rank=self.rank, device=self.device, keep=cfg.keep_checkpoints, barrier=self.group.barrier
+        )
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            run_info = {"train_data": str(data / "train.jsonl"), "val_data": str(data / "val.jsonl"), "config": dataclasses.asdict(cfg), "method": self.method}
+            run_info = {
+                "train_data": str(data / "train.jsonl"),
+                "val_data": str(data / "val.jsonl"),
+                "config": dataclasses.asdict(cfg),
+                "method": self.method,
+            }
             (self.run_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
         if cfg.resume:
             self.restore_checkpoint(self.checkpoints.latest())
@@ -342,7 +354,9 @@ class TrainingRecipe:
         if self.state.micro_batch >= self._micro_batches_per_epoch():
             self.state.epoch += 1
             self.state.micro_batch = 0
-        order = torch.randperm(len(self.train_data), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.epoch))
+        order = torch.randperm(
+            len(self.train_data), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.epoch)
+        )
         start = (self.state.micro_batch * self.world_size + self.rank) * cfg.micro_batch_size
         self.state.micro_batch += 1
         batch = self.train_data.batch(order[start : start + cfg.micro_batch_size])
@@ -397,7 +411,13 @@ class TrainingRecipe:
             self.state.val_loss_last = self.state.val_loss_before
             self._log({"step": 0, "split": "val", "loss": self.state.val_loss_before})
         end = cfg.stop_after or cfg.max_steps
-        bar = tqdm(total=cfg.max_steps, initial=self.state.step, disable=not (cfg.progress and self.is_main), desc=self.method, unit="step")
+        bar = tqdm(
+            total=cfg.max_steps,
+            initial=self.state.step,
+            disable=not (cfg.progress and self.is_main),
+            desc=self.method,
+            unit="step",
+        )
         self.model.train()
         try:
             while self.state.step < end:
@@ -419,7 +439,9 @@ class TrainingRecipe:
             bar.close()
             self.metrics.plot()
         if self.state.step < cfg.max_steps:
-            return TrainResult("stopped", self.state.step, f"stopped after step {self.state.step} (stop_after); continue with --resume")
+            return TrainResult(
+                "stopped", self.state.step, f"stopped after step {self.state.step} (stop_after); continue with --resume"
+            )
         return TrainResult("completed", self.state.step)
 
     def _optimizer_step(self) -> dict[str, Any] | None:
@@ -471,11 +493,22 @@ class TrainingRecipe:
         self.state.tokens += int(stats[1])
         compute += time.perf_counter() - t2
         record = {
-            "step": self.state.step, "split": "train", "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-            "tokens": self.state.tokens, "data_wait_s": round(data_wait, 6), "compute_s": round(compute, 6),
+            "step": self.state.step,
+            "split": "train",
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": self.state.tokens,
+            "data_wait_s": round(data_wait, 6),
+            "compute_s": round(compute, 6),
             "param_change": change,
         }
-        record.update({k: float(self.group.all_reduce(torch.tensor(v, device=self.device))) / self.world_size for k, v in parts_total.items()})
+        record.update(
+            {
+                k: float(self.group.all_reduce(torch.tensor(v, device=self.device))) / self.world_size
+                for k, v in parts_total.items()
+            }
+        )
         return record
 
     @torch.no_grad()
@@ -531,7 +564,9 @@ class TrainingRecipe:
         if self.config.fsdp and self.world_size > 1:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            full_state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            full_state = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         if self.is_main:
             model = self.export_model() if full_state is None else self._model_from_state(full_state)
             with staged_output_dir(out, kind=CHECKPOINT, sources=(self.model_path,)) as tmp:
@@ -551,11 +586,19 @@ class TrainingRecipe:
                     "train_wall_s": round(self.state.elapsed_s, 2),
                     **self.final_metrics(),
                 }
-                write_manifest(tmp, Manifest(
-                    source=parent_manifest.source if parent_manifest else str(self.model_path),
-                    parent=str(self.model_path), method=self.method, config=self.manifest_config(),
-                    dtype=dtype, num_parameters=num_parameters, size_bytes=size_bytes, metrics=metrics,
-                ))
+                write_manifest(
+                    tmp,
+                    Manifest(
+                        source=parent_manifest.source if parent_manifest else str(self.model_path),
+                        parent=str(self.model_path),
+                        method=self.method,
+                        config=self.manifest_config(),
+                        dtype=dtype,
+                        num_parameters=num_parameters,
+                        size_bytes=size_bytes,
+                        metrics=metrics,
+                    ),
+                )
         self.group.barrier()
         return out
 
@@ -582,4 +625,3 @@ class TrainingRecipe:
             return result, final
         finally:
             self.close()
-

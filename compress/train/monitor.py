@@ -111,6 +111,7 @@ def plot_metrics(run_dir: str | Path) -> list[Path]:
         ax.legend()
 
     figure("loss", "loss (cross-entropy, nats/token)", loss)
+
     def grad(ax) -> None:
         pts = [(r["step"], r["grad_norm"]) for r in train if r["grad_norm"] > 0]
         ax.plot([p[0] for p in pts], [p[1] for p in pts])

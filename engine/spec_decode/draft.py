@@ -84,7 +84,9 @@ class DraftProposer:
         compress.checkpoint.store.CheckpointError: the draft checkpoint is missing or unsupported.
     """
 
-    def __init__(self, draft_dir: Path, dtype: str, device: str, block_size: int, max_model_len: int, num_blocks: int) -> None:
+    def __init__(
+        self, draft_dir: Path, dtype: str, device: str, block_size: int, max_model_len: int, num_blocks: int
+    ) -> None:
         spec = read_model_spec(draft_dir)
         if spec.max_position_embeddings < max_model_len:
             raise ValueError(
@@ -99,7 +101,9 @@ class DraftProposer:
         self._synced: dict[str, int] = {}  # request id -> target tokens the shadow last copied
 
     @classmethod
-    def for_target(cls, config, target_dir: Path, target_tokenizer, target_vocab_size: int, search_dirs: list[Path]) -> "DraftProposer":
+    def for_target(
+        cls, config, target_dir: Path, target_tokenizer, target_vocab_size: int, search_dirs: list[Path]
+    ) -> "DraftProposer":
         """The draft of an engine: ``config.speculative_model`` or the distilled student of the target.
 
         Raises:
@@ -116,7 +120,9 @@ class DraftProposer:
                     f"{target_dir} was found under {where}; set speculative_model or distill a student first"
                 )
         check_same_tokenizer(target_dir, draft_dir, target_tokenizer, target_vocab_size)
-        return cls(draft_dir, config.dtype, config.device, config.block_size, config.max_model_len, config.num_kv_blocks)
+        return cls(
+            draft_dir, config.dtype, config.device, config.block_size, config.max_model_len, config.num_kv_blocks
+        )
 
     # ---------------------------------------------------------------- proposals
 
@@ -133,7 +139,9 @@ class DraftProposer:
         first = True
         while active:
             items = [ScheduledSequence(sh, sh.num_uncomputed_tokens if first else 1) for _, sh in active]
-            logits = self.runner.execute(SchedulerOutput(items, sum(it.num_new_tokens for it in items), []))  # [S, vocab]
+            logits = self.runner.execute(
+                SchedulerOutput(items, sum(it.num_new_tokens for it in items), [])
+            )  # [S, vocab]
             for item in items:
                 item.seq.num_computed_tokens += item.num_new_tokens
             still = []

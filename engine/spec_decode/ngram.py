@@ -51,11 +51,11 @@ class NgramProposer:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
-            suffix = tokens[num_tokens - n:]
-            windows = sliding_window_view(tokens[:num_tokens - 1], n)  # [L - n, n]: starts 0 .. L - n - 1
+            suffix = tokens[num_tokens - n :]
+            windows = sliding_window_view(tokens[: num_tokens - 1], n)  # [L - n, n]: starts 0 .. L - n - 1
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
                 full = hits[hits + n + k <= num_tokens]  # matches followed by k whole tokens
                 start = int(full[-1] if full.size else hits[0]) + n
-                return token_ids[start:start + k]
+                return token_ids[start : start + k]
         return []

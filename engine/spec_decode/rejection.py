@@ -100,7 +100,9 @@ def rejection_sample(
     return VerifyResult(tokens, m)
 
 
-def verify_request(logits: torch.Tensor, seq, proposal: list[int], draft_probs: torch.Tensor | None) -> tuple[VerifyResult, list[dict[int, float] | None]]:
+def verify_request(
+    logits: torch.Tensor, seq, proposal: list[int], draft_probs: torch.Tensor | None
+) -> tuple[VerifyResult, list[dict[int, float] | None]]:
     """Verify one request's proposals from the target's logits; also the logprobs it asked for.
 
     The target distribution at each position is what ``engine.sampler.Sampler`` would sample

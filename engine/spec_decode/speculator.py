@@ -36,8 +36,13 @@ def verifiable(seq) -> bool:
     decodes one token per step instead (its tokens stay exactly the sampler's).
     """
     p = seq.params
-    return not (p.min_p > 0.0 or p.logit_bias or p.frequency_penalty or p.presence_penalty
-                or seq.num_output_tokens < p.min_tokens)
+    return not (
+        p.min_p > 0.0
+        or p.logit_bias
+        or p.frequency_penalty
+        or p.presence_penalty
+        or seq.num_output_tokens < p.min_tokens
+    )
 
 
 class Speculator:
@@ -70,7 +75,9 @@ class Speculator:
             return None
         if config.speculative_method == "ngram":
             return cls(config, NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max))
-        draft = DraftProposer.for_target(config, target_dir, tokenizer, vocab_size, [Path.cwd() / "runs", target_dir.parent])
+        draft = DraftProposer.for_target(
+            config, target_dir, tokenizer, vocab_size, [Path.cwd() / "runs", target_dir.parent]
+        )
         return cls(config, draft)
 
     # ---------------------------------------------------------------- before scheduling
@@ -114,7 +121,9 @@ class Speculator:
         Returns:
             Per item, its new token ids and their logprobs entries (``None`` when not asked).
         """
-        if not any(item.spec_token_ids for item in items):  # nothing proposed (e.g. switched off): the plain path, no copy
+        if not any(
+            item.spec_token_ids for item in items
+        ):  # nothing proposed (e.g. switched off): the plain path, no copy
             result = sampler(logits, [item.seq for item in items])
             return [[t] for t in result.token_ids], [[entry] for entry in result.logprobs]
         starts, row = [], 0
@@ -135,7 +144,7 @@ class Speculator:
                 continue
             seq = item.seq
             q = None if seq.spec_probs is None else seq.spec_probs[:m]
-            verified, entries = verify_request(logits[starts[i]:starts[i] + m + 1], seq, item.spec_token_ids, q)
+            verified, entries = verify_request(logits[starts[i] : starts[i] + m + 1], seq, item.spec_token_ids, q)
             tokens[i], logprobs[i] = verified.token_ids, entries
             self.num_drafts += 1
             self.num_draft_tokens += m

@@ -65,7 +65,9 @@ class _Tokenizer:
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "auto", enable_prefix_caching: bool = False, seed: int = 0, **kwargs) -> None:
+    def __init__(
+        self, model: str, dtype: str = "auto", enable_prefix_caching: bool = False, seed: int = 0, **kwargs
+    ) -> None:
         if not enable_prefix_caching:
             raise ValueError("fake vLLM: the benchmark runs vLLM with prefix caching on")
         if not os.path.isdir(model):
