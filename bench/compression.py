@@ -148,7 +148,8 @@ def engine_speed(
         batch = num_requests * max_tokens / (time.perf_counter() - start)
         figures[name] = {"one_seq_tok_s": round(max(one), 1), "batch_tok_s": round(batch, 1), "dtype": dtype}
         log(
-            f"engine {name:<18} {dtype:<9} 1 sequence {max(one):7.1f} tok/s   {num_requests} sequences {batch:7.1f} tok/s"
+            f"engine {name:<18} {dtype:<9} 1 sequence {max(one):7.1f} tok/s   {num_requests} sequences "
+            f"{batch:7.1f} tok/s"
         )
         del llm
     return figures
@@ -345,7 +346,8 @@ def format_report(report: dict[str, Any]) -> str:
         base = lm["fp32"]
         load = ", ".join(f"{x:.1f}" for x in lm.get("load_average", ()))
         lines.append(
-            f"\n{Path(lm['parent']).name}: {lm['data']}, {base['eval_records']} records, {base['perplexity_tokens']} scored tokens, "
+            f"\n{Path(lm['parent']).name}: {lm['data']}, {base['eval_records']} records, "
+            f"{base['perplexity_tokens']} scored tokens, "
             f"{base['num_threads']} CPU thread(s), load average {load}"
         )
         head = (
@@ -358,7 +360,8 @@ def format_report(report: dict[str, Any]) -> str:
             e = m.get("engine") or {}
             lines.append(
                 f"{method:<16} {m['linear_weight_bytes'] / 2**20:>10.1f} {m['size_bytes'] / 2**20:>9.1f} "
-                f"{m['perplexity']:>8.3f} {m['perplexity_change_pct']:>+7.2f}% {m['kl_mean']:>8.4f} {m['kl_p99']:>7.3f} "
+                f"{m['perplexity']:>8.3f} {m['perplexity_change_pct']:>+7.2f}% {m['kl_mean']:>8.4f} "
+                f"{m['kl_p99']:>7.3f} "
                 f"{m['same_top1'] * 100:>5.1f}% {m['greedy_agreement']:>6.3f} {m.get('decode_ms_per_token', 0):>9.2f} "
                 f"{e.get('one_seq_tok_s', 0):>9.1f} {e.get('batch_tok_s', 0):>9.1f}  {m['targets']}"
             )
@@ -366,7 +369,8 @@ def format_report(report: dict[str, Any]) -> str:
             if m.get("engine_vs_bf16") and method != "bf16":
                 r = m["engine_vs_bf16"]
                 lines.append(
-                    f"engine {method} vs bf16: 1 sequence {r['one_seq_tok_s']:.2f}x, batch of requests {r['batch_tok_s']:.2f}x"
+                    f"engine {method} vs bf16: 1 sequence {r['one_seq_tok_s']:.2f}x, batch of requests "
+                    f"{r['batch_tok_s']:.2f}x"
                 )
         for rows_label, times in lm.get("microbench_us", {}).items():
             fastest = min(times, key=times.get)
@@ -381,12 +385,15 @@ def format_report(report: dict[str, Any]) -> str:
         for name in ("pytorch-fp32", "onnx-fp32", "onnx-int8"):
             m = mini[name]
             lines.append(
-                f"{name:<14} {m['size_bytes'] / 2**20:>7.1f} {m['ms_per_sentence']:>8.2f} {m['cosine_mean']:>9.5f} {m['cosine_min']:>8.5f}"
+                f"{name:<14} {m['size_bytes'] / 2**20:>7.1f} {m['ms_per_sentence']:>8.2f} "
+                f"{m['cosine_mean']:>9.5f} {m['cosine_min']:>8.5f}"
             )
         i8 = mini["onnx-int8"]
         lines.append(
-            f"onnx-int8 vs pytorch-fp32: {i8['size_reduction']:.2f}x smaller, latency ratio {i8['latency_ratio_vs_pytorch']:.2f}, "
-            f"cosine mean {i8['cosine_mean']:.4f} (target >= {TARGET_MINILM_COSINE}: {i8['cosine_target']}), min {i8['cosine_min']:.4f}"
+            f"onnx-int8 vs pytorch-fp32: {i8['size_reduction']:.2f}x smaller, latency ratio "
+            f"{i8['latency_ratio_vs_pytorch']:.2f}, "
+            f"cosine mean {i8['cosine_mean']:.4f} (target >= {TARGET_MINILM_COSINE}: {i8['cosine_target']}), "
+            f"min {i8['cosine_min']:.4f}"
         )
     return "\n".join(lines)
 

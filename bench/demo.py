@@ -199,7 +199,8 @@ class Demo:
 
         torch.set_num_threads(self.threads)
         self.log(
-            f"using {self.threads} CPU thread(s) per process (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+            f"using {self.threads} CPU thread(s) per process (load average {os.getloadavg()[0]:.1f} on "
+            f"{os.cpu_count()} cores)"
         )
         self.stage("load", self.load)
         self.stage("data", self.prepare_data)
@@ -621,12 +622,14 @@ def _f(value: float | None, digits: int = 1) -> str:
 def format_final_table(report: dict) -> str:
     """The one table of the demo: fp32 vs INT8, then batching on vs off."""
     lines = [
-        f"  {'model':<13} {'size MiB':>9} {'perplexity':>11} {'KL mean':>8} {'top-1':>6} {'tok/s':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}"
+        f"  {'model':<13} {'size MiB':>9} {'perplexity':>11} {'KL mean':>8} {'top-1':>6} {'tok/s':>8} "
+        f"{'TTFT p50 ms':>12} {'TTFT p99 ms':>12}"
     ]
     for r in report["comparison"]:
         top1 = "-" if r["same_top1"] is None else f"{r['same_top1'] * 100:.1f}%"
         lines.append(
-            f"  {r['model']:<13} {_f(r['size_mib']):>9} {_f(r['perplexity'], 2):>11} {_f(r['kl_mean'], 4):>8} {top1:>6} "
+            f"  {r['model']:<13} {_f(r['size_mib']):>9} {_f(r['perplexity'], 2):>11} {_f(r['kl_mean'], 4):>8} "
+            f"{top1:>6} "
             f"{_f(r['output_tok_s']):>8} {_f(r['ttft_p50_ms'], 0):>12} {_f(r['ttft_p99_ms'], 0):>12}"
         )
     b = report.get("batching")

@@ -91,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--int8",
         default=None,
         metavar="DIR",
-        help="INT8 checkpoint (w8a8 or int8-weight-only) for engine_int8 (default: w8a8, made with compress.quantize.methods)",
+        help="INT8 checkpoint (w8a8 or int8-weight-only) for engine_int8 (default: w8a8, made with "
+        "compress.quantize.methods)",
     )
     parser.add_argument(
         "--engine-arg",
@@ -615,8 +616,10 @@ def run(args: argparse.Namespace) -> int:
     summary = workload.summary()
     load_before = os.getloadavg()
     print(
-        f"workload: {summary['num_requests']} requests, prompts {summary['prompt_len_min']}-{summary['prompt_len_max']} tokens "
-        f"(shared prefix {', '.join(map(str, workload.shared_prefix_lens))}), {workload.max_tokens} new tokens each, greedy, EOS ignored"
+        f"workload: {summary['num_requests']} requests, prompts "
+        f"{summary['prompt_len_min']}-{summary['prompt_len_max']} tokens "
+        f"(shared prefix {', '.join(map(str, workload.shared_prefix_lens))}), {workload.max_tokens} new tokens "
+        "each, greedy, EOS ignored"
         + (
             ""
             if single is None
@@ -676,12 +679,14 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     if singles:
         print(
-            f"\none request alone ({len(single)} prompt tokens, {args.single_max_tokens} new tokens; tok/s from submission to the last token):"
+            f"\none request alone ({len(single)} prompt tokens, {args.single_max_tokens} new tokens; tok/s "
+            "from submission to the last token):"
         )
         print(format_single_table(singles))
     print()
     print(
-        f"compute bound: {flops / 1e12:.3f} TFLOP of useful work ({_flops_note(shape)}); at the best measured peak of each dtype:"
+        f"compute bound: {flops / 1e12:.3f} TFLOP of useful work ({_flops_note(shape)}); at the best measured "
+        "peak of each dtype:"
     )
     for d in MATMUL_DTYPES:
         print(

@@ -111,7 +111,9 @@ class LoadTestConfig:
             (self.api in ("triton", "openai"), f"api={self.api!r}; use triton or openai (--api)"),
             (
                 self.endpoint in (("chat", "completions") if self.api == "openai" else ("generate_stream", "generate")),
-                f"endpoint={self.endpoint!r}; use {'chat or completions' if self.api == 'openai' else 'generate_stream or generate'} with --api {self.api}",
+                f"endpoint={self.endpoint!r}; use "
+                f"{'chat or completions' if self.api == 'openai' else 'generate_stream or generate'} with "
+                f"--api {self.api}",
             ),
             (
                 not (self.api == "openai" and self.endpoint == "chat" and self.chat_template),
@@ -241,7 +243,8 @@ def _preflight_openai(config: LoadTestConfig, host: str) -> None:
         raise LoadTestError(f"GET {host}/v1/models failed ({exc})") from exc
     if config.model not in ids:
         raise LoadTestError(
-            f"model {config.model!r} is not served at {host}; models there: {', '.join(map(str, ids)) or 'none'}; fix --model"
+            f"model {config.model!r} is not served at {host}; models there: "
+            f"{', '.join(map(str, ids)) or 'none'}; fix --model"
         )
 
 
@@ -400,7 +403,8 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     warm_up(config, prompts)
     (out / "samples.jsonl").unlink(missing_ok=True)
     log(
-        f"load test: {config.users} users ({config.shape}) on {config.model} at {config.host}, {config.run_time_s:g} s ..."
+        f"load test: {config.users} users ({config.shape}) on {config.model} at {config.host}, "
+        f"{config.run_time_s:g} s ..."
     )
     started = time.time()
     child_log = out / "locust.log"
@@ -514,7 +518,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api",
         choices=["triton", "openai"],
         default="triton",
-        help="triton: generate extension; openai: /v1/chat/completions or /v1/completions (ours, vllm serve, llama-server)",
+        help="triton: generate extension; openai: /v1/chat/completions or /v1/completions (ours, vllm serve, "
+        "llama-server)",
     )
     parser.add_argument("--api-key", default=None, help="bearer token for --api openai")
     parser.add_argument("--users", type=int, default=2, help="concurrent users (start users for --shape steps)")

@@ -73,7 +73,8 @@ def add_options(parser) -> None:
         "--endpoint",
         choices=["generate_stream", "generate", "chat", "completions"],
         default=None,
-        help="triton: generate_stream (TTFT, ITL; default) or generate (E2E only); openai: chat (default) or completions",
+        help="triton: generate_stream (TTFT, ITL; default) or generate (E2E only); openai: chat (default) or "
+        "completions",
     )
     group.add_argument("--no-stream", action="store_true", help="openai: non-streaming requests (E2E only)")
     group.add_argument("--api-key", default=None, help="openai: bearer token")

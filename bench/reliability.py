@@ -398,13 +398,17 @@ def format_report(report: dict) -> str:
         f"reliability soak: {report['users']} users, {report['duration_s']:.0f} s, model {report['model']}",
         "  requests: " + ", ".join(f"{n} {k}" for k, n in report["requests"].items()),
         f"  good requests failed before the kill: {report['good_failures_before_kill']} (target 0)",
-        f"  good requests failed after the kill: {report['good_failures_after_kill']} of {report['good_requests_after_kill']} (during recovery)",
-        f"  bad requests not refused with 400 before the kill: {report['bad_not_refused_with_400_before_kill']} (target 0); "
+        f"  good requests failed after the kill: {report['good_failures_after_kill']} of "
+        f"{report['good_requests_after_kill']} (during recovery)",
+        "  bad requests not refused with 400 before the kill: "
+        f"{report['bad_not_refused_with_400_before_kill']} (target 0); "
         f"bad requests failed otherwise after the kill: {report['bad_failed_after_kill']}",
         f"  before the kill: {report['disconnects_before_kill']} disconnects, lmforge_requests_aborted_total "
         f"{report['requests_aborted_total_before_kill']:.0f} (also counts clients closed by Locust's stop)",
-        f"  stub RSS after warm-up {mib(rss['baseline_bytes'])} -> {mib(rss['final_bytes'])} at the kill: {growth} (target <= {RSS_TARGET_GROWTH:.0%})",
-        f"  after the load: KV usage {after['kv_cache_usage_ratio']}, running {after['num_requests_running']}, waiting {after['num_requests_waiting']} (target 0)",
+        f"  stub RSS after warm-up {mib(rss['baseline_bytes'])} -> {mib(rss['final_bytes'])} at the kill: "
+        f"{growth} (target <= {RSS_TARGET_GROWTH:.0%})",
+        f"  after the load: KV usage {after['kv_cache_usage_ratio']}, running {after['num_requests_running']}, "
+        f"waiting {after['num_requests_waiting']} (target 0)",
     ]
     if kill is not None:
         served = (

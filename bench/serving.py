@@ -122,7 +122,8 @@ async def _run_rounds(
                 await _triton_level(session, url, c, prompts_per_level[c], params),
             ):
                 print(
-                    f"  round {round_index + 1}: {result.backend:>6} c={c:<3} {result.output_tok_s:7.1f} tok/s  TTFT p50 {result.ttft_p50_ms:8.1f} ms",
+                    f"  round {round_index + 1}: {result.backend:>6} c={c:<3} {result.output_tok_s:7.1f} tok/s "
+                    f" TTFT p50 {result.ttft_p50_ms:8.1f} ms",
                     flush=True,
                 )
                 key = (result.backend, c)
@@ -170,13 +171,15 @@ def bench(
 def format_table(engine: list[LevelResult], triton: list[LevelResult]) -> str:
     """Side-by-side figures and Triton's overhead per concurrency level."""
     lines = [
-        f"{'concurrency':>11} | {'engine tok/s':>12} | {'triton tok/s':>12} | {'overhead':>8} | {'engine TTFT p50 ms':>18} | {'triton TTFT p50 ms':>18}",
+        f"{'concurrency':>11} | {'engine tok/s':>12} | {'triton tok/s':>12} | {'overhead':>8} | "
+        f"{'engine TTFT p50 ms':>18} | {'triton TTFT p50 ms':>18}",
         "-" * 96,
     ]
     for e, t in zip(engine, triton):
         overhead = 1 - t.output_tok_s / e.output_tok_s
         lines.append(
-            f"{e.concurrency:>11} | {e.output_tok_s:>12.1f} | {t.output_tok_s:>12.1f} | {overhead:>7.1%} | {e.ttft_p50_ms:>18.1f} | {t.ttft_p50_ms:>18.1f}"
+            f"{e.concurrency:>11} | {e.output_tok_s:>12.1f} | {t.output_tok_s:>12.1f} | {overhead:>7.1%} | "
+            f"{e.ttft_p50_ms:>18.1f} | {t.ttft_p50_ms:>18.1f}"
         )
     return "\n".join(lines)
 
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in args.concurrency
     }
     print(
-        f"model {model}, engine {engine_config}, {args.max_tokens} output tokens per request, best of {args.rounds} rounds"
+        f"model {model}, engine {engine_config}, {args.max_tokens} output tokens per request, best of "
+        f"{args.rounds} rounds"
     )
     engine, triton = bench(
         model, engine_config, args.concurrency, prompts, params, ports=free_ports(3), rounds=args.rounds

@@ -111,7 +111,8 @@ def format_table(rows: list[dict], bound_ms: float) -> str:
     for r in rows:
         lines.append(
             f"| {r['endpoint']} | {r['users']} | {r['requests']} (+{r['failed']} failed) | {fmt(r['output_tok_s'])} "
-            f"| {fmt(r['ttft_p50_ms'], 0)} | {fmt(r['ttft_p99_ms'], 0)} | {fmt(r['itl_p50_ms'])} | {fmt(r['itl_p99_ms'])} "
+            f"| {fmt(r['ttft_p50_ms'], 0)} | {fmt(r['ttft_p99_ms'], 0)} | {fmt(r['itl_p50_ms'])} | "
+            f"{fmt(r['itl_p99_ms'])} "
             f"| {fmt(r['e2e_p50_ms'], 0)} | {fmt(r['e2e_p99_ms'], 0)} | {fmt(r['goodput_tok_s'])} |"
         )
     return "\n".join(lines)
@@ -372,7 +373,8 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(row_from_summary(ep.name, users, summary, samples, args.ttft_bound_ms))
                 r = rows[-1]
                 print(
-                    f"  {r['output_tok_s'] or 0:.1f} tok/s, TTFT p50 {r['ttft_p50_ms'] or 0:.0f} ms, p99 {r['ttft_p99_ms'] or 0:.0f} ms",
+                    f"  {r['output_tok_s'] or 0:.1f} tok/s, TTFT p50 {r['ttft_p50_ms'] or 0:.0f} ms, p99 "
+                    f"{r['ttft_p99_ms'] or 0:.0f} ms",
                     flush=True,
                 )
     finally:

@@ -116,7 +116,8 @@ def add_arguments(parser) -> None:
         "--draft",
         default=None,
         metavar="DIR",
-        help="draft checkpoint (default: newest `lmforge distill` output of --model under ./runs, else a layer subset made here)",
+        help="draft checkpoint (default: newest `lmforge distill` output of --model under ./runs, else a layer "
+        "subset made here)",
     )
     group.add_argument(
         "--draft-layers",
@@ -154,7 +155,8 @@ def find_or_make_draft(args, model_dir: Path, work_dir: Path) -> tuple[Path, str
         return found, f"`lmforge distill` output of the model: {found}"
     layers = [int(x) for x in args.draft_layers.split(",")]
     return make_layer_draft(model_dir, layers, work_dir / "draft"), (
-        f"teacher layers {layers} with embeddings, final norm and head, no training (compress.train.distill.build_student)"
+        f"teacher layers {layers} with embeddings, final norm and head, no training "
+        "(compress.train.distill.build_student)"
     )
 
 
@@ -310,7 +312,8 @@ def _print_rows(rows: list[SpecRow]) -> None:
     for r in rows:
         print(
             f"  {r.dtype:8s} {r.prompts:10s} x{r.concurrency:<3d} {r.method:5s} {r.output_tok_s:7.1f} tok/s "
-            f"x{_fmt(r.speedup, '.2f'):5s} {r.output_tok_per_cpu_s:7.1f} tok/CPU-s x{_fmt(r.speedup_cpu, '.2f'):5s} accept {_fmt(r.acceptance_rate, '.0%'):>4s}  "
+            f"x{_fmt(r.speedup, '.2f'):5s} {r.output_tok_per_cpu_s:7.1f} tok/CPU-s "
+            f"x{_fmt(r.speedup_cpu, '.2f'):5s} accept {_fmt(r.acceptance_rate, '.0%'):>4s}  "
             f"len {_fmt(r.mean_accepted_length, '.2f'):4s}  same tok {_fmt(r.same_tokens, '.0%')}",
             flush=True,
         )
@@ -394,7 +397,8 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="lmforge-spec-bench-") as tmp:
         draft, draft_note = find_or_make_draft(args, model_dir, Path(tmp))
         print(
-            f"model: {model_dir}\ndraft: {draft_note}\nthreads: {torch.get_num_threads()}; greedy, up to {args.max_tokens} new tokens; "
+            f"model: {model_dir}\ndraft: {draft_note}\nthreads: {torch.get_num_threads()}; greedy, up to "
+            f"{args.max_tokens} new tokens; "
             f"{len(chat)} chat + {len(grounded_main)} grounded prompts; fastest of {args.spec_repeats} rotations",
             flush=True,
         )
@@ -421,7 +425,8 @@ def run(args) -> int:
     bad = [r for r in rows if r.same_tokens is not None and r.same_tokens < 1.0]
     for r in bad:
         print(
-            f"warning: {r.dtype} {r.prompts} x{r.concurrency} {r.method}: {r.same_tokens:.0%} of requests have the tokens of 'off'"
+            f"warning: {r.dtype} {r.prompts} x{r.concurrency} {r.method}: {r.same_tokens:.0%} of requests have "
+            "the tokens of 'off'"
         )
     return 0
 
@@ -432,6 +437,7 @@ def _print_sweep_end(rows: list[SpecRow]) -> None:
     if sweep:
         losing = [r.concurrency for r in sweep if r.speedup_cpu is not None and r.speedup_cpu < 1.0]
         print(
-            f"  {sweep[0].dtype}: ngram stops paying from batch {losing[0] if losing else '> ' + str(sweep[-1].concurrency)}",
+            f"  {sweep[0].dtype}: ngram stops paying from batch "
+            f"{losing[0] if losing else '> ' + str(sweep[-1].concurrency)}",
             flush=True,
         )

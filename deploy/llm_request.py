@@ -74,7 +74,8 @@ def parse_sampling_parameters(text: str | None):
         fields = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(
-            f'sampling_parameters: malformed JSON ({exc.msg} at position {exc.pos}); send a JSON object such as {{"max_tokens": 32}}'
+            f"sampling_parameters: malformed JSON ({exc.msg} at position {exc.pos}); send a JSON object such "
+            'as {"max_tokens": 32}'
         ) from exc
     except RecursionError as exc:
         raise ValueError(

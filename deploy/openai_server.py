@@ -231,7 +231,8 @@ def discover_models(repo: str | Path, names: list[str] | None = None) -> dict[st
     missing = sorted(set(names or []) - set(found))
     if missing:
         raise ValueError(
-            f"{repo}: no LLM model(s) {missing} (a directory with 1/model.json of kind llm); export them with `lmforge export`"
+            f"{repo}: no LLM model(s) {missing} (a directory with 1/model.json of kind llm); export them with "
+            "`lmforge export`"
         )
     if not found:
         raise ValueError(f"{repo}: no LLM model; export one with `lmforge export --model CKPT --repo {repo}`")
@@ -346,7 +347,8 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
     if longest + max_tokens > model.max_model_len:
         raise OpenAIError(
             400,
-            f"this model's maximum context length is {model.max_model_len} tokens; you requested {longest + max_tokens} "
+            f"this model's maximum context length is {model.max_model_len} tokens; you requested "
+            f"{longest + max_tokens} "
             f"({longest} in the prompt, {max_tokens} in the completion); reduce {param}",
             param=param,
             code="context_length_exceeded",

@@ -206,7 +206,8 @@ def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: floa
         if process.poll() is not None:
             (repo / OPENAI_PID_FILE).unlink(missing_ok=True)
             raise TritonError(
-                f"the OpenAI API exited (status {process.returncode}); log {repo / OPENAI_LOG_FILE}:\n{(repo / OPENAI_LOG_FILE).read_text()[-2000:]}"
+                f"the OpenAI API exited (status {process.returncode}); log "
+                f"{repo / OPENAI_LOG_FILE}:\n{(repo / OPENAI_LOG_FILE).read_text()[-2000:]}"
             )
         try:
             with urllib.request.urlopen(f"http://{host}:{args.openai_port}/health", timeout=2) as reply:

@@ -189,7 +189,8 @@ def servable_models(repo: Path, backends: tuple[str, ...] = BUNDLED_BACKENDS) ->
     for name, config in configs.items():
         if config.platform != "ensemble" and config.backend not in backends:
             skipped[name] = (
-                f"backend {config.backend or config.platform!r} is not in this server (only {', '.join(backends)}); serve it in the full Triton container"
+                f"backend {config.backend or config.platform!r} is not in this server (only "
+                f"{', '.join(backends)}); serve it in the full Triton container"
             )
     changed = True
     while changed:  # ensembles whose steps are skipped are skipped too
@@ -482,7 +483,8 @@ class TritonServer:
         for name in self.models or []:
             if name not in known:
                 failures[name] = (
-                    f"no model directory {self.repo / name}; the repository has: {', '.join(sorted(known)) or 'nothing'}"
+                    f"no model directory {self.repo / name}; the repository has: "
+                    f"{', '.join(sorted(known)) or 'nothing'}"
                 )
         return failures
 
@@ -622,7 +624,8 @@ class ModelSupervisor:
                 alive = len(self.server.stub_pids(name))
                 if alive < self.stub_counts[name]:
                     problems[name] = (
-                        f"{self.stub_counts[name] - alive} of its {self.stub_counts[name]} Python backend stub process(es) exited"
+                        f"{self.stub_counts[name] - alive} of its {self.stub_counts[name]} Python backend stub "
+                        "process(es) exited"
                     )
         return problems
 
@@ -679,7 +682,8 @@ class ModelSupervisor:
         why = f"status {status}" + (f": {reasons[-1][:200]}" if reasons else "")
         if len(self.restarts) >= self.max_restarts:
             self.report(
-                f"tritonserver exited ({why}); not restarting after {self.max_restarts} restarts; log {self.server.log_path}"
+                f"tritonserver exited ({why}); not restarting after {self.max_restarts} restarts; log "
+                f"{self.server.log_path}"
             )
             return False
         _kill_group(self.server.process.pid)  # its stubs, if any survived it

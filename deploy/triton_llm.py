@@ -64,7 +64,8 @@ def read_model_info(version_dir: Path) -> dict:
         checkpoint = Path(info["checkpoint"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise pb_utils.TritonModelException(
-            f"{path}: missing or corrupt ({exc}); write it with `lmforge export --model CKPT --repo REPO --name {version_dir.parent.name}`"
+            f"{path}: missing or corrupt ({exc}); write it with `lmforge export --model CKPT --repo REPO "
+            f"--name {version_dir.parent.name}`"
         ) from exc
     if not checkpoint.is_absolute():  # --copy-weights: relative to the version directory
         info["checkpoint"] = str(version_dir / checkpoint)
@@ -262,14 +263,16 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(
-                f"{args['model_name']}: the LLM model must be decoupled; add `model_transaction_policy {{ decoupled: true }}` to config.pbtxt"
+                f"{args['model_name']}: the LLM model must be decoupled; add `model_transaction_policy {{ "
+                "decoupled: true }` to config.pbtxt"
             )
         self.model_name = args["model_name"]
         self.dead_reported = False
         info = read_model_info(Path(args["model_repository"]) / args["model_version"])
         self.engine = AsyncLLMEngine(EngineConfig(model=info["checkpoint"], **info.get("engine", {})))
         self.logger.log_info(
-            f"lmforge: {args['model_name']} engine ready on {info['checkpoint']} (torch threads {torch.get_num_threads()})"
+            f"lmforge: {args['model_name']} engine ready on {info['checkpoint']} (torch threads "
+            f"{torch.get_num_threads()})"
         )
         self.metrics = LLMMetrics({"model": args["model_name"], "version": args["model_version"]})
         self.loop = asyncio.new_event_loop()
@@ -358,7 +361,8 @@ class TritonPythonModel:
         except EngineDeadError as exc:
             self._send_error(
                 sender,
-                f"the engine of {self.model_name} is dead ({self.engine.dead_reason or exc}); it is being reloaded, retry",
+                f"the engine of {self.model_name} is dead ({self.engine.dead_reason or exc}); it is being "
+                "reloaded, retry",
                 pb_utils.TritonError.UNAVAILABLE,
             )
             return

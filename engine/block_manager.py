@@ -274,5 +274,6 @@ class BlockManager:
             for block in self.blocks:
                 if counts[block.block_id] != block.ref_count:
                     raise KVCacheInvariantError(
-                        f"block {block.block_id}: refcount {block.ref_count} but {counts[block.block_id]} block-table references"
+                        f"block {block.block_id}: refcount {block.ref_count} but {counts[block.block_id]} "
+                        "block-table references"
                     )

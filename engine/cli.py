@@ -120,7 +120,8 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
         if args.speculative_method:
             print(
                 f"[engine] speculative ({args.speculative_method}): {stats.spec_decode_num_accepted_tokens_total}/"
-                f"{stats.spec_decode_num_draft_tokens_total} proposed tokens accepted ({stats.spec_decode_acceptance_rate:.0%}), "
+                f"{stats.spec_decode_num_draft_tokens_total} proposed tokens accepted "
+                f"({stats.spec_decode_acceptance_rate:.0%}), "
                 f"{stats.spec_decode_mean_accepted_length:.2f} tokens per verifying step"
             )
     return [o.outputs[0].text for o in outputs]

@@ -130,7 +130,8 @@ class EngineConfig:
             for name in ("num_speculative_tokens", "speculative_model"):
                 if getattr(self, name) is not None:
                     raise ValueError(
-                        f"{name}={getattr(self, name)!r} without speculative_method; set speculative_method='ngram' or 'draft'"
+                        f"{name}={getattr(self, name)!r} without speculative_method; set "
+                        "speculative_method='ngram' or 'draft'"
                     )
             return
         if self.num_speculative_tokens is None:
@@ -148,7 +149,8 @@ class EngineConfig:
         if method == "ngram":
             if self.speculative_model is not None:
                 raise ValueError(
-                    f"speculative_model={self.speculative_model!r} with speculative_method='ngram'; the ngram proposer uses no model: drop it or use 'draft'"
+                    f"speculative_model={self.speculative_model!r} with speculative_method='ngram'; the ngram "
+                    "proposer uses no model: drop it or use 'draft'"
                 )
             _require_positive("ngram_prompt_lookup_min", self.ngram_prompt_lookup_min)
             _require_positive("ngram_prompt_lookup_max", self.ngram_prompt_lookup_max)

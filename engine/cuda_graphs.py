@@ -175,7 +175,8 @@ class StaticDecodeModelRunner(ModelRunner):
         super().__init__(path, dtype, device, block_size, max_model_len, attention_backend=attention_backend)
         if not hasattr(self.attn, "decode_metadata"):
             raise ValueError(
-                f"{type(self.attn).__name__} has no decode_metadata; static decode batches need attention_backend='triton'"
+                f"{type(self.attn).__name__} has no decode_metadata; static decode batches need "
+                "attention_backend='triton'"
             )
         self.sizes = capture_sizes(max_num_seqs)
         max_blocks = -(-max_model_len // block_size)

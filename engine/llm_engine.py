@@ -238,7 +238,8 @@ class LLMEngine:
             token_ids, text = list(prompt), None
         else:
             raise ValueError(
-                f'prompt must be a string, a list of token ids or {{"prompt_token_ids": [...]}}, got {type(prompt).__name__}'
+                'prompt must be a string, a list of token ids or {"prompt_token_ids": [...]}, got '
+                f"{type(prompt).__name__}"
             )
         if not token_ids:
             raise ValueError("prompt is empty (no tokens); give at least one token")
@@ -370,7 +371,8 @@ class LLMEngine:
             ) from exc
         if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise EngineDeadError(
-                f"{self.num_consecutive_failed_steps} steps failed in a row (last: {type(exc).__name__}: {exc}); restart the engine"
+                f"{self.num_consecutive_failed_steps} steps failed in a row (last: {type(exc).__name__}: "
+                f"{exc}); restart the engine"
             ) from exc
         return outputs
 

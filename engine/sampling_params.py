@@ -72,7 +72,8 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature!r}; it must be a finite number >= 0 (0 = greedy)")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(
-                f"temperature={self.temperature!r} is below {MIN_TEMPERATURE} and would overflow the logits; use 0 for greedy"
+                f"temperature={self.temperature!r} is below {MIN_TEMPERATURE} and would overflow the logits; "
+                "use 0 for greedy"
             )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r}; it must be in (0, 1]")
@@ -138,8 +139,10 @@ class SamplingParams:
             )
         if num_prompt_tokens + self.max_tokens > max_model_len:
             raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({self.max_tokens}) = {num_prompt_tokens + self.max_tokens} "
-                f"> max_model_len={max_model_len}; set max_tokens <= {max(max_model_len - num_prompt_tokens, 0)} or shorten the prompt"
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({self.max_tokens}) = "
+                f"{num_prompt_tokens + self.max_tokens} "
+                f"> max_model_len={max_model_len}; set max_tokens <= "
+                f"{max(max_model_len - num_prompt_tokens, 0)} or shorten the prompt"
             )
 
     @property

@@ -187,7 +187,10 @@ def test_parse_request_defaults_and_values():
     )
     assert request.stream and request.exclude_input_in_output
     assert request.sampling_params.temperature == 0 and request.sampling_params.max_tokens == 5
-    fields = b'{"n": 2, "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_p": 0.1, "logit_bias": {"7": -100}}'
+    fields = (
+        b'{"n": 2, "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_p": 0.1, '
+        b'"logit_bias": {"7": -100}}'
+    )
     request = parse_request(None, None, np.array([fields], dtype=object), None, np.array([3, 4, 5], dtype=np.int64))
     assert request.prompt == {"prompt_token_ids": [3, 4, 5]} and request.prompt_text == ""
     p = request.sampling_params

@@ -368,7 +368,8 @@ def run_workload(work: Path, device: str, shape: dict, w: Workload) -> dict:
     if device.startswith("cuda"):
         result["gpu_memory_peak_bytes"] = torch.cuda.max_memory_allocated()
     print(
-        f"workload: {num_out} output tokens in {wall_s:.2f} s = {tok_s:.1f} tok/s; TTFT p50 {result['ttft_p50_ms']} ms; "
+        f"workload: {num_out} output tokens in {wall_s:.2f} s = {tok_s:.1f} tok/s; TTFT p50 "
+        f"{result['ttft_p50_ms']} ms; "
         f"prefix hit rate {result['prefix_cache_hit_rate']}",
         flush=True,
     )

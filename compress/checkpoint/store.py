@@ -245,7 +245,8 @@ def check_checkpoint_dir(path: str | Path, *, causal_lm: bool = True) -> dict[st
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
-            f"{path}: checkpoint not found; pass a checkpoint directory, a .gguf file, or one of {sorted(NAMED_SOURCES)}"
+            f"{path}: checkpoint not found; pass a checkpoint directory, a .gguf file, or one of "
+            f"{sorted(NAMED_SOURCES)}"
         )
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory or .gguf file")
@@ -345,7 +346,8 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
             ) from exc
         if model.config.model_type not in SUPPORTED_CAUSAL_LM_TYPES:
             raise CheckpointError(
-                f"{gguf_path}: unsupported architecture {model.config.model_type!r}; supported: {', '.join(SUPPORTED_CAUSAL_LM_TYPES)}"
+                f"{gguf_path}: unsupported architecture {model.config.model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_CAUSAL_LM_TYPES)}"
             )
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -390,7 +392,8 @@ def resolve_checkpoint(spec: str | Path, *, causal_lm: bool = True) -> Path:
         path = Path(spec_str).expanduser()
         if not path.exists():
             raise CheckpointError(
-                f"{path}: checkpoint not found; pass a checkpoint directory, a .gguf file, or one of {sorted(NAMED_SOURCES)}"
+                f"{path}: checkpoint not found; pass a checkpoint directory, a .gguf file, or one of "
+                f"{sorted(NAMED_SOURCES)}"
             )
     if path.is_file():
         if path.suffix != ".gguf":

@@ -43,7 +43,8 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
         upto = _render(tokenizer, messages[: i + 1])
         if head is None or not text.startswith(upto) or not upto.startswith(head):
             raise ValueError(
-                "the chat template does not render dialog prefixes as text prefixes; start dialogs with a user or system turn"
+                "the chat template does not render dialog prefixes as text prefixes; start dialogs with a user "
+                "or system turn"
             )
         spans.append((len(head), len(upto)))
     return text, spans

@@ -569,7 +569,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         dest="inputs",
         metavar="SPEC",
-        help=f"chatterbot:LANG (english, chinese, ...), a .yml dialog file, .jsonl or text file; repeatable (default {DEFAULT_INPUT})",
+        help="chatterbot:LANG (english, chinese, ...), a .yml dialog file, .jsonl or text file; repeatable "
+        f"(default {DEFAULT_INPUT})",
     )
     parser.add_argument(
         "--out", default="runs/data", help="output directory (train.jsonl, val.jsonl, data_report.json)"

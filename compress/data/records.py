@@ -106,7 +106,8 @@ def encode_record(tokenizer, record: dict[str, Any], *, max_length: int = 512) -
         return ids, [False] + [True] * (len(ids) - 1)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
-            "records with 'messages' need a tokenizer with a chat template (tokenizer_config.json: chat_template); use {'text'} records"
+            "records with 'messages' need a tokenizer with a chat template (tokenizer_config.json: "
+            "chat_template); use {'text'} records"
         )
     messages = record["messages"]
     text = tokenizer.apply_chat_template(messages, tokenize=False)

@@ -560,7 +560,8 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         speed = f"{base['decode_ms_per_token'] / ms:.2f}x" if ms and base.get("decode_ms_per_token") else "-"
         lines.append(
             f"{name:<28} {m['kind']:<9} {m['size_bytes'] / 2**20:>9.1f} {m['linear_weight_bytes'] / 2**20:>10.1f} "
-            f"{m['perplexity']:>9.3f} {dppl:>+7.2f}% {m['kl_mean']:>8.4f} {m['kl_p99']:>7.3f} {m['same_top1'] * 100:>5.1f}% "
+            f"{m['perplexity']:>9.3f} {dppl:>+7.2f}% {m['kl_mean']:>8.4f} {m['kl_p99']:>7.3f} "
+            f"{m['same_top1'] * 100:>5.1f}% "
             f"{m['greedy_agreement']:>6.3f} {(f'{ms:.2f}' if ms else '-'):>8} {speed:>6}"
         )
     return "\n".join(lines)
@@ -582,7 +583,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reference",
         default=None,
-        help="model whose distributions define KL / same top-1 and whose greedy outputs define agreement (default: the first checkpoint)",
+        help="model whose distributions define KL / same top-1 and whose greedy outputs define agreement (default: "
+        "the first checkpoint)",
     )
     parser.add_argument(
         "--max-records", type=int, default=d.max_records, help=f"records scored (default {d.max_records})"

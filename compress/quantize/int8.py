@@ -213,7 +213,8 @@ def read_scheme(files: Iterable[str | Path]) -> str | None:
         if found is not None:
             if found not in SCHEMES:
                 raise ValueError(
-                    f"{file}: {SCHEME_METADATA_KEY}={found!r} is not one of {list(SCHEMES)}; re-create it with `lmforge quantize`"
+                    f"{file}: {SCHEME_METADATA_KEY}={found!r} is not one of {list(SCHEMES)}; re-create it with "
+                    "`lmforge quantize`"
                 )
             scheme = found
     if not has_int8:

@@ -384,7 +384,8 @@ def load_int8_model(checkpoint_dir: str | Path):
     prefixes = sorted(k[: -len(INT8_WEIGHT_SUFFIX)] for k in state if k.endswith(INT8_WEIGHT_SUFFIX))
     if not prefixes:
         raise CheckpointError(
-            f"{weights}: no '*{INT8_WEIGHT_SUFFIX}' tensors; not an INT8 checkpoint (lmforge quantize --method int8-weight-only or w8a8)"
+            f"{weights}: no '*{INT8_WEIGHT_SUFFIX}' tensors; not an INT8 checkpoint (lmforge quantize --method "
+            "int8-weight-only or w8a8)"
         )
     int8_layers = {}
     for prefix in prefixes:
@@ -413,14 +414,16 @@ def load_int8_model(checkpoint_dir: str | Path):
     missing = [k for k in result.missing_keys if k not in expected_missing]
     if missing or result.unexpected_keys:
         raise CheckpointError(
-            f"{weights}: tensors do not match config.json: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+            f"{weights}: tensors do not match config.json: missing {missing[:5]}, unexpected "
+            f"{result.unexpected_keys[:5]}"
         )
     for prefix, (weight_int8, scale, bias) in int8_layers.items():
         try:
             model.get_submodule(prefix)
         except AttributeError as exc:
             raise CheckpointError(
-                f"{weights}: tensor {prefix + INT8_WEIGHT_SUFFIX} names no module of {config.model_type}; the file does not match config.json"
+                f"{weights}: tensor {prefix + INT8_WEIGHT_SUFFIX} names no module of {config.model_type}; the "
+                "file does not match config.json"
             ) from exc
         model.set_submodule(prefix, int8_linear(scheme, weight_int8, scale, bias))
     return model.eval()
@@ -610,7 +613,8 @@ def _require_unquantized(checkpoint: str | Path) -> Path:
     manifest = read_manifest(source) if (source / MANIFEST_NAME).is_file() else None
     if manifest is not None and manifest.method in QUANTIZED_METHODS:
         raise CheckpointError(
-            f"--model {source}: already quantized (method {manifest.method}); quantize its parent {manifest.parent} instead"
+            f"--model {source}: already quantized (method {manifest.method}); quantize its parent "
+            f"{manifest.parent} instead"
         )
     return source
 
@@ -633,7 +637,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         default=None,
         metavar="NAME",
-        help="int8-weight-only / w8a8 (default: none, the LM head is quantized) and llm-int8 (default: lm_head): linear layers kept in float",
+        help="int8-weight-only / w8a8 (default: none, the LM head is quantized) and llm-int8 (default: lm_head): "
+        "linear layers kept in float",
     )
     parser.add_argument("--threshold", type=float, default=None, help="llm-int8: outlier threshold (default 6.0)")
     parser.add_argument("--device", default=None, help="llm-int8: cpu or cuda (default cpu)")

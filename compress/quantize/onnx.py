@@ -217,7 +217,8 @@ def quantize_onnx_int8(
     model_path = onnx_dir / ONNX_MODEL_NAME
     if not model_path.is_file():
         raise CheckpointError(
-            f"{model_path}: missing; export the checkpoint first with compress.quantize.onnx.export_onnx (or lmforge quantize --method onnx-int8)"
+            f"{model_path}: missing; export the checkpoint first with compress.quantize.onnx.export_onnx (or "
+            "lmforge quantize --method onnx-int8)"
         )
     export_manifest = read_manifest(onnx_dir) if (onnx_dir / MANIFEST_NAME).is_file() else None
     output_dir = Path(output_dir)

@@ -195,7 +195,8 @@ def detect_grad_norm(log: RunLog) -> list[Finding]:
                 "grad_norm_explosion",
                 f"gradient norm exploded at {len(exploded)} step(s)",
                 {"steps": exploded[:20]},
-                "clip gradients (max_grad_norm 1.0), lower the learning rate, lengthen warm-up, use bf16 instead of fp16 "
+                "clip gradients (max_grad_norm 1.0), lower the learning rate, lengthen warm-up, use bf16 "
+                "instead of fp16 "
                 "(or a dynamic loss scale), look for bad records at those steps",
             )
         )

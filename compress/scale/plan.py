@@ -176,7 +176,8 @@ def evaluate_entry(model: ModelSpec, setup: TrainingSetup, entry: PlanEntry) -> 
     s = entry.split
     if entry.zero_stage >= 2 and s.pipeline > 1:
         entry.infeasible.append(
-            f"ZeRO with pipeline: stage {entry.zero_stage} with pipeline degree {s.pipeline} (gradient partitioning conflicts "
+            f"ZeRO with pipeline: stage {entry.zero_stage} with pipeline degree {s.pipeline} (gradient "
+            "partitioning conflicts "
             "with pipeline micro-batch accumulation; DeepSpeed allows ZeRO-1 with pipelines)"
         )
     worst: tuple[int, StateMemory, int] | None = None
@@ -336,7 +337,8 @@ def explain_winner(best: PlanEntry, other: PlanEntry) -> str:
     gap = other.step_time_s - best.step_time_s
     line = (
         f"winner {best.describe()} vs runner-up {other.describe()}: {gap:.3f} s per step "
-        f"({gap / other.step_time_s:.1%}) faster; the runner-up spends {deltas[loses]:.3f} s more on {TIME_TERMS[loses]}"
+        f"({gap / other.step_time_s:.1%}) faster; the runner-up spends {deltas[loses]:.3f} s more on "
+        f"{TIME_TERMS[loses]}"
     )
     if deltas[gains] < 0:
         line += f" and saves {-deltas[gains]:.3f} s of {TIME_TERMS[gains]}"
@@ -558,7 +560,8 @@ def format_training(model: ModelSpec, setup: TrainingSetup, entries: list[PlanEn
         s, t = e.split, e.time
         lines.append(
             f"{rank:4d} {s.data:3d} {s.tensor:3d} {s.pipeline:3d} {e.micro_batches:6d} {e.micro_batch_size:4d} "
-            f"{e.zero_stage:5d} {'on' if e.checkpointing else 'off':>5} {(e.total_bytes - e.activations_bytes) / GIB:8.2f}"
+            f"{e.zero_stage:5d} {'on' if e.checkpointing else 'off':>5} "
+            f"{(e.total_bytes - e.activations_bytes) / GIB:8.2f}"
             f"{e.activations_bytes / GIB:8.2f}{e.total_bytes / GIB:8.2f}  {_s(t.compute_s)}  {_s(t.tp_comm_s)}  "
             f"{_s(t.pp_comm_s)}  {_s(t.dp_comm_s)}  {_s(t.bubble_s)}  {_s(t.optimizer_s)}  {_s(e.step_time_s)} "
             f"{e.tokens_per_s:9.0f} {e.mfu:6.1%}"
@@ -566,8 +569,10 @@ def format_training(model: ModelSpec, setup: TrainingSetup, entries: list[PlanEn
     if feasible:
         best = feasible[0]
         lines.append(
-            f"\nbest: {best.describe()}: {best.tokens_per_s:,.0f} tok/s, MFU {best.mfu:.1%} (6N only: {best.mfu_6n:.1%}), step {best.step_time_s:.3f} s "
-            f"(bubble {best.bubble_fraction:.1%}), {(setup.device_memory_bytes - best.total_bytes) / GIB:.1f} GiB headroom"
+            f"\nbest: {best.describe()}: {best.tokens_per_s:,.0f} tok/s, MFU {best.mfu:.1%} (6N only: "
+            f"{best.mfu_6n:.1%}), step {best.step_time_s:.3f} s "
+            f"(bubble {best.bubble_fraction:.1%}), {(setup.device_memory_bytes - best.total_bytes) / GIB:.1f} "
+            "GiB headroom"
         )
         other = runner_up(feasible)
         if other is not None:
@@ -715,14 +720,17 @@ def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
     usable = [o for o in options if o.itl_batch1 is not None]
     if usable and usable[0].tensor_parallel > 1:
         print(
-            f"needs tp >= {usable[0].tensor_parallel}: the weights ({total_params(model) * DTYPE_BYTES[args.weight_dtype] / GIB:.1f} GiB) "
-            f"and one sequence do not fit one device; the all-reduces cost {usable[0].itl_batch1.tp_comm_s * 1e3:.2f} ms "
+            f"needs tp >= {usable[0].tensor_parallel}: the weights "
+            f"({total_params(model) * DTYPE_BYTES[args.weight_dtype] / GIB:.1f} GiB) "
+            "and one sequence do not fit one device; the all-reduces cost "
+            f"{usable[0].itl_batch1.tp_comm_s * 1e3:.2f} ms "
             f"of {usable[0].itl_batch1.itl_s * 1e3:.2f} ms ITL at batch 1"
         )
     elif len(usable) > 1:
         one, two = usable[0], usable[1]
         print(
-            f"fits on one device; tp={two.tensor_parallel} changes ITL at batch 1 from {one.itl_batch1.itl_s * 1e3:.2f} to "
+            f"fits on one device; tp={two.tensor_parallel} changes ITL at batch 1 from "
+            f"{one.itl_batch1.itl_s * 1e3:.2f} to "
             f"{two.itl_batch1.itl_s * 1e3:.2f} ms ({two.itl_batch1.tp_comm_s * 1e3:.2f} ms of all-reduce) and holds "
             f"{two.full_batch} instead of {one.full_batch} full-length sequences per replica"
         )

@@ -162,7 +162,8 @@ def select_layers(spec: str, num_teacher_layers: int, importance: list[float] | 
             raise UsageError(f"student_layers={spec!r}: use drop:N with an integer N") from exc
         if not 1 <= n_drop <= num_teacher_layers - 2:
             raise UsageError(
-                f"student_layers={spec!r}: N must be in [1, {num_teacher_layers - 2}] (the first and last layers are kept)"
+                f"student_layers={spec!r}: N must be in [1, {num_teacher_layers - 2}] (the first and last "
+                "layers are kept)"
             )
         if importance is None or len(importance) != num_teacher_layers:
             raise UsageError(f"student_layers={spec!r} needs one importance per teacher layer ({num_teacher_layers})")
@@ -268,7 +269,8 @@ def teacher_generate(model_path, records: list[dict[str, Any]], *, max_tokens: i
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     log(
-        f"teacher generated {len(outputs)} replies, {tokens} tokens in {seconds:.0f} s ({tokens / max(seconds, 1e-9):.0f} tok/s, lmforge engine)"
+        f"teacher generated {len(outputs)} replies, {tokens} tokens in {seconds:.0f} s "
+        f"({tokens / max(seconds, 1e-9):.0f} tok/s, lmforge engine)"
     )
     return [
         {"messages": [*c, {"role": "assistant", "content": o.outputs[0].text.strip()}]}
@@ -502,12 +504,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--full",
         action="store_true",
-        help=f"longer budget: {', '.join(f'{k}={v}' for k, v in FULL_BUDGET.items())} (flags given explicitly still win)",
+        help=f"longer budget: {', '.join(f'{k}={v}' for k, v in FULL_BUDGET.items())} (flags given explicitly still "
+        "win)",
     )
     parser.add_argument(
         "--student-layers",
         default=d.student_layers,
-        help=f"'drop:N' (the N least important layers), 'every-other' or teacher layer indices '0,2,4' (default {d.student_layers})",
+        help="'drop:N' (the N least important layers), 'every-other' or teacher layer indices '0,2,4' (default "
+        f"{d.student_layers})",
     )
     parser.add_argument(
         "--layer-importance",
@@ -525,7 +529,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--generate-records",
         type=int,
         default=d.generate_records,
-        help=f"training prompts the teacher answers with the engine, added as KD data (default {d.generate_records}; 0: none)",
+        help="training prompts the teacher answers with the engine, added as KD data (default "
+        f"{d.generate_records}; 0: none)",
     )
     parser.add_argument(
         "--generate-tokens",
