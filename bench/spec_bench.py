@@ -188,7 +188,8 @@ def _engine(model_dir: Path, dtype: str, method: str, draft: Path, args, **overr
 
 
 def _timed(llm, batches: list[list], params) -> tuple[float, float, list[list[int]]]:
-    """Wall and CPU seconds to serve ``batches`` one after the other (each batch at once), and the tokens per request."""
+    """Wall and CPU seconds to serve ``batches`` one after the other (each batch at once), and the tokens
+    per request."""
     tokens: list[list[int]] = []
     start, start_cpu = time.perf_counter(), time.process_time()
     for batch in batches:
@@ -320,7 +321,8 @@ def _print_rows(rows: list[SpecRow]) -> None:
 
 
 def targets(rows: list[SpecRow]) -> list[tuple[str, float | None, str]]:
-    """The issue's targets on ``speedup_cpu`` (wall time is not comparable on a shared machine): ``(what, measured, target)``."""
+    """The issue's targets on ``speedup_cpu`` (wall time is not comparable on a shared machine):
+    ``(what, measured, target)``."""
 
     def speedup(dtype, prompts, concurrency, method):
         return next(
@@ -378,11 +380,14 @@ def run(args) -> int:
     try:
         model_dir = resolve_checkpoint(args.model)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        chat_template = lambda text: list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+
+        def chat_template(text):
+            return list(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+                )
             )
-        )  # noqa: E731
+
         chat = [chat_template(p) for p in load_prompts(limit=num_prompts)]
         grounded = [chat_template(p) for p in grounded_prompts()]
         workload = (

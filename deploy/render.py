@@ -11,7 +11,8 @@ with the defaults (a test keeps them in sync). ``render_deploy`` is the function
 
 Kubernetes target (apply with ``kubectl apply -k OUT``): a Triton Deployment (startup, liveness
 and readiness probes on the model's ``/v2/models/NAME/ready``, so a model that unloaded itself
-after its engine died gets the pod restarted; the startup probe waits out the model load; ``nvidia.com/gpu`` in the GPU variant, an in-memory ``/dev/shm`` for the Python backend), a
+after its engine died gets the pod restarted; the startup probe waits out the model load; ``nvidia.com/gpu`` in the GPU
+variant, an in-memory ``/dev/shm`` for the Python backend), a
 Service (HTTP 8000, gRPC 8001, metrics 8002), a HorizontalPodAutoscaler on Triton's queue time
 per request served through prometheus-adapter (its Helm values are rendered too), a
 ServiceMonitor (or PodMonitor) for the Prometheus Operator, Locust master and worker
@@ -515,7 +516,7 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --re
     CMD curl -fsS http://127.0.0.1:{http_port}/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver"]
 CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true"]
-"""
+"""  # noqa: E501
 
 #: Build-context exclusions BuildKit reads next to each Dockerfile (the context is the repository root).
 DOCKERIGNORE = """\
@@ -565,7 +566,7 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --re
     CMD curl -fsS http://127.0.0.1:{http_port}/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver", "--backend-directory=/opt/lmforge/venv/lib/python3.11/site-packages/pytriton/tritonserver/backends"]
 CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true", "--allow-gpu-metrics=false"]
-"""
+"""  # noqa: E501
 
 
 def cpu_image(image: str) -> str:

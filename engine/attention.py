@@ -149,7 +149,8 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(common.slot_mapping, d, decode, prefill, common.block_size)
 
     def _key_mask(self, query_pos: torch.Tensor, num_keys: int, first_key: int = 0) -> torch.Tensor:
-        """``query_pos [B, Q] -> [B, 1, Q, T]``: causal (and sliding-window) mask over key positions ``first_key..num_keys``."""
+        """``query_pos [B, Q] -> [B, 1, Q, T]``: causal (and sliding-window) mask over key positions
+        ``first_key..num_keys``."""
         keys = torch.arange(first_key, num_keys, device=query_pos.device)
         mask = keys[None, None, :] <= query_pos[:, :, None]
         if self.sliding_window is not None:

@@ -101,7 +101,8 @@ def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """``y = x @ W^T + b`` from float weights, or a CPU INT8 layer of ``compress.quantize.int8`` (same dtype in and out).
+    """``y = x @ W^T + b`` from float weights, or a CPU INT8 layer of ``compress.quantize.int8`` (same dtype in and
+    out).
 
     With ``pack=True`` (CPU) the float weight ``[out, in]`` is reordered once into oneDNN's
     blocked layout (``mkldnn._reorder_linear_weight``, as inductor's CPU weight-prepack pass

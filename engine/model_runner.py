@@ -86,7 +86,8 @@ class ModelRunner:
         return 2 * s.num_hidden_layers * self.block_size * s.num_key_value_heads * s.head_dim * self.dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Zero-filled cache in the backend's layout (``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``)."""
+        """Zero-filled cache in the backend's layout
+        (``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``)."""
         shape = self.attn.kv_cache_shape(self.spec.num_hidden_layers, num_blocks, self.block_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 

@@ -19,7 +19,8 @@ from engine.sequence import Sequence, SequenceStatus
 
 
 def speculative_room(seq: Sequence, max_model_len: int) -> int:
-    """Most tokens that may be proposed after ``seq``: what ``max_tokens`` and ``max_model_len`` leave after the next one."""
+    """Most tokens that may be proposed after ``seq``: what ``max_tokens`` and ``max_model_len`` leave after the next
+    one."""
     return min(seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
 
 
@@ -160,7 +161,8 @@ class Scheduler:
         return seq.spec_token_ids[: max(0, room)]
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
-        """Allocate ``n`` slots for running ``seq``, preempting newer requests; False if ``seq`` itself was preempted."""
+        """Allocate ``n`` slots for running ``seq``, preempting newer requests; False if ``seq`` itself was
+        preempted."""
         while not self.block_manager.allocate_slots(seq, n):
             victim = self.running[-1]
             self._preempt(victim)

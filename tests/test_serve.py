@@ -268,9 +268,14 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         if metric_values(server, "lmforge_requests_aborted_total")
         else 0.0
     )
-    finished_length = lambda: sum(
-        v for labels, v in _labelled(server, "lmforge_requests_finished_total") if 'finish_reason="length"' in labels
-    )
+
+    def finished_length():
+        return sum(
+            v
+            for labels, v in _labelled(server, "lmforge_requests_finished_total")
+            if 'finish_reason="length"' in labels
+        )
+
     length_before = finished_length()
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -391,10 +396,13 @@ def test_every_exported_config_parses_and_the_server_accepts_it(server, served_r
         "minilm_tokenizer",
         "minilm_ensemble",
     }
+
     # llm and minilm are loaded (the fixture); the tokenizer loads too; the ONNX Runtime model
     # and the ensemble are for the full container: 2.51 accepts their configs and stops only at
     # the missing onnxruntime backend.
-    load = lambda name: requests.post(f"{server.http_url}/v2/repository/models/{name}/load", json={}, timeout=300)
+    def load(name):
+        return requests.post(f"{server.http_url}/v2/repository/models/{name}/load", json={}, timeout=300)
+
     assert load("minilm_tokenizer").status_code == 200
     onnx_load = load("minilm_onnx")
     assert (
@@ -444,7 +452,10 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("weights missing: run lmforge export first")
 
     def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())]) for r in requests]
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
+            for r in requests
+        ]
 """
 
 ECHO_CONFIG = """name: "{name}"

@@ -21,7 +21,8 @@ first checkpoint listed: put the parent first):
   ``(time(1 + n tokens) - time(1 token)) / n``, each time the fastest of the repeats.
 
 Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``int8``
-(``compress.quantize.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8`` (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
+(``compress.quantize.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8``
+(bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
 ONNX Runtime through Optimum).
 """
 

@@ -113,7 +113,7 @@ def smooth_model(model, batches: Iterable[torch.Tensor], *, alpha: float = 0.5) 
     for group in groups:
         linears = [model.get_submodule(n) for n in group.layers]
         x_max = stats[group.layers[0]].clamp(min=1e-5)  # [in]
-        w_max = torch.stack([l.weight.abs().amax(dim=0) for l in linears]).amax(dim=0).clamp(min=1e-5)  # [in]
+        w_max = torch.stack([linear.weight.abs().amax(dim=0) for linear in linears]).amax(dim=0).clamp(min=1e-5)  # [in]
         scale = (x_max.pow(alpha) / w_max.pow(1 - alpha)).clamp(min=1e-5)  # [in]
         if group.kind == "gqa_rows":
             per_group = scale.view(kv_heads, heads // kv_heads, head_dim).amax(dim=1)  # [kv_heads, head_dim]

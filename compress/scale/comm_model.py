@@ -285,7 +285,8 @@ def layer_times(
     Causal attention: fused at ``FLASH_ATTENTION_EFFICIENCY`` on half the ``4 b s^2 d a/t`` FLOPs,
     its backward ``FLASH_BACKWARD_RATIO`` x the forward; unfused, ``QK^T`` and ``AV`` as batched
     GEMMs plus a softmax that writes and reads the scores once each in the forward. The rest of the
-    backward is twice the forward (two GEMMs per forward GEMM). Element-wise work (norms, activation function, rotary, residual adds) is memory
+    backward is twice the forward (two GEMMs per forward GEMM). Element-wise work (norms, activation function, rotary,
+    residual adds) is memory
     traffic: ``ELEMENTWISE_PASSES`` x the bytes the layer saves for backward
     (``compress.scale.memory_model.layer_activation_bytes``, checked against real tensors), split over
     ``t`` as that count is (norms only with sequence parallelism).
@@ -498,8 +499,8 @@ def decode_step_time(
 def megatron_flops_per_iteration(model: ModelSpec, batch: int, seq_len: int) -> float:
     """FLOPs Narayanan et al. 2021 (Eq. 3) count per iteration, with activation recomputation:
     ``96 B s l h^2 (1 + s / (6 h) + V / (16 l h))``; the figure their TFLOP/s per GPU divide."""
-    l, h, v = model.num_hidden_layers, model.hidden_size, model.vocab_size
-    return 96 * batch * seq_len * l * h * h * (1 + seq_len / (6 * h) + v / (16 * l * h))
+    layers, h, v = model.num_hidden_layers, model.hidden_size, model.vocab_size
+    return 96 * batch * seq_len * layers * h * h * (1 + seq_len / (6 * h) + v / (16 * layers * h))
 
 
 def model_flops_per_token(model: ModelSpec, param_count: int, seq_len: int) -> float:

@@ -44,7 +44,8 @@ class Precision(str, Enum):
 
     @property
     def optimizer_bytes(self) -> int:
-        """AdamW state bytes per parameter: momentum + variance (fp32), plus an fp32 master copy in mixed precision (ZeRO's K)."""
+        """AdamW state bytes per parameter: momentum + variance (fp32), plus an fp32 master copy in mixed precision
+        (ZeRO's K)."""
         return 8 if self is Precision.FP32 else 12
 
     @property
@@ -163,7 +164,8 @@ def state_memory(params: ParamCount, precision: Precision, zero_stage: int, data
 
 
 def rmsnorm_activation_bytes(tokens: int, hidden: int, precision: Precision) -> int:
-    """Bytes one RMSNorm saves for backward: fp32 input and ``rsqrt`` (the upcast), normalised and output in the compute dtype."""
+    """Bytes one RMSNorm saves for backward: fp32 input and ``rsqrt`` (the upcast), normalised and output in the
+    compute dtype."""
     return tokens * (hidden * FP32_BYTES + FP32_BYTES + 2 * hidden * precision.activation_bytes)
 
 
@@ -210,7 +212,8 @@ def rotary_activation_bytes(model: ModelSpec, seq_len: int, precision: Precision
 
 
 def output_activation_bytes(model: ModelSpec, tokens: int, precision: Precision, tensor_parallel: int = 1) -> int:
-    """Bytes saved by the output side: final RMSNorm, fp32 log-softmax over the (vocab-parallel) logits, int64 labels, the loss."""
+    """Bytes saved by the output side: final RMSNorm, fp32 log-softmax over the (vocab-parallel) logits, int64 labels,
+    the loss."""
     return (
         rmsnorm_activation_bytes(tokens, model.hidden_size, precision)
         + math.ceil(tokens * model.vocab_size * FP32_BYTES / tensor_parallel)

@@ -3,7 +3,8 @@
 Prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; the ``ngram`` method of vLLM):
 the last ``n`` tokens of prompt + output are searched for earlier in the same sequence, longest
 ``n`` first (from ``max_n`` down to ``min_n``); at the latest earlier match, the ``k`` tokens
-that followed it are the proposal (``propose_tokens`` says which match when several do). No model runs, so a miss costs nothing but the search. It
+that followed it are the proposal (``propose_tokens`` says which match when several do). No model runs, so a miss costs
+nothing but the search. It
 pays where the output copies spans of the input (rewriting, summarising, editing code).
 """
 
