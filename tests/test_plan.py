@@ -346,7 +346,8 @@ for child in model:
 fully_shard(model)  # the root owns no parameter of its own
 model(ids).float().sum().backward()
 print(json.dumps({"params": params, "ddp": ddp_counts, "fsdp": counts,
-                  "shard": sum(p.to_local().numel() for p in model.parameters())}))
+                  "shard": sum(p.to_local().numel() for p in model.parameters())}), flush=True)
+dist.barrier()  # neither rank tears gloo down while the other still has a collective in flight
 dist.destroy_process_group()
 """
 
