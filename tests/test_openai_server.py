@@ -403,6 +403,11 @@ def test_disconnect_mid_stream_cancels_the_triton_request(frontend, server, clie
         "temperature": 0,
         "stream": True,
         "ignore_eos": True,
+        # four completions with 20 log-probabilities per token keep the stream busy for seconds
+        # even on a fast machine, so the disconnect lands while the request still runs
+        "n": 4,
+        "logprobs": True,
+        "top_logprobs": 20,
     }
     # The client runs in its own process and exits after a few events, so its socket really
     # closes (locust, imported by other tests of this session, monkey-patches sockets here).
