@@ -32,6 +32,7 @@ from bench import spec_bench
 from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
 from compress.checkpoint.model_spec import ModelSpec
+from compress.checkpoint.outputs import check_output_file
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
 #: is the faster of the ``llama_cpp_server_*`` rows.
@@ -576,6 +577,7 @@ def format_single_table(singles: list[SingleSummary]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.speculative:
         return spec_bench.run(args)
+    check_output_file(args.out, flag="--out")  # before the run, not after minutes of it
     from transformers import AutoTokenizer
 
     from bench.workload import WorkloadError, build_workload, single_prompt
