@@ -133,26 +133,19 @@ def divisors(n: int) -> list[int]:
 
 def split_constraints(model: ModelSpec, split: Split, global_batch: int) -> list[str]:
     """Why ``split`` cannot run this model and batch; empty when it can."""
-    problems = []
     t, p, d = split.tensor, split.pipeline, split.data
-    if model.num_attention_heads % t:
-        problems.append(
-            f"tensor degree: num_attention_heads={model.num_attention_heads} not divisible by tensor degree {t}"
-        )
-    if model.num_key_value_heads % t:
-        problems.append(
-            f"tensor degree: num_key_value_heads={model.num_key_value_heads} not divisible by tensor degree {t}"
-        )
-    if model.intermediate_size % t:
-        problems.append(
-            f"tensor degree: intermediate_size={model.intermediate_size} not divisible by tensor degree {t}"
-        )
-    if model.num_hidden_layers % p:
-        problems.append(
-            f"pipeline degree: num_hidden_layers={model.num_hidden_layers} not divisible by pipeline degree {p}"
-        )
-    if global_batch % d:
-        problems.append(f"data degree: global_batch={global_batch} not divisible by data degree {d}")
+    checks = [
+        ("tensor", t, "num_attention_heads", model.num_attention_heads),
+        ("tensor", t, "num_key_value_heads", model.num_key_value_heads),
+        ("tensor", t, "intermediate_size", model.intermediate_size),
+        ("pipeline", p, "num_hidden_layers", model.num_hidden_layers),
+        ("data", d, "global_batch", global_batch),
+    ]
+    problems = [
+        f"{kind} degree: {field}={value} not divisible by {kind} degree {degree}"
+        for kind, degree, field, value in checks
+        if value % degree
+    ]
     return problems
 
 
