@@ -18,7 +18,7 @@ from compress.evaluate.quality import (
     greedy_tokens,
     load_for_eval,
 )
-from compress.quantize.int8 import Int8WeightOnlyLinear, W8A8Linear
+from compress.quantize.int8 import Int8WeightOnlyLinear, W8A8Linear, quantize_weight_per_channel
 from compress.quantize.methods import (
     METHODS,
     Int8WeightOnlyConfig,
@@ -295,3 +295,59 @@ def test_quantizing_a_quantized_checkpoint_is_refused(tiny_llama_dir, tmp_path):
     once = quantize(tiny_llama_dir, tmp_path / "once", method="w8a8", smoothquant_alpha=None)
     with pytest.raises(CheckpointError, match="already quantized \\(method w8a8\\)"):
         quantize(once, tmp_path / "twice", method="w8a8", smoothquant_alpha=None)
+
+
+def test_w8a8_calibrated_alpha_and_float_units_load_everywhere(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from compress.quantize.methods import calibration_batches
+    from compress.quantize.sensitivity import quantization_units, unit_sensitivity
+    from compress.quantize.smooth import calibrate_alpha, smooth_groups, smooth_model
+    from engine import LLM, SamplingParams
+
+    model = load_for_eval(tiny_llama_dir, num_threads=1).model
+    batches = calibration_batches(AutoTokenizer.from_pretrained(tiny_llama_dir), data=None, num_records=2)
+    with torch.no_grad():
+        expected = model(batches[0]).logits
+    grid = (0.2, 0.5, 0.8)
+    alphas = calibrate_alpha(model, batches, grid)
+    assert set(alphas) == {g.layers[0] for g in smooth_groups(model)} and set(alphas.values()) <= set(grid)
+    smooth_model(model, batches, alpha=alphas)
+    with torch.no_grad():
+        assert torch.allclose(model(batches[0]).logits, expected, atol=1e-4, rtol=1e-4)  # same fp32 function
+
+    def w8a8(linear):
+        return W8A8Linear(*quantize_weight_per_channel(linear.weight))
+
+    units = quantization_units(model)
+    assert len(units) == 4 * len(model.model.layers) + 1 and units[0][0] == "model.layers.0.self_attn.q_proj"
+    sensitivity = unit_sensitivity(model, batches, w8a8, units)
+    assert all(v >= 0 for v in sensitivity.values()) and max(sensitivity.values()) > 0
+    assert all(isinstance(m, torch.nn.Linear) for n, m in model.named_modules() if n.endswith("proj"))  # restored
+
+    out = quantize(
+        tiny_llama_dir,
+        tmp_path / "mixed",
+        method="w8a8",
+        smoothquant_alpha_grid=grid,
+        float_units=2,
+        calibration_records=2,
+        sensitivity_records=2,
+    )
+    floats = read_manifest(out).config["float_modules"]
+    assert 1 <= len(floats) <= 3 * 2  # two fused groups (a qkv group has three linears)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    for name in floats:
+        assert name + ".weight" in keys or name == "lm_head"
+        assert name + ".weight_int8" not in keys
+    loaded = load_int8_model(out)
+    assert all(not isinstance(loaded.get_submodule(n), W8A8Linear) for n in floats)
+    assert sum(isinstance(m, W8A8Linear) for m in loaded.modules()) == 7 * len(loaded.model.layers) + 1 - len(floats)
+    llm = LLM(str(out), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64)
+    assert llm.engine.runner.is_int8
+    llm.generate([[1, 400, 5000, 31]], SamplingParams(temperature=0, max_tokens=4))
+    with pytest.raises(ValueError, match="smoothquant_alpha_grid"):
+        W8A8Config(smoothquant_alpha_grid=(0.5, 1.5))
+    with pytest.raises(ValueError, match="float_units=-1"):
+        W8A8Config(float_units=-1)

@@ -88,6 +88,15 @@ class W8A8Config:
         skip_modules: as in ``Int8WeightOnlyConfig``.
         smoothquant_alpha: SmoothQuant migration strength (``compress.quantize.smooth``) applied before
             quantization; ``None`` disables it.
+        smoothquant_alpha_grid: candidate alphas; when set, each SmoothQuant group gets the one
+            with the least W8A8 output error on the calibration records
+            (``compress.quantize.smooth.calibrate_alpha``) instead of ``smoothquant_alpha``.
+        float_units: how many fused linear groups stay in floating point: those whose INT8 alone
+            adds the most KL on ``sensitivity_records`` calibration records
+            (``compress.quantize.sensitivity``); 0: every linear layer outside ``skip_modules``
+            is INT8.
+        sensitivity_records: calibration records that rank the groups (one forward pass of them
+            per group).
         calibration_records: records whose activations set the SmoothQuant scales.
         calibration_data: JSONL of calibration records; ``None`` = the training split of the
             English chatterbot-corpus dialogs (never the held-out split).
@@ -95,6 +104,9 @@ class W8A8Config:
 
     skip_modules: tuple[str, ...] = ()
     smoothquant_alpha: float | None = 0.5
+    smoothquant_alpha_grid: tuple[float, ...] | None = None
+    float_units: int = 0
+    sensitivity_records: int = 8
     calibration_records: int = 32
     calibration_data: str | None = None
     scheme: ClassVar[str] = "w8a8"
@@ -102,6 +114,13 @@ class W8A8Config:
     def __post_init__(self) -> None:
         _check_skip_modules(self.skip_modules)
         _check_smoothing(self.smoothquant_alpha, self.calibration_records)
+        grid = self.smoothquant_alpha_grid
+        if grid is not None and (isinstance(grid, str) or not grid or any(not 0.0 <= a <= 1.0 for a in grid)):
+            raise ValueError(f"smoothquant_alpha_grid={grid!r}: must be a non-empty tuple of alphas in [0, 1]")
+        if self.float_units < 0:
+            raise ValueError(f"float_units={self.float_units}: must be >= 0 (0: every linear layer in INT8)")
+        if self.sensitivity_records < 1:
+            raise ValueError(f"sensitivity_records={self.sensitivity_records}: must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,18 +207,47 @@ def calibration_batches(tokenizer, *, data: str | None, num_records: int, max_le
     return [torch.tensor([encode_record(tokenizer, r, max_length=max_length)[0]]) for r in records[:num_records]]
 
 
-def load_smoothed_model(source_dir: Path, *, alpha: float | None, data: str | None, num_records: int):
-    """The fp32 causal LM of ``source_dir``, with SmoothQuant applied when ``alpha`` is set."""
+def load_smoothed_model(
+    source_dir: Path,
+    *,
+    alpha: float | None,
+    data: str | None,
+    num_records: int,
+    alpha_grid: tuple[float, ...] | None = None,
+):
+    """The fp32 causal LM of ``source_dir``, with SmoothQuant applied when ``alpha`` or ``alpha_grid`` is set.
+
+    With ``alpha_grid``, every group's alpha is calibrated (``calibrate_alpha``) on the same records.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compress.quantize.smooth import smooth_model
+    from compress.quantize.smooth import calibrate_alpha, smooth_model
 
     model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
-    if alpha is not None:
+    if alpha is not None or alpha_grid:
         tokenizer = AutoTokenizer.from_pretrained(source_dir)
-        smooth_model(model, calibration_batches(tokenizer, data=data, num_records=num_records), alpha=alpha)
+        batches = calibration_batches(tokenizer, data=data, num_records=num_records)
+        smooth_model(model, batches, alpha=calibrate_alpha(model, batches, alpha_grid) if alpha_grid else alpha)
     return model
+
+
+def most_sensitive_units(model, tokenizer, config: W8A8Config) -> list[str]:
+    """Module names of the ``config.float_units`` fused groups whose W8A8 adds the most KL (kept float)."""
+    from compress.quantize.int8 import W8A8Linear
+    from compress.quantize.sensitivity import quantization_units, unit_sensitivity
+
+    def w8a8(linear):
+        weight_int8, scale = quantize_weight_per_channel(linear.weight)
+        return W8A8Linear(weight_int8, scale, None if linear.bias is None else linear.bias.detach())
+
+    units = [u for u in quantization_units(model) if not any(is_skipped(n, config.skip_modules) for n in u)]
+    batches = calibration_batches(
+        tokenizer, data=config.calibration_data, num_records=config.sensitivity_records, max_length=128
+    )
+    sensitivity = unit_sensitivity(model, batches, w8a8, units)
+    ranked = sorted(units, key=sensitivity.get, reverse=True)[: config.float_units]
+    return [name for unit in ranked for name in unit]
 
 
 def is_skipped(name: str, skip_modules: tuple[str, ...]) -> bool:
@@ -277,8 +325,10 @@ class Int8Quantizer:
     def method(self) -> str:
         return "int8-weight-only" if self.config.scheme == "weight-only" else "w8a8"
 
-    def quantized_state_dict(self, model) -> dict[str, Any]:
+    def quantized_state_dict(self, model, float_modules: tuple[str, ...] = ()) -> dict[str, Any]:
         """Step 1: the checkpoint's tensors with selected linear weights in INT8.
+
+        ``float_modules``: linear layers kept float besides ``skip_modules`` (exact names).
 
         Each selected ``nn.Linear`` ``X`` contributes ``X.weight_int8`` (int8 ``[out, in]``) and
         ``X.weight_scale`` (float32 ``[out]``) instead of ``X.weight``; everything else stays
@@ -291,7 +341,9 @@ class Int8Quantizer:
         quantized = {
             name
             for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and not is_skipped(name, self.config.skip_modules)
+            if isinstance(module, nn.Linear)
+            and not is_skipped(name, self.config.skip_modules)
+            and name not in float_modules
         }
         state: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
@@ -320,14 +372,19 @@ class Int8Quantizer:
 
         source_dir = _require_causal_lm(checkpoint, self.method)
         c = self.config
-        alpha = getattr(c, "smoothquant_alpha", None)
         model = load_smoothed_model(
             source_dir,
-            alpha=alpha,
+            alpha=getattr(c, "smoothquant_alpha", None),
+            alpha_grid=getattr(c, "smoothquant_alpha_grid", None),
             data=getattr(c, "calibration_data", None),
             num_records=getattr(c, "calibration_records", 1),
         )
-        state = self.quantized_state_dict(model)
+        float_modules = []
+        if getattr(c, "float_units", 0):
+            from transformers import AutoTokenizer
+
+            float_modules = most_sensitive_units(model, AutoTokenizer.from_pretrained(source_dir), c)
+        state = self.quantized_state_dict(model, tuple(float_modules))
         output_dir = Path(output_dir)
         tmp = temp_sibling(output_dir)
         try:
@@ -338,6 +395,8 @@ class Int8Quantizer:
             )
             _copy_side_files(source_dir, tmp)
             config = {"scheme": c.scheme, **dataclasses.asdict(c)}
+            if float_modules:
+                config["float_modules"] = float_modules
             return _finish(tmp, output_dir, source_dir=source_dir, method=self.method, config=config)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -650,6 +709,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-smoothquant", action="store_true", help="w8a8 / onnx-int8: quantize without SmoothQuant")
     parser.add_argument(
+        "--smoothquant-alpha-grid",
+        nargs="+",
+        type=float,
+        default=None,
+        metavar="ALPHA",
+        help="w8a8: calibrate SmoothQuant's alpha per layer group among these values (least INT8 output error)",
+    )
+    parser.add_argument(
+        "--float-units",
+        type=int,
+        default=None,
+        help="w8a8: keep the N fused linear groups whose INT8 adds the most KL on calibration records in float "
+        "(default 0)",
+    )
+    parser.add_argument(
         "--calibration-data",
         default=None,
         help="w8a8 / onnx-int8: JSONL calibration records (default: training dialogs)",
@@ -678,13 +752,15 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "per_channel": False if args.no_per_channel else None,
         "smoothquant_alpha": args.smoothquant_alpha,
+        "smoothquant_alpha_grid": tuple(args.smoothquant_alpha_grid) if args.smoothquant_alpha_grid else None,
+        "float_units": args.float_units,
         "calibration_data": args.calibration_data,
         "op_types_to_quantize": args.op_types,
     }
     given = {k: v for k, v in options.items() if v is not None}
     if args.no_smoothquant:
-        if args.smoothquant_alpha is not None:
-            raise ValueError("--no-smoothquant and --smoothquant-alpha: pass one of them")
+        if args.smoothquant_alpha is not None or args.smoothquant_alpha_grid:
+            raise ValueError("--no-smoothquant and --smoothquant-alpha(-grid): pass one of them")
         given["smoothquant_alpha"] = None
     fields = {f.name for f in dataclasses.fields(METHODS[args.method][1])} if args.method in METHODS else set(given)
     wrong = sorted(set(given) - fields)

@@ -21,7 +21,7 @@ Folding points in a Llama/Mistral/Qwen2 decoder layer:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -81,44 +81,160 @@ def activation_absmax(model, batches: Iterable[torch.Tensor], layer_names: set[s
     return stats
 
 
+def _smoothing_scale(x_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha)`` per input channel ``[in]``."""
+    return (x_max.clamp(min=1e-5).pow(alpha) / w_max.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+
+
+def _gqa_scale(scale: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o_proj``'s factors shared per grouped-query group: ``(o_proj [heads * hd], v_proj [kv_heads * hd])``."""
+    per_group = scale.view(kv_heads, heads // kv_heads, head_dim).amax(dim=1)  # [kv_heads, head_dim]
+    return per_group.repeat_interleave(heads // kv_heads, dim=0).reshape(-1), per_group.reshape(-1)
+
+
+def _head_shape(config) -> tuple[int, int, int]:
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
 @torch.no_grad()
-def smooth_model(model, batches: Iterable[torch.Tensor], *, alpha: float = 0.5) -> int:
+def input_samples(
+    model, batches: Iterable[torch.Tensor], layer_names: set[str], *, max_rows: int = 256
+) -> dict[str, torch.Tensor]:
+    """Up to ``max_rows`` input rows of each named linear layer, evenly spaced over the batches' tokens.
+
+    Returns:
+        ``{name: [rows, in_features]}`` float32.
+    """
+    batches = list(batches)
+    per_batch = max(1, -(-max_rows // max(len(batches), 1)))
+    rows: dict[str, list[torch.Tensor]] = {name: [] for name in layer_names}
+    hooks = []
+    for name in layer_names:
+
+        def hook(module, inputs, output, name=name):
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()  # [T, in]
+            pick = torch.linspace(0, x.shape[0] - 1, min(per_batch, x.shape[0])).round().long()
+            rows[name].append(x[pick])
+
+        hooks.append(model.get_submodule(name).register_forward_hook(hook))
+    try:
+        for ids in batches:
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: torch.cat(r)[:max_rows] for name, r in rows.items()}
+
+
+def w8a8_output_error(x: torch.Tensor, weights: list[torch.Tensor], scale: torch.Tensor) -> float:
+    """Squared error of the W8A8 outputs of ``weights`` on ``x`` smoothed by ``scale``, relative to fp32.
+
+    Args:
+        x: ``[rows, in]`` inputs; weights: each ``[out, in]``; scale: ``[in]`` SmoothQuant factors.
+
+    Returns:
+        ``sum_W ||Q(x / s) Q(W s)^T - x W^T||^2 / ||x W^T||^2`` with per-token activation and
+        per-channel weight INT8 (``compress.quantize.int8``).
+    """
+    from compress.quantize.int8 import dequantize_weight, quantize_per_token, quantize_weight_per_channel
+
+    xq, x_scale = quantize_per_token(x / scale)
+    x_deq = xq.float() * x_scale  # [rows, in]
+    error = 0.0
+    for w in weights:
+        y = x @ w.t()  # [rows, out]
+        y_q = x_deq @ dequantize_weight(*quantize_weight_per_channel(w * scale)).t()
+        error += float((y_q - y).pow(2).sum() / y.pow(2).sum().clamp(min=1e-12))
+    return error
+
+
+@torch.no_grad()
+def calibrate_alpha(
+    model, batches: Iterable[torch.Tensor], grid: Sequence[float], *, max_rows: int = 256
+) -> dict[str, float]:
+    """Per SmoothQuant group, the alpha of ``grid`` with the least W8A8 output error on calibration inputs.
+
+    Each group's inputs (``input_samples``) are smoothed with every alpha of the grid, the
+    group's linear layers are run in W8A8 and compared with fp32 (``w8a8_output_error``); the
+    alpha with the least error wins. Groups are independent: smoothing one group leaves the fp32
+    function, and so every other group's inputs, unchanged. (The per-layer search of the
+    SmoothQuant authors' later work and of Intel Neural Compressor's ``auto`` alpha follows the
+    same idea with other error measures.)
+
+    Args:
+        model: Llama-style causal LM (fp32, not yet smoothed).
+        grid: candidate alphas, each in [0, 1].
+
+    Returns:
+        ``{first linear of the group: alpha}`` for every group of ``smooth_groups`` (the
+        ``alpha`` argument of ``smooth_model``).
+
+    Raises:
+        ValueError: an alpha out of [0, 1], an empty grid, or no calibration batch.
+    """
+    grid = list(grid)
+    if not grid or any(not 0.0 <= a <= 1.0 for a in grid):
+        raise ValueError(f"smoothquant alpha grid {grid}: needs values in [0, 1]")
+    batches = list(batches)
+    if not batches:
+        raise ValueError("calibration data is empty; SmoothQuant needs at least one record")
+    groups = smooth_groups(model)
+    names = {g.layers[0] for g in groups}
+    stats = activation_absmax(model, batches, names)
+    samples = input_samples(model, batches, names, max_rows=max_rows)
+    heads, kv_heads, head_dim = _head_shape(model.config)
+    chosen = {}
+    for group in groups:
+        weights = [model.get_submodule(n).weight.float() for n in group.layers]
+        w_max = torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0)  # [in]
+        errors = {}
+        for alpha in grid:
+            scale = _smoothing_scale(stats[group.layers[0]], w_max, alpha)
+            if group.kind == "gqa_rows":
+                scale = _gqa_scale(scale, heads, kv_heads, head_dim)[0]
+            errors[alpha] = w8a8_output_error(samples[group.layers[0]], weights, scale)
+        chosen[group.layers[0]] = min(errors, key=errors.get)
+    return chosen
+
+
+@torch.no_grad()
+def smooth_model(model, batches: Iterable[torch.Tensor], *, alpha: float | dict[str, float] = 0.5) -> int:
     """Apply SmoothQuant in place to a Llama-style causal LM (fp32).
 
     Args:
         model: ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``.
         batches: calibration token ids, each ``[1, T]``.
-        alpha: migration strength in [0, 1] (0.5 in the paper).
+        alpha: migration strength in [0, 1] (0.5 in the paper), one for every group, or per
+            group ``{first linear of the group: alpha}`` (``calibrate_alpha``).
 
     Returns:
         Number of linear layers whose inputs were smoothed.
 
     Raises:
-        ValueError: alpha out of range, or no calibration batch.
+        ValueError: alpha out of range, a group without an alpha, or no calibration batch.
     """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"smoothquant_alpha={alpha}: must be in [0, 1] (0.5 in the SmoothQuant paper)")
     groups = smooth_groups(model)
+    alphas = alpha if isinstance(alpha, dict) else {g.layers[0]: alpha for g in groups}
+    for group in groups:
+        a = alphas.get(group.layers[0])
+        if a is None or not 0.0 <= a <= 1.0:
+            raise ValueError(
+                f"smoothquant_alpha={a} for {group.layers[0]}: must be in [0, 1] (0.5 in the SmoothQuant paper)"
+            )
     names = {n for g in groups for n in g.layers}
     batches = list(batches)
     if not batches:
         raise ValueError("calibration data is empty; SmoothQuant needs at least one record")
     stats = activation_absmax(model, batches, names)
-    config = model.config
-    heads, kv_heads = (
-        config.num_attention_heads,
-        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-    )
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv_heads, head_dim = _head_shape(model.config)
     for group in groups:
         linears = [model.get_submodule(n) for n in group.layers]
-        x_max = stats[group.layers[0]].clamp(min=1e-5)  # [in]
-        w_max = torch.stack([linear.weight.abs().amax(dim=0) for linear in linears]).amax(dim=0).clamp(min=1e-5)  # [in]
-        scale = (x_max.pow(alpha) / w_max.pow(1 - alpha)).clamp(min=1e-5)  # [in]
+        w_max = torch.stack([linear.weight.abs().amax(dim=0) for linear in linears]).amax(dim=0)  # [in]
+        scale = _smoothing_scale(stats[group.layers[0]], w_max, alphas[group.layers[0]])  # [in]
         if group.kind == "gqa_rows":
-            per_group = scale.view(kv_heads, heads // kv_heads, head_dim).amax(dim=1)  # [kv_heads, head_dim]
-            scale = per_group.repeat_interleave(heads // kv_heads, dim=0).reshape(-1)  # [heads * head_dim]
-            producer_scale = per_group.reshape(-1)  # [kv_heads * head_dim]
+            scale, producer_scale = _gqa_scale(scale, heads, kv_heads, head_dim)
         else:
             producer_scale = scale
         producer = model.get_submodule(group.producer)
