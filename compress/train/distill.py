@@ -76,11 +76,11 @@ class DistillConfig(TrainConfig):
     """
 
     run_dir: str = "runs/distill"
-    lr: float = 1e-4
-    max_steps: int = 120
+    lr: float = 3e-4
+    max_steps: int = 48
     micro_batch_size: int = 8
     max_length: int = 128
-    student_layers: str = "drop:7"
+    student_layers: str = "drop:8"
     layer_importance: str = "angular"
     calibration_records: int = 32
     generate_records: int = 400
