@@ -7,7 +7,8 @@ that runs them.
 
 * ``int8-weight-only`` (``Int8WeightOnlyConfig``) and ``w8a8`` (``W8A8Config``): symmetric
   per-output-channel INT8 weights for every ``nn.Linear`` outside ``skip_modules`` (the LM head
-  included by default; embeddings are not linear layers), stored in the format of
+  included by default for weight-only, kept float by default for ``w8a8``; embeddings are not
+  linear layers), stored in the format of
   ``compress.quantize.int8`` with the scheme in the safetensors metadata. Weight-only keeps activations in
   bf16 / fp32; ``w8a8`` quantizes them per token at run time, after SmoothQuant
   (``compress.quantize.smooth``, calibrated on training dialogs) has moved activation outliers into the
@@ -85,7 +86,10 @@ class W8A8Config:
     """``w8a8``: per-channel INT8 weights, per-token dynamic INT8 activations (``compress.quantize.int8``).
 
     Attributes:
-        skip_modules: as in ``Int8WeightOnlyConfig``.
+        skip_modules: as in ``Int8WeightOnlyConfig``, but the LM head stays float by default:
+            with per-token INT8 activations it adds the most KL of any layer (SmolLM2, 44
+            held-out dialogs, SmoothQuant 0.5: mean KL 0.0236 -> 0.0179 and same top-1 94.5% ->
+            95.3% with the head in float); ``()`` quantizes it too.
         smoothquant_alpha: SmoothQuant migration strength (``compress.quantize.smooth``) applied before
             quantization; ``None`` disables it.
         smoothquant_alpha_grid: candidate alphas; when set, each SmoothQuant group gets the one
@@ -102,7 +106,7 @@ class W8A8Config:
             English chatterbot-corpus dialogs (never the held-out split).
     """
 
-    skip_modules: tuple[str, ...] = ()
+    skip_modules: tuple[str, ...] = ("lm_head",)
     smoothquant_alpha: float | None = 0.5
     smoothquant_alpha_grid: tuple[float, ...] | None = None
     float_units: int = 0
@@ -696,8 +700,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         default=None,
         metavar="NAME",
-        help="int8-weight-only / w8a8 (default: none, the LM head is quantized) and llm-int8 (default: lm_head): "
-        "linear layers kept in float",
+        help="linear layers kept in float (default: none for int8-weight-only, lm_head for w8a8 and llm-int8; "
+        "the flag alone, with no name, quantizes every linear layer)",
     )
     parser.add_argument("--threshold", type=float, default=None, help="llm-int8: outlier threshold (default 6.0)")
     parser.add_argument("--device", default=None, help="llm-int8: cpu or cuda (default cpu)")
