@@ -11,8 +11,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from compress.data.prepare import iter_jsonl
-from compress.data.records import default_split_records
+from compress.data.records import default_split_records, read_jsonl
 from compress.errors import UsageError
 
 
@@ -42,7 +41,7 @@ def load_prompts(path: str | Path | None = None, *, limit: int | None = None) ->
 def _jsonl_prompts(path: Path) -> list[str]:
     if not path.is_file():
         raise PromptError(f"prompts file {path} does not exist; pass a JSONL file, one record a line")
-    return [_record_prompt(record, f"{path}:{number}") for number, record in iter_jsonl(path, PromptError)]
+    return read_jsonl(path, lambda record, source, line: _record_prompt(record, f"{source}:{line}"), PromptError)
 
 
 def _record_prompt(record: object, where: str) -> str:

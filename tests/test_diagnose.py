@@ -191,7 +191,7 @@ def test_cli_reports_and_rejects_corrupt_logs(tmp_path, capsys):
     with (run_dir / "metrics.jsonl").open("a") as f:
         f.write("{not json\n")
     assert main(["diagnose", str(run_dir)]) == 2
-    assert f"metrics.jsonl:{len(healthy_records()) + 1}: not JSON" in capsys.readouterr().err
+    assert f"metrics.jsonl:{len(healthy_records()) + 1}: not valid JSON" in capsys.readouterr().err
     with pytest.raises(RunDirError, match="not found"):
         diagnose(tmp_path / "missing")
 

@@ -433,12 +433,13 @@ class DistillRecipe(TrainingRecipe):
         """Extend the training rows with the teacher's replies (cached for resume and reruns)."""
         from compress.data.packing import tokenize_and_pack
         from compress.data.prepare import read_data_file
+        from compress.data.records import read_jsonl
 
         cfg = self.config
         cache = self.run_dir / "teacher_generated.jsonl"
         train = read_data_file(Path(cfg.data) / "train.jsonl")
         if cache.is_file():
-            generated = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
+            generated = read_jsonl(cache, error=TrainingError)
         else:
             generated = teacher_generate(
                 self.model_path,
