@@ -507,10 +507,8 @@ def _engine_run(
     spec: RunSpec, model: str, work: Work, result: RunResult, *, prefix_caching: bool, dtype: str | None
 ) -> None:
     """Our ``LLM`` on the token ids; ``dtype`` (when given) overrides ``--engine-arg dtype``."""
-    try:
-        from engine import LLM, SamplingParams
-    except ImportError as exc:
-        raise Unavailable(f"engine.LLM is not importable yet ({exc})") from exc
+    from engine import LLM, SamplingParams
+
     engine_args = {**spec.engine_args, **({"dtype": dtype} if dtype else {})}
     start = time.perf_counter()
     llm = LLM(model, enable_prefix_caching=prefix_caching, **engine_args)

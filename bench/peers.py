@@ -22,9 +22,6 @@ from pathlib import Path
 #: What a missing peer reports (status ``not installed``), never a failure.
 NOT_INSTALLED = "not installed: run `make peers`"
 
-#: GGUF output types of the converter per ``llama_cpp_server_*`` configuration.
-GGUF_TYPES = {"llama_cpp_server_f32": "f32", "llama_cpp_server_q8_0": "q8_0"}
-
 
 class PeerError(RuntimeError):
     """A peer is installed but did not do its job (the message has its output's tail)."""
