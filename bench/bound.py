@@ -142,3 +142,11 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator == 0:
         return None
     return numerator / denominator
+
+
+def target_result(value: float | None, target: str) -> str:
+    """``met`` / ``MISSED`` of a measured figure against a target such as ``">= 1.5"``; ``n/a`` without one."""
+    if value is None:
+        return "n/a"
+    op, limit = target.split()
+    return "met" if (value >= float(limit) if op == ">=" else value <= float(limit)) else "MISSED"

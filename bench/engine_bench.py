@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench import spec_bench
-from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, workload_flops
+from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, target_result, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
 from compress.checkpoint.model_spec import ModelSpec
 from compress.checkpoint.outputs import check_output_file
@@ -484,13 +484,6 @@ def engine_targets(rows: list[Summary], singles: list[SingleSummary]) -> list[tu
     return targets
 
 
-def _met(value: float | None, target: str) -> str:
-    if value is None:
-        return "n/a"
-    op, limit = target.split()
-    return "met" if (value >= float(limit) if op == ">=" else value <= float(limit)) else "MISSED"
-
-
 def _fmt(value, spec: str = ".1f", scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
@@ -631,7 +624,7 @@ def run(args: argparse.Namespace) -> int:
     _print_targets(targets, rows)
 
     report = _report(args, inputs, summary, peers, notes, bound, (load_before, load_after), int8_note, rows, singles)
-    report["targets"] = [{"what": w, "measured": v, "target": t, "result": _met(v, t)} for w, v, t in targets]
+    report["targets"] = [{"what": w, "measured": v, "target": t, "result": target_result(v, t)} for w, v, t in targets]
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0 if all(r.status != "failed" for r in rows) else 1
@@ -849,7 +842,7 @@ def _print_targets(targets: list[tuple[str, float | None, str]], rows: list[Summ
     if targets:
         print("targets:")
         for what, value, target in targets:
-            print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {_met(value, target)}")
+            print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
     for r in rows:
         if r.profile_top:
             print(f"\ntorch.profiler, repeat run of {r.config} (top ops by self CPU time):\n{r.profile_top}")

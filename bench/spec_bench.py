@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.bound import target_result
+
 #: Paragraphs of the input-grounded task (written for this benchmark).
 GROUNDED_PARAGRAPHS = (
     "The city library will close for renovation from the first of March until the end of June. During this time, "
@@ -411,19 +413,17 @@ def run(args) -> int:
         for dtype in dtypes:
             rows += run_dtype(dtype, model_dir, draft, args, chat, grounded_main, grounded, workload)
             _print_sweep_end([r for r in rows if r.dtype == dtype])
-    from bench.engine_bench import _met
-
     found = targets(rows)
     print("\ntargets (speed-up in tokens per CPU-second vs the same engine without speculation, same dtype):")
     for what, value, target in found:
-        print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {_met(value, target)}")
+        print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
     report = {
         "model": str(model_dir),
         "draft": draft_note,
         "max_tokens": args.max_tokens,
         "engine": ENGINE,
         "rows": [dataclasses.asdict(r) for r in rows],
-        "targets": [{"what": w, "measured": v, "target": t, "result": _met(v, t)} for w, v, t in found],
+        "targets": [{"what": w, "measured": v, "target": t, "result": target_result(v, t)} for w, v, t in found],
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -7,7 +7,8 @@ each new token's physical slot ``block * block_size + offset``.
 ``ModelRunner`` builds a ``CommonAttentionMetadata`` per step (what any paged-attention kernel
 needs: query start offsets, context lengths, the padded block table, slot mapping); a backend's
 ``build`` turns it into its own metadata once per step, and its ``forward`` runs one layer. An
-``AttentionBackend`` is all a new device kernel (e.g. a CUDA paged kernel) has to implement.
+``AttentionBackend`` is all a new device kernel (e.g. a CUDA paged kernel) has to implement;
+``engine.attention_backends.get_attention_backend`` picks one by name.
 
 ``TorchAttentionBackend`` (CPU, and any device torch runs on): decodes (one query token each,
 they come first in the batch) form one group whose blocks shared by every request are read once
@@ -23,8 +24,6 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-
-from engine.config import ATTENTION_BACKENDS
 
 
 @dataclasses.dataclass
@@ -262,24 +261,3 @@ def common_prefix_blocks(tables: torch.Tensor, limit: int) -> int:
     head = tables[:, :limit]
     same = (head == head[:1]).all(dim=0)  # [limit]
     return int(same.long().cumprod(0).sum())
-
-
-def get_attention_backend(
-    device: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None, name: str | None = None
-) -> AttentionBackend:
-    """The attention backend ``name`` (``None``: ``triton`` on CUDA, ``torch`` elsewhere).
-
-    ``triton`` (``engine.attention_triton``) needs the ``triton`` package; on CPU it runs under
-    Triton's interpreter (``TRITON_INTERPRET=1``), for tests only.
-
-    Raises:
-        ValueError: an unknown ``name``.
-    """
-    name = name or ("triton" if device.startswith("cuda") else "torch")
-    if name == "torch":
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
-    if name == "triton":
-        from engine.attention_triton import TritonAttentionBackend  # optional dependency: imported only when chosen
-
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
-    raise ValueError(f"attention_backend={name!r}; use one of {ATTENTION_BACKENDS} or None")

@@ -10,7 +10,7 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: ``/proc/cpuinfo`` flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
-#: ``attention_backend`` names (``engine.attention.get_attention_backend``).
+#: ``attention_backend`` names (``engine.attention_backends.get_attention_backend``).
 ATTENTION_BACKENDS = ("torch", "triton")
 
 #: Ways to propose tokens for speculative decoding (``EngineConfig.speculative_method``).
