@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 from compress.checkpoint.model_spec import ModelSpec
 
@@ -77,8 +78,7 @@ def _matmul_kernels(dtype: str, size: int) -> list:
     Raises:
         ValueError: ``dtype`` is not one of :data:`MATMUL_DTYPES`.
     """
-    import warnings
-
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
 
     if dtype == "fp32" or dtype == "bf16":

@@ -28,11 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import spec_bench
+from bench import peers, spec_bench
 from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, target_result, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
+from bench.peers import NOT_INSTALLED, PeerError, convert_to_gguf, vllm_env
+from bench.workload import WorkloadError, build_workload, single_prompt
 from compress.checkpoint.model_spec import ModelSpec
 from compress.checkpoint.outputs import check_output_file
+from compress.checkpoint.store import CheckpointError, resolve_checkpoint
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
 #: is the faster of the ``llama_cpp_server_*`` rows.
@@ -241,8 +244,6 @@ class Peers:
     @classmethod
     def find(cls, vllm_python: str | None, llama_server: str | None) -> "Peers":
         """The given paths, else what ``make peers`` installed (:mod:`bench.peers`)."""
-        from bench import peers
-
         return cls(
             Path(vllm_python) if vllm_python else peers.default_vllm_python(),
             Path(llama_server) if llama_server else peers.default_llama_server(),
@@ -252,8 +253,6 @@ class Peers:
 
 def not_installed(config: str, peers: Peers) -> str | None:
     """Why ``config`` cannot run here ("... not installed: run `make peers`"), or ``None``."""
-    from bench.peers import NOT_INSTALLED
-
     backend = BACKENDS[config]
     if backend.interpreter == "vllm" and (peers.vllm_python is None or not peers.vllm_python.exists()):
         return f"vLLM {NOT_INSTALLED} (or pass --vllm-python)"
@@ -268,8 +267,6 @@ def prepare_gguf(config: str, model_dir: Path, gguf_dir: Path, peers: Peers) -> 
 
     Returns ``(path or None, note, converter missing)``.
     """
-    from bench.peers import NOT_INSTALLED, PeerError, convert_to_gguf
-
     outtype = BACKENDS[config].gguf_type
     out = gguf_dir / f"{model_dir.name}-{outtype}.gguf"
     existed = out.is_file()
@@ -596,8 +593,6 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative:
         return spec_bench.run(args)
     check_output_file(args.out, flag="--out")  # before the run, not after minutes of it
-    from bench.workload import WorkloadError
-    from compress.checkpoint.store import CheckpointError
 
     try:
         inputs = _load_inputs(args)
@@ -605,6 +600,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}")
         return 2
     if args.threads:
+        # torch-heavy: imported on use, so importing this module stays light
         import torch
 
         torch.set_num_threads(args.threads)
@@ -636,10 +632,8 @@ def _load_inputs(args: argparse.Namespace) -> _Inputs:
     Raises:
         ValueError: a flag out of range; CheckpointError, WorkloadError: from the checkpoint or workload.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoTokenizer
-
-    from bench.workload import build_workload, single_prompt
-    from compress.checkpoint.store import resolve_checkpoint
 
     if args.smoke:
         args.num_requests, args.max_tokens = SMOKE["num_requests"], SMOKE["max_tokens"]
@@ -861,8 +855,6 @@ def _run_one(
     notes: dict[str, str],
 ) -> dict:
     """One configuration: not installed, the GGUF conversion failed, or its process's result."""
-    from bench.peers import vllm_env
-
     missing = not_installed(config, peers)
     if missing is not None:
         return {"config": config, "status": "not installed", "reason": missing}
@@ -899,6 +891,7 @@ def _str(path: Path | None) -> str | None:
 
 
 def _threads() -> int:
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
 
     return torch.get_num_threads()

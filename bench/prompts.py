@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from compress.checkpoint.store import CheckpointError, resolve_checkpoint
 from compress.data.records import default_split_records, read_jsonl
 from compress.errors import UsageError
 
@@ -93,9 +94,8 @@ def render_chat(prompts: list[str], checkpoint: str, system_prompt: str | None =
     Raises:
         PromptError: the checkpoint cannot be resolved or its tokenizer has no chat template.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoTokenizer
-
-    from compress.checkpoint.store import CheckpointError, resolve_checkpoint
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_checkpoint(checkpoint)))

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import yaml
+
 from compress.data.prepare import DataError, chatterbot_dir
 from compress.errors import UsageError
 
@@ -106,8 +108,6 @@ def load_questions(data_dir: Path | None = None) -> list[str]:
     Raises:
         WorkloadError: a YAML file is corrupt (named), or no question was found.
     """
-    import yaml
-
     data_dir = corpus_dir() if data_dir is None else Path(data_dir)
     per_file: list[list[str]] = []
     for path in sorted(data_dir.glob("*.yml")):

@@ -30,13 +30,16 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -198,8 +201,10 @@ def discover_models(repo: str | Path, names: list[str] | None = None) -> dict[st
     Raises:
         ValueError: a named model is not an LLM of the repository, or none is found.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoTokenizer
 
+    # torch-heavy: imported on use, so importing this module stays light
     from engine.llm_engine import DEFAULT_MAX_MODEL_LEN_CAP
 
     repo = Path(repo)
@@ -316,6 +321,7 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
         OpenAIError: 404 unknown model; 400 a prompt or a parameter the engine refuses, or a
             prompt + ``max_tokens`` beyond the model's context.
     """
+    # torch-heavy: imported on use, so importing this module stays light
     from engine.sampling_params import SamplingParams
 
     model = models.get(request.model)
@@ -421,6 +427,7 @@ class TritonBackend:
         self.client = None
 
     async def start(self) -> None:
+        # optional or heavy dependency: imported only on the path that needs it
         import tritonclient.grpc.aio as grpcclient
 
         self.client = grpcclient.InferenceServerClient(self.grpc_url)
@@ -444,7 +451,7 @@ class TritonBackend:
             OpenAIError: Triton answered an error (400 for bad input, else 500).
         Closing the iterator early cancels the gRPC stream (Triton aborts the engine request).
         """
-        import numpy as np
+        # optional or heavy dependency: imported only on the path that needs it
         import tritonclient.grpc.aio as grpcclient
 
         inputs = [
@@ -621,8 +628,6 @@ class Usage:
 
 def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | None = None):
     """The FastAPI application (uvicorn runs it; see ``main``)."""
-    from contextlib import asynccontextmanager
-
     backend = TritonBackend(grpc_url)
 
     @asynccontextmanager
@@ -905,8 +910,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
+    # optional or heavy dependency: imported only on the path that needs it
     import uvicorn
 
     parser = argparse.ArgumentParser(description="OpenAI-compatible API in front of a running Triton server")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 #: ``/proc/cpuinfo`` flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
@@ -204,7 +206,6 @@ def resolve_dtype(dtype: str, device: str) -> str:
         return dtype
     if device == "cpu":
         return "bfloat16" if cpu_flags() & set(CPU_BF16_FLAGS) else "float32"
-    import torch
 
     return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 

@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from compress.checkpoint.outputs import DATA, check_output_dir, staged_output_dir
 from compress.data.dedup import MinHashConfig, exact_key, near_duplicates, normalize
 from compress.errors import LmforgeError, UsageError
@@ -192,8 +194,6 @@ def load_chatterbot_file(path: Path, skipped: list[tuple[Record, str]] | None = 
         DataError: invalid YAML, no ``conversations`` list, or (without ``skipped``) a dialog
             that is not a list of at least two strings (names file:line).
     """
-    import yaml
-
     try:
         root = yaml.compose(read_utf8(path))
     except yaml.YAMLError as exc:
