@@ -40,6 +40,7 @@ def read_model_spec(path: Path) -> ModelSpec:
     Raises:
         CheckpointError: an architecture outside ``ARCHITECTURES`` (the supported ones are listed).
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoConfig
 
     return ModelSpec.from_config(AutoConfig.from_pretrained(path).to_dict(), check_architecture=True, where=path)
@@ -138,6 +139,7 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     Raises:
         CheckpointError: no weight file, or a corrupt one (its path is named).
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from safetensors.torch import load_file
 
     files = sorted(path.glob("*.safetensors"))
