@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from compress.scale.diagnose import RunDirError, diagnose, split_overlap
+from compress.scale.diagnose import RunDirError, diagnose, load_run, split_overlap, warmup_steps
 from lmforge_cli import main
 
 STEPS = 200
@@ -197,8 +197,6 @@ def test_cli_reports_and_rejects_corrupt_logs(tmp_path, capsys):
 
 
 def test_warmup_length_from_finetune_config_or_lr(tmp_path):
-    from compress.scale.diagnose import load_run, warmup_steps
-
     records = healthy_records()
     run = {"train_data": None, "val_data": None, "config": {"warmup_ratio": 0.05, "max_steps": 200}}
     assert warmup_steps(load_run(write_run(tmp_path / "a", records, run))) == 10
