@@ -559,7 +559,7 @@ def plot_quality_vs_speed(rows: list[dict], path: Path) -> str | None:
     points = [r for r in rows if r.get("output_tok_s") and r.get("kl_mean") is not None]
     if not points:
         return None
-    import matplotlib
+    import matplotlib  # optional dependency: imported only when there is a plot to draw
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -217,7 +217,7 @@ def check_gguf(path: str | Path) -> None:
         if f.read(4) != b"GGUF":
             raise CheckpointError(f"{path}: not a GGUF file (bad magic bytes); pass a .gguf model file")
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader  # only GGUF checkpoints need it (it loads numpy's memmap reader)
 
         reader = GGUFReader(str(path))
         size = path.stat().st_size
