@@ -32,6 +32,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+import torch
+from torch import nn
+
 from compress.checkpoint.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
 from compress.checkpoint.store import (
     MANIFEST_NAME,
@@ -45,8 +48,21 @@ from compress.checkpoint.store import (
 )
 from compress.data.records import default_split_records, encode_record, read_records
 from compress.errors import UsageError
-from compress.quantize.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, quantize_weight_per_channel, scheme_metadata
+from compress.quantize.int8 import (
+    INT8_SCALE_SUFFIX,
+    INT8_WEIGHT_SUFFIX,
+    W8A8Linear,
+    format_microbench,
+    gemm_microbench,
+    int8_linear,
+    model_linear_shapes,
+    quantize_weight_per_channel,
+    read_scheme,
+    scheme_metadata,
+)
 from compress.quantize.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
+from compress.quantize.sensitivity import quantization_units, unit_sensitivity
+from compress.quantize.smooth import calibrate_alpha, smooth_model
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -205,8 +221,6 @@ def calibration_batches(tokenizer, *, data: str | None, num_records: int, max_le
     Raises:
         DataError: a bad calibration file (names file:line).
     """
-    import torch
-
     records = read_records(data) if data else default_split_records("train")[0]
     return [torch.tensor([encode_record(tokenizer, r, max_length=max_length)[0]]) for r in records[:num_records]]
 
@@ -223,10 +237,8 @@ def load_smoothed_model(
 
     With ``alpha_grid``, every group's alpha is calibrated (``calibrate_alpha``) on the same records.
     """
-    import torch
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from compress.quantize.smooth import calibrate_alpha, smooth_model
 
     model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
     if alpha is not None or alpha_grid:
@@ -238,8 +250,6 @@ def load_smoothed_model(
 
 def most_sensitive_units(model, tokenizer, config: W8A8Config) -> list[str]:
     """Module names of the ``config.float_units`` fused groups whose W8A8 adds the most KL (kept float)."""
-    from compress.quantize.int8 import W8A8Linear
-    from compress.quantize.sensitivity import quantization_units, unit_sensitivity
 
     def w8a8(linear):
         weight_int8, scale = quantize_weight_per_channel(linear.weight)
@@ -339,9 +349,6 @@ class Int8Quantizer:
         float32. Tensors shared by several names (tied embeddings) are stored once; a quantized
         LM head tied to the embeddings stores its INT8 copy and leaves the embedding table float.
         """
-        import torch
-        from torch import nn
-
         quantized = {
             name
             for name, module in model.named_modules()
@@ -372,6 +379,7 @@ class Int8Quantizer:
         Raises:
             CheckpointError: missing/corrupt checkpoint or a non-causal model (names the file).
         """
+        # optional or heavy dependency: imported only on the path that needs it
         from safetensors.torch import save_file
 
         source_dir = _require_causal_lm(checkpoint, self.method)
@@ -424,12 +432,10 @@ def load_int8_model(checkpoint_dir: str | Path):
         CheckpointError: missing files, a scale without its weight (or the reverse), or
             tensors the model does not have / lacks (names the file and the tensors).
     """
-    import torch
+    # optional or heavy dependency: imported only on the path that needs it
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_utils import no_init_weights
-
-    from compress.quantize.int8 import int8_linear, read_scheme
 
     checkpoint_dir = Path(checkpoint_dir)
     weights = checkpoint_dir / WEIGHTS_NAME
@@ -500,6 +506,7 @@ class LlmInt8Quantizer:
     method: ClassVar[str] = "llm-int8"
 
     def bnb_config(self):
+        # optional or heavy dependency: imported only on the path that needs it
         from transformers import BitsAndBytesConfig
 
         return BitsAndBytesConfig(
@@ -519,7 +526,7 @@ class LlmInt8Quantizer:
             CheckpointError: missing/corrupt checkpoint or a non-causal model.
             UsageError: ``device`` is CUDA but no GPU is visible.
         """
-        import torch
+        # optional or heavy dependency: imported only on the path that needs it
         from transformers import AutoModelForCausalLM
 
         source_dir = _require_causal_lm(checkpoint, self.method)
@@ -562,7 +569,7 @@ def load_llm_int8_model(checkpoint_dir: str | Path, *, device: str = "cpu"):
         CheckpointError: missing/corrupt files, or ``config.json`` without the bitsandbytes
             ``quantization_config``.
     """
-    import torch
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoModelForCausalLM
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -615,6 +622,7 @@ class OnnxInt8Quantizer:
         return output_dir
 
     def load(self, checkpoint_dir: str | Path):
+        # optional or heavy dependency: imported only on the path that needs it
         from optimum.onnxruntime import ORTModelForCausalLM
 
         return ORTModelForCausalLM.from_pretrained(checkpoint_dir)
@@ -784,10 +792,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}  (method {manifest.method}, {manifest.size_bytes / 2**20:.1f} MiB, parent {manifest.parent})")
     print(json.dumps(manifest.config, sort_keys=True))
     if args.method in ("int8-weight-only", "w8a8") and not args.no_microbench:
-        import torch
-
-        from compress.quantize.int8 import format_microbench, gemm_microbench, model_linear_shapes
-
         # INT8 is not always the fastest: measure this model's layer shapes here, now.
         results = gemm_microbench(
             model_linear_shapes(out / "config.json"), threads=torch.get_num_threads(), repeats=3, number=3
