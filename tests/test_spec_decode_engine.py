@@ -84,9 +84,15 @@ def reference(models, prompts):
 
 
 def spec_llm(model_dir, method: str, draft=None, **overrides) -> LLM:
-    config = dict(CONFIG, speculative_method=method, num_speculative_tokens=4, speculative_disable_by_batch_size=None)
+    config = dict(
+        CONFIG,
+        speculative_method=method,
+        num_speculative_tokens=4,
+        speculative_disable_by_batch_size=None,
+        speculative_adaptive=False,  # k = 4 every step: the tests exercise verification, not the k choice
+    )
     if method == "draft":
-        config["speculative_model"] = str(draft or model_dir)
+        config.update(speculative_model=str(draft or model_dir), speculative_draft_dtype=CONFIG["dtype"])
     config.update(overrides)
     return LLM(str(model_dir), **config)
 
@@ -294,3 +300,26 @@ def test_n_completions_and_penalties_with_speculation_equal_no_speculation(targe
     penalised.generate([prompt], SamplingParams(temperature=0, max_tokens=16, frequency_penalty=1.5))
     assert penalised.engine.get_stats().spec_decode_num_drafts_total == 0
     check_all_freed(penalised)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_adaptive_k_gives_same_tokens(target_dir, noisy_draft_dir, prompts, reference, method):
+    llm = spec_llm(target_dir, method, noisy_draft_dir, speculative_adaptive=True)
+    assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+    assert llm.engine.get_stats().spec_decode_num_drafts_total > 0
+    check_all_freed(llm)
+
+
+def test_adaptive_k_switches_off_a_draft_that_is_never_right(target_dir, prompts, reference, tmp_path):
+    """A draft of random weights (about 1/vocab accepted): after a few rejections each request only probes."""
+    from compress.checkpoint.store import make_tiny_llama
+
+    stranger = make_tiny_llama(tmp_path / "stranger", seed=7, tie_word_embeddings=False)
+    fixed = spec_llm(target_dir, "draft", stranger)
+    adaptive = spec_llm(target_dir, "draft", stranger, speculative_adaptive=True)
+    for llm in (fixed, adaptive):
+        assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+        check_all_freed(llm)
+    fixed_stats, stats = fixed.engine.get_stats(), adaptive.engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens_total <= 2
+    assert 0 < stats.spec_decode_num_draft_tokens_total < fixed_stats.spec_decode_num_draft_tokens_total / 4

@@ -76,7 +76,8 @@ class DraftProposer:
 
     Args:
         draft_dir: the draft checkpoint (resolved directory).
-        dtype, device, block_size, max_model_len: as the target engine's.
+        dtype: the draft's dtype (``EngineConfig.speculative_draft_dtype``, resolved).
+        device, block_size, max_model_len: as the target engine's.
         num_blocks: blocks in the draft's KV pool.
 
     Raises:
@@ -120,9 +121,10 @@ class DraftProposer:
                     f"{target_dir} was found under {where}; set speculative_model or distill a student first"
                 )
         check_same_tokenizer(target_dir, draft_dir, target_tokenizer, target_vocab_size)
-        return cls(
-            draft_dir, config.dtype, config.device, config.block_size, config.max_model_len, config.num_kv_blocks
-        )
+        from engine.config import resolve_dtype
+
+        dtype = resolve_dtype(config.speculative_draft_dtype, config.device)
+        return cls(draft_dir, dtype, config.device, config.block_size, config.max_model_len, config.num_kv_blocks)
 
     # ---------------------------------------------------------------- proposals
 

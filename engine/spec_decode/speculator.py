@@ -9,11 +9,19 @@ request; ``sample`` turns the step's logits into the new tokens of every sampled
 one token for a plain row, the accepted proposals plus one for a speculative one
 (``rejection.verify_request``). The scheduler then counts only the accepted positions as
 computed and frees blocks that hold only rejected slots.
+
+With ``speculative_adaptive`` (default) each request's k is chosen per step from a cost model
+(``choose_k``): its per-token acceptance so far (``AcceptanceTracker``) against the measured
+cost of a proposed token (a draft forward plus one more verified position, relative to a plain
+decode step, ``CostModel``). A request whose proposals do not pay gets none (k = 0) and is
+probed with one token every ``PROBE_EVERY`` steps, so speculation never costs more than a
+probe where it is not accepted.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -45,6 +53,115 @@ def verifiable(seq) -> bool:
     )
 
 
+#: Pseudo-counts (accepted, rejected) of a request before its first verification: alpha = 2/3.
+ACCEPTANCE_PRIOR = (2.0, 1.0)
+#: Weight of the past in a request's acceptance counts, per verification (recent steps count more).
+ACCEPTANCE_DECAY = 0.9
+#: Steps a request with k = 0 waits before it proposes one token again (to see if it pays now).
+PROBE_EVERY = 8
+#: Verifying one more position, as a fraction of a plain decode step, until ``CostModel`` has seen two sizes.
+VERIFY_PRIOR = 0.05
+#: Weight of the past in the timing averages of ``CostModel``.
+COST_DECAY = 0.9
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a step emits with ``k`` proposals of per-token acceptance ``alpha``: ``sum_{i<=k} alpha^i``.
+
+    Each proposal is accepted with probability ``alpha`` if all before it were (Leviathan et al.
+    2023, eq. 1, with i.i.d. acceptance); one more token comes from the target.
+    """
+    return sum(alpha**i for i in range(k + 1))
+
+
+def choose_k(alpha: float, cost_per_token: float, k_max: int) -> int:
+    """The k in ``0..k_max`` with the most tokens per unit of step time.
+
+    Args:
+        alpha: per-token acceptance rate of the request (0..1).
+        cost_per_token: time one proposed token adds to a step, as a fraction of a plain decode step.
+        k_max: ``num_speculative_tokens`` (or less where the request has no room).
+    """
+    best_k, best = 0, 1.0
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(alpha, k) / (1.0 + cost_per_token * k)
+        if rate > best * 1.0001:
+            best_k, best = k, rate
+    return best_k
+
+
+class AcceptanceTracker:
+    """Per-token acceptance of one request: decayed counts of accepted and rejected proposals.
+
+    A verification of ``m`` proposals with ``a`` accepted tested ``a`` acceptances and, when
+    ``a < m``, one rejection (positions after a rejection were not tested), so
+    ``accepted / (accepted + rejected)`` estimates the per-token rate of ``expected_tokens``.
+    """
+
+    def __init__(self) -> None:
+        self.accepted, self.rejected = ACCEPTANCE_PRIOR
+        self.idle_steps = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, num_proposed: int, num_accepted: int) -> None:
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
+        self.rejected = ACCEPTANCE_DECAY * self.rejected + (1.0 if num_accepted < num_proposed else 0.0)
+
+
+class CostModel:
+    """What a proposed token costs, relative to a plain decode step, from measured times.
+
+    * verification: a decode step's forward time fitted as ``a + b * tokens`` over the decode
+      steps seen (decayed least squares); one more verified position costs ``b``.
+    * proposing: seconds of the proposer per proposed position (a draft forward; ~0 for ngram).
+
+    ``cost_per_token(batch) = (b + propose_s / batch) / (a + b * batch)``. Before any timing it
+    is ``prior`` (a guess from the proposer's kind).
+    """
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior
+        self.sums = [0.0] * 5  # decayed sums of w, wN, wN^2, wT, wNT
+        self.propose_s: float | None = None
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode step's forward pass: ``num_tokens`` tokens (proposals included) in ``seconds``."""
+        n = float(num_tokens)
+        for i, value in enumerate((1.0, n, n * n, seconds, n * seconds)):
+            self.sums[i] = COST_DECAY * self.sums[i] + value
+
+    def observe_propose(self, num_positions: int, seconds: float) -> None:
+        """The proposer took ``seconds`` for ``num_positions`` sequential positions."""
+        if num_positions > 0:
+            per = seconds / num_positions
+            self.propose_s = per if self.propose_s is None else COST_DECAY * self.propose_s + (1 - COST_DECAY) * per
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(a, b)`` of the step time (``None`` before any decode step); while one token count
+        only was seen, ``b`` is ``VERIFY_PRIOR`` of the mean step time per token."""
+        w, sn, snn, st, snt = self.sums
+        if w <= 0:
+            return None
+        mean_n, mean_t = sn / w, st / w
+        det = w * snn - sn * sn
+        if det > 1e-6 * w * w:
+            b = (w * snt - sn * st) / det
+        else:
+            b = VERIFY_PRIOR * mean_t / max(mean_n, 1.0)
+        b = min(max(b, 0.0), mean_t)  # never negative, never more than a whole step per token
+        return max(mean_t - b * mean_n, 0.05 * mean_t), b
+
+    def cost_per_token(self, batch: int) -> float:
+        fit = self.fit()
+        if fit is None or self.propose_s is None:
+            return self.prior
+        a, b = fit
+        return (b + self.propose_s / max(batch, 1)) / (a + b * batch)
+
+
 class Speculator:
     """Proposes, verifies and counts for an engine.
 
@@ -60,6 +177,8 @@ class Speculator:
     def __init__(self, config: EngineConfig, proposer: Proposer) -> None:
         self.config = config
         self.proposer = proposer
+        self.cost = CostModel(prior=0.3 if isinstance(proposer, DraftProposer) else VERIFY_PRIOR)
+        self.tracks: dict[str, AcceptanceTracker] = {}
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -91,13 +210,20 @@ class Speculator:
         if limit is not None and len(running) >= limit:
             return
         seqs, ks = [], []
+        adaptive = self.config.speculative_adaptive
+        cost = self.cost.cost_per_token(len(running)) if adaptive else 0.0
         for seq in running:
             k = min(self.config.num_speculative_tokens, speculative_room(seq, self.config.max_model_len))
             if seq.num_uncomputed_tokens == 1 and k > 0 and verifiable(seq):
+                if adaptive:
+                    k = self._adapt(seq.request_id, k, cost)
+                    if k == 0:
+                        continue
                 seqs.append(seq)
                 ks.append(k)
         if not seqs:
             return
+        start = time.perf_counter()
         try:
             proposals = self.proposer.propose(seqs, ks)
         except Exception:  # noqa: BLE001 - speculation is optional; the step decodes without it
@@ -105,8 +231,26 @@ class Speculator:
             for seq in seqs:
                 self.proposer.free(seq.request_id)
             return
+        self.cost.observe_propose(max(ks), time.perf_counter() - start)
         for seq, proposal in zip(seqs, proposals):
             seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
+
+    def _adapt(self, request_id: str, k_max: int, cost: float) -> int:
+        """This step's k of a request (``choose_k``); 1 when a switched-off request is due a probe."""
+        track = self.tracks.get(request_id)
+        if track is None:
+            track = self.tracks[request_id] = AcceptanceTracker()
+        k = choose_k(track.alpha, cost, k_max)
+        if k == 0:
+            track.idle_steps += 1
+            if track.idle_steps >= PROBE_EVERY:
+                track.idle_steps, k = 0, 1
+        return k
+
+    def observe_step(self, out, seconds: float) -> None:
+        """Time of a step's forward pass (``engine.llm_engine``): decode-only steps feed ``CostModel``."""
+        if out.scheduled and all(item.num_new_tokens == 1 + len(item.spec_token_ids) for item in out.scheduled):
+            self.cost.observe_step(out.num_batched_tokens, seconds)
 
     # ---------------------------------------------------------------- after the forward pass
 
@@ -149,8 +293,12 @@ class Speculator:
             self.num_drafts += 1
             self.num_draft_tokens += m
             self.num_accepted_tokens += verified.num_accepted
+            track = self.tracks.get(seq.request_id)
+            if track is not None:
+                track.update(m, verified.num_accepted)
         return tokens, logprobs
 
     def free(self, request_id: str) -> None:
         """Forget a finished request (the draft's blocks are freed)."""
+        self.tracks.pop(request_id, None)
         self.proposer.free(request_id)
