@@ -145,6 +145,14 @@ def add_arguments(parser) -> None:
         help="speculative_draft_dtype of the draft (default auto: bfloat16 where the CPU has native bf16)",
     )
     group.add_argument(
+        "--spec-draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="speculative_draft_vocab_size (default: the engine's, for a draft with token_frequencies.json; "
+        "0: the whole vocabulary)",
+    )
+    group.add_argument(
         "--spec-fixed-k",
         action="store_true",
         help="speculative_adaptive=False: always propose --spec-tokens (default: k chosen per request and step)",
@@ -197,6 +205,8 @@ def _engine(model_dir: Path, dtype: str, method: str, draft: Path, args, **overr
         config["speculative_adaptive"] = not args.spec_fixed_k
         if method == "draft":
             config["speculative_draft_dtype"] = args.spec_draft_dtype
+            if args.spec_draft_vocab is not None:
+                config["speculative_draft_vocab_size"] = args.spec_draft_vocab or None
     return LLM(str(model_dir), **config)
 
 
@@ -418,7 +428,8 @@ def run(args) -> int:
             f"model: {model_dir}\ndraft: {draft_note}\nthreads: {torch.get_num_threads()}; greedy, up to "
             f"{args.max_tokens} new tokens; "
             f"{len(chat)} chat + {len(grounded_main)} grounded prompts; fastest of {args.spec_repeats} rotations; "
-            f"draft dtype {args.spec_draft_dtype}; k {'fixed' if args.spec_fixed_k else 'adaptive'}",
+            f"draft dtype {args.spec_draft_dtype}, head {args.spec_draft_vocab or 'default'}; "
+            f"k {'fixed' if args.spec_fixed_k else 'adaptive'}",
             flush=True,
         )
         rows = []

@@ -22,6 +22,9 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 #: ``num_speculative_tokens`` when speculation is on and it is not given.
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 3}
 
+#: Tokens whose logits a draft with ``token_frequencies.json`` computes (``speculative_draft_vocab_size``).
+DEFAULT_SPECULATIVE_DRAFT_VOCAB_SIZE = 8192
+
 #: Running requests from which a step does not speculate (measured with ``lmforge bench engine
 #: --speculative``: see README, "Speculative decoding").
 DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE = 8
@@ -67,6 +70,9 @@ class EngineConfig:
             the measured cost of a proposed token (``engine.spec_decode.speculator.choose_k``);
             k = 0 (no proposals, a probe now and then) where speculation does not pay. ``False``:
             always ``num_speculative_tokens``.
+        speculative_draft_vocab_size: a draft that ships ``token_frequencies.json`` (``lmforge
+            distill`` writes it) computes logits for this many frequent tokens only (its lm head
+            shrinks; ``engine.spec_decode.draft.read_draft_vocab``); ``None``: the whole vocabulary.
         ngram_prompt_lookup_min / ngram_prompt_lookup_max: shortest / longest suffix n-gram
             the ``ngram`` proposer matches (it tries the longest first).
         attention_backend: ``"torch"`` or ``"triton"`` (``engine.attention``); ``None`` takes
@@ -99,6 +105,7 @@ class EngineConfig:
     speculative_disable_by_batch_size: int | None = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE
     speculative_draft_dtype: str = "auto"
     speculative_adaptive: bool = True
+    speculative_draft_vocab_size: int | None = DEFAULT_SPECULATIVE_DRAFT_VOCAB_SIZE
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
     attention_backend: str | None = None
@@ -155,6 +162,8 @@ class EngineConfig:
             )
         if self.speculative_disable_by_batch_size is not None:
             _require_positive("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
+        if self.speculative_draft_vocab_size is not None:
+            _require_positive("speculative_draft_vocab_size", self.speculative_draft_vocab_size)
         if self.speculative_draft_dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"speculative_draft_dtype={self.speculative_draft_dtype!r} is not supported; use one of "

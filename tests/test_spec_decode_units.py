@@ -153,6 +153,27 @@ def test_acceptance_tracker_counts_tested_positions():
     assert t.alpha == pytest.approx(0.5, abs=0.01)
 
 
+def test_rejected_probes_wait_twice_as_long():
+    from engine.spec_decode.speculator import PROBE_EVERY, PROBE_EVERY_MAX, Speculator
+
+    spec = Speculator(EngineConfig(speculative_method="ngram"), NgramProposer())
+    track = spec.tracks["r"] = AcceptanceTracker()
+    track.accepted = 0.0  # nothing accepted so far: k = 0, only probes
+    waits = []
+    for _ in range(5):
+        steps = 1
+        while spec._adapt("r", 4, cost=0.05) == 0:
+            steps += 1
+        waits.append(steps)
+        track.update(1, 0)  # the probe is rejected
+    assert waits == [min(PROBE_EVERY * 2**i, PROBE_EVERY_MAX) for i in range(5)]
+    spec._adapt("r", 4, cost=0.05)
+    while spec._adapt("r", 4, cost=0.05) == 0:
+        pass
+    track.update(1, 1)  # an accepted probe: back to the short wait
+    assert track.probe_every == PROBE_EVERY
+
+
 def test_cost_model_fits_step_time_and_adds_the_proposer():
     cost = CostModel(prior=0.3)
     assert cost.cost_per_token(1) == 0.3  # nothing measured yet

@@ -14,8 +14,8 @@ With ``speculative_adaptive`` (default) each request's k is chosen per step from
 (``choose_k``): its per-token acceptance so far (``AcceptanceTracker``) against the measured
 cost of a proposed token (a draft forward plus one more verified position, relative to a plain
 decode step, ``CostModel``). A request whose proposals do not pay gets none (k = 0) and is
-probed with one token every ``PROBE_EVERY`` steps, so speculation never costs more than a
-probe where it is not accepted.
+probed with one token after ``PROBE_EVERY`` steps (twice as long after each rejected probe),
+so where proposals are not accepted speculation costs little more than the rare probe.
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ def verifiable(seq) -> bool:
 ACCEPTANCE_PRIOR = (2.0, 1.0)
 #: Weight of the past in a request's acceptance counts, per verification (recent steps count more).
 ACCEPTANCE_DECAY = 0.9
-#: Steps a request with k = 0 waits before it proposes one token again (to see if it pays now).
+#: Steps a request with k = 0 waits before it proposes one token again (to see if it pays now);
+#: the wait doubles after each probe that is rejected, up to ``PROBE_EVERY_MAX``.
 PROBE_EVERY = 8
+PROBE_EVERY_MAX = 64
 #: Verifying one more position, as a fraction of a plain decode step, until ``CostModel`` has seen two sizes.
 VERIFY_PRIOR = 0.05
 #: Weight of the past in the timing averages of ``CostModel``.
@@ -101,12 +103,17 @@ class AcceptanceTracker:
     def __init__(self) -> None:
         self.accepted, self.rejected = ACCEPTANCE_PRIOR
         self.idle_steps = 0
+        self.probe_every = PROBE_EVERY
+        self.probing = False
 
     @property
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
     def update(self, num_proposed: int, num_accepted: int) -> None:
+        if self.probing:
+            self.probing = False
+            self.probe_every = PROBE_EVERY if num_accepted else min(2 * self.probe_every, PROBE_EVERY_MAX)
         self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
         self.rejected = ACCEPTANCE_DECAY * self.rejected + (1.0 if num_accepted < num_proposed else 0.0)
 
@@ -243,8 +250,8 @@ class Speculator:
         k = choose_k(track.alpha, cost, k_max)
         if k == 0:
             track.idle_steps += 1
-            if track.idle_steps >= PROBE_EVERY:
-                track.idle_steps, k = 0, 1
+            if track.idle_steps >= track.probe_every:
+                track.idle_steps, track.probing, k = 0, True, 1
         return k
 
     def observe_step(self, out, seconds: float) -> None:
