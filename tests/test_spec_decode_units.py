@@ -176,18 +176,21 @@ def test_rejected_probes_wait_twice_as_long():
 
 def test_cost_model_fits_step_time_and_adds_the_proposer():
     cost = CostModel(prior=0.3)
-    assert cost.cost_per_token(1) == 0.3  # nothing measured yet
-    for _ in range(10):
-        cost.observe_step(1, 0.010)  # 10 ms for a plain decode, 1 ms per more verified token
-        cost.observe_step(4, 0.013)
-    a, b = cost.fit()
-    assert a == pytest.approx(0.009) and b == pytest.approx(0.001)
-    assert cost.cost_per_token(1) == 0.3  # proposer not timed yet
+    assert cost.costs(1) == (0.0, 0.3)  # nothing measured yet
+    for _ in range(10):  # 10 ms a plain decode, 1 ms per more verified token, 2 ms per verifying request
+        cost.observe_step(1, 0, 0.010)
+        cost.observe_step(4, 1, 0.015)
+        cost.observe_step(3, 1, 0.014)
+    a, b, c = cost.fit()
+    assert (a, b, c) == pytest.approx((0.009, 0.001, 0.002))
+    assert cost.costs(1) == (0.0, 0.3)  # proposer not timed yet
     cost.observe_propose(3, 0.006)  # 2 ms per proposed position
-    assert cost.cost_per_token(1) == pytest.approx((0.001 + 0.002) / 0.010)
-    assert cost.cost_per_token(2) == pytest.approx((0.001 + 0.001) / 0.011)
-    one_size = CostModel(prior=0.3)
-    one_size.observe_step(4, 0.012)
-    one_size.observe_propose(1, 0.0)
-    a, b = one_size.fit()  # one size only: the verify prior splits the step
-    assert b == pytest.approx(0.05 * 0.012 / 4) and a == pytest.approx(0.012 - 4 * b)
+    fixed, per_token = cost.costs(1)
+    assert fixed == pytest.approx(0.2) and per_token == pytest.approx((0.001 + 0.002) / 0.010)
+    assert cost.costs(2)[1] == pytest.approx((0.001 + 0.001) / 0.011)
+    only_spec = CostModel(prior=0.3)
+    only_spec.observe_step(4, 1, 0.012)
+    only_spec.observe_propose(1, 0.0)
+    assert only_spec.fit() is None and only_spec.costs(1) == (0.0, 0.3)  # no plain step to compare with
+    assert choose_k(0.6, 0.05, 4, fixed_cost=0.0) == 4
+    assert choose_k(0.6, 0.05, 4, fixed_cost=2.0) == 0  # a fixed cost that no run of 0.6 pays back

@@ -12,18 +12,21 @@ computed and frees blocks that hold only rejected slots.
 
 With ``speculative_adaptive`` (default) each request's k is chosen per step from a cost model
 (``choose_k``): its per-token acceptance so far (``AcceptanceTracker``) against the measured
-cost of a proposed token (a draft forward plus one more verified position, relative to a plain
-decode step, ``CostModel``). A request whose proposals do not pay gets none (k = 0) and is
-probed with one token after ``PROBE_EVERY`` steps (twice as long after each rejected probe),
-so where proposals are not accepted speculation costs little more than the rare probe.
+cost of speculating (a draft forward and one more verified position per proposed token, plus a
+fixed cost per verifying request, relative to a plain decode step, ``CostModel``). A request
+whose proposals do not pay gets none (k = 0) and is probed with one token after ``PROBE_EVERY``
+steps (twice as long after each rejected probe), so where proposals are not accepted
+speculation costs little more than the rare probe.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -61,10 +64,14 @@ ACCEPTANCE_DECAY = 0.9
 #: the wait doubles after each probe that is rejected, up to ``PROBE_EVERY_MAX``.
 PROBE_EVERY = 8
 PROBE_EVERY_MAX = 64
-#: Verifying one more position, as a fraction of a plain decode step, until ``CostModel`` has seen two sizes.
+#: Verifying one more position, as a fraction of a plain decode step, until ``CostModel`` has measured it.
 VERIFY_PRIOR = 0.05
-#: Weight of the past in the timing averages of ``CostModel``.
+#: Weight of the past in the proposer's timing average (``CostModel``).
 COST_DECAY = 0.9
+#: Decode steps ``CostModel`` fits the step time on.
+COST_WINDOW = 64
+#: Every this many steps the speculator proposes nothing (plain steps for ``CostModel``'s fit).
+CALIBRATE_EVERY = 16
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -76,17 +83,18 @@ def expected_tokens(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(k + 1))
 
 
-def choose_k(alpha: float, cost_per_token: float, k_max: int) -> int:
+def choose_k(alpha: float, cost_per_token: float, k_max: int, fixed_cost: float = 0.0) -> int:
     """The k in ``0..k_max`` with the most tokens per unit of step time.
 
     Args:
         alpha: per-token acceptance rate of the request (0..1).
         cost_per_token: time one proposed token adds to a step, as a fraction of a plain decode step.
         k_max: ``num_speculative_tokens`` (or less where the request has no room).
+        fixed_cost: time proposing at all adds (whatever k), as a fraction of a plain decode step.
     """
     best_k, best = 0, 1.0
     for k in range(1, k_max + 1):
-        rate = expected_tokens(alpha, k) / (1.0 + cost_per_token * k)
+        rate = expected_tokens(alpha, k) / (1.0 + fixed_cost + cost_per_token * k)
         if rate > best * 1.0001:
             best_k, best = k, rate
     return best_k
@@ -119,26 +127,27 @@ class AcceptanceTracker:
 
 
 class CostModel:
-    """What a proposed token costs, relative to a plain decode step, from measured times.
+    """What speculating costs, relative to a plain decode step, from measured times.
 
-    * verification: a decode step's forward time fitted as ``a + b * tokens`` over the decode
-      steps seen (decayed least squares); one more verified position costs ``b``.
+    * verification: the forward time of the last ``COST_WINDOW`` decode steps fitted (least
+      squares) as ``a + b * tokens + c * speculating``: one more verified position costs ``b``,
+      a request that verifies at all ``c`` (its rows take the multi-token attention path).
+      Every ``CALIBRATE_EVERY``-th step proposes nothing, so plain steps are always in the fit.
     * proposing: seconds of the proposer per proposed position (a draft forward; ~0 for ngram).
 
-    ``cost_per_token(batch) = (b + propose_s / batch) / (a + b * batch)``. Before any timing it
-    is ``prior`` (a guess from the proposer's kind).
+    ``costs(batch)`` gives ``(fixed, per_token)`` as fractions of ``a + b * batch``, a plain step;
+    ``prior`` (per token, no fixed part) until the fit and the proposer have been measured.
     """
 
     def __init__(self, prior: float) -> None:
         self.prior = prior
-        self.sums = [0.0] * 5  # decayed sums of w, wN, wN^2, wT, wNT
+        self.steps: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=COST_WINDOW)
         self.propose_s: float | None = None
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A decode step's forward pass: ``num_tokens`` tokens (proposals included) in ``seconds``."""
-        n = float(num_tokens)
-        for i, value in enumerate((1.0, n, n * n, seconds, n * seconds)):
-            self.sums[i] = COST_DECAY * self.sums[i] + value
+    def observe_step(self, num_tokens: int, num_speculating: int, seconds: float) -> None:
+        """A decode step's forward pass: ``num_tokens`` tokens (proposals included), of which
+        ``num_speculating`` requests verified proposals, in ``seconds``."""
+        self.steps.append((num_tokens, num_speculating, seconds))
 
     def observe_propose(self, num_positions: int, seconds: float) -> None:
         """The proposer took ``seconds`` for ``num_positions`` sequential positions."""
@@ -146,27 +155,27 @@ class CostModel:
             per = seconds / num_positions
             self.propose_s = per if self.propose_s is None else COST_DECAY * self.propose_s + (1 - COST_DECAY) * per
 
-    def fit(self) -> tuple[float, float] | None:
-        """``(a, b)`` of the step time (``None`` before any decode step); while one token count
-        only was seen, ``b`` is ``VERIFY_PRIOR`` of the mean step time per token."""
-        w, sn, snn, st, snt = self.sums
-        if w <= 0:
+    def fit(self) -> tuple[float, float, float] | None:
+        """``(a, b, c)`` of the step time, or ``None`` without plain and speculative steps among the last ones."""
+        if not self.steps or not any(s == 0 for _, s, _ in self.steps) or all(s == 0 for _, s, _ in self.steps):
             return None
-        mean_n, mean_t = sn / w, st / w
-        det = w * snn - sn * sn
-        if det > 1e-6 * w * w:
-            b = (w * snt - sn * st) / det
-        else:
-            b = VERIFY_PRIOR * mean_t / max(mean_n, 1.0)
-        b = min(max(b, 0.0), mean_t)  # never negative, never more than a whole step per token
-        return max(mean_t - b * mean_n, 0.05 * mean_t), b
+        x = np.array([(1.0, n, s) for n, s, _ in self.steps])
+        y = np.array([t for _, _, t in self.steps])
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        mean_n, mean_s, mean_t = x[:, 1].mean(), x[:, 2].mean(), y.mean()
+        b, c = max(float(coef[1]), 0.0), max(float(coef[2]), 0.0)  # costs are never negative
+        a = max(mean_t - b * mean_n - c * mean_s, 0.05 * mean_t)
+        return a, b, c
 
-    def cost_per_token(self, batch: int) -> float:
+    def costs(self, batch: int) -> tuple[float, float]:
+        """``(fixed, per_token)``: what a request that speculates, and each token it proposes, add to a
+        step of ``batch`` plain decodes, as fractions of that step."""
         fit = self.fit()
         if fit is None or self.propose_s is None:
-            return self.prior
-        a, b = fit
-        return (b + self.propose_s / max(batch, 1)) / (a + b * batch)
+            return 0.0, self.prior
+        a, b, c = fit
+        plain = a + b * batch
+        return c / plain, (b + self.propose_s / max(batch, 1)) / plain
 
 
 class Speculator:
@@ -186,6 +195,7 @@ class Speculator:
         self.proposer = proposer
         self.cost = CostModel(prior=0.3 if isinstance(proposer, DraftProposer) else VERIFY_PRIOR)
         self.tracks: dict[str, AcceptanceTracker] = {}
+        self.num_steps = 0
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -218,12 +228,16 @@ class Speculator:
             return
         seqs, ks = [], []
         adaptive = self.config.speculative_adaptive
-        cost = self.cost.cost_per_token(len(running)) if adaptive else 0.0
+        if adaptive:
+            self.num_steps += 1
+            if self.num_steps % CALIBRATE_EVERY == 0:
+                return  # a plain step for the cost model
+            fixed, cost = self.cost.costs(len(running))
         for seq in running:
             k = min(self.config.num_speculative_tokens, speculative_room(seq, self.config.max_model_len))
             if seq.num_uncomputed_tokens == 1 and k > 0 and verifiable(seq):
                 if adaptive:
-                    k = self._adapt(seq.request_id, k, cost)
+                    k = self._adapt(seq.request_id, k, cost, fixed)
                     if k == 0:
                         continue
                 seqs.append(seq)
@@ -242,12 +256,12 @@ class Speculator:
         for seq, proposal in zip(seqs, proposals):
             seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
 
-    def _adapt(self, request_id: str, k_max: int, cost: float) -> int:
+    def _adapt(self, request_id: str, k_max: int, cost: float, fixed: float = 0.0) -> int:
         """This step's k of a request (``choose_k``); 1 when a switched-off request is due a probe."""
         track = self.tracks.get(request_id)
         if track is None:
             track = self.tracks[request_id] = AcceptanceTracker()
-        k = choose_k(track.alpha, cost, k_max)
+        k = choose_k(track.alpha, cost, k_max, fixed)
         if k == 0:
             track.idle_steps += 1
             if track.idle_steps >= track.probe_every:
@@ -257,7 +271,8 @@ class Speculator:
     def observe_step(self, out, seconds: float) -> None:
         """Time of a step's forward pass (``engine.llm_engine``): decode-only steps feed ``CostModel``."""
         if out.scheduled and all(item.num_new_tokens == 1 + len(item.spec_token_ids) for item in out.scheduled):
-            self.cost.observe_step(out.num_batched_tokens, seconds)
+            speculating = sum(1 for item in out.scheduled if item.spec_token_ids)
+            self.cost.observe_step(out.num_batched_tokens, speculating, seconds)
 
     # ---------------------------------------------------------------- after the forward pass
 
