@@ -26,9 +26,11 @@ demo: venv
 test: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
 
-# ruff lint and format check (config in pyproject.toml [tool.ruff]).
+# ruff lint and format check (config in pyproject.toml [tool.ruff]), then the import contracts
+# (pyproject.toml [tool.importlinter]: packages import one way, no cycle inside a package).
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
 
 # Unit tests only (tiny random models, no real server).
 test-fast: venv

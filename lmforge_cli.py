@@ -5,8 +5,7 @@ Each subcommand lives in the module that owns its stage and exposes two function
 * ``add_arguments(parser: argparse.ArgumentParser) -> None`` declares its flags;
 * ``run(args: argparse.Namespace) -> int`` does the work and returns the exit status.
 
-Only the chosen subcommand's module is imported, so ``lmforge --help`` stays fast and a
-stage that is missing from an installation never breaks the others.
+Only the chosen subcommand's module is imported, so ``lmforge --help`` stays fast.
 
 Errors are reported in one place (``main``): a ``compress.errors.LmforgeError`` prints
 ``error: <message>; <fix>`` on stderr and exits with its ``exit_code`` (2: usage, 1: failure); an

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 from compress.checkpoint.model_spec import ModelSpec
 
@@ -77,8 +78,7 @@ def _matmul_kernels(dtype: str, size: int) -> list:
     Raises:
         ValueError: ``dtype`` is not one of :data:`MATMUL_DTYPES`.
     """
-    import warnings
-
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
 
     if dtype == "fp32" or dtype == "bf16":
@@ -142,3 +142,11 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator == 0:
         return None
     return numerator / denominator
+
+
+def target_result(value: float | None, target: str) -> str:
+    """``met`` / ``MISSED`` of a measured figure against a target such as ``">= 1.5"``; ``n/a`` without one."""
+    if value is None:
+        return "n/a"
+    op, limit = target.split()
+    return "met" if (value >= float(limit) if op == ">=" else value <= float(limit)) else "MISSED"

@@ -36,8 +36,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.workload import build_workload
 from compress.checkpoint.outputs import BENCH_COMPRESSION, check_output_dir
+from compress.checkpoint.store import Manifest, describe_weights, load_causal_lm, resolve_checkpoint, write_manifest
 from compress.errors import UsageError
+from compress.quantize.onnx import export_onnx, mean_pool, quantize_onnx_int8
 
 TARGET_LINEAR_REDUCTION = 3.5
 TARGET_MINILM_COSINE = 0.99
@@ -85,14 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def bf16_copy(parent: Path, out: Path) -> Path:
     """A bf16 safetensors copy of ``parent`` (for the quality columns of the bf16 row)."""
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
 
-    from compress.checkpoint.store import (
-        Manifest,
-        describe_weights,
-        load_causal_lm,
-        write_manifest,
-    )
+    # torch-heavy: imported on use, so importing this module stays light
     from compress.quantize.methods import _copy_side_files_missing
 
     model, _, _ = load_causal_lm(parent, dtype="bfloat16")
@@ -127,7 +126,7 @@ def engine_speed(
         ``{name: {"one_seq_tok_s", "batch_tok_s"}}`` (greedy, EOS ignored; the one-sequence
         figure is the best of 2 runs of the workload's first request).
     """
-    from bench.workload import build_workload
+    # torch-heavy: imported on use, so importing this module stays light
     from engine import LLM, SamplingParams
 
     figures = {}
@@ -157,7 +156,7 @@ def engine_speed(
 
 def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Quantize with each method, evaluate all against fp32; returns per-method figures."""
-    from compress.checkpoint.store import resolve_checkpoint
+    # torch-heavy: imported on use, so importing this module stays light
     from compress.evaluate.quality import (
         EvalConfig,
         default_heldout_records,
@@ -165,6 +164,8 @@ def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         format_table,
         read_records,
     )
+
+    # torch-heavy: imported on use, so importing this module stays light
     from compress.quantize.int8 import format_microbench, gemm_microbench, model_linear_shapes
     from compress.quantize.methods import quantize
 
@@ -258,6 +259,7 @@ def _targets(method: str, m: dict[str, Any]) -> str:
 
 
 def _sentences(limit: int = 64) -> list[str]:
+    # torch-heavy: imported on use, so importing this module stays light
     from compress.evaluate.quality import default_heldout_records
 
     records, _ = default_heldout_records()
@@ -267,9 +269,8 @@ def _sentences(limit: int = 64) -> list[str]:
 
 def _embed_each(model, tokenizer, sentences: list[str]):
     """Mean-pooled embeddings ``[n, hidden]``, one sentence per call (batch 1), and seconds taken."""
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
-
-    from compress.quantize.onnx import mean_pool
 
     rows, start = [], time.perf_counter()
     with torch.no_grad():
@@ -281,13 +282,11 @@ def _embed_each(model, tokenizer, sentences: list[str]):
 
 def minilm_figures(out: Path, threads: int, repeats: int = 3) -> dict[str, Any]:
     """MiniLM: PyTorch fp32 vs ONNX fp32 vs ONNX Runtime INT8."""
+    # optional or heavy dependency: imported only on the path that needs it
     import onnxruntime
     import torch
     from optimum.onnxruntime import ORTModelForFeatureExtraction
     from transformers import AutoModel, AutoTokenizer
-
-    from compress.checkpoint.store import resolve_checkpoint
-    from compress.quantize.onnx import export_onnx, quantize_onnx_int8
 
     torch.set_num_threads(threads)
     source = resolve_checkpoint("minilm-l6", causal_lm=False)
@@ -399,6 +398,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch-heavy: imported on use, so importing this module stays light
     from compress.quantize.methods import METHODS
 
     unknown = [m for m in args.methods if m not in METHODS]

@@ -24,16 +24,14 @@ Stages, each printed with its progress and time:
    (``quality_vs_speed.png``: KL to the teacher vs served output tok/s, one point per model) and
    ``OUT/report.json`` with every stage's figures, next to each load test's report directory.
 
-A stage whose module this installation lacks is reported as not available (and the stages that
-need its output are skipped), never faked. A stage that fails stops the demo with that stage's
-error; the server is stopped on every path out of stage 7.
+A stage that fails stops the demo with that stage's error; the server is stopped on every path
+out of stage 7.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -42,10 +40,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.compression import bf16_copy
+from bench.loadtest import LoadTestConfig, run_loadtest
 from compress.checkpoint.outputs import DEMO, check_output_dir
-from compress.checkpoint.store import DEFAULT_MODEL, resolve_checkpoint
+from compress.checkpoint.store import DEFAULT_MODEL, make_tiny_llama, resolve_checkpoint
+from compress.data.prepare import DEFAULT_INPUT, DataConfig, prepare
 from compress.data.records import read_records
 from compress.errors import LmforgeError, UsageError
+from deploy.export import export as export_model
+from deploy.triton import TritonServer, free_ports
 
 SMOKE_MODEL = "tiny-random"
 
@@ -56,10 +59,6 @@ class DemoStageError(LmforgeError, RuntimeError):
     def __init__(self, stage: str, cause: BaseException) -> None:
         self.stage = stage
         super().__init__(f"stage '{stage}' failed: {type(cause).__name__}: {cause}")
-
-
-class StageUnavailable(Exception):
-    """The module a stage needs is not part of this installation (the message names it)."""
 
 
 @dataclasses.dataclass
@@ -139,7 +138,7 @@ class StageRecord:
     """One line of the demo's progress and of ``report.json``'s ``stages``."""
 
     name: str
-    status: str  # "done", "not available", "skipped", "failed"
+    status: str  # "done", "skipped", "failed"
     seconds: float
     detail: str = ""
 
@@ -159,7 +158,7 @@ class Demo:
     # -- stage bookkeeping ------------------------------------------------------------------
 
     def stage(self, name: str, fn: Callable[[], Any], *, needs: tuple[str, ...] = ()) -> Any:
-        """Run one stage; ``None`` when unavailable or skipped. Raises :class:`DemoStageError`."""
+        """Run one stage; ``None`` when skipped. Raises :class:`DemoStageError`."""
         number = len(self.stages) + 1
         missing = [n for n in needs if self.results.get(n) is None]
         if missing:
@@ -169,9 +168,6 @@ class Demo:
         t = time.perf_counter()
         try:
             value = fn()
-        except StageUnavailable as exc:
-            self._record(StageRecord(name, "not available", time.perf_counter() - t, str(exc)), number)
-            return None
         except Exception as exc:  # noqa: BLE001  (any failure stops the demo, named by stage)
             self._record(StageRecord(name, "failed", time.perf_counter() - t, f"{type(exc).__name__}: {exc}"), number)
             raise DemoStageError(name, exc) from exc
@@ -195,6 +191,7 @@ class Demo:
         inputs = [p for p in [self.config.model, *(self.config.data or [])] if Path(p).exists()]
         self.out = check_output_dir(self.out, kind=DEMO, sources=tuple(inputs))
         self.out.mkdir(parents=True, exist_ok=True)
+        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
         import torch
 
         torch.set_num_threads(self.threads)
@@ -219,22 +216,21 @@ class Demo:
 
     def load(self) -> Path:
         if self.config.model == SMOKE_MODEL:
-            from compress.checkpoint.store import make_tiny_llama
-
             return make_tiny_llama(self.out / "tiny-random", seed=0)
         return resolve_checkpoint(self.config.model)
 
     def prepare_data(self) -> Path:
-        data = _require("compress.data.prepare", "data preparation")
-        inputs = self.config.data or [data.DEFAULT_INPUT]
+        inputs = self.config.data or [DEFAULT_INPUT]
         out = self.out / "data"
-        data.prepare(data.DataConfig(inputs=inputs), out, verbose=False)
+        prepare(DataConfig(inputs=inputs), out, verbose=False)
         return out
 
     def finetune(self) -> Path:
-        finetune = _require("compress.train.finetune", "fine-tuning")
+        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
+        from compress.train.finetune import FinetuneConfig, FinetuneRecipe
+
         c = self.config
-        config = finetune.FinetuneConfig(
+        config = FinetuneConfig(
             model=str(self.results["load"]),
             data=str(self.results["data"]),
             run_dir=str(self.out / "finetune"),
@@ -247,16 +243,18 @@ class Demo:
             device="cpu",
             progress=sys.stderr.isatty(),
         )
-        result, final = finetune.FinetuneRecipe(config).run()
+        result, final = FinetuneRecipe(config).run()
         if result.status != "completed" or final is None:
             raise RuntimeError(f"fine-tuning ended with status {result.status}: {result.message}")
         return Path(final)
 
     def distill(self) -> Path:
-        distill = _require("compress.train.distill", "distillation")
+        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
+        from compress.train.distill import FULL_BUDGET, DistillConfig, DistillRecipe
+
         c = self.config
-        overrides = dict(distill.FULL_BUDGET) if c.full else {}
-        config = distill.DistillConfig(
+        overrides = dict(FULL_BUDGET) if c.full else {}
+        config = DistillConfig(
             **{
                 "model": str(self.tuned()),
                 "data": str(self.results["data"]),
@@ -276,19 +274,21 @@ class Demo:
                 **overrides,
             }
         )
-        result, final = distill.DistillRecipe(config).run()
+        result, final = DistillRecipe(config).run()
         if result.status != "completed" or final is None:
             raise RuntimeError(f"distillation ended with status {result.status}: {result.message}")
         return Path(final)
 
     def quantize(self) -> dict[str, Path]:
         """INT8 (``--int8-method``) of the teacher (``int8``) and of the student (``student_int8``)."""
-        quantize = _require("compress.quantize.methods", "INT8 quantization")
+        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
+        from compress.quantize.methods import quantize as quantize_checkpoint
+
         method = self.config.int8_method
-        out = {"int8": Path(quantize.quantize(self.tuned(), self.out / f"int8-{method}", method=method))}
+        out = {"int8": Path(quantize_checkpoint(self.tuned(), self.out / f"int8-{method}", method=method))}
         if self.results.get("distill"):
             out["student_int8"] = Path(
-                quantize.quantize(self.results["distill"], self.out / f"student-{method}", method=method)
+                quantize_checkpoint(self.results["distill"], self.out / f"student-{method}", method=method)
             )
         return out
 
@@ -305,15 +305,14 @@ class Demo:
         return models
 
     def evaluate(self) -> dict:
-        evaluate = _require("compress.evaluate.quality", "evaluation")
-        from bench.compression import bf16_copy
+        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
+        from compress.evaluate import quality as evaluation
 
         models = self.models()
         models = {"fp32": models["fp32"], "bf16": bf16_copy(models["fp32"], self.out / "bf16"), **models}
-        return evaluate_models(evaluate, models, self.results.get("data"), self.config, self.log)
+        return evaluate_models(evaluation, models, self.results.get("data"), self.config, self.log)
 
     def export(self) -> dict[str, str]:
-        export = _require("deploy.export", "export to Triton")
         repo = self.out / "model_repository"
         names = self.models()
         names = {"fp32": names["fp32"], "bf16": names["fp32"], **names}
@@ -326,20 +325,17 @@ class Demo:
             names["fp32_batching_off"] = self.tuned()
             engines["fp32_batching_off"] = {"num_threads": self.threads, "max_num_seqs": 1}
         for key, checkpoint in names.items():
-            export.export(checkpoint, repo, name=f"demo_{key}", kind="llm", engine=engines[key])
+            export_model(checkpoint, repo, name=f"demo_{key}", kind="llm", engine=engines[key])
         return {key: f"demo_{key}" for key in names}
 
     def serve_and_load(self) -> dict:
-        triton = _require("deploy.triton", "the Triton server")
-        from bench.loadtest import LoadTestConfig, run_loadtest
-
         models = self.results["export"]
-        http, grpc, metrics = triton.free_ports(3)
+        http, grpc, metrics = free_ports(3)
         repo = self.out / "model_repository"
         runs: dict[str, dict] = {}
         prompts = self._prompt_file()
         self.log(f"      starting Triton on 127.0.0.1:{http} with {', '.join(models.values())}")
-        with triton.TritonServer(
+        with TritonServer(
             repo,
             http_port=http,
             grpc_port=grpc,
@@ -378,6 +374,7 @@ class Demo:
         Same held-out chat prompts and output length as the load tests (greedy, EOS ignored).
         Returns ``{"requests", "output_tokens", "wall_s", "output_tok_s"}``.
         """
+        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -445,12 +442,6 @@ def cpu_threads(requested: int | None) -> int:
             raise ValueError(f"threads={requested}: must be >= 1 (--threads)")
         return requested
     return 1 if os.getloadavg()[0] >= cores else cores
-
-
-def _require(module: str, what: str):
-    if importlib.util.find_spec(module) is None:
-        raise StageUnavailable(f"{what} ({module}) is not in this installation yet")
-    return importlib.import_module(module)
 
 
 def evaluate_models(
@@ -568,7 +559,7 @@ def plot_quality_vs_speed(rows: list[dict], path: Path) -> str | None:
     points = [r for r in rows if r.get("output_tok_s") and r.get("kl_mean") is not None]
     if not points:
         return None
-    import matplotlib
+    import matplotlib  # optional dependency: imported only when there is a plot to draw
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -5,7 +5,8 @@ start-up (construction to the first token of a short warm-up prompt), runs the w
 once, then (``single_prompt`` in the workload) one request alone, and writes a ``RunResult`` as
 JSON. One process per configuration keeps their peak RSS apart. The vLLM configurations run
 this same module under the vLLM venv's interpreter (``--vllm-python``): it imports only the
-standard library at module level.
+standard library at module level, and each backend imports its own stack (torch, transformers,
+vLLM, the engine, ``bench.peers``) inside its run function.
 
 How time to first token (TTFT) is measured, per configuration (``ttft_basis`` in the result):
 
@@ -29,10 +30,13 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import resource
+import signal
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -333,8 +337,6 @@ def run_llama_cpp_server(spec: RunSpec, work: Work, result: RunResult) -> None:
     Slots keep their own prompt cache (``cache_prompt``), but the shared system prompt is
     computed once per slot: llama-server does not share KV blocks between slots.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from bench.peers import NOT_INSTALLED, PeerError, TreeRssSampler, stream_completion
 
     if spec.llama_server is None or not Path(spec.llama_server).exists():
@@ -389,8 +391,6 @@ def _start_llama_server(stack: contextlib.ExitStack, spec: RunSpec, n_parallel: 
     Raises:
         PeerError: it does not come up either way.
     """
-    import signal
-
     from bench.peers import LlamaServer, PeerError
 
     def server(extra: tuple[str, ...]) -> LlamaServer:
@@ -460,8 +460,6 @@ def _vllm_generate(
 
 def _vllm_run(spec: RunSpec, work: Work, result: RunResult, dtype: str) -> None:
     """vLLM's offline ``LLM`` on the same checkpoint and token ids, prefix caching on, greedy."""
-    import os
-
     try:
         from vllm import LLM
     except ImportError as exc:
@@ -507,10 +505,8 @@ def _engine_run(
     spec: RunSpec, model: str, work: Work, result: RunResult, *, prefix_caching: bool, dtype: str | None
 ) -> None:
     """Our ``LLM`` on the token ids; ``dtype`` (when given) overrides ``--engine-arg dtype``."""
-    try:
-        from engine import LLM, SamplingParams
-    except ImportError as exc:
-        raise Unavailable(f"engine.LLM is not importable yet ({exc})") from exc
+    from engine import LLM, SamplingParams
+
     engine_args = {**spec.engine_args, **({"dtype": dtype} if dtype else {})}
     start = time.perf_counter()
     llm = LLM(model, enable_prefix_caching=prefix_caching, **engine_args)

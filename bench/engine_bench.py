@@ -28,11 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import spec_bench
-from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, workload_flops
+from bench import peers, spec_bench
+from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, target_result, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
+from bench.peers import NOT_INSTALLED, PeerError, convert_to_gguf, vllm_env
+from bench.workload import WorkloadError, build_workload, single_prompt
 from compress.checkpoint.model_spec import ModelSpec
 from compress.checkpoint.outputs import check_output_file
+from compress.checkpoint.store import CheckpointError, resolve_checkpoint
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
 #: is the faster of the ``llama_cpp_server_*`` rows.
@@ -241,8 +244,6 @@ class Peers:
     @classmethod
     def find(cls, vllm_python: str | None, llama_server: str | None) -> "Peers":
         """The given paths, else what ``make peers`` installed (:mod:`bench.peers`)."""
-        from bench import peers
-
         return cls(
             Path(vllm_python) if vllm_python else peers.default_vllm_python(),
             Path(llama_server) if llama_server else peers.default_llama_server(),
@@ -252,8 +253,6 @@ class Peers:
 
 def not_installed(config: str, peers: Peers) -> str | None:
     """Why ``config`` cannot run here ("... not installed: run `make peers`"), or ``None``."""
-    from bench.peers import NOT_INSTALLED
-
     backend = BACKENDS[config]
     if backend.interpreter == "vllm" and (peers.vllm_python is None or not peers.vllm_python.exists()):
         return f"vLLM {NOT_INSTALLED} (or pass --vllm-python)"
@@ -268,8 +267,6 @@ def prepare_gguf(config: str, model_dir: Path, gguf_dir: Path, peers: Peers) -> 
 
     Returns ``(path or None, note, converter missing)``.
     """
-    from bench.peers import NOT_INSTALLED, PeerError, convert_to_gguf
-
     outtype = BACKENDS[config].gguf_type
     out = gguf_dir / f"{model_dir.name}-{outtype}.gguf"
     existed = out.is_file()
@@ -484,13 +481,6 @@ def engine_targets(rows: list[Summary], singles: list[SingleSummary]) -> list[tu
     return targets
 
 
-def _met(value: float | None, target: str) -> str:
-    if value is None:
-        return "n/a"
-    op, limit = target.split()
-    return "met" if (value >= float(limit) if op == ">=" else value <= float(limit)) else "MISSED"
-
-
 def _fmt(value, spec: str = ".1f", scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
@@ -574,52 +564,98 @@ def format_single_table(singles: list[SingleSummary]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _Inputs:
+    """What one run measures: the configurations, the checkpoint, its shape and the workload."""
+
+    configs: list[str]
+    engine_args: dict
+    model_dir: Path
+    shape: ModelSpec
+    workload: object  # bench.workload.Workload
+    single: list[int] | None
+
+
+@dataclasses.dataclass
+class _Bound:
+    """The workload's compute bound from the peak matmul rates measured before and after the run."""
+
+    matmul: dict
+    flops: float
+    gflops_before: dict[str, float]
+    gflops_after: dict[str, float]
+    gflops: dict[str, float]
+    bound_s: dict[str, float]
+    bound_tok_s: dict[str, float]
+
+
 def run(args: argparse.Namespace) -> int:
     if args.speculative:
         return spec_bench.run(args)
     check_output_file(args.out, flag="--out")  # before the run, not after minutes of it
-    from transformers import AutoTokenizer
 
-    from bench.workload import WorkloadError, build_workload, single_prompt
-    from compress.checkpoint.store import CheckpointError, resolve_checkpoint
+    try:
+        inputs = _load_inputs(args)
+    except (CheckpointError, WorkloadError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
+    if args.threads:
+        # torch-heavy: imported on use, so importing this module stays light
+        import torch
+
+        torch.set_num_threads(args.threads)
+    peers = Peers.find(args.vllm_python, args.llama_server)
+    summary = inputs.workload.summary()
+    load_before = os.getloadavg()
+    _print_workload(args, inputs, summary, load_before)
+    matmul, gflops_before = _measure_peaks(args.smoke)
+    results, notes, int8_note = _run_systems(args, inputs, peers)
+    bound = _bound(inputs, summary, matmul, gflops_before)
+    load_after = os.getloadavg()
+    rows = summarize(results, bound.bound_tok_s)
+    singles = summarize_single(results)
+
+    _print_tables(args, inputs, rows, singles, bound, summary, load_after, int8_note, notes)
+    targets = engine_targets(rows, singles)
+    _print_targets(targets, rows)
+
+    report = _report(args, inputs, summary, peers, notes, bound, (load_before, load_after), int8_note, rows, singles)
+    report["targets"] = [{"what": w, "measured": v, "target": t, "result": target_result(v, t)} for w, v, t in targets]
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0 if all(r.status != "failed" for r in rows) else 1
+
+
+def _load_inputs(args: argparse.Namespace) -> _Inputs:
+    """Check the flags, resolve the checkpoint and build the workload.
+
+    Raises:
+        ValueError: a flag out of range; CheckpointError, WorkloadError: from the checkpoint or workload.
+    """
+    # optional or heavy dependency: imported only on the path that needs it
+    from transformers import AutoTokenizer
 
     if args.smoke:
         args.num_requests, args.max_tokens = SMOKE["num_requests"], SMOKE["max_tokens"]
         args.single_prompt_tokens, args.single_max_tokens = SMOKE["single_prompt_tokens"], SMOKE["single_max_tokens"]
     if args.sequential_requests is not None and args.sequential_requests < 1:
-        print(f"error: --sequential-requests {args.sequential_requests}; it must be >= 1 (or left out for all)")
-        return 2
+        raise ValueError(f"--sequential-requests {args.sequential_requests}; it must be >= 1 (or left out for all)")
     if args.single_max_tokens < 1:
-        print(f"error: --single-max-tokens {args.single_max_tokens}; it must be >= 1")
-        return 2
-    try:
-        configs = parse_configs(args.configs)
-        engine_args = parse_engine_args(args.engine_arg)
-        model_dir = resolve_checkpoint(args.model)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        workload = build_workload(
-            tokenizer, num_requests=args.num_requests, max_tokens=args.max_tokens, num_systems=args.systems
-        )
-        single = None if args.no_single else single_prompt(tokenizer, args.single_prompt_tokens)
-    except (CheckpointError, WorkloadError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 2
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    peers = Peers.find(args.vllm_python, args.llama_server)
-    matmul = (
-        {"size": SMOKE["matmul_size"], "min_time_s": SMOKE["matmul_time_s"]}
-        if args.smoke
-        else {"size": 1024, "min_time_s": 1.0, "repeats": 3}
+        raise ValueError(f"--single-max-tokens {args.single_max_tokens}; it must be >= 1")
+    configs = parse_configs(args.configs)
+    engine_args = parse_engine_args(args.engine_arg)
+    model_dir = resolve_checkpoint(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    workload = build_workload(
+        tokenizer, num_requests=args.num_requests, max_tokens=args.max_tokens, num_systems=args.systems
     )
+    single = None if args.no_single else single_prompt(tokenizer, args.single_prompt_tokens)
     shape = ModelSpec.from_config(json.loads((model_dir / "config.json").read_text()))
-    flops = workload_flops(
-        shape, workload.prompt_lens, workload.max_tokens, workload.shared_prefix_lens, workload.system_of
-    )
-    summary = workload.summary()
-    load_before = os.getloadavg()
+    return _Inputs(configs, engine_args, model_dir, shape, workload, single)
+
+
+def _print_workload(args: argparse.Namespace, inputs: _Inputs, summary: dict, load_before: tuple) -> None:
+    workload, single = inputs.workload, inputs.single
     print(
         f"workload: {summary['num_requests']} requests, prompts "
         f"{summary['prompt_len_min']}-{summary['prompt_len_max']} tokens "
@@ -631,14 +667,78 @@ def run(args: argparse.Namespace) -> int:
             else f"; single: one request of {len(single)} prompt tokens, {args.single_max_tokens} new tokens"
         )
     )
-    print(f"model: {model_dir}")
+    print(f"model: {inputs.model_dir}")
     print(f"load average (1, 5, 15 min) at start: {', '.join(f'{x:.2f}' for x in load_before)}")
+
+
+def _measure_peaks(smoke: bool) -> tuple[dict, dict[str, float]]:
+    """The matmul settings and the peak GFLOP/s of each dtype in ``MATMUL_DTYPES``, printed."""
+    matmul = (
+        {"size": SMOKE["matmul_size"], "min_time_s": SMOKE["matmul_time_s"]}
+        if smoke
+        else {"size": 1024, "min_time_s": 1.0, "repeats": 3}
+    )
     gflops_before = {d: measure_matmul_gflops(dtype=d, **matmul) for d in MATMUL_DTYPES}
     print(
         f"peak matmul ({matmul['size']}^3, {_threads()} threads): "
         + ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in gflops_before.items())
     )
+    return matmul, gflops_before
 
+
+def _bound(inputs: _Inputs, summary: dict, matmul: dict, gflops_before: dict[str, float]) -> _Bound:
+    """The peaks measured again after the run; the bound uses the better of the two per dtype."""
+    workload = inputs.workload
+    flops = workload_flops(
+        inputs.shape, workload.prompt_lens, workload.max_tokens, workload.shared_prefix_lens, workload.system_of
+    )
+    gflops_after = {d: measure_matmul_gflops(dtype=d, **matmul) for d in MATMUL_DTYPES}
+    gflops = {d: max(gflops_before[d], gflops_after[d]) for d in MATMUL_DTYPES}
+    bound_s = {d: flops / (g * 1e9) for d, g in gflops.items()}
+    bound_tok_s = {d: summary["output_tokens_total"] / s for d, s in bound_s.items()}
+    return _Bound(matmul, flops, gflops_before, gflops_after, gflops, bound_s, bound_tok_s)
+
+
+def _report(
+    args: argparse.Namespace,
+    inputs: _Inputs,
+    summary: dict,
+    peers: Peers,
+    notes: dict[str, str],
+    bound: _Bound,
+    load: tuple[tuple, tuple],
+    int8_note: str,
+    rows: list[Summary],
+    singles: list[SingleSummary],
+) -> dict:
+    """The ``--out`` JSON, less the targets."""
+    single = inputs.single
+    return {
+        "workload": summary,
+        "single": None if single is None else {"prompt_tokens": len(single), "max_tokens": args.single_max_tokens},
+        "sequential_requests": args.sequential_requests or summary["num_requests"],
+        "model": str(inputs.model_dir),
+        "threads": _threads(),
+        "load_average": {"start": list(load[0]), "end": list(load[1])},
+        "peers": {"vllm_python": _str(peers.vllm_python), "llama_server": _str(peers.llama_server), **notes},
+        "matmul_gflops": {
+            d: {"before": bound.gflops_before[d], "after": bound.gflops_after[d], "used": bound.gflops[d]}
+            for d in MATMUL_DTYPES
+        }
+        | {"matmul": bound.matmul},
+        "bound": {"workload_flops": bound.flops, "seconds": bound.bound_s, "output_tok_s": bound.bound_tok_s},
+        "int8_checkpoint": int8_note,
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "single_rows": [dataclasses.asdict(s) for s in singles],
+    }
+
+
+def _run_systems(args: argparse.Namespace, inputs: _Inputs, peers: Peers) -> tuple[list[dict], dict[str, str], str]:
+    """Each configuration in its own process, on the workload written to a temporary directory.
+
+    Returns:
+        The results (one dict per configuration), the notes per configuration, the INT8 checkpoint's note.
+    """
     notes: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="lmforge-engine-bench-") as tmp:
         work_dir = Path(tmp)
@@ -648,21 +748,32 @@ def run(args: argparse.Namespace) -> int:
         workload_path.write_text(
             json.dumps(
                 {
-                    "prompts": workload.prompts,
-                    "max_tokens": workload.max_tokens,
-                    "single_prompt": single,
+                    "prompts": inputs.workload.prompts,
+                    "max_tokens": inputs.workload.max_tokens,
+                    "single_prompt": inputs.single,
                     "single_max_tokens": args.single_max_tokens,
                 }
             )
         )
         int8_dir, int8_note = (
-            find_int8(args.int8, model_dir, work_dir) if "engine_int8" in configs else (None, "not requested")
+            find_int8(args.int8, inputs.model_dir, work_dir)
+            if "engine_int8" in inputs.configs
+            else (None, "not requested")
         )
         results = []
-        for config in configs:
+        for config in inputs.configs:
             start = time.perf_counter()
             result = _run_one(
-                config, args, peers, model_dir, gguf_dir, work_dir, workload_path, int8_dir, engine_args, notes
+                config,
+                args,
+                peers,
+                inputs.model_dir,
+                gguf_dir,
+                work_dir,
+                workload_path,
+                int8_dir,
+                inputs.engine_args,
+                notes,
             )
             result["load_avg_1m"] = os.getloadavg()[0]
             status = (
@@ -672,31 +783,37 @@ def run(args: argparse.Namespace) -> int:
             )
             print(f"  {config}: {status} ({time.perf_counter() - start:.0f} s with load)", flush=True)
             results.append(result)
-    gflops_after = {d: measure_matmul_gflops(dtype=d, **matmul) for d in MATMUL_DTYPES}
-    load_after = os.getloadavg()
-    gflops = {d: max(gflops_before[d], gflops_after[d]) for d in MATMUL_DTYPES}
-    bound_s = {d: flops / (g * 1e9) for d, g in gflops.items()}
-    bound_tok_s = {d: summary["output_tokens_total"] / s for d, s in bound_s.items()}
-    rows = summarize(results, bound_tok_s)
-    singles = summarize_single(results)
+    return results, notes, int8_note
 
+
+def _print_tables(
+    args: argparse.Namespace,
+    inputs: _Inputs,
+    rows: list[Summary],
+    singles: list[SingleSummary],
+    bound: _Bound,
+    summary: dict,
+    load_after: tuple,
+    int8_note: str,
+    notes: dict[str, str],
+) -> None:
     print()
     print(format_table(rows))
     if singles:
         print(
-            f"\none request alone ({len(single)} prompt tokens, {args.single_max_tokens} new tokens; tok/s "
+            f"\none request alone ({len(inputs.single)} prompt tokens, {args.single_max_tokens} new tokens; tok/s "
             "from submission to the last token):"
         )
         print(format_single_table(singles))
     print()
     print(
-        f"compute bound: {flops / 1e12:.3f} TFLOP of useful work ({_flops_note(shape)}); at the best measured "
-        "peak of each dtype:"
+        f"compute bound: {bound.flops / 1e12:.3f} TFLOP of useful work ({_flops_note(inputs.shape)}); at the best "
+        "measured peak of each dtype:"
     )
     for d in MATMUL_DTYPES:
         print(
-            f"  {d}: {gflops[d]:.1f} GFLOP/s (before {gflops_before[d]:.1f}, after {gflops_after[d]:.1f}) "
-            f"-> {bound_s[d]:.1f} s, {bound_tok_s[d]:.0f} output tok/s"
+            f"  {d}: {bound.gflops[d]:.1f} GFLOP/s (before {bound.gflops_before[d]:.1f}, "
+            f"after {bound.gflops_after[d]:.1f}) -> {bound.bound_s[d]:.1f} s, {bound.bound_tok_s[d]:.0f} output tok/s"
         )
     print(
         "'% bound' of a row is against the bound of its dtype; 'x llama_cpp_best' against the faster llama.cpp GGUF row"
@@ -713,36 +830,16 @@ def run(args: argparse.Namespace) -> int:
             f"hf_sequential served the first {args.sequential_requests} of {summary['num_requests']} requests "
             f"(one at a time, so its tok/s does not depend on the count); 'same tok' compares those requests"
         )
-    targets = engine_targets(rows, singles)
+
+
+def _print_targets(targets: list[tuple[str, float | None, str]], rows: list[Summary]) -> None:
     if targets:
         print("targets:")
         for what, value, target in targets:
-            print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {_met(value, target)}")
+            print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
     for r in rows:
         if r.profile_top:
             print(f"\ntorch.profiler, repeat run of {r.config} (top ops by self CPU time):\n{r.profile_top}")
-
-    report = {
-        "workload": summary,
-        "single": None if single is None else {"prompt_tokens": len(single), "max_tokens": args.single_max_tokens},
-        "sequential_requests": args.sequential_requests or summary["num_requests"],
-        "model": str(model_dir),
-        "threads": _threads(),
-        "load_average": {"start": list(load_before), "end": list(load_after)},
-        "peers": {"vllm_python": _str(peers.vllm_python), "llama_server": _str(peers.llama_server), **notes},
-        "matmul_gflops": {
-            d: {"before": gflops_before[d], "after": gflops_after[d], "used": gflops[d]} for d in MATMUL_DTYPES
-        }
-        | {"matmul": matmul},
-        "bound": {"workload_flops": flops, "seconds": bound_s, "output_tok_s": bound_tok_s},
-        "int8_checkpoint": int8_note,
-        "rows": [dataclasses.asdict(r) for r in rows],
-        "single_rows": [dataclasses.asdict(s) for s in singles],
-        "targets": [{"what": w, "measured": v, "target": t, "result": _met(v, t)} for w, v, t in targets],
-    }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
-    return 0 if all(r.status != "failed" for r in rows) else 1
 
 
 def _run_one(
@@ -758,8 +855,6 @@ def _run_one(
     notes: dict[str, str],
 ) -> dict:
     """One configuration: not installed, the GGUF conversion failed, or its process's result."""
-    from bench.peers import vllm_env
-
     missing = not_installed(config, peers)
     if missing is not None:
         return {"config": config, "status": "not installed", "reason": missing}
@@ -796,6 +891,7 @@ def _str(path: Path | None) -> str | None:
 
 
 def _threads() -> int:
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
 
     return torch.get_num_threads()

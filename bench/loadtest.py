@@ -29,11 +29,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summaries, summarize
 from bench.prompts import PromptError, load_prompts, render_chat, with_system_prompt
+from bench.protocol import OPENAI_PATHS, openai_payload, request_payload
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
 from compress.checkpoint.outputs import LOADTEST_REPORT, check_output_dir
 from compress.errors import LmforgeError
@@ -290,8 +292,6 @@ def warm_up(config: LoadTestConfig, prompts: list[str]) -> None:
         LoadTestError: a warm-up request failed (the server's error is in the message), so a
             model that cannot answer is reported before the run.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     count = config.users if config.warmup_requests is None else config.warmup_requests
     if count == 0:
         return
@@ -303,8 +303,6 @@ def warm_up(config: LoadTestConfig, prompts: list[str]) -> None:
 
 def _warm_up_one(config: LoadTestConfig, prompt: str) -> str | None:
     """One blocking ``/generate`` request; the error text, or ``None`` on success."""
-    from bench.protocol import OPENAI_PATHS, openai_payload, request_payload
-
     sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "top_p": config.top_p}
     if config.api == "openai":
         url = f"{check_host(config.host)}{OPENAI_PATHS[config.endpoint]}"

@@ -19,11 +19,14 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+import requests
+
+from bench.protocol import parse_sse_line
+from deploy.triton import free_ports
+
 #: What a missing peer reports (status ``not installed``), never a failure.
 NOT_INSTALLED = "not installed: run `make peers`"
-
-#: GGUF output types of the converter per ``llama_cpp_server_*`` configuration.
-GGUF_TYPES = {"llama_cpp_server_f32": "f32", "llama_cpp_server_q8_0": "q8_0"}
 
 
 class PeerError(RuntimeError):
@@ -121,8 +124,6 @@ class TreeRssSampler:
         return self.peak_bytes
 
     def _group(self) -> list:
-        import psutil
-
         if self.session:
             sid = os.getsid(self.pid)
             group = []
@@ -137,8 +138,6 @@ class TreeRssSampler:
         return [root, *root.children(recursive=True)]
 
     def sample(self) -> int:
-        import psutil
-
         try:
             procs = self._group()
         except (psutil.Error, OSError):
@@ -204,10 +203,6 @@ def stream_completion(base_url: str, prompt: list[int] | str, max_tokens: int, t
     Raises:
         PeerError: an HTTP error, an ``error`` event, or a stream that ends without ``stop``.
     """
-    import requests
-
-    from bench.protocol import parse_sse_line
-
     tokens: list[int] = []
     first: float | None = None
     try:
@@ -301,8 +296,6 @@ class LlamaServer:
 
     def __enter__(self) -> "LlamaServer":
         if self.port is None:
-            from deploy.triton import free_ports
-
             self.port = free_ports(1)[0]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -316,8 +309,6 @@ class LlamaServer:
         return self
 
     def _wait_ready(self) -> None:
-        import requests
-
         deadline = time.perf_counter() + self.ready_timeout_s
         while time.perf_counter() < deadline:
             if self.proc.poll() is not None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from compress.data.prepare import iter_jsonl
-from compress.data.records import default_split_records
+from compress.checkpoint.store import CheckpointError, resolve_checkpoint
+from compress.data.records import default_split_records, read_jsonl
 from compress.errors import UsageError
 
 
@@ -42,7 +42,7 @@ def load_prompts(path: str | Path | None = None, *, limit: int | None = None) ->
 def _jsonl_prompts(path: Path) -> list[str]:
     if not path.is_file():
         raise PromptError(f"prompts file {path} does not exist; pass a JSONL file, one record a line")
-    return [_record_prompt(record, f"{path}:{number}") for number, record in iter_jsonl(path, PromptError)]
+    return read_jsonl(path, lambda record, source, line: _record_prompt(record, f"{source}:{line}"), PromptError)
 
 
 def _record_prompt(record: object, where: str) -> str:
@@ -94,9 +94,8 @@ def render_chat(prompts: list[str], checkpoint: str, system_prompt: str | None =
     Raises:
         PromptError: the checkpoint cannot be resolved or its tokenizer has no chat template.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoTokenizer
-
-    from compress.checkpoint.store import CheckpointError, resolve_checkpoint
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_checkpoint(checkpoint)))

@@ -37,7 +37,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
+
+from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
+from bench.report import read_samples
+from compress.checkpoint.store import CheckpointError, make_tiny_llama, resolve_checkpoint
 from compress.errors import LmforgeError
+from deploy.export import export
+from deploy.triton import ModelSupervisor, TritonError, TritonServer, free_ports
 
 #: Engine of the served model: room for 16 users' prompts and outputs without preemption.
 ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 640}
@@ -93,8 +100,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.loadtest import LoadTestError, parse_duration
-
     try:
         duration_s = parse_duration(args.duration)
         _check_args(args, duration_s)
@@ -132,9 +137,6 @@ def _check_args(args: argparse.Namespace, duration_s: float) -> None:
 
 def soak(args: argparse.Namespace, duration_s: float) -> dict:
     """Serve, load with faults, kill the stub once; returns the report (also ``OUT/reliability.json``)."""
-    from bench.loadtest import LoadTestConfig, run_loadtest
-    from deploy.triton import ModelSupervisor, TritonError, TritonServer, free_ports
-
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     repo = _export(args, out)
@@ -187,9 +189,6 @@ def soak(args: argparse.Namespace, duration_s: float) -> dict:
 
 
 def _export(args: argparse.Namespace, out: Path) -> Path:
-    from compress.checkpoint.store import CheckpointError, make_tiny_llama, resolve_checkpoint
-    from deploy.export import export
-
     try:
         if args.model == "tiny":
             checkpoint = out / "tiny-llama"
@@ -232,8 +231,6 @@ class StubMonitor:
         self._thread.join(timeout=120)
 
     def _run(self) -> None:
-        import psutil
-
         (stub,) = self.server.stub_pids("llm")
         process = psutil.Process(stub)
         self.load_start_s = time.time()
@@ -314,8 +311,6 @@ def build_report(
     args, duration_s: float, samples_path: Path, monitor: StubMonitor, after: dict, summary: dict, events: list[dict]
 ) -> dict:
     """The figures of one soak (see the module docstring) and whether each target is met."""
-    from bench.report import read_samples
-
     samples, _ = read_samples(samples_path)
     kill_s = monitor.kill_s
     before = [s for s in samples if kill_s is None or s.end_s < kill_s]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from bench.metrics import RequestSample, latency_by_concurrency, throughput_timeline
+from compress.data.records import read_jsonl
 from compress.errors import LmforgeError
 
 PLOT_FILES = ("ttft_cdf.png", "e2e_cdf.png", "output_tok_s_over_time.png", "concurrency_vs_latency.png")
@@ -31,16 +31,7 @@ def read_samples(path: Path) -> tuple[list[RequestSample], list[dict]]:
     records: list[dict] = []
     if not path.is_file():
         return samples, records
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                break
-            raise SamplesFileError(f"{path}:{number}: not JSON ({exc.msg})") from exc
+    for number, record in read_jsonl(path, _numbered, SamplesFileError, torn_tail_ok=True):
         kind = record.pop("kind", None)
         if kind == "request":
             try:
@@ -52,11 +43,19 @@ def read_samples(path: Path) -> tuple[list[RequestSample], list[dict]]:
     return samples, records
 
 
+def _numbered(record: object, source: str, line: int) -> tuple[int, dict]:
+    if not isinstance(record, dict):
+        raise SamplesFileError(f"{source}:{line}: not a JSON object")
+    return line, record
+
+
 def plot_report(samples: Sequence[RequestSample], out_dir: Path, title: str) -> list[Path]:
     """Write the four PNGs of :data:`PLOT_FILES` into ``out_dir``; returns their paths."""
+    # optional or heavy dependency: imported only on the path that needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional or heavy dependency: imported only on the path that needs it
     import matplotlib.pyplot as plt
 
     ok = [s for s in samples if s.ok]

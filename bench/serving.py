@@ -23,6 +23,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from compress.checkpoint.store import resolve_checkpoint
+from deploy.export import export
+from deploy.triton import TritonServer, free_ports
+
 PROMPTS = [
     "Explain why the sky is blue in one paragraph.",
     "Write a short story about a robot learning to paint.",
@@ -109,6 +113,7 @@ async def _run_rounds(
     engine, session, url: str, levels: list[int], prompts_per_level: dict[int, list[str]], params: dict, rounds: int
 ):
     """Alternate engine and Triton at each level, ``rounds`` times; keep each one's best round."""
+    # torch-heavy: imported on use, so importing this module stays light
     from engine import SamplingParams
 
     engine_params = SamplingParams(**params)
@@ -144,10 +149,10 @@ def bench(
 ):
     """In-process ``AsyncLLMEngine`` and the same engine behind the real ``tritonserver``
     (exported into a temporary repository), both loaded, measured in alternation."""
+    # optional or heavy dependency: imported only on the path that needs it
     import aiohttp
 
-    from deploy.export import export
-    from deploy.triton import TritonServer
+    # torch-heavy: imported on use, so importing this module stays light
     from engine import AsyncLLMEngine, EngineConfig
 
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-serving-") as tmp:
@@ -185,8 +190,6 @@ def format_table(engine: list[LevelResult], triton: list[LevelResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deploy.triton import free_ports
-
     parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="causal LM checkpoint (default smollm2-135m)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="concurrency levels (default 1 16)")
@@ -202,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_tokens < 1 or args.rounds < 1 or any(c < 1 for c in args.concurrency):
         parser.error("--max-tokens, --rounds and --concurrency must be >= 1")
-
-    from compress.checkpoint.store import resolve_checkpoint
 
     model = str(resolve_checkpoint(args.model))
     engine_config = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}

@@ -35,6 +35,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
+from bench.report import read_samples
+from compress.checkpoint.store import resolve_checkpoint
+from deploy.triton import free_ports, stop_process
+
 DEFAULT_USERS = (1, 4, 16, 64)
 DEFAULT_PEERS_DIR = "/work/main/.peers"
 PEER_START_TIMEOUT_S = 600.0
@@ -120,9 +125,11 @@ def format_table(rows: list[dict], bound_ms: float) -> str:
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
     """``throughput_vs_users.png`` and ``ttft_p99_vs_users.png``, one line per endpoint."""
+    # optional or heavy dependency: imported only on the path that needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional or heavy dependency: imported only on the path that needs it
     import matplotlib.pyplot as plt
 
     paths = []
@@ -174,9 +181,6 @@ def _wait_health(url: str, process: subprocess.Popen, timeout_s: float) -> bool:
 
 def start_peers(args, out: Path, notes: list[str]) -> list[Peer]:
     """Start ``vllm serve`` and ``llama-server`` from the peers directory; notes say what was skipped."""
-    from compress.checkpoint.store import resolve_checkpoint
-    from deploy.triton import free_ports
-
     peers_dir = Path(os.environ.get("LMFORGE_PEERS", DEFAULT_PEERS_DIR))
     if not peers_dir.is_dir():
         notes.append(f"peers skipped: {peers_dir} does not exist (install them with `make peers`)")
@@ -278,8 +282,6 @@ def start_peers(args, out: Path, notes: list[str]) -> list[Peer]:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    from deploy.triton import stop_process
-
     if process.poll() is None:
         stop_process(process.pid, 15.0, wait=process.wait)
 
@@ -325,9 +327,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
-    from bench.report import read_samples
-
     try:
         endpoints = [Endpoint.parse(spec) for spec in args.endpoint]
         run_time_s = parse_duration(args.run_time)

@@ -28,6 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.bound import target_result
+from bench.prompts import PromptError, load_prompts
+from bench.workload import WorkloadError, build_workload
+from compress.checkpoint.store import CheckpointError, load_causal_lm, resolve_checkpoint
+
 #: Paragraphs of the input-grounded task (written for this benchmark).
 GROUNDED_PARAGRAPHS = (
     "The city library will close for renovation from the first of March until the end of June. During this time, "
@@ -164,6 +169,7 @@ def add_arguments(parser) -> None:
 
 def find_or_make_draft(args, model_dir: Path, work_dir: Path) -> tuple[Path, str]:
     """The draft checkpoint and a note on where it came from."""
+    # torch-heavy: imported on use, so importing this module stays light
     from engine.spec_decode import find_distilled_draft
 
     if args.draft:
@@ -180,9 +186,10 @@ def find_or_make_draft(args, model_dir: Path, work_dir: Path) -> tuple[Path, str
 
 def make_layer_draft(model_dir: Path, layers: list[int], out: Path) -> Path:
     """Save ``build_student(teacher, layers)`` with the teacher's tokenizer (no training)."""
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoTokenizer
 
-    from compress.checkpoint.store import load_causal_lm
+    # torch-heavy: imported on use, so importing this module stays light
     from compress.train.distill import build_student
 
     teacher, _, _ = load_causal_lm(str(model_dir))
@@ -195,6 +202,7 @@ def make_layer_draft(model_dir: Path, layers: list[int], out: Path) -> Path:
 
 
 def _engine(model_dir: Path, dtype: str, method: str, draft: Path, args, **overrides):
+    # torch-heavy: imported on use, so importing this module stays light
     from engine import LLM
 
     config = dict(ENGINE, dtype=dtype, num_threads=args.threads, **overrides)
@@ -276,6 +284,7 @@ def run_dtype(
     workload,
 ) -> list[SpecRow]:
     """Every measurement of one dtype (engines built here and freed at the end)."""
+    # torch-heavy: imported on use, so importing this module stays light
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -376,12 +385,9 @@ def targets(rows: list[SpecRow]) -> list[tuple[str, float | None, str]]:
 
 def run(args) -> int:
     """Entry of ``lmforge bench engine --speculative``."""
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
     from transformers import AutoTokenizer
-
-    from bench.prompts import PromptError, load_prompts
-    from bench.workload import WorkloadError, build_workload
-    from compress.checkpoint.store import CheckpointError, resolve_checkpoint
 
     num_prompts, repeats, workload_requests = args.spec_prompts, args.spec_repeats, args.num_requests
     if args.smoke:
@@ -436,12 +442,10 @@ def run(args) -> int:
         for dtype in dtypes:
             rows += run_dtype(dtype, model_dir, draft, args, chat, grounded_main, grounded, workload)
             _print_sweep_end([r for r in rows if r.dtype == dtype])
-    from bench.engine_bench import _met
-
     found = targets(rows)
     print("\ntargets (speed-up in tokens per CPU-second vs the same engine without speculation, same dtype):")
     for what, value, target in found:
-        print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {_met(value, target)}")
+        print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
     report = {
         "model": str(model_dir),
         "draft": draft_note,
@@ -450,7 +454,7 @@ def run(args) -> int:
         "max_tokens": args.max_tokens,
         "engine": ENGINE,
         "rows": [dataclasses.asdict(r) for r in rows],
-        "targets": [{"what": w, "measured": v, "target": t, "result": _met(v, t)} for w, v, t in found],
+        "targets": [{"what": w, "measured": v, "target": t, "result": target_result(v, t)} for w, v, t in found],
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")

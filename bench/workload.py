@@ -10,9 +10,11 @@ file order, duplicates dropped, then taken round-robin across files so topics mi
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
+import yaml
+
+from compress.data.prepare import DataError, chatterbot_dir
 from compress.errors import UsageError
 
 #: The shared system prompt (about 150 tokens with the SmolLM2 tokenizer and chat template).
@@ -94,10 +96,10 @@ def corpus_dir() -> Path:
     Raises:
         WorkloadError: the package is not installed.
     """
-    spec = importlib.util.find_spec("chatterbot_corpus")
-    if spec is None or not spec.submodule_search_locations:
-        raise WorkloadError("chatterbot_corpus is not installed; run `pip install --no-deps chatterbot-corpus==1.3.3`")
-    return Path(list(spec.submodule_search_locations)[0]) / "data" / "english"
+    try:
+        return chatterbot_dir("english")
+    except DataError as exc:
+        raise WorkloadError(str(exc)) from exc
 
 
 def load_questions(data_dir: Path | None = None) -> list[str]:
@@ -106,8 +108,6 @@ def load_questions(data_dir: Path | None = None) -> list[str]:
     Raises:
         WorkloadError: a YAML file is corrupt (named), or no question was found.
     """
-    import yaml
-
     data_dir = corpus_dir() if data_dir is None else Path(data_dir)
     per_file: list[list[str]] = []
     for path in sorted(data_dir.glob("*.yml")):

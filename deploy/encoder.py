@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from compress.checkpoint.store import resolve_checkpoint
+from compress.quantize.onnx import export_onnx
 
 ENCODER_INFO_NAME = "encoder.json"
 POOLED_OUTPUT = "embeddings"
@@ -75,6 +80,7 @@ def add_pooling_head(model, *, normalize: bool):
     Raises:
         ValueError: the graph lacks those tensors or uses an older opset.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -136,13 +142,8 @@ def prepare_encoder_onnx(checkpoint: str | Path, out_dir: Path, *, max_length: i
         CheckpointError: missing/corrupt checkpoint (from ``compress``). ValueError: see
         ``add_pooling_head``.
     """
-    import shutil
-    import tempfile
-
+    # optional or heavy dependency: imported only on the path that needs it
     import onnx
-
-    from compress.checkpoint.store import resolve_checkpoint
-    from compress.quantize.onnx import export_onnx
 
     source = resolve_checkpoint(checkpoint, causal_lm=False)
     out_dir = Path(out_dir)
@@ -175,6 +176,7 @@ def load_tokenizer(model_dir: Path, max_length: int, *, pad_to_length: int | Non
     Raises:
         ValueError: ``tokenizer.json`` is missing (names the file and the fix).
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from tokenizers import Tokenizer
 
     path = Path(model_dir) / "tokenizer.json"
@@ -209,6 +211,7 @@ class OnnxEncoder:
     """
 
     def __init__(self, model_dir: str | Path, *, num_threads: int | None = None) -> None:
+        # optional or heavy dependency: imported only on the path that needs it
         import onnxruntime as ort
 
         self.model_dir = Path(model_dir)

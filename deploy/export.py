@@ -32,6 +32,7 @@ from typing import Any
 from compress.checkpoint.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from compress.checkpoint.store import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
 from compress.errors import UsageError
+from deploy.encoder import prepare_encoder_onnx
 from deploy.model_config import (
     CONFIG_NAME,
     check_repository,
@@ -69,6 +70,7 @@ MODEL_PY_CLASSES = {
 
 def engine_config_fields() -> dict[str, type]:
     """``EngineConfig`` fields a user may set on the command line: name -> scalar type."""
+    # torch-heavy: imported on use, so importing this module stays light
     from engine import EngineConfig
 
     hints = typing.get_type_hints(EngineConfig)
@@ -243,6 +245,7 @@ def export_llm(
     checkpoint: str | Path, repo: Path, name: str, *, engine: dict[str, Any], instances: int, copy_weights: bool
 ) -> Path:
     """The decoupled LLM model; ``model.json`` holds the checkpoint and every EngineConfig field."""
+    # torch-heavy: imported on use, so importing this module stays light
     from engine import EngineConfig
 
     source = resolve_checkpoint(checkpoint)
@@ -283,8 +286,6 @@ def encoder_model_names(name: str) -> tuple[str, str, str, str]:
 
 def export_encoder(checkpoint: str | Path, repo: Path, name: str, *, instances: int, max_length: int) -> list[Path]:
     """The encoder for the bundled server and the three container models (see module doc)."""
-    from deploy.encoder import prepare_encoder_onnx
-
     version_dir = repo / name / VERSION
     info = prepare_encoder_onnx(checkpoint, version_dir, max_length=max_length)
     write_model_dir(

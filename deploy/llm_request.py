@@ -66,6 +66,7 @@ def parse_sampling_parameters(text: str | None):
         ValueError: not JSON, not an object, an unknown field (lists the known ones), or a value
             ``SamplingParams`` rejects (its message names the field).
     """
+    # torch-heavy: imported on use, so importing this module stays light
     from engine import SamplingParams
 
     if text is None or not text.strip():

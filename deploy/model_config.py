@@ -26,6 +26,7 @@ class ConfigCheckError(LmforgeError, ValueError):
 
 
 def _pb():
+    # optional or heavy dependency: imported only on the path that needs it
     from tritonclient.grpc import model_config_pb2
 
     return model_config_pb2
@@ -37,6 +38,7 @@ def parse_config_text(text: str, path: str | Path = "<config>"):
     Raises:
         ConfigCheckError: ``path: line:col : what is wrong``.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from google.protobuf import text_format
 
     config = _pb().ModelConfig()
@@ -109,6 +111,7 @@ def _check_semantics(config, path: Path) -> None:
 
 def to_text(config) -> str:
     """``ModelConfig`` -> ``config.pbtxt`` text."""
+    # optional or heavy dependency: imported only on the path that needs it
     from google.protobuf import text_format
 
     return text_format.MessageToString(config)

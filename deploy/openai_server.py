@@ -13,7 +13,7 @@ Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``. With ``--api-key`` every ``/v1`` route needs
 ``Authorization: Bearer KEY``.
 
-Request bodies are checked strictly, like OpenAI's own API: a field of the wrong type, an
+Request bodies (``deploy.openai_protocol``) are checked strictly, like OpenAI's own API: a field of the wrong type, an
 out-of-range value or an unknown field is a 400 naming the field (vLLM's extra fields
 ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``
 are accepted, e.g. through the client's ``extra_body``). Errors use OpenAI's shape
@@ -30,134 +30,28 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-#: Longest prompt text accepted before tokenizing (characters), as Triton's model accepts.
-MAX_PROMPT_CHARS = 1_000_000
-#: Most completions per request (``n`` x number of prompts).
-MAX_CHOICES = 128
-
-
-# --------------------------------------------------------------------------------------------
-# Request bodies (strict: wrong types and unknown fields are errors)
-# --------------------------------------------------------------------------------------------
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _SamplingFields(_Strict):
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    # the engine's own fields, with vLLM's names
-    top_k: int | None = Field(None, ge=1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    min_tokens: int = Field(0, ge=0)
-    repetition_penalty: float = Field(1.0, gt=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-
-
-class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: a prompt is text, a list of texts, token ids or lists of them."""
-
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    """A chat message; fields beyond ``role`` and ``content`` go to the chat template as given."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-
-
-class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------
-
-
-class OpenAIError(Exception):
-    """An error answered in OpenAI's shape with an HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def validation_error(exc: ValidationError) -> OpenAIError:
-    """The first pydantic error as a 400 naming the field."""
-    errors = exc.errors(include_url=False)
-    first = errors[0]
-    if first["type"] == "json_invalid":
-        return OpenAIError(400, f"the request body is not valid JSON ({first['msg']})", code="invalid_json")
-    loc = [str(part) for part in first["loc"] if not isinstance(part, str) or not _is_type_tag(part)]
-    param = ".".join(loc) or None
-    if first["type"] == "extra_forbidden":
-        return OpenAIError(400, f"unrecognized request argument supplied: {param}", param=param, code="unknown_field")
-    if first["type"] == "missing":
-        return OpenAIError(400, f"{param}: missing required field", param=param, code="missing_field")
-    shown = repr(first.get("input"))[:80]
-    return OpenAIError(400, f"{param}: {first['msg']} (got {shown})", param=param, code="invalid_value")
-
-
-def _is_type_tag(part: str) -> bool:
-    """Union members in pydantic locations (``str``, ``list[int]``...), not field names."""
-    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[")) or part in ("ContentPart",)
-
+from deploy.openai_protocol import (
+    MAX_CHOICES,
+    MAX_PROMPT_CHARS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    validation_error,
+)
 
 # --------------------------------------------------------------------------------------------
 # Served models
@@ -198,8 +92,10 @@ def discover_models(repo: str | Path, names: list[str] | None = None) -> dict[st
     Raises:
         ValueError: a named model is not an LLM of the repository, or none is found.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoTokenizer
 
+    # torch-heavy: imported on use, so importing this module stays light
     from engine.llm_engine import DEFAULT_MAX_MODEL_LEN_CAP
 
     repo = Path(repo)
@@ -316,6 +212,7 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
         OpenAIError: 404 unknown model; 400 a prompt or a parameter the engine refuses, or a
             prompt + ``max_tokens`` beyond the model's context.
     """
+    # torch-heavy: imported on use, so importing this module stays light
     from engine.sampling_params import SamplingParams
 
     model = models.get(request.model)
@@ -421,6 +318,7 @@ class TritonBackend:
         self.client = None
 
     async def start(self) -> None:
+        # optional or heavy dependency: imported only on the path that needs it
         import tritonclient.grpc.aio as grpcclient
 
         self.client = grpcclient.InferenceServerClient(self.grpc_url)
@@ -444,7 +342,7 @@ class TritonBackend:
             OpenAIError: Triton answered an error (400 for bad input, else 500).
         Closing the iterator early cancels the gRPC stream (Triton aborts the engine request).
         """
-        import numpy as np
+        # optional or heavy dependency: imported only on the path that needs it
         import tritonclient.grpc.aio as grpcclient
 
         inputs = [
@@ -621,8 +519,6 @@ class Usage:
 
 def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | None = None):
     """The FastAPI application (uvicorn runs it; see ``main``)."""
-    from contextlib import asynccontextmanager
-
     backend = TritonBackend(grpc_url)
 
     @asynccontextmanager
@@ -905,8 +801,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
+    # optional or heavy dependency: imported only on the path that needs it
     import uvicorn
 
     parser = argparse.ArgumentParser(description="OpenAI-compatible API in front of a running Triton server")

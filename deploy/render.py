@@ -475,7 +475,19 @@ def kustomization(v: DeployValues, resources: list[str]) -> dict[str, Any]:
 # Docker
 # ---------------------------------------------------------------------------------------------
 
-DOCKERFILE_GPU = """\
+#: The source tree both images install (the build context is the repository root).
+_COPY_SOURCES = """\
+WORKDIR /opt/lmforge
+COPY pyproject.toml README.md Makefile ./
+COPY lmforge_cli.py ./
+COPY compress ./compress
+COPY engine ./engine
+COPY deploy ./deploy
+COPY bench ./bench
+"""
+
+DOCKERFILE_GPU = (
+    """\
 # lmforge on Triton Inference Server 2.51 (NGC 24.10), GPU.
 # Build from the repository root:  docker build -f deploy/docker/Dockerfile -t {image} .
 # The container's Python is 3.10 and lmforge needs 3.11, so Python 3.11 gets its own venv and the
@@ -496,13 +508,9 @@ RUN apt-get update \\
  && rm -rf /var/lib/apt/lists/* \\
  && python3.11 -m venv $VIRTUAL_ENV
 
-WORKDIR /opt/lmforge
-COPY pyproject.toml README.md Makefile ./
-COPY lmforge_cli.py ./
-COPY compress ./compress
-COPY engine ./engine
-COPY deploy ./deploy
-COPY bench ./bench
+"""
+    + _COPY_SOURCES
+    + """\
 RUN pip install --upgrade pip && pip install . \\
  && STUB=$(python -c "import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parent / 'tritonserver/python_backend_stubs/3.11/triton_python_backend_stub')") \\
  && ln -sf "$STUB" /opt/tritonserver/backends/python/triton_python_backend_stub
@@ -517,6 +525,7 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --re
 ENTRYPOINT ["tritonserver"]
 CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true"]
 """  # noqa: E501
+)
 
 #: Build-context exclusions BuildKit reads next to each Dockerfile (the context is the repository root).
 DOCKERIGNORE = """\
@@ -528,7 +537,8 @@ DOCKERIGNORE = """\
 build
 """
 
-DOCKERFILE_CPU = """\
+DOCKERFILE_CPU = (
+    """\
 # lmforge on Triton Inference Server 2.51, CPU only: the tritonserver that nvidia-pytriton ships
 # (the same build the lmforge tests run), on a slim Python 3.11 image with CPU PyTorch.
 # Build from the repository root:  docker build -f deploy/docker/Dockerfile.cpu -t {image_cpu} .
@@ -545,13 +555,9 @@ RUN apt-get update \\
  && rm -rf /var/lib/apt/lists/* \\
  && python -m venv $VIRTUAL_ENV
 
-WORKDIR /opt/lmforge
-COPY pyproject.toml README.md Makefile ./
-COPY lmforge_cli.py ./
-COPY compress ./compress
-COPY engine ./engine
-COPY deploy ./deploy
-COPY bench ./bench
+"""
+    + _COPY_SOURCES
+    + """\
 RUN pip install --upgrade pip \\
  && pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \\
  && pip install . \\
@@ -567,6 +573,7 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --re
 ENTRYPOINT ["tritonserver", "--backend-directory=/opt/lmforge/venv/lib/python3.11/site-packages/pytriton/tritonserver/backends"]
 CMD ["--model-repository=/models", "--model-control-mode=explicit", "--load-model={model_name}", "--allow-metrics=true", "--allow-gpu-metrics=false"]
 """  # noqa: E501
+)
 
 
 def cpu_image(image: str) -> str:

@@ -170,6 +170,7 @@ def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: floa
     Raises:
         TritonError: no LLM model is loaded, or the frontend exited or did not get ready in time.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from deploy.openai_server import llm_names
 
     repo = Path(args.repo).resolve()

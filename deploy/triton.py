@@ -42,7 +42,9 @@ from typing import Any
 
 import psutil
 
+from compress.checkpoint.store import cache_dir
 from compress.errors import LmforgeError, UsageError
+from deploy.model_config import ConfigCheckError, parse_config_file
 
 HOST = "127.0.0.1"
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
@@ -119,8 +121,6 @@ def backend_directory(install: TritonInstallation) -> Path:
     Built once (symbolic links) under the lmforge cache, atomically so concurrent servers can
     share it.
     """
-    from compress.checkpoint.store import cache_dir
-
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     digest = hashlib.sha256(str(install.binary).encode()).hexdigest()[:10]
     root = cache_dir() / "triton_backends" / f"py{version}-{digest}"
@@ -166,8 +166,6 @@ def repository_models(repo: Path) -> dict[str, Any]:
     Raises:
         TritonError: a config does not parse (names the file and the error).
     """
-    from deploy.model_config import ConfigCheckError, parse_config_file
-
     configs = {}
     for path in sorted(repo.glob("*/config.pbtxt")):
         try:

@@ -255,6 +255,7 @@ class TritonPythonModel:
     """Decoupled LLM model: one ``AsyncLLMEngine`` per instance, on an event-loop thread."""
 
     def initialize(self, args: dict) -> None:
+        # the engine (and torch) load when Triton initializes an instance, not when its stub imports this file
         import torch
 
         from engine import AsyncLLMEngine, EngineConfig

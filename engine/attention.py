@@ -7,7 +7,8 @@ each new token's physical slot ``block * block_size + offset``.
 ``ModelRunner`` builds a ``CommonAttentionMetadata`` per step (what any paged-attention kernel
 needs: query start offsets, context lengths, the padded block table, slot mapping); a backend's
 ``build`` turns it into its own metadata once per step, and its ``forward`` runs one layer. An
-``AttentionBackend`` is all a new device kernel (e.g. a CUDA paged kernel) has to implement.
+``AttentionBackend`` is all a new device kernel (e.g. a CUDA paged kernel) has to implement;
+``engine.attention_backends.get_attention_backend`` picks one by name.
 
 ``TorchAttentionBackend`` (CPU, and any device torch runs on): decodes (one query token each,
 they come first in the batch) form one group whose blocks shared by every request are read once
@@ -23,8 +24,6 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-
-from engine.config import ATTENTION_BACKENDS
 
 
 @dataclasses.dataclass
@@ -111,6 +110,8 @@ class AttentionGroup:
             ``None`` for decodes.
         shared_blocks: ``[C]`` leading blocks common to every request of a decode group (a shared
             prompt prefix); read once for all, ``block_tables`` and ``mask`` then start at block C.
+            Every request keeps at least its newest key outside them.
+        shared_range: ``(first, last + 1)`` when ``shared_blocks`` are consecutive ids (read as a view).
     """
 
     block_tables: torch.Tensor
@@ -118,6 +119,15 @@ class AttentionGroup:
     query_index: torch.Tensor | None = None
     output_index: torch.Tensor | None = None
     shared_blocks: torch.Tensor | None = None
+    shared_range: tuple[int, int] | None = None
+    _additive: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` as 0 / -inf in ``dtype`` (built once per step, shared by the layers)."""
+        if dtype not in self._additive:
+            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._additive[dtype] = zeros.masked_fill_(~self.mask, float("-inf"))
+        return self._additive[dtype]
 
 
 @dataclasses.dataclass
@@ -164,11 +174,20 @@ class TorchAttentionBackend(AttentionBackend):
         tables = common.block_table[:d, :num_blocks]  # [D, nb]
         shared = 0
         if d > 1 and self.sliding_window is None:
-            shared = common_prefix_blocks(tables, min(ctx) // bs)
+            shared = common_prefix_blocks(tables, (min(ctx) - 1) // bs)  # each query keeps its own key
         query_pos = common.positions[:d, None]  # [D, 1]
         mask = self._key_mask(query_pos, num_blocks * bs, first_key=shared * bs)
-        shared_blocks = tables[0, :shared] if shared else None
-        return AttentionGroup(tables[:, shared:], mask, shared_blocks=shared_blocks)
+        if not shared:
+            return AttentionGroup(tables, mask)
+        shared_blocks = tables[0, :shared]
+        first, last = int(shared_blocks[0]), int(shared_blocks[-1])
+        consecutive = last - first == shared - 1 and bool((shared_blocks.diff() == 1).all())
+        return AttentionGroup(
+            tables[:, shared:],
+            mask,
+            shared_blocks=shared_blocks,
+            shared_range=(first, last + 1) if consecutive else None,
+        )
 
     def _prefill_group(self, common: CommonAttentionMetadata) -> AttentionGroup:
         d = common.num_decodes
@@ -216,32 +235,34 @@ class TorchAttentionBackend(AttentionBackend):
 
         The heads of one KV group act as the query rows (``[D, kv_heads, g, head_dim]``), so K/V
         are never repeated. Blocks shared by the whole batch (``group.shared_blocks``) are read
-        once and scored for all queries in one matrix product, as in cascade attention
-        (FlashInfer, Ye et al. 2024); the per-request rest is gathered through the block tables.
-        Softmax runs over the concatenated scores.
+        once and attended by all queries in one call, as in cascade attention (FlashInfer, Ye et
+        al. 2024); the per-request rest is gathered through the block tables. The two partial
+        results are merged by their log-sum-exp: the shared part's weight is
+        ``sigmoid(lse_shared - lse_own)``.
         """
         d, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kv
-        qg = q.view(d, kv, g, hd) * (hd**-0.5)  # [D, kv, g, hd]
+        qg = q.view(d, kv, g, hd)  # [D, kv, g, hd]
         keys = self._gather(k_cache, group.block_tables)  # [D, kv, Tu, hd]
-        scores = torch.matmul(qg, keys.transpose(-1, -2))  # [D, kv, g, Tu]
-        scores = scores.masked_fill(~group.mask, float("-inf"))
-        num_shared = 0
+        values = self._gather(v_cache, group.block_tables)
+        out, lse = attend(qg, keys, values, group.additive_mask(q.dtype))  # [D, kv, g, hd], [D, kv, g]
         if group.shared_blocks is not None:
-            shared_k = k_cache.index_select(0, group.shared_blocks).view(-1, kv, hd).transpose(0, 1)  # [kv, Ts, hd]
-            qs = qg.transpose(0, 1).reshape(kv, d * g, hd)  # [kv, D*g, hd]
-            shared_scores = torch.matmul(qs, shared_k.transpose(-1, -2))  # [kv, D*g, Ts]
-            num_shared = shared_scores.shape[-1]
-            shared_scores = shared_scores.view(kv, d, g, num_shared).transpose(0, 1)  # [D, kv, g, Ts]
-            scores = torch.cat((shared_scores, scores), dim=-1)  # [D, kv, g, Ts + Tu]
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        values = self._gather(v_cache, group.block_tables)  # [D, kv, Tu, hd]
-        out = torch.matmul(probs[..., num_shared:], values)  # [D, kv, g, hd]
-        if num_shared:
-            shared_v = v_cache.index_select(0, group.shared_blocks).view(-1, kv, hd).transpose(0, 1)  # [kv, Ts, hd]
-            shared_p = probs[..., :num_shared].transpose(0, 1).reshape(kv, d * g, num_shared)  # [kv, D*g, Ts]
-            out = out + torch.matmul(shared_p, shared_v).view(kv, d, g, hd).transpose(0, 1)
+            shared_k = self._shared(k_cache, group)  # [1, kv, Ts, hd]
+            shared_v = self._shared(v_cache, group)
+            qs = qg.transpose(0, 1).reshape(1, kv, d * g, hd)
+            out_s, lse_s = attend(qs, shared_k, shared_v, None)  # [1, kv, D*g, hd], [1, kv, D*g]
+            out_s = out_s.view(kv, d, g, hd).transpose(0, 1)
+            weight = torch.sigmoid(lse_s.view(kv, d, g).transpose(0, 1) - lse)  # [D, kv, g]
+            out = torch.lerp(out, out_s, weight[..., None].to(out.dtype))
         return out.reshape(d, self.num_heads * hd)
+
+    def _shared(self, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        """The shared prefix blocks of ``cache`` as ``[1, kv, Ts, hd]`` (a view when they are consecutive)."""
+        if group.shared_range is not None:
+            blocks = cache[group.shared_range[0] : group.shared_range[1]]
+        else:
+            blocks = cache.index_select(0, group.shared_blocks)
+        return blocks.view(1, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def _prefill_attention(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
         p, max_q = group.query_index.shape
@@ -255,6 +276,29 @@ class TorchAttentionBackend(AttentionBackend):
         return out[group.output_index]
 
 
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns the log-sum-exp of the scores (to merge partial results).
+
+    Args:
+        q: ``[B, H, L, hd]``; k, v: ``[B, H, S, hd]`` (any strides with a contiguous last dim).
+        mask: additive ``[B, 1, 1, S]`` (0 / -inf, q's dtype) or ``None``; no row may be fully masked.
+
+    Returns:
+        ``[B, H, L, hd]`` in q's dtype and the float32 log-sum-exp ``[B, H, L]`` of the scaled scores.
+        On CPU one fused flash-attention kernel (fp32 accumulation) computes both.
+    """
+    scale = q.shape[-1] ** -0.5
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, L, S]
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v.float()).to(q.dtype), lse
+
+
 def common_prefix_blocks(tables: torch.Tensor, limit: int) -> int:
     """Number of leading columns (at most ``limit``) of ``tables [B, nb]`` equal in every row."""
     if limit <= 0:
@@ -262,24 +306,3 @@ def common_prefix_blocks(tables: torch.Tensor, limit: int) -> int:
     head = tables[:, :limit]
     same = (head == head[:1]).all(dim=0)  # [limit]
     return int(same.long().cumprod(0).sum())
-
-
-def get_attention_backend(
-    device: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None, name: str | None = None
-) -> AttentionBackend:
-    """The attention backend ``name`` (``None``: ``triton`` on CUDA, ``torch`` elsewhere).
-
-    ``triton`` (``engine.attention_triton``) needs the ``triton`` package; on CPU it runs under
-    Triton's interpreter (``TRITON_INTERPRET=1``), for tests only.
-
-    Raises:
-        ValueError: an unknown ``name``.
-    """
-    name = name or ("triton" if device.startswith("cuda") else "torch")
-    if name == "torch":
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
-    if name == "triton":
-        from engine.attention_triton import TritonAttentionBackend  # optional dependency: imported only when chosen
-
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
-    raise ValueError(f"attention_backend={name!r}; use one of {ATTENTION_BACKENDS} or None")

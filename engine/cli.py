@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from compress.checkpoint.store import DEFAULT_MODEL, check_device
+import torch
+
+from compress.checkpoint.store import DEFAULT_MODEL, check_device, load_causal_lm
 from compress.errors import UsageError
+from engine import LLM, SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,10 +66,6 @@ def hf_generate(model_spec: str, prompt: str, *, chat: bool, max_tokens: int) ->
     Raises:
         CheckpointError: the model cannot be resolved; ValueError: ``max_tokens < 1``.
     """
-    import torch
-
-    from compress.checkpoint.store import load_causal_lm
-
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}; it must be >= 1")
     model, tokenizer, _ = load_causal_lm(model_spec)
@@ -89,8 +88,6 @@ def hf_generate(model_spec: str, prompt: str, *, chat: bool, max_tokens: int) ->
 
 def engine_generate(args: argparse.Namespace) -> list[str]:
     """Completions of ``args.prompt`` with the lmforge engine, one per prompt."""
-    from engine import LLM, SamplingParams
-
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 #: ``/proc/cpuinfo`` flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
-#: ``attention_backend`` names (``engine.attention.get_attention_backend``).
+#: ``attention_backend`` names (``engine.attention_backends.get_attention_backend``).
 ATTENTION_BACKENDS = ("torch", "triton")
 
 #: Ways to propose tokens for speculative decoding (``EngineConfig.speculative_method``).
@@ -227,7 +229,6 @@ def resolve_dtype(dtype: str, device: str) -> str:
         return dtype
     if device == "cpu":
         return "bfloat16" if cpu_flags() & set(CPU_BF16_FLAGS) else "float32"
-    import torch
 
     return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 

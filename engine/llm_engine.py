@@ -17,6 +17,7 @@ from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from compress.checkpoint.store import resolve_checkpoint
 from engine.block_manager import BlockManager
@@ -57,6 +58,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        # optional or heavy dependency: imported only on the path that needs it
         from transformers import AutoTokenizer
 
         if config.num_threads is not None and config.device == "cpu":
@@ -583,8 +585,6 @@ class LLM:
         finals: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
-            from tqdm import tqdm
-
             progress = tqdm(total=len(ids), desc="requests", unit="req")
         max_steps = 10 * sum(len(s.token_ids) + s.params.max_tokens for i in ids for s in engine.groups[i]) + 100
         for _ in range(max_steps):

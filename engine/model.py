@@ -40,6 +40,7 @@ def read_model_spec(path: Path) -> ModelSpec:
     Raises:
         CheckpointError: an architecture outside ``ARCHITECTURES`` (the supported ones are listed).
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoConfig
 
     return ModelSpec.from_config(AutoConfig.from_pretrained(path).to_dict(), check_architecture=True, where=path)
@@ -77,10 +78,14 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     raise CheckpointError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[..., d] -> [..., d]``: ``cat(-x[d/2:], x[:d/2])`` (the Hugging Face Llama convention)."""
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """``[..., d] -> [..., d]``: ``cat(x[d/2:], x[:d/2])``.
+
+    With ``sin`` whose first half is negated this is the Hugging Face Llama ``rotate_half``:
+    ``rotate_half(x) * sin == swap_halves(x) * signed_sin`` exactly (only signs move).
+    """
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
 # ------------------------------------------------------------------------------------ weights
@@ -138,6 +143,7 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     Raises:
         CheckpointError: no weight file, or a corrupt one (its path is named).
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from safetensors.torch import load_file
 
     files = sorted(path.glob("*.safetensors"))
@@ -259,7 +265,9 @@ class Model:
         freqs = torch.outer(t, inv_freq)  # [max_model_len, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_model_len, head_dim]
         self.rope_cos = emb.cos().to(device=device, dtype=dtype)
-        self.rope_sin = emb.sin().to(device=device, dtype=dtype)
+        half = spec.head_dim // 2
+        sin = emb.sin()
+        self.rope_signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn, attn_metadata
@@ -274,17 +282,17 @@ class Model:
         eps = s.rms_norm_eps
         n = input_ids.shape[0]
         q_size, kv_size = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+        num_heads, num_kv_heads = s.num_attention_heads, s.num_key_value_heads
         cos = self.rope_cos[positions][:, None, :]  # [N, 1, head_dim]
-        sin = self.rope_sin[positions][:, None, :]
+        sin = self.rope_signed_sin[positions][:, None, :]
         h = self.embed[input_ids]  # [N, hidden]
         for layer_idx, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)  # [N, q_size + 2 * kv_size]
-            q = qkv[:, :q_size].view(n, s.num_attention_heads, s.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(n, s.num_key_value_heads, s.head_dim)
-            v = qkv[:, q_size + kv_size :].view(n, s.num_key_value_heads, s.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            qk = qkv[:, : q_size + kv_size].view(n, num_heads + num_kv_heads, s.head_dim)
+            qk = qk * cos + swap_halves(qk) * sin  # rotary on q and k heads at once
+            q, k = qk[:, :num_heads], qk[:, num_heads:]
+            v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, s.head_dim)
             out = attn.forward(q, k, v, kv_cache[layer_idx], attn_metadata)  # [N, q_size]
             h = h + layer.o(out)
             x = rms_norm(h, layer.post_norm, eps)

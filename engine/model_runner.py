@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import CommonAttentionMetadata, get_attention_backend
+from engine.attention import CommonAttentionMetadata
+from engine.attention_backends import get_attention_backend
 from engine.model import DTYPES, Model
 from engine.scheduler import SchedulerOutput
 

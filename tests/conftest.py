@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from compress.checkpoint.store import make_tiny_llama, resolve_checkpoint
+from deploy.export import export
+from deploy.triton import TritonServer, free_ports
+from engine import LLM, SamplingParams
+
 #: Engine configuration of the LLM the session's Triton server serves (and the in-process reference).
 ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 256, "num_threads": 1}
 
@@ -14,24 +19,18 @@ ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "nu
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct checkpoint, converted from the shipped GGUF (cached)."""
-    from compress.checkpoint.store import resolve_checkpoint
-
     return resolve_checkpoint("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A random 2-layer Llama with grouped-query attention (4 heads, 2 KV heads) and the SmolLM2 tokenizer."""
-    from compress.checkpoint.store import make_tiny_llama
-
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 
 
 @pytest.fixture(scope="session")
 def served_repo(tmp_path_factory, tiny_llama_dir) -> Path:
     """A model repository with the tiny random Llama (``llm``) and MiniLM (``minilm``)."""
-    from deploy.export import export
-
     repo = tmp_path_factory.mktemp("model_repository")
     export(tiny_llama_dir, repo, name="llm", engine=ENGINE_CONFIG)
     export("minilm-l6", repo, name="minilm", instances=1)
@@ -41,8 +40,6 @@ def served_repo(tmp_path_factory, tiny_llama_dir) -> Path:
 @pytest.fixture(scope="session")
 def server(served_repo):
     """One real tritonserver for the whole session, on free ports of 127.0.0.1."""
-    from deploy.triton import TritonServer, free_ports
-
     http, grpc, metrics = free_ports(3)
     with TritonServer(
         served_repo, http, grpc, metrics, models=["llm", "minilm"], startup_timeout_s=600, exit_timeout_s=3
@@ -53,8 +50,6 @@ def server(served_repo):
 @pytest.fixture(scope="session")
 def engine_text(tiny_llama_dir):
     """Greedy completions of the in-process engine (same checkpoint and EngineConfig)."""
-    from engine import LLM, SamplingParams
-
     llm = LLM(str(tiny_llama_dir), **ENGINE_CONFIG)
     cache = {}
 

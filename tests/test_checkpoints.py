@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from compress.checkpoint.store import (
     CheckpointError,
@@ -21,11 +22,12 @@ from compress.checkpoint.store import (
     update_metrics,
     write_manifest,
 )
+from engine.cli import hf_generate
+from lmforge_cli import main
 
 
 def test_tiny_manifest_counts_parameters(tiny_llama_dir):
     manifest = read_manifest(tiny_llama_dir)
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     expected = sum(p.numel() for p in model.parameters())  # tied embedding counted once
@@ -108,8 +110,6 @@ def test_minilm_named_source_is_an_encoder():
 
 @pytest.mark.integration
 def test_gguf_conversion_is_cached_and_matches_direct_load(smollm2_dir):
-    from transformers import AutoModelForCausalLM
-
     manifest = read_manifest(smollm2_dir)
     assert manifest.method == "convert-gguf" and manifest.source == "smollm2-135m"
     assert manifest.num_parameters == 134_515_008  # SmolLM2-135M, tied embeddings counted once
@@ -130,15 +130,11 @@ def test_gguf_conversion_is_cached_and_matches_direct_load(smollm2_dir):
 
 @pytest.mark.integration
 def test_real_model_knows_paris(smollm2_dir):
-    from engine.cli import hf_generate
-
     reply = hf_generate("smollm2-135m", "What is the capital of France?", chat=True, max_tokens=20)
     assert "Paris" in reply
 
 
 def test_cli_help_lists_subcommands(capsys):
-    from lmforge_cli import main
-
     assert main([]) == 2
     out = capsys.readouterr().out
     for name in ("info", "generate"):

@@ -8,6 +8,7 @@ import shutil
 import types
 
 import pytest
+import torch
 
 import lmforge_cli
 from bench.loadtest import LoadTestError
@@ -176,8 +177,6 @@ def test_render_values_file_types_and_encoding(tmp_path, capsys):
 
 
 def test_export_validates_device_and_length_against_the_machine_and_model(tiny_llama_dir, tmp_path, capsys):
-    import torch
-
     repo = tmp_path / "repo"
     if not torch.cuda.is_available():
         _fails(
@@ -269,34 +268,15 @@ def test_flags_out_of_range_are_usage_errors(tiny_llama_dir, tmp_path, capsys):
         "the port is not a number in 1-65535",
         capsys=capsys,
     )
+    distill = ["distill", "--model", str(tiny_llama_dir), "--data", str(tmp_path), "--run-dir", str(tmp_path / "r")]
     _fails(
-        [
-            "distill",
-            "--model",
-            str(tiny_llama_dir),
-            "--data",
-            str(tmp_path),
-            "--run-dir",
-            str(tmp_path / "r"),
-            "--student-config",
-            '{"num_hidden_layers": -1}',
-        ],
+        [*distill, "--student-config", '{"num_hidden_layers": -1}'],
         2,
         "--student-config num_hidden_layers=-1: must be an integer >= 1",
         capsys=capsys,
     )
     _fails(
-        [
-            "distill",
-            "--model",
-            str(tiny_llama_dir),
-            "--data",
-            str(tmp_path),
-            "--run-dir",
-            str(tmp_path / "r"),
-            "--student-config",
-            "[4]",
-        ],
+        [*distill, "--student-config", "[4]"],
         2,
         "expected a JSON object",
         capsys=capsys,

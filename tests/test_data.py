@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from compress.data.dedup import MinHashConfig, cross_duplicates, near_duplicates
 from compress.data.packing import IGNORE_INDEX, pack, tokenize_and_pack, tokenize_record
@@ -33,8 +34,6 @@ def _write_jsonl(path: Path, records: list) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 

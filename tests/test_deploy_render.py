@@ -13,6 +13,7 @@ import json
 import re
 from pathlib import Path
 
+import check_jsonschema
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -147,8 +148,6 @@ def test_autoscaling_reads_metrics_the_real_triton_exports():
 
 
 def test_compose_validates_against_the_compose_spec():
-    import check_jsonschema
-
     schema_path = Path(check_jsonschema.__file__).parent / "builtin_schemas" / "vendor" / "compose-spec.json"
     schema = json.loads(schema_path.read_text())
     for values in (DeployValues(), _custom_values()):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
 
 from deploy.render import QUEUE_METRIC, SUCCESS_METRIC, DeployValues, adapter_query
 
@@ -61,6 +62,7 @@ def _check_ports_free(ports: tuple[int, ...]) -> None:
 
 
 def _pytriton_dir() -> Path:
+    # optional or heavy dependency: imported only on the path that needs it
     import pytriton
 
     return Path(pytriton.__file__).parent / "tritonserver"
@@ -139,8 +141,6 @@ def _value(text: str, metric: str) -> float:
 
 @pytest.mark.integration
 def test_hpa_metrics_exist_on_a_live_triton_and_count_requests(echo_server):
-    import tritonclient.http as httpclient
-
     http, metrics = echo_server
     client = httpclient.InferenceServerClient(f"127.0.0.1:{http}")
     assert client.get_server_metadata()["version"] == "2.51.0"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from compress.scale.diagnose import RunDirError, diagnose, split_overlap
+from compress.scale.diagnose import RunDirError, diagnose, load_run, split_overlap, warmup_steps
 from lmforge_cli import main
 
 STEPS = 200
@@ -191,14 +191,12 @@ def test_cli_reports_and_rejects_corrupt_logs(tmp_path, capsys):
     with (run_dir / "metrics.jsonl").open("a") as f:
         f.write("{not json\n")
     assert main(["diagnose", str(run_dir)]) == 2
-    assert f"metrics.jsonl:{len(healthy_records()) + 1}: not JSON" in capsys.readouterr().err
+    assert f"metrics.jsonl:{len(healthy_records()) + 1}: not valid JSON" in capsys.readouterr().err
     with pytest.raises(RunDirError, match="not found"):
         diagnose(tmp_path / "missing")
 
 
 def test_warmup_length_from_finetune_config_or_lr(tmp_path):
-    from compress.scale.diagnose import load_run, warmup_steps
-
     records = healthy_records()
     run = {"train_data": None, "val_data": None, "config": {"warmup_ratio": 0.05, "max_steps": 200}}
     assert warmup_steps(load_run(write_run(tmp_path / "a", records, run))) == 10

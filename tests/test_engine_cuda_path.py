@@ -123,7 +123,8 @@ def test_cuda_graphs_greedy_equals_eager(tiny_llama_dir, prompts, reference):
 
 
 def test_backend_selection_by_device_and_name():
-    from engine.attention import TorchAttentionBackend, get_attention_backend
+    from engine.attention import TorchAttentionBackend
+    from engine.attention_backends import get_attention_backend
     from engine.attention_triton import TritonAttentionBackend
     from engine.config import EngineConfig
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import lmforge_cli
 from compress.checkpoint.store import CheckpointError, read_manifest
 from compress.evaluate.quality import (
     EvalConfig,
@@ -120,8 +121,6 @@ def test_default_heldout_data_is_english_dialogs():
 
 
 def test_bad_inputs_name_the_file_or_field(tiny_llama_dir, tmp_path, capsys):
-    import lmforge_cli
-
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
         json.dumps({"text": "fine"}) + "\n" + json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from deploy.model_config import (
     tokenizer_config,
 )
 from deploy.triton import free_ports, port_is_free, servable_models
+from lmforge_cli import main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,8 +124,6 @@ def test_export_rejects_bad_engine_fields_and_names(tiny_llama_dir, tmp_path):
 
 
 def test_cli_export_and_check(tiny_llama_dir, tmp_path):
-    from lmforge_cli import main
-
     assert (
         main(
             [
@@ -207,7 +207,6 @@ def test_parse_request_defaults_and_values():
 def test_port_helpers():
     ports = free_ports(3)
     assert len(set(ports)) == 3 and all(port_is_free(p) for p in ports)
-    import socket
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", ports[0]))

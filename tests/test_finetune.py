@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from compress.data.prepare import DataConfig, prepare
 from compress.train.finetune import FinetuneConfig, FinetuneRecipe, run_recipe
@@ -67,8 +69,6 @@ def test_warmup_cosine_schedule_values():
 
 
 def test_clipping_bounds_the_gradient_norm(tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     ids = torch.randint(0, 1000, (2, 16))
     (model(input_ids=ids, labels=ids).loss * 100).backward()
@@ -125,8 +125,6 @@ def test_finetune_lowers_val_loss_and_resume_matches_uninterrupted(tiny_llama_di
     key = lambda rs: [(r["step"], r["split"], r["loss"], r.get("grad_norm"), r.get("lr"), r.get("tokens")) for r in rs]  # noqa: E731
     assert key(resumed) == key(full)
 
-    from safetensors.torch import load_file
-
     a, b = load_file(final / "model.safetensors"), load_file(tmp_path / "part" / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -153,9 +151,6 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_llama_dir, chat_data
 
 
 def test_lora_with_gradient_checkpointing_is_merged_on_save(tiny_llama_dir, chat_data, tmp_path):
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
     cfg = _config(
         tiny_llama_dir,
         chat_data,

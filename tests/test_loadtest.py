@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import socket
+import subprocess
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
+import requests
 
-from bench.loadtest import LoadTestConfig, LoadTestError, check_host, parse_duration, preflight
+from bench.loadtest import LoadTestConfig, LoadTestError, check_host, parse_duration, preflight, run_loadtest
 from bench.metrics import (
     LoadStep,
     RequestSample,
@@ -19,8 +26,12 @@ from bench.metrics import (
     summarize,
     throughput_timeline,
 )
-from bench.prompts import PromptError, held_out_dialog_prompts, load_prompts, with_system_prompt
-from bench.report import read_samples
+from bench.prompts import PromptError, held_out_dialog_prompts, load_prompts, render_chat, with_system_prompt
+from bench.protocol import StreamError, StreamResult, openai_payload, parse_sse_line, read_openai_stream, read_stream
+from bench.report import PLOT_FILES, read_samples
+from bench.serving_compare import Endpoint, goodput_tok_s
+from deploy.export import export
+from deploy.triton import TritonServer, free_ports
 
 
 def _sample(start, ttft, itls, tokens, error=None, concurrency=1):
@@ -128,8 +139,6 @@ def test_prompts_from_jsonl_and_held_out_dialogs(tmp_path):
 
 
 def test_chat_template_renders_system_and_user_turns(tiny_llama_dir):
-    from bench.prompts import render_chat
-
     (text,) = render_chat(["hi there"], str(tiny_llama_dir), system_prompt="Be brief.")
     assert text.index("Be brief.") < text.index("hi there")
     assert text.rstrip().endswith("assistant")  # the generation prompt opens the assistant turn
@@ -148,18 +157,12 @@ def test_bad_prompt_files_name_file_and_line(tmp_path):
 
 
 def _response(body: bytes, status: int = 200):
-    import io
-
-    import requests
-
     response = requests.Response()
     response.status_code, response.raw = status, io.BytesIO(body)
     return response
 
 
 def test_sse_stream_parsing_and_errors_inside_the_stream():
-    from bench.protocol import StreamError, StreamResult, parse_sse_line, read_stream
-
     assert parse_sse_line(b'data: {"text_output": "a"}') == {"text_output": "a"}
     assert parse_sse_line(b"") is None and parse_sse_line(b": keep-alive") is None
     with pytest.raises(ValueError):
@@ -182,8 +185,6 @@ def test_sse_stream_parsing_and_errors_inside_the_stream():
 
 
 def test_openai_sse_parsing_usage_and_done():
-    from bench.protocol import StreamError, StreamResult, openai_payload, read_openai_stream
-
     chunks = [
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
         {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
@@ -215,8 +216,6 @@ def test_openai_sse_parsing_usage_and_done():
 
 
 def test_serving_comparison_endpoint_specs_and_goodput():
-    from bench.serving_compare import Endpoint, goodput_tok_s
-
     ep = Endpoint.parse("name=ours,api=openai,url=http://127.0.0.1:9000,model=m,endpoint=completions")
     assert (ep.name, ep.api, ep.url, ep.model, ep.endpoint) == (
         "ours",
@@ -240,9 +239,6 @@ def test_serving_comparison_endpoint_specs_and_goodput():
 
 def test_the_caller_never_imports_locust():
     """Locust monkey-patches the standard library with gevent; it stays in the child process."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, bench.loadtest, bench.demo, bench.report; print('locust' in sys.modules, 'gevent' in sys.modules)"
     )
@@ -301,9 +297,6 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def triton(tiny_llama_dir, tmp_path_factory):
-    from deploy.export import export
-    from deploy.triton import TritonServer, free_ports
-
     repo = tmp_path_factory.mktemp("loadtest_repo")
     export(tiny_llama_dir, repo, name="llm", engine=ENGINE_CONFIG)
     http, grpc, metrics = free_ports(3)
@@ -328,11 +321,6 @@ def _config(server, **changes) -> LoadTestConfig:
 
 @pytest.mark.integration
 def test_locust_streams_from_triton_with_plausible_metrics(triton, tmp_path):
-    import csv
-
-    from bench.loadtest import run_loadtest
-    from bench.report import PLOT_FILES
-
     summary = run_loadtest(_config(triton), tmp_path, log=lambda _m: None)
     samples, _ = read_samples(tmp_path / "samples.jsonl")
     assert len(samples) >= 2 and all(s.ok for s in samples), summary["metrics"]["errors"]
@@ -362,8 +350,6 @@ def test_locust_streams_from_triton_with_plausible_metrics(triton, tmp_path):
 
 @pytest.mark.integration
 def test_non_streaming_endpoint_measures_end_to_end(triton, tmp_path):
-    from bench.loadtest import run_loadtest
-
     summary = run_loadtest(_config(triton, endpoint="generate", run_time_s=3.0), tmp_path, log=lambda _m: None)
     samples, _ = read_samples(tmp_path / "samples.jsonl")
     assert samples and all(s.ok and s.ttft_s is None and s.e2e_s > 0 for s in samples)
@@ -373,8 +359,6 @@ def test_non_streaming_endpoint_measures_end_to_end(triton, tmp_path):
 
 @pytest.mark.integration
 def test_step_shape_reports_goodput(triton, tmp_path):
-    from bench.loadtest import run_loadtest
-
     config = _config(
         triton,
         users=1,
@@ -401,11 +385,6 @@ def test_unknown_model_is_refused_before_the_run(triton):
 @pytest.mark.integration
 def test_server_that_dies_mid_run_keeps_the_measurements(triton, tmp_path):
     """Last in this module: it stops the module's server."""
-    import threading
-    import time
-
-    from bench.loadtest import run_loadtest
-
     result = {}
     worker = threading.Thread(
         target=lambda: result.update(

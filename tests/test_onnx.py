@@ -5,6 +5,7 @@ from __future__ import annotations
 import onnx
 import pytest
 import torch
+from optimum.onnxruntime import ORTModelForCausalLM, ORTModelForFeatureExtraction
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from compress.checkpoint.store import CheckpointError, read_manifest, resolve_checkpoint
@@ -39,8 +40,6 @@ def test_tiny_gqa_export_has_kv_cache_and_manifest(tiny_onnx_dir, tiny_llama_dir
 
 
 def test_tiny_gqa_onnx_logits_match_pytorch_and_generate_with_cache(tiny_onnx_dir, tiny_llama_dir):
-    from optimum.onnxruntime import ORTModelForCausalLM
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     tokenizer.pad_token = tokenizer.eos_token
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
@@ -59,8 +58,6 @@ def test_tiny_gqa_onnx_logits_match_pytorch_and_generate_with_cache(tiny_onnx_di
 
 
 def test_minilm_onnx_embeddings_match_pytorch(minilm_onnx_dir):
-    from optimum.onnxruntime import ORTModelForFeatureExtraction
-
     source = resolve_checkpoint("minilm-l6", causal_lm=False)
     tokenizer = AutoTokenizer.from_pretrained(source)
     batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)

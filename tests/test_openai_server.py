@@ -15,10 +15,15 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 import requests
+from transformers import AutoTokenizer
 
+from bench.loadtest import LoadTestConfig, run_loadtest
+from bench.report import read_samples
 from deploy.triton import free_ports, stop_process
+from lmforge_cli import main
 
 pytestmark = pytest.mark.integration
 
@@ -73,15 +78,11 @@ def frontend(server, served_repo, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def client(frontend):
-    import openai
-
     return openai.OpenAI(base_url=f"{frontend}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_llama_dir):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 
@@ -164,8 +165,6 @@ def test_completions_stream_with_usage_and_done(frontend, client, engine_text):
 
 
 def test_chat_async_stream_and_not_equal_engine(frontend, engine_text, tokenizer):
-    import openai
-
     ids = chat_ids(tokenizer, MESSAGES)
     expected, _ = engine_text({"prompt_token_ids": ids}, temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -290,8 +289,6 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(frontend, c
 
 
 def test_api_key_is_required_on_v1_routes(frontend):
-    import openai
-
     for key in ("wrong", None):
         headers = {} if key is None else {"Authorization": f"Bearer {key}"}
         response = requests.get(f"{frontend}/v1/models", headers=headers, timeout=10)
@@ -303,9 +300,6 @@ def test_api_key_is_required_on_v1_routes(frontend):
 
 
 def test_locust_load_through_the_openai_api(frontend, tmp_path):
-    from bench.loadtest import LoadTestConfig, run_loadtest
-    from bench.report import read_samples
-
     config = LoadTestConfig(
         host=frontend,
         model="llm",
@@ -329,8 +323,6 @@ def test_locust_load_through_the_openai_api(frontend, tmp_path):
 
 
 def test_serving_comparison_report_over_triton_and_the_frontend(frontend, server, tmp_path):
-    from lmforge_cli import main
-
     assert (
         main(
             [

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
+import bench.loadtest as loadtest
 import lmforge_cli
 from compress.checkpoint.outputs import (
     CHECKPOINT,
@@ -17,6 +19,8 @@ from compress.checkpoint.outputs import (
     check_output_dir,
     staged_output_dir,
 )
+from compress.checkpoint.store import convert_gguf, named_source_path, read_manifest, resolve_checkpoint
+from compress.quantize.onnx import export_onnx
 
 
 @pytest.fixture()
@@ -102,8 +106,6 @@ def test_quantize_cli_refuses_foreign_cwd_and_input(tiny_llama_dir, precious, mo
 
 
 def test_onnx_export_refuses_a_foreign_directory(tiny_llama_dir, precious):
-    from compress.quantize.onnx import export_onnx
-
     with pytest.raises(OutputDirError, match="precious: not empty"):
         export_onnx(tiny_llama_dir, precious, task="text-generation-with-past")
     assert _kept(precious)
@@ -170,38 +172,12 @@ def test_export_copy_weights_into_the_checkpoint_is_refused(tiny_llama_dir, tmp_
             == 0
         )
     assert json.loads((tmp_path / "repo" / "u" / "1" / "weights" / "lmforge.json").read_text())["method"] == "import"
-    assert (
-        lmforge_cli.main(
-            [
-                "export",
-                "--model",
-                str(tiny_llama_dir),
-                "--repo",
-                str(tmp_path / "repo"),
-                "--name",
-                "w",
-                "--copy-weights",
-            ]
-        )
-        == 0
-    )
+    out = str(tmp_path / "repo")
+    export_w = ["export", "--model", str(tiny_llama_dir), "--repo", out, "--name", "w", "--copy-weights"]
+    assert lmforge_cli.main(export_w) == 0
     weights = tmp_path / "repo" / "w" / "1" / "weights"
     assert sorted(p.name for p in weights.iterdir()) == before
-    assert (
-        lmforge_cli.main(
-            [
-                "export",
-                "--model",
-                str(tiny_llama_dir),
-                "--repo",
-                str(tmp_path / "repo"),
-                "--name",
-                "w",
-                "--copy-weights",
-            ]
-        )
-        == 0
-    )  # an earlier export of the same name is replaced
+    assert lmforge_cli.main(export_w) == 0  # an earlier export of the same name is replaced
     assert sorted(p.name for p in weights.iterdir()) == before
 
 
@@ -230,10 +206,6 @@ def test_loadtest_demo_and_bench_out_are_checked_before_any_work(precious, capsy
 
 def test_loadtest_relative_out_gets_the_child_files(tmp_path, monkeypatch):
     """The load generator runs in the repository root: every path it gets must be absolute."""
-    import subprocess
-
-    import bench.loadtest as loadtest
-
     seen = {}
 
     def fake_child(command, *, cwd, **kwargs):
@@ -255,8 +227,6 @@ def test_loadtest_relative_out_gets_the_child_files(tmp_path, monkeypatch):
 
 
 def test_gguf_conversion_refuses_a_foreign_directory(precious):
-    from compress.checkpoint.store import convert_gguf, named_source_path
-
     with pytest.raises(OutputDirError, match="precious: not empty and not an earlier lmforge checkpoint"):
         convert_gguf(named_source_path("smollm2-135m"), precious)  # refused before the GGUF is loaded
     assert _kept(precious)
@@ -264,8 +234,6 @@ def test_gguf_conversion_refuses_a_foreign_directory(precious):
 
 def test_a_users_checkpoint_that_lmforge_only_read_is_never_replaced(tiny_llama_dir, tmp_path, capsys):
     """Resolving a user's Hugging Face directory adds an ``import`` manifest; that does not make it ours."""
-    from compress.checkpoint.store import read_manifest, resolve_checkpoint
-
     users = tmp_path / "my-model"
     shutil.copytree(tiny_llama_dir, users)
     (users / "lmforge.json").unlink()

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from compress.checkpoint.store import tiny_llama_config
 from compress.scale.comm_model import (
@@ -55,8 +62,6 @@ def _model_states_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
 
 
 def test_model_state_bytes_equal_real_tensors_of_tiny_llama(tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
     spec = ModelSpec.from_checkpoint(tiny_llama_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
     assert total_params(spec) == sum(p.numel() for p in model.parameters())
@@ -65,8 +70,6 @@ def test_model_state_bytes_equal_real_tensors_of_tiny_llama(tiny_llama_dir):
 
 
 def test_model_state_bytes_untied_qwen2_with_biases():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     values = {
         k: v
         for k, v in tiny_llama_config(vocab_size=320, tie_word_embeddings=False).to_dict().items()
@@ -138,8 +141,6 @@ def test_activation_bytes_match_measured_peak(
     """Without checkpointing transformers runs SDPA with ``is_causal`` (the fused path: no mask, K/V at
     KV-head width); gradient checkpointing switches ``use_cache`` off and SDPA gets an explicit mask
     with K/V repeated to the query heads (the masked path). Both are modelled."""
-    from transformers import LlamaForCausalLM
-
     config = tiny_llama_config(
         vocab_size=256,
         num_hidden_layers=layers,
@@ -200,14 +201,7 @@ def test_kv_bytes_per_token_equal_a_paged_cache_of_that_shape():
 
 
 def test_bad_input_names_the_constraint():
-    spec = ModelSpec(
-        num_hidden_layers=30,
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        intermediate_size=1536,
-    )
+    spec = ModelSpec(30, 576, 9, 3, 49152, 1536)  # SmolLM2-135M: layers, hidden, heads, KV heads, vocab, MLP
     setup = TrainingSetup(seq_len=512, global_batch=8, num_devices=8, device_memory_bytes=2**34)
     with pytest.raises(ValueError, match="num_attention_heads=9 not divisible by tensor degree 2"):
         check_split(spec, Split(4, 2, 1), setup)
@@ -222,15 +216,7 @@ def test_bad_input_names_the_constraint():
 
 
 def test_plan_ranks_feasible_and_explains_infeasible():
-    spec = ModelSpec(
-        num_hidden_layers=30,
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        intermediate_size=1536,
-        tie_word_embeddings=True,
-    )
+    spec = ModelSpec(30, 576, 9, 3, 49152, 1536, tie_word_embeddings=True)  # SmolLM2-135M
     setup = TrainingSetup(seq_len=2048, global_batch=32, num_devices=6, device_memory_bytes=8 * 2**30)
     entries = plan_training(spec, setup)
     feasible = [e for e in entries if not e.infeasible]
@@ -353,12 +339,6 @@ dist.destroy_process_group()
 
 
 def _run_two_gloo_ranks(code: str) -> list[dict]:
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -17,12 +17,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
+import psutil
 import pytest
 import requests
+import torch
+import tritonclient.grpc as grpcclient
+from transformers import AutoTokenizer
 
+from compress.quantize.onnx import mean_pool
 from deploy.export import export
 from deploy.model_config import check_repository
-from deploy.triton import PortsBusyError, TritonServer, free_ports
+from deploy.triton import ModelSupervisor, PortsBusyError, TritonServer, free_ports
+from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.integration
 
@@ -131,20 +138,24 @@ def test_generate_stream_sse_matches_in_process_engine(server, engine_text):
     assert all("finish_reason" not in e for e in events[:-1])
 
 
-def test_grpc_stream_ends_with_final_flag(server, engine_text):
-    import tritonclient.grpc as grpcclient
-
-    expected, _ = engine_text(PROMPT, **GREEDY)
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
+def _stream_inputs(prompt: str, sampling: dict) -> list:
+    """The gRPC inputs of one streamed request to the ``llm`` model."""
     inputs = [
         grpcclient.InferInput("text_input", [1], "BYTES"),
         grpcclient.InferInput("stream", [1], "BOOL"),
         grpcclient.InferInput("sampling_parameters", [1], "BYTES"),
     ]
-    inputs[0].set_data_from_numpy(np.array([PROMPT.encode()], dtype=object))
+    inputs[0].set_data_from_numpy(np.array([prompt.encode()], dtype=object))
     inputs[1].set_data_from_numpy(np.array([True]))
-    inputs[2].set_data_from_numpy(np.array([json.dumps(GREEDY).encode()], dtype=object))
+    inputs[2].set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=object))
+    return inputs
+
+
+def test_grpc_stream_ends_with_final_flag(server, engine_text):
+    expected, _ = engine_text(PROMPT, **GREEDY)
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = _stream_inputs(PROMPT, GREEDY)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
         client.async_stream_infer("llm", inputs, request_id="grpc-1", enable_empty_final_response=True)
@@ -165,8 +176,6 @@ def test_grpc_stream_ends_with_final_flag(server, engine_text):
 
 
 def test_token_id_prompt_with_n_2_streams_both_completions(server, engine_text, tiny_llama_dir):
-    from transformers import AutoTokenizer
-
     expected, _ = engine_text(PROMPT, **GREEDY)
     ids = AutoTokenizer.from_pretrained(tiny_llama_dir)(PROMPT).input_ids
     body = {
@@ -261,8 +270,6 @@ def test_wrong_types_and_out_of_range_values_get_clear_errors(server):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
-    import tritonclient.grpc as grpcclient
-
     aborted_before = (
         metric(server, "lmforge_requests_aborted_total")
         if metric_values(server, "lmforge_requests_aborted_total")
@@ -279,16 +286,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     length_before = finished_length()
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    inputs = [
-        grpcclient.InferInput("text_input", [1], "BYTES"),
-        grpcclient.InferInput("stream", [1], "BOOL"),
-        grpcclient.InferInput("sampling_parameters", [1], "BYTES"),
-    ]
-    inputs[0].set_data_from_numpy(np.array([PROMPT.encode()], dtype=object))
-    inputs[1].set_data_from_numpy(np.array([True]))
-    inputs[2].set_data_from_numpy(
-        np.array([json.dumps({"temperature": 0, "max_tokens": 460, "ignore_eos": True}).encode()], dtype=object)
-    )
+    inputs = _stream_inputs(PROMPT, {"temperature": 0, "max_tokens": 460, "ignore_eos": True})
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     client.async_stream_infer("llm", inputs, request_id="to-cancel")
     for _ in range(3):  # a few tokens arrive, then the client goes away
@@ -328,10 +326,6 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 
 
 def test_killed_model_stub_is_loaded_again_by_the_supervisor(server, engine_text):
-    import psutil
-
-    from deploy.triton import ModelSupervisor
-
     supervisor = ModelSupervisor(server, report=lambda line: None)
     (stub,) = server.stub_pids("llm")
     psutil.Process(stub).kill()  # kill -9 of the model's Python backend stub
@@ -354,12 +348,6 @@ def test_killed_model_stub_is_loaded_again_by_the_supervisor(server, engine_text
 
 
 def test_encoder_embeddings_match_in_process_onnxruntime(server, served_repo):
-    import onnxruntime as ort
-    import torch
-    from transformers import AutoTokenizer
-
-    from compress.quantize.onnx import mean_pool
-
     body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [len(SENTENCES), 1], "data": SENTENCES}]}
     response = requests.post(f"{server.http_url}/v2/models/minilm/infer", json=body, timeout=60)
     assert response.status_code == 200, response.text
@@ -602,8 +590,6 @@ def test_serve_foreground_then_stop(tmp_path):
 
 @pytest.mark.integration
 def test_real_smollm2_served_matches_in_process_engine(server, served_repo, smollm2_dir):
-    from engine import LLM, SamplingParams
-
     export(smollm2_dir, served_repo, name="smollm2", engine={"max_model_len": 512, "num_threads": 1})
     loaded = requests.post(f"{server.http_url}/v2/repository/models/smollm2/load", json={}, timeout=600)
     assert loaded.status_code == 200, loaded.text

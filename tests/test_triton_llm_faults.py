@@ -15,6 +15,7 @@ import types
 import numpy as np
 import pytest
 
+from deploy.openai_server import _model_error
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tests.test_triton_llm_metrics import FakeFamily
 
@@ -200,7 +201,6 @@ def test_one_failed_completion_fails_the_request_and_the_frontend_maps_model_err
     ((response, flags),) = request.sender.sent  # non-streaming: nothing before the failure
     assert flags == FINAL and response.error.code == "INTERNAL"
     assert response.error.message == "the engine failed this request: RuntimeError: boom"
-    from deploy.openai_server import _model_error
 
     assert _model_error(response.error.message).status == 500
     assert _model_error("the engine of llm is dead (EngineDeadError: x); it is being reloaded, retry").status == 503

@@ -20,7 +20,8 @@ and ratios to the figures issue 14 quotes for transformers 5.17 on an H200 (not 
 Everything lands in ``<out>/gpu_report.json``; the exit status is 1 when a check fails.
 On CPU (``--dry-run``) the engine uses the Triton attention backend under Triton's
 interpreter, so the kernels, the bucket-padded static decode path and the report are all
-exercised; graph capture itself needs CUDA.
+exercised; graph capture itself needs CUDA. torch, transformers and the engine are imported inside
+the functions: ``main`` sets ``TRITON_INTERPRET`` for ``--dry-run`` before any of them loads Triton.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import platform
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 #: Model shapes (``transformers.LlamaConfig`` fields).
@@ -434,8 +436,6 @@ def main(argv: list[str] | None = None) -> int:
                 shape = {**TINY, "vocab_size": 512} if args.dry_run else LLAMA_3_2_1B
                 report["workload"] = run_workload(Path(tmp), device, shape, DRY if args.dry_run else FULL)
         except Exception as exc:  # noqa: BLE001 - the report records what failed, then the exit status says so
-            import traceback
-
             report["error"] = "".join(traceback.format_exception(exc))
             print(report["error"], file=sys.stderr)
     report["total_s"] = round(time.perf_counter() - started, 2)

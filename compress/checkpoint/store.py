@@ -217,7 +217,7 @@ def check_gguf(path: str | Path) -> None:
         if f.read(4) != b"GGUF":
             raise CheckpointError(f"{path}: not a GGUF file (bad magic bytes); pass a .gguf model file")
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader  # only GGUF checkpoints need it (it loads numpy's memmap reader)
 
         reader = GGUFReader(str(path))
         size = path.stat().st_size
@@ -331,6 +331,7 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
     check_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,))  # cheap, so first
     check_gguf(gguf_path)
 
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -421,6 +422,7 @@ def check_device(device: str, *, flag: str = "--device") -> str:
     Raises:
         UsageError: not ``cpu`` / ``cuda`` / ``cuda:N``, CUDA not available, or ``N`` out of range.
     """
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
 
     index = device.partition(":")[2]
@@ -448,6 +450,7 @@ def load_causal_lm(spec: str | Path, *, dtype: str = "float32"):
     Raises:
         CheckpointError: see ``resolve_checkpoint``.
     """
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -469,6 +472,7 @@ def tiny_llama_config(**overrides: Any):
     Defaults: 2 layers, hidden 64, 4 attention heads, 2 KV heads (head_dim 16), intermediate
     128, the SmolLM2 vocabulary size (49152) so the real tokenizer can be reused.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import LlamaConfig
 
     values = dict(
@@ -494,6 +498,7 @@ def default_tokenizer_dir() -> Path:
     """A directory holding only the SmolLM2 tokenizer (and chat template), extracted once from the GGUF."""
     target = cache_dir() / "tokenizers" / "smollm2"
     if not (target / "tokenizer.json").is_file():
+        # optional or heavy dependency: imported only on the path that needs it
         from transformers import AutoTokenizer
 
         gguf_path = named_source_path(DEFAULT_MODEL)
@@ -511,6 +516,7 @@ def make_tiny_llama(output_dir: str | Path, *, seed: int = 0, model_type: str = 
         model_type: ``llama``, ``mistral`` or ``qwen2`` (qwen2 has q/k/v biases).
         overrides: fields of ``tiny_llama_config``.
     """
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig, Qwen2Config
 

@@ -64,6 +64,7 @@ class MinHashConfig:
 
 def minhash(text: str, config: MinHashConfig):
     """The ``datasketch.MinHash`` signature of ``text``'s shingles."""
+    # optional or heavy dependency: imported only on the path that needs it
     from datasketch import MinHash
 
     m = MinHash(num_perm=config.num_perm, seed=config.seed)
@@ -80,6 +81,7 @@ def near_duplicates(texts: Sequence[str], config: MinHashConfig = MinHashConfig(
     Returns:
         ``{index of a removed text: index of the kept text it duplicates}``.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from datasketch import MinHashLSH
 
     lsh = MinHashLSH(threshold=config.threshold, num_perm=config.num_perm)
@@ -103,6 +105,7 @@ def cross_duplicates(
 
     Used to check that a validation split does not leak from its training split.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from datasketch import MinHashLSH
 
     lsh = MinHashLSH(threshold=config.threshold, num_perm=config.num_perm)

@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from compress.checkpoint.outputs import DATA, check_output_dir, staged_output_dir
 from compress.data.dedup import MinHashConfig, exact_key, near_duplicates, normalize
 from compress.errors import LmforgeError, UsageError
@@ -192,8 +194,6 @@ def load_chatterbot_file(path: Path, skipped: list[tuple[Record, str]] | None = 
         DataError: invalid YAML, no ``conversations`` list, or (without ``skipped``) a dialog
             that is not a list of at least two strings (names file:line).
     """
-    import yaml
-
     try:
         root = yaml.compose(read_utf8(path))
     except yaml.YAMLError as exc:
@@ -235,19 +235,27 @@ def read_utf8(path: Path, error: type[LmforgeError] = DataError) -> str:
         raise error(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})", fix="save it as UTF-8") from exc
 
 
-def iter_jsonl(path: Path, error: type[LmforgeError] = DataError) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(
+    path: Path, error: type[LmforgeError] = DataError, *, torn_tail_ok: bool = False
+) -> Iterator[tuple[int, Any]]:
     """``(line number, parsed value)`` of each non-blank line of a JSONL file.
+
+    With ``torn_tail_ok`` a last line that is not JSON is skipped (its writer was stopped mid-line).
 
     Raises:
         ``error``: the file is not UTF-8, or a line is not JSON (names file:line).
     """
-    for line_no, line in enumerate(read_utf8(path, error).splitlines(), start=1):
+    lines = read_utf8(path, error).splitlines()
+    for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            yield line_no, json.loads(line)
+            value = json.loads(line)
         except json.JSONDecodeError as exc:
+            if torn_tail_ok and line_no == len(lines):
+                return
             raise error(f"{path}:{line_no}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+        yield line_no, value
 
 
 def load_jsonl(path: Path) -> list[Record]:

@@ -1,8 +1,9 @@
 """Records: the JSONL files every stage reads, and the one default held-out split.
 
-A record is ``{"messages": [{"role", "content"}, ...]}`` or ``{"text": ...}``
-(``compress.data.prepare.validate_record`` is the schema). ``read_records`` reads a JSONL file of them
-and names ``file:line`` in every error. The default split is the one ``lmforge data`` writes
+``read_jsonl`` reads any JSONL file of the project (data splits, training metrics, load-test
+samples, prompts) against a schema and names ``file:line`` in every error. A data record is
+``{"messages": [{"role", "content"}, ...]}`` or ``{"text": ...}`` (``compress.data.prepare.validate_record``
+is its schema); ``read_records`` reads a file of them. The default split is the one ``lmforge data`` writes
 with its default settings (the English chatterbot corpus, deduplicated and filtered across both
 splits): it is made once and cached in ``CACHE/data/default-<key>/``, where ``<key>`` hashes the
 settings and the corpus version (``compress.checkpoint.store.cache_dir``), so evaluation, quantization
@@ -16,6 +17,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,40 @@ from compress.data.prepare import DataConfig, DataError, iter_jsonl, prepare, va
 from compress.errors import LmforgeError
 
 SPLITS = ("train", "val")
+
+#: ``schema(value, source, line)``: the record in canonical form, or raises ``ValueError`` (an
+#: ``LmforgeError`` subclass for preference) whose message starts with ``source:line``.
+Schema = Callable[[Any, str, int], Any]
+
+
+def read_jsonl(
+    path: str | Path,
+    schema: Schema | None = None,
+    error: type[LmforgeError] = DataError,
+    *,
+    torn_tail_ok: bool = False,
+) -> list[Any]:
+    """The values of the non-blank lines of a JSONL file, each checked by ``schema``.
+
+    Args:
+        path: the file; it must exist (each caller says what a missing one means).
+        schema: see ``Schema``; None keeps each JSON value as it is.
+        error: the error class the caller's command reports (the message is the same).
+        torn_tail_ok: skip a last line that is not JSON (a writer stopped mid-line).
+
+    Raises:
+        ``error``: the file is not UTF-8, a line is not JSON, or the schema rejects it (names file:line).
+    """
+    path = Path(path)
+    try:
+        return [
+            value if schema is None else schema(value, str(path), line_no)
+            for line_no, value in iter_jsonl(path, error, torn_tail_ok=torn_tail_ok)
+        ]
+    except ValueError as exc:
+        if isinstance(exc, error):
+            raise
+        raise error(str(exc)) from exc
 
 
 def read_records(path: str | Path, error: type[LmforgeError] = DataError) -> list[dict[str, Any]]:
@@ -39,12 +75,7 @@ def read_records(path: str | Path, error: type[LmforgeError] = DataError) -> lis
     path = Path(path)
     if not path.is_file():
         raise error(f"--data {path}: file not found; pass a val.jsonl written by `lmforge data`")
-    try:
-        records = [validate_record(obj, str(path), line_no) for line_no, obj in iter_jsonl(path, error)]
-    except DataError as exc:
-        if error is DataError:
-            raise
-        raise error(str(exc)) from exc
+    records = read_jsonl(path, validate_record, error)
     if not records:
         raise error(f"{path}: no records")
     return records

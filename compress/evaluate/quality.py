@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from compress.checkpoint.outputs import check_output_file
 from compress.checkpoint.store import (
     MANIFEST_NAME,
@@ -51,6 +53,7 @@ from compress.data.records import default_split_records, encode_record
 from compress.errors import LmforgeError
 from compress.quantize.int8 import INT8_WEIGHT_SUFFIX
 from compress.quantize.methods import load_int8_model, load_llm_int8_model
+from compress.quantize.onnx import onnx_num_parameters
 
 #: Fixed prompts of the greedy-agreement metric (chat-formatted).
 AGREEMENT_PROMPTS: tuple[str, ...] = (
@@ -89,6 +92,7 @@ def checkpoint_kind(checkpoint_dir: str | Path) -> str:
 
 
 def _load_pytorch(path: Path, num_threads: int | None = None):
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()  # as stored: a bf16 checkpoint runs in bf16
@@ -103,6 +107,7 @@ def _load_llm_int8(path: Path, num_threads: int | None = None):
 
 
 def _load_onnx(path: Path, num_threads: int | None = None):
+    # optional or heavy dependency: imported only on the path that needs it
     import onnxruntime
     from optimum.onnxruntime import ORTModelForCausalLM
 
@@ -143,14 +148,13 @@ def load_for_eval(spec: str | Path, *, num_threads: int | None = None) -> Loaded
     Raises:
         CheckpointError: missing/corrupt checkpoint or a non-causal model (names the file).
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoTokenizer
 
     path = resolve_checkpoint(spec)
     kind = checkpoint_kind(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if num_threads:
-        import torch
-
         torch.set_num_threads(num_threads)
     return LoadedCheckpoint(path, kind, LOADERS[kind](path, num_threads), tokenizer)
 
@@ -180,8 +184,6 @@ def default_heldout_records() -> tuple[list[dict[str, Any]], str]:
 
 
 def _logits(model, ids: list[int]):
-    import torch
-
     input_ids = torch.tensor([ids], dtype=torch.long)  # [1, T]
     with torch.no_grad():
         return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits.float()  # [1, T, vocab]
@@ -195,8 +197,6 @@ def scored_logprobs(model, tokenizer, record: dict[str, Any], *, max_length: int
         predicts scored token ``i``) and int64 ``[n]`` (the tokens), or ``None`` when the record
         has no scored token.
     """
-    import torch
-
     ids, scored = encode_record(tokenizer, record, max_length=max_length)
     if not any(scored):
         return None
@@ -236,8 +236,6 @@ def quality_metrics(
         EvaluationError: no record has a scored token, or ``reference`` was computed on other
             records or another tokenizer (the scored positions differ).
     """
-    import torch
-
     total_nll, count, kls, same = 0.0, 0, [], 0
     ours = [
         r for r in (scored_logprobs(model, tokenizer, rec, max_length=max_length) for rec in records) if r is not None
@@ -292,8 +290,6 @@ def _prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 def greedy_tokens(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 32) -> list[list[int]]:
     """Greedy continuations (new token ids only, up to EOS) of each prompt, batch 1."""
-    import torch
-
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([_prompt_ids(tokenizer, prompt)])  # [1, T]
@@ -330,8 +326,6 @@ def decode_ms_per_token(
     ``min_new_tokens``), each the fastest of ``repeats`` runs (the least disturbed by other
     processes), and returns the difference / ``new_tokens``.
     """
-    import torch
-
     ids = torch.tensor([_prompt_ids(tokenizer, prompt)])  # [1, T]
     mask = torch.ones_like(ids)
 
@@ -354,6 +348,7 @@ def decode_ms_per_token(
 
 
 def _onnx_linear_weight_bytes(model_path: Path, vocab_size: int | None) -> int:
+    # optional or heavy dependency: imported only on the path that needs it
     import onnx
     from onnx import helper
 
@@ -406,8 +401,6 @@ def checkpoint_size(checkpoint_dir: Path) -> tuple[int, int]:
 
     num_parameters, size_bytes, _ = describe_weights(checkpoint_dir)
     if (checkpoint_dir / "model.onnx").is_file():
-        from compress.quantize.onnx import onnx_num_parameters
-
         num_parameters = onnx_num_parameters(checkpoint_dir / "model.onnx")
     return size_bytes, num_parameters
 

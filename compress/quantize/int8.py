@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compress.checkpoint.store import read_safetensors_header
+
 INT8_WEIGHT_SUFFIX = ".weight_int8"
 INT8_SCALE_SUFFIX = ".weight_scale"
 SCHEME_METADATA_KEY = "lmforge_int8_scheme"
@@ -203,8 +205,6 @@ def read_scheme(files: Iterable[str | Path]) -> str | None:
     Raises:
         ValueError: a scheme outside ``SCHEMES`` (names the file and the fix).
     """
-    from compress.checkpoint.store import read_safetensors_header
-
     scheme, has_int8 = None, False
     for file in files:
         header = read_safetensors_header(file)
@@ -317,6 +317,7 @@ def gemm_microbench(
 
 
 def _torchao_variants(w: torch.Tensor) -> dict:
+    # optional or heavy dependency: imported only on the path that needs it
     from torchao.quantization import (
         Int8DynamicActivationInt8WeightConfig,
         Int8WeightOnlyConfig,

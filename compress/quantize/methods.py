@@ -31,6 +31,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+import torch
+from torch import nn
+
 from compress.checkpoint.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
 from compress.checkpoint.store import (
     MANIFEST_NAME,
@@ -44,8 +47,19 @@ from compress.checkpoint.store import (
 )
 from compress.data.records import default_split_records, encode_record, read_records
 from compress.errors import UsageError
-from compress.quantize.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, quantize_weight_per_channel, scheme_metadata
+from compress.quantize.int8 import (
+    INT8_SCALE_SUFFIX,
+    INT8_WEIGHT_SUFFIX,
+    format_microbench,
+    gemm_microbench,
+    int8_linear,
+    model_linear_shapes,
+    quantize_weight_per_channel,
+    read_scheme,
+    scheme_metadata,
+)
 from compress.quantize.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
+from compress.quantize.smooth import smooth_model
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -182,18 +196,14 @@ def calibration_batches(tokenizer, *, data: str | None, num_records: int, max_le
     Raises:
         DataError: a bad calibration file (names file:line).
     """
-    import torch
-
     records = read_records(data) if data else default_split_records("train")[0]
     return [torch.tensor([encode_record(tokenizer, r, max_length=max_length)[0]]) for r in records[:num_records]]
 
 
 def load_smoothed_model(source_dir: Path, *, alpha: float | None, data: str | None, num_records: int):
     """The fp32 causal LM of ``source_dir``, with SmoothQuant applied when ``alpha`` is set."""
-    import torch
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from compress.quantize.smooth import smooth_model
 
     model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
     if alpha is not None:
@@ -285,9 +295,6 @@ class Int8Quantizer:
         float32. Tensors shared by several names (tied embeddings) are stored once; a quantized
         LM head tied to the embeddings stores its INT8 copy and leaves the embedding table float.
         """
-        import torch
-        from torch import nn
-
         quantized = {
             name
             for name, module in model.named_modules()
@@ -316,6 +323,7 @@ class Int8Quantizer:
         Raises:
             CheckpointError: missing/corrupt checkpoint or a non-causal model (names the file).
         """
+        # optional or heavy dependency: imported only on the path that needs it
         from safetensors.torch import save_file
 
         source_dir = _require_causal_lm(checkpoint, self.method)
@@ -361,12 +369,10 @@ def load_int8_model(checkpoint_dir: str | Path):
         CheckpointError: missing files, a scale without its weight (or the reverse), or
             tensors the model does not have / lacks (names the file and the tensors).
     """
-    import torch
+    # optional or heavy dependency: imported only on the path that needs it
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_utils import no_init_weights
-
-    from compress.quantize.int8 import int8_linear, read_scheme
 
     checkpoint_dir = Path(checkpoint_dir)
     weights = checkpoint_dir / WEIGHTS_NAME
@@ -437,6 +443,7 @@ class LlmInt8Quantizer:
     method: ClassVar[str] = "llm-int8"
 
     def bnb_config(self):
+        # optional or heavy dependency: imported only on the path that needs it
         from transformers import BitsAndBytesConfig
 
         return BitsAndBytesConfig(
@@ -456,7 +463,7 @@ class LlmInt8Quantizer:
             CheckpointError: missing/corrupt checkpoint or a non-causal model.
             UsageError: ``device`` is CUDA but no GPU is visible.
         """
-        import torch
+        # optional or heavy dependency: imported only on the path that needs it
         from transformers import AutoModelForCausalLM
 
         source_dir = _require_causal_lm(checkpoint, self.method)
@@ -499,7 +506,7 @@ def load_llm_int8_model(checkpoint_dir: str | Path, *, device: str = "cpu"):
         CheckpointError: missing/corrupt files, or ``config.json`` without the bitsandbytes
             ``quantization_config``.
     """
-    import torch
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoModelForCausalLM
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -552,6 +559,7 @@ class OnnxInt8Quantizer:
         return output_dir
 
     def load(self, checkpoint_dir: str | Path):
+        # optional or heavy dependency: imported only on the path that needs it
         from optimum.onnxruntime import ORTModelForCausalLM
 
         return ORTModelForCausalLM.from_pretrained(checkpoint_dir)
@@ -704,10 +712,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}  (method {manifest.method}, {manifest.size_bytes / 2**20:.1f} MiB, parent {manifest.parent})")
     print(json.dumps(manifest.config, sort_keys=True))
     if args.method in ("int8-weight-only", "w8a8") and not args.no_microbench:
-        import torch
-
-        from compress.quantize.int8 import format_microbench, gemm_microbench, model_linear_shapes
-
         # INT8 is not always the fastest: measure this model's layer shapes here, now.
         results = gemm_microbench(
             model_linear_shapes(out / "config.json"), threads=torch.get_num_threads(), repeats=3, number=3

@@ -94,6 +94,7 @@ class OnnxInt8Config:
 
 def onnx_num_parameters(model_path: str | Path) -> int:
     """Number of elements over all initializers (weights) of an ONNX model, without loading data."""
+    # optional or heavy dependency: imported only on the path that needs it
     import onnx
 
     model = onnx.load(str(model_path), load_external_data=False)
@@ -156,6 +157,7 @@ def export_onnx(checkpoint_dir: str | Path, output_dir: str | Path, *, task: str
         ValueError: unknown ``task`` or bad ``opset`` (names the field).
         CheckpointError: missing or corrupt source, or a non-causal model for a generation task.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from optimum.exporters.onnx import main_export
 
     config = OnnxExportConfig(task=task, opset=opset)
@@ -210,6 +212,7 @@ def quantize_onnx_int8(
     Raises:
         CheckpointError: ``onnx_dir`` has no ``model.onnx`` (names the file).
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     config = config or OnnxInt8Config()
@@ -267,6 +270,7 @@ def mean_pool(last_hidden_state, attention_mask):
     Returns:
         ``[batch, hidden]`` float32 tensor.
     """
+    # torch-heavy: imported on use, so importing this module stays light
     import torch
 
     hidden = torch.as_tensor(last_hidden_state).float()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from compress.checkpoint.outputs import check_output_file
 from compress.data.dedup import MinHashConfig, cross_duplicates
-from compress.data.records import read_records
+from compress.data.records import read_jsonl, read_records
 from compress.errors import UsageError
 
 SPIKE_WINDOW = 10  # preceding train steps a spike is compared with
@@ -67,6 +67,15 @@ class RunLog:
         return [(r["step"], float(r[key])) for r in self.train if isinstance(r.get(key), (int, float))]
 
 
+def _metrics_record(record: object, source: str, line: int) -> dict:
+    """The ``Schema`` (``compress.data.records``) of a ``metrics.jsonl`` line."""
+    if not isinstance(record, dict) or "step" not in record or record.get("split") not in ("train", "val"):
+        raise RunDirError(f"{source}:{line}: expected an object with 'step' and 'split' of train/val")
+    if not isinstance(record["step"], int) or isinstance(record["step"], bool) or record["step"] < 0:
+        raise RunDirError(f"{source}:{line}: step={record['step']!r}; expected an integer >= 0")
+    return record
+
+
 def load_run(run_dir: str | Path) -> RunLog:
     """Read ``metrics.jsonl`` (required) and ``run.json`` (optional) from ``run_dir``.
 
@@ -78,22 +87,8 @@ def load_run(run_dir: str | Path) -> RunLog:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise RunDirError(f"{metrics}: not found; pass the RUN_DIR that finetune/distill wrote")
-    try:
-        text = metrics.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise RunDirError(f"{metrics}: not UTF-8 text ({error.reason} at byte {error.start})") from error
     train, val = [], []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise RunDirError(f"{metrics}:{number}: not JSON ({error.msg})") from error
-        if not isinstance(record, dict) or "step" not in record or record.get("split") not in ("train", "val"):
-            raise RunDirError(f"{metrics}:{number}: expected an object with 'step' and 'split' of train/val")
-        if not isinstance(record["step"], int) or isinstance(record["step"], bool) or record["step"] < 0:
-            raise RunDirError(f"{metrics}:{number}: step={record['step']!r}; expected an integer >= 0")
+    for record in read_jsonl(metrics, _metrics_record, RunDirError):
         (train if record["split"] == "train" else val).append(record)
     if not train:
         raise RunDirError(

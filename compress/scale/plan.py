@@ -644,33 +644,17 @@ def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1 (or left out)")
     cluster = cluster_from_args(args)
-    memory = int(args.device_memory_gib * GIB)
-    cap = (
-        inference_capacity(
-            model,
-            device_memory_bytes=memory,
-            memory_utilization=args.gpu_memory_utilization,
-            block_size=args.block_size,
-            max_model_len=args.max_model_len,
-            weight_bytes=DTYPE_BYTES[args.weight_dtype],
-            kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
-            tensor_parallel=args.tp or 1,
-            max_num_seqs=args.max_num_seqs,
-        )
-        if args.tp
-        else None
-    )
-    options = serving_options(
-        model,
-        cluster,
-        device_memory_bytes=memory,
-        memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        weight_bytes=DTYPE_BYTES[args.weight_dtype],
-        kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
-        max_num_seqs=args.max_num_seqs,
-    )
+    sizing = {  # the flags both the chosen size and every option are sized with
+        "device_memory_bytes": int(args.device_memory_gib * GIB),
+        "memory_utilization": args.gpu_memory_utilization,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "weight_bytes": DTYPE_BYTES[args.weight_dtype],
+        "kv_dtype_bytes": DTYPE_BYTES[args.kv_dtype],
+        "max_num_seqs": args.max_num_seqs,
+    }
+    cap = inference_capacity(model, tensor_parallel=args.tp, **sizing) if args.tp else None
+    options = serving_options(model, cluster, **sizing)
     if cap is None:
         fitting = [o for o in options if o.capacity is not None and o.full_batch >= 1]
         if not fitting:

@@ -65,6 +65,7 @@ def load_state_file(path: Path) -> Any:
 
 
 def _state_options():
+    # optional or heavy dependency: imported only on the path that needs it
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -96,6 +97,7 @@ class TrainingCheckpoints:
 
     def save(self, model, optimizer, scheduler, scaler, state: TrainState) -> Path:
         """Write ``step_NNNNNN`` for ``state.step`` and drop all but the newest ``keep``; returns its path."""
+        # optional or heavy dependency: imported only on the path that needs it
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(model, optimizer, options=_state_options())
@@ -143,6 +145,7 @@ class TrainingCheckpoints:
             TrainingError: a file is missing or not one lmforge wrote; a rank's RNG file is
                 missing (resumed with another number of processes).
         """
+        # optional or heavy dependency: imported only on the path that needs it
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         model_state = load_state_file(path / "model.pt")

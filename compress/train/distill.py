@@ -43,15 +43,20 @@ import argparse
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from compress.data.packing import tokenize_and_pack, tokenize_record
+from compress.data.prepare import read_data_file
+from compress.data.records import read_jsonl
 from compress.errors import UsageError
 from compress.train.finetune import add_train_arguments, run_recipe, train_config_kwargs
 from compress.train.loop import TrainConfig, TrainingError, TrainingRecipe, token_losses
+from engine import LLM, SamplingParams
 
 
 @dataclasses.dataclass
@@ -251,10 +256,6 @@ def teacher_generate(model_path, records: list[dict[str, Any]], *, max_tokens: i
     Returns:
         ``{"messages": [system?, user, assistant]}`` records, one per record with a user turn.
     """
-    import time
-
-    from engine import LLM, SamplingParams
-
     contexts = []
     for record in records:
         messages = record.get("messages") or []
@@ -325,6 +326,7 @@ def build_student(teacher, layers: list[int] | None = None, config_overrides: di
         ``(student, layer_map)``: the model (fp32) and, for each student layer, the teacher layer
         it corresponds to (copied from, or evenly spaced for a fresh config).
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoModelForCausalLM
 
     config = teacher.config.__class__.from_dict(teacher.config.to_dict())
@@ -421,6 +423,7 @@ class DistillRecipe(TrainingRecipe):
         self.teacher = None
 
     def build_model(self, device: torch.device) -> torch.nn.Module:
+        # optional or heavy dependency: imported only on the path that needs it
         from transformers import AutoModelForCausalLM
 
         cfg = self.config
@@ -445,9 +448,6 @@ class DistillRecipe(TrainingRecipe):
 
     def _calibration_batches(self) -> list[torch.Tensor]:
         """Token ids ``[1, T]`` of the first ``calibration_records`` training records (chat-formatted)."""
-        from compress.data.packing import tokenize_record
-        from compress.data.prepare import read_data_file
-
         records = read_data_file(Path(self.config.data) / "train.jsonl")[: self.config.calibration_records]
         return [torch.tensor([tokenize_record(self.tokenizer, r, self.config.max_length)[0]]) for r in records]
 
@@ -464,14 +464,11 @@ class DistillRecipe(TrainingRecipe):
 
     def _add_teacher_generated(self) -> None:
         """Extend the training rows with the teacher's replies (cached for resume and reruns)."""
-        from compress.data.packing import tokenize_and_pack
-        from compress.data.prepare import read_data_file
-
         cfg = self.config
         cache = self.run_dir / "teacher_generated.jsonl"
         train = read_data_file(Path(cfg.data) / "train.jsonl")
         if cache.is_file():
-            generated = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
+            generated = read_jsonl(cache, error=TrainingError)
         else:
             generated = teacher_generate(
                 self.model_path,

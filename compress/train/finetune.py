@@ -61,11 +61,13 @@ class FinetuneRecipe(TrainingRecipe):
         super().__init__(config)
 
     def build_model(self, device: torch.device) -> torch.nn.Module:
+        # optional or heavy dependency: imported only on the path that needs it
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(device)
         cfg = self.config
         if cfg.lora:
+            # optional or heavy dependency: imported only on the path that needs it
             from peft import LoraConfig, get_peft_model
 
             linear = sorted(

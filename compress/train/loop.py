@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from compress.checkpoint.outputs import CHECKPOINT, TRAINING_RUN, check_output_dir, staged_output_dir
 from compress.checkpoint.store import Manifest, describe_weights, read_manifest, resolve_checkpoint, write_manifest
@@ -185,6 +186,7 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig):
 
     Stepped once per optimizer step. Returns a ``torch.optim.lr_scheduler.LambdaLR``.
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import get_cosine_schedule_with_warmup
 
     return get_cosine_schedule_with_warmup(
@@ -288,6 +290,7 @@ class TrainingRecipe:
         Raises:
             TrainingError: bad device/precision combination, missing data, nothing to resume.
         """
+        # optional or heavy dependency: imported only on the path that needs it
         from transformers import AutoTokenizer
 
         cfg = self.config
@@ -402,8 +405,6 @@ class TrainingRecipe:
         Returns:
             ``TrainResult``; on ``nan`` the message names the step and the last good checkpoint.
         """
-        from tqdm import tqdm
-
         cfg = self.config
         start_time = time.monotonic() - self.state.elapsed_s
         if self.state.step == 0 and self.state.val_loss_before is None:
@@ -562,6 +563,7 @@ class TrainingRecipe:
         out = self.run_dir / "final"
         full_state = None
         if self.config.fsdp and self.world_size > 1:
+            # optional or heavy dependency: imported only on the path that needs it
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             full_state = get_model_state_dict(
@@ -606,6 +608,7 @@ class TrainingRecipe:
         return dataclasses.asdict(self.config)
 
     def _model_from_state(self, state: dict[str, torch.Tensor]):
+        # optional or heavy dependency: imported only on the path that needs it
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(self._unwrapped().config)

@@ -28,6 +28,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from compress.data.records import read_jsonl
+from compress.train.checkpoints import TrainingError
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -67,20 +70,26 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a ``metrics.jsonl`` file (a run directory or the file itself)."""
+    """Records of a ``metrics.jsonl`` file (a run directory or the file itself); none if it is missing.
+
+    Raises:
+        TrainingError: not UTF-8, or a line that is not JSON (names file:line).
+    """
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return read_jsonl(path, error=TrainingError)
 
 
 def plot_metrics(run_dir: str | Path) -> list[Path]:
     """Write the four PNG plots of a run's metrics; returns their paths (none without metrics)."""
+    # optional or heavy dependency: imported only on the path that needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional or heavy dependency: imported only on the path that needs it
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)

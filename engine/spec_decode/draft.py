@@ -62,6 +62,7 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path, target_tokenizer, ta
     Raises:
         ValueError: different vocabulary sizes or token-to-id maps (both paths are named).
     """
+    # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoTokenizer
 
     draft_vocab_size = read_model_spec(draft_dir).vocab_size

@@ -24,6 +24,8 @@ import dataclasses
 
 import torch
 
+from engine.sampler import Sampler
+
 
 @dataclasses.dataclass
 class VerifyResult:
@@ -120,8 +122,6 @@ def verify_request(
         The verification result and, per emitted token, its logprobs entry (``None`` entries
         when the request did not ask for logprobs).
     """
-    from engine.sampler import Sampler
-
     p = seq.params
     if p.repetition_penalty != 1.0:
         logits = logits.clone()
