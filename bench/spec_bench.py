@@ -145,6 +145,24 @@ def add_arguments(parser) -> None:
         "--spec-tokens", type=int, default=None, help="num_speculative_tokens (default: the engine's per method)"
     )
     group.add_argument(
+        "--spec-draft-dtype",
+        default="auto",
+        help="speculative_draft_dtype of the draft (default auto: bfloat16 where the CPU has native bf16)",
+    )
+    group.add_argument(
+        "--spec-draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="speculative_draft_vocab_size (default: the engine's, for a draft with token_frequencies.json; "
+        "0: the whole vocabulary)",
+    )
+    group.add_argument(
+        "--spec-fixed-k",
+        action="store_true",
+        help="speculative_adaptive=False: always propose --spec-tokens (default: k chosen per request and step)",
+    )
+    group.add_argument(
         "--spec-skip", default="", help="comma-separated parts to skip: alone (1 and 4 concurrent), sweep, workload"
     )
 
@@ -192,6 +210,11 @@ def _engine(model_dir: Path, dtype: str, method: str, draft: Path, args, **overr
         config.update(speculative_method=method, speculative_model=str(draft) if method == "draft" else None)
         if args.spec_tokens:
             config["num_speculative_tokens"] = args.spec_tokens
+        config["speculative_adaptive"] = not args.spec_fixed_k
+        if method == "draft":
+            config["speculative_draft_dtype"] = args.spec_draft_dtype
+            if args.spec_draft_vocab is not None:
+                config["speculative_draft_vocab_size"] = args.spec_draft_vocab or None
     return LLM(str(model_dir), **config)
 
 
@@ -410,7 +433,9 @@ def run(args) -> int:
         print(
             f"model: {model_dir}\ndraft: {draft_note}\nthreads: {torch.get_num_threads()}; greedy, up to "
             f"{args.max_tokens} new tokens; "
-            f"{len(chat)} chat + {len(grounded_main)} grounded prompts; fastest of {args.spec_repeats} rotations",
+            f"{len(chat)} chat + {len(grounded_main)} grounded prompts; fastest of {args.spec_repeats} rotations; "
+            f"draft dtype {args.spec_draft_dtype}, head {args.spec_draft_vocab or 'default'}; "
+            f"k {'fixed' if args.spec_fixed_k else 'adaptive'}",
             flush=True,
         )
         rows = []
@@ -424,6 +449,8 @@ def run(args) -> int:
     report = {
         "model": str(model_dir),
         "draft": draft_note,
+        "draft_dtype": args.spec_draft_dtype,
+        "adaptive_k": not args.spec_fixed_k,
         "max_tokens": args.max_tokens,
         "engine": ENGINE,
         "rows": [dataclasses.asdict(r) for r in rows],

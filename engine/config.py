@@ -24,6 +24,9 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 #: ``num_speculative_tokens`` when speculation is on and it is not given.
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 3}
 
+#: Tokens whose logits a draft with ``token_frequencies.json`` computes (``speculative_draft_vocab_size``).
+DEFAULT_SPECULATIVE_DRAFT_VOCAB_SIZE = 8192
+
 #: Running requests from which a step does not speculate (measured with ``lmforge bench engine
 #: --speculative``: see README, "Speculative decoding").
 DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE = 8
@@ -62,6 +65,16 @@ class EngineConfig:
         speculative_disable_by_batch_size: no speculation in a step that starts with at least
             this many running requests (verifying k extra tokens no longer pays when the batch
             is compute-bound); ``None`` never switches it off.
+        speculative_draft_dtype: dtype of the ``"draft"`` model, independent of ``dtype`` (its
+            proposals are verified by the target, so output is unchanged); ``"auto"`` as for
+            ``dtype`` (``bfloat16`` on a CPU with native bf16: half the bytes per draft forward).
+        speculative_adaptive: choose each request's k per step from its acceptance so far and
+            the measured cost of a proposed token (``engine.spec_decode.speculator.choose_k``);
+            k = 0 (no proposals, a probe now and then) where speculation does not pay. ``False``:
+            always ``num_speculative_tokens``.
+        speculative_draft_vocab_size: a draft that ships ``token_frequencies.json`` (``lmforge
+            distill`` writes it) computes logits for this many frequent tokens only (its lm head
+            shrinks; ``engine.spec_decode.draft.read_draft_vocab``); ``None``: the whole vocabulary.
         ngram_prompt_lookup_min / ngram_prompt_lookup_max: shortest / longest suffix n-gram
             the ``ngram`` proposer matches (it tries the longest first).
         attention_backend: ``"torch"`` or ``"triton"`` (``engine.attention``); ``None`` takes
@@ -92,6 +105,9 @@ class EngineConfig:
     num_speculative_tokens: int | None = None
     speculative_model: str | None = None
     speculative_disable_by_batch_size: int | None = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE
+    speculative_draft_dtype: str = "auto"
+    speculative_adaptive: bool = True
+    speculative_draft_vocab_size: int | None = DEFAULT_SPECULATIVE_DRAFT_VOCAB_SIZE
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
     attention_backend: str | None = None
@@ -148,6 +164,13 @@ class EngineConfig:
             )
         if self.speculative_disable_by_batch_size is not None:
             _require_positive("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
+        if self.speculative_draft_vocab_size is not None:
+            _require_positive("speculative_draft_vocab_size", self.speculative_draft_vocab_size)
+        if self.speculative_draft_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"speculative_draft_dtype={self.speculative_draft_dtype!r} is not supported; use one of "
+                f"{SUPPORTED_DTYPES}"
+            )
         if method == "ngram":
             if self.speculative_model is not None:
                 raise ValueError(

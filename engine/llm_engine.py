@@ -334,7 +334,10 @@ class LLMEngine:
             The sequences that sampled, their new tokens (already appended by the scheduler)
             and the logprobs entries of those tokens.
         """
+        start = time.perf_counter()
         logits = self.runner.execute(out)  # [R, vocab]: 1 row per sampling item, 1 + m per speculative one
+        if self.speculator is not None:
+            self.speculator.observe_step(out, time.perf_counter() - start)
         items = [item for item in out.scheduled if item.samples]
         if self.speculator is not None:
             new_tokens, new_logprobs = self.speculator.sample(self.sampler, logits, items)

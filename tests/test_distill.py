@@ -185,6 +185,9 @@ def test_distill_run_halves_layers_lowers_loss_resumes_and_loads(teacher_dir, ch
     assert 0 < len(generated) <= 6 and m["teacher_generated_records"] == len(generated)
     assert [t["role"] for t in generated[0]["messages"]][-2:] == ["user", "assistant"]
     assert m["val_ppl_after"] < m["val_ppl_before"] and m["teacher_val_ppl"] > 1
+    freq = json.loads((final / "token_frequencies.json").read_text())  # the draft's reduced head
+    assert len(freq["token_ids"]) == len(set(freq["token_ids"])) > 10
+    assert freq["counts"] == sorted(freq["counts"], reverse=True) and freq["counts"][-1] >= 1
     student = AutoModelForCausalLM.from_pretrained(final)
     assert student.config.model_type == "llama" and student.config.num_hidden_layers == 2
     ids = torch.tensor([[1, 2, 3, 4]])

@@ -84,9 +84,15 @@ def reference(models, prompts):
 
 
 def spec_llm(model_dir, method: str, draft=None, **overrides) -> LLM:
-    config = dict(CONFIG, speculative_method=method, num_speculative_tokens=4, speculative_disable_by_batch_size=None)
+    config = dict(
+        CONFIG,
+        speculative_method=method,
+        num_speculative_tokens=4,
+        speculative_disable_by_batch_size=None,
+        speculative_adaptive=False,  # k = 4 every step: the tests exercise verification, not the k choice
+    )
     if method == "draft":
-        config["speculative_model"] = str(draft or model_dir)
+        config.update(speculative_model=str(draft or model_dir), speculative_draft_dtype=CONFIG["dtype"])
     config.update(overrides)
     return LLM(str(model_dir), **config)
 
@@ -177,8 +183,19 @@ def small_vocab_dirs(tmp_path_factory):
     return target, draft
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_sampling_distribution_equals_no_speculation(small_vocab_dirs, method):
+def with_token_frequencies(draft_dir, out, token_ids: list[int]):
+    """A copy of ``draft_dir`` whose ``token_frequencies.json`` ranks ``token_ids`` (the reduced draft head)."""
+    import json
+    import shutil
+
+    shutil.copytree(draft_dir, out)
+    counts = list(range(len(token_ids), 0, -1))
+    (out / "token_frequencies.json").write_text(json.dumps({"token_ids": token_ids, "counts": counts}))
+    return out
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft-reduced-head"])
+def test_sampling_distribution_equals_no_speculation(small_vocab_dirs, method, tmp_path):
     """Chi-square (contingency) of the tokens at output positions 1..3 over 600 seeded trials each.
 
     A 64-token vocabulary keeps the cells few; temperature 0.3 sharpens the random models'
@@ -187,12 +204,18 @@ def test_sampling_distribution_equals_no_speculation(small_vocab_dirs, method):
     probability p(x); draft: an unrelated model, so accept, reject and residual draws all happen.
     """
     target, draft = small_vocab_dirs
+    overrides = {}
+    if method == "draft-reduced-head":  # q is zero outside 24 of the 64 tokens
+        method, draft = "draft", with_token_frequencies(draft, tmp_path / "reduced", list(range(40, 3, -3)))
+        overrides = dict(speculative_draft_vocab_size=24)
     trials = 600
     prompt = [5, 9, 17, 5, 9, 17, 5, 9]
     base = dict(temperature=0.3, max_tokens=4, ignore_eos=True)
     big = dict(CONFIG, num_kv_blocks=2 * trials * 4, max_num_batched_tokens=8192, max_num_seqs=trials)
     plain = LLM(str(target), **big)
-    spec = spec_llm(target, method, draft, num_speculative_tokens=3, **big)
+    spec = spec_llm(target, method, draft, num_speculative_tokens=3, **big, **overrides)
+    if overrides:
+        assert spec.engine.proposer.head_ids.numel() == 24
     want = tokens(plain.generate([prompt] * trials, [SamplingParams(seed=i, **base) for i in range(trials)]))
     got = tokens(spec.generate([prompt] * trials, [SamplingParams(seed=10_000 + i, **base) for i in range(trials)]))
     stats = spec.engine.get_stats()
@@ -294,3 +317,49 @@ def test_n_completions_and_penalties_with_speculation_equal_no_speculation(targe
     penalised.generate([prompt], SamplingParams(temperature=0, max_tokens=16, frequency_penalty=1.5))
     assert penalised.engine.get_stats().spec_decode_num_drafts_total == 0
     check_all_freed(penalised)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_adaptive_k_gives_same_tokens(target_dir, noisy_draft_dir, prompts, reference, method):
+    llm = spec_llm(target_dir, method, noisy_draft_dir, speculative_adaptive=True)
+    assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+    assert llm.engine.get_stats().spec_decode_num_drafts_total > 0
+    check_all_freed(llm)
+
+
+def test_adaptive_k_switches_off_a_draft_that_is_never_right(target_dir, prompts, reference, tmp_path):
+    """A draft of random weights (about 1/vocab accepted): after a few rejections each request only probes."""
+    from compress.checkpoint.store import make_tiny_llama
+
+    stranger = make_tiny_llama(tmp_path / "stranger", seed=7, tie_word_embeddings=False)
+    fixed = spec_llm(target_dir, "draft", stranger)
+    adaptive = spec_llm(target_dir, "draft", stranger, speculative_adaptive=True)
+    for llm in (fixed, adaptive):
+        assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+        check_all_freed(llm)
+    fixed_stats, stats = fixed.engine.get_stats(), adaptive.engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens_total <= 2
+    assert 0 < stats.spec_decode_num_draft_tokens_total < fixed_stats.spec_decode_num_draft_tokens_total / 4
+
+
+def test_reduced_draft_head_gives_same_tokens(target_dir, noisy_draft_dir, prompts, reference, tmp_path):
+    """The noisy draft with logits for 2000 tokens only: proposals come from that set, output is the target's."""
+    freq = [int(t) for t in torch.randperm(49152, generator=torch.Generator().manual_seed(5))[:1500]]
+    draft = with_token_frequencies(noisy_draft_dir, tmp_path / "reduced", freq)
+    llm = spec_llm(target_dir, "draft", draft, speculative_draft_vocab_size=2000)
+    ids = set(llm.engine.proposer.head_ids.tolist())
+    assert len(ids) == 2000 and set(freq) <= ids and set(range(500)) <= ids  # frequent, then the lowest ids
+    assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+    assert llm.engine.get_stats().spec_decode_num_draft_tokens_total > 0
+    check_all_freed(llm)
+    whole = spec_llm(target_dir, "draft", draft, speculative_draft_vocab_size=None)
+    assert whole.engine.proposer.head_ids is None
+
+
+def test_bad_token_frequency_file_names_its_path(target_dir, noisy_draft_dir, tmp_path):
+    from compress.checkpoint.store import CheckpointError
+
+    draft = with_token_frequencies(noisy_draft_dir, tmp_path / "bad", [])
+    (draft / "token_frequencies.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="token_frequencies.json"):
+        spec_llm(target_dir, "draft", draft)

@@ -13,6 +13,7 @@ from scipy.stats import chisquare
 
 from engine import EngineConfig
 from engine.spec_decode import NgramProposer, rejection_sample, verify_greedy
+from engine.spec_decode.speculator import AcceptanceTracker, CostModel, choose_k, expected_tokens
 
 VOCAB = 6
 TRIALS = 20000
@@ -112,6 +113,7 @@ def test_rejection_sampling_checks_shapes():
         ),
         (dict(speculative_method="ngram", ngram_prompt_lookup_min=0), "ngram_prompt_lookup_min=0"),
         (dict(speculative_method="ngram", speculative_disable_by_batch_size=0), "speculative_disable_by_batch_size=0"),
+        (dict(speculative_method="draft", speculative_draft_dtype="int4"), "speculative_draft_dtype='int4'"),
         (
             dict(speculative_method="ngram", num_speculative_tokens=8, max_num_batched_tokens=8),
             "max_num_batched_tokens=8",
@@ -127,3 +129,68 @@ def test_speculative_defaults():
     assert EngineConfig().speculative_method is None
     assert EngineConfig(speculative_method="ngram").num_speculative_tokens >= 1
     assert EngineConfig(speculative_method="draft", num_speculative_tokens=2).num_speculative_tokens == 2
+
+
+def test_expected_tokens_and_choose_k():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert choose_k(0.0, 0.05, 4) == 0  # nothing accepted: any proposal only costs
+    assert choose_k(0.9, 0.05, 4) == 4  # cheap and accepted: as many as allowed
+    assert choose_k(0.9, 0.0, 0) == 0
+    # alpha 0.6 at cost 0.3 per token: k=1 gives 1.6/1.3 = 1.23, k=2 1.96/1.6 = 1.225, k=3 2.18/1.9
+    assert choose_k(0.6, 0.3, 4) == 1
+    assert choose_k(0.3, 0.5, 4) == 0  # 1.3/1.5 < 1
+
+
+def test_acceptance_tracker_counts_tested_positions():
+    t = AcceptanceTracker()
+    prior = t.alpha
+    for _ in range(30):
+        t.update(4, 4)  # all accepted: no rejection tested
+    assert t.alpha > 0.99 > prior
+    for _ in range(60):
+        t.update(4, 1)  # one accepted, then a rejection
+    assert t.alpha == pytest.approx(0.5, abs=0.01)
+
+
+def test_rejected_probes_wait_twice_as_long():
+    from engine.spec_decode.speculator import PROBE_EVERY, PROBE_EVERY_MAX, Speculator
+
+    spec = Speculator(EngineConfig(speculative_method="ngram"), NgramProposer())
+    track = spec.tracks["r"] = AcceptanceTracker()
+    track.accepted = 0.0  # nothing accepted so far: k = 0, only probes
+    waits = []
+    for _ in range(5):
+        steps = 1
+        while spec._adapt("r", 4, cost=0.05) == 0:
+            steps += 1
+        waits.append(steps)
+        track.update(1, 0)  # the probe is rejected
+    assert waits == [min(PROBE_EVERY * 2**i, PROBE_EVERY_MAX) for i in range(5)]
+    spec._adapt("r", 4, cost=0.05)
+    while spec._adapt("r", 4, cost=0.05) == 0:
+        pass
+    track.update(1, 1)  # an accepted probe: back to the short wait
+    assert track.probe_every == PROBE_EVERY
+
+
+def test_cost_model_fits_step_time_and_adds_the_proposer():
+    cost = CostModel(prior=0.3)
+    assert cost.costs(1) == (0.0, 0.3)  # nothing measured yet
+    for _ in range(10):  # 10 ms a plain decode, 1 ms per more verified token, 2 ms per verifying request
+        cost.observe_step(1, 0, 0.010)
+        cost.observe_step(4, 1, 0.015)
+        cost.observe_step(3, 1, 0.014)
+    a, b, c = cost.fit()
+    assert (a, b, c) == pytest.approx((0.009, 0.001, 0.002))
+    assert cost.costs(1) == (0.0, 0.3)  # proposer not timed yet
+    cost.observe_propose(3, 0.006)  # 2 ms per proposed position
+    fixed, per_token = cost.costs(1)
+    assert fixed == pytest.approx(0.2) and per_token == pytest.approx((0.001 + 0.002) / 0.010)
+    assert cost.costs(2)[1] == pytest.approx((0.001 + 0.001) / 0.011)
+    only_spec = CostModel(prior=0.3)
+    only_spec.observe_step(4, 1, 0.012)
+    only_spec.observe_propose(1, 0.0)
+    assert only_spec.fit() is None and only_spec.costs(1) == (0.0, 0.3)  # no plain step to compare with
+    assert choose_k(0.6, 0.05, 4, fixed_cost=0.0) == 4
+    assert choose_k(0.6, 0.05, 4, fixed_cost=2.0) == 0  # a fixed cost that no run of 0.6 pays back

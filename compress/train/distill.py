@@ -280,6 +280,39 @@ def teacher_generate(model_path, records: list[dict[str, Any]], *, max_tokens: i
     ]
 
 
+#: File of a distilled student: its training data's token ids by frequency (the draft's reduced head).
+TOKEN_FREQUENCIES_NAME = "token_frequencies.json"
+
+
+def write_token_frequencies(out_dir: Path, tokenizer, records: list[dict[str, Any]]) -> Path:
+    """Write ``out_dir/token_frequencies.json``: ids of the tokens the student was trained to
+    predict (assistant replies: the dialogs and the teacher's own replies), most frequent first,
+    with their counts and the tokenizer's special ids. A draft model uses it to compute logits
+    for the frequent tokens only (``engine.spec_decode.DraftProposer``).
+    """
+    from collections import Counter
+
+    from compress.data.packing import IGNORE_INDEX, tokenize_record
+
+    counts: Counter[int] = Counter()
+    for record in records:
+        _, labels = tokenize_record(tokenizer, record, 1 << 20)
+        counts.update(t for t in labels if t != IGNORE_INDEX)
+    ranked = counts.most_common()
+    path = Path(out_dir) / TOKEN_FREQUENCIES_NAME
+    path.write_text(
+        json.dumps(
+            {
+                "token_ids": [t for t, _ in ranked],
+                "counts": [c for _, c in ranked],
+                "special_ids": sorted(set(tokenizer.all_special_ids)),
+            }
+        )
+        + "\n"
+    )
+    return path
+
+
 def build_student(teacher, layers: list[int] | None = None, config_overrides: dict[str, Any] | None = None):
     """A student causal LM from ``teacher``.
 
@@ -446,7 +479,18 @@ class DistillRecipe(TrainingRecipe):
             if self.is_main:
                 cache.write_text("".join(json.dumps(r) + "\n" for r in generated))
         self.generated_records = len(generated)
+        self.frequency_records = train + generated
         self.train_data = tokenize_and_pack(self.tokenizer, train + generated, cfg.max_length)
+
+    def save(self) -> Path:
+        """``final/`` as every recipe writes it, plus ``token_frequencies.json`` (``write_token_frequencies``)."""
+        out = super().save()
+        if self.is_main:
+            from compress.data.prepare import read_data_file
+
+            records = getattr(self, "frequency_records", None) or read_data_file(Path(self.config.data) / "train.jsonl")
+            write_token_frequencies(out, self.tokenizer, records)
+        return out
 
     def compute_loss(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor]

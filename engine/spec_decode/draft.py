@@ -8,18 +8,25 @@ tokens the target accepted in the last step), then runs ``k - 1`` single-token d
 requests of the round batched together in every forward. Proposals the target rejects are rolled
 back by lowering the shadow's ``num_computed_tokens`` to the prefix it shares with the target.
 
-``lmforge distill`` output is the default draft of its teacher (``find_distilled_draft``).
+``lmforge distill`` output is the default draft of its teacher (``find_distilled_draft``). Its
+``token_frequencies.json`` (``compress.train.distill.write_token_frequencies``) lets the draft
+compute logits for the ``speculative_draft_vocab_size`` most frequent tokens only: with a small
+model the vocabulary head is a large part of a draft forward (SmolLM2: 49152 x 576 weights, more
+than six of its layers), and a proposal outside that set would rarely be the target's choice.
+The target still verifies over the whole vocabulary, so output is unchanged; a sampling draft's
+``q`` is zero outside the set, which rejection sampling allows.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from compress.checkpoint.store import MANIFEST_NAME, CheckpointError, read_manifest, resolve_checkpoint
 from engine.block_manager import BlockManager
-from engine.model import read_model_spec
+from engine.model import Linear, can_pack_weights, read_model_spec, rms_norm
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -72,13 +79,46 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path, target_tokenizer, ta
         )
 
 
+def read_draft_vocab(draft_dir: Path, size: int | None, vocab_size: int) -> torch.Tensor | None:
+    """``[size]`` sorted token ids of the draft's reduced head, or ``None`` (whole vocabulary).
+
+    The special ids, then the ids of ``token_frequencies.json`` most frequent first, then the
+    lowest ids not yet taken (byte-pair merges are numbered in the order they were learned, so
+    low ids are the common ones) until ``size``. ``None`` when ``size`` is ``None``, covers the
+    vocabulary, or the draft has no such file.
+
+    Raises:
+        CheckpointError: the file exists but is not valid (its path is named).
+    """
+    from compress.train.distill import TOKEN_FREQUENCIES_NAME
+
+    path = draft_dir / TOKEN_FREQUENCIES_NAME
+    if size is None or size >= vocab_size or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        ranked = [int(t) for t in data.get("special_ids", [])] + [int(t) for t in data["token_ids"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{path}: not a valid token frequency file ({exc}); delete it (the draft then uses its whole vocabulary)"
+        ) from exc
+    chosen = dict.fromkeys(t for t in ranked if 0 <= t < vocab_size)
+    for t in range(vocab_size):
+        if len(chosen) >= size:
+            break
+        chosen.setdefault(t)
+    return torch.tensor(sorted(list(chosen)[:size]), dtype=torch.long)
+
+
 class DraftProposer:
     """Proposes with a small model; one shadow sequence per request in its own KV cache.
 
     Args:
         draft_dir: the draft checkpoint (resolved directory).
-        dtype, device, block_size, max_model_len: as the target engine's.
+        dtype: the draft's dtype (``EngineConfig.speculative_draft_dtype``, resolved).
+        device, block_size, max_model_len: as the target engine's.
         num_blocks: blocks in the draft's KV pool.
+        vocab_size: logits for this many frequent tokens only (``read_draft_vocab``); ``None``: all.
 
     Raises:
         ValueError: the draft's context is shorter than ``max_model_len``.
@@ -86,7 +126,14 @@ class DraftProposer:
     """
 
     def __init__(
-        self, draft_dir: Path, dtype: str, device: str, block_size: int, max_model_len: int, num_blocks: int
+        self,
+        draft_dir: Path,
+        dtype: str,
+        device: str,
+        block_size: int,
+        max_model_len: int,
+        num_blocks: int,
+        vocab_size: int | None = None,
     ) -> None:
         spec = read_model_spec(draft_dir)
         if spec.max_position_embeddings < max_model_len:
@@ -97,6 +144,15 @@ class DraftProposer:
         self.path = draft_dir
         self.runner = ModelRunner(draft_dir, dtype, device, block_size, max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
+        self.head_ids = read_draft_vocab(draft_dir, vocab_size, spec.vocab_size)  # [V'] or None
+        self.head = None
+        lm_head = self.runner.model.lm_head
+        if self.head_ids is not None and lm_head.int8_layer is None:
+            weight = lm_head.weight.index_select(0, self.head_ids.to(lm_head.weight.device)).contiguous()
+            self.head = Linear(weight, pack=can_pack_weights(device, self.runner.dtype))  # [V', hidden]
+            self.head_ids = self.head_ids.to(device)
+        else:
+            self.head_ids = None
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Sequence] = {}
         self._synced: dict[str, int] = {}  # request id -> target tokens the shadow last copied
@@ -121,8 +177,17 @@ class DraftProposer:
                     f"{target_dir} was found under {where}; set speculative_model or distill a student first"
                 )
         check_same_tokenizer(target_dir, draft_dir, target_tokenizer, target_vocab_size)
+        from engine.config import resolve_dtype
+
+        dtype = resolve_dtype(config.speculative_draft_dtype, config.device)
         return cls(
-            draft_dir, config.dtype, config.device, config.block_size, config.max_model_len, config.num_kv_blocks
+            draft_dir,
+            dtype,
+            config.device,
+            config.block_size,
+            config.max_model_len,
+            config.num_kv_blocks,
+            config.speculative_draft_vocab_size,
         )
 
     # ---------------------------------------------------------------- proposals
@@ -140,9 +205,7 @@ class DraftProposer:
         first = True
         while active:
             items = [ScheduledSequence(sh, sh.num_uncomputed_tokens if first else 1) for _, sh in active]
-            logits = self.runner.execute(
-                SchedulerOutput(items, sum(it.num_new_tokens for it in items), [])
-            )  # [S, vocab]
+            logits = self._logits(SchedulerOutput(items, sum(it.num_new_tokens for it in items), []))  # [S, V']
             for item in items:
                 item.seq.num_computed_tokens += item.num_new_tokens
             still = []
@@ -158,14 +221,31 @@ class DraftProposer:
             active, first = still, False
         return proposals
 
-    @staticmethod
-    def _draw(row: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
-        """One draft token from ``[vocab]`` logits: argmax for greedy requests, else a draw from ``q``."""
+    @torch.inference_mode()
+    def _logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Float32 logits ``[S, V']`` of the sampled rows: the whole vocabulary, or ``head_ids`` only."""
+        if self.head is None:
+            return self.runner.execute(out)
+        r = self.runner
+        inputs = r.prepare(out)
+        hidden = r.model.forward(inputs.input_ids, inputs.positions, r.kv_cache, r.attn, inputs.attn_metadata)
+        normed = rms_norm(hidden[inputs.logits_index], r.model.norm, r.spec.rms_norm_eps)  # [S, hidden]
+        return self.head(normed).float()
+
+    def _draw(self, row: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
+        """One draft token from ``[V']`` logits: argmax for greedy requests, else a draw from ``q``
+        (returned over the whole vocabulary, zero outside ``head_ids``)."""
         p = seq.params
         if p.greedy:
-            return int(row.argmax()), None
+            index = int(row.argmax())
+            return (index if self.head_ids is None else int(self.head_ids[index])), None
         q = Sampler._probs(row, p.temperature, p.top_k, p.top_p)
-        return int(torch.multinomial(q, 1, generator=seq.generator)), q
+        index = int(torch.multinomial(q, 1, generator=seq.generator))
+        if self.head_ids is None:
+            return index, q
+        full = torch.zeros(self.runner.spec.vocab_size, dtype=q.dtype, device=q.device)
+        full[self.head_ids] = q
+        return int(self.head_ids[index]), full
 
     def _sync(self, seq: Sequence) -> Sequence:
         """The shadow of ``seq`` holding its current tokens; its computed tokens cut to the common prefix."""

@@ -9,13 +9,24 @@ request; ``sample`` turns the step's logits into the new tokens of every sampled
 one token for a plain row, the accepted proposals plus one for a speculative one
 (``rejection.verify_request``). The scheduler then counts only the accepted positions as
 computed and frees blocks that hold only rejected slots.
+
+With ``speculative_adaptive`` (default) each request's k is chosen per step from a cost model
+(``choose_k``): its per-token acceptance so far (``AcceptanceTracker``) against the measured
+cost of speculating (a draft forward and one more verified position per proposed token, plus a
+fixed cost per verifying request, relative to a plain decode step, ``CostModel``). A request
+whose proposals do not pay gets none (k = 0) and is probed with one token after ``PROBE_EVERY``
+steps (twice as long after each rejected probe), so where proposals are not accepted
+speculation costs little more than the rare probe.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -45,6 +56,128 @@ def verifiable(seq) -> bool:
     )
 
 
+#: Pseudo-counts (accepted, rejected) of a request before its first verification: alpha = 2/3.
+ACCEPTANCE_PRIOR = (2.0, 1.0)
+#: Weight of the past in a request's acceptance counts, per verification (recent steps count more).
+ACCEPTANCE_DECAY = 0.9
+#: Steps a request with k = 0 waits before it proposes one token again (to see if it pays now);
+#: the wait doubles after each probe that is rejected, up to ``PROBE_EVERY_MAX``.
+PROBE_EVERY = 8
+PROBE_EVERY_MAX = 64
+#: Verifying one more position, as a fraction of a plain decode step, until ``CostModel`` has measured it.
+VERIFY_PRIOR = 0.05
+#: Weight of the past in the proposer's timing average (``CostModel``).
+COST_DECAY = 0.9
+#: Decode steps ``CostModel`` fits the step time on.
+COST_WINDOW = 64
+#: Every this many steps the speculator proposes nothing (plain steps for ``CostModel``'s fit).
+CALIBRATE_EVERY = 16
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a step emits with ``k`` proposals of per-token acceptance ``alpha``: ``sum_{i<=k} alpha^i``.
+
+    Each proposal is accepted with probability ``alpha`` if all before it were (Leviathan et al.
+    2023, eq. 1, with i.i.d. acceptance); one more token comes from the target.
+    """
+    return sum(alpha**i for i in range(k + 1))
+
+
+def choose_k(alpha: float, cost_per_token: float, k_max: int, fixed_cost: float = 0.0) -> int:
+    """The k in ``0..k_max`` with the most tokens per unit of step time.
+
+    Args:
+        alpha: per-token acceptance rate of the request (0..1).
+        cost_per_token: time one proposed token adds to a step, as a fraction of a plain decode step.
+        k_max: ``num_speculative_tokens`` (or less where the request has no room).
+        fixed_cost: time proposing at all adds (whatever k), as a fraction of a plain decode step.
+    """
+    best_k, best = 0, 1.0
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(alpha, k) / (1.0 + fixed_cost + cost_per_token * k)
+        if rate > best * 1.0001:
+            best_k, best = k, rate
+    return best_k
+
+
+class AcceptanceTracker:
+    """Per-token acceptance of one request: decayed counts of accepted and rejected proposals.
+
+    A verification of ``m`` proposals with ``a`` accepted tested ``a`` acceptances and, when
+    ``a < m``, one rejection (positions after a rejection were not tested), so
+    ``accepted / (accepted + rejected)`` estimates the per-token rate of ``expected_tokens``.
+    """
+
+    def __init__(self) -> None:
+        self.accepted, self.rejected = ACCEPTANCE_PRIOR
+        self.idle_steps = 0
+        self.probe_every = PROBE_EVERY
+        self.probing = False
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, num_proposed: int, num_accepted: int) -> None:
+        if self.probing:
+            self.probing = False
+            self.probe_every = PROBE_EVERY if num_accepted else min(2 * self.probe_every, PROBE_EVERY_MAX)
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
+        self.rejected = ACCEPTANCE_DECAY * self.rejected + (1.0 if num_accepted < num_proposed else 0.0)
+
+
+class CostModel:
+    """What speculating costs, relative to a plain decode step, from measured times.
+
+    * verification: the forward time of the last ``COST_WINDOW`` decode steps fitted (least
+      squares) as ``a + b * tokens + c * speculating``: one more verified position costs ``b``,
+      a request that verifies at all ``c`` (its rows take the multi-token attention path).
+      Every ``CALIBRATE_EVERY``-th step proposes nothing, so plain steps are always in the fit.
+    * proposing: seconds of the proposer per proposed position (a draft forward; ~0 for ngram).
+
+    ``costs(batch)`` gives ``(fixed, per_token)`` as fractions of ``a + b * batch``, a plain step;
+    ``prior`` (per token, no fixed part) until the fit and the proposer have been measured.
+    """
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior
+        self.steps: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=COST_WINDOW)
+        self.propose_s: float | None = None
+
+    def observe_step(self, num_tokens: int, num_speculating: int, seconds: float) -> None:
+        """A decode step's forward pass: ``num_tokens`` tokens (proposals included), of which
+        ``num_speculating`` requests verified proposals, in ``seconds``."""
+        self.steps.append((num_tokens, num_speculating, seconds))
+
+    def observe_propose(self, num_positions: int, seconds: float) -> None:
+        """The proposer took ``seconds`` for ``num_positions`` sequential positions."""
+        if num_positions > 0:
+            per = seconds / num_positions
+            self.propose_s = per if self.propose_s is None else COST_DECAY * self.propose_s + (1 - COST_DECAY) * per
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """``(a, b, c)`` of the step time, or ``None`` without plain and speculative steps among the last ones."""
+        if not self.steps or not any(s == 0 for _, s, _ in self.steps) or all(s == 0 for _, s, _ in self.steps):
+            return None
+        x = np.array([(1.0, n, s) for n, s, _ in self.steps])
+        y = np.array([t for _, _, t in self.steps])
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        mean_n, mean_s, mean_t = x[:, 1].mean(), x[:, 2].mean(), y.mean()
+        b, c = max(float(coef[1]), 0.0), max(float(coef[2]), 0.0)  # costs are never negative
+        a = max(mean_t - b * mean_n - c * mean_s, 0.05 * mean_t)
+        return a, b, c
+
+    def costs(self, batch: int) -> tuple[float, float]:
+        """``(fixed, per_token)``: what a request that speculates, and each token it proposes, add to a
+        step of ``batch`` plain decodes, as fractions of that step."""
+        fit = self.fit()
+        if fit is None or self.propose_s is None:
+            return 0.0, self.prior
+        a, b, c = fit
+        plain = a + b * batch
+        return c / plain, (b + self.propose_s / max(batch, 1)) / plain
+
+
 class Speculator:
     """Proposes, verifies and counts for an engine.
 
@@ -60,6 +193,9 @@ class Speculator:
     def __init__(self, config: EngineConfig, proposer: Proposer) -> None:
         self.config = config
         self.proposer = proposer
+        self.cost = CostModel(prior=0.3 if isinstance(proposer, DraftProposer) else VERIFY_PRIOR)
+        self.tracks: dict[str, AcceptanceTracker] = {}
+        self.num_steps = 0
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -91,13 +227,24 @@ class Speculator:
         if limit is not None and len(running) >= limit:
             return
         seqs, ks = [], []
+        adaptive = self.config.speculative_adaptive
+        if adaptive:
+            self.num_steps += 1
+            if self.num_steps % CALIBRATE_EVERY == 0:
+                return  # a plain step for the cost model
+            fixed, cost = self.cost.costs(len(running))
         for seq in running:
             k = min(self.config.num_speculative_tokens, speculative_room(seq, self.config.max_model_len))
             if seq.num_uncomputed_tokens == 1 and k > 0 and verifiable(seq):
+                if adaptive:
+                    k = self._adapt(seq.request_id, k, cost, fixed)
+                    if k == 0:
+                        continue
                 seqs.append(seq)
                 ks.append(k)
         if not seqs:
             return
+        start = time.perf_counter()
         try:
             proposals = self.proposer.propose(seqs, ks)
         except Exception:  # noqa: BLE001 - speculation is optional; the step decodes without it
@@ -105,8 +252,27 @@ class Speculator:
             for seq in seqs:
                 self.proposer.free(seq.request_id)
             return
+        self.cost.observe_propose(max(ks), time.perf_counter() - start)
         for seq, proposal in zip(seqs, proposals):
             seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
+
+    def _adapt(self, request_id: str, k_max: int, cost: float, fixed: float = 0.0) -> int:
+        """This step's k of a request (``choose_k``); 1 when a switched-off request is due a probe."""
+        track = self.tracks.get(request_id)
+        if track is None:
+            track = self.tracks[request_id] = AcceptanceTracker()
+        k = choose_k(track.alpha, cost, k_max, fixed)
+        if k == 0:
+            track.idle_steps += 1
+            if track.idle_steps >= track.probe_every:
+                track.idle_steps, track.probing, k = 0, True, 1
+        return k
+
+    def observe_step(self, out, seconds: float) -> None:
+        """Time of a step's forward pass (``engine.llm_engine``): decode-only steps feed ``CostModel``."""
+        if out.scheduled and all(item.num_new_tokens == 1 + len(item.spec_token_ids) for item in out.scheduled):
+            speculating = sum(1 for item in out.scheduled if item.spec_token_ids)
+            self.cost.observe_step(out.num_batched_tokens, speculating, seconds)
 
     # ---------------------------------------------------------------- after the forward pass
 
@@ -149,8 +315,12 @@ class Speculator:
             self.num_drafts += 1
             self.num_draft_tokens += m
             self.num_accepted_tokens += verified.num_accepted
+            track = self.tracks.get(seq.request_id)
+            if track is not None:
+                track.update(m, verified.num_accepted)
         return tokens, logprobs
 
     def free(self, request_id: str) -> None:
         """Forget a finished request (the draft's blocks are freed)."""
+        self.tracks.pop(request_id, None)
         self.proposer.free(request_id)
