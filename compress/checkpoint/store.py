@@ -43,6 +43,9 @@ from compress.errors import CheckpointError, UsageError
 #: Files of which a checkpoint needs at least one for ``AutoTokenizer`` (fast, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
+#: File of a distilled student: its training data's token ids by frequency (a speculative draft's reduced head).
+TOKEN_FREQUENCIES_NAME = "token_frequencies.json"
+
 #: ``config.json`` ``model_type`` values the causal-LM stages (engine, fine-tune, quantize) run.
 SUPPORTED_CAUSAL_LM_TYPES = tuple(ARCHITECTURES)
 

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from compress.checkpoint.store import TOKEN_FREQUENCIES_NAME
 from compress.data.packing import tokenize_and_pack, tokenize_record
 from compress.data.prepare import read_data_file
 from compress.data.records import read_jsonl
@@ -278,10 +279,6 @@ def teacher_generate(model_path, records: list[dict[str, Any]], *, max_tokens: i
         for c, o in zip(contexts, outputs)
         if o.outputs[0].text.strip()
     ]
-
-
-#: File of a distilled student: its training data's token ids by frequency (the draft's reduced head).
-TOKEN_FREQUENCIES_NAME = "token_frequencies.json"
 
 
 def write_token_frequencies(out_dir: Path, tokenizer, records: list[dict[str, Any]]) -> Path:

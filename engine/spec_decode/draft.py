@@ -24,7 +24,13 @@ from pathlib import Path
 
 import torch
 
-from compress.checkpoint.store import MANIFEST_NAME, CheckpointError, read_manifest, resolve_checkpoint
+from compress.checkpoint.store import (
+    MANIFEST_NAME,
+    TOKEN_FREQUENCIES_NAME,
+    CheckpointError,
+    read_manifest,
+    resolve_checkpoint,
+)
 from engine.block_manager import BlockManager
 from engine.model import Linear, can_pack_weights, read_model_spec, rms_norm
 from engine.model_runner import ModelRunner
@@ -90,8 +96,6 @@ def read_draft_vocab(draft_dir: Path, size: int | None, vocab_size: int) -> torc
     Raises:
         CheckpointError: the file exists but is not valid (its path is named).
     """
-    from compress.train.distill import TOKEN_FREQUENCIES_NAME
-
     path = draft_dir / TOKEN_FREQUENCIES_NAME
     if size is None or size >= vocab_size or not path.is_file():
         return None
