@@ -40,7 +40,11 @@ COMMANDS: tuple[Command, ...] = (
     Command("data", "compress.data.prepare", "Load, deduplicate, filter and split dialog or text data."),
     Command("finetune", "compress.train.finetune", "Fine-tune a checkpoint (AdamW, warmup+cosine, LoRA optional)."),
     Command("distill", "compress.train.distill", "Distill a teacher checkpoint into a smaller student."),
-    Command("quantize", "compress.quantize.methods", "INT8-quantize a checkpoint (dynamic, llm-int8, onnx-int8)."),
+    Command(
+        "quantize",
+        "compress.quantize.methods",
+        "INT8-quantize a checkpoint (int8-weight-only, w8a8, llm-int8, onnx-int8).",
+    ),
     Command(
         "evaluate", "compress.evaluate.quality", "Compare checkpoints: perplexity, agreement, size, decode latency."
     ),

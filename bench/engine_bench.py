@@ -34,7 +34,7 @@ from bench.engine_backends import BACKENDS, RunSpec
 from bench.peers import NOT_INSTALLED, PeerError, convert_to_gguf, vllm_env
 from bench.workload import WorkloadError, build_workload, single_prompt
 from compress.checkpoint.model_spec import ModelSpec
-from compress.checkpoint.outputs import check_output_file
+from compress.checkpoint.outputs import check_output_file, write_output_file
 from compress.checkpoint.store import CheckpointError, resolve_checkpoint
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
@@ -621,7 +621,7 @@ def run(args: argparse.Namespace) -> int:
 
     report = _report(args, inputs, summary, peers, notes, bound, (load_before, load_after), int8_note, rows, singles)
     report["targets"] = [{"what": w, "measured": v, "target": t, "result": target_result(v, t)} for w, v, t in targets]
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_output_file(args.out, json.dumps(report, indent=2) + "\n", flag="--out")
     print(f"\nwrote {args.out}")
     return 0 if all(r.status != "failed" for r in rows) else 1
 

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from compress.checkpoint.outputs import check_output_file, write_output_file
 from compress.checkpoint.store import resolve_checkpoint
 from deploy.export import export
 from deploy.triton import TritonServer, free_ports
@@ -205,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_tokens < 1 or args.rounds < 1 or any(c < 1 for c in args.concurrency):
         parser.error("--max-tokens, --rounds and --concurrency must be >= 1")
+    if args.out:
+        check_output_file(args.out, flag="--out")  # before the run, not after minutes of it
 
     model = str(resolve_checkpoint(args.model))
     engine_config = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
@@ -224,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_table(engine, triton))
     if args.out:
-        Path(args.out).write_text(
-            json.dumps({"engine": [asdict(r) for r in engine], "triton": [asdict(r) for r in triton]}, indent=2) + "\n"
+        write_output_file(
+            args.out,
+            json.dumps({"engine": [asdict(r) for r in engine], "triton": [asdict(r) for r in triton]}, indent=2) + "\n",
+            flag="--out",
         )
     return 0
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
 from bench.report import read_samples
+from compress.checkpoint.outputs import SERVING_REPORT, check_output_dir
 from compress.checkpoint.store import resolve_checkpoint
 from deploy.triton import free_ports, stop_process
 
@@ -333,7 +334,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, LoadTestError) as exc:
         print(f"error: {exc}")
         return 2
-    out = Path(args.out)
+    if not endpoints and not args.peers:
+        print("error: no endpoint to measure; pass --endpoint (and/or --peers)")
+        return 2
+    out = check_output_dir(args.out, kind=SERVING_REPORT, sources=tuple(p for p in [args.prompts] if p))
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     peers = start_peers(args, out, notes) if args.peers else []

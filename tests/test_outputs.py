@@ -17,7 +17,9 @@ from compress.checkpoint.outputs import (
     OutputDirError,
     check_copy,
     check_output_dir,
+    check_output_file,
     staged_output_dir,
+    write_output_file,
 )
 from compress.checkpoint.store import convert_gguf, named_source_path, read_manifest, resolve_checkpoint
 from compress.quantize.onnx import export_onnx
@@ -247,3 +249,50 @@ def test_a_users_checkpoint_that_lmforge_only_read_is_never_replaced(tiny_llama_
     (tmp_path / "corrupt" / "lmforge.json").write_text("{not json")
     with pytest.raises(OutputDirError, match="corrupt: not empty"):
         check_output_dir(tmp_path / "corrupt")
+
+
+def test_output_files_replace_only_what_lmforge_wrote(tmp_path, precious, monkeypatch, capsys):
+    """``--json`` / ``--out`` files: a user's file, an input or an edited report is never overwritten."""
+    monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path / "cache"))
+    notes = precious / "notes.txt"
+    with pytest.raises(OutputDirError, match="notes.txt: the file exists and was not written by lmforge"):
+        check_output_file(notes, flag="--json")
+    report = tmp_path / "report.json"
+    write_output_file(report, "{}\n", flag="--json")
+    write_output_file(report, '{"again": 1}\n', flag="--json")  # our own, unchanged: replaced
+    assert json.loads(report.read_text()) == {"again": 1}
+    report.write_text('{"edited by hand": true}\n')
+    with pytest.raises(OutputDirError, match="was changed since"):
+        check_output_file(report, flag="--json")
+    link = tmp_path / "link.json"
+    link.symlink_to(notes)
+    with pytest.raises(OutputDirError, match="is a symbolic link"):
+        check_output_file(link, flag="--json")
+    # the reported commands: diagnose onto its own training log, plan onto a checkpoint's config.json
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "split": "train", "loss": 2.0}) + "\n")
+    before = metrics.read_text()
+    assert lmforge_cli.main(["diagnose", str(run_dir), "--json", str(metrics)]) == 2
+    assert "was not written by lmforge" in capsys.readouterr().err
+    assert metrics.read_text() == before
+    assert _kept(precious)
+
+
+def test_bench_serving_refuses_a_foreign_out_before_any_work(precious, capsys):
+    assert (
+        lmforge_cli.main(
+            [
+                "bench",
+                "serving",
+                "--endpoint",
+                "name=x,api=openai,url=http://127.0.0.1:9,model=m",
+                "--out",
+                str(precious),
+            ]
+        )
+        == 2
+    )
+    assert f"{precious}: not empty and not an earlier lmforge serving benchmark directory" in capsys.readouterr().err
+    assert _kept(precious)

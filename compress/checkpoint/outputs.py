@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -92,6 +93,7 @@ DATA = OutputKind("lmforge data directory", ("data_report.json",))
 TRAINING_RUN = OutputKind("lmforge training run", ("run.json",))
 #: One checkpoint of a training run (``compress.train.checkpoints``).
 TRAINING_CHECKPOINT = OutputKind("lmforge training checkpoint", ("trainer_state.json",))
+SERVING_REPORT = OutputKind("lmforge serving benchmark directory", ("serving.json", "serving.md"))
 LOADTEST_REPORT = OutputKind("lmforge load-test report", ("summary.json", "locust.log"))
 DEMO = OutputKind("lmforge demo directory", ("report.json", "data/data_report.json", "finetune/run.json"))
 BENCH_COMPRESSION = OutputKind("lmforge compression benchmark directory", ("compression.json", "dynamic/lmforge.json"))
@@ -221,16 +223,60 @@ def check_copy(source: str | Path, target: str | Path) -> None:
         )
 
 
-def check_output_file(path: str | Path, *, flag: str) -> Path:
-    """Refuse, before the work, an output file path that could not be written afterwards.
-
-    Returns:
-        The absolute path (an existing file there is overwritten, as the flag asks).
+def cache_dir() -> Path:
+    """lmforge's cache: ``$LMFORGE_CACHE`` or ``~/.cache/lmforge`` (created if missing).
 
     Raises:
-        OutputDirError: the path is a directory, or its parent is missing or not a directory.
+        OutputDirError: the path exists and is not a directory, or cannot be created.
     """
-    out = Path(path).expanduser().resolve()
+    root = Path(os.environ.get("LMFORGE_CACHE") or Path.home() / ".cache" / "lmforge")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputDirError(
+            f"cache directory {root} (LMFORGE_CACHE): {exc.strerror or exc}",
+            fix="set LMFORGE_CACHE to a writable directory, or unset it to use ~/.cache/lmforge",
+        ) from exc
+    return root
+
+
+#: Output files lmforge wrote, as ``{absolute path: SHA-256 of the bytes written}`` in the cache:
+#: a later run replaces such a file only while it still holds exactly what lmforge wrote.
+WRITTEN_FILES_NAME = "written_files.json"
+
+
+def _written_files() -> tuple[Path, dict[str, str]]:
+    registry = cache_dir() / WRITTEN_FILES_NAME
+    try:
+        entries = json.loads(registry.read_text()) if registry.is_file() else {}
+    except (OSError, ValueError):
+        entries = {}  # a damaged registry only makes earlier outputs non-replaceable
+    return registry, entries if isinstance(entries, dict) else {}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_output_file(path: str | Path, *, flag: str) -> Path:
+    """Refuse, before the work, an output file path that could not be written, or whose file is not ours.
+
+    An existing file is replaced only when lmforge wrote it (recorded by ``write_output_file``)
+    and nobody changed it since; any other existing file (an input, a training log, a
+    checkpoint's ``config.json``, the user's notes) is refused, so no command overwrites what it
+    did not create.
+
+    Returns:
+        The absolute path.
+
+    Raises:
+        OutputDirError: the path is a directory, a symbolic link, an existing file lmforge did not
+            write, or its parent is missing or not writable.
+    """
+    out = Path(path).expanduser().absolute()
+    if out.is_symlink():
+        raise OutputDirError(f"{flag} {path}: is a symbolic link", fix="pass a plain file path")
+    out = out.resolve()
     if out.is_dir():
         raise OutputDirError(f"{flag} {path}: is a directory", fix="pass a file path, e.g. DIR/results.json")
     if not out.parent.is_dir():
@@ -239,4 +285,38 @@ def check_output_file(path: str | Path, *, flag: str) -> Path:
         )
     if not os.access(out.parent, os.W_OK):
         raise OutputDirError(f"{flag} {path}: the directory {out.parent} is not writable", fix="pass a writable path")
+    if out.exists():
+        _, entries = _written_files()
+        try:
+            ours = entries.get(str(out)) == _sha256(out.read_bytes())
+        except OSError:
+            ours = False
+        if not ours:
+            raise OutputDirError(
+                f"{flag} {path}: the file exists and was not written by lmforge (or was changed since)",
+                fix="pass a new file path, or delete the file yourself if you no longer need it",
+            )
+    return out
+
+
+def write_output_file(path: str | Path, text: str, *, flag: str) -> Path:
+    """Write ``text`` to an output file after ``check_output_file``, atomically, and record it as ours.
+
+    Returns:
+        The absolute path written.
+
+    Raises:
+        OutputDirError: as ``check_output_file``.
+    """
+    out = check_output_file(path, flag=flag)
+    data = text.encode()
+    tmp = out.with_name(f".{out.name}.lmforge-tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, out)
+    registry, entries = _written_files()
+    entries = {p: h for p, h in entries.items() if Path(p).is_file()}
+    entries[str(out)] = _sha256(data)
+    staged = registry.with_name(f".{registry.name}.{os.getpid()}")
+    staged.write_text(json.dumps(entries, indent=0))
+    os.replace(staged, registry)
     return out

@@ -35,6 +35,7 @@ from compress.checkpoint.outputs import (
     IMPORTED_METHOD,
     MANIFEST_NAME,
     TOKENIZER,
+    cache_dir,
     check_output_dir,
     staged_output_dir,
 )
@@ -282,13 +283,6 @@ def check_checkpoint_dir(path: str | Path, *, causal_lm: bool = True) -> dict[st
 # --------------------------------------------------------------------------------------------
 # Resolution and GGUF conversion
 # --------------------------------------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """The checkpoint cache: ``$LMFORGE_CACHE`` or ``~/.cache/lmforge`` (created if missing)."""
-    root = Path(os.environ.get("LMFORGE_CACHE") or Path.home() / ".cache" / "lmforge")
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def named_source_path(name: str) -> Path:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from compress.checkpoint.outputs import check_output_file
+from compress.checkpoint.outputs import check_output_file, write_output_file
 from compress.checkpoint.store import (
     MANIFEST_NAME,
     describe_weights,
@@ -625,5 +625,5 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        write_output_file(args.json, json.dumps(results, indent=2) + "\n", flag="--json")
     return 0

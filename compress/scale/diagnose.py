@@ -17,7 +17,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from compress.checkpoint.outputs import check_output_file
+from compress.checkpoint.outputs import check_output_file, write_output_file
 from compress.data.dedup import MinHashConfig, cross_duplicates
 from compress.data.records import read_jsonl, read_records
 from compress.errors import UsageError
@@ -437,5 +437,5 @@ def run(args: argparse.Namespace) -> int:
     findings = diagnose(args.run_dir)
     print(format_findings(findings))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps([asdict(f) for f in findings], indent=1))
+        write_output_file(args.json_out, json.dumps([asdict(f) for f in findings], indent=1), flag="--json")
     return 0

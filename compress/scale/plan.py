@@ -24,7 +24,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from compress.checkpoint.outputs import check_output_file
+from compress.checkpoint.outputs import check_output_file, write_output_file
 from compress.checkpoint.store import resolve_checkpoint
 from compress.errors import LmforgeError, UsageError
 from compress.scale.comm_model import (
@@ -728,6 +728,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:  # a flag or model shape the plan cannot use (CheckpointError too)
         raise error if isinstance(error, LmforgeError) else UsageError(str(error)) from error
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_output_file(args.json_out, json.dumps(result, indent=1), flag="--json")
     return 0
