@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
@@ -86,22 +87,58 @@ def hf_generate(model_spec: str, prompt: str, *, chat: bool, max_tokens: int) ->
     return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
 
 
+#: ``SamplingParams`` / ``EngineConfig`` fields that a ``generate`` flag of the same name sets.
+FLAG_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "dtype",
+    "max_model_len",
+    "num_threads",
+    "speculative_method",
+    "num_speculative_tokens",
+    "speculative_model",
+)
+
+
+def flag_error(exc: ValueError) -> ValueError:
+    """``exc`` as a ``UsageError`` (exit status 2) naming the ``generate`` flags of the fields it
+    names; ``exc`` itself when it names none (a checkpoint problem, not a flag)."""
+    flags = ["--" + f.replace("_", "-") for f in FLAG_FIELDS if re.search(rf"\b{f}\b", str(exc))]
+    if not flags or isinstance(exc, UsageError):
+        return exc
+    return UsageError(str(exc), fix=f"change {' / '.join(flags)}")
+
+
 def engine_generate(args: argparse.Namespace) -> list[str]:
-    """Completions of ``args.prompt`` with the lmforge engine, one per prompt."""
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
-    )
-    check_device(args.device)
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        num_threads=args.num_threads,
-        speculative_method=args.speculative_method,
-        num_speculative_tokens=args.num_speculative_tokens,
-        speculative_model=args.speculative_model,
-    )
+    """Completions of ``args.prompt`` with the lmforge engine, one per prompt.
+
+    Raises:
+        UsageError: a flag value the sampler or the engine refuses (the flag is named).
+    """
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        )
+        check_device(args.device)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            num_threads=args.num_threads,
+            speculative_method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            speculative_model=args.speculative_model,
+        )
+    except ValueError as exc:
+        raise flag_error(exc) from exc
     start = time.perf_counter()
     outputs = llm.generate(args.prompt, params, chat=args.chat)
     elapsed_s = time.perf_counter() - start

@@ -382,3 +382,13 @@ def test_lora_target_modules_are_checked_against_the_model(tiny_llama_dir, tmp_p
         "q_proj",
         capsys=capsys,
     )
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--top-p", "0"], "--top-p"), (["--max-tokens", "0"], "--max-tokens"), (["--num-threads", "0"], "--num-threads")],
+)
+def test_generate_bad_sampling_and_engine_values_are_usage_errors_naming_the_flag(tiny_llama_dir, flags, named, capsys):
+    assert lmforge_cli.main(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"change {named}" in err and "Traceback" not in err
