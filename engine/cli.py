@@ -9,7 +9,7 @@ import time
 import torch
 
 from compress.checkpoint.store import DEFAULT_MODEL, check_device, load_causal_lm
-from compress.errors import UsageError
+from compress.errors import LmforgeError, UsageError
 from engine import LLM, SamplingParams
 
 
@@ -105,9 +105,9 @@ FLAG_FIELDS = (
 
 def flag_error(exc: ValueError) -> ValueError:
     """``exc`` as a ``UsageError`` (exit status 2) naming the ``generate`` flags of the fields it
-    names; ``exc`` itself when it names none (a checkpoint problem, not a flag)."""
+    names; ``exc`` itself when it names none or is already an lmforge error (a checkpoint problem)."""
     flags = ["--" + f.replace("_", "-") for f in FLAG_FIELDS if re.search(rf"\b{f}\b", str(exc))]
-    if not flags or isinstance(exc, UsageError):
+    if not flags or isinstance(exc, LmforgeError):
         return exc
     return UsageError(str(exc), fix=f"change {' / '.join(flags)}")
 

@@ -254,7 +254,9 @@ def test_cli_generate_uses_the_engine(tiny_llama_dir, capsys):
     )
     hf_text = capsys.readouterr().out.rstrip("\n")
     assert engine_text == hf_text
-    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", prompt, "--top-p", "1.5"]) == 1
+    assert (
+        main(["generate", "--model", str(tiny_llama_dir), "--prompt", prompt, "--top-p", "1.5"]) == 2
+    )  # a usage error, as the README documents
     assert "top_p" in capsys.readouterr().err
 
 
