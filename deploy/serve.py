@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             pid = stop_from_pid_file(args.repo, grace_s=args.grace_s)
         except TritonError as exc:
-            print(f"error: {exc}")
+            print(f"error: {exc}", file=sys.stderr)
             return 1
         print(f"stopped tritonserver (pid {pid})")
         return 0
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             check_ports({"openai": args.openai_port}, args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
         except TritonError as exc:
-            print(f"error: {exc}")
+            print(f"error: {exc}", file=sys.stderr)
             return 1
     try:
         server = TritonServer(
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             grace_s=args.grace_s,
         )
     except TritonError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     # SIGTERM behaves like Ctrl-C: stop the server cleanly.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted; server stopped")
         return 130
     except TritonError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     for name, reason in server.skipped.items():
         print(f"skipped {name}: {reason}")

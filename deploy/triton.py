@@ -239,7 +239,15 @@ def free_ports(count: int = 3, host: str = HOST) -> list[int]:
 
 
 def check_ports(ports: dict[str, int], host: str = HOST) -> None:
-    """Raise ``PortsBusyError`` naming every busy port and the flag that changes it."""
+    """Raise ``PortsBusyError`` naming every busy port and the flag that changes it.
+
+    Raises:
+        UsageError: a port outside 1-65535 (its ``--KIND-port`` flag named).
+        PortsBusyError: a port already in use.
+    """
+    for kind, port in ports.items():
+        if not 1 <= port <= 65535:
+            raise UsageError(f"--{kind}-port {port}: not a TCP port", fix="use a port in 1-65535")
     busy = {kind: port for kind, port in ports.items() if not port_is_free(port, host)}
     if busy:
         listing = ", ".join(f"{kind} {host}:{port}" for kind, port in busy.items())

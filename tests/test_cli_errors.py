@@ -392,3 +392,9 @@ def test_generate_bad_sampling_and_engine_values_are_usage_errors_naming_the_fla
     assert lmforge_cli.main(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and f"change {named}" in err and "Traceback" not in err
+
+
+def test_serve_port_outside_the_tcp_range_is_a_usage_error_on_stderr(capsys):
+    assert lmforge_cli.main(["serve", "--repo", "model_repository", "--openai-port", "99999"]) == 2
+    captured = capsys.readouterr()
+    assert "--openai-port 99999: not a TCP port" in captured.err and captured.out == ""

@@ -569,7 +569,7 @@ def test_serve_foreground_then_stop(tmp_path):
             timeout=60,
             cwd=REPO_ROOT,
         )
-        assert again.returncode == 1 and "already serves" in again.stdout
+        assert again.returncode == 1 and "already serves" in again.stderr
         stop = subprocess.run(
             [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), "--stop"],
             capture_output=True,
