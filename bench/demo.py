@@ -565,15 +565,17 @@ def plot_quality_vs_speed(rows: list[dict], path: Path) -> str | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for r in points:
+    for i, r in enumerate(sorted(points, key=lambda r: r["output_tok_s"])):
         ax.scatter(r["output_tok_s"], r["kl_mean"], s=40)
         ax.annotate(
             f"{r['model']} (ppl {r['perplexity']:.2f})",
             (r["output_tok_s"], r["kl_mean"]),
             textcoords="offset points",
-            xytext=(5, 4),
+            xytext=(0, 7 if i % 2 == 0 else -13),  # centred on the point; neighbours alternate above / below
+            ha="center",
             fontsize=8,
         )
+    ax.margins(x=0.15, y=0.15)  # room for the labels of the outermost points
     ax.set_xlabel("served output tok/s (Triton, Locust)")
     ax.set_ylabel("mean KL(teacher || model), nats")
     ax.set_yscale("symlog", linthresh=1e-3)
