@@ -105,9 +105,9 @@ FLAG_FIELDS = (
 
 def flag_error(exc: ValueError) -> ValueError:
     """``exc`` as a ``UsageError`` (exit status 2) naming the ``generate`` flags of the fields it
-    names; ``exc`` itself when it names none or is already an lmforge error (a checkpoint problem)."""
+    names; ``exc`` itself when it names none or is another lmforge error (a checkpoint problem)."""
     flags = ["--" + f.replace("_", "-") for f in FLAG_FIELDS if re.search(rf"\b{f}\b", str(exc))]
-    if not flags or isinstance(exc, LmforgeError):
+    if not flags or (isinstance(exc, LmforgeError) and not isinstance(exc, UsageError)):
         return exc
     return UsageError(str(exc), fix=f"change {' / '.join(flags)}")
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from compress.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 #: ``/proc/cpuinfo`` flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
@@ -84,7 +86,7 @@ class EngineConfig:
             (``engine.cuda_graphs``); decode batches still run from bucket-padded static buffers.
 
     Raises:
-        ValueError: a field out of range or an inconsistent combination (the message names
+        UsageError (a ValueError): a field out of range or an inconsistent combination (the message names
             the values and the fix).
     """
 
@@ -122,16 +124,16 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
         if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
-            raise ValueError(
+            raise UsageError(
                 f"num_kv_blocks={self.num_kv_blocks} and kv_cache_memory_bytes={self.kv_cache_memory_bytes} "
                 "are both set; give only one of them"
             )
         if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
+            raise UsageError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device={self.device!r}; use 'cpu' or 'cuda' / 'cuda:N'")
+            raise UsageError(f"device={self.device!r}; use 'cpu' or 'cuda' / 'cuda:N'")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
-            raise ValueError(
+            raise UsageError(
                 f"attention_backend={self.attention_backend!r}; use one of {ATTENTION_BACKENDS} or None (by device)"
             )
         if self.max_model_len is not None:
@@ -141,13 +143,13 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         method = self.speculative_method
         if method is not None and method not in SPECULATIVE_METHODS:
-            raise ValueError(
+            raise UsageError(
                 f"speculative_method={method!r}; use one of {SPECULATIVE_METHODS}, or None to turn speculation off"
             )
         if method is None:
             for name in ("num_speculative_tokens", "speculative_model"):
                 if getattr(self, name) is not None:
-                    raise ValueError(
+                    raise UsageError(
                         f"{name}={getattr(self, name)!r} without speculative_method; set "
                         "speculative_method='ngram' or 'draft'"
                     )
@@ -156,9 +158,9 @@ class EngineConfig:
             self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS[method]
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"num_speculative_tokens={k!r}; it must be an integer >= 1 (tokens proposed per step)")
+            raise UsageError(f"num_speculative_tokens={k!r}; it must be an integer >= 1 (tokens proposed per step)")
         if k >= self.max_num_batched_tokens:
-            raise ValueError(
+            raise UsageError(
                 f"num_speculative_tokens={k} >= max_num_batched_tokens={self.max_num_batched_tokens}: a decode of "
                 "1 + k tokens would not fit a step; decrease num_speculative_tokens"
             )
@@ -167,20 +169,20 @@ class EngineConfig:
         if self.speculative_draft_vocab_size is not None:
             _require_positive("speculative_draft_vocab_size", self.speculative_draft_vocab_size)
         if self.speculative_draft_dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
+            raise UsageError(
                 f"speculative_draft_dtype={self.speculative_draft_dtype!r} is not supported; use one of "
                 f"{SUPPORTED_DTYPES}"
             )
         if method == "ngram":
             if self.speculative_model is not None:
-                raise ValueError(
+                raise UsageError(
                     f"speculative_model={self.speculative_model!r} with speculative_method='ngram'; the ngram "
                     "proposer uses no model: drop it or use 'draft'"
                 )
             _require_positive("ngram_prompt_lookup_min", self.ngram_prompt_lookup_min)
             _require_positive("ngram_prompt_lookup_max", self.ngram_prompt_lookup_max)
             if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
-                raise ValueError(
+                raise UsageError(
                     f"ngram_prompt_lookup_min={self.ngram_prompt_lookup_min} > ngram_prompt_lookup_max="
                     f"{self.ngram_prompt_lookup_max}; the shortest n-gram must not exceed the longest"
                 )
@@ -191,16 +193,16 @@ class EngineConfig:
         """Check ``max_model_len`` against the token budget and the KV pool (called again once it is resolved).
 
         Raises:
-            ValueError: a single full-length request could never be scheduled.
+            UsageError (a ValueError): a single full-length request could never be scheduled.
         """
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
-            raise ValueError(
+            raise UsageError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len={max_model_len} with "
                 "enable_chunked_prefill=False: a long prompt could never be scheduled; increase "
                 "max_num_batched_tokens, decrease max_model_len, or enable chunked prefill"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < max_model_len:
-            raise ValueError(
+            raise UsageError(
                 f"num_kv_blocks={self.num_kv_blocks} x block_size={self.block_size} = "
                 f"{self.num_kv_blocks * self.block_size} tokens < max_model_len={max_model_len}: one request "
                 "could not fit; increase num_kv_blocks or decrease max_model_len"
@@ -235,4 +237,4 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def _require_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}; it must be an integer >= 1")
+        raise UsageError(f"{name}={value!r}; it must be an integer >= 1")
