@@ -428,7 +428,7 @@ def test_second_server_on_busy_ports_gets_a_clear_error(server, served_repo, tmp
         timeout=60,
         cwd=REPO_ROOT,
     )
-    assert result.returncode == 1 and "already in use" in result.stdout and "--http-port" in result.stdout
+    assert result.returncode == 1 and "already in use" in result.stderr and "--http-port" in result.stderr
 
 
 ECHO_MODEL = """
@@ -495,7 +495,7 @@ def test_serve_reports_load_failure_reason_and_exits_nonzero(tmp_path):
         cwd=REPO_ROOT,
     )
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "broken: " in result.stdout and "weights missing: run lmforge export first" in result.stdout
+    assert "broken: " in result.stderr and "weights missing: run lmforge export first" in result.stderr
     assert not (repo / "tritonserver.pid").exists()
 
 
@@ -524,7 +524,7 @@ def test_serve_models_flag_refuses_a_missing_model(tmp_path):
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "ready in" not in result.stdout
-    assert f"missing: no model directory {repo / 'missing'}; the repository has: echo" in result.stdout
+    assert f"missing: no model directory {repo / 'missing'}; the repository has: echo" in result.stderr
     assert not (repo / "tritonserver.pid").exists()
 
 
