@@ -254,6 +254,13 @@ def _written_files() -> tuple[Path, dict[str, str]]:
     return registry, entries if isinstance(entries, dict) else {}
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling and a rename, so a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -309,14 +316,9 @@ def write_output_file(path: str | Path, text: str, *, flag: str) -> Path:
         OutputDirError: as ``check_output_file``.
     """
     out = check_output_file(path, flag=flag)
-    data = text.encode()
-    tmp = out.with_name(f".{out.name}.lmforge-tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, out)
+    write_atomic(out, text)
     registry, entries = _written_files()
     entries = {p: h for p, h in entries.items() if Path(p).is_file()}
-    entries[str(out)] = _sha256(data)
-    staged = registry.with_name(f".{registry.name}.{os.getpid()}")
-    staged.write_text(json.dumps(entries, indent=0))
-    os.replace(staged, registry)
+    entries[str(out)] = _sha256(text.encode())
+    write_atomic(registry, json.dumps(entries, indent=0))
     return out

@@ -38,6 +38,7 @@ from compress.checkpoint.outputs import (
     cache_dir,
     check_output_dir,
     staged_output_dir,
+    write_atomic,
 )
 from compress.errors import CheckpointError, UsageError
 
@@ -106,9 +107,7 @@ class Manifest:
 def write_manifest(checkpoint_dir: str | Path, manifest: Manifest) -> Path:
     """Write ``lmforge.json`` atomically (temp file + rename); returns its path."""
     path = Path(checkpoint_dir) / MANIFEST_NAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, path)
+    write_atomic(path, manifest.to_json())
     return path
 
 
