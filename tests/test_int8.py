@@ -6,6 +6,8 @@ from compress.quantize.int8 import (
     W8A8Linear,
     dequantize_weight,
     format_microbench,
+    fused_cpu_kernels,
+    fused_cpu_kernels_reason,
     gemm_microbench,
     int8_linear,
     quantize_per_token,
@@ -53,6 +55,34 @@ def test_w8a8_equals_int8_arithmetic_with_per_token_scales(rows):
     assert layer(x.bfloat16()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="scheme 'int4'"):
         int8_linear("int4", w8, scale)
+
+
+@pytest.fixture
+def aten_path_restored():
+    yield
+    fused_cpu_kernels(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w8a8_fused_cpu_kernel_is_bit_identical_to_the_aten_path(dtype, with_bias, aten_path_restored):
+    if not fused_cpu_kernels():
+        pytest.fail(f"fused w8a8 CPU kernels did not build: {fused_cpu_kernels_reason()}")
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 72), torch.randn(40) if with_bias else None
+    x = (torch.randn(3, 23, 72) * torch.rand(3, 23, 1) * 8).to(dtype)  # [batch, rows, in], rows of varied range
+    x[0, 0] = 0  # an all-zero row takes the 1e-8 scale floor
+    x[1, :, 5] *= 40  # an outlier channel
+    w8, scale = quantize_weight_per_channel(w)
+    layer = W8A8Linear(w8, scale, b)
+    xq_fused, scale_fused = torch.ops.lmforge_int8.quantize_per_token(x.reshape(-1, 72))
+    fused = layer(x)
+    fused_cpu_kernels(False)
+    xq, x_scale = quantize_per_token(x.reshape(-1, 72))
+    aten = layer(x)
+    assert torch.equal(xq_fused, xq) and torch.equal(scale_fused, x_scale)
+    assert fused.dtype == dtype and fused.shape == (3, 23, 40)
+    assert torch.equal(fused, aten)
 
 
 def test_microbench_times_every_variant_and_names_the_fastest():

@@ -28,7 +28,10 @@ INT8 is.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -38,6 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.checkpoint.store import read_safetensors_header
+
+logger = logging.getLogger(__name__)
 
 INT8_WEIGHT_SUFFIX = ".weight_int8"
 INT8_SCALE_SUFFIX = ".weight_scale"
@@ -78,10 +83,82 @@ def dequantize_weight(weight_int8: torch.Tensor, scale: torch.Tensor) -> torch.T
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row INT8 activations: ``x [M, K]`` -> ``(int8 [M, K], float32 scale [M, 1])``."""
+    """Symmetric per-row INT8 activations: ``x [M, K]`` -> ``(int8 [M, K], float32 scale [M, 1])``.
+
+    ``scale = max(max|x_row|, 1e-8) / 127``, ``q = clamp(round(x / scale), -127, 127)`` (round half
+    to even), computed in float32. This is the reference; ``fused_cpu_kernels`` runs the same
+    arithmetic in one C++ pass on CPU.
+    """
     x = x.float()
     scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0  # [M, 1]
     return torch.clamp(torch.round(x / scale), -127, 127).to(torch.int8), scale
+
+
+#: Source of the fused CPU kernels (``lmforge_int8::quantize_per_token`` and ``w8a8_linear``).
+FUSED_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "w8a8_cpu.cpp"
+_fused = {"state": None, "reason": ""}  # state: None = not tried yet, True = loaded, False = unavailable
+_fused_lock = threading.Lock()
+
+
+def fused_cpu_kernels(enable: bool | None = None) -> bool:
+    """Whether ``W8A8Linear`` runs its CPU forward as one fused C++ op; builds it on first call.
+
+    The kernels (``FUSED_KERNEL_SOURCE``) quantize each row in one pass and apply the per-token
+    scale and bias while converting the GEMM's float32 output to the activation dtype, so a layer
+    is one op call instead of about a dozen small ATen kernels; the results are bit-identical to
+    the ATen path. They are compiled with the machine's C++ compiler by
+    ``torch.utils.cpp_extension`` (about 15 s once; cached under ``~/.cache/torch_extensions``,
+    one build per CPU flag set, as it uses ``-march=native``). Without a compiler, or when the
+    build fails, the reason is logged once and the ATen path runs.
+
+    Args:
+        enable: ``False`` forces the ATen path (for comparisons), ``True`` re-enables the fused
+            kernels; ``None`` leaves the setting as it is.
+
+    Returns:
+        True when the fused kernels are loaded and enabled.
+    """
+    with _fused_lock:
+        if enable is False:
+            _fused["state"], _fused["reason"] = False, "disabled by fused_cpu_kernels(False)"
+            return False
+        if enable is True and _fused["reason"].startswith("disabled"):
+            _fused["state"] = None
+        if _fused["state"] is None:
+            _fused["state"] = _load_fused_kernels()
+        return bool(_fused["state"])
+
+
+def _use_fused() -> bool:
+    state = _fused["state"]
+    return fused_cpu_kernels() if state is None else state
+
+
+def fused_cpu_kernels_reason() -> str:
+    """Why the fused kernels are not in use ("" when they are, or were not tried yet)."""
+    return _fused["reason"]
+
+
+def _load_fused_kernels() -> bool:
+    if hasattr(torch.ops, "lmforge_int8") and hasattr(torch.ops.lmforge_int8, "w8a8_linear"):
+        return True  # already loaded in this process
+    try:
+        # heavy: imported only on the path that builds or loads the kernels
+        from torch.utils.cpp_extension import load
+
+        flags = hashlib.sha1(" ".join(cpu_flags()).encode()).hexdigest()[:10]
+        load(
+            name=f"lmforge_w8a8_cpu_{flags}",
+            sources=[str(FUSED_KERNEL_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            is_python_module=False,
+            verbose=False,
+        )
+        return True
+    except Exception as exc:  # no compiler, a failed build or link: every cause means the ATen path
+        _fused["reason"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        logger.warning("w8a8: fused CPU kernels unavailable (%s); running the slower ATen path", _fused["reason"])
+        return False
 
 
 class _Int8Linear(nn.Module):
@@ -144,10 +221,13 @@ class W8A8Linear(_Int8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+        if x2.device.type == "cpu" and self._packed is None:
+            self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
+        if x2.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and _use_fused():
+            y = torch.ops.lmforge_int8.w8a8_linear(x2, self._packed, self.weight_scale, self._zero_points, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
         xq, x_scale = quantize_per_token(x2)  # int8 [M, in], [M, 1]
         if x2.device.type == "cpu":
-            if self._packed is None:
-                self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
             acc = torch.ops.onednn.qlinear_pointwise(
                 xq,
                 1.0,
@@ -234,14 +314,18 @@ def scheme_metadata(scheme: str) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
-def cpu_int8_flags() -> list[str]:
-    """The int8 / bf16 matrix instruction sets this CPU reports in /proc/cpuinfo (Linux)."""
+def cpu_flags() -> list[str]:
+    """Every flag of the first CPU in /proc/cpuinfo (Linux; empty elsewhere)."""
     try:
-        flags = set(
-            next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
-        )
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return []
+    return line.partition(":")[2].split()
+
+
+def cpu_int8_flags() -> list[str]:
+    """The int8 / bf16 matrix instruction sets this CPU reports in /proc/cpuinfo (Linux)."""
+    flags = set(cpu_flags())
     return [f for f in ("avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16") if f in flags]
 
 
