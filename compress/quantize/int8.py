@@ -9,7 +9,8 @@ file's safetensors metadata ``lmforge_int8_scheme`` names how activations are tr
 (``SCHEMES``); files written by the former ``dynamic`` method have no such entry and run as
 ``w8a8`` (their weights are in the same format; activations now get per-token scales).
 
-Schemes (no pickle and no ``torch.ao.nn.quantized``; the kernels are ATen / oneDNN operators):
+Schemes (no pickle and no ``torch.ao.nn.quantized``; the kernels are ATen / oneDNN operators and,
+for ``w8a8`` on CPU, one C++ op of our own, ``fused_cpu_kernels``):
 
 * ``weight-only``: activations stay in bf16 / fp32. Up to ``WEIGHT_ONLY_MAX_ROWS`` rows (decode)
   run ``torch.ops.aten._weight_int8pack_mm``, which reads the int8 weights directly (half the
@@ -19,7 +20,11 @@ Schemes (no pickle and no ``torch.ao.nn.quantized``; the kernels are ATen / oneD
 * ``w8a8``: activations quantized per token at run time, ``s_x = max|x_row| / 127`` (the
   dynamic per-token scheme of ZeroQuant, Yao et al. 2022), and an int8 x int8 -> int32 GEMM:
   ``torch.ops.onednn.qlinear_pointwise`` on CPU (VNNI / AMX int8 where the CPU has them),
-  ``torch._int_mm`` on CUDA. Output = ``acc * s_x * s_w + b``.
+  ``torch._int_mm`` on CUDA. Output = ``acc * s_x * s_w + b``. On CPU the quantization, the
+  GEMM call and the scaling run as one op (``csrc/w8a8_cpu.cpp``, bit-identical to the ATen
+  ops, which remain the fallback). Measured in one process, 1 thread, 64 sequences, SmolLM2:
+  4 decoder linears together 538 us against 1,307 us for the ATen ops and 498 us for packed
+  bf16; the engine's decode step was 1.06x bf16 and 1.16x the ATen path.
 
 ``gemm_microbench`` times these against fp32 and bf16 on given shapes, so ``lmforge quantize``
 and the benchmarks can say which variant is fastest on the CPU at hand instead of assuming
@@ -356,6 +361,8 @@ def gemm_microbench(
             decoder layer's fused qkv, o, gate_up, down times the number of layers, and the LM
             head once); each figure is weighted by ``count``.
         rows: activation rows ``M`` (1 = one decoding sequence, 64 = a batch).
+            ``bf16`` is the engine's CPU path (weights packed for oneDNN), ``w8a8`` the fused
+            kernels where they build (``format_microbench`` says which ran).
         threads: ``torch.set_num_threads`` for the measurement (restored after).
         repeats / number: each figure is the best of ``repeats`` means over ``number`` calls
             (the least disturbed by other processes).
@@ -379,7 +386,7 @@ def gemm_microbench(
             w8, s = quantize_weight_per_channel(w)
             variants = {
                 "fp32": (lambda x, w=w: F.linear(x, w), torch.float32),
-                "bf16": (lambda x, w=w.bfloat16(): F.linear(x, w), torch.bfloat16),
+                "bf16": (_bf16_linear(w), torch.bfloat16),
                 "int8-weight-only": (Int8WeightOnlyLinear(w8, s), torch.bfloat16),
                 "int8-weight-only-fp32": (Int8WeightOnlyLinear(w8, s), torch.float32),
                 "w8a8": (W8A8Linear(w8, s), torch.bfloat16),
@@ -398,6 +405,16 @@ def gemm_microbench(
     finally:
         torch.set_num_threads(previous)
     return results
+
+
+def _bf16_linear(w: torch.Tensor):
+    """The bf16 linear as the engine runs it on CPU: the weight packed once into oneDNN's blocked
+    layout (AMX where the CPU has it), else ``F.linear`` on the plain bf16 weight."""
+    wb = w.bfloat16()
+    if not torch.backends.mkldnn.is_available():
+        return lambda x: F.linear(x, wb)
+    packed = torch.ops.mkldnn._reorder_linear_weight(wb, 64)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def _torchao_variants(w: torch.Tensor) -> dict:
@@ -423,7 +440,12 @@ def _torchao_variants(w: torch.Tensor) -> dict:
 def format_microbench(results: dict[str, dict[str, float]]) -> str:
     """One line per row count: microseconds per variant and the fastest, plus the CPU flags."""
     flags = cpu_int8_flags()
-    lines = [f"GEMM microbench (CPU flags: {', '.join(flags) or 'no VNNI / AMX / AVX-512 BF16'}):"]
+    if _fused["state"]:
+        kernel = "fused C++ op"
+    else:
+        kernel = f"ATen ops ({fused_cpu_kernels_reason() or 'fused kernels not tried'})"
+    flag_text = ", ".join(flags) or "no VNNI / AMX / AVX-512 BF16"
+    lines = [f"GEMM microbench (CPU flags: {flag_text}; w8a8 on CPU: {kernel}):"]
     for rows, times in results.items():
         fastest = min(times, key=times.get)
         cells = "  ".join(f"{k} {v / 1000:.2f} ms" for k, v in times.items())
