@@ -211,9 +211,27 @@ def test_bad_inputs_name_the_field_or_file(tiny_llama_dir, tmp_path, capsys):
                 str(tmp_path / "o"),
             ]
         )
-        == 1
+        == 2
     )
     assert "--threshold: not an option of --method w8a8" in capsys.readouterr().err
+    assert (
+        lmforge_cli.main(
+            [
+                "quantize",
+                "--model",
+                str(tiny_llama_dir),
+                "--method",
+                "w8a8",
+                "--smoothquant-alpha",
+                "7",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
+    assert "smoothquant_alpha=7.0: it must be in [0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
     assert (
         lmforge_cli.main(
             ["quantize", "--model", str(tiny_llama_dir), "--method", "dynamic", "--out", str(tmp_path / "o")]
