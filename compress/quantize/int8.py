@@ -113,8 +113,9 @@ def fused_cpu_kernels(enable: bool | None = None) -> bool:
     is one op call instead of about a dozen small ATen kernels; the results are bit-identical to
     the ATen path. They are compiled with the machine's C++ compiler by
     ``torch.utils.cpp_extension`` (about 15 s once; cached under ``~/.cache/torch_extensions``,
-    one build per CPU flag set, as it uses ``-march=native``). Without a compiler, or when the
-    build fails, the reason is logged once and the ATen path runs.
+    one build per source path and content, torch include paths and CPU flag set, as it uses
+    ``-march=native``). Without a compiler, or when the build fails, the reason is logged once and
+    the ATen path runs.
 
     Args:
         enable: ``False`` forces the ATen path (for comparisons), ``True`` re-enables the fused
@@ -149,13 +150,25 @@ def _load_fused_kernels() -> bool:
         return True  # already loaded in this process
     try:
         # heavy: imported only on the path that builds or loads the kernels
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import include_paths, load
 
-        flags = hashlib.sha1(" ".join(cpu_flags()).encode()).hexdigest()[:10]
+        cflags = ["-O3", "-march=native", "-ffp-contract=off"]
+        # One build directory per source, include paths, flags and CPU: a build made from another
+        # checkout or environment is never rebuilt over (which would cost every user the build again).
+        key = "\n".join(
+            [
+                str(FUSED_KERNEL_SOURCE),
+                FUSED_KERNEL_SOURCE.read_text(),
+                torch.__version__,
+                *include_paths(),
+                *cflags,
+                *cpu_flags(),
+            ]
+        )
         load(
-            name=f"lmforge_w8a8_cpu_{flags}",
+            name=f"lmforge_w8a8_cpu_{hashlib.sha1(key.encode()).hexdigest()[:12]}",
             sources=[str(FUSED_KERNEL_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            extra_cflags=cflags,
             is_python_module=False,
             verbose=False,
         )
