@@ -54,7 +54,11 @@ struct F32Row {
   static inline raw_t store(float f) { return float_to_bits(f); }
 };
 
-inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
+// Rows per task of at::parallel_for: 2^18 elements, so a decode step's rows (64 x 576 .. 64 x 3072) run on the
+// calling thread. These passes take microseconds; an extra parallel region per pass costs more than it saves
+// when the cores are shared (a thread waits for its sibling to be scheduled), as the int8 GEMM already uses
+// every thread.
+inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(cols, 1)); }
 
 template <typename Row>
 void quantize_rows(const typename Row::raw_t* x, int64_t rows, int64_t cols, int8_t* q, float* scale) {
