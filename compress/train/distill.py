@@ -30,9 +30,14 @@ Loss per micro-batch (``distillation_loss``), weights configurable:
   + gamma * mean(1 - cos(h_s, h_t))                               DistilBERT's cosine embedding
                                                                    loss on hidden states
 
-Defaults: logit KL at T = 1 only (``alpha=1, beta=0, gamma=0``). The KL term covers every
-non-padding position; the hidden-state term pairs student layer input i with the teacher layer
-it was copied from (and the final normed outputs). The teacher runs in eval mode under
+Defaults: logit KL at T = 1 plus the cross-entropy on the dialogs' assistant tokens (``alpha=1,
+beta=1, gamma=0``; Hinton et al.'s soft plus hard targets). Measured on SmolLM2-135M, drop:7,
+64 steps: with ``beta=1`` held-out perplexity 1.16x the teacher's (mean KL 0.96, same top-1
+59.8%), with ``beta=0`` 1.76x (KL 0.87, top-1 62.4%): the labels fit the held-out dialogs'
+domain, pure KD agrees more with the teacher (the better draft model). Both terms are taken at
+the positions ``kd_positions`` selects (``scored_positions``); the hidden-state term pairs
+student layer input i with the teacher layer it was copied from (and the final normed outputs)
+on every real token. The teacher runs in eval mode under
 ``torch.no_grad``. The loop, progress bar (with ETA), monitoring, checkpoints and resume are those
 of ``compress.train.loop``, shared with fine-tuning.
 """
@@ -87,11 +92,12 @@ class DistillConfig(TrainConfig):
     """
 
     run_dir: str = "runs/distill"
-    lr: float = 3e-4
-    max_steps: int = 48
+    lr: float = 6e-4
+    max_steps: int = 64
     micro_batch_size: int = 8
     max_length: int = 128
-    student_layers: str = "drop:8"
+    eval_every: int = 0
+    student_layers: str = "drop:7"
     layer_importance: str = "angular"
     calibration_records: int = 32
     generate_records: int = 400
@@ -101,7 +107,7 @@ class DistillConfig(TrainConfig):
     train_embeddings: bool = False
     param_change_every: int = 12
     alpha: float = 1.0
-    beta: float = 0.0
+    beta: float = 1.0
     gamma: float = 0.0
     temperature: float = 1.0
 
@@ -666,7 +672,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also train the token embeddings / LM head (default: kept as the teacher's)",
     )
     parser.add_argument("--alpha", type=float, default=d.alpha, help="weight of T^2 * KL(teacher || student)")
-    parser.add_argument("--beta", type=float, default=d.beta, help="weight of the cross-entropy on labels")
+    parser.add_argument(
+        "--beta",
+        type=float,
+        default=d.beta,
+        help=f"weight of the cross-entropy on the assistant tokens (default {d.beta}; 0: pure KD)",
+    )
     parser.add_argument("--gamma", type=float, default=d.gamma, help="weight of the hidden-state cosine loss")
     parser.add_argument("--temperature", type=float, default=d.temperature)
 
