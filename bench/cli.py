@@ -23,6 +23,10 @@ TARGETS: dict[str, tuple[str, str]] = {
         "bench.compression",
         "INT8 methods vs fp32 (size, perplexity, agreement, decode speed); MiniLM ONNX INT8.",
     ),
+    "student": (
+        "bench.student_speed",
+        "Engine tok/s of a teacher and its distilled students, alternated round by round in one process.",
+    ),
     "reliability": (
         "bench.reliability",
         "Fault soak on tritonserver: bad requests, disconnects, a killed model stub; recovery time.",

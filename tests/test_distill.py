@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compress.data.packing import IGNORE_INDEX
 from compress.data.prepare import DataConfig, prepare
 from compress.train.distill import (
     DistillConfig,
@@ -18,6 +19,7 @@ from compress.train.distill import (
     build_student,
     distillation_loss,
     perplexity_importance,
+    scored_positions,
     select_layers,
 )
 from compress.train.monitor import read_metrics
@@ -104,14 +106,17 @@ def test_distillation_loss_terms():
     logits_t = torch.randn(2, 5, 11)
     logits_s = torch.randn(2, 5, 11)
     labels = torch.randint(0, 11, (2, 5))
+    labels[0, :2] = IGNORE_INDEX  # a prompt: no label
     mask = torch.ones(2, 5, dtype=torch.long)
     mask[1, 3:] = 0
     hidden = torch.randn(2, 5, 8)
     kw = dict(alpha=1.0, beta=0.0, gamma=0.0, temperature=2.0)
-    same, parts = distillation_loss(logits_t, logits_t, labels, mask, **kw)
+    m, targets = scored_positions(labels, mask, "all")
+    assert m.tolist() == mask.bool().tolist() and targets[:, :-1].tolist() == labels[:, 1:].tolist()
+    assert (targets[:, -1] == IGNORE_INDEX).all()
+    same, parts = distillation_loss(logits_t[m], logits_t[m], targets[m], **kw)
     assert same.item() == pytest.approx(0.0, abs=1e-6)
-    loss, parts = distillation_loss(logits_s, logits_t, labels, mask, **kw)
-    m = mask.bool()
+    loss, parts = distillation_loss(logits_s[m], logits_t[m], targets[m], **kw)
     expected = (
         F.kl_div(
             F.log_softmax(logits_s[m] / 2, -1),
@@ -122,22 +127,26 @@ def test_distillation_loss_terms():
         * 4
     )
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    ce_only, parts = distillation_loss(
-        logits_s, logits_t, labels, mask, alpha=0.0, beta=1.0, gamma=0.0, temperature=2.0
-    )
-    assert ce_only.item() == pytest.approx(
-        F.cross_entropy(logits_s[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1)).item(), rel=1e-5
-    )
+    a, a_targets = scored_positions(labels, mask, "assistant")
+    assert a.tolist() == (targets != IGNORE_INDEX).tolist() and not a[0, :1].any() and a[0, 1]
+    ce_expected = F.cross_entropy(logits_s[a], a_targets[a]).item()
+    for temperature in (1.0, 2.0):  # CE from the KL's normaliser (T = 1) or computed on its own
+        ce_only, parts = distillation_loss(
+            logits_s[a], logits_t[a], a_targets[a], alpha=0.0, beta=1.0, gamma=0.0, temperature=temperature
+        )
+        assert ce_only.item() == pytest.approx(ce_expected, rel=1e-5)
+        _, parts = distillation_loss(logits_s[a], logits_t[a], a_targets[a], **{**kw, "temperature": temperature})
+        assert parts["ce_loss"] == pytest.approx(ce_expected, rel=1e-5)  # logged with beta = 0 too
     cos, parts = distillation_loss(
-        logits_s,
-        logits_t,
-        labels,
-        mask,
+        logits_s[m],
+        logits_t[m],
+        targets[m],
         alpha=0.0,
         beta=0.0,
         gamma=1.0,
         temperature=1.0,
         hidden_pairs=[(hidden, hidden), (hidden, -hidden)],
+        hidden_mask=mask.bool(),
     )
     assert cos.item() == pytest.approx((0.0 + 2.0) / 2, rel=1e-5)  # mean over pairs of 1 - cos
 
@@ -190,5 +199,28 @@ def test_distill_run_halves_layers_lowers_loss_resumes_and_loads(teacher_dir, ch
     assert freq["counts"] == sorted(freq["counts"], reverse=True) and freq["counts"][-1] >= 1
     student = AutoModelForCausalLM.from_pretrained(final)
     assert student.config.model_type == "llama" and student.config.num_hidden_layers == 2
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    embed = "model.embed_tokens.weight"  # kept as the teacher's (train_embeddings=False)
+    assert torch.equal(student.state_dict()[embed], teacher.state_dict()[embed])
+    assert not torch.equal(student.model.layers[1].mlp.up_proj.weight, teacher.model.layers[3].mlp.up_proj.weight)
     ids = torch.tensor([[1, 2, 3, 4]])
     assert student(input_ids=ids).logits.shape == (1, 4, student.config.vocab_size)
+
+
+def test_student_speed_alternates_models_round_by_round(teacher_dir, tmp_path):
+    from bench.student_speed import measure
+    from compress.checkpoint.store import make_tiny_llama
+    from compress.errors import UsageError
+
+    student = str(make_tiny_llama(tmp_path / "student", seed=2, num_hidden_layers=2))
+    lines = []
+    figures = measure(
+        [str(teacher_dir), student], rounds=2, requests=2, tokens=3, threads=1, dtype="float32", log=lines.append
+    )
+    assert list(figures) == [str(teacher_dir), student]
+    assert all(
+        len(rows) == 2 and all(r["wall_tok_s"] > 0 and r["cpu_tok_s"] > 0 for r in rows) for rows in figures.values()
+    )
+    assert [line.split(":")[0] for line in lines] == [f"round {r} {p}" for r in (0, 1) for p in figures]
+    with pytest.raises(UsageError, match="rounds=0"):
+        measure([str(teacher_dir)], rounds=0, requests=1, tokens=1, threads=1, dtype="float32")

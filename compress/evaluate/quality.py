@@ -448,10 +448,17 @@ def evaluate_checkpoint(
     reference_tokens: Sequence[Sequence[int]],
     config: EvalConfig,
     reference_logprobs: list | None = None,
+    reference_path: Path | None = None,
 ) -> dict[str, Any]:
-    """All metrics of one loaded checkpoint (see the module docstring)."""
+    """All metrics of one loaded checkpoint (see the module docstring); when it is the
+    reference (``reference_path``) its agreement tokens are ``reference_tokens``."""
     quality = quality_metrics(loaded.model, loaded.tokenizer, records, reference_logprobs, max_length=config.max_length)
-    generated = greedy_tokens(loaded.model, loaded.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens)
+    if reference_path is not None and loaded.path == reference_path:  # it agrees with itself: no second greedy run
+        generated = reference_tokens
+    else:
+        generated = greedy_tokens(
+            loaded.model, loaded.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens
+        )
     size_bytes, num_parameters = checkpoint_size(loaded.path)
     metrics = {
         "kind": loaded.kind,
@@ -515,12 +522,15 @@ def evaluate(
     reference_scores = reference_logprobs(
         loaded_reference.model, loaded_reference.tokenizer, records, max_length=config.max_length
     )
-    del loaded_reference
     results: dict[str, dict[str, Any]] = {}
     for path in paths:
         log(f"evaluating {path} ...")
-        loaded = load_for_eval(path, num_threads=config.num_threads)
-        metrics = evaluate_checkpoint(loaded, records, reference_tokens, config, reference_scores)
+        if path == reference_path and loaded_reference is not None:  # loaded once, greedy tokens reused
+            loaded, loaded_reference = loaded_reference, None
+        else:
+            loaded_reference = None
+            loaded = load_for_eval(path, num_threads=config.num_threads)
+        metrics = evaluate_checkpoint(loaded, records, reference_tokens, config, reference_scores, reference_path)
         del loaded
         metrics.update(
             {
