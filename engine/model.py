@@ -357,10 +357,12 @@ class Model:
             h = layer.down.add(layer.gate_up.silu_mul(x), h)  # [N, intermediate] -> [N, hidden]
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[S, hidden]`` last hidden states -> float32 logits ``[S, vocab]`` (final norm, lm head)."""
+    def compute_logits(self, hidden: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
+        """``[S, hidden]`` last hidden states -> logits ``[S, vocab]`` (final norm, lm head), float32
+        unless ``float_logits=False`` (then in the model dtype, e.g. for an argmax)."""
         hidden = rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits.float() if float_logits else logits
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
