@@ -241,19 +241,20 @@ class TorchAttentionBackend(AttentionBackend):
         outputs = []
         d = metadata.num_decode_tokens
         if metadata.decode is not None:
-            outputs.append(self._decode_attention(q[:d], k_cache, v_cache, metadata.decode))
+            outputs.append(self._decode_attention(q[:d], kv_cache, metadata.decode))
         if metadata.prefill is not None:
-            outputs.append(self._prefill_attention(q[d:], k_cache, v_cache, metadata.prefill))
+            outputs.append(self._prefill_attention(q[d:], kv_cache, metadata.prefill))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """``[num_blocks, bs, kv, hd]`` by ``[B, nb]`` -> ``[B, kv, nb * bs, hd]``."""
+    def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[2, num_blocks, bs, kv, hd]`` by ``[B, nb]`` -> keys and values ``[B, kv, nb * bs, hd]`` (one copy)."""
         b, nb = block_tables.shape
-        block_size = cache.shape[1]
-        rows = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1))  # [B * nb, bs * kv * hd]
-        return rows.view(b, nb * block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        block_size = kv_cache.shape[2]
+        rows = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, block_tables.reshape(-1))  # [2, B * nb, ...]
+        kv = rows.view(2, b, nb * block_size, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        return kv[0], kv[1]
 
-    def _decode_attention(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+    def _decode_attention(self, q, kv_cache, group: AttentionGroup) -> torch.Tensor:
         """Single-token queries against their paged context.
 
         The heads of one KV group act as the query rows (``[D, kv_heads, g, head_dim]``), so K/V
@@ -266,12 +267,10 @@ class TorchAttentionBackend(AttentionBackend):
         d, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kv
         qg = q.view(d, kv, g, hd)  # [D, kv, g, hd]
-        keys = self._gather(k_cache, group.block_tables)  # [D, kv, Tu, hd]
-        values = self._gather(v_cache, group.block_tables)
+        keys, values = self._gather(kv_cache, group.block_tables)  # [D, kv, Tu, hd]
         out, lse = attend(qg, keys, values, group.additive_mask(q.dtype))  # [D, kv, g, hd], [D, kv, g]
         if group.shared_blocks is not None:
-            shared_k = self._shared(k_cache, group)  # [1, kv, Ts, hd]
-            shared_v = self._shared(v_cache, group)
+            shared_k, shared_v = self._shared(kv_cache, group)  # [1, kv, Ts, hd]
             qs = qg.transpose(0, 1).reshape(1, kv, d * g, hd)
             out_s, lse_s = attend(qs, shared_k, shared_v, None)  # [1, kv, D*g, hd], [1, kv, D*g]
             out_s = out_s.view(kv, d, g, hd).transpose(0, 1)
@@ -279,15 +278,16 @@ class TorchAttentionBackend(AttentionBackend):
             out = torch.lerp(out, out_s, weight[..., None].to(out.dtype))
         return out.reshape(d, self.num_heads * hd)
 
-    def _shared(self, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-        """The shared prefix blocks of ``cache`` as ``[1, kv, Ts, hd]`` (a view when they are consecutive)."""
+    def _shared(self, kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the shared prefix blocks, ``[1, kv, Ts, hd]`` each (views if consecutive)."""
         if group.shared_range is not None:
-            blocks = cache[group.shared_range[0] : group.shared_range[1]]
+            blocks = kv_cache[:, group.shared_range[0] : group.shared_range[1]]
         else:
-            blocks = cache.index_select(0, group.shared_blocks)
-        return blocks.view(1, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            blocks = kv_cache.index_select(1, group.shared_blocks)
+        kv = blocks.view(2, 1, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        return kv[0], kv[1]
 
-    def _prefill_attention(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+    def _prefill_attention(self, q, kv_cache, group: AttentionGroup) -> torch.Tensor:
         """Prefill chunks (padded to the longest) against their paged context, causal.
 
         With ``group.shared_blocks`` (the chunks continue one cached prefix) the prefix is read
@@ -295,8 +295,7 @@ class TorchAttentionBackend(AttentionBackend):
         gathered; the two parts are merged by their log-sum-exp as in ``_decode_attention``.
         """
         p, max_q = group.query_index.shape
-        keys = self._gather(k_cache, group.block_tables)  # [P, kv_heads, T, head_dim]
-        values = self._gather(v_cache, group.block_tables)
+        keys, values = self._gather(kv_cache, group.block_tables)  # [P, kv_heads, T, head_dim]
         if group.shared_blocks is None:
             qp = q[group.query_index].transpose(1, 2)  # [P, num_heads, max_q, head_dim]
             out = F.scaled_dot_product_attention(
@@ -311,7 +310,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = out.view(p, kv, max_q, g, hd).transpose(1, 2).reshape(p * max_q, kv, g, hd)[group.output_index]
         lse = lse.view(p, kv, max_q, g).transpose(1, 2).reshape(p * max_q, kv, g)[group.output_index]
         qs = q.view(n, kv, g, hd).transpose(0, 1).reshape(1, kv, n * g, hd)
-        out_s, lse_s = attend(qs, self._shared(k_cache, group), self._shared(v_cache, group), None)
+        out_s, lse_s = attend(qs, *self._shared(kv_cache, group), None)
         out_s = out_s.view(kv, n, g, hd).transpose(0, 1)  # [n, kv, g, hd]
         weight = torch.sigmoid(lse_s.view(kv, n, g).transpose(0, 1) - lse)  # [n, kv, g]
         return torch.lerp(out, out_s, weight[..., None].to(out.dtype)).reshape(n, self.num_heads * hd)

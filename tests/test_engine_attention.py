@@ -43,7 +43,7 @@ def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol):
     metadata = backend.build(common)
     assert metadata.prefill.shared_blocks.tolist() == [7, 8, 9]
     q = torch.randn(sum(lens), num_heads, hd, generator=g).to(dtype)
-    out = backend._prefill_attention(q, k_cache, v_cache, metadata.prefill)  # [N, H * hd]
+    out = backend._prefill_attention(q, torch.stack((k_cache, v_cache)), metadata.prefill)  # [N, H * hd]
     row = 0
     for table, c, n in zip(tables, computed, lens):
         keys = k_cache[table].reshape(-1, num_kv_heads, hd)[: c + n].float().repeat_interleave(3, dim=1)
