@@ -36,6 +36,7 @@ from bench.workload import WorkloadError, build_workload, single_prompt
 from compress.checkpoint.model_spec import ModelSpec
 from compress.checkpoint.outputs import check_output_file, write_output_file
 from compress.checkpoint.store import CheckpointError, resolve_checkpoint
+from compress.errors import UsageError
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
 #: is the faster of the ``llama_cpp_server_*`` rows.
@@ -147,9 +148,9 @@ def parse_configs(text: str) -> list[str]:
     configs = list(dict.fromkeys(c.strip() for c in text.split(",") if c.strip()))
     unknown = [c for c in configs if c not in BACKENDS]
     if unknown:
-        raise ValueError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
+        raise UsageError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
     if not configs:
-        raise ValueError(f"--configs is empty; choose from {', '.join(BACKENDS)}")
+        raise UsageError(f"--configs is empty; choose from {', '.join(BACKENDS)}")
     return configs
 
 
@@ -201,13 +202,21 @@ def parse_engine_args(items: list[str]) -> dict:
     strings).
 
     Raises:
-        ValueError: an item has no ``=``.
+        UsageError: an item has no ``=`` or names no ``EngineConfig`` field.
     """
+    # torch-heavy (engine.config imports torch): imported when the flag is parsed, so --help stays fast
+    from engine.config import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
     parsed = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--engine-arg {item!r}: expected KEY=VALUE, e.g. max_num_seqs=64")
+            raise UsageError(f"--engine-arg {item!r}: expected KEY=VALUE, e.g. max_num_seqs=64")
+        if key not in fields:
+            raise UsageError(
+                f"--engine-arg {item!r}: {key!r} is not an EngineConfig field; use one of {', '.join(sorted(fields))}"
+            )
         try:
             parsed[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -639,9 +648,9 @@ def _load_inputs(args: argparse.Namespace) -> _Inputs:
         args.num_requests, args.max_tokens = SMOKE["num_requests"], SMOKE["max_tokens"]
         args.single_prompt_tokens, args.single_max_tokens = SMOKE["single_prompt_tokens"], SMOKE["single_max_tokens"]
     if args.sequential_requests is not None and args.sequential_requests < 1:
-        raise ValueError(f"--sequential-requests {args.sequential_requests}; it must be >= 1 (or left out for all)")
+        raise UsageError(f"--sequential-requests {args.sequential_requests}; it must be >= 1 (or left out for all)")
     if args.single_max_tokens < 1:
-        raise ValueError(f"--single-max-tokens {args.single_max_tokens}; it must be >= 1")
+        raise UsageError(f"--single-max-tokens {args.single_max_tokens}; it must be >= 1")
     configs = parse_configs(args.configs)
     engine_args = parse_engine_args(args.engine_arg)
     model_dir = resolve_checkpoint(args.model)

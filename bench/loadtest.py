@@ -38,7 +38,7 @@ from bench.prompts import PromptError, load_prompts, render_chat, with_system_pr
 from bench.protocol import OPENAI_PATHS, openai_payload, request_payload
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
 from compress.checkpoint.outputs import LOADTEST_REPORT, check_output_dir
-from compress.errors import LmforgeError
+from compress.errors import LmforgeError, UsageError
 
 LOCUST_PREFIX = "locust"
 CHECK_TIMEOUT_S = 3.0
@@ -49,6 +49,10 @@ PROMPTS_FILE = "prompts.jsonl"
 
 class LoadTestError(LmforgeError, RuntimeError):
     """A load test that cannot start (bad input, server or model not there) or could not run."""
+
+
+class LoadTestConfigError(LoadTestError, UsageError):
+    """A ``LoadTestConfig`` field the user must change (exit status 2); still a ``LoadTestError``."""
 
 
 @dataclass
@@ -136,7 +140,7 @@ class LoadTestConfig:
             ]
         for ok, message in checks:
             if not ok:
-                raise LoadTestError(message)
+                raise LoadTestConfigError(message)
         check_host(self.host)
 
 
@@ -151,7 +155,7 @@ def parse_duration(text: str) -> float:
         return float(text)
     parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", text)
     if not text or parts is None:
-        raise LoadTestError(f"run time {text!r} is not a duration; write e.g. 60s, 2m or 1m30s")
+        raise LoadTestConfigError(f"run time {text!r} is not a duration; write e.g. 60s, 2m or 1m30s")
     hours, minutes, seconds = (float(p) if p else 0.0 for p in parts.groups())
     return hours * 3600 + minutes * 60 + seconds
 
@@ -166,9 +170,9 @@ def check_host(host: str) -> str:
     try:
         port = parsed.port
     except ValueError as exc:  # not a number, or out of 0-65535
-        raise LoadTestError(f"host {host!r}: the port is not a number in 1-65535") from exc
+        raise LoadTestConfigError(f"host {host!r}: the port is not a number in 1-65535") from exc
     if parsed.scheme != "http" or parsed.hostname != "127.0.0.1" or not port:
-        raise LoadTestError(f"host {host!r}: load is only sent to http://127.0.0.1:PORT (the server's HTTP port)")
+        raise LoadTestConfigError(f"host {host!r}: load is only sent to http://127.0.0.1:PORT (the server's HTTP port)")
     return f"http://127.0.0.1:{parsed.port}"
 
 

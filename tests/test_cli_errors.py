@@ -264,7 +264,7 @@ def test_flags_out_of_range_are_usage_errors(tiny_llama_dir, tmp_path, capsys):
     )
     _fails(
         ["loadtest", "--host", "http://127.0.0.1:99999", "--model", "m", "--out", str(tmp_path / "lt")],
-        1,
+        2,
         "the port is not a number in 1-65535",
         capsys=capsys,
     )
@@ -299,7 +299,7 @@ def test_flags_out_of_range_are_usage_errors(tiny_llama_dir, tmp_path, capsys):
             "--out",
             str(tmp_path / "q"),
         ],
-        1,
+        2,
         "device='tpu'",
         capsys=capsys,
     )

@@ -196,6 +196,14 @@ def test_cli_reports_and_rejects_corrupt_logs(tmp_path, capsys):
         diagnose(tmp_path / "missing")
 
 
+def test_a_non_numeric_loss_is_reported_by_line(tmp_path, capsys):
+    records = healthy_records()
+    records[3] = {**records[3], "loss": "high"}
+    run_dir = write_run(tmp_path / "run", records)
+    assert main(["diagnose", str(run_dir)]) == 2
+    assert "metrics.jsonl:4: loss='high'; expected a number (or null)" in capsys.readouterr().err
+
+
 def test_warmup_length_from_finetune_config_or_lr(tmp_path):
     records = healthy_records()
     run = {"train_data": None, "val_data": None, "config": {"warmup_ratio": 0.05, "max_steps": 200}}

@@ -20,6 +20,7 @@ from bench.engine_bench import (
     token_agreement,
 )
 from compress.checkpoint.model_spec import ModelSpec
+from compress.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,8 +75,10 @@ def test_percentile_ratio_agreement():
     assert ratio(10.0, 4.0) == 2.5 and ratio(1.0, 0.0) is None and ratio(None, 1.0) is None
     assert token_agreement([[1, 2], [3, 4]], [[1, 2], [3, 5]]) == 0.5
     assert parse_engine_args(["max_num_seqs=64", "dtype=float32"]) == {"max_num_seqs": 64, "dtype": "float32"}
-    with pytest.raises(ValueError, match="KEY=VALUE"):
+    with pytest.raises(UsageError, match="KEY=VALUE"):
         parse_engine_args(["max_num_seqs"])
+    with pytest.raises(UsageError, match="'bogus' is not an EngineConfig field; use one of .*max_num_seqs"):
+        parse_engine_args(["bogus=3"])
 
 
 def test_summary_ratios_bound_per_dtype_and_targets():

@@ -267,8 +267,9 @@ def test_bad_input_fails_before_the_run():
     host = f"http://127.0.0.1:{_free_port()}"
     with pytest.raises(LoadTestError, match="cannot reach a Triton server"):
         preflight(LoadTestConfig(host=host, model="m"))
-    with pytest.raises(LoadTestError, match="users=0"):
+    with pytest.raises(LoadTestError, match="users=0") as refused:
         preflight(LoadTestConfig(host=host, model="m", users=0))
+    assert refused.value.exit_code == 2  # a flag to change: a usage error
     with pytest.raises(LoadTestError, match="max_tokens"):
         preflight(LoadTestConfig(host=host, model="m", max_tokens=0))
     with pytest.raises(LoadTestError, match="max_users"):

@@ -192,35 +192,16 @@ def test_bad_inputs_name_the_field_or_file(tiny_llama_dir, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="model.safetensors.*weight_int8"):
         load_int8_model(tiny_llama_dir)
     assert not (tmp_path / "out").exists()
-    assert (
-        lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "int4", "--out", str(tmp_path / "o")])
-        == 2
-    )
-    assert "--method 'int4'" in capsys.readouterr().err
-    assert (
-        lmforge_cli.main(
-            [
-                "quantize",
-                "--model",
-                str(tiny_llama_dir),
-                "--method",
-                "w8a8",
-                "--threshold",
-                "5",
-                "--out",
-                str(tmp_path / "o"),
-            ]
-        )
-        == 1
-    )
-    assert "--threshold: not an option of --method w8a8" in capsys.readouterr().err
-    assert (
-        lmforge_cli.main(
-            ["quantize", "--model", str(tiny_llama_dir), "--method", "dynamic", "--out", str(tmp_path / "o")]
-        )
-        == 2
-    )
-    assert "use --method w8a8" in capsys.readouterr().err
+    out = str(tmp_path / "o")
+    for flags, needle in [
+        (["--method", "int4"], "--method 'int4'"),
+        (["--method", "w8a8", "--threshold", "5"], "--threshold: not an option of --method w8a8"),
+        (["--method", "w8a8", "--smoothquant-alpha", "7"], "smoothquant_alpha=7.0: it must be in [0, 1]"),
+        (["--method", "dynamic"], "use --method w8a8"),
+    ]:
+        assert lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), *flags, "--out", out]) == 2, flags
+        assert needle in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.integration

@@ -74,7 +74,7 @@ WEIGHTS_NAME = "model.safetensors"
 
 def _check_skip_modules(skip_modules: tuple[str, ...]) -> None:
     if isinstance(skip_modules, str) or not all(isinstance(s, str) and s for s in skip_modules):
-        raise ValueError(f"skip_modules={skip_modules!r}: must be a tuple of non-empty module names, e.g. ('lm_head',)")
+        raise UsageError(f"skip_modules={skip_modules!r}: must be a tuple of non-empty module names, e.g. ('lm_head',)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +136,11 @@ class W8A8Config:
         _check_smoothing(self.smoothquant_alpha, self.calibration_records)
         grid = self.smoothquant_alpha_grid
         if grid is not None and (isinstance(grid, str) or not grid or any(not 0.0 <= a <= 1.0 for a in grid)):
-            raise ValueError(f"smoothquant_alpha_grid={grid!r}: must be a non-empty tuple of alphas in [0, 1]")
+            raise UsageError(f"smoothquant_alpha_grid={grid!r}: must be a non-empty tuple of alphas in [0, 1]")
         if self.float_units < 0:
-            raise ValueError(f"float_units={self.float_units}: must be >= 0 (0: every linear layer in INT8)")
+            raise UsageError(f"float_units={self.float_units}: must be >= 0 (0: every linear layer in INT8)")
         if self.sensitivity_records < 1:
-            raise ValueError(f"sensitivity_records={self.sensitivity_records}: must be >= 1")
+            raise UsageError(f"sensitivity_records={self.sensitivity_records}: must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,9 +161,9 @@ class LlmInt8Config:
     def __post_init__(self) -> None:
         _check_skip_modules(self.skip_modules)
         if not self.threshold > 0:
-            raise ValueError(f"threshold={self.threshold}: must be > 0 (6.0 in the LLM.int8() paper)")
+            raise UsageError(f"threshold={self.threshold}: must be > 0 (6.0 in the LLM.int8() paper)")
         if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"device={self.device!r}: use 'cpu' or 'cuda' ('cuda:N')")
+            raise UsageError(f"device={self.device!r}: use 'cpu' or 'cuda' ('cuda:N')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +210,12 @@ class OnnxInt8MethodConfig:
 
 def _check_smoothing(alpha: float | None, calibration_records: int) -> None:
     if alpha is not None and not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"smoothquant_alpha={alpha}: must be in [0, 1] (or None to disable SmoothQuant)")
+        raise UsageError(
+            f"smoothquant_alpha={alpha}: it must be in [0, 1] (0.5 in the SmoothQuant paper); change "
+            "--smoothquant-alpha, or pass --no-smoothquant"
+        )
     if calibration_records < 1:
-        raise ValueError(f"calibration_records={calibration_records}: must be >= 1")
+        raise UsageError(f"calibration_records={calibration_records}: it must be >= 1")
 
 
 def calibration_batches(tokenizer, *, data: str | None, num_records: int, max_length: int = 256):
@@ -370,7 +373,7 @@ class Int8Quantizer:
             seen.add(tensor.data_ptr())
             state[key] = tensor.detach().float().contiguous() if tensor.is_floating_point() else tensor.contiguous()
         if not quantized:
-            raise ValueError(f"skip_modules={self.config.skip_modules!r} leaves no linear layer to quantize")
+            raise UsageError(f"skip_modules={self.config.skip_modules!r} leaves no linear layer to quantize")
         return state
 
     def quantize(self, checkpoint: str | Path, output_dir: str | Path) -> Path:
@@ -644,14 +647,14 @@ def make_quantizer(method: str, **config: Any) -> Quantizer:
         ValueError: unknown method, unknown config field, or an invalid value (names the field).
     """
     if method == "dynamic":
-        raise ValueError(REPLACED_DYNAMIC)
+        raise UsageError(REPLACED_DYNAMIC)
     if method not in METHODS:
-        raise ValueError(f"method={method!r} is not supported; use one of {sorted(METHODS)}")
+        raise UsageError(f"method={method!r} is not supported; use one of {sorted(METHODS)}")
     quantizer_cls, config_cls = METHODS[method]
     fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(config) - fields)
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for method {method!r}; its fields are {sorted(fields)}")
+        raise UsageError(f"unknown option(s) {unknown} for method {method!r}; its fields are {sorted(fields)}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
     return quantizer_cls(config_cls(**values))
 
@@ -772,13 +775,13 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     given = {k: v for k, v in options.items() if v is not None}
     if args.no_smoothquant:
         if args.smoothquant_alpha is not None or args.smoothquant_alpha_grid:
-            raise ValueError("--no-smoothquant and --smoothquant-alpha(-grid): pass one of them")
+            raise UsageError("--no-smoothquant and --smoothquant-alpha(-grid): pass one of them")
         given["smoothquant_alpha"] = None
     fields = {f.name for f in dataclasses.fields(METHODS[args.method][1])} if args.method in METHODS else set(given)
     wrong = sorted(set(given) - fields)
     if wrong:
         flags = ", ".join("--" + k.replace("_", "-") for k in wrong)
-        raise ValueError(f"{flags}: not an option of --method {args.method}")
+        raise UsageError(f"{flags}: not an option of --method {args.method}")
     return given
 
 

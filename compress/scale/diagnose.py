@@ -67,12 +67,20 @@ class RunLog:
         return [(r["step"], float(r[key])) for r in self.train if isinstance(r.get(key), (int, float))]
 
 
+#: Fields of a metrics line that must be numbers when present (NaN / null allowed: a skipped step).
+NUMERIC_FIELDS = ("loss", "lr", "grad_norm", "data_wait_s", "compute_s")
+
+
 def _metrics_record(record: object, source: str, line: int) -> dict:
     """The ``Schema`` (``compress.data.records``) of a ``metrics.jsonl`` line."""
     if not isinstance(record, dict) or "step" not in record or record.get("split") not in ("train", "val"):
         raise RunDirError(f"{source}:{line}: expected an object with 'step' and 'split' of train/val")
     if not isinstance(record["step"], int) or isinstance(record["step"], bool) or record["step"] < 0:
         raise RunDirError(f"{source}:{line}: step={record['step']!r}; expected an integer >= 0")
+    for key in NUMERIC_FIELDS:
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise RunDirError(f"{source}:{line}: {key}={value!r}; expected a number (or null)")
     return record
 
 
