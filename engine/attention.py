@@ -12,8 +12,9 @@ needs: query start offsets, context lengths, the padded block table, slot mappin
 
 ``TorchAttentionBackend`` (CPU, and any device torch runs on): decodes (one query token each,
 they come first in the batch) form one group whose blocks shared by every request are read once
-(cascade attention), prefill chunks (padded to the longest chunk) another, one
-``scaled_dot_product_attention`` call per layer with a causal mask. No Python loop over
+(cascade attention), prefill chunks (padded to the longest chunk) another, causal: when the
+chunks continue one cached prefix (a shared system prompt) that prefix is read once for all
+their queries as well, and only each chunk's own blocks are gathered. No Python loop over
 requests runs inside the layer loop.
 """
 
@@ -103,14 +104,17 @@ class AttentionGroup:
 
     Attributes:
         block_tables: ``[B, max_blocks]`` physical block ids (padded with block 0).
-        mask: ``[B, 1, Q, T]`` bool, True where query may attend key (T = max_blocks * block_size).
+        mask: ``[B, 1, Q, T]`` bool, True where query may attend key (T = max_blocks * block_size);
+            with ``shared_blocks`` in a prefill group ``[B, 1, Q * g, T]``, one row per query head
+            of a KV group (row ``t * g + j``: head ``j`` of query ``t``).
         query_index: ``[B, Q]`` rows of the group's flat queries (padding repeats row 0 of the
             request), ``None`` for decodes (Q = 1, rows in order).
         output_index: ``[n]`` rows of the flattened ``[B * Q]`` output that are real tokens,
             ``None`` for decodes.
-        shared_blocks: ``[C]`` leading blocks common to every request of a decode group (a shared
+        shared_blocks: ``[C]`` leading blocks common to every request of the group (a shared
             prompt prefix); read once for all, ``block_tables`` and ``mask`` then start at block C.
-            Every request keeps at least its newest key outside them.
+            Every request keeps at least its newest key outside them (a prefill group shares
+            only blocks computed before the step).
         shared_range: ``(first, last + 1)`` when ``shared_blocks`` are consecutive ids (read as a view).
     """
 
@@ -192,9 +196,10 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill_group(self, common: CommonAttentionMetadata) -> AttentionGroup:
         d = common.num_decodes
         device = common.positions.device
+        bs = common.block_size
         lengths = common.query_lens_cpu[d:]
         max_q = max(lengths)
-        num_blocks = -(-max(common.seq_lens_cpu[d:]) // common.block_size)
+        num_blocks = -(-max(common.seq_lens_cpu[d:]) // bs)
         first_row = common.query_start_loc[d]
         starts = common.query_start_loc[d:-1] - first_row  # [P] first row of each chunk
         positions = common.positions[first_row:]
@@ -204,8 +209,26 @@ class TorchAttentionBackend(AttentionBackend):
         query_index = torch.where(valid, starts[:, None] + offsets[None, :], starts[:, None])  # [P, max_q]
         query_pos = positions[query_index]  # [P, max_q]
         output_index = valid.reshape(-1).nonzero().squeeze(1)  # [n_prefill]
-        mask = self._key_mask(query_pos, num_blocks * common.block_size)
-        return AttentionGroup(common.block_table[d:, :num_blocks], mask, query_index, output_index)
+        tables = common.block_table[d:, :num_blocks]
+        shared = 0
+        if len(lengths) > 1 and self.sliding_window is None:
+            computed = [c - q for c, q in zip(common.seq_lens_cpu[d:], lengths)]
+            shared = common_prefix_blocks(tables, min(computed) // bs)  # blocks every chunk attends in full
+        mask = self._key_mask(query_pos, num_blocks * bs, first_key=shared * bs)  # [P, 1, max_q, T]
+        if not shared:
+            return AttentionGroup(tables, mask, query_index, output_index)
+        shared_blocks = tables[0, :shared]
+        first, last = int(shared_blocks[0]), int(shared_blocks[-1])
+        consecutive = last - first == shared - 1 and bool((shared_blocks.diff() == 1).all())
+        g = self.num_heads // self.num_kv_heads
+        return AttentionGroup(
+            tables[:, shared:],
+            mask.repeat_interleave(g, dim=2),  # [P, 1, max_q * g, T]: row t * g + j is head j of query t
+            query_index,
+            output_index,
+            shared_blocks=shared_blocks,
+            shared_range=(first, last + 1) if consecutive else None,
+        )
 
     # ------------------------------------------------------------ kernels
 
@@ -218,19 +241,20 @@ class TorchAttentionBackend(AttentionBackend):
         outputs = []
         d = metadata.num_decode_tokens
         if metadata.decode is not None:
-            outputs.append(self._decode_attention(q[:d], k_cache, v_cache, metadata.decode))
+            outputs.append(self._decode_attention(q[:d], kv_cache, metadata.decode))
         if metadata.prefill is not None:
-            outputs.append(self._prefill_attention(q[d:], k_cache, v_cache, metadata.prefill))
+            outputs.append(self._prefill_attention(q[d:], kv_cache, metadata.prefill))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """``[num_blocks, bs, kv, hd]`` by ``[B, nb]`` -> ``[B, kv, nb * bs, hd]``."""
+    def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[2, num_blocks, bs, kv, hd]`` by ``[B, nb]`` -> keys and values ``[B, kv, nb * bs, hd]`` (one copy)."""
         b, nb = block_tables.shape
-        block_size = cache.shape[1]
-        rows = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1))  # [B * nb, bs * kv * hd]
-        return rows.view(b, nb * block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        block_size = kv_cache.shape[2]
+        rows = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, block_tables.reshape(-1))  # [2, B * nb, ...]
+        kv = rows.view(2, b, nb * block_size, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        return kv[0], kv[1]
 
-    def _decode_attention(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+    def _decode_attention(self, q, kv_cache, group: AttentionGroup) -> torch.Tensor:
         """Single-token queries against their paged context.
 
         The heads of one KV group act as the query rows (``[D, kv_heads, g, head_dim]``), so K/V
@@ -243,12 +267,10 @@ class TorchAttentionBackend(AttentionBackend):
         d, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kv
         qg = q.view(d, kv, g, hd)  # [D, kv, g, hd]
-        keys = self._gather(k_cache, group.block_tables)  # [D, kv, Tu, hd]
-        values = self._gather(v_cache, group.block_tables)
+        keys, values = self._gather(kv_cache, group.block_tables)  # [D, kv, Tu, hd]
         out, lse = attend(qg, keys, values, group.additive_mask(q.dtype))  # [D, kv, g, hd], [D, kv, g]
         if group.shared_blocks is not None:
-            shared_k = self._shared(k_cache, group)  # [1, kv, Ts, hd]
-            shared_v = self._shared(v_cache, group)
+            shared_k, shared_v = self._shared(kv_cache, group)  # [1, kv, Ts, hd]
             qs = qg.transpose(0, 1).reshape(1, kv, d * g, hd)
             out_s, lse_s = attend(qs, shared_k, shared_v, None)  # [1, kv, D*g, hd], [1, kv, D*g]
             out_s = out_s.view(kv, d, g, hd).transpose(0, 1)
@@ -256,24 +278,42 @@ class TorchAttentionBackend(AttentionBackend):
             out = torch.lerp(out, out_s, weight[..., None].to(out.dtype))
         return out.reshape(d, self.num_heads * hd)
 
-    def _shared(self, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-        """The shared prefix blocks of ``cache`` as ``[1, kv, Ts, hd]`` (a view when they are consecutive)."""
+    def _shared(self, kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the shared prefix blocks, ``[1, kv, Ts, hd]`` each (views if consecutive)."""
         if group.shared_range is not None:
-            blocks = cache[group.shared_range[0] : group.shared_range[1]]
+            blocks = kv_cache[:, group.shared_range[0] : group.shared_range[1]]
         else:
-            blocks = cache.index_select(0, group.shared_blocks)
-        return blocks.view(1, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            blocks = kv_cache.index_select(1, group.shared_blocks)
+        kv = blocks.view(2, 1, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        return kv[0], kv[1]
 
-    def _prefill_attention(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+    def _prefill_attention(self, q, kv_cache, group: AttentionGroup) -> torch.Tensor:
+        """Prefill chunks (padded to the longest) against their paged context, causal.
+
+        With ``group.shared_blocks`` (the chunks continue one cached prefix) the prefix is read
+        once and attended by every real query in one call, and only each chunk's own blocks are
+        gathered; the two parts are merged by their log-sum-exp as in ``_decode_attention``.
+        """
         p, max_q = group.query_index.shape
-        qp = q[group.query_index].transpose(1, 2)  # [P, num_heads, max_q, head_dim]
-        keys = self._gather(k_cache, group.block_tables)  # [P, kv_heads, T, head_dim]
-        values = self._gather(v_cache, group.block_tables)
-        out = F.scaled_dot_product_attention(
-            qp, keys, values, attn_mask=group.mask, enable_gqa=True
-        )  # [P, H, max_q, hd]
-        out = out.transpose(1, 2).reshape(p * max_q, self.num_heads * self.head_dim)
-        return out[group.output_index]
+        keys, values = self._gather(kv_cache, group.block_tables)  # [P, kv_heads, T, head_dim]
+        if group.shared_blocks is None:
+            qp = q[group.query_index].transpose(1, 2)  # [P, num_heads, max_q, head_dim]
+            out = F.scaled_dot_product_attention(
+                qp, keys, values, attn_mask=group.mask, enable_gqa=True
+            )  # [P, H, max_q, hd]
+            out = out.transpose(1, 2).reshape(p * max_q, self.num_heads * self.head_dim)
+            return out[group.output_index]
+        n, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
+        g = self.num_heads // kv
+        qp = q[group.query_index].view(p, max_q, kv, g, hd).transpose(1, 2).reshape(p, kv, max_q * g, hd)
+        out, lse = attend(qp, keys, values, group.additive_mask(q.dtype))  # [P, kv, max_q*g, hd], [P, kv, max_q*g]
+        out = out.view(p, kv, max_q, g, hd).transpose(1, 2).reshape(p * max_q, kv, g, hd)[group.output_index]
+        lse = lse.view(p, kv, max_q, g).transpose(1, 2).reshape(p * max_q, kv, g)[group.output_index]
+        qs = q.view(n, kv, g, hd).transpose(0, 1).reshape(1, kv, n * g, hd)
+        out_s, lse_s = attend(qs, *self._shared(kv_cache, group), None)
+        out_s = out_s.view(kv, n, g, hd).transpose(0, 1)  # [n, kv, g, hd]
+        weight = torch.sigmoid(lse_s.view(kv, n, g).transpose(0, 1) - lse)  # [n, kv, g]
+        return torch.lerp(out, out_s, weight[..., None].to(out.dtype)).reshape(n, self.num_heads * hd)
 
 
 def attend(

@@ -226,11 +226,12 @@ class StaticDecodeModelRunner(ModelRunner):
         torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Decode steps that fit a bucket run from the static buffers; the rest as ``ModelRunner.execute``."""
+    def execute(self, out: SchedulerOutput, float_logits: bool = True) -> torch.Tensor:
+        """Decode steps that fit a bucket run from the static buffers (float32 logits); the rest as
+        ``ModelRunner.execute``."""
         batch = bucket_for(len(out.scheduled), self.sizes) if is_decode_step(out) else None
         if batch is None:
-            return super().execute(out)
+            return super().execute(out, float_logits)
         n = self.staging.fill(out, batch)
         if batch in self.graphs:
             graph, logits = self.graphs[batch]

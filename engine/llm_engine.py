@@ -335,10 +335,13 @@ class LLMEngine:
             and the logprobs entries of those tokens.
         """
         start = time.perf_counter()
-        logits = self.runner.execute(out)  # [R, vocab]: 1 row per sampling item, 1 + m per speculative one
+        items = [item for item in out.scheduled if item.samples]
+        greedy = self.speculator is None and Sampler.is_plain_greedy([item.seq for item in items])
+        logits = self.runner.execute(
+            out, float_logits=not greedy
+        )  # [R, vocab]: 1 row per sampling item, 1 + m per speculative one
         if self.speculator is not None:
             self.speculator.observe_step(out, time.perf_counter() - start)
-        items = [item for item in out.scheduled if item.samples]
         if self.speculator is not None:
             new_tokens, new_logprobs = self.speculator.sample(self.sampler, logits, items)
         else:

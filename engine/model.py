@@ -114,6 +114,11 @@ class Linear:
     does) and every call runs ``mkldnn._linear_pointwise`` on it, so no call re-packs the
     weight; in bf16 that uses AMX tiles where the CPU has them. ``weight`` keeps the plain
     tensor (shared with the embedding when the lm head is tied).
+
+    ``add`` (residual) and ``silu_mul`` (SwiGLU) run the element-wise work after the GEMM as
+    oneDNN post-ops on packed weights (computed on the float accumulator before the one rounding
+    to ``dtype``), and as separate ops otherwise. A layer made with ``gated=True`` holds
+    ``[gate; up]`` (``[2 * intermediate, in]``) and is packed as its two halves for ``silu_mul``.
     """
 
     def __init__(
@@ -123,18 +128,49 @@ class Linear:
         int8_layer=None,
         dtype=None,
         pack: bool = False,
+        gated: bool = False,
     ):
         self.weight, self.bias, self.int8_layer, self.dtype = weight, bias, int8_layer, dtype
         self.packed = None
+        self.packed_halves = None  # (gate, up, gate bias, up bias) of a packed gated layer
+        self.input_scaled = False  # an RMSNorm weight is folded into the columns (WeightLoader.linear)
         if pack and weight is not None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+            if gated:
+                gate, up = weight.chunk(2)
+                biases = (None, None) if bias is None else bias.chunk(2)
+                self.packed_halves = (
+                    reorder(gate.contiguous(), PACK_BATCH_HINT),
+                    reorder(up.contiguous(), PACK_BATCH_HINT),
+                ) + tuple(None if b is None else b.contiguous() for b in biases)
+            else:
+                self.packed = reorder(weight, PACK_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed_halves is not None:
+            gate, up, gate_bias, up_bias = self.packed_halves
+            linear = torch.ops.mkldnn._linear_pointwise
+            return torch.cat((linear(x, gate, gate_bias, "none", [], ""), linear(x, up, up_bias, "none", [], "")), -1)
         return F.linear(x, self.weight, self.bias)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``; ``residual`` is ``[N, out]`` in the output dtype."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+        return residual + self(x)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a ``[gate; up]`` layer: ``[N, in] -> [N, intermediate]``."""
+        if self.packed_halves is not None:
+            gate, up, gate_bias, up_bias = self.packed_halves
+            linear = torch.ops.mkldnn._linear_pointwise
+            return linear.binary(x, linear(x, gate, gate_bias, "swish", [], ""), up, up_bias, "mul")
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -180,8 +216,17 @@ class WeightLoader:
     def is_int8(self, prefix: str) -> bool:
         return prefix + INT8_WEIGHT_SUFFIX in self.tensors
 
-    def linear(self, prefixes: list[str], bias: bool = False) -> Linear:
-        """One linear layer whose output concatenates those of ``prefixes`` (e.g. q, k, v)."""
+    def linear(
+        self, prefixes: list[str], bias: bool = False, gated: bool = False, input_scale: str | None = None
+    ) -> Linear:
+        """One linear layer whose output concatenates those of ``prefixes`` (e.g. q, k, v).
+
+        Args:
+            gated: the layer is ``[gate; up]`` of a SwiGLU MLP (``Linear.silu_mul``).
+            input_scale: name of a ``[in]`` RMSNorm weight that feeds this layer. Packed float
+                layers fold it into their columns (``W * g``, one rounding from the stored
+                weights), and ``Linear.input_scaled`` says so: the norm then only normalizes.
+        """
         biases = torch.cat([self.tensor(p + ".bias") for p in prefixes]) if bias else None
         if all(self.is_int8(p) for p in prefixes) and self.device == "cpu":
             w8 = torch.cat([self.tensors[p + INT8_WEIGHT_SUFFIX] for p in prefixes])  # [sum(out), in]
@@ -191,23 +236,31 @@ class WeightLoader:
                 int8_layer=int8_linear(self.int8_scheme, w8, scale, None if biases is None else biases.float()),
                 dtype=self.dtype,
             )
-        weights = [self._float_weight(p) for p in prefixes]
-        return Linear(torch.cat(weights).contiguous(), biases, pack=self.pack)
+        fold = self.pack and input_scale is not None
+        weights = [self._float_weight(p, self.tensors[input_scale] if fold else None) for p in prefixes]
+        layer = Linear(torch.cat(weights).contiguous(), biases, pack=self.pack, gated=gated)
+        layer.input_scaled = fold
+        return layer
 
-    def _float_weight(self, prefix: str) -> torch.Tensor:
+    def _float_weight(self, prefix: str, input_scale: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_int8(prefix):
             w = dequantize_weight(self.tensors[prefix + INT8_WEIGHT_SUFFIX], self.tensors[prefix + INT8_SCALE_SUFFIX])
-            return w.to(device=self.device, dtype=self.dtype)
-        return self.tensor(prefix + ".weight")
+        elif input_scale is None:
+            return self.tensor(prefix + ".weight")
+        else:
+            w = self.tensors[prefix + ".weight"].float()
+        if input_scale is not None:
+            w = w * input_scale.float()
+        return w.to(device=self.device, dtype=self.dtype)
 
 
 @dataclasses.dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor | None  # [hidden]; None when folded into qkv (``Linear.input_scaled``)
     qkv: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
     o: Linear  # num_heads * head_dim -> hidden
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # hidden -> 2 * intermediate
+    post_norm: torch.Tensor | None  # [hidden]; None when folded into gate_up
+    gate_up: Linear  # hidden -> 2 * intermediate ([gate; up])
     down: Linear  # intermediate -> hidden
 
 
@@ -215,15 +268,20 @@ def load_layers(loader: WeightLoader, spec: ModelSpec) -> list[LayerWeights]:
     layers = []
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
+        input_norm, post_norm = p + "input_layernorm.weight", p + "post_attention_layernorm.weight"
+        qkv = loader.linear(
+            [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"],
+            bias=spec.qkv_bias,
+            input_scale=input_norm,
+        )
+        gate_up = loader.linear([p + "mlp.gate_proj", p + "mlp.up_proj"], gated=True, input_scale=post_norm)
         layers.append(
             LayerWeights(
-                input_norm=loader.tensor(p + "input_layernorm.weight"),
-                qkv=loader.linear(
-                    [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"], bias=spec.qkv_bias
-                ),
+                input_norm=None if qkv.input_scaled else loader.tensor(input_norm),
+                qkv=qkv,
                 o=loader.linear([p + "self_attn.o_proj"]),
-                post_norm=loader.tensor(p + "post_attention_layernorm.weight"),
-                gate_up=loader.linear([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+                post_norm=None if gate_up.input_scaled else loader.tensor(post_norm),
+                gate_up=gate_up,
                 down=loader.linear([p + "mlp.down_proj"]),
             )
         )
@@ -294,21 +352,27 @@ class Model:
             q, k = qk[:, :num_heads], qk[:, num_heads:]
             v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, s.head_dim)
             out = attn.forward(q, k, v, kv_cache[layer_idx], attn_metadata)  # [N, q_size]
-            h = h + layer.o(out)
+            h = layer.o.add(out, h)
             x = rms_norm(h, layer.post_norm, eps)
-            gate_up = layer.gate_up(x)  # [N, 2 * intermediate]
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = layer.down.add(layer.gate_up.silu_mul(x), h)  # [N, intermediate] -> [N, hidden]
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[S, hidden]`` last hidden states -> float32 logits ``[S, vocab]`` (final norm, lm head)."""
+    def compute_logits(self, hidden: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
+        """``[S, hidden]`` last hidden states -> logits ``[S, vocab]`` (final norm, lm head), float32
+        unless ``float_logits=False`` (then in the model dtype, e.g. for an argmax)."""
         hidden = rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits.float() if float_logits else logits
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 as Hugging Face Llama does."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 as Hugging Face Llama does.
+
+    ``weight=None`` (folded into the next layer) only normalizes, in torch's fused kernel: the
+    same float32 sum of squares and one rounding to ``x.dtype``.
+    """
+    if weight is None:
+        return F.rms_norm(x, (x.shape[-1],), None, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

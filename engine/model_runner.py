@@ -145,10 +145,11 @@ class ModelRunner:
     # ------------------------------------------------------------ forward
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step; return float32 logits ``[S, vocab]`` of the sampled rows (in ``out.scheduled`` order)."""
+    def execute(self, out: SchedulerOutput, float_logits: bool = True) -> torch.Tensor:
+        """Run one step; return logits ``[S, vocab]`` of the sampled rows (in ``out.scheduled`` order), float32
+        unless ``float_logits=False`` (the model dtype: enough for greedy picks, and no copy of the whole row)."""
         inputs = self.prepare(out)
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_cache, self.attn, inputs.attn_metadata
         )  # [N, hidden]
-        return self.model.compute_logits(hidden[inputs.logits_index])  # [S, vocab]
+        return self.model.compute_logits(hidden[inputs.logits_index], float_logits)  # [S, vocab]

@@ -36,8 +36,13 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int] | None = None) -> None:
         self.eos_token_ids = set(eos_token_ids or ())
 
+    @staticmethod
+    def is_plain_greedy(seqs: list[Sequence]) -> bool:
+        """Every request takes the argmax of unchanged logits without logprobs (any logits dtype will do)."""
+        return all(s.params.greedy and not s.params.changes_logits and s.params.logprobs is None for s in seqs)
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        if all(s.params.greedy and not s.params.changes_logits and s.params.logprobs is None for s in seqs):
+        if self.is_plain_greedy(seqs):
             # max(dim).indices is the first maximum, as argmax, but vectorised on CPU (~4x faster on [64, 49152])
             return SampleResult(logits.max(dim=-1).indices.tolist(), [None] * len(seqs))
         logits = self.process_logits(logits, seqs)

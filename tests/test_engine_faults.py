@@ -107,11 +107,11 @@ def test_fault_in_model_fails_only_that_steps_requests(llm, tiny_llama_dir, monk
     original = engine.runner.execute
     calls = {"n": 0}
 
-    def execute_failing_once(out):
+    def execute_failing_once(out, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:  # the first decode step of the two running requests
             raise RuntimeError("injected fault")
-        return original(out)
+        return original(out, **kwargs)
 
     monkeypatch.setattr(engine.runner, "execute", execute_failing_once)
     for i, p in enumerate(prompts[:3]):  # max_num_seqs=2: the third waits, outside the failing step
@@ -201,5 +201,5 @@ def test_every_step_failing_kills_the_engine_and_async_reports_it(tiny_llama_dir
         asyncio.run(collect(engine, prompts[1], "after"))
 
 
-def _raise(out):
+def _raise(out, **kwargs):
     raise RuntimeError("injected fault")

@@ -1,0 +1,55 @@
+"""The CPU paged-attention backend on prefill chunks that continue a shared cached prefix.
+
+Such chunks take the cascade path (the prefix read once for every query, merged by log-sum-exp
+with each chunk's own blocks); they must equal attention computed directly over each request's
+contiguous keys.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import CommonAttentionMetadata, TorchAttentionBackend
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    bs, num_heads, num_kv_heads, hd, shared = 4, 6, 2, 16, 3
+    computed = [12, 14, 12, 13]  # cached tokens before each chunk; the first 3 blocks are common
+    lens = [5, 1, 9, 3]
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, hd)
+    k_cache = torch.randn(40, bs, num_kv_heads, hd, generator=g).to(dtype)
+    v_cache = torch.randn(40, bs, num_kv_heads, hd, generator=g).to(dtype)
+    tables, next_block = [], 20
+    for c, n in zip(computed, lens):
+        own = -(-(c + n) // bs) - shared
+        tables.append([7, 8, 9] + list(range(next_block, next_block + own)))
+        next_block += own + 1
+    width = max(map(len, tables))
+    seq_lens = [c + n for c, n in zip(computed, lens)]
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()),
+        seq_lens=torch.tensor(seq_lens),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.zeros(sum(lens), dtype=torch.long),
+        positions=torch.cat([torch.arange(c, c + n) for c, n in zip(computed, lens)]),
+        query_lens_cpu=lens,
+        seq_lens_cpu=seq_lens,
+        num_decodes=0,
+        block_size=bs,
+    )
+    metadata = backend.build(common)
+    assert metadata.prefill.shared_blocks.tolist() == [7, 8, 9]
+    q = torch.randn(sum(lens), num_heads, hd, generator=g).to(dtype)
+    out = backend._prefill_attention(q, torch.stack((k_cache, v_cache)), metadata.prefill)  # [N, H * hd]
+    row = 0
+    for table, c, n in zip(tables, computed, lens):
+        keys = k_cache[table].reshape(-1, num_kv_heads, hd)[: c + n].float().repeat_interleave(3, dim=1)
+        values = v_cache[table].reshape(-1, num_kv_heads, hd)[: c + n].float().repeat_interleave(3, dim=1)
+        scores = torch.einsum("qhd,thd->hqt", q[row : row + n].float(), keys) * hd**-0.5
+        causal = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
+        ref = torch.einsum("hqt,thd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), values)
+        torch.testing.assert_close(out[row : row + n].float(), ref.reshape(n, -1), atol=tol, rtol=tol)
+        row += n
