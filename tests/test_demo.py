@@ -47,7 +47,7 @@ def test_demo_smoke_runs_every_stage_and_stops_the_server(tiny_llama_dir, tmp_pa
     assert rows["fp32"]["kl_mean"] == 0 and rows["fp32"]["same_top1"] == 1.0  # the fine-tuned teacher is the reference
     assert rows["student"]["kl_mean"] > 0
     assert (out / "quality_vs_speed.png").stat().st_size > 0 and report["plot"] == str(out / "quality_vs_speed.png")
-    for label in rows:
+    for label in [*rows, "whole_stack"]:
         run_dir = out / "loadtest" / label
         for name in ("summary.json", "samples.jsonl", "locust_stats.csv", "ttft_cdf.png", "e2e_cdf.png"):
             assert (run_dir / name).stat().st_size > 0, name
@@ -56,26 +56,23 @@ def test_demo_smoke_runs_every_stage_and_stops_the_server(tiny_llama_dir, tmp_pa
     assert baseline["hf_generate_tok_s"] > 0
     assert baseline["factor"] == pytest.approx(baseline["best_served_tok_s"] / baseline["hf_generate_tok_s"])
     assert "whole stack vs HF generate" in printed
+    assert baseline["best_served"] == "whole_stack" and baseline["best_served_users"] == 2  # student + INT8
+    assert report["config"]["int8_method"] == "w8a8"
     assert _servers_on(out / "model_repository") == []
 
 
 def test_demo_stops_at_the_failing_stage(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "demo"
-    status = main(
-        [
-            "demo",
-            "--smoke",
-            "--model",
-            str(tiny_llama_dir),
-            "--out",
-            str(out),
-            "--data",
-            str(tmp_path / "missing.jsonl"),
-        ]
-    )
+    demo = ["demo", "--smoke", "--model", str(tiny_llama_dir), "--out", str(out)]
+    assert main([*demo, "--data", str(tmp_path / "missing.jsonl")]) == 2  # refused before any stage
+    assert "--data " + str(tmp_path / "missing.jsonl") + ": not found" in capsys.readouterr().err
+    assert not out.exists()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    status = main([*demo, "--data", str(broken)])
     err = capsys.readouterr().err
     assert status == 1
-    assert "stage 'data' failed" in err and "missing.jsonl" in err
+    assert "stage 'data' failed" in err and "broken.jsonl" in err
     stages = json.loads((out / "report.json").read_text())["stages"]
     assert [(s["name"], s["status"]) for s in stages] == [("load", "done"), ("data", "failed")]
 
