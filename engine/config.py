@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from compress.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
+from compress.quantize.int8 import cpu_flags  # /proc/cpuinfo flags (also decide the INT8 kernels)
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -211,18 +212,6 @@ class EngineConfig:
     def replace(self, **changes: Any) -> "EngineConfig":
         """A validated copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """Feature flags of the first CPU in ``cpuinfo`` (empty where the file does not exist)."""
-    try:
-        text = open(cpuinfo, encoding="utf-8").read()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

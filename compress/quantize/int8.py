@@ -162,7 +162,7 @@ def _load_fused_kernels() -> bool:
                 torch.__version__,
                 *include_paths(),
                 *cflags,
-                *cpu_flags(),
+                *sorted(cpu_flags()),
             ]
         )
         load(
@@ -333,18 +333,21 @@ def scheme_metadata(scheme: str) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
-def cpu_flags() -> list[str]:
-    """Every flag of the first CPU in /proc/cpuinfo (Linux; empty elsewhere)."""
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """Feature flags of the first CPU in ``cpuinfo`` (empty where the file does not exist)."""
     try:
-        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return line.partition(":")[2].split()
+        text = Path(cpuinfo).read_text(encoding="utf-8")
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def cpu_int8_flags() -> list[str]:
     """The int8 / bf16 matrix instruction sets this CPU reports in /proc/cpuinfo (Linux)."""
-    flags = set(cpu_flags())
+    flags = cpu_flags()
     return [f for f in ("avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16") if f in flags]
 
 
