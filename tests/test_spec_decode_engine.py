@@ -363,3 +363,25 @@ def test_bad_token_frequency_file_names_its_path(target_dir, noisy_draft_dir, tm
     (draft / "token_frequencies.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="token_frequencies.json"):
         spec_llm(target_dir, "draft", draft)
+
+
+def test_bf16_speculative_engine_takes_the_plain_argmax_path(target_dir, prompts):
+    """In bf16, greedy steps of a speculative engine take the argmax of the model-dtype logits as a plain
+    engine does (no float32 copy), and with every step switched off (batch size) its tokens are exactly the
+    plain engine's: same forward, same picks. bf16 differences elsewhere come only from the batch shapes."""
+    bf16 = dict(CONFIG, dtype="bfloat16")
+    want = tokens(LLM(str(target_dir), **bf16).generate(prompts["untied"], GREEDY))
+    off = spec_llm(target_dir, "ngram", dtype="bfloat16", speculative_disable_by_batch_size=1)
+    on = spec_llm(target_dir, "ngram", dtype="bfloat16")
+    seen: list[bool] = []
+    for llm in (off, on):
+        execute = llm.engine.runner.execute
+        llm.engine.runner.execute = lambda out, float_logits=True, execute=execute: (
+            seen.append(float_logits) or execute(out, float_logits)
+        )
+    assert tokens(off.generate(prompts["untied"], GREEDY)) == want
+    assert off.engine.get_stats().spec_decode_num_drafts_total == 0
+    on.generate(prompts["untied"], GREEDY)
+    assert on.engine.get_stats().spec_decode_num_accepted_tokens_total > 0
+    assert seen and not any(seen)
+    check_all_freed(on)

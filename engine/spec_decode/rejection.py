@@ -112,7 +112,7 @@ def verify_request(
     then temperature, top-k, top-p.
 
     Args:
-        logits: ``[m + 1, vocab]`` float32 target logits at the last accepted token and the
+        logits: ``[m + 1, vocab]`` target logits (float32; the model dtype for plain greedy) at the last accepted token and the
             ``m`` proposals.
         seq: the ``Sequence`` (its params, tokens and generator).
         proposal: the ``m`` proposed tokens.

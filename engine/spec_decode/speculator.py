@@ -281,7 +281,8 @@ class Speculator:
 
         Args:
             sampler: the engine's ``Sampler`` (plain rows, batched).
-            logits: ``[R, vocab]`` float32, ``item.num_sampled_rows`` consecutive rows per item.
+            logits: ``[R, vocab]``, ``item.num_sampled_rows`` consecutive rows per item; float32, or the
+                model dtype when every item is plain greedy (``Sampler.is_plain_greedy``: argmax only).
             items: the step's ``ScheduledSequence``s that sample, in ``out.scheduled`` order.
 
         Returns:
