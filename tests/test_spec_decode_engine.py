@@ -385,3 +385,28 @@ def test_bf16_speculative_engine_takes_the_plain_argmax_path(target_dir, prompts
     assert on.engine.get_stats().spec_decode_num_accepted_tokens_total > 0
     assert seen and not any(seen)
     check_all_freed(on)
+
+
+def test_ngram_corpus_gives_same_tokens(target_dir, prompts, reference, tmp_path):
+    """ngram with a corpus holding the continuations of half the prompts (and noise): tokens unchanged."""
+    from engine.spec_decode import NgramCorpus
+
+    g = torch.Generator().manual_seed(3)
+    seqs = [p + r for p, r in zip(prompts["untied"][::2], reference["untied"][::2])]
+    noise = [torch.randint(3, 49000, (40,), generator=g).tolist() for _ in range(4)]
+    own = spec_llm(target_dir, "ngram", ngram_prompt_lookup_min=2)
+    llm = spec_llm(target_dir, "ngram", ngram_prompt_lookup_min=2)
+    llm.engine.proposer.corpus = NgramCorpus(seqs + noise)
+    for engine in (own, llm):
+        assert tokens(engine.generate(prompts["untied"], GREEDY)) == reference["untied"]
+        check_all_freed(engine)
+    stats = llm.engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+    assert stats.spec_decode_num_accepted_tokens_total > own.engine.get_stats().spec_decode_num_accepted_tokens_total
+
+
+def test_ngram_corpus_file_is_read_by_the_engine(target_dir, tmp_path):
+    corpus = tmp_path / "replies.jsonl"
+    corpus.write_text('{"text": "one two three four five six"}\n')
+    llm = spec_llm(target_dir, "ngram", speculative_ngram_corpus=str(corpus))
+    assert len(llm.engine.proposer.corpus) > 0

@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine import EngineConfig
-from engine.spec_decode import NgramProposer, rejection_sample, verify_greedy
+from engine.spec_decode import NgramCorpus, NgramProposer, rejection_sample, verify_greedy
 from engine.spec_decode.speculator import AcceptanceTracker, CostModel, choose_k, expected_tokens
 
 VOCAB = 6
@@ -37,6 +37,44 @@ def test_ngram_prefers_longer_match_over_later_short_one():
     ngram = NgramProposer(min_n=1, max_n=3)
     tokens = [1, 2, 3, 40, 41, 9, 3, 50, 1, 2, 3]
     assert ngram.propose_tokens(tokens, 2) == [40, 41]  # (1, 2, 3) beats the later (3) -> 50
+
+
+def test_ngram_corpus_chains_the_most_frequent_continuation_of_the_longest_match():
+    corpus = NgramCorpus([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [9, 2, 3, 7, 8], [6, 3, 7]], max_n=3)
+    # (2, 3) -> 4 twice, 7 once; then (2, 3, 4) -> 5; (3, 4, 5) is unknown, and so is (4, 5): stop
+    assert corpus.propose_tokens([0, 2, 3], 4) == [4, 5]
+    assert corpus.propose_tokens([9, 2, 3], 1) == [7]  # the 3-gram (9, 2, 3) beats the 2-gram's majority
+    assert corpus.propose_tokens([0, 0, 3], 2) == []  # 1-grams are never looked up in a corpus
+    assert corpus.propose_tokens([6, 3], 3) == [7, 8]  # (6, 3) -> 7, then (3, 7) -> 8 of another record
+    assert NgramCorpus([[1, 2, 5], [1, 2, 6], [1, 2, 6]]).propose_tokens([1, 2], 1) == [6]
+
+
+def test_ngram_with_corpus_tries_own_long_matches_then_the_corpus_then_own_single_tokens():
+    corpus = NgramCorpus([[7, 8, 30, 31], [5, 6, 40]], max_n=3)
+    ngram = NgramProposer(min_n=1, max_n=3, corpus=corpus)
+    assert ngram.propose_tokens([7, 8, 20, 21, 7, 8], 2) == [20, 21]  # own 2-gram (7, 8) first
+    assert ngram.propose_tokens([1, 7, 8], 2) == [30, 31]  # no own match: the corpus
+    assert ngram.propose_tokens([4, 9, 4], 2) == [9, 4]  # neither: own 1-gram (4)
+    assert NgramProposer(min_n=2, max_n=3, corpus=corpus).propose_tokens([4, 9, 4], 2) == []
+
+
+def test_ngram_corpus_from_jsonl_reads_records_and_names_bad_files(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from compress.errors import UsageError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    good = tmp_path / "replies.jsonl"
+    good.write_text('{"text": "the cat sat on the mat and the cat sat down"}\n')
+    corpus = NgramCorpus.from_jsonl(good, tokenizer)
+    ids = tokenizer("the cat sat on the mat and the cat sat down").input_ids
+    assert corpus.propose_tokens(ids[:2], 3) == ids[2:5]
+    with pytest.raises(UsageError, match="speculative_ngram_corpus=.*missing.jsonl.*not found"):
+        NgramCorpus.from_jsonl(tmp_path / "missing.jsonl", tokenizer)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(UsageError, match="bad.jsonl:2"):
+        NgramCorpus.from_jsonl(bad, tokenizer)
 
 
 def test_verify_greedy_keeps_matching_prefix_then_the_argmax():
@@ -107,6 +145,8 @@ def test_rejection_sampling_checks_shapes():
         (dict(num_speculative_tokens=3), "without speculative_method"),
         (dict(speculative_model="x"), "without speculative_method"),
         (dict(speculative_method="ngram", speculative_model="x"), "uses no model"),
+        (dict(speculative_method="draft", speculative_ngram_corpus="c.jsonl"), "serves the ngram proposer"),
+        (dict(speculative_ngram_corpus="c.jsonl"), "without speculative_method"),
         (
             dict(speculative_method="ngram", ngram_prompt_lookup_min=3, ngram_prompt_lookup_max=2),
             "ngram_prompt_lookup_min=3",

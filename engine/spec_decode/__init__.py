@@ -7,12 +7,13 @@ and sampled output has the target's distribution.
 """
 
 from engine.spec_decode.draft import DraftProposer, check_same_tokenizer, find_distilled_draft
-from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.ngram import NgramCorpus, NgramProposer
 from engine.spec_decode.proposer import Proposal, Proposer
 from engine.spec_decode.rejection import VerifyResult, rejection_sample, verify_greedy, verify_request
 
 __all__ = [
     "DraftProposer",
+    "NgramCorpus",
     "NgramProposer",
     "Proposal",
     "Proposer",

@@ -32,7 +32,7 @@ import torch
 from engine.config import EngineConfig
 from engine.scheduler import speculative_room
 from engine.spec_decode.draft import DraftProposer
-from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.ngram import NgramCorpus, NgramProposer
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.rejection import verify_request
 
@@ -205,12 +205,18 @@ class Speculator:
         """The speculator of ``config`` (``None`` when ``speculative_method`` is ``None``).
 
         Raises:
-            ValueError: a draft with another tokenizer, too short a context, or none found.
+            ValueError: a draft with another tokenizer, too short a context, or none found; a bad
+                ``speculative_ngram_corpus`` (``NgramCorpus.from_jsonl``).
         """
         if config.speculative_method is None:
             return None
         if config.speculative_method == "ngram":
-            return cls(config, NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max))
+            corpus = None
+            if config.speculative_ngram_corpus is not None:
+                corpus = NgramCorpus.from_jsonl(
+                    config.speculative_ngram_corpus, tokenizer, config.ngram_prompt_lookup_max
+                )
+            return cls(config, NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max, corpus))
         draft = DraftProposer.for_target(
             config, target_dir, tokenizer, vocab_size, [Path.cwd() / "runs", target_dir.parent]
         )
