@@ -26,6 +26,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_ops import paged_decode_attention
+
 
 @dataclasses.dataclass
 class CommonAttentionMetadata:
@@ -116,6 +118,8 @@ class AttentionGroup:
             Every request keeps at least its newest key outside them (a prefill group shares
             only blocks computed before the step).
         shared_range: ``(first, last + 1)`` when ``shared_blocks`` are consecutive ids (read as a view).
+        seq_lens: ``[B]`` int64 keys of each request in ``block_tables`` (its context length less the
+            shared blocks' tokens), for the C++ decode kernel.
     """
 
     block_tables: torch.Tensor
@@ -124,6 +128,7 @@ class AttentionGroup:
     output_index: torch.Tensor | None = None
     shared_blocks: torch.Tensor | None = None
     shared_range: tuple[int, int] | None = None
+    seq_lens: torch.Tensor | None = None
     _additive: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -181,8 +186,9 @@ class TorchAttentionBackend(AttentionBackend):
             shared = common_prefix_blocks(tables, (min(ctx) - 1) // bs)  # each query keeps its own key
         query_pos = common.positions[:d, None]  # [D, 1]
         mask = self._key_mask(query_pos, num_blocks * bs, first_key=shared * bs)
+        own_lens = common.seq_lens[:d] - shared * bs  # [D] keys past the shared blocks
         if not shared:
-            return AttentionGroup(tables, mask)
+            return AttentionGroup(tables, mask, seq_lens=own_lens)
         shared_blocks = tables[0, :shared]
         first, last = int(shared_blocks[0]), int(shared_blocks[-1])
         consecutive = last - first == shared - 1 and bool((shared_blocks.diff() == 1).all())
@@ -191,6 +197,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask,
             shared_blocks=shared_blocks,
             shared_range=(first, last + 1) if consecutive else None,
+            seq_lens=own_lens,
         )
 
     def _prefill_group(self, common: CommonAttentionMetadata) -> AttentionGroup:
@@ -257,24 +264,38 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode_attention(self, q, kv_cache, group: AttentionGroup) -> torch.Tensor:
         """Single-token queries against their paged context.
 
-        The heads of one KV group act as the query rows (``[D, kv_heads, g, head_dim]``), so K/V
-        are never repeated. Blocks shared by the whole batch (``group.shared_blocks``) are read
-        once and attended by all queries in one call, as in cascade attention (FlashInfer, Ye et
-        al. 2024); the per-request rest is gathered through the block tables. The two partial
-        results are merged by their log-sum-exp: the shared part's weight is
-        ``sigmoid(lse_shared - lse_own)``.
+        Blocks shared by the whole batch (``group.shared_blocks``) are read once and attended by all
+        queries in one call, as in cascade attention (FlashInfer, Ye et al. 2024): the heads of each
+        KV group act as that call's query rows (``[1, kv_heads, D * g, head_dim]``), so K/V are never
+        repeated. Each request's own blocks are then read in place by the C++ kernel
+        (``engine.cpu_ops.paged_decode_attention``), which starts its online softmax from the shared
+        part's output and log-sum-exp; without it they are gathered through the block tables into one
+        padded flash call and the two results merged by their log-sum-exp (the shared part's weight is
+        ``sigmoid(lse_shared - lse_own)``).
         """
         d, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kv
+        prior = None
+        if group.shared_blocks is not None:
+            shared_k, shared_v = self._shared(kv_cache, group)  # [1, kv, Ts, hd]
+            qs = q.view(d, kv, g, hd).transpose(0, 1).reshape(1, kv, d * g, hd)
+            prior = attend(qs, shared_k, shared_v, None)  # [1, kv, D*g, hd], [1, kv, D*g]
+        out = paged_decode_attention(
+            q,
+            kv_cache,
+            group.block_tables,
+            group.seq_lens,
+            sliding_window=self.sliding_window,
+            prior=None if prior is None else (prior[0][0], prior[1][0]),
+        )
+        if out is not None:
+            return out
         qg = q.view(d, kv, g, hd)  # [D, kv, g, hd]
         keys, values = self._gather(kv_cache, group.block_tables)  # [D, kv, Tu, hd]
         out, lse = attend(qg, keys, values, group.additive_mask(q.dtype))  # [D, kv, g, hd], [D, kv, g]
-        if group.shared_blocks is not None:
-            shared_k, shared_v = self._shared(kv_cache, group)  # [1, kv, Ts, hd]
-            qs = qg.transpose(0, 1).reshape(1, kv, d * g, hd)
-            out_s, lse_s = attend(qs, shared_k, shared_v, None)  # [1, kv, D*g, hd], [1, kv, D*g]
-            out_s = out_s.view(kv, d, g, hd).transpose(0, 1)
-            weight = torch.sigmoid(lse_s.view(kv, d, g).transpose(0, 1) - lse)  # [D, kv, g]
+        if prior is not None:
+            out_s = prior[0].view(kv, d, g, hd).transpose(0, 1)
+            weight = torch.sigmoid(prior[1].view(kv, d, g).transpose(0, 1) - lse)  # [D, kv, g]
             out = torch.lerp(out, out_s, weight[..., None].to(out.dtype))
         return out.reshape(d, self.num_heads * hd)
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from compress.checkpoint.model_spec import ModelSpec
 from compress.checkpoint.store import CheckpointError
 from compress.quantize.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, int8_linear, read_scheme
+from engine import cpu_ops
 from engine.config import SUPPORTED_DTYPES
 
 #: ``EngineConfig.dtype`` names -> torch dtypes (``"auto"`` is resolved to one of them first).
@@ -368,11 +369,14 @@ class Model:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 as Hugging Face Llama does.
 
-    ``weight=None`` (folded into the next layer) only normalizes, in torch's fused kernel: the
-    same float32 sum of squares and one rounding to ``x.dtype``.
+    ``weight=None`` (folded into the next layer) only normalizes. Below float32 (bf16 on CPU) the
+    C++ kernel ``engine.cpu_ops.rms_norm`` runs it in one pass (the same float32 arithmetic and
+    roundings; its sum of squares adds in another order, which moves about 3 in a million bf16
+    results by one unit in the last place); float32 keeps Hugging Face's exact ops.
     """
+    if x.dtype != torch.float32:
+        return cpu_ops.rms_norm(x, weight, eps)
     if weight is None:
         return F.rms_norm(x, (x.shape[-1],), None, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    xf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf
