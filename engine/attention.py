@@ -73,6 +73,9 @@ class AttentionBackend(abc.ABC):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.sliding_window = sliding_window
 
+    #: ``forward`` accepts ``k = v = None`` (the caller stored them by ``metadata.slot_mapping``).
+    stores_kv_separately = False
+
     def kv_cache_shape(self, num_layers: int, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of the whole cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
         return (num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -88,7 +91,9 @@ class AttentionBackend(abc.ABC):
         """Write the new K/V into the cache and attend.
 
         Args:
-            q: ``[N, num_heads, head_dim]`` (rotated); k, v: ``[N, num_kv_heads, head_dim]``.
+            q: ``[N, num_heads, head_dim]`` (rotated); k, v: ``[N, num_kv_heads, head_dim]``, or both
+                ``None`` when the caller already stored them at ``slot_mapping`` (only where
+                ``stores_kv_separately``: the cache layout of this base class, written by slot).
             kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's K and V.
             metadata: what ``build`` returned for this step.
 
@@ -159,7 +164,9 @@ class TorchAttentionMetadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Paged attention in plain torch ops (the CPU path); see the module docstring."""
+    """Paged attention in plain torch ops and the C++ CPU kernels; see the module docstring."""
+
+    stores_kv_separately = True
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         d = common.num_decodes
@@ -240,11 +247,12 @@ class TorchAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------ kernels
 
     def forward(self, q, k, v, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, kv_heads, head_dim]
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, metadata.slot_mapping, k)
-        flat_v.index_copy_(0, metadata.slot_mapping, v)
+        if k is not None:
+            k_cache, v_cache = kv_cache[0], kv_cache[1]
+            flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, kv_heads, hd]
+            flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat_k.index_copy_(0, metadata.slot_mapping, k)
+            flat_v.index_copy_(0, metadata.slot_mapping, v)
         outputs = []
         d = metadata.num_decode_tokens
         if metadata.decode is not None:

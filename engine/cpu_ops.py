@@ -1,6 +1,6 @@
 """The engine's C++ CPU kernels (``csrc/cpu_ops.cpp``) with their pure-torch equivalents.
 
-``torch.ops.lmforge_engine`` holds three operators that replace several small ATen kernels each
+``torch.ops.lmforge_engine`` holds four operators that replace several small ATen kernels each
 in a bf16 / fp32 step on CPU:
 
 * ``rms_norm``: RMSNorm of ``[N, H]`` rows in one pass (float32 sum of squares, one rounding);
@@ -8,7 +8,9 @@ in a bf16 / fp32 step on CPU:
   over bf16 logits takes about 2.3 ms for 64 x 49,152 on one thread of this machine);
 * ``paged_decode_attention``: one query token per sequence against its keys read in place
   through its block table, merged with a prior partial result (a shared prefix) by its
-  log-sum-exp, so no ``index_select`` copy of the cache and no padded keys.
+  log-sum-exp, so no ``index_select`` copy of the cache and no padded keys;
+* ``rope_and_cache`` (bf16): rotary embedding of q and k and the store of k and v at their
+  ``slot_mapping`` slots in one pass, with the roundings of the torch ops it replaces.
 
 They are built on first use (``compress.quantize.native.NativeKernels``, 15-25 s once, cached);
 where they cannot be built every function here runs its torch equivalent, and
@@ -38,7 +40,7 @@ CFLAGS = (
     "-fno-trapping-math",
     "-fno-math-errno",
 ) + (("-mprefer-vector-width=512",) if "avx512f" in cpu_flags() else ())
-KERNELS = NativeKernels("lmforge_engine", KERNEL_SOURCE, "paged_decode_attention", cflags=CFLAGS)
+KERNELS = NativeKernels("lmforge_engine", KERNEL_SOURCE, "rope_and_cache", cflags=CFLAGS)
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -113,3 +115,29 @@ def paged_decode_attention(
         prior_out,
         prior_lse,
     )
+
+
+def rope_and_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor | None:
+    """Rotate q and k and store k, v in the cache; ``None`` where the C++ kernel can't run (not bf16 on CPU).
+
+    Args:
+        qkv: ``[N, (num_heads + 2 * num_kv_heads) * head_dim]`` the fused projection's output.
+        cos, signed_sin: ``[N, head_dim]`` rotary tables at each token's position (``engine.model``:
+            ``x * cos + swap_halves(x) * signed_sin`` is Hugging Face's rotary embedding).
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's cache (written).
+        slot_mapping: ``[N]`` int64 slot ``block * block_size + offset`` of each token (negative: not stored).
+
+    Returns:
+        The rotated queries ``[N, num_heads, head_dim]``, bit-identical to the torch ops.
+    """
+    if qkv.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or not _native(qkv):
+        return None
+    return KERNELS.ops.rope_and_cache(qkv, cos, signed_sin, kv_cache, slot_mapping, num_heads, num_kv_heads)

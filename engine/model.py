@@ -342,16 +342,24 @@ class Model:
         n = input_ids.shape[0]
         q_size, kv_size = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
         num_heads, num_kv_heads = s.num_attention_heads, s.num_key_value_heads
-        cos = self.rope_cos[positions][:, None, :]  # [N, 1, head_dim]
-        sin = self.rope_signed_sin[positions][:, None, :]
+        cos2, sin2 = self.rope_cos[positions], self.rope_signed_sin[positions]  # [N, head_dim]
+        cos, sin = cos2[:, None, :], sin2[:, None, :]  # [N, 1, head_dim]
+        slot_mapping = getattr(attn_metadata, "slot_mapping", None)
         h = self.embed[input_ids]  # [N, hidden]
         for layer_idx, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)  # [N, q_size + 2 * kv_size]
-            qk = qkv[:, : q_size + kv_size].view(n, num_heads + num_kv_heads, s.head_dim)
-            qk = qk * cos + swap_halves(qk) * sin  # rotary on q and k heads at once
-            q, k = qk[:, :num_heads], qk[:, num_heads:]
-            v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, s.head_dim)
+            q = None
+            if slot_mapping is not None and attn.stores_kv_separately:
+                # bf16 on CPU: rotary on q and k and the k, v store in one C++ pass (else None)
+                q = cpu_ops.rope_and_cache(qkv, cos2, sin2, kv_cache[layer_idx], slot_mapping, num_heads, num_kv_heads)
+            if q is not None:
+                k = v = None  # already in the cache
+            else:
+                qk = qkv[:, : q_size + kv_size].view(n, num_heads + num_kv_heads, s.head_dim)
+                qk = qk * cos + swap_halves(qk) * sin  # rotary on q and k heads at once
+                q, k = qk[:, :num_heads], qk[:, num_heads:]
+                v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, s.head_dim)
             out = attn.forward(q, k, v, kv_cache[layer_idx], attn_metadata)  # [N, q_size]
             h = layer.o.add(out, h)
             x = rms_norm(h, layer.post_norm, eps)

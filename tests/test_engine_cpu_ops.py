@@ -151,3 +151,28 @@ def test_bad_arguments_name_the_tensor():
         cpu_ops.KERNELS.ops.paged_decode_attention(
             q.bfloat16(), cache, torch.zeros(2, 3, dtype=torch.long), torch.tensor([1, 2]), 0, 0.25, 0, None, None
         )
+
+
+def test_rope_and_cache_is_bit_identical_to_the_torch_ops():
+    from engine.model import swap_halves
+
+    torch.manual_seed(0)
+    n, num_heads, num_kv, hd, bs, num_blocks = 7, 9, 3, 64, 4, 6
+    qkv = torch.randn(n, (num_heads + 2 * num_kv) * hd).bfloat16()
+    angles = torch.rand(n, hd // 2) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).bfloat16()
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16()
+    slots = torch.tensor([0, 5, 6, 13, 22, -1, 9])  # -1: padding, not stored
+    cache = torch.zeros(2, num_blocks, bs, num_kv, hd).bfloat16()
+    q = cpu_ops.rope_and_cache(qkv, cos, sin, cache, slots, num_heads, num_kv)
+    qk = qkv[:, : (num_heads + num_kv) * hd].view(n, num_heads + num_kv, hd)
+    ref = qk * cos[:, None] + swap_halves(qk) * sin[:, None]
+    assert torch.equal(q, ref[:, :num_heads])
+    flat = cache.view(2, -1, num_kv, hd)
+    stored = slots >= 0
+    assert torch.equal(flat[0, slots[stored]], ref[stored, num_heads:])
+    assert torch.equal(flat[1, slots[stored]], qkv[stored, (num_heads + num_kv) * hd :].view(-1, num_kv, hd))
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots[stored]] = False
+    assert not flat[:, untouched].any()
+    assert cpu_ops.rope_and_cache(qkv.float(), cos, sin, cache, slots, num_heads, num_kv) is None  # fp32: torch ops

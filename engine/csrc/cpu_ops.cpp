@@ -16,6 +16,11 @@
 //   query rows are each KV head's g query heads, sequence-major: row i * g + j of KV head h is query head
 //   h * g + j of sequence i) the two parts are merged exactly, as the online-softmax state (m = lse, l = 1,
 //   acc = out) the kernel starts from (cascade attention, Ye et al. 2024).
+// lmforge_engine::rope_and_cache(qkv [N, (Hq + 2 Hkv) * hd] bf16, cos [N, hd], signed_sin [N, hd], kv_cache
+//     [2, num_blocks, block_size, Hkv, hd], slot_mapping [N] int64) -> q [N, Hq, hd]
+//   rotary embedding of the q and k heads, x * cos + swap_halves(x) * signed_sin with each product and the sum
+//   rounded to bf16 as the three torch ops do, and the rotated k and the v heads stored at each token's slot
+//   (a negative slot: padding, not stored). One pass instead of a dozen small ops per layer.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -537,11 +542,78 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
+// ------------------------------------------------------------------------------------------------ rope + cache
+
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                          const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 2 && qkv.stride(1) == 1,
+              "rope_and_cache: qkv must be a CPU bf16 [N, (Hq + 2 Hkv) * hd] tensor with unit last stride");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                  kv_cache.size(3) == num_kv && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4),
+              "rope_and_cache: kv_cache must be bf16 [2, num_blocks, block_size, Hkv, hd] with contiguous tokens");
+  const int64_t n = qkv.size(0), hd = kv_cache.size(4);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv) * hd, "rope_and_cache: qkv width is not (Hq + 2 Hkv) * hd");
+  TORCH_CHECK(hd % 2 == 0 && hd <= kMaxHeadDim, "rope_and_cache: head_dim must be even and <= 256");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.dim() == 2 &&
+                  sin.dim() == 2 && cos.size(0) == n && sin.size(0) == n && cos.size(1) == hd && sin.size(1) == hd &&
+                  cos.stride(1) == 1 && sin.stride(1) == 1,
+              "rope_and_cache: cos and signed_sin must be bf16 [N, hd]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
+                  slot_mapping.is_contiguous(),
+              "rope_and_cache: slot_mapping must be contiguous int64 [N]");
+  at::Tensor q = at::empty({n, num_heads, hd}, qkv.options());
+  using E = Elem<at::BFloat16>;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
+  const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+  uint16_t* kp = reinterpret_cast<uint16_t*>(kv_cache.data_ptr());
+  uint16_t* vp = kp + kv_cache.stride(0);
+  uint16_t* qp = reinterpret_cast<uint16_t*>(q.data_ptr());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t x_stride = qkv.stride(0), c_stride = cos.stride(0), s_stride = sin.stride(0);
+  const int64_t block_size = kv_cache.size(2), c_block = kv_cache.stride(1), c_tok = kv_cache.stride(2);
+  const int64_t half = hd / 2, num_rot = num_heads + num_kv;
+  at::parallel_for(0, n, grain(qkv.size(1) * 4), [&](int64_t begin, int64_t end) {
+    float c[kMaxHeadDim], sn[kMaxHeadDim];
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* x = xp + t * x_stride;
+      for (int64_t d = 0; d < hd; ++d) {
+        c[d] = E::load(cp[t * c_stride + d]);
+        sn[d] = E::load(sp[t * s_stride + d]);
+      }
+      const int64_t slot = slots[t];
+      uint16_t* k_dst = slot >= 0 ? kp + (slot / block_size) * c_block + (slot % block_size) * c_tok : nullptr;
+      uint16_t* v_dst = slot >= 0 ? vp + (slot / block_size) * c_block + (slot % block_size) * c_tok : nullptr;
+      for (int64_t h = 0; h < num_rot; ++h) {
+        const uint16_t* src = x + h * hd;
+        uint16_t* dst = h < num_heads ? qp + (t * num_heads + h) * hd : (k_dst ? k_dst + (h - num_heads) * hd : nullptr);
+        if (!dst) continue;
+        for (int64_t d = 0; d < half; ++d) {  // the two halves apart, so both loops vectorize
+          const float a = E::load(E::store(E::load(src[d]) * c[d]));
+          const float b = E::load(E::store(E::load(src[d + half]) * sn[d]));
+          dst[d] = E::store(a + b);
+        }
+        for (int64_t d = half; d < hd; ++d) {
+          const float a = E::load(E::store(E::load(src[d]) * c[d]));
+          const float b = E::load(E::store(E::load(src[d - half]) * sn[d]));
+          dst[d] = E::store(a + b);
+        }
+      }
+      if (v_dst) std::memcpy(v_dst, x + num_rot * hd, static_cast<size_t>(num_kv * hd) * sizeof(uint16_t));
+    }
+  });
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lmforge_engine, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
   m.def("argmax(Tensor logits) -> Tensor", &argmax);
+  m.def(
+      "rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "int num_heads, int num_kv) -> Tensor",
+      &rope_and_cache);
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int first_block, "
       "float scale, int sliding_window, Tensor? prior_out, Tensor? prior_lse) -> Tensor",
