@@ -86,7 +86,7 @@ def _reference(cache, tables, q, lens, block_size, window=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(9, 3, 64), (4, 4, 32), (6, 2, 24)])
+@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(9, 3, 64), (8, 2, 128), (16, 1, 64), (4, 4, 32), (6, 2, 24)])
 def test_paged_decode_attention_matches_direct_attention(dtype, num_heads, num_kv, head_dim):
     lens = [1, 5, 16, 17, 40, 100]
     cache, block_tables, tables, q = _paged_case(len(lens), num_heads, num_kv, head_dim, 16, lens, dtype)

@@ -366,18 +366,22 @@ inline float hsum(vf16 v) {
   return s;
 }
 
-template <typename T, int HD>
+template <typename T, int HD, int G>
 struct DecodeItemVec {
   using E = Elem<T>;
   using raw_t = typename E::raw_t;
   static constexpr int C = HD / 16;  // vectors per head row
+  static constexpr int GM = G > 0 ? G : kMaxGroup;
 
-  static void run(const raw_t* kp, const raw_t* vp, const KeyWalk& keys, int64_t g, int64_t /*hd*/,
+  // G > 0 fixes the query heads per KV head at compile time: every head's accumulator then stays in registers
+  // and each V row is loaded once for all of them; G == 0 reads g and walks the V rows once per head.
+  static void run(const raw_t* kp, const raw_t* vp, const KeyWalk& keys, int64_t g_rt, int64_t /*hd*/,
                   float (*qf)[kMaxHeadDim], float (*acc)[kMaxHeadDim], float* m, float* l, std::vector<float>& scores) {
+    const int64_t g = G > 0 ? G : g_rt;
     const int64_t n = std::max<int64_t>(0, keys.seq_len - keys.lo);
     if (n == 0) return;
     scores.resize(static_cast<size_t>(n * g));
-    vf16 qv[kMaxGroup][C];
+    vf16 qv[GM][C];
     for (int64_t j = 0; j < g; ++j)
       for (int c = 0; c < C; ++c) std::memcpy(&qv[j][c], &qf[j][c * 16], sizeof(vf16));
     // Pass 1: scores q . k (head j's scores contiguous: scores[j * n + t]).
@@ -390,35 +394,59 @@ struct DecodeItemVec {
         scores[j * n + t] = hsum(s);
       }
     });
+    float corr[GM];
     for (int64_t j = 0; j < g; ++j) {
       float* sj = scores.data() + j * n;
       float mx = m[j];
       for (int64_t k = 0; k < n; ++k) mx = sj[k] > mx ? sj[k] : mx;
-      const float corr = l[j] > 0.f ? std::exp(m[j] - mx) : 0.f;
+      corr[j] = l[j] > 0.f ? std::exp(m[j] - mx) : 0.f;
       float sum = 0.f;
       for (int64_t k = 0; k < n; ++k) sj[k] = exp_nonpositive(sj[k] - mx);
       for (int64_t k = 0; k < n; ++k) sum += sj[k];
       m[j] = mx;
-      l[j] = l[j] * corr + sum;
-      // Pass 2 for head j: acc_j = corr * acc_j + sum_t w_t v_t, the accumulator in registers.
-      vf16 a[C];
-      for (int c = 0; c < C; ++c) {
-        std::memcpy(&a[c], &acc[j][c * 16], sizeof(vf16));
-        a[c] *= corr;
-      }
+      l[j] = l[j] * corr[j] + sum;
+    }
+    // Pass 2: acc_j = corr_j * acc_j + sum_t w_jt v_t, the accumulators in registers.
+    if constexpr (G > 0) {
+      vf16 a[G][C];
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < C; ++c) {
+          std::memcpy(&a[j][c], &acc[j][c * 16], sizeof(vf16));
+          a[j][c] *= corr[j];
+        }
       keys.each(vp, [&](const raw_t* vrow, int64_t t) {
-        const float w = sj[t];
-        for (int c = 0; c < C; ++c) a[c] += w * load16<T>(vrow + c * 16);
+        vf16 v[C];
+        for (int c = 0; c < C; ++c) v[c] = load16<T>(vrow + c * 16);
+        for (int j = 0; j < G; ++j) {
+          const float w = scores[j * n + t];
+          for (int c = 0; c < C; ++c) a[j][c] += w * v[c];
+        }
       });
-      for (int c = 0; c < C; ++c) std::memcpy(&acc[j][c * 16], &a[c], sizeof(vf16));
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < C; ++c) std::memcpy(&acc[j][c * 16], &a[j][c], sizeof(vf16));
+    } else {
+      for (int64_t j = 0; j < g; ++j) {
+        const float* sj = scores.data() + j * n;
+        vf16 a[C];
+        for (int c = 0; c < C; ++c) {
+          std::memcpy(&a[c], &acc[j][c * 16], sizeof(vf16));
+          a[c] *= corr[j];
+        }
+        keys.each(vp, [&](const raw_t* vrow, int64_t t) {
+          const float w = sj[t];
+          for (int c = 0; c < C; ++c) a[c] += w * load16<T>(vrow + c * 16);
+        });
+        for (int c = 0; c < C; ++c) std::memcpy(&acc[j][c * 16], &a[c], sizeof(vf16));
+      }
     }
   }
 };
 
-template <typename T, int HD>
-using DecodeItemFor = typename std::conditional<HD % 16 == 0 && HD != 0, DecodeItemVec<T, HD>, DecodeItem<T, HD>>::type;
+template <typename T, int HD, int G>
+using DecodeItemFor =
+    typename std::conditional<HD % 16 == 0 && HD != 0, DecodeItemVec<T, HD, G>, DecodeItem<T, HD>>::type;
 
-template <typename T, int HD>
+template <typename T, int HD, int G>
 void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
                       const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
@@ -473,7 +501,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
         }
       }
       const KeyWalk keys{btp + i * bt_s0, max_blocks, lo, seq_len, block_size, c_block, c_tok, h * c_head};
-      DecodeItemFor<T, HD>::run(kp, vp, keys, g, hd, qf, acc, m, l, scores);
+      DecodeItemFor<T, HD, G>::run(kp, vp, keys, g, hd, qf, acc, m, l, scores);
       for (int64_t j = 0; j < g; ++j) {
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
         raw_t* dst = op + i * num_heads * hd + (h * g + j) * hd;
@@ -483,20 +511,47 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
   });
 }
 
+// Compile-time head dims 64 and 128 with 1 to 8 query heads per KV head (the usual grouped-query shapes), else
+// the runtime loops.
+template <typename T, int HD>
+void decode_attention_group(int64_t g, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
+                            const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
+#define LMFORGE_GROUP(G_)                                                                                       \
+  case G_:                                                                                                    \
+    return decode_attention<T, HD, G_>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window, \
+                                       prior_out, prior_lse, out);
+  switch (HD == 0 ? 0 : g) {
+    LMFORGE_GROUP(1)
+    LMFORGE_GROUP(2)
+    LMFORGE_GROUP(3)
+    LMFORGE_GROUP(4)
+    LMFORGE_GROUP(5)
+    LMFORGE_GROUP(6)
+    LMFORGE_GROUP(7)
+    LMFORGE_GROUP(8)
+    default:
+      return decode_attention<T, HD, 0>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
+                                        prior_out, prior_lse, out);
+  }
+#undef LMFORGE_GROUP
+}
+
 template <typename T>
 void decode_attention_dispatch(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
                                const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
+  const int64_t g = q.size(1) / kv_cache.size(3);
   switch (q.size(2)) {
     case 64:
-      return decode_attention<T, 64>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
-                                     prior_out, prior_lse, out);
+      return decode_attention_group<T, 64>(g, q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
+                                           prior_out, prior_lse, out);
     case 128:
-      return decode_attention<T, 128>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
-                                      prior_out, prior_lse, out);
+      return decode_attention_group<T, 128>(g, q, kv_cache, block_tables, seq_lens, first_block, scale,
+                                            sliding_window, prior_out, prior_lse, out);
     default:
-      return decode_attention<T, 0>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
-                                    prior_out, prior_lse, out);
+      return decode_attention_group<T, 0>(g, q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
+                                          prior_out, prior_lse, out);
   }
 }
 
@@ -573,7 +628,7 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   const int64_t x_stride = qkv.stride(0), c_stride = cos.stride(0), s_stride = sin.stride(0);
   const int64_t block_size = kv_cache.size(2), c_block = kv_cache.stride(1), c_tok = kv_cache.stride(2);
   const int64_t half = hd / 2, num_rot = num_heads + num_kv;
-  at::parallel_for(0, n, grain(qkv.size(1) * 4), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
     float c[kMaxHeadDim], sn[kMaxHeadDim];
     for (int64_t t = begin; t < end; ++t) {
       const uint16_t* x = xp + t * x_stride;
