@@ -24,23 +24,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from compress.quantize.native import NativeKernels, cpu_flags
+from compress.quantize.native import NativeKernels, vector_cflags
 
 #: The C++ source of ``torch.ops.lmforge_engine``.
 KERNEL_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
-#: ``-ffp-contract=fast`` lets ``a * b + c`` be one fused multiply-add (ISO C++ mode turns that off), and
-#: the reassociation flags let float sums and maxima run as vector reductions (the IEEE special values
-#: still behave: no ``-ffinite-math-only``); with AVX-512 the 16-float vectors then fill one zmm register.
-CFLAGS = (
-    "-O3",
-    "-march=native",
-    "-ffp-contract=fast",
-    "-fassociative-math",
-    "-fno-signed-zeros",
-    "-fno-trapping-math",
-    "-fno-math-errno",
-) + (("-mprefer-vector-width=512",) if "avx512f" in cpu_flags() else ())
-KERNELS = NativeKernels("lmforge_engine", KERNEL_SOURCE, "rope_and_cache", cflags=CFLAGS)
+KERNELS = NativeKernels("lmforge_engine", KERNEL_SOURCE, "rope_and_cache", cflags=vector_cflags())
 _DTYPES = (torch.bfloat16, torch.float32)
 
 

@@ -13,8 +13,8 @@ Schemes (no pickle and no ``torch.ao.nn.quantized``; the kernels are ATen / oneD
 for ``w8a8`` on CPU, one C++ op of our own, ``fused_cpu_kernels``):
 
 * ``weight-only``: activations stay in bf16 / fp32. Up to ``WEIGHT_ONLY_MAX_ROWS`` rows (decode)
-  run ``torch.ops.aten._weight_int8pack_mm``, which reads the int8 weights directly (half the
-  bytes of bf16); larger batches (prefill, many sequences) convert the int8 weights to the
+  run a C++ kernel of our own (``weight_only_cpu_kernel``; ``torch.ops.aten._weight_int8pack_mm``
+  where it can't be built), which reads the int8 weights directly (half the bytes of bf16); larger batches (prefill, many sequences) convert the int8 weights to the
   activation dtype and run a float GEMM with the scales applied to its output, slower than a
   bf16 checkpoint there (the conversion is paid at every call): ``gemm_microbench`` says so.
 * ``w8a8``: activations quantized per token at run time, ``s_x = max|x_row| / 127`` (the
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.checkpoint.store import read_safetensors_header
-from compress.quantize.native import NativeKernels, cpu_flags
+from compress.quantize.native import NativeKernels, cpu_flags, vector_cflags
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,22 @@ FUSED_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "w8a8_cpu.cpp"
 _FUSED = NativeKernels(
     "lmforge_int8", FUSED_KERNEL_SOURCE, "w8a8_linear", ("-O3", "-march=native", "-ffp-contract=off")
 )
+
+
+#: Weight-only INT8 products of 1 to ``WEIGHT_ONLY_MAX_ROWS`` rows (``lmforge_int8_gemv::weight_only_mm``).
+GEMV_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "int8_gemv_cpu.cpp"
+_GEMV = NativeKernels("lmforge_int8_gemv", GEMV_KERNEL_SOURCE, "weight_only_mm", cflags=vector_cflags())
+
+
+def weight_only_cpu_kernel(enable: bool | None = None) -> bool:
+    """Whether ``Int8WeightOnlyLinear`` decodes (<= ``WEIGHT_ONLY_MAX_ROWS`` rows, CPU) with its C++ kernel.
+
+    The kernel (``GEMV_KERNEL_SOURCE``) reads each int8 weight row once for all rows of the input and
+    widens it to float32 in registers, so a decode step reads half the bytes of bf16 at the memory's
+    pace; float32 sums, in another order than ``aten._weight_int8pack_mm`` (the fallback). ``False``
+    forces the ATen op, ``True`` re-enables the kernel; built on first use like ``fused_cpu_kernels``.
+    """
+    return _GEMV.enable(enable)
 
 
 def fused_cpu_kernels(enable: bool | None = None) -> bool:
@@ -169,7 +185,11 @@ class Int8WeightOnlyLinear(_Int8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-        if x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x2.device.type == "cpu":
+        cpu_decode = x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x2.device.type == "cpu"
+        if cpu_decode and x.dtype in (torch.bfloat16, torch.float32) and _GEMV.available:
+            y = _GEMV.ops.weight_only_mm(x2, self.weight_int8, self.weight_scale, self.bias)  # [M, out], bias added
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if cpu_decode:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self._scale(x.dtype))  # [M, out]
         else:
             y = F.linear(x2, self.weight_int8.to(x.dtype)) * self._scale(x.dtype)  # [M, out]
