@@ -154,6 +154,9 @@ class TorchAttentionMetadata:
         decode: attention group of the decodes (or ``None``).
         prefill: attention group of the prefill chunks (or ``None``).
         block_size: tokens per KV block.
+        short_prefill: when every chunk has at most ``SHORT_QUERY_TOKENS`` tokens (speculative
+            verification, a chunked prompt's tail), each of their tokens as a decode row for the
+            C++ kernel: ``(block_tables [n, max_blocks] of the row's request, seq_lens [n] = position + 1)``.
     """
 
     slot_mapping: torch.Tensor
@@ -161,6 +164,12 @@ class TorchAttentionMetadata:
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
     block_size: int
+    short_prefill: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+#: Prefill chunks up to this many tokens run as rows of the decode kernel: a query token attends its
+#: context read in place, causal by its own length, instead of a gathered, padded flash call.
+SHORT_QUERY_TOKENS = 16
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -172,7 +181,13 @@ class TorchAttentionBackend(AttentionBackend):
         d = common.num_decodes
         decode = self._decode_group(common) if d else None
         prefill = self._prefill_group(common) if d < len(common.query_lens_cpu) else None
-        return TorchAttentionMetadata(common.slot_mapping, d, decode, prefill, common.block_size)
+        short = None
+        if prefill is not None and max(common.query_lens_cpu[d:]) <= SHORT_QUERY_TOKENS:
+            first_row = common.query_start_loc[d]
+            lens = torch.tensor(common.query_lens_cpu[d:], device=common.positions.device)
+            request_of_row = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)  # [n]
+            short = (common.block_table[d:][request_of_row], common.positions[first_row:] + 1)
+        return TorchAttentionMetadata(common.slot_mapping, d, decode, prefill, common.block_size, short)
 
     def _key_mask(self, query_pos: torch.Tensor, num_keys: int, first_key: int = 0) -> torch.Tensor:
         """``query_pos [B, Q] -> [B, 1, Q, T]``: causal (and sliding-window) mask over key positions
@@ -258,7 +273,11 @@ class TorchAttentionBackend(AttentionBackend):
         if metadata.decode is not None:
             outputs.append(self._decode_attention(q[:d], kv_cache, metadata.decode))
         if metadata.prefill is not None:
-            outputs.append(self._prefill_attention(q[d:], kv_cache, metadata.prefill))
+            out = None
+            if metadata.short_prefill is not None:
+                tables, seq_lens = metadata.short_prefill
+                out = paged_decode_attention(q[d:], kv_cache, tables, seq_lens, sliding_window=self.sliding_window)
+            outputs.append(self._prefill_attention(q[d:], kv_cache, metadata.prefill) if out is None else out)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
