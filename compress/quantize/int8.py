@@ -14,9 +14,10 @@ for ``w8a8`` on CPU, one C++ op of our own, ``fused_cpu_kernels``):
 
 * ``weight-only``: activations stay in bf16 / fp32. Up to ``WEIGHT_ONLY_MAX_ROWS`` rows (decode)
   run a C++ kernel of our own (``weight_only_cpu_kernel``; ``torch.ops.aten._weight_int8pack_mm``
-  where it can't be built), which reads the int8 weights directly (half the bytes of bf16); larger batches (prefill, many sequences) convert the int8 weights to the
-  activation dtype and run a float GEMM with the scales applied to its output, slower than a
-  bf16 checkpoint there (the conversion is paid at every call): ``gemm_microbench`` says so.
+  where it can't be built), which reads the int8 weights directly (half the bytes of bf16);
+  larger batches (prefill, many sequences) convert the int8 weights to the activation dtype
+  and run a float GEMM with the scales applied to its output, slower than a bf16 checkpoint
+  there (the conversion is paid at every call): ``gemm_microbench`` says so.
 * ``w8a8``: activations quantized per token at run time, ``s_x = max|x_row| / 127`` (the
   dynamic per-token scheme of ZeroQuant, Yao et al. 2022), and an int8 x int8 -> int32 GEMM:
   ``torch.ops.onednn.qlinear_pointwise`` on CPU (VNNI / AMX int8 where the CPU has them),
