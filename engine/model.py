@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from compress.checkpoint.model_spec import ModelSpec
 from compress.checkpoint.store import CheckpointError
 from compress.quantize.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, int8_linear, read_scheme
+from engine import cpu_ops
 from engine.config import SUPPORTED_DTYPES
 
 #: ``EngineConfig.dtype`` names -> torch dtypes (``"auto"`` is resolved to one of them first).
@@ -341,16 +342,24 @@ class Model:
         n = input_ids.shape[0]
         q_size, kv_size = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
         num_heads, num_kv_heads = s.num_attention_heads, s.num_key_value_heads
-        cos = self.rope_cos[positions][:, None, :]  # [N, 1, head_dim]
-        sin = self.rope_signed_sin[positions][:, None, :]
+        cos2, sin2 = self.rope_cos[positions], self.rope_signed_sin[positions]  # [N, head_dim]
+        cos, sin = cos2[:, None, :], sin2[:, None, :]  # [N, 1, head_dim]
+        slot_mapping = getattr(attn_metadata, "slot_mapping", None)
         h = self.embed[input_ids]  # [N, hidden]
         for layer_idx, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)  # [N, q_size + 2 * kv_size]
-            qk = qkv[:, : q_size + kv_size].view(n, num_heads + num_kv_heads, s.head_dim)
-            qk = qk * cos + swap_halves(qk) * sin  # rotary on q and k heads at once
-            q, k = qk[:, :num_heads], qk[:, num_heads:]
-            v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, s.head_dim)
+            q = None
+            if slot_mapping is not None and attn.stores_kv_separately:
+                # bf16 on CPU: rotary on q and k and the k, v store in one C++ pass (else None)
+                q = cpu_ops.rope_and_cache(qkv, cos2, sin2, kv_cache[layer_idx], slot_mapping, num_heads, num_kv_heads)
+            if q is not None:
+                k = v = None  # already in the cache
+            else:
+                qk = qkv[:, : q_size + kv_size].view(n, num_heads + num_kv_heads, s.head_dim)
+                qk = qk * cos + swap_halves(qk) * sin  # rotary on q and k heads at once
+                q, k = qk[:, :num_heads], qk[:, num_heads:]
+                v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, s.head_dim)
             out = attn.forward(q, k, v, kv_cache[layer_idx], attn_metadata)  # [N, q_size]
             h = layer.o.add(out, h)
             x = rms_norm(h, layer.post_norm, eps)
@@ -368,11 +377,14 @@ class Model:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 as Hugging Face Llama does.
 
-    ``weight=None`` (folded into the next layer) only normalizes, in torch's fused kernel: the
-    same float32 sum of squares and one rounding to ``x.dtype``.
+    ``weight=None`` (folded into the next layer) only normalizes. Below float32 (bf16 on CPU) the
+    C++ kernel ``engine.cpu_ops.rms_norm`` runs it in one pass (the same float32 arithmetic and
+    roundings; its sum of squares adds in another order, which moves about 3 in a million bf16
+    results by one unit in the last place); float32 keeps Hugging Face's exact ops.
     """
+    if x.dtype != torch.float32:
+        return cpu_ops.rms_norm(x, weight, eps)
     if weight is None:
         return F.rms_norm(x, (x.shape[-1],), None, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    xf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf

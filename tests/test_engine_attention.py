@@ -43,7 +43,11 @@ def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol):
     metadata = backend.build(common)
     assert metadata.prefill.shared_blocks.tolist() == [7, 8, 9]
     q = torch.randn(sum(lens), num_heads, hd, generator=g).to(dtype)
-    out = backend._prefill_attention(q, torch.stack((k_cache, v_cache)), metadata.prefill)  # [N, H * hd]
+    kv_cache = torch.stack((k_cache, v_cache))
+    out = backend._prefill_attention(q, kv_cache, metadata.prefill)  # [N, H * hd]
+    # chunks this short also run as rows of the C++ decode kernel (k, v already in the cache)
+    assert metadata.short_prefill is not None
+    short = backend.forward(q, None, None, kv_cache, metadata)
     row = 0
     for table, c, n in zip(tables, computed, lens):
         keys = k_cache[table].reshape(-1, num_kv_heads, hd)[: c + n].float().repeat_interleave(3, dim=1)
@@ -52,4 +56,5 @@ def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol):
         causal = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
         ref = torch.einsum("hqt,thd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), values)
         torch.testing.assert_close(out[row : row + n].float(), ref.reshape(n, -1), atol=tol, rtol=tol)
+        torch.testing.assert_close(short[row : row + n].float(), ref.reshape(n, -1), atol=tol, rtol=tol)
         row += n

@@ -227,6 +227,25 @@ def test_incremental_detokenization_never_splits_characters(tiny_llama_dir):
     assert any(d == "" for d in deltas)  # some tokens were held back (partial UTF-8)
 
 
+@pytest.mark.parametrize("clean_up", [True, False])
+def test_detokenizer_window_decode_equals_tokenizer_decode(tiny_llama_dir, clean_up):
+    """The fast path (the Rust tokenizer called directly) gives tokenizer.decode's text, clean-up included."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from engine.detokenizer import _window_decoder
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tok.clean_up_tokenization_spaces = clean_up
+    decode = _window_decoder(tok)
+    rng = random.Random(0)
+    ids = tok("Hello , world ! It 's a test . Isn 't it ? n't 'm 've 're", add_special_tokens=False).input_ids
+    windows = [ids] + [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 12))] for _ in range(200)]
+    for window in windows:
+        assert decode(window) == tok.decode(window, skip_special_tokens=True)
+
+
 def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path, tiny_llama_dir):
     import json
     import shutil

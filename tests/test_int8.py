@@ -12,6 +12,7 @@ from compress.quantize.int8 import (
     int8_linear,
     quantize_per_token,
     quantize_weight_per_channel,
+    weight_only_cpu_kernel,
 )
 
 
@@ -36,6 +37,25 @@ def test_weight_only_equals_the_dequantized_float_linear(rows):
     got_bf16 = layer(x.bfloat16())
     assert got_bf16.dtype == torch.bfloat16
     assert (got_bf16.float() - expected).abs().max() < 0.02 * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_only_decode_kernel_equals_the_dequantized_linear(dtype):
+    """The C++ decode kernel: 1-8 rows, an odd output count and K not a multiple of 64 (tails)."""
+    weight_only_cpu_kernel(True)
+    if not weight_only_cpu_kernel():
+        pytest.fail("weight-only INT8 CPU kernel did not build")
+    torch.manual_seed(0)
+    w, b = torch.randn(67, 200), torch.randn(67)
+    w8, scale = quantize_weight_per_channel(w)
+    layer = Int8WeightOnlyLinear(w8, scale, b)
+    for rows in range(1, 9):
+        x = torch.randn(rows, 200).to(dtype)
+        got = layer(x)
+        ref = x.float() @ dequantize_weight(w8, scale).T + b
+        assert got.dtype == dtype and got.shape == (rows, 67)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])

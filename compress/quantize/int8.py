@@ -13,10 +13,11 @@ Schemes (no pickle and no ``torch.ao.nn.quantized``; the kernels are ATen / oneD
 for ``w8a8`` on CPU, one C++ op of our own, ``fused_cpu_kernels``):
 
 * ``weight-only``: activations stay in bf16 / fp32. Up to ``WEIGHT_ONLY_MAX_ROWS`` rows (decode)
-  run ``torch.ops.aten._weight_int8pack_mm``, which reads the int8 weights directly (half the
-  bytes of bf16); larger batches (prefill, many sequences) convert the int8 weights to the
-  activation dtype and run a float GEMM with the scales applied to its output, slower than a
-  bf16 checkpoint there (the conversion is paid at every call): ``gemm_microbench`` says so.
+  run a C++ kernel of our own (``weight_only_cpu_kernel``; ``torch.ops.aten._weight_int8pack_mm``
+  where it can't be built), which reads the int8 weights directly (half the bytes of bf16);
+  larger batches (prefill, many sequences) convert the int8 weights to the activation dtype
+  and run a float GEMM with the scales applied to its output, slower than a bf16 checkpoint
+  there (the conversion is paid at every call): ``gemm_microbench`` says so.
 * ``w8a8``: activations quantized per token at run time, ``s_x = max|x_row| / 127`` (the
   dynamic per-token scheme of ZeroQuant, Yao et al. 2022), and an int8 x int8 -> int32 GEMM:
   ``torch.ops.onednn.qlinear_pointwise`` on CPU (VNNI / AMX int8 where the CPU has them),
@@ -33,10 +34,8 @@ INT8 is.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.checkpoint.store import read_safetensors_header
+from compress.quantize.native import NativeKernels, cpu_flags, vector_cflags
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,25 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 #: Source of the fused CPU kernels (``lmforge_int8::quantize_per_token`` and ``w8a8_linear``).
 FUSED_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "w8a8_cpu.cpp"
-_fused = {"state": None, "reason": ""}  # state: None = not tried yet, True = loaded, False = unavailable
-_fused_lock = threading.Lock()
+_FUSED = NativeKernels(
+    "lmforge_int8", FUSED_KERNEL_SOURCE, "w8a8_linear", ("-O3", "-march=native", "-ffp-contract=off")
+)
+
+
+#: Weight-only INT8 products of 1 to ``WEIGHT_ONLY_MAX_ROWS`` rows (``lmforge_int8_gemv::weight_only_mm``).
+GEMV_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "int8_gemv_cpu.cpp"
+_GEMV = NativeKernels("lmforge_int8_gemv", GEMV_KERNEL_SOURCE, "weight_only_mm", cflags=vector_cflags())
+
+
+def weight_only_cpu_kernel(enable: bool | None = None) -> bool:
+    """Whether ``Int8WeightOnlyLinear`` decodes (<= ``WEIGHT_ONLY_MAX_ROWS`` rows, CPU) with its C++ kernel.
+
+    The kernel (``GEMV_KERNEL_SOURCE``) reads each int8 weight row once for all rows of the input and
+    widens it to float32 in registers, so a decode step reads half the bytes of bf16 at the memory's
+    pace; float32 sums, in another order than ``aten._weight_int8pack_mm`` (the fallback). ``False``
+    forces the ATen op, ``True`` re-enables the kernel; built on first use like ``fused_cpu_kernels``.
+    """
+    return _GEMV.enable(enable)
 
 
 def fused_cpu_kernels(enable: bool | None = None) -> bool:
@@ -111,11 +128,9 @@ def fused_cpu_kernels(enable: bool | None = None) -> bool:
     The kernels (``FUSED_KERNEL_SOURCE``) quantize each row in one pass and apply the per-token
     scale and bias while converting the GEMM's float32 output to the activation dtype, so a layer
     is one op call instead of about a dozen small ATen kernels; the results are bit-identical to
-    the ATen path. They are compiled with the machine's C++ compiler by
-    ``torch.utils.cpp_extension`` (about 15 s once; cached under ``~/.cache/torch_extensions``,
-    one build per source path and content, torch include paths and CPU flag set, as it uses
-    ``-march=native``). Without a compiler, or when the build fails, the reason is logged once and
-    the ATen path runs.
+    the ATen path (built with ``-ffp-contract=off``, so no fused multiply-add changes a rounding).
+    ``compress.quantize.native.NativeKernels`` builds and caches them; without a compiler, or when
+    the build fails, the reason is logged once and the ATen path runs.
 
     Args:
         enable: ``False`` forces the ATen path (for comparisons), ``True`` re-enables the fused
@@ -124,59 +139,16 @@ def fused_cpu_kernels(enable: bool | None = None) -> bool:
     Returns:
         True when the fused kernels are loaded and enabled.
     """
-    with _fused_lock:
-        if enable is False:
-            _fused["state"], _fused["reason"] = False, "disabled by fused_cpu_kernels(False)"
-            return False
-        if enable is True and _fused["reason"].startswith("disabled"):
-            _fused["state"] = None
-        if _fused["state"] is None:
-            _fused["state"] = _load_fused_kernels()
-        return bool(_fused["state"])
+    return _FUSED.enable(enable)
 
 
 def _use_fused() -> bool:
-    state = _fused["state"]
-    return fused_cpu_kernels() if state is None else state
+    return _FUSED.available
 
 
 def fused_cpu_kernels_reason() -> str:
     """Why the fused kernels are not in use ("" when they are, or were not tried yet)."""
-    return _fused["reason"]
-
-
-def _load_fused_kernels() -> bool:
-    if hasattr(torch.ops, "lmforge_int8") and hasattr(torch.ops.lmforge_int8, "w8a8_linear"):
-        return True  # already loaded in this process
-    try:
-        # heavy: imported only on the path that builds or loads the kernels
-        from torch.utils.cpp_extension import include_paths, load
-
-        cflags = ["-O3", "-march=native", "-ffp-contract=off"]
-        # One build directory per source, include paths, flags and CPU: a build made from another
-        # checkout or environment is never rebuilt over (which would cost every user the build again).
-        key = "\n".join(
-            [
-                str(FUSED_KERNEL_SOURCE),
-                FUSED_KERNEL_SOURCE.read_text(),
-                torch.__version__,
-                *include_paths(),
-                *cflags,
-                *sorted(cpu_flags()),
-            ]
-        )
-        load(
-            name=f"lmforge_w8a8_cpu_{hashlib.sha1(key.encode()).hexdigest()[:12]}",
-            sources=[str(FUSED_KERNEL_SOURCE)],
-            extra_cflags=cflags,
-            is_python_module=False,
-            verbose=False,
-        )
-        return True
-    except Exception as exc:  # no compiler, a failed build or link: every cause means the ATen path
-        _fused["reason"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-        logger.warning("w8a8: fused CPU kernels unavailable (%s); running the slower ATen path", _fused["reason"])
-        return False
+    return _FUSED.reason
 
 
 class _Int8Linear(nn.Module):
@@ -214,7 +186,11 @@ class Int8WeightOnlyLinear(_Int8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-        if x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x2.device.type == "cpu":
+        cpu_decode = x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x2.device.type == "cpu"
+        if cpu_decode and x.dtype in (torch.bfloat16, torch.float32) and _GEMV.available:
+            y = _GEMV.ops.weight_only_mm(x2, self.weight_int8, self.weight_scale, self.bias)  # [M, out], bias added
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if cpu_decode:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self._scale(x.dtype))  # [M, out]
         else:
             y = F.linear(x2, self.weight_int8.to(x.dtype)) * self._scale(x.dtype)  # [M, out]
@@ -333,18 +309,6 @@ def scheme_metadata(scheme: str) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """Feature flags of the first CPU in ``cpuinfo`` (empty where the file does not exist)."""
-    try:
-        text = Path(cpuinfo).read_text(encoding="utf-8")
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def cpu_int8_flags() -> list[str]:
     """The int8 / bf16 matrix instruction sets this CPU reports in /proc/cpuinfo (Linux)."""
     flags = cpu_flags()
@@ -457,7 +421,7 @@ def _torchao_variants(w: torch.Tensor) -> dict:
 def format_microbench(results: dict[str, dict[str, float]]) -> str:
     """One line per row count: microseconds per variant and the fastest, plus the CPU flags."""
     flags = cpu_int8_flags()
-    if _fused["state"]:
+    if _FUSED.state:
         kernel = "fused C++ op"
     else:
         kernel = f"ATen ops ({fused_cpu_kernels_reason() or 'fused kernels not tried'})"

@@ -1,0 +1,126 @@
+"""lmforge's C++ CPU kernels: built on first use with the machine's compiler, cached, optional.
+
+Two sources register torch operators: ``compress/quantize/csrc/w8a8_cpu.cpp`` (``torch.ops.lmforge_int8``,
+the fused W8A8 linear) and ``engine/csrc/cpu_ops.cpp`` (``torch.ops.lmforge_engine``: RMSNorm, argmax, paged
+decode attention). ``torch.utils.cpp_extension.load`` compiles one with ``-O3 -march=native`` (15-25 s once)
+into ``~/.cache/torch_extensions``, one build per source path and content, torch include paths, flags and CPU
+flag set, so a build made for another checkout, environment or CPU is never reused or rebuilt over. Every
+caller keeps a pure-torch path: without a compiler, or when a build fails, ``NativeKernels.available`` is
+False, the reason is logged once and kept in ``NativeKernels.reason``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """Feature flags of the first CPU in ``cpuinfo`` (empty where the file does not exist)."""
+    try:
+        text = Path(cpuinfo).read_text(encoding="utf-8")
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def vector_cflags() -> tuple[str, ...]:
+    """Flags for kernels whose float sums may be reassociated (not bit-identical to ATen).
+
+    ``-ffp-contract=fast`` lets ``a * b + c`` be one fused multiply-add (ISO C++ mode turns that off),
+    and the reassociation flags let float sums and maxima run as vector reductions (IEEE special
+    values still behave: no ``-ffinite-math-only``); with AVX-512, 16-float vectors fill one zmm.
+    """
+    flags = (
+        "-O3",
+        "-march=native",
+        "-ffp-contract=fast",
+        "-fassociative-math",
+        "-fno-signed-zeros",
+        "-fno-trapping-math",
+        "-fno-math-errno",
+    )
+    return flags + (("-mprefer-vector-width=512",) if "avx512f" in cpu_flags() else ())
+
+
+class NativeKernels:
+    """One C++ source of torch operators in namespace ``namespace``, loaded at most once per process.
+
+    Args:
+        namespace: the ``TORCH_LIBRARY`` namespace the source registers (``torch.ops.<namespace>``).
+        source: the ``.cpp`` file.
+        probe: one operator name of it (already registered in this process means loaded).
+        cflags: compiler flags (``-march=native`` ties the build to this CPU's flag set).
+    """
+
+    def __init__(self, namespace: str, source: Path, probe: str, cflags: tuple[str, ...] = ("-O3", "-march=native")):
+        self.namespace, self.source, self.probe, self.cflags = namespace, Path(source), probe, tuple(cflags)
+        self.state: bool | None = None  # None: not tried yet
+        self.reason = ""
+        self._lock = threading.Lock()
+
+    def enable(self, enable: bool | None = None) -> bool:
+        """Load on first call; ``False`` forces the torch path (comparisons), ``True`` re-enables it.
+
+        Returns:
+            True when the operators are loaded and enabled.
+        """
+        with self._lock:
+            if enable is False:
+                self.state, self.reason = False, "disabled by enable(False)"
+                return False
+            if enable is True and self.reason.startswith("disabled"):
+                self.state = None
+            if self.state is None:
+                self.state = self._load()
+            return self.state
+
+    @property
+    def available(self) -> bool:
+        """Whether the operators run (loads them on first use)."""
+        return self.enable() if self.state is None else self.state
+
+    @property
+    def ops(self):
+        """``torch.ops.<namespace>``."""
+        return getattr(torch.ops, self.namespace)
+
+    def _load(self) -> bool:
+        if hasattr(torch.ops, self.namespace) and hasattr(self.ops, self.probe):
+            return True  # already loaded in this process
+        try:
+            # heavy: imported only on the path that builds or loads the kernels
+            from torch.utils.cpp_extension import include_paths, load
+
+            key = "\n".join(
+                [
+                    str(self.source),
+                    self.source.read_text(),
+                    torch.__version__,
+                    *include_paths(),
+                    *self.cflags,
+                    *sorted(cpu_flags()),
+                ]
+            )
+            load(
+                name=f"lmforge_{self.namespace}_{hashlib.sha1(key.encode()).hexdigest()[:12]}",
+                sources=[str(self.source)],
+                extra_cflags=list(self.cflags),
+                is_python_module=False,
+                verbose=False,
+            )
+            return True
+        except Exception as exc:  # no compiler, a failed build or link: every cause means the torch path
+            text = str(exc).strip()
+            self.reason = f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
+            logger.warning("%s: C++ CPU kernels unavailable (%s); running the torch ops", self.namespace, self.reason)
+            return False

@@ -1,0 +1,676 @@
+// CPU kernels of the engine's step (engine/cpu_ops.py builds them on first use with torch.utils.cpp_extension).
+//
+// lmforge_engine::rms_norm(x [N, H] bf16 / fp32, weight [H]? , eps) -> [N, H] in x's dtype
+//   y = round(x * rsqrt(mean(x^2) + eps)) in float32 then rounded to x's dtype; with weight (x's dtype) then
+//   round(weight * y), the two roundings of Hugging Face's LlamaRMSNorm. One read of each row.
+// lmforge_engine::argmax(logits [S, V] bf16 / fp32) -> int64 [S]
+//   index of the first maximum of each row (a NaN counts as the maximum, as torch.argmax does).
+// lmforge_engine::paged_decode_attention(q [D, Hq, hd], kv_cache [2, num_blocks, block_size, Hkv, hd],
+//     block_tables [D, max_blocks] int64, seq_lens [D] int64, first_block, scale, sliding_window,
+//     prior_out [Hkv, D * g, hd]?, prior_lse [Hkv, D * g]?) -> [D, Hq * hd]
+//   one query token per sequence (its position seq_len - 1) against that sequence's keys at positions
+//   first_block * block_size .. seq_len - 1, read in place through its block table (no gathered copy). The
+//   g = Hq / Hkv query heads of a KV head share each key and value row (grouped-query attention). Softmax in
+//   float32 with the running maximum; with prior_out / prior_lse (the output and log-sum-exp of the same queries
+//   over keys before first_block, e.g. a prefix shared by the batch, in the layout of one attention call whose
+//   query rows are each KV head's g query heads, sequence-major: row i * g + j of KV head h is query head
+//   h * g + j of sequence i) the two parts are merged exactly, as the online-softmax state (m = lse, l = 1,
+//   acc = out) the kernel starts from (cascade attention, Ye et al. 2024).
+// lmforge_engine::rope_and_cache(qkv [N, (Hq + 2 Hkv) * hd] bf16, cos [N, hd], signed_sin [N, hd], kv_cache
+//     [2, num_blocks, block_size, Hkv, hd], slot_mapping [N] int64) -> q [N, Hq, hd]
+//   rotary embedding of the q and k heads, x * cos + swap_halves(x) * signed_sin with each product and the sum
+//   rounded to bf16 as the three torch ops do, and the rotated k and the v heads stored at each token's slot
+//   (a negative slot: padding, not stored). One pass instead of a dozen small ops per layer.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t r) {
+  const uint32_t u = static_cast<uint32_t>(r) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if (f != f) return 0x7fc0u;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
+}
+
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<at::BFloat16> {
+  using raw_t = uint16_t;
+  static inline int32_t is_nan(raw_t r) { return (r & 0x7fffu) > 0x7f80u; }  // on the bits: no float compare
+  static inline float load(raw_t r) { return bf16_to_float(r); }
+  static inline raw_t store(float f) { return float_to_bf16(f); }
+};
+
+template <>
+struct Elem<float> {
+  using raw_t = float;
+  static inline int32_t is_nan(raw_t r) {
+    uint32_t u;
+    std::memcpy(&u, &r, sizeof(u));
+    return (u & 0x7fffffffu) > 0x7f800000u;
+  }
+  static inline float load(raw_t r) { return r; }
+  static inline raw_t store(float f) { return f; }
+};
+
+// Work per task of at::parallel_for: small step tensors run on the calling thread (a parallel region costs
+// more than these passes when the cores are shared), big ones split.
+inline int64_t grain(int64_t work_per_item, int64_t target = 1 << 16) {
+  return std::max<int64_t>(1, target / std::max<int64_t>(1, work_per_item));
+}
+
+// exp(x) for x <= 0 in float32, written so loops over it vectorize: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
+// degree-6 Taylor polynomial (relative error < 2e-7), 2^n from the exponent bits; x below -87 gives ~1e-38.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  const float p =
+      1.f + r * (1.f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f + r * (0.00833333377f + r * 0.00138888892f)))));
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// ------------------------------------------------------------------------------------------------ rms_norm
+
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor* weight, double eps, at::Tensor& out) {
+  using E = Elem<T>;
+  using raw_t = typename E::raw_t;
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const int64_t x_stride = x.stride(0), o_stride = out.stride(0);
+  const raw_t* xp = reinterpret_cast<const raw_t*>(x.data_ptr());
+  raw_t* op = reinterpret_cast<raw_t*>(out.data_ptr());
+  const raw_t* wp = weight ? reinterpret_cast<const raw_t*>(weight->data_ptr()) : nullptr;
+  at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      const raw_t* row = xp + r * x_stride;
+      float lanes[16] = {0};
+      int64_t c = 0;
+      for (; c + 16 <= cols; c += 16) {
+        for (int l = 0; l < 16; ++l) {
+          const float v = E::load(row[c + l]);
+          buf[c + l] = v;
+          lanes[l] += v * v;
+        }
+      }
+      float sum = 0.f;
+      for (; c < cols; ++c) {
+        const float v = E::load(row[c]);
+        buf[c] = v;
+        sum += v * v;
+      }
+      for (int l = 0; l < 16; ++l) sum += lanes[l];
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(cols) + static_cast<float>(eps));
+      raw_t* orow = op + r * o_stride;
+      if (wp) {
+        for (int64_t k = 0; k < cols; ++k) orow[k] = E::store(E::load(wp[k]) * E::load(E::store(buf[k] * inv)));
+      } else {
+        for (int64_t k = 0; k < cols; ++k) orow[k] = E::store(buf[k] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be a CPU [N, H] tensor with unit last stride");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "rms_norm: x must be bf16 or fp32");
+  at::Tensor w;
+  if (weight.has_value()) {
+    w = weight->to(x.scalar_type()).contiguous();
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1), "rms_norm: weight must be [H]");
+  }
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.scalar_type() == at::kBFloat16) {
+    rms_norm_rows<at::BFloat16>(x, weight.has_value() ? &w : nullptr, eps, out);
+  } else {
+    rms_norm_rows<float>(x, weight.has_value() ? &w : nullptr, eps, out);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ argmax
+
+template <typename T>
+void argmax_rows(const at::Tensor& x, at::Tensor& out) {
+  using E = Elem<T>;
+  using raw_t = typename E::raw_t;
+  const int64_t rows = x.size(0), cols = x.size(1), stride = x.stride(0);
+  const raw_t* xp = reinterpret_cast<const raw_t*>(x.data_ptr());
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(cols, 1 << 17), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const raw_t* row = xp + r * stride;
+      // Per-lane maxima and the first index holding each over 32-wide chunks (vectorizes), then the lane with
+      // the largest maximum, the lowest index among equal ones. NaNs (ignored by the comparisons) are counted
+      // on their bit patterns, since the build lets the compiler reassociate float arithmetic.
+      constexpr int W = 32;
+      float lane_max[W];
+      int32_t lane_nan[W];
+      int32_t lane_idx[W];
+      for (int l = 0; l < W; ++l) {
+        lane_max[l] = -std::numeric_limits<float>::infinity();
+        lane_nan[l] = 0;
+        lane_idx[l] = l;
+      }
+      int64_t c = 0;
+      for (; c + W <= cols; c += W) {
+        for (int l = 0; l < W; ++l) {
+          const float v = E::load(row[c + l]);
+          lane_nan[l] += E::is_nan(row[c + l]);
+          const bool greater = v > lane_max[l];
+          lane_max[l] = greater ? v : lane_max[l];
+          lane_idx[l] = greater ? static_cast<int32_t>(c + l) : lane_idx[l];
+        }
+      }
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t index = 0;
+      int64_t nans = 0;
+      bool found = false;
+      for (int l = 0; l < W; ++l) {
+        nans += lane_nan[l];
+        if (l >= cols) continue;
+        if (!found || lane_max[l] > best || (lane_max[l] == best && lane_idx[l] < index)) {
+          best = lane_max[l];
+          index = lane_idx[l];
+          found = true;
+        }
+      }
+      for (int64_t k = c; k < cols; ++k) {
+        const float v = E::load(row[k]);
+        nans += E::is_nan(row[k]);
+        if (!found || v > best) {
+          best = v;
+          index = k;
+          found = true;
+        }
+      }
+      if (nans > 0) {
+        for (int64_t k = 0; k < cols; ++k) {
+          if (E::is_nan(row[k])) {
+            index = k;
+            break;
+          }
+        }
+      }
+      op[r] = index;
+    }
+  });
+}
+
+at::Tensor argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1,
+              "argmax: logits must be a CPU [S, V] tensor with unit last stride");
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  if (logits.scalar_type() == at::kBFloat16) {
+    argmax_rows<at::BFloat16>(logits, out);
+  } else if (logits.scalar_type() == at::kFloat) {
+    argmax_rows<float>(logits, out);
+  } else {
+    TORCH_CHECK(false, "argmax: logits must be bf16 or fp32");
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ attention
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxGroup = 16;
+
+// The keys lo .. seq_len - 1 of one sequence's KV head, walked block by block through its block table:
+// each(base, f) calls f(row, t) with the row of key lo + t in the K or V half starting at base.
+struct KeyWalk {
+  const int64_t* table;
+  int64_t max_blocks, lo, seq_len, block_size, c_block, c_tok, head_off;
+
+  template <typename raw_t, typename F>
+  inline void each(const raw_t* base, F&& f) const {
+    int64_t t = 0;
+    for (int64_t p = lo; p < seq_len;) {
+      const int64_t logical = p / block_size;
+      const int64_t block = table[std::min(logical, max_blocks - 1)];
+      const int64_t stop = std::min(seq_len, (logical + 1) * block_size);
+      const raw_t* row = base + block * c_block + (p % block_size) * c_tok + head_off;
+      for (; p < stop; ++p, ++t, row += c_tok) f(row, t);
+    }
+  }
+};
+
+// One (sequence, KV head) item: its g query heads against keys lo .. seq_len - 1. HD > 0 fixes the head dim at
+// compile time (the loops over it unroll); HD == 0 reads it from hd.
+template <typename T, int HD>
+struct DecodeItem {
+  using E = Elem<T>;
+  using raw_t = typename E::raw_t;
+
+  static inline float dot(const float* a, const float* b, int64_t hd) {
+    const int64_t n = HD > 0 ? HD : hd;
+    if ((HD > 0 ? HD : hd) % 16 == 0) {
+      float lanes[16] = {0};
+      for (int64_t d = 0; d < n; d += 16)
+        for (int e = 0; e < 16; ++e) lanes[e] += a[d + e] * b[d + e];
+      float s = 0.f;
+      for (int e = 0; e < 16; ++e) s += lanes[e];
+      return s;
+    }
+    float s = 0.f;
+    for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+    return s;
+  }
+
+  static inline void load_row(const raw_t* src, float* dst, int64_t hd) {
+    const int64_t n = HD > 0 ? HD : hd;
+    for (int64_t d = 0; d < n; ++d) dst[d] = E::load(src[d]);
+  }
+
+  // scores: [g, n] scratch; qf [g][kMaxHeadDim] scaled queries; acc, m, l: the online-softmax state (in/out).
+  static void run(const raw_t* kp, const raw_t* vp, const KeyWalk& keys, int64_t g, int64_t hd_rt,
+                  float (*qf)[kMaxHeadDim], float (*acc)[kMaxHeadDim], float* m, float* l, std::vector<float>& scores) {
+    const int64_t hd = HD > 0 ? HD : hd_rt;
+    const int64_t n = std::max<int64_t>(0, keys.seq_len - keys.lo);
+    if (n == 0) return;
+    scores.resize(static_cast<size_t>(n * g));
+    float row[kMaxHeadDim];
+    // Pass 1: scores q . k (head j's scores contiguous: scores[j * n + t]).
+    keys.each(kp, [&](const raw_t* krow, int64_t t) {
+      load_row(krow, row, hd);
+      for (int64_t j = 0; j < g; ++j) scores[j * n + t] = dot(qf[j], row, hd);
+    });
+    // Softmax weights against the running maximum (a prior part's lse included).
+    for (int64_t j = 0; j < g; ++j) {
+      float* sj = scores.data() + j * n;
+      float lanes[16];
+      for (int e = 0; e < 16; ++e) lanes[e] = m[j];
+      int64_t k = 0;
+      for (; k + 16 <= n; k += 16)
+        for (int e = 0; e < 16; ++e) lanes[e] = sj[k + e] > lanes[e] ? sj[k + e] : lanes[e];
+      float mx = m[j];
+      for (int e = 0; e < 16; ++e) mx = lanes[e] > mx ? lanes[e] : mx;
+      for (; k < n; ++k) mx = sj[k] > mx ? sj[k] : mx;
+      const float corr = l[j] > 0.f ? std::exp(m[j] - mx) : 0.f;
+      for (int64_t k2 = 0; k2 < n; ++k2) sj[k2] = exp_nonpositive(sj[k2] - mx);
+      float sums[16] = {0};
+      k = 0;
+      for (; k + 16 <= n; k += 16)
+        for (int e = 0; e < 16; ++e) sums[e] += sj[k + e];
+      float sum = 0.f;
+      for (int e = 0; e < 16; ++e) sum += sums[e];
+      for (; k < n; ++k) sum += sj[k];
+      m[j] = mx;
+      l[j] = l[j] * corr + sum;
+      for (int64_t d = 0; d < hd; ++d) acc[j][d] *= corr;
+    }
+    // Pass 2: acc += w * v.
+    keys.each(vp, [&](const raw_t* vrow, int64_t t) {
+      load_row(vrow, row, hd);
+      for (int64_t j = 0; j < g; ++j) {
+        const float w = scores[j * n + t];
+        float* a = acc[j];
+        for (int64_t d = 0; d < hd; ++d) a[d] += w * row[d];
+      }
+    });
+  }
+};
+
+// The same item on 16-float vectors (GCC / Clang vector extensions: one zmm register with AVX-512, two ymm with
+// AVX2) for head dims that are multiples of 16; each query head's accumulator stays in registers over the keys.
+typedef float vf16 __attribute__((vector_size(64)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+
+template <typename T>
+inline vf16 load16(const typename Elem<T>::raw_t* src);
+
+template <>
+inline vf16 load16<at::BFloat16>(const uint16_t* src) {
+  vh16 h;
+  std::memcpy(&h, src, sizeof(h));
+  vu16 u = __builtin_convertvector(h, vu16) << 16;
+  vf16 f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+template <>
+inline vf16 load16<float>(const float* src) {
+  vf16 f;
+  std::memcpy(&f, src, sizeof(f));
+  return f;
+}
+
+inline float hsum(vf16 v) {
+  float s = 0.f;
+  for (int e = 0; e < 16; ++e) s += v[e];
+  return s;
+}
+
+template <typename T, int HD, int G>
+struct DecodeItemVec {
+  using E = Elem<T>;
+  using raw_t = typename E::raw_t;
+  static constexpr int C = HD / 16;  // vectors per head row
+  static constexpr int GM = G > 0 ? G : kMaxGroup;
+
+  // G > 0 fixes the query heads per KV head at compile time: every head's accumulator then stays in registers
+  // and each V row is loaded once for all of them; G == 0 reads g and walks the V rows once per head.
+  static void run(const raw_t* kp, const raw_t* vp, const KeyWalk& keys, int64_t g_rt, int64_t /*hd*/,
+                  float (*qf)[kMaxHeadDim], float (*acc)[kMaxHeadDim], float* m, float* l, std::vector<float>& scores) {
+    const int64_t g = G > 0 ? G : g_rt;
+    const int64_t n = std::max<int64_t>(0, keys.seq_len - keys.lo);
+    if (n == 0) return;
+    scores.resize(static_cast<size_t>(n * g));
+    vf16 qv[GM][C];
+    for (int64_t j = 0; j < g; ++j)
+      for (int c = 0; c < C; ++c) std::memcpy(&qv[j][c], &qf[j][c * 16], sizeof(vf16));
+    // Pass 1: scores q . k (head j's scores contiguous: scores[j * n + t]).
+    keys.each(kp, [&](const raw_t* krow, int64_t t) {
+      vf16 k[C];
+      for (int c = 0; c < C; ++c) k[c] = load16<T>(krow + c * 16);
+      for (int64_t j = 0; j < g; ++j) {
+        vf16 s = qv[j][0] * k[0];
+        for (int c = 1; c < C; ++c) s += qv[j][c] * k[c];
+        scores[j * n + t] = hsum(s);
+      }
+    });
+    float corr[GM];
+    for (int64_t j = 0; j < g; ++j) {
+      float* sj = scores.data() + j * n;
+      float mx = m[j];
+      for (int64_t k = 0; k < n; ++k) mx = sj[k] > mx ? sj[k] : mx;
+      corr[j] = l[j] > 0.f ? std::exp(m[j] - mx) : 0.f;
+      float sum = 0.f;
+      for (int64_t k = 0; k < n; ++k) sj[k] = exp_nonpositive(sj[k] - mx);
+      for (int64_t k = 0; k < n; ++k) sum += sj[k];
+      m[j] = mx;
+      l[j] = l[j] * corr[j] + sum;
+    }
+    // Pass 2: acc_j = corr_j * acc_j + sum_t w_jt v_t, the accumulators in registers.
+    if constexpr (G > 0) {
+      vf16 a[G][C];
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < C; ++c) {
+          std::memcpy(&a[j][c], &acc[j][c * 16], sizeof(vf16));
+          a[j][c] *= corr[j];
+        }
+      keys.each(vp, [&](const raw_t* vrow, int64_t t) {
+        vf16 v[C];
+        for (int c = 0; c < C; ++c) v[c] = load16<T>(vrow + c * 16);
+        for (int j = 0; j < G; ++j) {
+          const float w = scores[j * n + t];
+          for (int c = 0; c < C; ++c) a[j][c] += w * v[c];
+        }
+      });
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < C; ++c) std::memcpy(&acc[j][c * 16], &a[j][c], sizeof(vf16));
+    } else {
+      for (int64_t j = 0; j < g; ++j) {
+        const float* sj = scores.data() + j * n;
+        vf16 a[C];
+        for (int c = 0; c < C; ++c) {
+          std::memcpy(&a[c], &acc[j][c * 16], sizeof(vf16));
+          a[c] *= corr[j];
+        }
+        keys.each(vp, [&](const raw_t* vrow, int64_t t) {
+          const float w = sj[t];
+          for (int c = 0; c < C; ++c) a[c] += w * load16<T>(vrow + c * 16);
+        });
+        for (int c = 0; c < C; ++c) std::memcpy(&acc[j][c * 16], &a[c], sizeof(vf16));
+      }
+    }
+  }
+};
+
+template <typename T, int HD, int G>
+using DecodeItemFor =
+    typename std::conditional<HD % 16 == 0 && HD != 0, DecodeItemVec<T, HD, G>, DecodeItem<T, HD>>::type;
+
+template <typename T, int HD, int G>
+void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                      const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
+                      const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
+  using E = Elem<T>;
+  using raw_t = typename E::raw_t;
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), hd = q.size(2);
+  const int64_t block_size = kv_cache.size(2), num_kv = kv_cache.size(3);
+  const int64_t g = num_heads / num_kv;
+  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
+  const int64_t c_half = kv_cache.stride(0), c_block = kv_cache.stride(1), c_tok = kv_cache.stride(2),
+                c_head = kv_cache.stride(3);
+  const int64_t bt_s0 = block_tables.stride(0), max_blocks = block_tables.size(1);
+  const raw_t* qp = reinterpret_cast<const raw_t*>(q.data_ptr());
+  const raw_t* kp = reinterpret_cast<const raw_t*>(kv_cache.data_ptr());
+  const raw_t* vp = kp + c_half;
+  const int64_t* btp = block_tables.data_ptr<int64_t>();
+  const int64_t* slp = seq_lens.data_ptr<int64_t>();
+  const raw_t* pop = prior_out ? reinterpret_cast<const raw_t*>(prior_out->data_ptr()) : nullptr;
+  const int64_t po_s0 = prior_out ? prior_out->stride(0) : 0, po_s1 = prior_out ? prior_out->stride(1) : 0;
+  const float* plp = prior_lse ? prior_lse->data_ptr<float>() : nullptr;
+  const int64_t pl_s0 = prior_lse ? prior_lse->stride(0) : 0, pl_s1 = prior_lse ? prior_lse->stride(1) : 0;
+  raw_t* op = reinterpret_cast<raw_t*>(out.data_ptr());
+  const int64_t first_pos = first_block * block_size;
+
+  int64_t total_keys = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) total_keys += std::max<int64_t>(0, slp[i] - first_pos);
+  const int64_t items = num_seqs * num_kv;
+  const int64_t work_per_item = std::max<int64_t>(1, total_keys / std::max<int64_t>(1, num_seqs)) * g * hd * 2;
+
+  at::parallel_for(0, items, grain(work_per_item, 1 << 15), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    float qf[kMaxGroup][kMaxHeadDim];
+    float acc[kMaxGroup][kMaxHeadDim];
+    float m[kMaxGroup], l[kMaxGroup];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / num_kv, h = item % num_kv;
+      const int64_t seq_len = slp[i];
+      int64_t lo = first_pos;
+      if (sliding_window > 0) lo = std::max(lo, seq_len - sliding_window);  // the query sits at seq_len - 1
+      for (int64_t j = 0; j < g; ++j) {
+        const raw_t* src = qp + i * q_s0 + (h * g + j) * q_s1;
+        for (int64_t d = 0; d < hd; ++d) qf[j][d] = E::load(src[d]) * static_cast<float>(scale);
+        if (pop) {
+          const raw_t* prior = pop + h * po_s0 + (i * g + j) * po_s1;
+          for (int64_t d = 0; d < hd; ++d) acc[j][d] = E::load(prior[d]);
+          m[j] = plp[h * pl_s0 + (i * g + j) * pl_s1];
+          l[j] = 1.f;
+        } else {
+          for (int64_t d = 0; d < hd; ++d) acc[j][d] = 0.f;
+          m[j] = -std::numeric_limits<float>::infinity();
+          l[j] = 0.f;
+        }
+      }
+      const KeyWalk keys{btp + i * bt_s0, max_blocks, lo, seq_len, block_size, c_block, c_tok, h * c_head};
+      DecodeItemFor<T, HD, G>::run(kp, vp, keys, g, hd, qf, acc, m, l, scores);
+      for (int64_t j = 0; j < g; ++j) {
+        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+        raw_t* dst = op + i * num_heads * hd + (h * g + j) * hd;
+        for (int64_t d = 0; d < hd; ++d) dst[d] = E::store(acc[j][d] * inv);
+      }
+    }
+  });
+}
+
+// Compile-time head dims 64 and 128 with 1 to 8 query heads per KV head (the usual grouped-query shapes), else
+// the runtime loops.
+template <typename T, int HD>
+void decode_attention_group(int64_t g, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
+                            const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
+#define LMFORGE_GROUP(G_)                                                                                       \
+  case G_:                                                                                                    \
+    return decode_attention<T, HD, G_>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window, \
+                                       prior_out, prior_lse, out);
+  switch (HD == 0 ? 0 : g) {
+    LMFORGE_GROUP(1)
+    LMFORGE_GROUP(2)
+    LMFORGE_GROUP(3)
+    LMFORGE_GROUP(4)
+    LMFORGE_GROUP(5)
+    LMFORGE_GROUP(6)
+    LMFORGE_GROUP(7)
+    LMFORGE_GROUP(8)
+    default:
+      return decode_attention<T, HD, 0>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
+                                        prior_out, prior_lse, out);
+  }
+#undef LMFORGE_GROUP
+}
+
+template <typename T>
+void decode_attention_dispatch(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
+                               const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
+  const int64_t g = q.size(1) / kv_cache.size(3);
+  switch (q.size(2)) {
+    case 64:
+      return decode_attention_group<T, 64>(g, q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
+                                           prior_out, prior_lse, out);
+    case 128:
+      return decode_attention_group<T, 128>(g, q, kv_cache, block_tables, seq_lens, first_block, scale,
+                                            sliding_window, prior_out, prior_lse, out);
+    default:
+      return decode_attention_group<T, 0>(g, q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
+                                          prior_out, prior_lse, out);
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, int64_t first_block, double scale,
+                                  int64_t sliding_window, const c10::optional<at::Tensor>& prior_out,
+                                  const c10::optional<at::Tensor>& prior_lse) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be CPU [D, Hq, hd]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.stride(4) == 1,
+              "paged_decode_attention: kv_cache must be [2, num_blocks, block_size, Hkv, hd]");
+  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type(), "paged_decode_attention: q and kv_cache dtypes differ");
+  TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(2) <= kMaxHeadDim, "paged_decode_attention: head_dim mismatch or > 256");
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0 && q.size(1) / kv_cache.size(3) <= kMaxGroup,
+              "paged_decode_attention: num_heads must be a multiple (<= 16) of num_kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+                  block_tables.stride(1) == 1 && block_tables.size(1) > 0,
+              "paged_decode_attention: block_tables must be int64 [D, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) &&
+                  seq_lens.is_contiguous(),
+              "paged_decode_attention: seq_lens must be contiguous int64 [D]");
+  TORCH_CHECK(prior_out.has_value() == prior_lse.has_value(), "paged_decode_attention: give prior_out with prior_lse");
+  at::Tensor po, pl;
+  if (prior_out.has_value()) {
+    po = *prior_out;
+    pl = *prior_lse;
+    const int64_t num_kv = kv_cache.size(3), rows = q.size(0) * (q.size(1) / num_kv);
+    TORCH_CHECK(po.scalar_type() == q.scalar_type() && po.dim() == 3 && po.size(0) == num_kv && po.size(1) == rows &&
+                    po.size(2) == q.size(2) && po.stride(2) == 1,
+                "paged_decode_attention: prior_out must be [Hkv, D * g, hd] in q's dtype");
+    TORCH_CHECK(pl.scalar_type() == at::kFloat && pl.dim() == 2 && pl.size(0) == num_kv && pl.size(1) == rows,
+                "paged_decode_attention: prior_lse must be float32 [Hkv, D * g]");
+  }
+  at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  const at::Tensor* pop = prior_out.has_value() ? &po : nullptr;
+  const at::Tensor* plp = prior_out.has_value() ? &pl : nullptr;
+  if (q.scalar_type() == at::kBFloat16) {
+    decode_attention_dispatch<at::BFloat16>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window, pop, plp, out);
+  } else if (q.scalar_type() == at::kFloat) {
+    decode_attention_dispatch<float>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window, pop, plp, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: q must be bf16 or fp32");
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ rope + cache
+
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                          const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 2 && qkv.stride(1) == 1,
+              "rope_and_cache: qkv must be a CPU bf16 [N, (Hq + 2 Hkv) * hd] tensor with unit last stride");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                  kv_cache.size(3) == num_kv && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4),
+              "rope_and_cache: kv_cache must be bf16 [2, num_blocks, block_size, Hkv, hd] with contiguous tokens");
+  const int64_t n = qkv.size(0), hd = kv_cache.size(4);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv) * hd, "rope_and_cache: qkv width is not (Hq + 2 Hkv) * hd");
+  TORCH_CHECK(hd % 2 == 0 && hd <= kMaxHeadDim, "rope_and_cache: head_dim must be even and <= 256");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.dim() == 2 &&
+                  sin.dim() == 2 && cos.size(0) == n && sin.size(0) == n && cos.size(1) == hd && sin.size(1) == hd &&
+                  cos.stride(1) == 1 && sin.stride(1) == 1,
+              "rope_and_cache: cos and signed_sin must be bf16 [N, hd]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
+                  slot_mapping.is_contiguous(),
+              "rope_and_cache: slot_mapping must be contiguous int64 [N]");
+  at::Tensor q = at::empty({n, num_heads, hd}, qkv.options());
+  using E = Elem<at::BFloat16>;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
+  const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+  uint16_t* kp = reinterpret_cast<uint16_t*>(kv_cache.data_ptr());
+  uint16_t* vp = kp + kv_cache.stride(0);
+  uint16_t* qp = reinterpret_cast<uint16_t*>(q.data_ptr());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t x_stride = qkv.stride(0), c_stride = cos.stride(0), s_stride = sin.stride(0);
+  const int64_t block_size = kv_cache.size(2), c_block = kv_cache.stride(1), c_tok = kv_cache.stride(2);
+  const int64_t half = hd / 2, num_rot = num_heads + num_kv;
+  at::parallel_for(0, n, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
+    float c[kMaxHeadDim], sn[kMaxHeadDim];
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* x = xp + t * x_stride;
+      for (int64_t d = 0; d < hd; ++d) {
+        c[d] = E::load(cp[t * c_stride + d]);
+        sn[d] = E::load(sp[t * s_stride + d]);
+      }
+      const int64_t slot = slots[t];
+      uint16_t* k_dst = slot >= 0 ? kp + (slot / block_size) * c_block + (slot % block_size) * c_tok : nullptr;
+      uint16_t* v_dst = slot >= 0 ? vp + (slot / block_size) * c_block + (slot % block_size) * c_tok : nullptr;
+      for (int64_t h = 0; h < num_rot; ++h) {
+        const uint16_t* src = x + h * hd;
+        uint16_t* dst = h < num_heads ? qp + (t * num_heads + h) * hd : (k_dst ? k_dst + (h - num_heads) * hd : nullptr);
+        if (!dst) continue;
+        for (int64_t d = 0; d < half; ++d) {  // the two halves apart, so both loops vectorize
+          const float a = E::load(E::store(E::load(src[d]) * c[d]));
+          const float b = E::load(E::store(E::load(src[d + half]) * sn[d]));
+          dst[d] = E::store(a + b);
+        }
+        for (int64_t d = half; d < hd; ++d) {
+          const float a = E::load(E::store(E::load(src[d]) * c[d]));
+          const float b = E::load(E::store(E::load(src[d - half]) * sn[d]));
+          dst[d] = E::store(a + b);
+        }
+      }
+      if (v_dst) std::memcpy(v_dst, x + num_rot * hd, static_cast<size_t>(num_kv * hd) * sizeof(uint16_t));
+    }
+  });
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(lmforge_engine, m) {
+  m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
+  m.def("argmax(Tensor logits) -> Tensor", &argmax);
+  m.def(
+      "rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "int num_heads, int num_kv) -> Tensor",
+      &rope_and_cache);
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int first_block, "
+      "float scale, int sliding_window, Tensor? prior_out, Tensor? prior_lse) -> Tensor",
+      &paged_decode_attention);
+}
