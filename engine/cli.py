@@ -54,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="draft checkpoint (default: the newest `lmforge distill` output of --model under ./runs)",
     )
     parser.add_argument(
+        "--speculative-ngram-corpus",
+        default=None,
+        metavar="JSONL",
+        help="chat records whose n-grams the ngram proposer also looks up, e.g. the teacher_generated.jsonl of an "
+        "`lmforge distill` run (default: prompt lookup only)",
+    )
+    parser.add_argument(
         "--backend",
         choices=["engine", "hf"],
         default="engine",
@@ -100,6 +107,7 @@ FLAG_FIELDS = (
     "speculative_method",
     "num_speculative_tokens",
     "speculative_model",
+    "speculative_ngram_corpus",
 )
 
 
@@ -136,6 +144,7 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
             speculative_method=args.speculative_method,
             num_speculative_tokens=args.num_speculative_tokens,
             speculative_model=args.speculative_model,
+            speculative_ngram_corpus=args.speculative_ngram_corpus,
         )
     except ValueError as exc:
         raise flag_error(exc) from exc

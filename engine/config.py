@@ -80,6 +80,10 @@ class EngineConfig:
             shrinks; ``engine.spec_decode.draft.read_draft_vocab``); ``None``: the whole vocabulary.
         ngram_prompt_lookup_min / ngram_prompt_lookup_max: shortest / longest suffix n-gram
             the ``ngram`` proposer matches (it tries the longest first).
+        speculative_ngram_corpus: a JSONL of chat records (``lmforge data`` format, e.g. the
+            ``teacher_generated.jsonl`` of an ``lmforge distill`` run: the model's own replies) whose
+            n-grams the ``ngram`` proposer also looks up when the request's own tokens have no match
+            of 2 or more tokens (``engine.spec_decode.ngram.NgramCorpus``); ``None``: prompt lookup only.
         attention_backend: ``"torch"`` or ``"triton"`` (``engine.attention``); ``None`` takes
             ``triton`` on CUDA and ``torch`` on CPU (``triton`` on CPU runs under Triton's
             interpreter: tests only).
@@ -113,6 +117,7 @@ class EngineConfig:
     speculative_draft_vocab_size: int | None = DEFAULT_SPECULATIVE_DRAFT_VOCAB_SIZE
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
+    speculative_ngram_corpus: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
 
@@ -148,7 +153,7 @@ class EngineConfig:
                 f"speculative_method={method!r}; use one of {SPECULATIVE_METHODS}, or None to turn speculation off"
             )
         if method is None:
-            for name in ("num_speculative_tokens", "speculative_model"):
+            for name in ("num_speculative_tokens", "speculative_model", "speculative_ngram_corpus"):
                 if getattr(self, name) is not None:
                     raise UsageError(
                         f"{name}={getattr(self, name)!r} without speculative_method; set "
@@ -187,8 +192,15 @@ class EngineConfig:
                     f"ngram_prompt_lookup_min={self.ngram_prompt_lookup_min} > ngram_prompt_lookup_max="
                     f"{self.ngram_prompt_lookup_max}; the shortest n-gram must not exceed the longest"
                 )
+        elif self.speculative_ngram_corpus is not None:
+            raise UsageError(
+                f"speculative_ngram_corpus={self.speculative_ngram_corpus!r} with speculative_method={method!r}; "
+                "the corpus serves the ngram proposer: drop it or use 'ngram'"
+            )
         if self.speculative_model is not None:
             self.speculative_model = str(self.speculative_model)
+        if self.speculative_ngram_corpus is not None:
+            self.speculative_ngram_corpus = str(self.speculative_ngram_corpus)
 
     def check_model_len(self, max_model_len: int) -> None:
         """Check ``max_model_len`` against the token budget and the KV pool (called again once it is resolved).

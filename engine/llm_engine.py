@@ -336,7 +336,10 @@ class LLMEngine:
         """
         start = time.perf_counter()
         items = [item for item in out.scheduled if item.samples]
-        greedy = self.speculator is None and Sampler.is_plain_greedy([item.seq for item in items])
+        # Plain greedy rows (verified ones too: an argmax match) take the argmax of the model-dtype
+        # logits, with or without speculation, so a speculative engine picks exactly the tokens of a
+        # plain one wherever the forward is the same (the float32 copy is exact, but costs a pass).
+        greedy = Sampler.is_plain_greedy([item.seq for item in items])
         logits = self.runner.execute(
             out, float_logits=not greedy
         )  # [R, vocab]: 1 row per sampling item, 1 + m per speculative one

@@ -231,3 +231,45 @@ def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path):
     assert singles["engine_fp32_single"]["same_tokens_as_hf"] is True
     assert set(report["bound"]["output_tok_s"]) == {"fp32", "bf16", "int8"}
     assert "hf_static" in proc.stdout and "compute bound" in proc.stdout and "one request alone" in proc.stdout
+
+
+def test_spec_bench_compares_tokens_repeat_by_repeat_and_filters_the_corpus(tmp_path):
+    """``same_tokens`` pairs each repeat with off's same repeat (same prefix-cache state); the ngram corpus
+    leaves out records whose user turn is a benchmark prompt."""
+    from types import SimpleNamespace
+
+    from bench.spec_bench import measure, ngram_corpus
+
+    class FakeLLM:
+        """Greedy tokens per repeat (cold, then warm); stats that never move."""
+
+        def __init__(self, runs):
+            self.runs = iter(runs)
+            stats = SimpleNamespace(
+                spec_decode_num_drafts_total=0,
+                spec_decode_num_draft_tokens_total=0,
+                spec_decode_num_accepted_tokens_total=0,
+            )
+            self.engine = SimpleNamespace(get_stats=lambda: stats)
+
+        def generate(self, batch, params):
+            tokens = next(self.runs)
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=t)]) for t in tokens]
+
+    cold, warm = [[1, 2], [3, 4]], [[1, 2], [3, 5]]  # a near tie flips once the prefix cache is warm
+    engines = {"off": FakeLLM([cold, warm]), "ngram": FakeLLM([cold, warm])}
+    rows = measure(engines, [[0, 0]], None, 2, dict(dtype="bfloat16", prompts="chat", concurrency=2))
+    assert [r.same_tokens for r in rows] == [1.0, 1.0]
+
+    corpus = tmp_path / "teacher_generated.jsonl"
+    corpus.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]}) + "\n"
+            for q in ("held out", "train one", "train two")
+        )
+    )
+    args = SimpleNamespace(spec_ngram_corpus="auto")
+    path, note = ngram_corpus(args, tmp_path / "final", {"held out"}, tmp_path)
+    assert len(path.read_text().splitlines()) == 2 and "1 with a benchmark prompt left out" in note
+    args.spec_ngram_corpus = "none"
+    assert ngram_corpus(args, tmp_path / "final", set(), tmp_path)[0] is None

@@ -363,3 +363,50 @@ def test_bad_token_frequency_file_names_its_path(target_dir, noisy_draft_dir, tm
     (draft / "token_frequencies.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="token_frequencies.json"):
         spec_llm(target_dir, "draft", draft)
+
+
+def test_bf16_speculative_engine_takes_the_plain_argmax_path(target_dir, prompts):
+    """In bf16, greedy steps of a speculative engine take the argmax of the model-dtype logits as a plain
+    engine does (no float32 copy), and with every step switched off (batch size) its tokens are exactly the
+    plain engine's: same forward, same picks. bf16 differences elsewhere come only from the batch shapes."""
+    bf16 = dict(CONFIG, dtype="bfloat16")
+    want = tokens(LLM(str(target_dir), **bf16).generate(prompts["untied"], GREEDY))
+    off = spec_llm(target_dir, "ngram", dtype="bfloat16", speculative_disable_by_batch_size=1)
+    on = spec_llm(target_dir, "ngram", dtype="bfloat16")
+    seen: list[bool] = []
+    for llm in (off, on):
+        execute = llm.engine.runner.execute
+        llm.engine.runner.execute = lambda out, float_logits=True, execute=execute: (
+            seen.append(float_logits) or execute(out, float_logits)
+        )
+    assert tokens(off.generate(prompts["untied"], GREEDY)) == want
+    assert off.engine.get_stats().spec_decode_num_drafts_total == 0
+    on.generate(prompts["untied"], GREEDY)
+    assert on.engine.get_stats().spec_decode_num_accepted_tokens_total > 0
+    assert seen and not any(seen)
+    check_all_freed(on)
+
+
+def test_ngram_corpus_gives_same_tokens(target_dir, prompts, reference, tmp_path):
+    """ngram with a corpus holding the continuations of half the prompts (and noise): tokens unchanged."""
+    from engine.spec_decode import NgramCorpus
+
+    g = torch.Generator().manual_seed(3)
+    seqs = [p + r for p, r in zip(prompts["untied"][::2], reference["untied"][::2])]
+    noise = [torch.randint(3, 49000, (40,), generator=g).tolist() for _ in range(4)]
+    own = spec_llm(target_dir, "ngram", ngram_prompt_lookup_min=2)
+    llm = spec_llm(target_dir, "ngram", ngram_prompt_lookup_min=2)
+    llm.engine.proposer.corpus = NgramCorpus(seqs + noise)
+    for engine in (own, llm):
+        assert tokens(engine.generate(prompts["untied"], GREEDY)) == reference["untied"]
+        check_all_freed(engine)
+    stats = llm.engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+    assert stats.spec_decode_num_accepted_tokens_total > own.engine.get_stats().spec_decode_num_accepted_tokens_total
+
+
+def test_ngram_corpus_file_is_read_by_the_engine(target_dir, tmp_path):
+    corpus = tmp_path / "replies.jsonl"
+    corpus.write_text('{"text": "one two three four five six"}\n')
+    llm = spec_llm(target_dir, "ngram", speculative_ngram_corpus=str(corpus))
+    assert len(llm.engine.proposer.corpus) > 0

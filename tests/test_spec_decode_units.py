@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine import EngineConfig
-from engine.spec_decode import NgramProposer, rejection_sample, verify_greedy
+from engine.spec_decode import NgramCorpus, NgramProposer, rejection_sample, verify_greedy
 from engine.spec_decode.speculator import AcceptanceTracker, CostModel, choose_k, expected_tokens
 
 VOCAB = 6
@@ -37,6 +37,44 @@ def test_ngram_prefers_longer_match_over_later_short_one():
     ngram = NgramProposer(min_n=1, max_n=3)
     tokens = [1, 2, 3, 40, 41, 9, 3, 50, 1, 2, 3]
     assert ngram.propose_tokens(tokens, 2) == [40, 41]  # (1, 2, 3) beats the later (3) -> 50
+
+
+def test_ngram_corpus_chains_the_most_frequent_continuation_of_the_longest_match():
+    corpus = NgramCorpus([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [9, 2, 3, 7, 8], [6, 3, 7]], max_n=3)
+    # (2, 3) -> 4 twice, 7 once; then (2, 3, 4) -> 5; (3, 4, 5) is unknown, and so is (4, 5): stop
+    assert corpus.propose_tokens([0, 2, 3], 4) == [4, 5]
+    assert corpus.propose_tokens([9, 2, 3], 1) == [7]  # the 3-gram (9, 2, 3) beats the 2-gram's majority
+    assert corpus.propose_tokens([0, 0, 3], 2) == []  # 1-grams are never looked up in a corpus
+    assert corpus.propose_tokens([6, 3], 3) == [7, 8]  # (6, 3) -> 7, then (3, 7) -> 8 of another record
+    assert NgramCorpus([[1, 2, 5], [1, 2, 6], [1, 2, 6]]).propose_tokens([1, 2], 1) == [6]
+
+
+def test_ngram_with_corpus_tries_own_long_matches_then_the_corpus_then_own_single_tokens():
+    corpus = NgramCorpus([[7, 8, 30, 31], [5, 6, 40]], max_n=3)
+    ngram = NgramProposer(min_n=1, max_n=3, corpus=corpus)
+    assert ngram.propose_tokens([7, 8, 20, 21, 7, 8], 2) == [20, 21]  # own 2-gram (7, 8) first
+    assert ngram.propose_tokens([1, 7, 8], 2) == [30, 31]  # no own match: the corpus
+    assert ngram.propose_tokens([4, 9, 4], 2) == [9, 4]  # neither: own 1-gram (4)
+    assert NgramProposer(min_n=2, max_n=3, corpus=corpus).propose_tokens([4, 9, 4], 2) == []
+
+
+def test_ngram_corpus_from_jsonl_reads_records_and_names_bad_files(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from compress.errors import UsageError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    good = tmp_path / "replies.jsonl"
+    good.write_text('{"text": "the cat sat on the mat and the cat sat down"}\n')
+    corpus = NgramCorpus.from_jsonl(good, tokenizer)
+    ids = tokenizer("the cat sat on the mat and the cat sat down").input_ids
+    assert corpus.propose_tokens(ids[:2], 3) == ids[2:5]
+    with pytest.raises(UsageError, match="speculative_ngram_corpus=.*missing.jsonl.*not found"):
+        NgramCorpus.from_jsonl(tmp_path / "missing.jsonl", tokenizer)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(UsageError, match="bad.jsonl:2"):
+        NgramCorpus.from_jsonl(bad, tokenizer)
 
 
 def test_verify_greedy_keeps_matching_prefix_then_the_argmax():
@@ -107,6 +145,8 @@ def test_rejection_sampling_checks_shapes():
         (dict(num_speculative_tokens=3), "without speculative_method"),
         (dict(speculative_model="x"), "without speculative_method"),
         (dict(speculative_method="ngram", speculative_model="x"), "uses no model"),
+        (dict(speculative_method="draft", speculative_ngram_corpus="c.jsonl"), "serves the ngram proposer"),
+        (dict(speculative_ngram_corpus="c.jsonl"), "without speculative_method"),
         (
             dict(speculative_method="ngram", ngram_prompt_lookup_min=3, ngram_prompt_lookup_max=2),
             "ngram_prompt_lookup_min=3",
@@ -140,6 +180,21 @@ def test_expected_tokens_and_choose_k():
     # alpha 0.6 at cost 0.3 per token: k=1 gives 1.6/1.3 = 1.23, k=2 1.96/1.6 = 1.225, k=3 2.18/1.9
     assert choose_k(0.6, 0.3, 4) == 1
     assert choose_k(0.3, 0.5, 4) == 0  # 1.3/1.5 < 1
+    # the same request among 3 others: the time k adds slows all 4, so it must gain 4 times as much
+    assert choose_k(0.6, 0.05, 4) == 4 and choose_k(0.6, 0.05, 4, num_others=3) == 2  # 4.96/1.1 > 5.18/1.15
+    assert choose_k(0.15, 0.05, 4) == 1 and choose_k(0.15, 0.05, 4, num_others=3) == 0  # 4.15/1.05 < 4
+
+
+def test_new_requests_start_from_the_engine_wide_acceptance():
+    from engine.spec_decode.speculator import ACCEPTANCE_PRIOR, Speculator
+
+    spec = Speculator(EngineConfig(speculative_method="ngram"), NgramProposer())
+    assert spec.new_request_prior() == ACCEPTANCE_PRIOR  # nothing verified yet
+    spec.engine_counts = [1.0, 9.0]
+    accepted, rejected = spec.new_request_prior()
+    assert accepted / (accepted + rejected) == pytest.approx(0.1) and accepted + rejected == pytest.approx(3.0)
+    assert spec._adapt("new", 4, cost=0.05) == 1  # alpha 0.1 alone: 1.1 / 1.05 > 1
+    assert spec._adapt("other", 4, cost=0.05, num_others=3) == 0
 
 
 def test_acceptance_tracker_counts_tested_positions():
@@ -184,13 +239,34 @@ def test_cost_model_fits_step_time_and_adds_the_proposer():
     a, b, c = cost.fit()
     assert (a, b, c) == pytest.approx((0.009, 0.001, 0.002))
     assert cost.costs(1) == (0.0, 0.3)  # proposer not timed yet
-    cost.observe_propose(3, 0.006)  # 2 ms per proposed position
+    cost.observe_propose(3, 1, 0.006)  # 2 ms per proposed position
     fixed, per_token = cost.costs(1)
     assert fixed == pytest.approx(0.2) and per_token == pytest.approx((0.001 + 0.002) / 0.010)
-    assert cost.costs(2)[1] == pytest.approx((0.001 + 0.001) / 0.011)
+    assert cost.costs(2)[1] == pytest.approx((0.001 + 0.002) / 0.011)
+    cost.observe_propose(1, 4, 0.0)  # a round for 4 requests at once costs each of them less
+    assert cost.costs(1)[1] < per_token
     only_spec = CostModel(prior=0.3)
     only_spec.observe_step(4, 1, 0.012)
-    only_spec.observe_propose(1, 0.0)
+    only_spec.observe_propose(1, 1, 0.0)
     assert only_spec.fit() is None and only_spec.costs(1) == (0.0, 0.3)  # no plain step to compare with
     assert choose_k(0.6, 0.05, 4, fixed_cost=0.0) == 4
     assert choose_k(0.6, 0.05, 4, fixed_cost=2.0) == 0  # a fixed cost that no run of 0.6 pays back
+
+
+def test_a_step_speculates_only_when_its_gain_beats_the_fixed_and_per_token_cost():
+    from types import SimpleNamespace
+
+    from engine.spec_decode.speculator import Speculator
+
+    spec = Speculator(EngineConfig(speculative_method="ngram"), NgramProposer())
+    seqs = [SimpleNamespace(request_id=r) for r in "ab"]
+    for r, accepted in zip("ab", (1.0, 3.0)):
+        spec.tracks[r] = AcceptanceTracker((accepted, 9.0))  # alpha 0.1 and 0.25
+    # 4 requests, 7% to verify at all, 1% per token: (4 + 0.1) / 1.08 < 4, (4 + 0.1 + 0.25) / 1.09 < 4
+    assert not spec.step_pays(seqs[:1], [1], 4, 0.07, 0.01)
+    assert not spec.step_pays(seqs, [1, 1], 4, 0.07, 0.01)
+    assert spec.step_pays(seqs, [1, 1], 1, 0.07, 0.01)  # one request alone: 1.35 / 1.09 > 1
+    assert not spec.step_pays(seqs, [0, 0], 1, 0.0, 0.01)  # nothing proposed gains nothing
+    spec.tracks["a"].probing = True
+    assert spec.step_pays(seqs, [1, 1], 4, 0.07, 0.01)  # a probe goes ahead
+    assert not spec.step_pays(seqs, [0, 1], 4, 0.07, 0.01)  # unless it proposed nothing

@@ -112,8 +112,8 @@ def verify_request(
     then temperature, top-k, top-p.
 
     Args:
-        logits: ``[m + 1, vocab]`` float32 target logits at the last accepted token and the
-            ``m`` proposals.
+        logits: ``[m + 1, vocab]`` target logits at the last accepted token and the ``m`` proposals
+            (float32; the model dtype for a plain greedy request).
         seq: the ``Sequence`` (its params, tokens and generator).
         proposal: the ``m`` proposed tokens.
         draft_probs: ``[m, vocab]`` draft distributions, or ``None`` (one-hot proposals).

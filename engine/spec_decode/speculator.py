@@ -11,12 +11,16 @@ one token for a plain row, the accepted proposals plus one for a speculative one
 computed and frees blocks that hold only rejected slots.
 
 With ``speculative_adaptive`` (default) each request's k is chosen per step from a cost model
-(``choose_k``): its per-token acceptance so far (``AcceptanceTracker``) against the measured
-cost of speculating (a draft forward and one more verified position per proposed token, plus a
-fixed cost per verifying request, relative to a plain decode step, ``CostModel``). A request
-whose proposals do not pay gets none (k = 0) and is probed with one token after ``PROBE_EVERY``
-steps (twice as long after each rejected probe), so where proposals are not accepted
-speculation costs little more than the rare probe.
+(``choose_k``): its per-token acceptance so far (``AcceptanceTracker``; a new request starts
+from the engine-wide acceptance) against the measured cost of speculating (a draft forward per
+drafted request and position, one more verified position per proposed token, and a fixed cost
+per verifying request, relative to a plain decode step, ``CostModel``). The step's other
+requests count: extra step time slows every request of the batch, so a request of a batch of B
+proposes only where the tokens it gains outweigh B times the time it adds (the dynamic
+speculation length of vLLM and SGLang, on measured costs). A request whose proposals do not pay
+gets none (k = 0) and is probed with one token after ``PROBE_EVERY`` steps (twice as long after
+each rejected probe), so where proposals are not accepted speculation costs little more than
+the rare probe.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 from engine.config import EngineConfig
 from engine.scheduler import speculative_room
 from engine.spec_decode.draft import DraftProposer
-from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.ngram import NgramCorpus, NgramProposer
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.rejection import verify_request
 
@@ -56,8 +60,11 @@ def verifiable(seq) -> bool:
     )
 
 
-#: Pseudo-counts (accepted, rejected) of a request before its first verification: alpha = 2/3.
+#: Pseudo-counts (accepted, rejected) of a request before its first verification: alpha = 2/3 while
+#: the engine has verified nothing, else the engine-wide acceptance with this weight (``Speculator``).
 ACCEPTANCE_PRIOR = (2.0, 1.0)
+#: Weight of the past in the engine-wide acceptance counts, per verification.
+ENGINE_ACCEPTANCE_DECAY = 0.98
 #: Weight of the past in a request's acceptance counts, per verification (recent steps count more).
 ACCEPTANCE_DECAY = 0.9
 #: Steps a request with k = 0 waits before it proposes one token again (to see if it pays now);
@@ -83,18 +90,23 @@ def expected_tokens(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(k + 1))
 
 
-def choose_k(alpha: float, cost_per_token: float, k_max: int, fixed_cost: float = 0.0) -> int:
-    """The k in ``0..k_max`` with the most tokens per unit of step time.
+def choose_k(alpha: float, cost_per_token: float, k_max: int, fixed_cost: float = 0.0, num_others: int = 0) -> int:
+    """The k in ``0..k_max`` with the most tokens of the whole step per unit of step time.
+
+    A plain step of ``num_others + 1`` requests emits one token each; proposing ``k`` adds
+    ``expected_tokens(alpha, k) - 1`` tokens for this request but slows the whole step, so the
+    rate is ``(num_others + expected_tokens) / (1 + fixed_cost + cost_per_token * k)``.
 
     Args:
         alpha: per-token acceptance rate of the request (0..1).
         cost_per_token: time one proposed token adds to a step, as a fraction of a plain decode step.
         k_max: ``num_speculative_tokens`` (or less where the request has no room).
         fixed_cost: time proposing at all adds (whatever k), as a fraction of a plain decode step.
+        num_others: the step's other requests (each emits a token whatever this one does).
     """
-    best_k, best = 0, 1.0
+    best_k, best = 0, 1.0 + num_others
     for k in range(1, k_max + 1):
-        rate = expected_tokens(alpha, k) / (1.0 + fixed_cost + cost_per_token * k)
+        rate = (num_others + expected_tokens(alpha, k)) / (1.0 + fixed_cost + cost_per_token * k)
         if rate > best * 1.0001:
             best_k, best = k, rate
     return best_k
@@ -108,8 +120,8 @@ class AcceptanceTracker:
     ``accepted / (accepted + rejected)`` estimates the per-token rate of ``expected_tokens``.
     """
 
-    def __init__(self) -> None:
-        self.accepted, self.rejected = ACCEPTANCE_PRIOR
+    def __init__(self, prior: tuple[float, float] = ACCEPTANCE_PRIOR) -> None:
+        self.accepted, self.rejected = prior
         self.idle_steps = 0
         self.probe_every = PROBE_EVERY
         self.probing = False
@@ -130,10 +142,13 @@ class CostModel:
     """What speculating costs, relative to a plain decode step, from measured times.
 
     * verification: the forward time of the last ``COST_WINDOW`` decode steps fitted (least
-      squares) as ``a + b * tokens + c * speculating``: one more verified position costs ``b``,
-      a request that verifies at all ``c`` (its rows take the multi-token attention path).
+      squares) as ``a + b * tokens + c * [any request verifies]``: one more verified position
+      costs ``b``, a step that verifies at all ``c`` (the multi-token attention path runs besides
+      the decode one; on a 2-core AVX-512 CPU, SmolLM2 bf16 at 1 thread, +3% of a one-request
+      step and +7% of a four-request one, about the same for one verifying request as for four).
       Every ``CALIBRATE_EVERY``-th step proposes nothing, so plain steps are always in the fit.
-    * proposing: seconds of the proposer per proposed position (a draft forward; ~0 for ngram).
+    * proposing: seconds of the proposer per proposing request and position (a draft forward
+      shared by the requests drafted together; ~0 for ngram).
 
     ``costs(batch)`` gives ``(fixed, per_token)`` as fractions of ``a + b * batch``, a plain step;
     ``prior`` (per token, no fixed part) until the fit and the proposer have been measured.
@@ -149,17 +164,17 @@ class CostModel:
         ``num_speculating`` requests verified proposals, in ``seconds``."""
         self.steps.append((num_tokens, num_speculating, seconds))
 
-    def observe_propose(self, num_positions: int, seconds: float) -> None:
-        """The proposer took ``seconds`` for ``num_positions`` sequential positions."""
-        if num_positions > 0:
-            per = seconds / num_positions
+    def observe_propose(self, num_positions: int, num_seqs: int, seconds: float) -> None:
+        """The proposer took ``seconds`` for ``num_positions`` sequential positions of ``num_seqs`` requests."""
+        if num_positions > 0 and num_seqs > 0:
+            per = seconds / (num_positions * num_seqs)
             self.propose_s = per if self.propose_s is None else COST_DECAY * self.propose_s + (1 - COST_DECAY) * per
 
     def fit(self) -> tuple[float, float, float] | None:
         """``(a, b, c)`` of the step time, or ``None`` without plain and speculative steps among the last ones."""
         if not self.steps or not any(s == 0 for _, s, _ in self.steps) or all(s == 0 for _, s, _ in self.steps):
             return None
-        x = np.array([(1.0, n, s) for n, s, _ in self.steps])
+        x = np.array([(1.0, n, 1.0 if s else 0.0) for n, s, _ in self.steps])
         y = np.array([t for _, _, t in self.steps])
         coef = np.linalg.lstsq(x, y, rcond=None)[0]
         mean_n, mean_s, mean_t = x[:, 1].mean(), x[:, 2].mean(), y.mean()
@@ -168,14 +183,14 @@ class CostModel:
         return a, b, c
 
     def costs(self, batch: int) -> tuple[float, float]:
-        """``(fixed, per_token)``: what a request that speculates, and each token it proposes, add to a
-        step of ``batch`` plain decodes, as fractions of that step."""
+        """``(fixed, per_token)``: what verifying at all, and each proposed token, add to a step of
+        ``batch`` plain decodes, as fractions of that step."""
         fit = self.fit()
         if fit is None or self.propose_s is None:
             return 0.0, self.prior
         a, b, c = fit
         plain = a + b * batch
-        return c / plain, (b + self.propose_s / max(batch, 1)) / plain
+        return c / plain, (b + self.propose_s) / plain
 
 
 class Speculator:
@@ -195,6 +210,7 @@ class Speculator:
         self.proposer = proposer
         self.cost = CostModel(prior=0.3 if isinstance(proposer, DraftProposer) else VERIFY_PRIOR)
         self.tracks: dict[str, AcceptanceTracker] = {}
+        self.engine_counts = [0.0, 0.0]  # decayed (accepted, rejected) of every verification: new requests' prior
         self.num_steps = 0
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -205,12 +221,18 @@ class Speculator:
         """The speculator of ``config`` (``None`` when ``speculative_method`` is ``None``).
 
         Raises:
-            ValueError: a draft with another tokenizer, too short a context, or none found.
+            ValueError: a draft with another tokenizer, too short a context, or none found; a bad
+                ``speculative_ngram_corpus`` (``NgramCorpus.from_jsonl``).
         """
         if config.speculative_method is None:
             return None
         if config.speculative_method == "ngram":
-            return cls(config, NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max))
+            corpus = None
+            if config.speculative_ngram_corpus is not None:
+                corpus = NgramCorpus.from_jsonl(
+                    config.speculative_ngram_corpus, tokenizer, config.ngram_prompt_lookup_max
+                )
+            return cls(config, NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max, corpus))
         draft = DraftProposer.for_target(
             config, target_dir, tokenizer, vocab_size, [Path.cwd() / "runs", target_dir.parent]
         )
@@ -237,12 +259,12 @@ class Speculator:
             k = min(self.config.num_speculative_tokens, speculative_room(seq, self.config.max_model_len))
             if seq.num_uncomputed_tokens == 1 and k > 0 and verifiable(seq):
                 if adaptive:
-                    k = self._adapt(seq.request_id, k, cost, fixed)
+                    k = self._adapt(seq.request_id, k, cost, 0.0, len(running) - 1)
                     if k == 0:
                         continue
                 seqs.append(seq)
                 ks.append(k)
-        if not seqs:
+        if not seqs or (adaptive and not self.step_pays(seqs, ks, len(running), fixed, cost)):
             return
         start = time.perf_counter()
         try:
@@ -252,21 +274,42 @@ class Speculator:
             for seq in seqs:
                 self.proposer.free(seq.request_id)
             return
-        self.cost.observe_propose(max(ks), time.perf_counter() - start)
+        self.cost.observe_propose(max(ks), len(seqs), time.perf_counter() - start)
+        if adaptive and not self.step_pays(seqs, [len(p.token_ids) for p in proposals], len(running), fixed, cost):
+            return  # e.g. ngram found too few matches: a plain step (the draft rolls back unverified tokens)
         for seq, proposal in zip(seqs, proposals):
             seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
 
-    def _adapt(self, request_id: str, k_max: int, cost: float, fixed: float = 0.0) -> int:
+    def step_pays(self, seqs: list, ks: list[int], batch: int, fixed: float, cost: float) -> bool:
+        """Whether proposing ``ks[i]`` tokens after each ``seqs[i]`` is expected to emit more tokens per
+        second than a plain step of ``batch`` requests: ``(batch + sum(expected_tokens - 1)) / (1 + fixed +
+        cost * sum(ks)) > batch``; always when a request is due a probe (else it could never learn)."""
+        tracks = [self.tracks.get(seq.request_id) for seq in seqs]
+        if any(t is not None and t.probing and k for t, k in zip(tracks, ks)):
+            return True
+        gain = sum(expected_tokens(t.alpha, k) - 1.0 for t, k in zip(tracks, ks) if t is not None)
+        return (batch + gain) / (1.0 + fixed + cost * sum(ks)) > batch * 1.0001
+
+    def _adapt(self, request_id: str, k_max: int, cost: float, fixed: float = 0.0, num_others: int = 0) -> int:
         """This step's k of a request (``choose_k``); 1 when a switched-off request is due a probe."""
         track = self.tracks.get(request_id)
         if track is None:
-            track = self.tracks[request_id] = AcceptanceTracker()
-        k = choose_k(track.alpha, cost, k_max, fixed)
+            track = self.tracks[request_id] = AcceptanceTracker(self.new_request_prior())
+        track.probing = False  # a probe is for one step; one that proposed nothing (no ngram match) lapses
+        k = choose_k(track.alpha, cost, k_max, fixed, num_others)
         if k == 0:
             track.idle_steps += 1
             if track.idle_steps >= track.probe_every:
                 track.idle_steps, track.probing, k = 0, True, 1
         return k
+
+    def new_request_prior(self) -> tuple[float, float]:
+        """Pseudo-counts of a new request: the engine-wide acceptance with the weight of ``ACCEPTANCE_PRIOR``."""
+        accepted, rejected = self.engine_counts
+        if accepted + rejected < 1.0:
+            return ACCEPTANCE_PRIOR
+        weight = sum(ACCEPTANCE_PRIOR) / (accepted + rejected)
+        return accepted * weight, rejected * weight
 
     def observe_step(self, out, seconds: float) -> None:
         """Time of a step's forward pass (``engine.llm_engine``): decode-only steps feed ``CostModel``."""
@@ -281,7 +324,8 @@ class Speculator:
 
         Args:
             sampler: the engine's ``Sampler`` (plain rows, batched).
-            logits: ``[R, vocab]`` float32, ``item.num_sampled_rows`` consecutive rows per item.
+            logits: ``[R, vocab]``, ``item.num_sampled_rows`` consecutive rows per item; float32, or the
+                model dtype when every item is plain greedy (``Sampler.is_plain_greedy``: argmax only).
             items: the step's ``ScheduledSequence``s that sample, in ``out.scheduled`` order.
 
         Returns:
@@ -318,6 +362,9 @@ class Speculator:
             track = self.tracks.get(seq.request_id)
             if track is not None:
                 track.update(m, verified.num_accepted)
+            counts = self.engine_counts
+            counts[0] = ENGINE_ACCEPTANCE_DECAY * counts[0] + verified.num_accepted
+            counts[1] = ENGINE_ACCEPTANCE_DECAY * counts[1] + (1.0 if verified.num_accepted < m else 0.0)
         return tokens, logprobs
 
     def free(self, request_id: str) -> None:
