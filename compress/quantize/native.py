@@ -7,18 +7,32 @@ into ``~/.cache/torch_extensions``, one build per source path and content, torch
 flag set, so a build made for another checkout, environment or CPU is never reused or rebuilt over. Every
 caller keeps a pure-torch path: without a compiler, or when a build fails, ``NativeKernels.available`` is
 False, the reason is logged once and kept in ``NativeKernels.reason``.
+
+Before loading, a cached library that is not a whole ELF file (a build killed while linking, a full disk)
+is removed so it is linked again (loading it would end the process with a bus error), and a build lock
+older than ``STALE_LOCK_S`` (left by a killed build) is removed rather than waited on forever; both are
+logged with their paths. ninja, which ``torch.utils.cpp_extension`` drives, comes from the ``ninja``
+package where the system has none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
+import shutil
+import struct
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+#: A build takes well under a minute; a lock file older than this was left by a killed build.
+STALE_LOCK_S = 600.0
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
@@ -111,16 +125,75 @@ class NativeKernels:
                     *sorted(cpu_flags()),
                 ]
             )
-            load(
-                name=f"lmforge_{self.namespace}_{hashlib.sha1(key.encode()).hexdigest()[:12]}",
-                sources=[str(self.source)],
-                extra_cflags=list(self.cflags),
-                is_python_module=False,
-                verbose=False,
-            )
+            name = f"lmforge_{self.namespace}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+            _repair_build_dir(name)
+            with _ninja_on_path():
+                load(
+                    name=name,
+                    sources=[str(self.source)],
+                    extra_cflags=list(self.cflags),
+                    is_python_module=False,
+                    verbose=False,
+                )
             return True
         except Exception as exc:  # no compiler, a failed build or link: every cause means the torch path
-            text = str(exc).strip()
-            self.reason = f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
+            self.reason = f"{type(exc).__name__}: {_first_cause(str(exc))}"
             logger.warning("%s: C++ CPU kernels unavailable (%s); running the torch ops", self.namespace, self.reason)
             return False
+
+
+def _first_cause(text: str) -> str:
+    """The line of a build failure that names its cause (a compiler error, a missing program), else the last."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    for marker in ("error:", "not found", "No such file", "command not found", "Permission denied"):
+        for line in lines:
+            if marker in line:
+                return line
+    return lines[-1] if lines else ""
+
+
+def _repair_build_dir(name: str) -> None:
+    """Remove a truncated library and a stale lock from this build's own directory (see the module doc)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    lock = build_dir / "lock"
+    with contextlib.suppress(OSError):
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("%s: removing a build lock left by a killed build", lock)
+            lock.unlink()
+    library = build_dir / f"{name}.so"
+    with contextlib.suppress(OSError):
+        if library.exists() and not _is_whole_elf(library):
+            logger.warning("%s: not a complete shared library (an interrupted build?); linking it again", library)
+            library.unlink()
+
+
+def _is_whole_elf(path: Path) -> bool:
+    """Whether ``path`` starts with a 64-bit ELF header and is long enough to hold its section headers."""
+    with path.open("rb") as f:
+        header = f.read(64)
+    if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2:
+        return False
+    (section_offset,) = struct.unpack_from("<Q", header, 0x28)
+    entry_size, count = struct.unpack_from("<HH", header, 0x3A)
+    return path.stat().st_size >= section_offset + entry_size * count
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """``ninja`` on ``PATH`` for the build: the system's, else the ``ninja`` package's binary."""
+    if shutil.which("ninja") is not None:
+        yield
+        return
+    try:
+        import ninja  # the pip package: its BIN_DIR holds the binary
+    except ImportError:
+        yield
+        return
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
