@@ -32,13 +32,15 @@ Loss per micro-batch (``distillation_loss``), weights configurable:
 
 Defaults: logit KL at T = 1 plus the cross-entropy on the dialogs' assistant tokens (``alpha=1,
 beta=1, gamma=0``; Hinton et al.'s soft plus hard targets). Measured on SmolLM2-135M, drop:7,
-64 steps: with ``beta=1`` held-out perplexity 1.16x the teacher's (mean KL 0.96, same top-1
-59.8%), with ``beta=0`` 1.76x (KL 0.87, top-1 62.4%): the labels fit the held-out dialogs'
-domain, pure KD agrees more with the teacher (the better draft model). Both terms are taken at
-the positions ``kd_positions`` selects (``scored_positions``); the hidden-state term pairs
-student layer input i with the teacher layer it was copied from (and the final normed outputs)
-on every real token. The teacher runs in eval mode under
-``torch.no_grad``. The loop, progress bar (with ETA), monitoring, checkpoints and resume are those
+64 steps of 8 x 128 tokens: with ``beta=1`` held-out perplexity 1.16x the teacher's (mean KL
+0.96, same top-1 59.8%), with ``beta=0`` 1.76x (KL 0.87, top-1 62.4%): the labels fit the held-out
+dialogs' domain, pure KD agrees more with the teacher (the better draft model). Rows are 384
+tokens (``max_length``), so the longest training replies (code, up to 383 tokens) are learnt
+whole: with 128-token rows the student never saw a position past 128, where 30% of the demo's
+held-out assistant tokens lie. Both terms are taken at the positions ``kd_positions`` selects
+(``scored_positions``); the hidden-state term pairs student layer input i with the teacher layer
+it was copied from (and the final normed outputs) on every real token. The teacher runs in eval
+mode under ``torch.no_grad``. The loop, progress bar (with ETA), monitoring, checkpoints and resume are those
 of ``compress.train.loop``, shared with fine-tuning.
 """
 
@@ -93,9 +95,9 @@ class DistillConfig(TrainConfig):
 
     run_dir: str = "runs/distill"
     lr: float = 6e-4
-    max_steps: int = 64
-    micro_batch_size: int = 8
-    max_length: int = 128
+    max_steps: int = 80
+    micro_batch_size: int = 2
+    max_length: int = 384
     eval_every: int = 0
     student_layers: str = "drop:7"
     layer_importance: str = "angular"
