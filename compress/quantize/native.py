@@ -122,6 +122,7 @@ class NativeKernels:
                     torch.__version__,
                     *include_paths(),
                     *self.cflags,
+                    "-fopenmp",
                     *sorted(cpu_flags()),
                 ]
             )
@@ -131,7 +132,10 @@ class NativeKernels:
                 load(
                     name=name,
                     sources=[str(self.source)],
-                    extra_cflags=list(self.cflags),
+                    # -fopenmp: at::parallel_for is an OpenMP region only when _OPENMP is defined; without it
+                    # every kernel would run on the calling thread alone
+                    extra_cflags=[*self.cflags, "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
                     is_python_module=False,
                     verbose=False,
                 )
