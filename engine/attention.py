@@ -26,7 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_ops import paged_decode_attention
+from engine.cpu_ops import decode_kernel_runs, paged_decode_attention
 
 
 @dataclasses.dataclass
@@ -155,8 +155,10 @@ class TorchAttentionMetadata:
         prefill: attention group of the prefill chunks (or ``None``).
         block_size: tokens per KV block.
         short_prefill: when every chunk has at most ``SHORT_QUERY_TOKENS`` tokens (speculative
-            verification, a chunked prompt's tail), each of their tokens as a decode row for the
-            C++ kernel: ``(block_tables [n, max_blocks] of the row's request, seq_lens [n] = position + 1)``.
+            verification, a chunked prompt's tail) or attends at most ``ROW_KERNEL_MAX_OWN_KEYS``
+            keys past the prefill group's shared blocks, each of their tokens as a decode row for the
+            C++ kernel: ``(block_tables [n, own blocks] of the row's request from its first block
+            after the shared ones, seq_lens [n] = position + 1 - shared tokens)``.
     """
 
     slot_mapping: torch.Tensor
@@ -171,6 +173,13 @@ class TorchAttentionMetadata:
 #: context read in place, causal by its own length, instead of a gathered, padded flash call.
 SHORT_QUERY_TOKENS = 16
 
+#: Longer chunks run as decode-kernel rows too when each attends at most this many keys past the
+#: blocks the whole batch shares: those shared blocks go through one flash call for every row (its
+#: output and log-sum-exp start the kernel's softmax) and each row then reads only its own few
+#: keys in place. This is the suffix prefill of many requests behind one cached system prompt,
+#: where a padded flash call over gathered keys spent most of its time on padding.
+ROW_KERNEL_MAX_OWN_KEYS = 64
+
 
 class TorchAttentionBackend(AttentionBackend):
     """Paged attention in plain torch ops and the C++ CPU kernels; see the module docstring."""
@@ -182,11 +191,17 @@ class TorchAttentionBackend(AttentionBackend):
         decode = self._decode_group(common) if d else None
         prefill = self._prefill_group(common) if d < len(common.query_lens_cpu) else None
         short = None
-        if prefill is not None and max(common.query_lens_cpu[d:]) <= SHORT_QUERY_TOKENS:
-            first_row = common.query_start_loc[d]
-            lens = torch.tensor(common.query_lens_cpu[d:], device=common.positions.device)
-            request_of_row = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)  # [n]
-            short = (common.block_table[d:][request_of_row], common.positions[first_row:] + 1)
+        if prefill is not None:
+            bs = common.block_size
+            shared = 0 if prefill.shared_blocks is None else prefill.shared_blocks.numel()
+            own_keys = max(common.seq_lens_cpu[d:]) - shared * bs
+            if max(common.query_lens_cpu[d:]) <= SHORT_QUERY_TOKENS or own_keys <= ROW_KERNEL_MAX_OWN_KEYS:
+                first_row = common.query_start_loc[d]
+                lens = torch.tensor(common.query_lens_cpu[d:], device=common.positions.device)
+                request_of_row = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)  # [n]
+                num_blocks = prefill.block_tables.shape[1] + shared
+                tables = common.block_table[d:, shared:num_blocks][request_of_row]  # [n, own blocks]
+                short = (tables, common.positions[first_row:] + 1 - shared * bs)
         return TorchAttentionMetadata(common.slot_mapping, d, decode, prefill, common.block_size, short)
 
     def _key_mask(self, query_pos: torch.Tensor, num_keys: int, first_key: int = 0) -> torch.Tensor:
@@ -275,10 +290,28 @@ class TorchAttentionBackend(AttentionBackend):
         if metadata.prefill is not None:
             out = None
             if metadata.short_prefill is not None:
-                tables, seq_lens = metadata.short_prefill
-                out = paged_decode_attention(q[d:], kv_cache, tables, seq_lens, sliding_window=self.sliding_window)
+                out = self._row_attention(q[d:], kv_cache, metadata.prefill, *metadata.short_prefill)
             outputs.append(self._prefill_attention(q[d:], kv_cache, metadata.prefill) if out is None else out)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _row_attention(
+        self, q, kv_cache, group: AttentionGroup, tables: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Prefill tokens ``q [n, num_heads, head_dim]`` as rows of the C++ decode kernel, or ``None``
+        without it. Blocks shared by every chunk (``group.shared_blocks``) are attended by all rows in
+        one flash call first, as in ``_decode_attention``; ``tables [n, own blocks]`` and ``seq_lens
+        [n]`` (keys past the shared blocks, the row's own included) then give each row its causal rest.
+        """
+        if not decode_kernel_runs(q, kv_cache):
+            return None
+        prior = None
+        if group.shared_blocks is not None:
+            n, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
+            g = self.num_heads // kv
+            qs = q.view(n, kv, g, hd).transpose(0, 1).reshape(1, kv, n * g, hd)
+            out_s, lse_s = attend(qs, *self._shared(kv_cache, group), None)  # [1, kv, n*g, hd], [1, kv, n*g]
+            prior = (out_s[0], lse_s[0])
+        return paged_decode_attention(q, kv_cache, tables, seq_lens, sliding_window=self.sliding_window, prior=prior)
 
     def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[2, num_blocks, bs, kv, hd]`` by ``[B, nb]`` -> keys and values ``[B, kv, nb * bs, hd]`` (one copy)."""

@@ -63,6 +63,11 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices  # the first maximum too, and on CPU ~4x faster than argmax
 
 
+def decode_kernel_runs(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether ``paged_decode_attention`` runs the C++ kernel for these queries and this cache."""
+    return _native(q) and kv_cache.dtype == q.dtype and q.shape[-1] <= 256
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -89,7 +94,7 @@ def paged_decode_attention(
     Returns:
         ``[D, num_heads * head_dim]`` in q's dtype, scaled by ``head_dim ** -0.5``; softmax in float32.
     """
-    if not (_native(q) and kv_cache.dtype == q.dtype and q.shape[-1] <= 256):
+    if not decode_kernel_runs(q, kv_cache):
         return None
     prior_out, prior_lse = prior if prior is not None else (None, None)
     return KERNELS.ops.paged_decode_attention(

@@ -1,8 +1,8 @@
 """The CPU paged-attention backend on prefill chunks that continue a shared cached prefix.
 
 Such chunks take the cascade path (the prefix read once for every query, merged by log-sum-exp
-with each chunk's own blocks); they must equal attention computed directly over each request's
-contiguous keys.
+with each chunk's own blocks), as a padded flash call or as rows of the C++ decode kernel; both
+must equal attention computed directly over each request's contiguous keys.
 """
 
 from __future__ import annotations
@@ -14,14 +14,21 @@ from engine.attention import CommonAttentionMetadata, TorchAttentionBackend
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol):
+@pytest.mark.parametrize(
+    "lens, rows",
+    [
+        ([5, 1, 9, 3], True),  # every chunk <= SHORT_QUERY_TOKENS
+        ([21, 1, 30, 17], True),  # longer chunks, but at most ROW_KERNEL_MAX_OWN_KEYS keys past the shared blocks
+        ([70, 1, 9, 3], False),  # one chunk attends more own keys than that: padded flash call only
+    ],
+)
+def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol, lens, rows):
     g = torch.Generator().manual_seed(0)
     bs, num_heads, num_kv_heads, hd, shared = 4, 6, 2, 16, 3
     computed = [12, 14, 12, 13]  # cached tokens before each chunk; the first 3 blocks are common
-    lens = [5, 1, 9, 3]
     backend = TorchAttentionBackend(num_heads, num_kv_heads, hd)
-    k_cache = torch.randn(40, bs, num_kv_heads, hd, generator=g).to(dtype)
-    v_cache = torch.randn(40, bs, num_kv_heads, hd, generator=g).to(dtype)
+    k_cache = torch.randn(80, bs, num_kv_heads, hd, generator=g).to(dtype)
+    v_cache = torch.randn(80, bs, num_kv_heads, hd, generator=g).to(dtype)
     tables, next_block = [], 20
     for c, n in zip(computed, lens):
         own = -(-(c + n) // bs) - shared
@@ -45,8 +52,9 @@ def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol):
     q = torch.randn(sum(lens), num_heads, hd, generator=g).to(dtype)
     kv_cache = torch.stack((k_cache, v_cache))
     out = backend._prefill_attention(q, kv_cache, metadata.prefill)  # [N, H * hd]
-    # chunks this short also run as rows of the C++ decode kernel (k, v already in the cache)
-    assert metadata.short_prefill is not None
+    # chunks this short (or with few keys past the shared blocks) also run as rows of the C++ decode
+    # kernel, which starts from the shared blocks' flash output (k, v already in the cache)
+    assert (metadata.short_prefill is not None) == rows
     short = backend.forward(q, None, None, kv_cache, metadata)
     row = 0
     for table, c, n in zip(tables, computed, lens):
