@@ -112,6 +112,42 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def find_partial_block(
+        self, seq: Sequence, cached_blocks: list[int], donors: list[Sequence]
+    ) -> tuple[int, int] | None:
+        """Computed tokens of a running sequence that continue ``seq``'s cached prefix inside a block
+        the prefix cache cannot share: ``(donor block id, num_tokens)``, or ``None``.
+
+        Full-block hashes share only whole blocks, so requests that agree for a few tokens past
+        their last common full block (a system prompt that ends mid-block) would recompute those
+        tokens each. A donor qualifies when its block table starts with ``cached_blocks`` (so the
+        same context precedes) and its computed tokens after them equal ``seq``'s; the caller
+        copies their K/V slots (at most ``block_size``, never ``seq``'s last token, whose logits
+        the next step needs) into ``seq``'s next block. Token-granular prefix reuse as in SGLang's
+        radix cache, done here by copy so blocks stay unshared below the hashed prefix.
+        """
+        if not self.enable_prefix_caching:
+            return None
+        start = len(cached_blocks) * self.block_size
+        limit = min(self.block_size, seq.num_tokens - 1 - start)
+        if limit <= 0:
+            return None
+        wanted = seq.token_ids[start : start + limit]
+        best: tuple[int, int] | None = None
+        for donor in donors:
+            available = min(limit, donor.num_computed_tokens - start)
+            if donor is seq or available <= (best[1] if best else 0) or len(donor.block_table) <= len(cached_blocks):
+                continue
+            if donor.block_table[: len(cached_blocks)] != cached_blocks:
+                continue
+            have = donor.token_ids[start : start + available]
+            n = next((i for i, (a, b) in enumerate(zip(wanted, have)) if a != b), available)
+            if n > (best[1] if best else 0):
+                best = (donor.block_table[len(cached_blocks)], n)
+                if n == limit:
+                    break
+        return best
+
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> int:
         """New physical blocks to hold ``num_new_tokens`` more computed tokens."""
         num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
@@ -138,10 +174,11 @@ class BlockManager:
             seq.block_table.append(self._take_block())
         return True
 
-    def record_prefix_query(self, seq: Sequence, cached_blocks: list[int]) -> None:
-        """Count a lookup of ``seq``'s tokens and its hit (in tokens) for the stats."""
+    def record_prefix_query(self, seq: Sequence, cached_blocks: list[int], copied_tokens: int = 0) -> None:
+        """Count a lookup of ``seq``'s tokens and its hit (in tokens: the cached blocks' and the
+        ``copied_tokens`` of ``find_partial_block``) for the stats."""
         self.prefix_cache_queries_tokens += seq.num_tokens
-        self.prefix_cache_hits_tokens += len(cached_blocks) * self.block_size
+        self.prefix_cache_hits_tokens += len(cached_blocks) * self.block_size + copied_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of ``seq``'s blocks that became full and computed."""

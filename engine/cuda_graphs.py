@@ -232,6 +232,7 @@ class StaticDecodeModelRunner(ModelRunner):
         batch = bucket_for(len(out.scheduled), self.sizes) if is_decode_step(out) else None
         if batch is None:
             return super().execute(out, float_logits)
+        self.copy_kv_slots(out.kv_copies)
         n = self.staging.fill(out, batch)
         if batch in self.graphs:
             graph, logits = self.graphs[batch]

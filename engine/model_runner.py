@@ -92,6 +92,18 @@ class ModelRunner:
         shape = self.attn.kv_cache_shape(self.spec.num_hidden_layers, num_blocks, self.block_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def copy_kv_slots(self, copies: list[tuple[int, int, int]]) -> None:
+        """For each ``(src, dst, n)``: the K/V of slots ``0..n-1`` of block ``src`` into block ``dst``,
+        every layer (``SchedulerOutput.kv_copies``). Sources are gathered before any write."""
+        if not copies:
+            return
+        bs, device = self.block_size, self.device
+        src = torch.cat([torch.arange(b * bs, b * bs + n, device=device) for b, _, n in copies])  # [T]
+        dst = torch.cat([torch.arange(b * bs, b * bs + n, device=device) for _, b, n in copies])  # [T]
+        layers, two, num_blocks = self.kv_cache.shape[:3]
+        flat = self.kv_cache.view(layers, two, num_blocks * bs, -1)  # [L, 2, slots, kv_heads * head_dim]
+        flat[:, :, dst] = flat[:, :, src]
+
     # ------------------------------------------------------------ inputs
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
@@ -148,6 +160,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, float_logits: bool = True) -> torch.Tensor:
         """Run one step; return logits ``[S, vocab]`` of the sampled rows (in ``out.scheduled`` order), float32
         unless ``float_logits=False`` (the model dtype: enough for greedy picks, and no copy of the whole row)."""
+        self.copy_kv_slots(out.kv_copies)
         inputs = self.prepare(out)
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_cache, self.attn, inputs.attn_metadata

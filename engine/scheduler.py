@@ -53,6 +53,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence]  # decodes (1 token) first, then prefill chunks
     num_batched_tokens: int  # sum of num_new_tokens
     preempted: list[Sequence]  # sent back to the waiting queue during this step
+    # (src block, dst block, n): copy the K/V of the first n slots of src into dst before the
+    # forward (tokens a newly admitted request shares with a running one past their common full
+    # blocks; ``BlockManager.find_partial_block``).
+    kv_copies: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -112,10 +116,11 @@ class Scheduler:
                 scheduled.append(ScheduledSequence(seq, n))
                 budget -= n
                 i += 1
+        kv_copies: list[tuple[int, int, int]] = []
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, kv_copies)
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decodes first (stable)
-        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, kv_copies)
 
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[list[int]]) -> None:
         """Record what the model computed in step ``out``: the one place a request's progress advances.
@@ -180,24 +185,36 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(seq)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
-        """Move waiting requests into the running set while budget, seat and blocks allow."""
+    def _admit_waiting(
+        self, budget: int, scheduled: list[ScheduledSequence], kv_copies: list[tuple[int, int, int]]
+    ) -> int:
+        """Move waiting requests into the running set while budget, seat and blocks allow.
+
+        A request whose prompt continues a running request's computed tokens past their common
+        cached blocks gets those K/V slots copied (``kv_copies``) instead of recomputing them.
+        """
         in_flight = self._in_flight_hashes()
         bm = self.block_manager
+        donors = list(self.running)  # their computed K/V exists before this step (not the new ones')
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = bm.find_cached_prefix(seq)
             if bm.enable_prefix_caching and self._prefix_in_flight(seq, len(cached), in_flight):
                 break  # a running request is computing this prefix now: wait one step and hit it
-            remaining = seq.num_tokens - len(cached) * bm.block_size
+            partial = bm.find_partial_block(seq, cached, donors) if donors else None
+            copied = partial[1] if partial else 0
+            remaining = seq.num_tokens - len(cached) * bm.block_size - copied
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(remaining, budget)
-            if not bm.allocate_slots(seq, n, cached):
+            if not bm.allocate_slots(seq, copied + n, cached):
                 break
+            if partial:
+                kv_copies.append((partial[0], seq.block_table[len(cached)], copied))
+                seq.num_computed_tokens += copied
             if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = len(cached) * bm.block_size
-            bm.record_prefix_query(seq, cached)
+                seq.num_cached_tokens = len(cached) * bm.block_size + copied
+            bm.record_prefix_query(seq, cached, copied)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -186,6 +186,31 @@ def test_exact_block_multiple_prompt_fully_cached(llm, tiny_llama_dir):
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == reference
 
 
+def test_prefix_ending_mid_block_is_copied_from_a_running_request(llm, tiny_llama_dir):
+    shared = random_prompts([10], seed=21)[0]  # 2 full blocks of 4, then 2 tokens of a third
+    prompts = [shared + tail for tail in random_prompts([3, 5, 4], seed=22)]
+    reference = hf_greedy(tiny_llama_dir, prompts, 6)
+    engine = llm.engine
+    engine.block_manager.reset_prefix_cache()
+    copies = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        copies.extend(out.kv_copies)
+        return out
+
+    engine.scheduler.schedule = recording
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    finally:
+        engine.scheduler.schedule = schedule
+    # the first computes the prefix; the others hit its 2 blocks and copy the 2 tokens past them
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 10, 10]
+    assert [n for _, _, n in copies] == [2, 2]
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
 def test_forced_hash_collision_keeps_outputs_correct(llm, tiny_llama_dir):
     engine = llm.engine
     engine.block_manager.reset_prefix_cache()
