@@ -118,7 +118,8 @@ class Linear:
 
     ``add`` (residual) and ``silu_mul`` (SwiGLU) run the element-wise work after the GEMM as
     oneDNN post-ops on packed weights (computed on the float accumulator before the one rounding
-    to ``dtype``), and as separate ops otherwise. A layer made with ``gated=True`` holds
+    to ``dtype``), in the INT8 layer's own ``add`` / ``silu_mul`` (fused on AMX for ``w8a8``),
+    and as separate ops otherwise. A layer made with ``gated=True`` holds
     ``[gate; up]`` (``[2 * intermediate, in]``) and is packed as its two halves for ``silu_mul``.
     """
 
@@ -160,12 +161,16 @@ class Linear:
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``; ``residual`` is ``[N, out]`` in the output dtype."""
+        if self.int8_layer is not None:
+            return self.int8_layer.add(x, residual)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         return residual + self(x)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a ``[gate; up]`` layer: ``[N, in] -> [N, intermediate]``."""
+        if self.int8_layer is not None:
+            return self.int8_layer.silu_mul(x)
         if self.packed_halves is not None:
             gate, up, gate_bias, up_bias = self.packed_halves
             linear = torch.ops.mkldnn._linear_pointwise

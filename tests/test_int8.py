@@ -1,9 +1,13 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from compress.quantize.int8 import (
     Int8WeightOnlyLinear,
     W8A8Linear,
+    amx_cpu_kernel,
+    amx_cpu_kernel_reason,
+    cpu_int8_flags,
     dequantize_weight,
     format_microbench,
     fused_cpu_kernels,
@@ -111,3 +115,88 @@ def test_microbench_times_every_variant_and_names_the_fastest():
     assert set(results["M=1"]) == {"fp32", "bf16", "int8-weight-only", "int8-weight-only-fp32", "w8a8"}
     assert all(v > 0 for times in results.values() for v in times.values())
     assert "fastest:" in format_microbench(results)
+
+
+@pytest.fixture
+def amx_restored():
+    yield
+    amx_cpu_kernel(True)
+
+
+def _amx_expected() -> bool:
+    """Whether this machine should run the AMX kernels (CPU flags and a successful build)."""
+    if "amx_int8" not in cpu_int8_flags():
+        assert not amx_cpu_kernel() and "lacks" in amx_cpu_kernel_reason()  # the fallback is chosen, and said why
+        return False
+    if not amx_cpu_kernel():
+        pytest.fail(f"the CPU has AMX-INT8 but the AMX kernels are not in use: {amx_cpu_kernel_reason()}")
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w8a8_amx_kernel_is_bit_identical_to_the_onednn_path(dtype, amx_restored):
+    amx = _amx_expected()
+    torch.manual_seed(0)
+    for out_features, in_features in ((40, 72), (67, 130), (18, 576)):  # N not a multiple of 16, K not of 64
+        w, b = torch.randn(out_features, in_features), torch.randn(out_features)
+        w8, scale = quantize_weight_per_channel(w)
+        for layer in (W8A8Linear(w8, scale, b), W8A8Linear(w8, scale)):
+            for rows in (1, 3, 17, 65):
+                x = (torch.randn(rows, in_features) * torch.rand(rows, 1) * 8).to(dtype)
+                x[0] = 0  # the 1e-8 scale floor
+                x[-1, 5] *= 40  # an outlier channel
+                got = layer(x)
+                amx_cpu_kernel(False)
+                onednn = layer(x)
+                amx_cpu_kernel(True)
+                assert got.dtype == dtype and got.shape == (rows, out_features)
+                assert torch.equal(got, onednn), (amx, out_features, in_features, rows)
+                xq, x_scale = quantize_per_token(x)
+                exact = (xq.double() @ w8.double().T) * x_scale.double() * scale.double()
+                exact = exact + (b.double() if layer.bias is not None else 0)
+                tol = 2**-8 if dtype == torch.bfloat16 else 1e-6
+                torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
+
+
+def test_amx_quantizer_equals_the_reference_over_every_bf16_magnitude():
+    if not _amx_expected():
+        return
+    positive = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # every finite |x|
+    amax = positive[torch.linspace(1, len(positive) - 1, 61).long()]  # row maxima from tiny to 3e38
+    x = torch.where(positive[None, :] <= amax[:, None], positive[None, :], amax[:, None])  # [61, 32640]
+    x = torch.cat((x, -x, torch.zeros(1, x.shape[1], dtype=x.dtype)))
+    x[3, 7] = float("inf")  # a row whose scale is infinite takes the division (inf / inf itself is NaN in both)
+    q, scale = torch.ops.lmforge_int8_amx.quantize_per_token(x)
+    q_ref, scale_ref = quantize_per_token(x)
+    finite = x.isfinite()
+    assert torch.equal(scale, scale_ref) and torch.equal(q[finite], q_ref[finite])
+    q32, scale32 = torch.ops.lmforge_int8_amx.quantize_per_token(x.float() * 1.001)
+    q32_ref, scale32_ref = quantize_per_token(x.float() * 1.001)
+    assert torch.equal(scale32, scale32_ref) and torch.equal(q32[finite], q32_ref[finite])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w8a8_add_and_silu_mul_epilogues_equal_the_float_reference(dtype, amx_restored):
+    _amx_expected()
+    torch.manual_seed(0)
+    half, in_features = 37, 130  # each half padded to 16 channels on its own
+    w, b = torch.randn(2 * half, in_features), torch.randn(2 * half)
+    w8, scale = quantize_weight_per_channel(w)
+    layer = W8A8Linear(w8, scale, b)
+    tol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    for rows in (1, 17, 65):
+        x = (torch.randn(2, rows, in_features) * 3).to(dtype)  # [batch, rows, in]
+        residual = torch.randn(2, rows, 2 * half).to(dtype)
+        xq, x_scale = quantize_per_token(x.reshape(-1, in_features))
+        exact = (xq.double() @ w8.double().T) * x_scale.double() * scale.double() + b.double()  # [2 rows, 2 half]
+        gate, up = exact.chunk(2, dim=-1)
+        silu_mul = layer.silu_mul(x)
+        assert silu_mul.dtype == dtype and silu_mul.shape == (2, rows, half)
+        reference = (F.silu(gate) * up).reshape(2, rows, half)
+        torch.testing.assert_close(silu_mul.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+        added = layer.add(x, residual)
+        reference = exact.reshape(2, rows, 2 * half) + residual.double()
+        assert added.dtype == dtype and added.shape == residual.shape
+        torch.testing.assert_close(added.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+    with pytest.raises(ValueError, match="even out_features"):
+        W8A8Linear(w8[:-1], scale[:-1]).silu_mul(x)

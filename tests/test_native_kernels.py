@@ -45,3 +45,11 @@ def test_the_reason_names_the_cause_not_the_last_line():
     assert native._first_cause(text) == "/bin/sh: 1: /nonexistent: not found"
     assert native._first_cause("only line") == "only line"
     assert native._first_cause("") == ""
+
+
+def test_kernels_needing_a_missing_cpu_flag_are_not_built(tmp_path):
+    source = tmp_path / "never_built.cpp"
+    source.write_text("#error this source must not be compiled\n")
+    kernels = native.NativeKernels("lmforge_never_built", source, "op", requires=("no_such_cpu_flag",))
+    assert not kernels.enable() and not kernels.available
+    assert kernels.reason == "this CPU lacks no_such_cpu_flag"

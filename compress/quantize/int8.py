@@ -20,12 +20,16 @@ for ``w8a8`` on CPU, one C++ op of our own, ``fused_cpu_kernels``):
   there (the conversion is paid at every call): ``gemm_microbench`` says so.
 * ``w8a8``: activations quantized per token at run time, ``s_x = max|x_row| / 127`` (the
   dynamic per-token scheme of ZeroQuant, Yao et al. 2022), and an int8 x int8 -> int32 GEMM:
-  ``torch.ops.onednn.qlinear_pointwise`` on CPU (VNNI / AMX int8 where the CPU has them),
+  on CPUs with AMX-INT8 our own tile kernels (``amx_cpu_kernel``, ``csrc/w8a8_amx_cpu.cpp``: the
+  weights packed once into the tiles' layout, the engine's residual add and SwiGLU fused into the
+  output's store), elsewhere ``torch.ops.onednn.qlinear_pointwise`` on CPU (VNNI where the CPU has it),
   ``torch._int_mm`` on CUDA. Output = ``acc * s_x * s_w + b``. On CPU the quantization, the
   GEMM call and the scaling run as one op (``csrc/w8a8_cpu.cpp``, bit-identical to the ATen
   ops, which remain the fallback). Measured in one process, 1 thread, 64 sequences, SmolLM2:
   4 decoder linears together 538 us against 1,307 us for the ATen ops and 498 us for packed
-  bf16; the engine (64 requests x 64 tokens) ran at 1.00x bf16 and 1.14x the ATen path.
+  bf16; the engine (64 requests x 64 tokens) ran at 1.00x bf16 and 1.14x the ATen path. The AMX
+  kernels give the oneDNN path's outputs bit for bit (same integers, products in the same order)
+  and run SmolLM2's decoder linears at 64 rows ~2x faster than it (README, "INT8").
 
 ``gemm_microbench`` times these against fp32 and bf16 on given shapes, so ``lmforge quantize``
 and the benchmarks can say which variant is fastest on the CPU at hand instead of assuming
@@ -106,6 +110,59 @@ _FUSED = NativeKernels(
 )
 
 
+#: AMX-INT8 GEMMs of ``w8a8`` (``lmforge_int8_amx``): built only where /proc/cpuinfo reports AMX-INT8;
+#: -ffp-contract=off keeps the epilogue's products in the oneDNN path's order and rounding.
+AMX_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "w8a8_amx_cpu.cpp"
+_AMX = NativeKernels(
+    "lmforge_int8_amx",
+    AMX_KERNEL_SOURCE,
+    "linear_silu_mul",
+    ("-O3", "-march=native", "-mamx-tile", "-mamx-int8", "-ffp-contract=off"),
+    requires=("amx_tile", "amx_int8", "avx512bw", "avx512vl"),
+)
+_amx_tiles_granted: bool | None = None  # None: not asked yet
+
+
+def amx_cpu_kernel(enable: bool | None = None) -> bool:
+    """Whether ``W8A8Linear`` runs its CPU GEMMs on the AMX-INT8 kernels of ``AMX_KERNEL_SOURCE``.
+
+    They quantize the activations per token, multiply on AMX tiles (int8 x int8 -> exact int32) against
+    weights packed once into the tiles' layout, and scale the accumulators while storing them, with the
+    engine's residual add and SwiGLU fused into that store (``W8A8Linear.add`` / ``silu_mul``). Same
+    results as the oneDNN path without those epilogues (bit-identical: same integers, same products in
+    the same order). Used where the CPU reports ``amx_int8`` and Linux grants the process the tile state
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); elsewhere, and when the build fails, the oneDNN path runs and
+    ``amx_cpu_kernel_reason()`` says why.
+
+    Args:
+        enable: ``False`` forces the oneDNN path (comparisons), ``True`` re-enables the kernels; ``None``
+            leaves the setting as it is.
+
+    Returns:
+        True when the AMX kernels are loaded, enabled and allowed to use the tiles.
+    """
+    global _amx_tiles_granted
+    if not _AMX.enable(enable):
+        return False
+    if _amx_tiles_granted is None:
+        _amx_tiles_granted = bool(_AMX.ops.usable())
+        if not _amx_tiles_granted:
+            _AMX.reason = "the kernel loaded but Linux did not grant the AMX tile state (arch_prctl)"
+            logger.warning("lmforge_int8_amx: %s; running the oneDNN path", _AMX.reason)
+    return _amx_tiles_granted
+
+
+def amx_cpu_kernel_reason() -> str:
+    """Why the AMX kernels are not in use ("" when they are, or were not tried yet)."""
+    return _AMX.reason
+
+
+def _use_amx() -> bool:
+    if _AMX.state is None or (_AMX.state and _amx_tiles_granted is None):
+        return amx_cpu_kernel()  # first use: build or load, ask for the tiles
+    return bool(_AMX.state and _amx_tiles_granted)
+
+
 #: Weight-only INT8 products of 1 to ``WEIGHT_ONLY_MAX_ROWS`` rows (``lmforge_int8_gemv::weight_only_mm``).
 GEMV_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "int8_gemv_cpu.cpp"
 _GEMV = NativeKernels("lmforge_int8_gemv", GEMV_KERNEL_SOURCE, "weight_only_mm", cflags=vector_cflags())
@@ -157,8 +214,8 @@ class _Int8Linear(nn.Module):
     def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("weight_int8", weight_int8.to(torch.int8).contiguous())  # [out, in]
-        self.register_buffer("weight_scale", scale.float())  # [out]
-        self.register_buffer("bias", None if bias is None else bias.float())
+        self.register_buffer("weight_scale", scale.float().contiguous())  # [out]
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
 
     @property
     def in_features(self) -> int:
@@ -167,6 +224,15 @@ class _Int8Linear(nn.Module):
     @property
     def out_features(self) -> int:
         return self.weight_int8.shape[0]
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``: ``[N, in]``, ``[N, out]`` in x's dtype -> ``[N, out]``."""
+        return residual + self(x)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a ``[gate; up]`` layer (SwiGLU): ``[N, in] -> [N, out / 2]``."""
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class Int8WeightOnlyLinear(_Int8Linear):
@@ -202,19 +268,66 @@ class Int8WeightOnlyLinear(_Int8Linear):
 class W8A8Linear(_Int8Linear):
     """INT8 weights and per-token dynamic INT8 activations (``w8a8`` scheme).
 
-    Input ``[..., in_features]`` (fp32 / bf16); output of the same dtype. CPU: oneDNN
-    ``qlinear_pointwise`` on the prepacked weight (activation scale 1, so the int32
-    accumulators come back as float and the per-token and per-channel scales are applied after),
-    as one fused op ``lmforge_int8::w8a8_linear`` where ``fused_cpu_kernels()`` built it, else
-    as ATen ops (same results); CUDA: ``torch._int_mm``.
+    Input ``[..., in_features]`` (fp32 / bf16); output of the same dtype. CPU with AMX-INT8: the
+    kernels of ``amx_cpu_kernel()`` on the weight packed once into the tiles' layout, with ``add``
+    (residual) and ``silu_mul`` (SwiGLU, ``[gate; up]`` layers, each half packed alone) fused into
+    the store of the output. Other CPUs: oneDNN ``qlinear_pointwise`` on the prepacked weight
+    (activation scale 1, so the int32 accumulators come back as float and the per-token and
+    per-channel scales are applied after), as one fused op ``lmforge_int8::w8a8_linear`` where
+    ``fused_cpu_kernels()`` built it, else as ATen ops (same results); CUDA: ``torch._int_mm``.
     """
 
     def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight_int8, scale, bias)
-        self._packed = None
+        self._packed = None  # oneDNN's layout
+        self._amx_packed = None  # int8 [ceil(out / 16), ceil(in / 64), 16, 64] (lmforge_int8_amx.pack_weight)
+        self._amx_gated = None  # the gate and up halves, each packed alone, concatenated
         self._zero_points = torch.zeros(weight_int8.shape[0], dtype=torch.long)
 
+    def _amx_input(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` as ``[M, in]`` when the AMX kernels take it, else None."""
+        if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or not _use_amx():
+            return None
+        return x.reshape(-1, x.shape[-1])
+
+    def _amx_weight(self) -> torch.Tensor:
+        if self._amx_packed is None:
+            self._amx_packed = _AMX.ops.pack_weight(self.weight_int8)
+        return self._amx_packed
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` rounded once to x's dtype on AMX: ``[N, in]``, ``[N, out]`` -> ``[N, out]``."""
+        x2 = self._amx_input(x)
+        if x2 is None or residual.dtype != x.dtype:
+            return residual + self(x)
+        residual2 = residual.reshape(-1, self.out_features)
+        y = _AMX.ops.linear(x2, self._amx_weight(), self.weight_scale, self.bias, self.out_features, residual2)
+        return y.reshape(residual.shape)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a ``[gate; up]`` layer, in float32 before one rounding on AMX:
+        ``[N, in] -> [N, out / 2]``.
+
+        Raises:
+            ValueError: ``out_features`` is odd (not a ``[gate; up]`` layer).
+        """
+        if self.out_features % 2:
+            raise ValueError(f"silu_mul needs a [gate; up] layer with even out_features, got {self.out_features}")
+        x2 = self._amx_input(x)
+        if x2 is None:
+            return super().silu_mul(x)
+        half = self.out_features // 2
+        if self._amx_gated is None:
+            gate, up = self.weight_int8.chunk(2)
+            self._amx_gated = torch.cat((_AMX.ops.pack_weight(gate), _AMX.ops.pack_weight(up)))
+        y = _AMX.ops.linear_silu_mul(x2, self._amx_gated, self.weight_scale, self.bias, half)
+        return y.reshape(*x.shape[:-1], half)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = self._amx_input(x)
+        if x2 is not None:
+            y = _AMX.ops.linear(x2, self._amx_weight(), self.weight_scale, self.bias, self.out_features, None)
+            return y.reshape(*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         if x2.device.type == "cpu" and self._packed is None:
             self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
@@ -421,8 +534,10 @@ def _torchao_variants(w: torch.Tensor) -> dict:
 def format_microbench(results: dict[str, dict[str, float]]) -> str:
     """One line per row count: microseconds per variant and the fastest, plus the CPU flags."""
     flags = cpu_int8_flags()
-    if _FUSED.state:
-        kernel = "fused C++ op"
+    if _AMX.state and _amx_tiles_granted:
+        kernel = "AMX-INT8 kernels"
+    elif _FUSED.state:
+        kernel = f"fused C++ op over oneDNN (AMX kernels: {amx_cpu_kernel_reason() or 'not tried'})"
     else:
         kernel = f"ATen ops ({fused_cpu_kernels_reason() or 'fused kernels not tried'})"
     flag_text = ", ".join(flags) or "no VNNI / AMX / AVX-512 BF16"

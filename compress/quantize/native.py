@@ -74,10 +74,20 @@ class NativeKernels:
         source: the ``.cpp`` file.
         probe: one operator name of it (already registered in this process means loaded).
         cflags: compiler flags (``-march=native`` ties the build to this CPU's flag set).
+        requires: ``/proc/cpuinfo`` flags without which the source is not built (e.g. ``amx_int8`` for
+            kernels compiled with ``-mamx-int8``); the torch path runs and ``reason`` names the missing flags.
     """
 
-    def __init__(self, namespace: str, source: Path, probe: str, cflags: tuple[str, ...] = ("-O3", "-march=native")):
+    def __init__(
+        self,
+        namespace: str,
+        source: Path,
+        probe: str,
+        cflags: tuple[str, ...] = ("-O3", "-march=native"),
+        requires: tuple[str, ...] = (),
+    ):
         self.namespace, self.source, self.probe, self.cflags = namespace, Path(source), probe, tuple(cflags)
+        self.requires = tuple(requires)
         self.state: bool | None = None  # None: not tried yet
         self.reason = ""
         self._lock = threading.Lock()
@@ -111,6 +121,11 @@ class NativeKernels:
     def _load(self) -> bool:
         if hasattr(torch.ops, self.namespace) and hasattr(self.ops, self.probe):
             return True  # already loaded in this process
+        missing = [flag for flag in self.requires if flag not in cpu_flags()]
+        if missing:
+            self.reason = f"this CPU lacks {', '.join(missing)}"
+            logger.info("%s: not built (%s); running the torch ops", self.namespace, self.reason)
+            return False
         try:
             # heavy: imported only on the path that builds or loads the kernels
             from torch.utils.cpp_extension import include_paths, load
