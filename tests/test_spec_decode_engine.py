@@ -356,6 +356,28 @@ def test_reduced_draft_head_gives_same_tokens(target_dir, noisy_draft_dir, promp
     assert whole.engine.proposer.head_ids is None
 
 
+def test_int8_draft_keeps_a_reduced_int8_head(target_dir, noisy_draft_dir, prompts, reference, tmp_path):
+    """An int8-weight-only draft's reduced head holds the stored INT8 rows and scales of the frequent tokens:
+    its logits are those columns of the whole INT8 head's; greedy output stays the target's."""
+    from compress.quantize.int8 import Int8WeightOnlyLinear
+    from compress.quantize.methods import quantize
+
+    freq = [int(t) for t in torch.randperm(49152, generator=torch.Generator().manual_seed(6))[:1500]]
+    int8 = quantize(noisy_draft_dir, tmp_path / "int8", method="int8-weight-only")
+    draft = with_token_frequencies(int8, tmp_path / "reduced", freq)
+    llm = spec_llm(target_dir, "draft", draft, speculative_draft_vocab_size=2000)
+    proposer = llm.engine.proposer
+    layer = proposer.head.int8_layer
+    assert isinstance(layer, Int8WeightOnlyLinear) and layer.weight_int8.shape[0] == 2000
+    whole = proposer.runner.model.lm_head
+    x = torch.randn(3, whole.int8_layer.in_features, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(proposer.head(x), whole(x)[:, proposer.head_ids], rtol=0, atol=0)
+    assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+    stats = llm.engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+    check_all_freed(llm)
+
+
 def test_bad_token_frequency_file_names_its_path(target_dir, noisy_draft_dir, tmp_path):
     from compress.checkpoint.store import CheckpointError
 
