@@ -141,6 +141,7 @@ class DraftProposer:
         device, block_size, max_model_len: as the target engine's.
         num_blocks: blocks in the draft's KV pool.
         vocab_size: logits for this many frequent tokens only (``read_draft_vocab``); ``None``: all.
+        min_confidence: stop a request's proposals after a token of lower draft probability (0: never).
 
     Raises:
         ValueError: the draft's context is shorter than ``max_model_len``.
@@ -156,6 +157,7 @@ class DraftProposer:
         max_model_len: int,
         num_blocks: int,
         vocab_size: int | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
         spec = read_model_spec(draft_dir)
         if spec.max_position_embeddings < max_model_len:
@@ -164,6 +166,7 @@ class DraftProposer:
                 f"max_model_len={max_model_len}; decrease max_model_len or use a draft with a longer context"
             )
         self.path = draft_dir
+        self.min_confidence = min_confidence
         self.runner = ModelRunner(draft_dir, dtype, device, block_size, max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
         self.head_ids = read_draft_vocab(draft_dir, vocab_size, spec.vocab_size)  # [V'] or None
@@ -206,6 +209,7 @@ class DraftProposer:
             config.max_model_len,
             config.num_kv_blocks,
             config.speculative_draft_vocab_size,
+            config.speculative_draft_confidence_threshold,
         )
 
     # ---------------------------------------------------------------- proposals
@@ -227,6 +231,7 @@ class DraftProposer:
             for item in items:
                 item.seq.num_computed_tokens += item.num_new_tokens
             still = []
+            top = self._top_probs(logits, [seqs[i] for i, _ in active])  # [S] or None
             for row, (i, shadow) in enumerate(active):
                 token, probs = self._draw(logits[row], seqs[i])
                 proposal = proposals[i]
@@ -234,7 +239,10 @@ class DraftProposer:
                 if probs is not None:
                     proposal.probs = probs[None] if proposal.probs is None else torch.cat((proposal.probs, probs[None]))
                 shadow.token_ids.append(token)
-                if len(proposal.token_ids) < ks[i]:
+                confident = self.min_confidence <= 0.0 or (
+                    float(top[row] if probs is None else probs[token]) >= self.min_confidence
+                )
+                if len(proposal.token_ids) < ks[i] and confident:
                     still.append((i, shadow))
             active, first = still, False
         return proposals
@@ -249,6 +257,14 @@ class DraftProposer:
         hidden = r.model.forward(inputs.input_ids, inputs.positions, r.kv_cache, r.attn, inputs.attn_metadata)
         normed = rms_norm(hidden[inputs.logits_index], r.model.norm, r.spec.rms_norm_eps)  # [S, hidden]
         return self.head(normed).float()
+
+    def _top_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+        """``[S]`` the draft's probability of its greedy pick per row (softmax over ``[S, V']``), where a
+        confidence stop applies to a greedy request; ``None`` without one (a sampled token's own
+        probability ``q(x)`` is used for the others)."""
+        if self.min_confidence <= 0.0 or not any(seq.params.greedy for seq in seqs):
+            return None
+        return torch.softmax(logits.float(), -1).amax(-1)
 
     def _draw(self, row: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
         """One draft token from ``[V']`` logits: argmax for greedy requests, else a draw from ``q``
