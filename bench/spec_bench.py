@@ -158,6 +158,13 @@ def add_arguments(parser) -> None:
         "0: the whole vocabulary)",
     )
     group.add_argument(
+        "--spec-draft-confidence",
+        type=float,
+        default=None,
+        metavar="P",
+        help="speculative_draft_confidence_threshold of the draft (default: the engine's)",
+    )
+    group.add_argument(
         "--spec-fixed-k",
         action="store_true",
         help="speculative_adaptive=False: always propose --spec-tokens (default: k chosen per request and step)",
@@ -225,6 +232,8 @@ def _engine(model_dir: Path, dtype: str, method: str, draft: Path, args, **overr
             config["speculative_draft_dtype"] = args.spec_draft_dtype
             if args.spec_draft_vocab is not None:
                 config["speculative_draft_vocab_size"] = args.spec_draft_vocab or None
+            if args.spec_draft_confidence is not None:
+                config["speculative_draft_confidence_threshold"] = args.spec_draft_confidence
     return LLM(str(model_dir), **config)
 
 
@@ -488,7 +497,8 @@ def run(args) -> int:
             f"threads: {torch.get_num_threads()}; greedy, up to "
             f"{args.max_tokens} new tokens; "
             f"{len(chat)} chat + {len(grounded_main)} grounded prompts; fastest of {args.spec_repeats} rotations; "
-            f"draft dtype {args.spec_draft_dtype}, head {args.spec_draft_vocab or 'default'}; "
+            f"draft dtype {args.spec_draft_dtype}, head {args.spec_draft_vocab or 'default'}, "
+            f"confidence stop {'default' if args.spec_draft_confidence is None else args.spec_draft_confidence}; "
             f"k {'fixed' if args.spec_fixed_k else 'adaptive'}",
             flush=True,
         )

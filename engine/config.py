@@ -30,6 +30,10 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 3}
 #: Tokens whose logits a draft with ``token_frequencies.json`` computes (``speculative_draft_vocab_size``).
 DEFAULT_SPECULATIVE_DRAFT_VOCAB_SIZE = 8192
 
+#: A draft stops proposing for a request after a token it gave less than this probability
+#: (``speculative_draft_confidence_threshold``; measured: README, "Speculative decoding").
+DEFAULT_SPECULATIVE_DRAFT_CONFIDENCE_THRESHOLD = 0.0
+
 #: Running requests from which a step does not speculate (measured with ``lmforge bench engine
 #: --speculative``: see README, "Speculative decoding").
 DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE = 8
@@ -78,6 +82,11 @@ class EngineConfig:
         speculative_draft_vocab_size: a draft that ships ``token_frequencies.json`` (``lmforge
             distill`` writes it) computes logits for this many frequent tokens only (its lm head
             shrinks; ``engine.spec_decode.draft.read_draft_vocab``); ``None``: the whole vocabulary.
+        speculative_draft_confidence_threshold: the ``"draft"`` proposer stops proposing for a
+            request (fewer than k tokens this step) after a token it gave a probability below this
+            (over its head's tokens): such a token is seldom the target's, and the draft forwards
+            after it would be wasted. 0 always proposes k. Output is unchanged (greedy) or keeps
+            the target's distribution (sampling: the stop depends on the draft's draws only).
         ngram_prompt_lookup_min / ngram_prompt_lookup_max: shortest / longest suffix n-gram
             the ``ngram`` proposer matches (it tries the longest first).
         speculative_ngram_corpus: a JSONL of chat records (``lmforge data`` format, e.g. the
@@ -115,6 +124,7 @@ class EngineConfig:
     speculative_draft_dtype: str = "auto"
     speculative_adaptive: bool = True
     speculative_draft_vocab_size: int | None = DEFAULT_SPECULATIVE_DRAFT_VOCAB_SIZE
+    speculative_draft_confidence_threshold: float = DEFAULT_SPECULATIVE_DRAFT_CONFIDENCE_THRESHOLD
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
     speculative_ngram_corpus: str | None = None
@@ -174,6 +184,11 @@ class EngineConfig:
             _require_positive("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
         if self.speculative_draft_vocab_size is not None:
             _require_positive("speculative_draft_vocab_size", self.speculative_draft_vocab_size)
+        t = self.speculative_draft_confidence_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
+            raise UsageError(
+                f"speculative_draft_confidence_threshold={t!r}; it must be a number in [0, 1) (0: always propose k)"
+            )
         if self.speculative_draft_dtype not in SUPPORTED_DTYPES:
             raise UsageError(
                 f"speculative_draft_dtype={self.speculative_draft_dtype!r} is not supported; use one of "

@@ -194,7 +194,7 @@ def with_token_frequencies(draft_dir, out, token_ids: list[int]):
     return out
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "draft-reduced-head"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft-reduced-head", "draft-confidence-stop"])
 def test_sampling_distribution_equals_no_speculation(small_vocab_dirs, method, tmp_path):
     """Chi-square (contingency) of the tokens at output positions 1..3 over 600 seeded trials each.
 
@@ -208,13 +208,15 @@ def test_sampling_distribution_equals_no_speculation(small_vocab_dirs, method, t
     if method == "draft-reduced-head":  # q is zero outside 24 of the 64 tokens
         method, draft = "draft", with_token_frequencies(draft, tmp_path / "reduced", list(range(40, 3, -3)))
         overrides = dict(speculative_draft_vocab_size=24)
+    if method == "draft-confidence-stop":  # proposals end after a draw of q(x) < 0.5: the length depends on q
+        method, overrides = "draft", dict(speculative_draft_confidence_threshold=0.5)
     trials = 600
     prompt = [5, 9, 17, 5, 9, 17, 5, 9]
     base = dict(temperature=0.3, max_tokens=4, ignore_eos=True)
     big = dict(CONFIG, num_kv_blocks=2 * trials * 4, max_num_batched_tokens=8192, max_num_seqs=trials)
     plain = LLM(str(target), **big)
     spec = spec_llm(target, method, draft, num_speculative_tokens=3, **big, **overrides)
-    if overrides:
+    if "speculative_draft_vocab_size" in overrides:
         assert spec.engine.proposer.head_ids.numel() == 24
     want = tokens(plain.generate([prompt] * trials, [SamplingParams(seed=i, **base) for i in range(trials)]))
     got = tokens(spec.generate([prompt] * trials, [SamplingParams(seed=10_000 + i, **base) for i in range(trials)]))
@@ -354,6 +356,43 @@ def test_reduced_draft_head_gives_same_tokens(target_dir, noisy_draft_dir, promp
     check_all_freed(llm)
     whole = spec_llm(target_dir, "draft", draft, speculative_draft_vocab_size=None)
     assert whole.engine.proposer.head_ids is None
+
+
+def test_int8_draft_keeps_a_reduced_int8_head(target_dir, noisy_draft_dir, prompts, reference, tmp_path):
+    """An int8-weight-only draft's reduced head holds the stored INT8 rows and scales of the frequent tokens:
+    its logits are those columns of the whole INT8 head's; greedy output stays the target's."""
+    from compress.quantize.int8 import Int8WeightOnlyLinear
+    from compress.quantize.methods import quantize
+
+    freq = [int(t) for t in torch.randperm(49152, generator=torch.Generator().manual_seed(6))[:1500]]
+    int8 = quantize(noisy_draft_dir, tmp_path / "int8", method="int8-weight-only")
+    draft = with_token_frequencies(int8, tmp_path / "reduced", freq)
+    llm = spec_llm(target_dir, "draft", draft, speculative_draft_vocab_size=2000)
+    proposer = llm.engine.proposer
+    layer = proposer.head.int8_layer
+    assert isinstance(layer, Int8WeightOnlyLinear) and layer.weight_int8.shape[0] == 2000
+    whole = proposer.runner.model.lm_head
+    x = torch.randn(3, whole.int8_layer.in_features, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(proposer.head(x), whole(x)[:, proposer.head_ids], rtol=0, atol=0)
+    assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+    stats = llm.engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+    check_all_freed(llm)
+
+
+def test_draft_confidence_stop_proposes_less_and_keeps_greedy_output(target_dir, noisy_draft_dir, prompts, reference):
+    """With a confidence stop the draft ends a request's proposals after an unsure token: fewer proposed
+    tokens, a larger share of them accepted, the target's greedy tokens."""
+    counts = {}
+    for threshold in (0.0, 0.9):
+        llm = spec_llm(target_dir, "draft", noisy_draft_dir, speculative_draft_confidence_threshold=threshold)
+        assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+        s = llm.engine.get_stats()
+        counts[threshold] = (s.spec_decode_num_draft_tokens_total, s.spec_decode_num_accepted_tokens_total)
+        check_all_freed(llm)
+    (all_proposed, all_accepted), (proposed, accepted) = counts[0.0], counts[0.9]
+    assert 0 < proposed < all_proposed
+    assert accepted / proposed > all_accepted / all_proposed
 
 
 def test_bad_token_frequency_file_names_its_path(target_dir, noisy_draft_dir, tmp_path):

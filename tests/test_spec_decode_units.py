@@ -155,6 +155,10 @@ def test_rejection_sampling_checks_shapes():
         (dict(speculative_method="ngram", speculative_disable_by_batch_size=0), "speculative_disable_by_batch_size=0"),
         (dict(speculative_method="draft", speculative_draft_dtype="int4"), "speculative_draft_dtype='int4'"),
         (
+            dict(speculative_method="draft", speculative_draft_confidence_threshold=1.0),
+            "speculative_draft_confidence_threshold=1.0",
+        ),
+        (
             dict(speculative_method="ngram", num_speculative_tokens=8, max_num_batched_tokens=8),
             "max_num_batched_tokens=8",
         ),

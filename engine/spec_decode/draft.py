@@ -14,7 +14,9 @@ compute logits for the ``speculative_draft_vocab_size`` most frequent tokens onl
 model the vocabulary head is a large part of a draft forward (SmolLM2: 49152 x 576 weights, more
 than six of its layers), and a proposal outside that set would rarely be the target's choice.
 The target still verifies over the whole vocabulary, so output is unchanged; a sampling draft's
-``q`` is zero outside the set, which rejection sampling allows.
+``q`` is zero outside the set, which rejection sampling allows. An INT8 draft (``lmforge quantize
+--method int8-weight-only`` of the student) keeps its reduced head in INT8 (``reduced_head``), so
+every draft forward reads half the bytes of a bf16 one.
 """
 
 from __future__ import annotations
@@ -114,6 +116,22 @@ def read_draft_vocab(draft_dir: Path, size: int | None, vocab_size: int) -> torc
     return torch.tensor(sorted(list(chosen)[:size]), dtype=torch.long)
 
 
+def reduced_head(lm_head: Linear, head_ids: torch.Tensor, device: str, dtype: torch.dtype) -> Linear:
+    """The rows ``head_ids`` (``[V']``) of a float or CPU INT8 lm head: a ``[V', hidden]`` layer of the same kind.
+
+    An INT8 head (``lmforge quantize``) keeps its stored INT8 rows and per-row scales, so a
+    quantized draft's reduced head reads a quarter of the bytes of a float32 one.
+    """
+    int8 = lm_head.int8_layer
+    if int8 is None:
+        weight = lm_head.weight.index_select(0, head_ids.to(lm_head.weight.device)).contiguous()
+        return Linear(weight, pack=can_pack_weights(device, dtype))
+    rows = head_ids.to(int8.weight_int8.device)
+    bias = None if int8.bias is None else int8.bias.index_select(0, rows)
+    layer = type(int8)(int8.weight_int8.index_select(0, rows), int8.weight_scale.index_select(0, rows), bias)
+    return Linear(None, int8_layer=layer, dtype=dtype)
+
+
 class DraftProposer:
     """Proposes with a small model; one shadow sequence per request in its own KV cache.
 
@@ -123,6 +141,7 @@ class DraftProposer:
         device, block_size, max_model_len: as the target engine's.
         num_blocks: blocks in the draft's KV pool.
         vocab_size: logits for this many frequent tokens only (``read_draft_vocab``); ``None``: all.
+        min_confidence: stop a request's proposals after a token of lower draft probability (0: never).
 
     Raises:
         ValueError: the draft's context is shorter than ``max_model_len``.
@@ -138,6 +157,7 @@ class DraftProposer:
         max_model_len: int,
         num_blocks: int,
         vocab_size: int | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
         spec = read_model_spec(draft_dir)
         if spec.max_position_embeddings < max_model_len:
@@ -146,17 +166,14 @@ class DraftProposer:
                 f"max_model_len={max_model_len}; decrease max_model_len or use a draft with a longer context"
             )
         self.path = draft_dir
+        self.min_confidence = min_confidence
         self.runner = ModelRunner(draft_dir, dtype, device, block_size, max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
         self.head_ids = read_draft_vocab(draft_dir, vocab_size, spec.vocab_size)  # [V'] or None
         self.head = None
-        lm_head = self.runner.model.lm_head
-        if self.head_ids is not None and lm_head.int8_layer is None:
-            weight = lm_head.weight.index_select(0, self.head_ids.to(lm_head.weight.device)).contiguous()
-            self.head = Linear(weight, pack=can_pack_weights(device, self.runner.dtype))  # [V', hidden]
+        if self.head_ids is not None:
             self.head_ids = self.head_ids.to(device)
-        else:
-            self.head_ids = None
+            self.head = reduced_head(self.runner.model.lm_head, self.head_ids, device, self.runner.dtype)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Sequence] = {}
         self._synced: dict[str, int] = {}  # request id -> target tokens the shadow last copied
@@ -192,6 +209,7 @@ class DraftProposer:
             config.max_model_len,
             config.num_kv_blocks,
             config.speculative_draft_vocab_size,
+            config.speculative_draft_confidence_threshold,
         )
 
     # ---------------------------------------------------------------- proposals
@@ -213,6 +231,7 @@ class DraftProposer:
             for item in items:
                 item.seq.num_computed_tokens += item.num_new_tokens
             still = []
+            top = self._top_probs(logits, [seqs[i] for i, _ in active])  # [S] or None
             for row, (i, shadow) in enumerate(active):
                 token, probs = self._draw(logits[row], seqs[i])
                 proposal = proposals[i]
@@ -220,7 +239,10 @@ class DraftProposer:
                 if probs is not None:
                     proposal.probs = probs[None] if proposal.probs is None else torch.cat((proposal.probs, probs[None]))
                 shadow.token_ids.append(token)
-                if len(proposal.token_ids) < ks[i]:
+                confident = self.min_confidence <= 0.0 or (
+                    float(top[row] if probs is None else probs[token]) >= self.min_confidence
+                )
+                if len(proposal.token_ids) < ks[i] and confident:
                     still.append((i, shadow))
             active, first = still, False
         return proposals
@@ -235,6 +257,14 @@ class DraftProposer:
         hidden = r.model.forward(inputs.input_ids, inputs.positions, r.kv_cache, r.attn, inputs.attn_metadata)
         normed = rms_norm(hidden[inputs.logits_index], r.model.norm, r.spec.rms_norm_eps)  # [S, hidden]
         return self.head(normed).float()
+
+    def _top_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+        """``[S]`` the draft's probability of its greedy pick per row (softmax over ``[S, V']``), where a
+        confidence stop applies to a greedy request; ``None`` without one (a sampled token's own
+        probability ``q(x)`` is used for the others)."""
+        if self.min_confidence <= 0.0 or not any(seq.params.greedy for seq in seqs):
+            return None
+        return torch.softmax(logits.float(), -1).amax(-1)
 
     def _draw(self, row: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
         """One draft token from ``[V']`` logits: argmax for greedy requests, else a draw from ``q``

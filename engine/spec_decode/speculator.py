@@ -274,7 +274,8 @@ class Speculator:
             for seq in seqs:
                 self.proposer.free(seq.request_id)
             return
-        self.cost.observe_propose(max(ks), len(seqs), time.perf_counter() - start)
+        # positions actually drafted: a draft may stop early (speculative_draft_confidence_threshold)
+        self.cost.observe_propose(max(len(p.token_ids) for p in proposals), len(seqs), time.perf_counter() - start)
         if adaptive and not self.step_pays(seqs, [len(p.token_ids) for p in proposals], len(running), fixed, cost):
             return  # e.g. ngram found too few matches: a plain step (the draft rolls back unverified tokens)
         for seq, proposal in zip(seqs, proposals):
