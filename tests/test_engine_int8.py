@@ -50,7 +50,15 @@ def write_int8_checkpoint(src, dst, scheme: str | None) -> dict[str, torch.Tenso
     return dequantized
 
 
-@pytest.mark.parametrize(("scheme", "dtype"), [("weight-only", "bfloat16"), ("w8a8", "float32"), ("w8a8", "bfloat16"), (None, "float32")])
+@pytest.mark.parametrize(
+    ("scheme", "dtype"),
+    [
+        ("weight-only", "bfloat16"),
+        ("w8a8", "float32"),
+        ("w8a8", "bfloat16"),
+        (None, "float32"),
+    ],
+)
 def test_int8_checkpoint_matches_dequantized_hf(scheme, dtype, tmp_path):
     from transformers import AutoModelForCausalLM
 
