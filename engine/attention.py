@@ -304,13 +304,7 @@ class TorchAttentionBackend(AttentionBackend):
         """
         if not decode_kernel_runs(q, kv_cache):
             return None
-        prior = None
-        if group.shared_blocks is not None:
-            n, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
-            g = self.num_heads // kv
-            qs = q.view(n, kv, g, hd).transpose(0, 1).reshape(1, kv, n * g, hd)
-            out_s, lse_s = attend(qs, *self._shared(kv_cache, group), None)  # [1, kv, n*g, hd], [1, kv, n*g]
-            prior = (out_s[0], lse_s[0])
+        prior = None if group.shared_blocks is None else self._attend_shared(q, kv_cache, group)
         return paged_decode_attention(q, kv_cache, tables, seq_lens, sliding_window=self.sliding_window, prior=prior)
 
     def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,18 +329,9 @@ class TorchAttentionBackend(AttentionBackend):
         """
         d, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kv
-        prior = None
-        if group.shared_blocks is not None:
-            shared_k, shared_v = self._shared(kv_cache, group)  # [1, kv, Ts, hd]
-            qs = q.view(d, kv, g, hd).transpose(0, 1).reshape(1, kv, d * g, hd)
-            prior = attend(qs, shared_k, shared_v, None)  # [1, kv, D*g, hd], [1, kv, D*g]
+        prior = None if group.shared_blocks is None else self._attend_shared(q, kv_cache, group)
         out = paged_decode_attention(
-            q,
-            kv_cache,
-            group.block_tables,
-            group.seq_lens,
-            sliding_window=self.sliding_window,
-            prior=None if prior is None else (prior[0][0], prior[1][0]),
+            q, kv_cache, group.block_tables, group.seq_lens, sliding_window=self.sliding_window, prior=prior
         )
         if out is not None:
             return out
@@ -367,6 +352,16 @@ class TorchAttentionBackend(AttentionBackend):
             blocks = kv_cache.index_select(1, group.shared_blocks)
         kv = blocks.view(2, 1, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
         return kv[0], kv[1]
+
+    def _attend_shared(self, q, kv_cache, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query of ``q [n, num_heads, hd]`` over the shared prefix blocks in one call: the heads
+        of each KV group act as its query rows, so K/V are never repeated. Returns ``out [kv, n * g, hd]``
+        and ``lse [kv, n * g]`` (row ``i * g + j`` of KV head ``h``: query head ``h * g + j`` of row ``i``)."""
+        n, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
+        g = self.num_heads // kv
+        qs = q.view(n, kv, g, hd).transpose(0, 1).reshape(1, kv, n * g, hd)
+        out, lse = attend(qs, *self._shared(kv_cache, group), None)  # [1, kv, n*g, hd], [1, kv, n*g]
+        return out[0], lse[0]
 
     def _prefill_attention(self, q, kv_cache, group: AttentionGroup) -> torch.Tensor:
         """Prefill chunks (padded to the longest) against their paged context, causal.
@@ -390,8 +385,7 @@ class TorchAttentionBackend(AttentionBackend):
         out, lse = attend(qp, keys, values, group.additive_mask(q.dtype))  # [P, kv, max_q*g, hd], [P, kv, max_q*g]
         out = out.view(p, kv, max_q, g, hd).transpose(1, 2).reshape(p * max_q, kv, g, hd)[group.output_index]
         lse = lse.view(p, kv, max_q, g).transpose(1, 2).reshape(p * max_q, kv, g)[group.output_index]
-        qs = q.view(n, kv, g, hd).transpose(0, 1).reshape(1, kv, n * g, hd)
-        out_s, lse_s = attend(qs, *self._shared(kv_cache, group), None)
+        out_s, lse_s = self._attend_shared(q, kv_cache, group)
         out_s = out_s.view(kv, n, g, hd).transpose(0, 1)  # [n, kv, g, hd]
         weight = torch.sigmoid(lse_s.view(kv, n, g).transpose(0, 1) - lse)  # [n, kv, g]
         return torch.lerp(out, out_s, weight[..., None].to(out.dtype)).reshape(n, self.num_heads * hd)
