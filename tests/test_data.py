@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from pathlib import Path
 
@@ -12,7 +13,15 @@ from transformers import AutoTokenizer
 
 from compress.data.dedup import MinHashConfig, cross_duplicates, near_duplicates
 from compress.data.packing import IGNORE_INDEX, pack, tokenize_and_pack, tokenize_record
-from compress.data.prepare import DataConfig, DataError, load_input, prepare, read_data_file
+from compress.data.prepare import (
+    DataConfig,
+    DataError,
+    load_input,
+    prepare,
+    read_data_file,
+    split_groups,
+    split_key,
+)
 
 BASE = [
     "The quick brown fox jumps over the lazy dog near the river bank every single morning.",
@@ -190,3 +199,31 @@ def test_packing_fills_rows_and_pads_with_ignored_labels(tokenizer):
     assert bool((packed.labels[pad] == IGNORE_INDEX).all())
     with pytest.raises(ValueError, match="no label tokens"):
         pack([([1, 2, 3], [IGNORE_INDEX] * 3)], 8, 0)
+
+
+def test_split_by_prompt_keeps_every_prompt_on_one_side(tmp_path):
+    # 12 prompts, one asked 5 times with different answers (as chatterbot's "tell me a joke")
+    records = [_dialog("Tell me a joke", f"Joke number {i}: {BASE[i % len(BASE)]}") for i in range(5)]
+    records += [_dialog(f"Question {i}: {t}", f"Answer about {t}") for i, t in enumerate(BASE)]
+    records += [_dialog(f"Question {i}: {t}", f"Another answer: {t[::-1]}") for i, t in enumerate(BASE[:3])]
+    src = _write_jsonl(tmp_path / "in.jsonl", records)
+    for seed in range(6):
+        config = DataConfig(inputs=[str(src)], val_fraction=0.3, seed=seed, blocklist=None, dedup_threshold=0.95)
+        report = prepare(config, tmp_path / f"out{seed}", verbose=False)
+        train = read_data_file(tmp_path / f"out{seed}" / "train.jsonl")
+        val = read_data_file(tmp_path / f"out{seed}" / "val.jsonl")
+        prompts = lambda rs: {r["messages"][0]["content"].lower() for r in rs}  # noqa: E731
+        assert prompts(train) & prompts(val) == set() and report["val_prompts_in_train"] == 0
+        assert 1 <= len(val) <= math.ceil(0.3 * report["kept"]) and len(train) + len(val) == report["kept"]
+
+
+def test_split_groups_takes_whole_groups_and_rejects_a_single_prompt():
+    keys = ["a"] * 6 + ["b", "c", "d", "e"]
+    val = split_groups(keys, 3, random.Random(0))
+    assert len(val) == 3 and "a" not in {keys[i] for i in val}  # the 6-record group never fits
+    assert sorted(split_groups(["a"] * 6 + ["b"], 1, random.Random(0))) == [6]
+    with pytest.raises(DataError, match="--split-by record"):
+        split_groups(["same"] * 4, 1, random.Random(0))
+    assert split_key(_dialog("  Tell  me a JOKE ", "x"), "prompt") == split_key(
+        _dialog("tell me a joke", "y"), "prompt"
+    )

@@ -14,8 +14,12 @@ Pipeline (each step counts what it removes; the counts are printed and written t
 4. a word-list toxicity filter (``compress/data/resources/blocklist.txt``, as C4's bad-words list);
 5. MinHash LSH near-duplicate removal (``compress.data.dedup``) over all records *before* the split,
    so no validation record near-duplicates a training one;
-6. a seeded shuffle and split; optionally a fraction of training records gets noisy labels
-   (assistant replies swapped between dialogs) for robustness experiments.
+6. a seeded split by prompt: dialogs that open with the same user turn (after ``normalize``) form one
+   group and land on the same side, so no held-out prompt is also a training prompt (the chatterbot
+   corpus answers "tell me a joke" 29 ways); groups are shuffled and whole groups fill the
+   validation split up to ``val_fraction`` (as scikit-learn's ``GroupShuffleSplit`` does).
+   Optionally a fraction of training records gets noisy labels (assistant replies swapped between
+   dialogs) for robustness experiments.
 
 Outputs ``OUT/train.jsonl``, ``OUT/val.jsonl`` (one record a line) and ``OUT/data_report.json``.
 Tokenization with the chat template, assistant-only loss masks and packing live in
@@ -80,6 +84,10 @@ class Record:
         return self.data["text"]
 
 
+#: ``DataConfig.split_by`` values.
+SPLIT_BY = ("prompt", "record")
+
+
 @dataclasses.dataclass
 class DataConfig:
     """Settings of ``lmforge data`` (recorded in ``data_report.json``).
@@ -88,6 +96,8 @@ class DataConfig:
         inputs: ``chatterbot:LANG``, ``.yml`` dialog files, ``.jsonl`` or plain-text files.
         val_fraction: share of records held out for validation (at least one record).
         seed: seed of the shuffle before the split (and of the noise).
+        split_by: ``prompt`` (dialogs with the same first user turn stay on one side; text records
+            group by their first line) or ``record`` (each record on its own).
         min_chars / max_chars: bounds on the characters of a record's content.
         max_symbol_ratio: largest share of non-space characters that are symbols (``#{}<>|...``).
         max_non_alpha_ratio: largest share of non-space characters that are not letters
@@ -102,6 +112,7 @@ class DataConfig:
     inputs: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_INPUT])
     val_fraction: float = 0.05
     seed: int = 0
+    split_by: str = "prompt"
     min_chars: int = 2
     max_chars: int = 20000
     max_symbol_ratio: float = 0.1
@@ -116,6 +127,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
             raise UsageError(f"val_fraction={self.val_fraction}: must be in (0, 1)")
+        if self.split_by not in SPLIT_BY:
+            raise UsageError(f"split_by={self.split_by!r}: use one of {', '.join(SPLIT_BY)} (--split-by)")
         if not 0.0 <= self.noise_ratio <= 1.0:
             raise UsageError(f"noise_ratio={self.noise_ratio}: must be in [0, 1]")
         if self.min_chars > self.max_chars:
@@ -441,6 +454,61 @@ def _empty_error(inputs: list[str], removals: list[tuple[Record, str]]) -> DataE
     )
 
 
+def split_key(record: dict[str, Any], split_by: str) -> str:
+    """The group a record splits with: its first user turn (or first text line), normalized.
+
+    ``split_by="record"`` gives every record its own group (its whole normalized text).
+    """
+    if split_by == "record":
+        return normalize(Record(record, "", 0).text)
+    if "messages" in record:
+        first = next(
+            (m["content"] for m in record["messages"] if m["role"] == "user"), record["messages"][0]["content"]
+        )
+    else:
+        first = record["text"].strip().splitlines()[0] if record["text"].strip() else ""
+    return normalize(first)
+
+
+def split_groups(keys: list[str], num_val: int, rng: random.Random) -> list[int]:
+    """Indices of the validation records: whole groups (equal ``keys``) in a seeded random order.
+
+    Groups are taken in shuffled order while they fit in ``num_val`` records; a group that would
+    overshoot is skipped (smaller ones after it may still fit), so the split holds at most
+    ``num_val`` records, at least one, and never splits a group. If every group is larger than
+    ``num_val``, the first shuffled group alone is the validation split (at least one training
+    record remains as long as there are two groups).
+
+    Args:
+        keys: one group key per record.
+        num_val: the validation records wanted (>= 1).
+        rng: the seeded generator of the shuffle.
+
+    Returns:
+        Indices into ``keys``, in the shuffled order.
+
+    Raises:
+        DataError: every record has the same key, so no split keeps groups whole.
+    """
+    groups: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    if len(groups) < 2:
+        raise DataError(
+            f"all {len(keys)} records open with the same prompt, so a split by prompt leaves one side empty; "
+            "pass --split-by record or add data"
+        )
+    order = list(groups.values())
+    rng.shuffle(order)
+    val: list[int] = []
+    for members in order:
+        if len(val) + len(members) <= num_val:
+            val.extend(members)
+        if len(val) == num_val:
+            break
+    return val or order[0]
+
+
 def add_label_noise(records: list[dict[str, Any]], ratio: float, rng: random.Random) -> int:
     """Swap assistant replies of ``ratio`` of the dialogs with replies from other dialogs.
 
@@ -500,11 +568,11 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
             f"only one record left after filtering ({final[0].where}); a train/validation split needs at least 2"
         )
     rng = random.Random(config.seed)
-    order = list(range(len(final)))
-    rng.shuffle(order)
     num_val = min(len(final) - 1, max(1, math.ceil(config.val_fraction * len(final))))
-    val = [final[i].data for i in order[:num_val]]
-    train = [json.loads(json.dumps(final[i].data)) for i in order[num_val:]]  # copies: noise edits them
+    val_idx = split_groups([split_key(r.data, config.split_by) for r in final], num_val, rng)
+    val = [final[i].data for i in val_idx]
+    held = set(val_idx)
+    train = [json.loads(json.dumps(r.data)) for i, r in enumerate(final) if i not in held]  # copies: noise edits them
     noised = add_label_noise(train, config.noise_ratio, rng)
     report = {
         "config": dataclasses.asdict(config),
@@ -515,6 +583,7 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
         "kept": len(final),
         "train": len(train),
         "val": len(val),
+        "val_prompts_in_train": len({split_key(r, "prompt") for r in val} & {split_key(r, "prompt") for r in train}),
         "train_chars": sum(len(Record(r, "", 0).text) for r in train),
         "elapsed_s": round(time.monotonic() - started, 3),
     }
@@ -546,7 +615,10 @@ def format_report(report: dict[str, Any]) -> str:
         )
     if report["noised"]:
         lines.append(f"  label noise on {report['noised']} training records")
-    lines.append(f"kept {report['kept']}: train {report['train']}, val {report['val']}")
+    lines.append(
+        f"kept {report['kept']}: train {report['train']}, val {report['val']} "
+        f"(validation prompts also in train: {report.get('val_prompts_in_train', 0)})"
+    )
     return "\n".join(lines)
 
 
@@ -585,6 +657,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--val-fraction", type=float, default=d.val_fraction)
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--split-by",
+        default=d.split_by,
+        choices=SPLIT_BY,
+        help="'prompt': dialogs with the same first user turn stay on one side of the split; 'record': each "
+        f"record on its own (default {d.split_by})",
+    )
     parser.add_argument("--min-chars", type=int, default=d.min_chars)
     parser.add_argument("--max-chars", type=int, default=d.max_chars)
     parser.add_argument("--max-symbol-ratio", type=float, default=d.max_symbol_ratio)
@@ -604,6 +683,7 @@ def run(args: argparse.Namespace) -> int:
         inputs=args.inputs or [DEFAULT_INPUT],
         val_fraction=args.val_fraction,
         seed=args.seed,
+        split_by=args.split_by,
         min_chars=args.min_chars,
         max_chars=args.max_chars,
         max_symbol_ratio=args.max_symbol_ratio,
