@@ -32,7 +32,7 @@ from compress.quantize.methods import (
 
 PROMPTS = AGREEMENT_PROMPTS[:3]
 CONFIGS = {
-    "int8-weight-only": Int8WeightOnlyConfig(),
+    "int8-weight-only": Int8WeightOnlyConfig(float_units=0),  # every layer INT8 (the default's float unit: below)
     "w8a8": W8A8Config(),
     "llm-int8": LlmInt8Config(),
     "onnx-int8": OnnxInt8MethodConfig(),
@@ -47,7 +47,15 @@ def expected_config(method):
 @pytest.fixture(scope="module")
 def quantized_dirs(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
-    return {method: quantize(tiny_llama_dir, root / method, method=method) for method in METHODS}
+    return {
+        method: quantize(
+            tiny_llama_dir, root / method, method=method, **({"float_units": 0} if method in FLOAT_UNITS else {})
+        )
+        for method in METHODS
+    }
+
+
+FLOAT_UNITS = ("int8-weight-only",)  # methods whose default keeps a sensitive unit float
 
 
 @pytest.fixture(scope="module")
@@ -333,3 +341,17 @@ def test_w8a8_calibrated_alpha_and_float_units_load_everywhere(tiny_llama_dir, t
         W8A8Config(smoothquant_alpha_grid=(0.5, 1.5))
     with pytest.raises(ValueError, match="float_units=-1"):
         W8A8Config(float_units=-1)
+
+
+def test_weight_only_default_keeps_its_most_sensitive_unit_float(tiny_llama_dir, tmp_path):
+    out = quantize(tiny_llama_dir, tmp_path / "wo", method="int8-weight-only")
+    float_modules = read_manifest(out).config["float_modules"]
+    assert read_manifest(out).config["float_units"] == 1 and 1 <= len(float_modules) <= 3
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    for name in float_modules:
+        assert f"{name}.weight_int8" not in keys
+        assert f"{name}.weight" in keys or name == "lm_head"  # a float head tied to the embeddings is stored once
+    model = load_int8_model(out)
+    assert isinstance(model.get_submodule(float_modules[0]), torch.nn.Linear)
+    assert sum(isinstance(m, Int8WeightOnlyLinear) for m in model.modules()) > 0
