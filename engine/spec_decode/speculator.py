@@ -149,8 +149,8 @@ class AcceptanceTracker:
 def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """``(a, b, c)`` of ``y ~ x @ (a, b, c)`` (columns 1, tokens, verifies). Where tokens and verifying do
     not vary apart (one request alone, one proposal per step: always 1 + 1 tokens when verifying) the
-    minimum-norm solution splits the intercept between them (measured: b = 35% of a plain step, c < 0,
-    for a step that verifying made 5% slower), so there the step is fitted as ``a + b * tokens``
+    minimum-norm solution splits the intercept between them (a step that verifying makes 5% slower
+    reads as b = 35% of a plain step and c < 0), so there the step is fitted as ``a + b * tokens``
     (``c = 0``: the extra time counted per token, the dearer reading for k > 1)."""
     coef, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
     if rank == x.shape[1]:
