@@ -94,6 +94,9 @@ class SpecRow:
         acceptance_rate: accepted / proposed tokens (``None`` without speculation).
         mean_accepted_length: tokens emitted per verified request-step (accepted + 1).
         same_tokens: fraction of requests with exactly the tokens of ``off``.
+        tokens_per_step: generated tokens / engine steps of that repeat (prefill steps included):
+            where ``mean_accepted_length`` counts only the steps that verified proposals, this also
+            counts those an adaptive speculator left plain.
     """
 
     dtype: str
@@ -107,6 +110,7 @@ class SpecRow:
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     same_tokens: float | None = None
+    tokens_per_step: float | None = None
 
 
 def add_arguments(parser) -> None:
@@ -276,12 +280,18 @@ def _timed(llm, batches: list[list], params) -> tuple[float, float, list[list[in
     return time.perf_counter() - start, time.process_time() - start_cpu, tokens
 
 
-def _spec_figures(llm, before) -> tuple[float | None, float | None]:
+def _spec_figures(llm, before, num_tokens: int) -> tuple[float | None, float | None, float | None]:
+    """Acceptance rate, tokens per verified request-step and tokens per engine step since ``before``."""
     s = llm.engine.get_stats()
+    steps = getattr(s, "num_steps_total", 0) - getattr(before, "num_steps_total", 0)
     drafts = s.spec_decode_num_drafts_total - before.spec_decode_num_drafts_total
     proposed = s.spec_decode_num_draft_tokens_total - before.spec_decode_num_draft_tokens_total
     accepted = s.spec_decode_num_accepted_tokens_total - before.spec_decode_num_accepted_tokens_total
-    return (accepted / proposed if proposed else None), (1 + accepted / drafts if drafts else None)
+    return (
+        (accepted / proposed if proposed else None),
+        (1 + accepted / drafts if drafts else None),
+        (num_tokens / steps if steps else None),
+    )
 
 
 def measure(engines: dict, batches: list[list], params, repeats: int, label: dict) -> list[SpecRow]:
@@ -304,7 +314,7 @@ def measure(engines: dict, batches: list[list], params, repeats: int, label: dic
             best_cpu[method] = min(cpu_s, best_cpu.get(method, cpu_s))
             if method not in best or elapsed < best[method]:
                 best[method], tokens_out[method] = elapsed, sum(len(t) for t in tokens)
-                figures[method] = _spec_figures(llm, before)
+                figures[method] = _spec_figures(llm, before, tokens_out[method])
     base = outputs.get("off")
     rows = []
     for method in engines:
@@ -321,6 +331,7 @@ def measure(engines: dict, batches: list[list], params, repeats: int, label: dic
                 acceptance_rate=figures[method][0],
                 mean_accepted_length=figures[method][1],
                 same_tokens=same,
+                tokens_per_step=figures[method][2],
                 **label,
             )
         )
@@ -405,7 +416,8 @@ def _print_rows(rows: list[SpecRow]) -> None:
             f"  {r.dtype:8s} {r.prompts:10s} x{r.concurrency:<3d} {r.method:5s} {r.output_tok_s:7.1f} tok/s "
             f"x{_fmt(r.speedup, '.2f'):5s} {r.output_tok_per_cpu_s:7.1f} tok/CPU-s "
             f"x{_fmt(r.speedup_cpu, '.2f'):5s} accept {_fmt(r.acceptance_rate, '.0%'):>4s}  "
-            f"len {_fmt(r.mean_accepted_length, '.2f'):4s}  same tok {_fmt(r.same_tokens, '.0%')}",
+            f"len {_fmt(r.mean_accepted_length, '.2f'):4s}  tok/step {_fmt(r.tokens_per_step, '.2f'):4s}  "
+            f"same tok {_fmt(r.same_tokens, '.0%')}",
             flush=True,
         )
 

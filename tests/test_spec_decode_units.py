@@ -257,6 +257,21 @@ def test_cost_model_fits_step_time_and_adds_the_proposer():
     assert choose_k(0.6, 0.05, 4, fixed_cost=2.0) == 0  # a fixed cost that no run of 0.6 pays back
 
 
+def test_cost_model_fit_ignores_a_step_far_above_the_others():
+    """One verifying step that took 50 plain steps (the process was preempted) must not make verifying
+    look dear: one request alone, so tokens and verifying requests move together (1 + 1 tokens)."""
+    cost = CostModel(prior=0.3)
+    for i in range(60):
+        cost.observe_step(1, 0, 0.010)
+        if i % 4 == 0:
+            cost.observe_step(2, 1, 0.0105)
+    cost.observe_step(2, 1, 0.5)
+    a, b, c = cost.fit()
+    # tokens and verifying move together here: the extra 0.5 ms is read as per token (c = 0), not split
+    # by a minimum-norm solution (b 3.5 ms, c < 0 clipped to 0: 7x the true cost of a proposed token)
+    assert (a, b, c) == pytest.approx((0.0095, 0.0005, 0.0), abs=1e-9)
+
+
 def test_a_step_speculates_only_when_its_gain_beats_the_fixed_and_per_token_cost():
     from types import SimpleNamespace
 
@@ -274,3 +289,63 @@ def test_a_step_speculates_only_when_its_gain_beats_the_fixed_and_per_token_cost
     spec.tracks["a"].probing = True
     assert spec.step_pays(seqs, [1, 1], 4, 0.07, 0.01)  # a probe goes ahead
     assert not spec.step_pays(seqs, [0, 1], 4, 0.07, 0.01)  # unless it proposed nothing
+
+
+class _RecordingProposer:
+    """Proposes ``k`` copies of token 1 and records each round's ``ks``; ``last_catch_up`` as a draft sets it."""
+
+    def __init__(self, catch_up: int = 1):
+        self.rounds: list[list[int]] = []
+        self.last_catch_up = catch_up
+
+    def propose(self, seqs, ks):
+        from engine.spec_decode.proposer import Proposal
+
+        self.rounds.append(list(ks))
+        return [Proposal([1] * k) for k in ks]
+
+    def free(self, request_id):
+        pass
+
+
+def _decoding_sequence(request_id: str = "a"):
+    from engine import SamplingParams
+    from engine.sequence import Sequence
+
+    seq = Sequence(request_id, None, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=200), None, None)
+    seq.num_computed_tokens = 2  # one token to decode
+    return seq
+
+
+def test_a_request_whose_steps_never_pay_still_probes():
+    """A request whose own k is > 0 but whose step does not pay (here: a fixed cost of 5 plain steps)
+    counts those steps as idle and probes after PROBE_EVERY of them; before, it never proposed again."""
+    from engine.spec_decode.speculator import CALIBRATE_EVERY, PROBE_EVERY, Speculator
+
+    proposer = _RecordingProposer()
+    spec = Speculator(EngineConfig(speculative_method="ngram", max_model_len=2048), proposer)
+    spec.cost.costs = lambda batch: (5.0, 0.01)
+    seq = _decoding_sequence()
+    proposed_at = []
+    for step in range(1, 2 * PROBE_EVERY + 4):
+        before = len(proposer.rounds)
+        spec.propose([seq])
+        if len(proposer.rounds) > before:
+            proposed_at.append(step)
+            seq.spec_token_ids, seq.spec_probs = [], None
+    # steps 1..8 idle, the probe at 9; the next 8 idle steps are 10..18 less the calibration step 16: probe at 19
+    assert CALIBRATE_EVERY == 16 and proposed_at == [PROBE_EVERY + 1, 2 * PROBE_EVERY + 3]
+
+
+def test_a_round_that_prefilled_the_draft_is_not_timed():
+    """The draft's first round for a request prefills its prompt: a one-off cost, not a per-position one."""
+    from engine.spec_decode.speculator import STEADY_CATCH_UP, Speculator
+
+    proposer = _RecordingProposer(catch_up=40)
+    config = EngineConfig(speculative_method="ngram", speculative_adaptive=False, max_model_len=2048)
+    spec = Speculator(config, proposer)
+    spec.propose([_decoding_sequence()])
+    assert len(proposer.rounds) == 1 and spec.cost.propose_s is None
+    proposer.last_catch_up = STEADY_CATCH_UP
+    spec.propose([_decoding_sequence("b")])
+    assert spec.cost.propose_s is not None and spec.cost.propose_s >= 0.0

@@ -177,6 +177,7 @@ class DraftProposer:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Sequence] = {}
         self._synced: dict[str, int] = {}  # request id -> target tokens the shadow last copied
+        self.last_catch_up = 0  # most tokens a shadow caught up on in the last round's first forward
 
     @classmethod
     def for_target(
@@ -224,6 +225,8 @@ class DraftProposer:
                 active.append((i, shadow))
             elif k > 0:
                 self.free(seq.request_id)  # start over later rather than hold a pool that is full
+        # tokens of the first forward (the speculator does not time a round that prefilled a prompt)
+        self.last_catch_up = max((shadow.num_uncomputed_tokens for _, shadow in active), default=0)
         first = True
         while active:
             items = [ScheduledSequence(sh, sh.num_uncomputed_tokens if first else 1) for _, sh in active]

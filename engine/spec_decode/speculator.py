@@ -79,6 +79,13 @@ COST_DECAY = 0.9
 COST_WINDOW = 64
 #: Every this many steps the speculator proposes nothing (plain steps for ``CostModel``'s fit).
 CALIBRATE_EVERY = 16
+#: ``CostModel.fit`` drops steps this many median absolute residuals (and at least ``OUTLIER_FLOOR`` of the
+#: median step time) above its first fit, then fits again.
+OUTLIER_MADS = 5.0
+OUTLIER_FLOOR = 0.1
+#: Tokens a draft catches up on in a steady proposal round: the target's correction or bonus token, and
+#: the last proposal when all were accepted. A round that caught up on more (a prompt) is not timed.
+STEADY_CATCH_UP = 2
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -131,11 +138,25 @@ class AcceptanceTracker:
         return self.accepted / (self.accepted + self.rejected)
 
     def update(self, num_proposed: int, num_accepted: int) -> None:
+        self.idle_steps = 0  # steps without proposals are counted from the last verification
         if self.probing:
             self.probing = False
             self.probe_every = PROBE_EVERY if num_accepted else min(2 * self.probe_every, PROBE_EVERY_MAX)
         self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
         self.rejected = ACCEPTANCE_DECAY * self.rejected + (1.0 if num_accepted < num_proposed else 0.0)
+
+
+def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``(a, b, c)`` of ``y ~ x @ (a, b, c)`` (columns 1, tokens, verifies). Where tokens and verifying do
+    not vary apart (one request alone, one proposal per step: always 1 + 1 tokens when verifying) the
+    minimum-norm solution splits the intercept between them (a step that verifying makes 5% slower
+    reads as b = 35% of a plain step and c < 0), so there the step is fitted as ``a + b * tokens``
+    (``c = 0``: the extra time counted per token, the dearer reading for k > 1)."""
+    coef, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
+    if rank == x.shape[1]:
+        return coef
+    ab = np.linalg.lstsq(x[:, :2], y, rcond=None)[0]
+    return np.array([ab[0], ab[1], 0.0])
 
 
 class CostModel:
@@ -176,7 +197,15 @@ class CostModel:
             return None
         x = np.array([(1.0, n, 1.0 if s else 0.0) for n, s, _ in self.steps])
         y = np.array([t for _, _, t in self.steps])
-        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        coef = _lstsq(x, y)
+        # A step the process spent partly off the CPU (preempted, a page fault storm) is far above the
+        # fit; one such step among a few speculative ones made b several times a whole step and switched
+        # speculation off until it left the window. Refit without steps far above the first fit.
+        resid = y - x @ coef
+        keep = resid <= max(OUTLIER_MADS * float(np.median(np.abs(resid))), OUTLIER_FLOOR * float(np.median(y)))
+        if keep.sum() < len(y) and (x[keep, 2] == 0).any() and (x[keep, 2] == 1).any():
+            x, y = x[keep], y[keep]
+            coef = _lstsq(x, y)
         mean_n, mean_s, mean_t = x[:, 1].mean(), x[:, 2].mean(), y.mean()
         b, c = max(float(coef[1]), 0.0), max(float(coef[2]), 0.0)  # costs are never negative
         a = max(mean_t - b * mean_n - c * mean_s, 0.05 * mean_t)
@@ -264,7 +293,10 @@ class Speculator:
                         continue
                 seqs.append(seq)
                 ks.append(k)
-        if not seqs or (adaptive and not self.step_pays(seqs, ks, len(running), fixed, cost)):
+        if not seqs:
+            return
+        if adaptive and not self.step_pays(seqs, ks, len(running), fixed, cost):
+            self._count_idle(seqs)  # else a request whose own k > 0 but whose step never pays would never probe
             return
         start = time.perf_counter()
         try:
@@ -274,9 +306,13 @@ class Speculator:
             for seq in seqs:
                 self.proposer.free(seq.request_id)
             return
-        # positions actually drafted: a draft may stop early (speculative_draft_confidence_threshold)
-        self.cost.observe_propose(max(len(p.token_ids) for p in proposals), len(seqs), time.perf_counter() - start)
+        # positions actually drafted: a draft may stop early (speculative_draft_confidence_threshold). A round
+        # that first prefilled a request's prompt into the draft (its first round, or one after the draft pool
+        # was full) is not timed: that cost is paid once per request, not per proposed position.
+        if getattr(self.proposer, "last_catch_up", 0) <= STEADY_CATCH_UP:
+            self.cost.observe_propose(max(len(p.token_ids) for p in proposals), len(seqs), time.perf_counter() - start)
         if adaptive and not self.step_pays(seqs, [len(p.token_ids) for p in proposals], len(running), fixed, cost):
+            self._count_idle(seqs)
             return  # e.g. ngram found too few matches: a plain step (the draft rolls back unverified tokens)
         for seq, proposal in zip(seqs, proposals):
             seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
@@ -300,9 +336,17 @@ class Speculator:
         k = choose_k(track.alpha, cost, k_max, fixed, num_others)
         if k == 0:
             track.idle_steps += 1
-            if track.idle_steps >= track.probe_every:
-                track.idle_steps, track.probing, k = 0, True, 1
+        if track.idle_steps >= track.probe_every:
+            track.idle_steps, track.probing, k = 0, True, max(k, 1)
         return k
+
+    def _count_idle(self, seqs: list) -> None:
+        """Requests that chose k > 0 in a step that then proposed nothing (the step did not pay) wait
+        towards a probe like those that chose k = 0."""
+        for seq in seqs:
+            track = self.tracks.get(seq.request_id)
+            if track is not None and not track.probing:
+                track.idle_steps += 1
 
     def new_request_prior(self) -> tuple[float, float]:
         """Pseudo-counts of a new request: the engine-wide acceptance with the weight of ``ACCEPTANCE_PRIOR``."""
