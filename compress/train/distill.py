@@ -6,9 +6,8 @@ Student (``build_student``):
   from the kept layers' weights; embeddings, final norm and head are copied. The student keeps
   the teacher's ``model_type`` (e.g. ``llama``), so the engine runs it. Which layers go
   (``student_layers="drop:N"``, ``layer_importance``) is measured on calibration records (the
-  training dialogs with the longest assistant replies, ``calibration_select``; on SmolLM2 and
-  the chatterbot split they rank layers that hold code knowledge higher, which the held-out
-  code replies need): ``angular`` = ShortGPT's Block Influence ``1 - cos(h_in, h_out)`` of each
+  first training dialogs, or with ``calibration_select="longest"`` those with the longest
+  assistant replies): ``angular`` = ShortGPT's Block Influence ``1 - cos(h_in, h_out)`` of each
   layer's input and output hidden states, averaged over tokens (Men et al. 2024, "ShortGPT:
   Layers in Large Language Models are More Redundant Than You Expect"; the angular distance of
   Gromov et al. 2024, "The Unreasonable Ineffectiveness of the Deeper Layers"), or
