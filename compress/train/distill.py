@@ -98,7 +98,7 @@ class DistillConfig(TrainConfig):
 
     run_dir: str = "runs/distill"
     lr: float = 6e-4
-    max_steps: int = 80
+    max_steps: int = 96
     micro_batch_size: int = 2
     max_length: int = 384
     eval_every: int = 0
