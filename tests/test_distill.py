@@ -17,6 +17,7 @@ from compress.train.distill import (
     DistillRecipe,
     angular_importance,
     build_student,
+    calibration_indices,
     distillation_loss,
     perplexity_importance,
     scored_positions,
@@ -60,6 +61,19 @@ def test_drop_n_removes_the_least_important_middle_layers():
             select_layers(bad, 6, importance)
     with pytest.raises(ValueError, match="needs one importance per teacher layer"):
         select_layers("drop:1", 6)
+
+
+def test_calibration_indices_pick_first_or_longest_replies():
+    x = IGNORE_INDEX
+    rows = [[x, 1], [x, 1, 2, 3], [x, x], [1, 2, 3], [x, 5, 6]]  # assistant tokens: 1, 3, 0, 3, 2
+    assert calibration_indices(rows, 2, "first") == [0, 1]
+    assert calibration_indices(rows, 3, "longest") == [1, 3, 4]  # file order kept
+    assert calibration_indices(rows, 2, "longest") == [1, 3]  # the tie 1 / 3 both kept before 4
+    assert calibration_indices(rows, 9, "longest") == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="calibration_select"):
+        calibration_indices(rows, 2, "random")
+    with pytest.raises(ValueError, match="calibration_select"):
+        DistillConfig(data="d", calibration_select="last").validate()
 
 
 def test_layer_importance_against_direct_computation(teacher_dir):
@@ -167,6 +181,7 @@ def test_distill_run_halves_layers_lowers_loss_resumes_and_loads(teacher_dir, ch
         stop_after=3,
         student_layers="drop:2",
         calibration_records=4,
+        calibration_select="longest",
         generate_records=6,
         generate_tokens=8,
         alpha=0.5,

@@ -6,7 +6,8 @@ Student (``build_student``):
   from the kept layers' weights; embeddings, final norm and head are copied. The student keeps
   the teacher's ``model_type`` (e.g. ``llama``), so the engine runs it. Which layers go
   (``student_layers="drop:N"``, ``layer_importance``) is measured on calibration records (the
-  training split): ``angular`` = ShortGPT's Block Influence ``1 - cos(h_in, h_out)`` of each
+  first training dialogs, or with ``calibration_select="longest"`` those with the longest
+  assistant replies): ``angular`` = ShortGPT's Block Influence ``1 - cos(h_in, h_out)`` of each
   layer's input and output hidden states, averaged over tokens (Men et al. 2024, "ShortGPT:
   Layers in Large Language Models are More Redundant Than You Expect"; the angular distance of
   Gromov et al. 2024, "The Unreasonable Ineffectiveness of the Deeper Layers"), or
@@ -78,6 +79,8 @@ class DistillConfig(TrainConfig):
             indices to copy (``layers`` student).
         layer_importance: ``angular`` or ``perplexity`` (module docstring).
         calibration_records: training records that measure layer importance.
+        calibration_select: which training records calibrate (``calibration_indices``):
+            ``first`` (file order) or ``longest`` (most assistant tokens).
         generate_records: training prompts the teacher answers with the engine (sequence-level
             KD data, added to the training split); 0: none.
         generate_tokens: most tokens per generated reply.
@@ -95,13 +98,14 @@ class DistillConfig(TrainConfig):
 
     run_dir: str = "runs/distill"
     lr: float = 6e-4
-    max_steps: int = 80
+    max_steps: int = 96
     micro_batch_size: int = 2
     max_length: int = 384
     eval_every: int = 0
     student_layers: str = "drop:7"
     layer_importance: str = "angular"
     calibration_records: int = 32
+    calibration_select: str = "first"
     generate_records: int = 400
     generate_tokens: int = 64
     student_config: dict[str, Any] | None = None
@@ -124,6 +128,11 @@ class DistillConfig(TrainConfig):
             raise UsageError(f"kd_positions={self.kd_positions!r}: use one of {KD_POSITIONS} (--kd-positions)")
         if self.temperature <= 0:
             raise UsageError(f"temperature={self.temperature}: must be > 0")
+        if self.calibration_select not in CALIBRATION_SELECT:
+            raise UsageError(
+                f"calibration_select={self.calibration_select!r}: use one of {CALIBRATION_SELECT} "
+                "(--calibration-select)"
+            )
         if self.layer_importance not in IMPORTANCE:
             raise UsageError(f"layer_importance={self.layer_importance!r}: use one of {sorted(IMPORTANCE)}")
         for name in ("calibration_records", "generate_tokens"):
@@ -137,6 +146,33 @@ class DistillConfig(TrainConfig):
 
 #: ``kd_positions`` values (``scored_positions``).
 KD_POSITIONS = ("assistant", "all")
+
+#: ``calibration_select`` values (``calibration_indices``).
+CALIBRATION_SELECT = ("first", "longest")
+
+
+def calibration_indices(label_rows: list[list[int]], count: int, how: str) -> list[int]:
+    """Indices of the training records that measure layer importance, in file order.
+
+    Args:
+        label_rows: per record, its token labels (``IGNORE_INDEX`` outside assistant replies).
+        count: how many records (all of them if there are fewer).
+        how: ``first`` (the first ``count``) or ``longest`` (the ``count`` with the most
+            assistant tokens; ties keep file order): long replies (code, explanations) hold
+            most of the scored tokens of a held-out split and the knowledge a dropped layer
+            takes with it, which short chat turns hardly exercise.
+
+    Raises:
+        UsageError: ``how`` is not one of ``CALIBRATION_SELECT``.
+    """
+    if how == "first":
+        return list(range(min(count, len(label_rows))))
+    if how != "longest":
+        raise UsageError(f"calibration_select={how!r}: use one of {CALIBRATION_SELECT} (--calibration-select)")
+    sizes = [sum(1 for t in labels if t != IGNORE_INDEX) for labels in label_rows]
+    ranked = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    return sorted(ranked[:count])
+
 
 #: ``config.json`` shape fields a student may override; each must be an integer >= 1.
 STUDENT_SHAPE_FIELDS = (
@@ -512,9 +548,13 @@ class DistillRecipe(TrainingRecipe):
         return student.to(device)
 
     def _calibration_batches(self) -> list[torch.Tensor]:
-        """Token ids ``[1, T]`` of the first ``calibration_records`` training records (chat-formatted)."""
-        records = read_data_file(Path(self.config.data) / "train.jsonl")[: self.config.calibration_records]
-        return [torch.tensor([tokenize_record(self.tokenizer, r, self.config.max_length)[0]]) for r in records]
+        """Token ids ``[1, T]`` of ``calibration_records`` training records (chat-formatted), chosen
+        by ``calibration_select`` (``calibration_indices``)."""
+        cfg = self.config
+        records = read_data_file(Path(cfg.data) / "train.jsonl")
+        rows = [tokenize_record(self.tokenizer, r, cfg.max_length) for r in records]
+        keep = calibration_indices([labels for _, labels in rows], cfg.calibration_records, cfg.calibration_select)
+        return [torch.tensor([rows[i][0]]) for i in keep]
 
     def setup(self) -> None:
         super().setup()
@@ -645,6 +685,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"records that rank layers (default {d.calibration_records})",
     )
     parser.add_argument(
+        "--calibration-select",
+        default=d.calibration_select,
+        choices=CALIBRATION_SELECT,
+        help="which training records rank layers: the first ones or those with the longest replies (default "
+        f"{d.calibration_select})",
+    )
+    parser.add_argument(
         "--generate-records",
         type=int,
         default=d.generate_records,
@@ -703,6 +750,7 @@ def run(args: argparse.Namespace) -> int:
         student_config=student_config,
         layer_importance=args.layer_importance,
         calibration_records=args.calibration_records,
+        calibration_select=args.calibration_select,
         kd_positions=args.kd_positions,
         train_embeddings=args.train_embeddings,
         alpha=args.alpha,
