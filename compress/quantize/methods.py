@@ -95,7 +95,7 @@ class Int8WeightOnlyConfig:
             weights); with tied embeddings only the head's copy is quantized, the embedding
             table stays float.
         float_units: how many fused linear groups stay in floating point: those whose INT8
-            weights alone add the most KL on ``sensitivity_records`` calibration records
+            weights alone add the most KL per weight on ``sensitivity_records`` calibration records
             (``compress.quantize.sensitivity``). One by default: on SmolLM2-135M a single layer,
             ``model.layers.11.mlp.down_proj``, adds a quarter of the summed per-unit KL (0.0020 of
             0.0084, 16 training dialogs), and keeping it float (0.7% of the weights) takes the
@@ -132,7 +132,7 @@ class W8A8Config:
             with the least W8A8 output error on the calibration records
             (``compress.quantize.smooth.calibrate_alpha``) instead of ``smoothquant_alpha``.
         float_units: how many fused linear groups stay in floating point: those whose INT8 alone
-            adds the most KL on ``sensitivity_records`` calibration records
+            adds the most KL per weight on ``sensitivity_records`` calibration records
             (``compress.quantize.sensitivity``); 0: every linear layer outside ``skip_modules``
             is INT8.
         sensitivity_records: calibration records that rank the groups (one forward pass of them
@@ -270,7 +270,8 @@ def load_smoothed_model(
 
 def most_sensitive_units(model, tokenizer, config: Int8WeightOnlyConfig | W8A8Config) -> list[str]:
     """Module names of the ``config.float_units`` fused groups whose INT8 (``config.scheme``) adds the most KL
-    (kept float)."""
+    per weight (kept float): float weights cost bytes, so a group is ranked by the KL it adds divided
+    by its parameter count."""
 
     def quantized(linear):
         weight_int8, scale = quantize_weight_per_channel(linear.weight)
@@ -281,7 +282,12 @@ def most_sensitive_units(model, tokenizer, config: Int8WeightOnlyConfig | W8A8Co
         tokenizer, data=config.calibration_data, num_records=config.sensitivity_records, max_length=128
     )
     sensitivity = unit_sensitivity(model, batches, quantized, units)
-    ranked = sorted(units, key=sensitivity.get, reverse=True)[: config.float_units]
+
+    def kl_per_weight(unit: tuple[str, ...]) -> float:
+        # per weight kept float: the LM head (21% of SmolLM2's weights) must add 20x a layer's KL to be chosen
+        return sensitivity[unit] / sum(model.get_submodule(name).weight.numel() for name in unit)
+
+    ranked = sorted(units, key=kl_per_weight, reverse=True)[: config.float_units]
     return [name for unit in ranked for name in unit]
 
 
