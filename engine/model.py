@@ -24,7 +24,14 @@ import torch.nn.functional as F
 
 from compress.checkpoint.model_spec import ModelSpec
 from compress.checkpoint.store import CheckpointError
-from compress.quantize.int8 import INT8_SCALE_SUFFIX, INT8_WEIGHT_SUFFIX, dequantize_weight, int8_linear, read_scheme
+from compress.quantize.int8 import (
+    INT8_SCALE_SUFFIX,
+    INT8_WEIGHT_SUFFIX,
+    OUTLIER_CHANNELS_SUFFIX,
+    dequantize_weight,
+    int8_linear,
+    read_scheme,
+)
 from engine import cpu_ops
 from engine.config import SUPPORTED_DTYPES
 
@@ -237,11 +244,21 @@ class WeightLoader:
         if all(self.is_int8(p) for p in prefixes) and self.device == "cpu":
             w8 = torch.cat([self.tensors[p + INT8_WEIGHT_SUFFIX] for p in prefixes])  # [sum(out), in]
             scale = torch.cat([self.tensors[p + INT8_SCALE_SUFFIX] for p in prefixes])
-            return Linear(
-                None,
-                int8_layer=int8_linear(self.int8_scheme, w8, scale, None if biases is None else biases.float()),
-                dtype=self.dtype,
-            )
+            outliers = [self.tensors.get(p + OUTLIER_CHANNELS_SUFFIX) for p in prefixes]
+            if any(o is None for o in outliers) != all(o is None for o in outliers) or any(
+                o is not None and not torch.equal(o, outliers[0]) for o in outliers
+            ):
+                raise CheckpointError(
+                    f"{self.path}: {', '.join(prefixes)} share their input but not their outlier channels; "
+                    "re-create the checkpoint with `lmforge quantize`"
+                )
+            try:
+                layer = int8_linear(
+                    self.int8_scheme, w8, scale, None if biases is None else biases.float(), outliers[0]
+                )
+            except ValueError as exc:
+                raise CheckpointError(f"{self.path}: {prefixes[0]}: {exc}") from exc
+            return Linear(None, int8_layer=layer, dtype=self.dtype)
         fold = self.pack and input_scale is not None
         weights = [self._float_weight(p, self.tensors[input_scale] if fold else None) for p in prefixes]
         layer = Linear(torch.cat(weights).contiguous(), biases, pack=self.pack, gated=gated)

@@ -12,6 +12,7 @@ from compress.quantize.int8 import (
     INT8_SCALE_SUFFIX,
     INT8_WEIGHT_SUFFIX,
     LAYERS,
+    OUTLIER_CHANNELS_SUFFIX,
     dequantize_weight,
     quantize_weight_per_channel,
     scheme_metadata,
@@ -22,10 +23,11 @@ from tests.test_engine_greedy import random_prompts
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_int8_checkpoint(src, dst, scheme: str | None) -> dict[str, torch.Tensor]:
+def write_int8_checkpoint(src, dst, scheme: str | None, outliers: bool = False) -> dict[str, torch.Tensor]:
     """Quantize every decoder linear and the (tied) LM head of ``src`` into ``dst``; return the dequantized state dict.
 
-    ``scheme=None`` writes the former ``dynamic`` layout: no scheme metadata, head kept float.
+    ``scheme=None`` writes the former ``dynamic`` layout: no scheme metadata, head kept float. ``outliers``: q/k/v
+    (one fused layer: the same channels), down_proj and the head get 8 outlier input channels.
     """
     from safetensors.torch import load_file, save_file
 
@@ -40,6 +42,8 @@ def write_int8_checkpoint(src, dst, scheme: str | None) -> dict[str, torch.Tenso
             w8, scale = quantize_weight_per_channel(tensor)
             prefix = name.removesuffix(".weight")
             stored[prefix + INT8_WEIGHT_SUFFIX], stored[prefix + INT8_SCALE_SUFFIX] = w8, scale
+            if outliers and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "down_proj", "lm_head"):
+                stored[prefix + OUTLIER_CHANNELS_SUFFIX] = torch.arange(8) * 5 + (name.split(".")[-2] == "down_proj")
             dequantized[name] = dequantize_weight(w8, scale)
         else:
             stored[name] = tensor
@@ -51,19 +55,20 @@ def write_int8_checkpoint(src, dst, scheme: str | None) -> dict[str, torch.Tenso
 
 
 @pytest.mark.parametrize(
-    ("scheme", "dtype"),
+    ("scheme", "dtype", "outliers"),
     [
-        ("weight-only", "bfloat16"),
-        ("w8a8", "float32"),
-        ("w8a8", "bfloat16"),
-        (None, "float32"),
+        ("weight-only", "bfloat16", False),
+        ("w8a8", "float32", False),
+        ("w8a8", "bfloat16", False),
+        ("w8a8", "bfloat16", True),
+        (None, "float32", False),
     ],
 )
-def test_int8_checkpoint_matches_dequantized_hf(scheme, dtype, tmp_path):
+def test_int8_checkpoint_matches_dequantized_hf(scheme, dtype, outliers, tmp_path):
     from transformers import AutoModelForCausalLM
 
     src = make_tiny_llama(tmp_path / "fp32", seed=5, hidden_size=128, intermediate_size=256)
-    dequantized = write_int8_checkpoint(src, tmp_path / "int8", scheme)
+    dequantized = write_int8_checkpoint(src, tmp_path / "int8", scheme, outliers)
     hf = AutoModelForCausalLM.from_pretrained(src).eval()
     if scheme is not None:
         hf.lm_head.weight = torch.nn.Parameter(dequantized.pop("lm_head.weight"))  # unties the head
@@ -75,6 +80,10 @@ def test_int8_checkpoint_matches_dequantized_hf(scheme, dtype, tmp_path):
     assert isinstance(runner.layers[0].qkv.int8_layer, layer_cls)
     lm_head = runner.model.lm_head
     assert isinstance(lm_head.int8_layer, layer_cls) if scheme else lm_head.int8_layer is None
+    if outliers:
+        assert lm_head.int8_layer.outlier_channels.tolist() == list(range(0, 40, 5))
+        assert runner.layers[0].qkv.int8_layer.outlier_channels is not None
+        assert runner.layers[0].o.int8_layer.outlier_channels is None
     prompts = random_prompts([4, 9, 15, 22, 30, 7], seed=23)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
     matched = total = 0

@@ -200,3 +200,48 @@ def test_w8a8_add_and_silu_mul_epilogues_equal_the_float_reference(dtype, amx_re
         torch.testing.assert_close(added.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
     with pytest.raises(ValueError, match="even out_features"):
         W8A8Linear(w8[:-1], scale[:-1]).silu_mul(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w8a8_outlier_channels_get_their_own_per_token_scale(dtype, amx_restored):
+    amx = _amx_expected()
+    torch.manual_seed(0)
+    half, in_features = 37, 130
+    w, b = torch.randn(2 * half, in_features), torch.randn(2 * half)
+    w8, scale = quantize_weight_per_channel(w)
+    outliers = torch.tensor([120, 3, 64, 9])  # unsorted on purpose
+    layer = W8A8Linear(w8, scale, b, outliers)
+    assert layer.outlier_channels.tolist() == [3, 9, 64, 120]
+    rest = torch.tensor([c for c in range(in_features) if c not in (3, 9, 64, 120)])
+    tol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    for rows in (1, 17, 65):
+        x = (torch.randn(rows, in_features) * 2).to(dtype)
+        x[:, [3, 9, 64, 120]] *= 30  # the channels that would otherwise set every row's scale
+        q1, s1 = quantize_per_token(x[:, rest])
+        q2, s2 = quantize_per_token(x[:, [3, 9, 64, 120]])
+        exact = (q1.double() @ w8[:, rest].double().T) * s1.double() + (
+            q2.double() @ w8[:, [3, 9, 64, 120]].double().T
+        ) * s2.double()
+        exact = exact * scale.double() + b.double()  # [rows, 2 half]
+        residual = torch.randn(rows, 2 * half).to(dtype)
+        gate, up = exact.chunk(2, dim=-1)
+        for use_amx in (True, False):
+            amx_cpu_kernel(use_amx)
+            got, added, gated = layer(x), layer.add(x, residual), layer.silu_mul(x)
+            assert got.dtype == dtype and got.shape == (rows, 2 * half), (amx, use_amx)
+            torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
+            reference = exact + residual.double()
+            torch.testing.assert_close(added.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+            reference = F.silu(gate) * up
+            torch.testing.assert_close(gated.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+        amx_cpu_kernel(True)
+        truth = x.double() @ dequantize_weight(w8, scale).double().T + b.double()
+        one_scale = W8A8Linear(w8, scale, b)(x).double()  # the outliers' scale rounds the small channels coarsely
+        assert (one_scale - truth).abs().mean() > 2 * (layer(x).double() - truth).abs().mean()
+    for bad, match in (
+        (torch.tensor([3, 3]), "twice"),
+        (torch.tensor([130]), "in \\[0, 130\\)"),
+        (torch.tensor([]), "1 to"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            W8A8Linear(w8, scale, None, bad.long())

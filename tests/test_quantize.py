@@ -96,6 +96,7 @@ def test_int8_format_and_runtime_modules(method, layer_cls, quantized_dirs):
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32  # tied: only the head's copy is INT8
         head_int8 = method == "int8-weight-only"  # w8a8 keeps the head float by default (it adds the most KL)
         assert ("lm_head.weight_int8" in keys) == head_int8
+        assert not any(k.endswith(".outlier_channels") for k in keys)  # none by default
     assert "model.layers.0.self_attn.q_proj.weight" not in keys and "lm_head.weight" not in keys
     model = load_int8_model(out)
     assert isinstance(model.model.layers[1].mlp.down_proj, layer_cls)
@@ -341,6 +342,13 @@ def test_w8a8_calibrated_alpha_and_float_units_load_everywhere(tiny_llama_dir, t
         W8A8Config(smoothquant_alpha_grid=(0.5, 1.5))
     with pytest.raises(ValueError, match="float_units=-1"):
         W8A8Config(float_units=-1)
+    with pytest.raises(ValueError, match="outlier_channels=-1"):
+        W8A8Config(outlier_channels=-1)
+    with pytest.raises(ValueError, match="outlier_modules=.*names no INT8 linear layer"):
+        quantize(
+            tiny_llama_dir, tmp_path / "none", method="w8a8", outlier_channels=8, outlier_modules=("no_such_layer",)
+        )
+    assert not (tmp_path / "none").exists()
 
 
 def test_weight_only_default_keeps_its_most_sensitive_unit_float(tiny_llama_dir, tmp_path):
@@ -355,3 +363,37 @@ def test_weight_only_default_keeps_its_most_sensitive_unit_float(tiny_llama_dir,
     model = load_int8_model(out)
     assert isinstance(model.get_submodule(float_modules[0]), torch.nn.Linear)
     assert sum(isinstance(m, Int8WeightOnlyLinear) for m in model.modules()) > 0
+
+
+def test_w8a8_outlier_channels_are_stored_and_load_everywhere(tiny_llama_dir, tmp_path):
+    from engine import LLM, SamplingParams
+
+    out = quantize(
+        tiny_llama_dir,
+        tmp_path / "split",
+        method="w8a8",
+        skip_modules=(),
+        outlier_channels=8,
+        outlier_modules=("lm_head", "down_proj"),
+        calibration_records=4,
+    )
+    config = read_manifest(out).config
+    assert config["outlier_channels"] == 8 and "lm_head" in config["outlier_layers"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        head = f.get_tensor("lm_head.outlier_channels")
+        assert head.dtype == torch.int64 and head.shape == (8,) and torch.equal(head, head.sort().values)
+        assert f.get_tensor("model.layers.0.mlp.down_proj.outlier_channels").shape == (8,)
+        assert "model.layers.0.mlp.up_proj.outlier_channels" not in set(f.keys())
+    model = load_int8_model(out)
+    assert torch.equal(model.lm_head.outlier_channels, head)
+    assert model.model.layers[0].mlp.up_proj.outlier_channels is None
+    reference = load_for_eval(tiny_llama_dir).model
+    ids = torch.tensor([[1, 400, 5000, 31, 77]])  # [1, 5]
+    with torch.no_grad():
+        expected, got = reference(ids).logits, model(ids).logits
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    llm = LLM(str(out), dtype="bfloat16", block_size=4, num_kv_blocks=64, max_model_len=64)
+    assert torch.equal(llm.engine.runner.model.lm_head.int8_layer.outlier_channels, head)
+    outputs = llm.generate([[1, 400, 5000, 31]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(outputs[0].outputs[0].token_ids) == 4
+    llm.engine.check_invariants()

@@ -7,7 +7,9 @@ floating point. Dequantized weight = ``weight_int8 * scale[:, None]``. Weights a
 output channel: ``scale = max|w_row| / 127``, values rounded and clamped to [-127, 127]. The
 file's safetensors metadata ``lmforge_int8_scheme`` names how activations are treated
 (``SCHEMES``); files written by the former ``dynamic`` method have no such entry and run as
-``w8a8`` (their weights are in the same format; activations now get per-token scales).
+``w8a8`` (their weights are in the same format; activations now get per-token scales). A ``w8a8``
+layer may also store ``X.outlier_channels`` (int64 ``[n]``): input channels whose activations get
+a per-token scale of their own (``W8A8Linear``); its weights and scales are stored as above.
 
 Schemes (no pickle and no ``torch.ao.nn.quantized``; the kernels are ATen / oneDNN operators and,
 for ``w8a8`` on CPU, one C++ op of our own, ``fused_cpu_kernels``):
@@ -55,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 INT8_WEIGHT_SUFFIX = ".weight_int8"
 INT8_SCALE_SUFFIX = ".weight_scale"
+#: int64 ``[n]``: input channels of a ``w8a8`` layer quantized with a per-token scale of their own.
+OUTLIER_CHANNELS_SUFFIX = ".outlier_channels"
 SCHEME_METADATA_KEY = "lmforge_int8_scheme"
 SCHEMES = ("weight-only", "w8a8")
 #: A file with INT8 tensors but no scheme entry was written by the former ``dynamic`` method.
@@ -275,14 +279,41 @@ class W8A8Linear(_Int8Linear):
     (activation scale 1, so the int32 accumulators come back as float and the per-token and
     per-channel scales are applied after), as one fused op ``lmforge_int8::w8a8_linear`` where
     ``fused_cpu_kernels()`` built it, else as ATen ops (same results); CUDA: ``torch._int_mm``.
+
+    ``outlier_channels`` (int64 ``[n]``, optional): input channels whose activations are quantized
+    with a per-token scale of their own, ``s2 = max|x_row[outliers]| / 127``, while the other
+    channels get ``s1`` over the rest of the row; ``y = (acc1 * s1 + acc2 * s2) * s_w + b``. A few
+    channels of large magnitude (the final norm's output feeding the LM head: max |x| 50 against a
+    median channel's 3.8) otherwise set every token's scale and round the small channels coarsely.
+    The split follows LLM.int8()'s outlier decomposition (Dettmers et al. 2022), but both parts stay
+    INT8: on AMX the outlier part is one more 64-wide K block of the same tiles. The weights and
+    their per-channel scales are the same as without a split (stored as usual).
     """
 
-    def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        weight_int8: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        outlier_channels: torch.Tensor | None = None,
+    ):
         super().__init__(weight_int8, scale, bias)
+        if outlier_channels is not None:
+            outlier_channels = check_outlier_channels(outlier_channels, weight_int8.shape[1])
+        self.register_buffer("outlier_channels", outlier_channels)
         self._packed = None  # oneDNN's layout
         self._amx_packed = None  # int8 [ceil(out / 16), ceil(in / 64), 16, 64] (lmforge_int8_amx.pack_weight)
         self._amx_gated = None  # the gate and up halves, each packed alone, concatenated
         self._zero_points = torch.zeros(weight_int8.shape[0], dtype=torch.long)
+        self._split = None  # (rest channels [in - n], outlier channels [n]) when outlier_channels is set
+        self._parts = None  # the two halves as W8A8Linear layers, for the paths without AMX
+
+    def _channels(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._split is None:
+            keep = torch.ones(self.in_features, dtype=torch.bool)
+            keep[self.outlier_channels] = False
+            self._split = (keep.nonzero().flatten(), self.outlier_channels)
+        return self._split
 
     def _amx_input(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x`` as ``[M, in]`` when the AMX kernels take it, else None."""
@@ -290,10 +321,37 @@ class W8A8Linear(_Int8Linear):
             return None
         return x.reshape(-1, x.shape[-1])
 
-    def _amx_weight(self) -> torch.Tensor:
-        if self._amx_packed is None:
-            self._amx_packed = _AMX.ops.pack_weight(self.weight_int8)
-        return self._amx_packed
+    def _pack(self, weight_int8: torch.Tensor, gated: bool) -> torch.Tensor:
+        if not gated:
+            return _AMX.ops.pack_weight(weight_int8)
+        gate, up = weight_int8.chunk(2)
+        return torch.cat((_AMX.ops.pack_weight(gate), _AMX.ops.pack_weight(up)))
+
+    def _amx_weights(self, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed weights: of all channels, or of the rest and of the outlier channels (each packed alone)."""
+        cached = self._amx_gated if gated else self._amx_packed
+        if cached is None:
+            if self.outlier_channels is None:
+                cached = (self._pack(self.weight_int8, gated), None)
+            else:
+                rest, outliers = self._channels()
+                cached = (
+                    self._pack(self.weight_int8[:, rest].contiguous(), gated),
+                    self._pack(self.weight_int8[:, outliers].contiguous(), gated),
+                )
+            if gated:
+                self._amx_gated = cached
+            else:
+                self._amx_packed = cached
+        return cached
+
+    def _amx_args(self, x2: torch.Tensor, gated: bool = False) -> tuple:
+        """``(x or its rest channels, packed, outlier channels' x or None, their packed weights or None)``."""
+        packed, packed_outlier = self._amx_weights(gated)
+        if packed_outlier is None:
+            return x2, packed, None, None
+        rest, outliers = self._channels()
+        return x2.index_select(1, rest), packed, x2.index_select(1, outliers), packed_outlier
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)`` rounded once to x's dtype on AMX: ``[N, in]``, ``[N, out]`` -> ``[N, out]``."""
@@ -301,7 +359,8 @@ class W8A8Linear(_Int8Linear):
         if x2 is None or residual.dtype != x.dtype:
             return residual + self(x)
         residual2 = residual.reshape(-1, self.out_features)
-        y = _AMX.ops.linear(x2, self._amx_weight(), self.weight_scale, self.bias, self.out_features, residual2)
+        xm, packed, xo, packed_outlier = self._amx_args(x2)
+        y = _AMX.ops.linear(xm, packed, self.weight_scale, self.bias, self.out_features, residual2, xo, packed_outlier)
         return y.reshape(residual.shape)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -317,17 +376,18 @@ class W8A8Linear(_Int8Linear):
         if x2 is None:
             return super().silu_mul(x)
         half = self.out_features // 2
-        if self._amx_gated is None:
-            gate, up = self.weight_int8.chunk(2)
-            self._amx_gated = torch.cat((_AMX.ops.pack_weight(gate), _AMX.ops.pack_weight(up)))
-        y = _AMX.ops.linear_silu_mul(x2, self._amx_gated, self.weight_scale, self.bias, half)
+        xm, packed, xo, packed_outlier = self._amx_args(x2, gated=True)
+        y = _AMX.ops.linear_silu_mul(xm, packed, self.weight_scale, self.bias, half, xo, packed_outlier)
         return y.reshape(*x.shape[:-1], half)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = self._amx_input(x)
         if x2 is not None:
-            y = _AMX.ops.linear(x2, self._amx_weight(), self.weight_scale, self.bias, self.out_features, None)
+            xm, packed, xo, packed_outlier = self._amx_args(x2)
+            y = _AMX.ops.linear(xm, packed, self.weight_scale, self.bias, self.out_features, None, xo, packed_outlier)
             return y.reshape(*x.shape[:-1], self.out_features)
+        if self.outlier_channels is not None:
+            return self._split_forward(x)
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         if x2.device.type == "cpu" and self._packed is None:
             self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
@@ -361,13 +421,52 @@ class W8A8Linear(_Int8Linear):
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def _split_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The outlier split without AMX: the two parts as plain ``W8A8Linear`` layers in float32, summed."""
+        rest, outliers = self._channels()
+        if self._parts is None or self._parts[0].weight_int8.device != x.device:
+            device = x.device
+            self._parts = (
+                W8A8Linear(self.weight_int8[:, rest], self.weight_scale, self.bias).to(device),
+                W8A8Linear(self.weight_int8[:, outliers], self.weight_scale).to(device),
+            )
+        xf = x.float()
+        y = self._parts[0](xf.index_select(-1, rest.to(x.device))) + self._parts[1](
+            xf.index_select(-1, outliers.to(x.device))
+        )
+        return y.to(x.dtype)
+
+
+def check_outlier_channels(channels: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``channels`` as a sorted int64 ``[n]`` vector of distinct input channels, 0 < n < in_features.
+
+    Raises:
+        ValueError: not 1-D integers, repeated, out of range, empty, or every channel.
+    """
+    if channels.dim() != 1 or channels.is_floating_point() or channels.dtype == torch.bool:
+        raise ValueError(f"outlier_channels must be a 1-D integer tensor, got {channels.dtype} {tuple(channels.shape)}")
+    channels = channels.to(torch.long).sort().values
+    n = channels.numel()
+    if not 0 < n < in_features or int(channels[0]) < 0 or int(channels[-1]) >= in_features:
+        raise ValueError(
+            f"outlier_channels must hold 1 to {in_features - 1} input channels in [0, {in_features}), got {n} "
+            f"in [{int(channels[0]) if n else '-'}, {int(channels[-1]) if n else '-'}]"
+        )
+    if bool((channels[1:] == channels[:-1]).any()):
+        raise ValueError("outlier_channels holds a channel twice")
+    return channels
+
 
 #: scheme -> runtime layer class.
 LAYERS: dict[str, type[nn.Module]] = {"weight-only": Int8WeightOnlyLinear, "w8a8": W8A8Linear}
 
 
 def int8_linear(
-    scheme: str, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    scheme: str,
+    weight_int8: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    outlier_channels: torch.Tensor | None = None,
 ) -> nn.Module:
     """The runtime layer of ``scheme`` from stored INT8 weights (no re-quantization).
 
@@ -375,12 +474,19 @@ def int8_linear(
         scheme: one of ``SCHEMES``.
         weight_int8: int8 ``[out_features, in_features]``; scale: float ``[out_features]``;
             bias: optional float ``[out_features]``.
+        outlier_channels: int64 ``[n]`` input channels with an activation scale of their own
+            (``W8A8Linear``; ``w8a8`` only).
 
     Raises:
-        ValueError: unknown scheme.
+        ValueError: unknown scheme, outlier channels on a scheme without activation quantization,
+            or bad outlier channels (``check_outlier_channels``).
     """
     if scheme not in LAYERS:
         raise ValueError(f"INT8 scheme {scheme!r} is not supported; use one of {list(SCHEMES)}")
+    if outlier_channels is not None:
+        if scheme != "w8a8":
+            raise ValueError(f"outlier channels apply to the w8a8 scheme only, not {scheme!r}")
+        return W8A8Linear(weight_int8, scale, bias, outlier_channels)
     return LAYERS[scheme](weight_int8, scale, bias)
 
 

@@ -125,6 +125,16 @@ inline __m512 dequantize(const int32_t* acc, const float* ws, const float* bias,
   return bias != nullptr ? _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias)) : v;
 }
 
+// As dequantize, plus the outlier segment's ((float(acc2) * w_scale) * x_scale2) before the bias (acc2 nullptr: none).
+inline __m512 dequantize2(const int32_t* acc, const int32_t* acc2, const float* ws, const float* bias, __m512 xs,
+                          __m512 xs2, __mmask16 m) {
+  if (acc2 == nullptr) return dequantize(acc, ws, bias, xs, m);
+  const __m512 w = _mm512_maskz_loadu_ps(m, ws);
+  __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc)), w), xs);
+  v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc2)), w), xs2));
+  return bias != nullptr ? _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias)) : v;
+}
+
 struct BF16Out {
   using raw_t = uint16_t;
   static inline __m512 load(const raw_t* p, __mmask16 m) {
@@ -241,29 +251,48 @@ Activations quantize_activations(const at::Tensor& x, int64_t kb, std::vector<in
   return a;
 }
 
+// One more K segment of a call: the activations of the input channels that get their own per-token scale
+// (outlier channels) and the weights of those channels, packed alone.
+struct Segment {
+  const Activations* a;
+  const int8_t* packed;
+  int64_t kb;
+};
+
+// c [32][32] int32 for 32-token chunk mc of pair (first, second) over one segment.
+inline void segment_block(const Activations& a, const int8_t* packed, int64_t kb, int64_t first, int64_t second,
+                          int64_t mc, bool two_m, int32_t* acc) {
+  const int8_t* b0 = packed + first * kb * kTileBytes;
+  const int8_t* b1 = second >= 0 ? packed + second * kb * kTileBytes : b0;
+  const int8_t* x = a.data + mc * a.ld;
+  if (two_m && second >= 0) tile_block<true, true>(x, a.ld, b0, b1, kb, acc);
+  else if (two_m) tile_block<true, false>(x, a.ld, b0, b1, kb, acc);
+  else if (second >= 0) tile_block<false, true>(x, a.ld, b0, b1, kb, acc);
+  else tile_block<false, false>(x, a.ld, b0, b1, kb, acc);
+}
+
 // The GEMM over weight-block pairs: pair p multiplies blocks first(p) and second(p) (second < 0: one block) for
-// every 32-token chunk and hands the [32][32] int32 accumulators to epilogue(p, token0, rows, acc).
+// every 32-token chunk and hands the [32][32] int32 accumulators to epilogue(p, token0, rows, acc, acc2); acc2
+// holds the outlier segment's (nullptr without one).
 template <typename Pairs, typename Epilogue>
-void run_pairs(const Activations& a, int64_t m, const int8_t* packed, int64_t kb, int64_t pairs, Pairs pair_blocks,
-               Epilogue epilogue) {
-  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(1, a.rows_padded * 32 * a.ld));
+void run_pairs(const Activations& a, int64_t m, const int8_t* packed, int64_t kb, const Segment* outliers,
+               int64_t pairs, Pairs pair_blocks, Epilogue epilogue) {
+  const int64_t ld = a.ld + (outliers != nullptr ? outliers->a->ld : 0);
+  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(1, a.rows_padded * 32 * ld));
   at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) int32_t acc[32 * 32];
+    alignas(64) int32_t acc2[32 * 32];
     for (int64_t m0 = 0; m0 < a.rows_padded; m0 += kRowBlock) {
       const int64_t m1 = std::min(a.rows_padded, m0 + kRowBlock);
       for (int64_t p = begin; p < end; ++p) {
         const auto [first, second] = pair_blocks(p);
-        const int8_t* b0 = packed + first * kb * kTileBytes;
-        const int8_t* b1 = second >= 0 ? packed + second * kb * kTileBytes : b0;
         for (int64_t mc = m0; mc < m1; mc += 32) {
-          const int8_t* x = a.data + mc * a.ld;
           const bool two_m = mc + 16 < m1;
-          if (two_m && second >= 0) tile_block<true, true>(x, a.ld, b0, b1, kb, acc);
-          else if (two_m) tile_block<true, false>(x, a.ld, b0, b1, kb, acc);
-          else if (second >= 0) tile_block<false, true>(x, a.ld, b0, b1, kb, acc);
-          else tile_block<false, false>(x, a.ld, b0, b1, kb, acc);
-          epilogue(p, mc, std::min<int64_t>(32, m - mc), acc);
+          segment_block(a, packed, kb, first, second, mc, two_m, acc);
+          if (outliers != nullptr)
+            segment_block(*outliers->a, outliers->packed, outliers->kb, first, second, mc, two_m, acc2);
+          epilogue(p, mc, std::min<int64_t>(32, m - mc), acc, outliers != nullptr ? acc2 : nullptr);
         }
       }
     }
@@ -287,19 +316,22 @@ const float* float_vector(const c10::optional<at::Tensor>& t, int64_t n, const c
 }
 
 template <typename Out>
-void linear_epilogue(const Activations& a, int64_t m, const int8_t* packed, int64_t kb, int64_t n, const float* ws,
-                     const float* bias, const typename Out::raw_t* residual, typename Out::raw_t* y) {
+void linear_epilogue(const Activations& a, int64_t m, const int8_t* packed, int64_t kb, const Segment* outliers,
+                     int64_t n, const float* ws, const float* bias, const typename Out::raw_t* residual,
+                     typename Out::raw_t* y) {
   const int64_t nb = (n + 15) / 16;
-  run_pairs(a, m, packed, kb, (nb + 1) / 2,
+  run_pairs(a, m, packed, kb, outliers, (nb + 1) / 2,
             [nb](int64_t p) { return std::pair<int64_t, int64_t>{2 * p, 2 * p + 1 < nb ? 2 * p + 1 : -1}; },
-            [&](int64_t p, int64_t mc, int64_t rows, const int32_t* acc) {
+            [&](int64_t p, int64_t mc, int64_t rows, const int32_t* acc, const int32_t* acc2) {
               const int64_t n0 = 32 * p;
               for (int64_t r = 0; r < rows; ++r) {
                 const __m512 xs = _mm512_set1_ps(a.scale[mc + r]);
+                const __m512 xs2 = _mm512_set1_ps(acc2 != nullptr ? outliers->a->scale[mc + r] : 0.0f);
                 for (int64_t j = 0; j < 32 && n0 + j < n; j += 16) {
                   const __mmask16 mask = tail_mask(n - n0 - j);
                   const int64_t at = (mc + r) * n + n0 + j;
-                  __m512 v = dequantize(acc + r * 32 + j, ws + n0 + j, bias ? bias + n0 + j : nullptr, xs, mask);
+                  __m512 v = dequantize2(acc + r * 32 + j, acc2 != nullptr ? acc2 + r * 32 + j : nullptr, ws + n0 + j,
+                                         bias ? bias + n0 + j : nullptr, xs, xs2, mask);
                   if (residual != nullptr) v = _mm512_add_ps(v, Out::load(residual + at, mask));
                   Out::store(y + at, v, mask);
                 }
@@ -308,23 +340,52 @@ void linear_epilogue(const Activations& a, int64_t m, const int8_t* packed, int6
 }
 
 template <typename Out>
-void silu_mul_epilogue(const Activations& a, int64_t m, const int8_t* packed, int64_t kb, int64_t half,
-                       const float* ws, const float* bias, typename Out::raw_t* y) {
+void silu_mul_epilogue(const Activations& a, int64_t m, const int8_t* packed, int64_t kb, const Segment* outliers,
+                       int64_t half, const float* ws, const float* bias, typename Out::raw_t* y) {
   const int64_t nbh = (half + 15) / 16;  // blocks per half: gate blocks [0, nbh), up blocks [nbh, 2 nbh)
-  run_pairs(a, m, packed, kb, nbh, [nbh](int64_t p) { return std::pair<int64_t, int64_t>{p, nbh + p}; },
-            [&](int64_t p, int64_t mc, int64_t rows, const int32_t* acc) {
+  run_pairs(a, m, packed, kb, outliers, nbh, [nbh](int64_t p) { return std::pair<int64_t, int64_t>{p, nbh + p}; },
+            [&](int64_t p, int64_t mc, int64_t rows, const int32_t* acc, const int32_t* acc2) {
               const int64_t n0 = 16 * p;
               const __mmask16 mask = tail_mask(half - n0);
               for (int64_t r = 0; r < rows; ++r) {
                 const __m512 xs = _mm512_set1_ps(a.scale[mc + r]);
-                const __m512 g = dequantize(acc + r * 32, ws + n0, bias ? bias + n0 : nullptr, xs, mask);
-                const __m512 u = dequantize(acc + r * 32 + 16, ws + half + n0, bias ? bias + half + n0 : nullptr, xs, mask);
+                const __m512 xs2 = _mm512_set1_ps(acc2 != nullptr ? outliers->a->scale[mc + r] : 0.0f);
+                const int32_t* g2 = acc2 != nullptr ? acc2 + r * 32 : nullptr;
+                const __m512 g = dequantize2(acc + r * 32, g2, ws + n0, bias ? bias + n0 : nullptr, xs, xs2, mask);
+                const __m512 u = dequantize2(acc + r * 32 + 16, g2 != nullptr ? g2 + 16 : nullptr, ws + half + n0,
+                                             bias ? bias + half + n0 : nullptr, xs, xs2, mask);
                 Out::store(y + (mc + r) * half + n0, _mm512_mul_ps(silu(g), u), mask);
               }
             });
 }
 
 thread_local std::vector<int8_t> tls_activations;
+thread_local std::vector<int8_t> tls_outlier_activations;
+
+// The outlier segment of a call (x2 [M, K2] with its own per-token scales, packed2 its weights packed alone), or
+// nothing when x2 is not given.
+struct OutlierInput {
+  at::Tensor x;
+  Activations a;
+  Segment segment;
+  bool present = false;
+};
+
+void outlier_input(const c10::optional<at::Tensor>& x2, const c10::optional<at::Tensor>& packed2, const at::Tensor& x,
+                   int64_t nb, const char* op, OutlierInput& out) {
+  const bool has_x = x2.has_value() && x2->defined(), has_packed = packed2.has_value() && packed2->defined();
+  TORCH_CHECK(has_x == has_packed, op, ": x_outlier and packed_outlier go together");
+  if (!has_x) return;
+  TORCH_CHECK(x2->scalar_type() == x.scalar_type() && x2->dim() == 2 && x2->size(0) == x.size(0), op,
+              ": x_outlier must be [M, K2] in x's dtype with M = ", x.size(0));
+  check_packed(*packed2, *x2, op);
+  TORCH_CHECK(packed2->size(0) == nb, op, ": packed_outlier has ", packed2->size(0), " blocks of 16 channels, packed has ",
+              nb);
+  out.x = x2->contiguous();
+  out.a = quantize_activations(out.x, packed2->size(1), tls_outlier_activations);
+  out.segment = Segment{&out.a, packed2->const_data_ptr<int8_t>(), packed2->size(1)};
+  out.present = true;
+}
 
 at::Tensor pack_weight(const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2, "pack_weight: w must be int8 [N, K]");
@@ -356,7 +417,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x) {
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
-                  const c10::optional<at::Tensor>& bias, int64_t n, const c10::optional<at::Tensor>& residual) {
+                  const c10::optional<at::Tensor>& bias, int64_t n, const c10::optional<at::Tensor>& residual,
+                  const c10::optional<at::Tensor>& x_outlier, const c10::optional<at::Tensor>& packed_outlier) {
   check_input(x, "linear");
   check_packed(packed, x, "linear");
   TORCH_CHECK(n > 0 && (n + 15) / 16 == packed.size(0), "linear: N = ", n, " does not match packed's ",
@@ -374,19 +436,24 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   }
   at::Tensor y = at::empty({m, n}, xc.options());
   if (m == 0) return y;
+  OutlierInput outliers;
+  outlier_input(x_outlier, packed_outlier, xc, packed.size(0), "linear", outliers);
+  const Segment* seg = outliers.present ? &outliers.segment : nullptr;
   const Activations a = quantize_activations(xc, kb, tls_activations);
   const int8_t* pp = packed.const_data_ptr<int8_t>();
   if (xc.scalar_type() == at::kBFloat16)
-    linear_epilogue<BF16Out>(a, m, pp, kb, n, ws, bp, res.defined() ? static_cast<const uint16_t*>(res.const_data_ptr()) : nullptr,
+    linear_epilogue<BF16Out>(a, m, pp, kb, seg, n, ws, bp,
+                             res.defined() ? static_cast<const uint16_t*>(res.const_data_ptr()) : nullptr,
                              static_cast<uint16_t*>(y.data_ptr()));
   else
-    linear_epilogue<F32Out>(a, m, pp, kb, n, ws, bp, res.defined() ? res.const_data_ptr<float>() : nullptr,
+    linear_epilogue<F32Out>(a, m, pp, kb, seg, n, ws, bp, res.defined() ? res.const_data_ptr<float>() : nullptr,
                             y.data_ptr<float>());
   return y;
 }
 
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
-                           const c10::optional<at::Tensor>& bias, int64_t half) {
+                           const c10::optional<at::Tensor>& bias, int64_t half,
+                           const c10::optional<at::Tensor>& x_outlier, const c10::optional<at::Tensor>& packed_outlier) {
   check_input(x, "linear_silu_mul");
   check_packed(packed, x, "linear_silu_mul");
   TORCH_CHECK(half > 0 && packed.size(0) == 2 * ((half + 15) / 16), "linear_silu_mul: packed must hold the gate and ",
@@ -397,12 +464,15 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const 
   const float* bp = float_vector(bias, 2 * half, "linear_silu_mul: bias");
   at::Tensor y = at::empty({m, half}, xc.options());
   if (m == 0) return y;
+  OutlierInput outliers;
+  outlier_input(x_outlier, packed_outlier, xc, packed.size(0), "linear_silu_mul", outliers);
+  const Segment* seg = outliers.present ? &outliers.segment : nullptr;
   const Activations a = quantize_activations(xc, kb, tls_activations);
   const int8_t* pp = packed.const_data_ptr<int8_t>();
   if (xc.scalar_type() == at::kBFloat16)
-    silu_mul_epilogue<BF16Out>(a, m, pp, kb, half, ws, bp, static_cast<uint16_t*>(y.data_ptr()));
+    silu_mul_epilogue<BF16Out>(a, m, pp, kb, seg, half, ws, bp, static_cast<uint16_t*>(y.data_ptr()));
   else
-    silu_mul_epilogue<F32Out>(a, m, pp, kb, half, ws, bp, y.data_ptr<float>());
+    silu_mul_epilogue<F32Out>(a, m, pp, kb, seg, half, ws, bp, y.data_ptr<float>());
   return y;
 }
 
@@ -412,6 +482,10 @@ TORCH_LIBRARY(lmforge_int8_amx, m) {
   m.def("usable() -> bool", &usable);
   m.def("pack_weight(Tensor w) -> Tensor", &pack_weight);
   m.def("quantize_per_token(Tensor x) -> (Tensor, Tensor)", &quantize_per_token);
-  m.def("linear(Tensor x, Tensor packed, Tensor w_scale, Tensor? bias, int n, Tensor? residual) -> Tensor", &linear);
-  m.def("linear_silu_mul(Tensor x, Tensor packed, Tensor w_scale, Tensor? bias, int half) -> Tensor", &linear_silu_mul);
+  m.def("linear(Tensor x, Tensor packed, Tensor w_scale, Tensor? bias, int n, Tensor? residual, "
+        "Tensor? x_outlier=None, Tensor? packed_outlier=None) -> Tensor",
+        &linear);
+  m.def("linear_silu_mul(Tensor x, Tensor packed, Tensor w_scale, Tensor? bias, int half, "
+        "Tensor? x_outlier=None, Tensor? packed_outlier=None) -> Tensor",
+        &linear_silu_mul);
 }
