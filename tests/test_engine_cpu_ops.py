@@ -176,3 +176,23 @@ def test_rope_and_cache_is_bit_identical_to_the_torch_ops():
     untouched[slots[stored]] = False
     assert not flat[:, untouched].any()
     assert cpu_ops.rope_and_cache(qkv.float(), cos, sin, cache, slots, num_heads, num_kv) is None  # fp32: torch ops
+
+
+def test_fp32_linear_uses_the_packed_weight_only_for_its_row_range():
+    from engine.model import FP32_PACKED_ROWS, Linear, packed_rows
+
+    if packed_rows("cpu", torch.float32) is None:
+        return  # no oneDNN: plain F.linear everywhere
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 40), torch.randn(96)
+    layer = Linear(w, b, pack=True, pack_rows=FP32_PACKED_ROWS)
+    assert layer.packed is not None and layer.pack_rows == FP32_PACKED_ROWS
+    for rows in (1, 3, 4, 17, 64, 65, 200):
+        x = torch.randn(rows, 40)
+        expected = torch.nn.functional.linear(x, w, b)
+        got = layer(x)
+        if not FP32_PACKED_ROWS[0] <= rows <= FP32_PACKED_ROWS[1]:
+            assert torch.equal(got, expected), rows  # the plain weight, MKL's GEMM: Hugging Face's numbers
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        residual = torch.randn(rows, 96)
+        torch.testing.assert_close(layer.add(x, residual), residual + expected, rtol=1e-5, atol=1e-5)
