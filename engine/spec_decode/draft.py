@@ -34,7 +34,7 @@ from compress.checkpoint.store import (
     resolve_checkpoint,
 )
 from engine.block_manager import BlockManager
-from engine.model import Linear, can_pack_weights, read_model_spec, rms_norm
+from engine.model import Linear, packed_rows, read_model_spec, rms_norm
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -119,16 +119,20 @@ def read_draft_vocab(draft_dir: Path, size: int | None, vocab_size: int) -> torc
 def reduced_head(lm_head: Linear, head_ids: torch.Tensor, device: str, dtype: torch.dtype) -> Linear:
     """The rows ``head_ids`` (``[V']``) of a float or CPU INT8 lm head: a ``[V', hidden]`` layer of the same kind.
 
-    An INT8 head (``lmforge quantize``) keeps its stored INT8 rows and per-row scales, so a
-    quantized draft's reduced head reads a quarter of the bytes of a float32 one.
+    An INT8 head (``lmforge quantize``) keeps its stored INT8 rows, per-row scales and (``w8a8``)
+    outlier input channels, so a quantized draft's reduced head reads a quarter of the bytes of a
+    float32 one. A float head follows the engine's packing rule (``engine.model.packed_rows``).
     """
     int8 = lm_head.int8_layer
     if int8 is None:
         weight = lm_head.weight.index_select(0, head_ids.to(lm_head.weight.device)).contiguous()
-        return Linear(weight, pack=can_pack_weights(device, dtype))
+        rows = packed_rows(device, dtype)
+        return Linear(weight, pack=rows is not None, pack_rows=rows)
     rows = head_ids.to(int8.weight_int8.device)
     bias = None if int8.bias is None else int8.bias.index_select(0, rows)
-    layer = type(int8)(int8.weight_int8.index_select(0, rows), int8.weight_scale.index_select(0, rows), bias)
+    args = (int8.weight_int8.index_select(0, rows), int8.weight_scale.index_select(0, rows), bias)
+    outliers = getattr(int8, "outlier_channels", None)  # input channels: the same for every output row
+    layer = type(int8)(*args) if outliers is None else type(int8)(*args, outlier_channels=outliers)
     return Linear(None, int8_layer=layer, dtype=dtype)
 
 

@@ -5,7 +5,8 @@ for the engine benchmark's adapter tests: it runs under any interpreter put firs
 Each ``step()`` gives every unfinished request one more token; token ``i`` of a request is
 ``(sum of the prompt ids + i + offset) % 1000`` where ``offset`` is 0 for ``float32`` and 1 for
 ``bfloat16``, so a test can check the dtype and the token-id prompt that arrived. It refuses
-what the benchmark must not send: prefix caching off, sampling, EOS not ignored.
+what the benchmark must not send: prefix caching off, sampling. With EOS not ignored (the
+speculative benchmark's requests served alone) a request also ends at token 0, the fake's EOS.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ class _Engine:
         self.requests: dict[str, tuple[int, int, list[int]]] = {}
 
     def add_request(self, request_id: str, prompt: dict, params: SamplingParams) -> str:
-        if params.temperature != 0.0 or not params.ignore_eos:
-            raise ValueError(f"fake vLLM: greedy with ignore_eos expected, got {params}")
+        if params.temperature != 0.0:
+            raise ValueError(f"fake vLLM: greedy expected, got {params}")
         ids = prompt["prompt_token_ids"]
-        self.requests[request_id] = (sum(ids), params.max_tokens, [])
+        self.requests[request_id] = (sum(ids), params.max_tokens, [], params.ignore_eos)
         return request_id
 
     def has_unfinished_requests(self) -> bool:
@@ -50,9 +51,9 @@ class _Engine:
 
     def step(self) -> list[RequestOutput]:
         outs = []
-        for request_id, (base, max_tokens, tokens) in list(self.requests.items()):
+        for request_id, (base, max_tokens, tokens, ignore_eos) in list(self.requests.items()):
             tokens.append((base + len(tokens) + self.offset) % 1000)
-            finished = len(tokens) >= max_tokens
+            finished = len(tokens) >= max_tokens or (not ignore_eos and tokens[-1] == 0)
             outs.append(RequestOutput(request_id, [CompletionOutput(list(tokens))], finished))
             if finished:
                 del self.requests[request_id]
