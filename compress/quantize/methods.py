@@ -478,16 +478,15 @@ class Int8Quantizer:
             data=getattr(c, "calibration_data", None),
             num_records=getattr(c, "calibration_records", 1),
         )
-        float_modules = []
-        if getattr(c, "float_units", 0):
+        float_modules, outliers = [], {}
+        if getattr(c, "float_units", 0) or getattr(c, "outlier_channels", 0):
             from transformers import AutoTokenizer
 
-            float_modules = most_sensitive_units(model, AutoTokenizer.from_pretrained(source_dir), c)
-        outliers = {}
-        if getattr(c, "outlier_channels", 0):
-            from transformers import AutoTokenizer
-
-            outliers = outlier_input_channels(model, AutoTokenizer.from_pretrained(source_dir), c, float_modules)
+            tokenizer = AutoTokenizer.from_pretrained(source_dir)  # calibration text of both choices
+            if getattr(c, "float_units", 0):
+                float_modules = most_sensitive_units(model, tokenizer, c)
+            if getattr(c, "outlier_channels", 0):
+                outliers = outlier_input_channels(model, tokenizer, c, float_modules)
         state = self.quantized_state_dict(model, tuple(float_modules), outliers)
         output_dir = Path(output_dir)
         tmp = temp_sibling(output_dir)
