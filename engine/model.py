@@ -33,6 +33,7 @@ from compress.quantize.int8 import (
     int8_linear,
     read_scheme,
 )
+from compress.quantize.native import onednn_bf16_supported
 from engine import cpu_ops
 from engine.config import SUPPORTED_DTYPES
 
@@ -105,13 +106,14 @@ PACK_BATCH_HINT = 64
 
 
 def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
-    """Whether float weights are pre-packed for oneDNN: bf16 on CPU builds with mkldnn.
+    """Whether float weights are pre-packed for oneDNN: bf16 on a CPU whose oneDNN has bf16 kernels
+    (``onednn_bf16_supported``).
 
     Measured on SmolLM2-135M, 2 threads, AVX-512 BF16 + AMX (one run, packed vs plain): bf16
     64-request workload 250 vs 168 tok/s, one request 32.0 vs 27.7 tok/s; fp32 161 vs 313 and
     20.9 vs 32.0 tok/s. fp32 therefore keeps ``F.linear`` on the plain weight.
     """
-    return device == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return device == "cpu" and dtype == torch.bfloat16 and onednn_bf16_supported()
 
 
 #: Rows (tokens) of an fp32 CPU linear that run on a oneDNN-packed copy of the weight: from 4 to 64.

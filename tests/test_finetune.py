@@ -253,3 +253,19 @@ def test_ddp_two_cpu_processes(tiny_llama_dir, chat_data, tmp_path):
         "rng_rank0.pt",
         "rng_rank1.pt",
     ]
+
+
+def test_precision_auto_trains_in_bf16_only_where_the_cpu_computes_it_natively(tiny_llama_dir, chat_data, tmp_path):
+    """``precision="auto"`` (the default) resolves once the device is known: bf16 autocast on a CPU with
+    AVX-512 BF16 or AMX, fp32 elsewhere (an AVX2-only CPU emulates bf16 matmuls many times slower)."""
+    from engine.config import CPU_BF16_FLAGS, cpu_flags
+
+    recipe = FinetuneRecipe(_config(tiny_llama_dir, chat_data, tmp_path, max_steps=1))
+    assert recipe.config.precision == "auto"
+    try:
+        recipe.setup()
+        native = bool(cpu_flags() & set(CPU_BF16_FLAGS))
+        assert recipe.config.precision == ("bf16" if native else "fp32")
+        assert (recipe.autocast().__class__ is torch.autocast) == native
+    finally:
+        recipe.close()

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.checkpoint.store import read_safetensors_header
-from compress.quantize.native import NativeKernels, cpu_flags, vector_cflags
+from compress.quantize.native import NativeKernels, cpu_flags, onednn_bf16_supported, vector_cflags
 
 logger = logging.getLogger(__name__)
 
@@ -609,9 +609,9 @@ def gemm_microbench(
 
 def _bf16_linear(w: torch.Tensor):
     """The bf16 linear as the engine runs it on CPU: the weight packed once into oneDNN's blocked
-    layout (AMX where the CPU has it), else ``F.linear`` on the plain bf16 weight."""
+    layout (AMX where the CPU has it), else (no oneDNN bf16 on this CPU) ``F.linear`` on the plain bf16 weight."""
     wb = w.bfloat16()
-    if not torch.backends.mkldnn.is_available():
+    if not onednn_bf16_supported():
         return lambda x: F.linear(x, wb)
     packed = torch.ops.mkldnn._reorder_linear_weight(wb, 64)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")

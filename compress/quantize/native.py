@@ -47,6 +47,16 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether this CPU runs oneDNN's bf16 kernels (packed weights, ``mkldnn._linear_pointwise``).
+
+    oneDNN refuses bf16 without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (``_reorder_linear_weight``
+    raises "bf16 path needs the cpu support ..."); there bf16 linears run ``F.linear`` on the plain
+    weight.
+    """
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def vector_cflags() -> tuple[str, ...]:
     """Flags for kernels whose float sums may be reassociated (not bit-identical to ATen).
 

@@ -309,7 +309,8 @@ IMPORTANCE = {"angular": angular_importance, "perplexity": perplexity_importance
 def teacher_generate(model_path, records: list[dict[str, Any]], *, max_tokens: int, log=print) -> list[dict[str, Any]]:
     """The teacher's greedy replies to the records' first user turns (sequence-level KD data).
 
-    Runs the lmforge engine (``engine.LLM``, bf16, all prompts in one batched ``generate``).
+    Runs the lmforge engine (``engine.LLM``, dtype ``auto``: bf16 where the CPU computes it natively, else
+    fp32; all prompts in one batched ``generate``).
 
     Returns:
         ``{"messages": [system?, user, assistant]}`` records, one per record with a user turn.
@@ -322,7 +323,7 @@ def teacher_generate(model_path, records: list[dict[str, Any]], *, max_tokens: i
             contexts.append(messages[: users[0] + 1])
     if not contexts:
         return []
-    llm = LLM(str(model_path), dtype="bfloat16")
+    llm = LLM(str(model_path), dtype="auto")
     start = time.perf_counter()
     outputs = llm.generate(contexts, SamplingParams(temperature=0.0, max_tokens=max_tokens), chat=True)
     seconds = time.perf_counter() - start

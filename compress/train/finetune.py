@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from compress.errors import UsageError
-from compress.train.loop import TrainConfig, TrainingRecipe, token_losses
+from compress.train.loop import PRECISIONS, TrainConfig, TrainingRecipe, token_losses
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -127,7 +127,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
     parser.add_argument(
         "--max-grad-norm", type=float, default=d.max_grad_norm, help="clip the global gradient norm (0 disables)"
     )
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision)
+    parser.add_argument("--precision", choices=PRECISIONS, default=d.precision)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--eval-every", type=int, default=d.eval_every)
     parser.add_argument("--max-val-batches", type=int, default=d.max_val_batches)

@@ -56,10 +56,17 @@ from compress.errors import UsageError
 from compress.train.checkpoints import TrainingCheckpoints, TrainingError, TrainState
 from compress.train.distributed import ProcessGroup, local_shard
 from compress.train.monitor import MetricsLog
+from engine.config import resolve_dtype
 
 __all__ = ["TrainConfig", "TrainResult", "TrainState", "TrainingError", "TrainingRecipe", "token_losses"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def resolve_precision(device: str) -> str:
+    """``TrainConfig.precision="auto"`` on ``device`` (``"cpu"`` / ``"cuda"``): ``"bf16"`` where it computes
+    bf16 natively (``engine.config.resolve_dtype``), else ``"fp32"``."""
+    return "bf16" if resolve_dtype("auto", device) == "bfloat16" else "fp32"
 
 
 @dataclasses.dataclass
@@ -79,7 +86,10 @@ class TrainConfig:
         adam_beta1 / adam_beta2 / adam_eps: AdamW moments.
         warmup_ratio: share of ``max_steps`` spent in linear warmup (at least one step if > 0).
         max_grad_norm: global L2 norm gradients are clipped to; ``None`` disables clipping.
-        precision: ``bf16`` (autocast, fp32 weights), ``fp32``, or ``fp16`` (CUDA, loss scaling).
+        precision: ``bf16`` (autocast, fp32 weights), ``fp32``, ``fp16`` (CUDA, loss scaling), or ``auto``:
+            ``bf16`` where the device computes it natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX),
+            else ``fp32`` (on an AVX2-only CPU a bf16 matmul runs ~28x slower than fp32: measured
+            [512, 576] x [576, 1536], 1 thread, 1689 vs 61 ms).
         gradient_checkpointing: recompute activations in backward (less memory, ~30% slower).
         eval_every: validation every N steps (and always at step 0 and at the end); 0: only those.
         max_val_batches: cap on validation micro-batches per rank; ``None``: the whole split.
@@ -109,7 +119,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     warmup_ratio: float = 0.1
     max_grad_norm: float | None = 1.0
-    precision: str = "bf16"
+    precision: str = "auto"
     gradient_checkpointing: bool = False
     eval_every: int = 12
     max_val_batches: int | None = None
@@ -299,6 +309,8 @@ class TrainingRecipe:
         if cfg.precision == "fp16" and (cfg.device == "cpu" or not torch.cuda.is_available()):
             raise TrainingError("precision=fp16 needs CUDA (loss scaling); use --precision bf16 or fp32 on CPU")
         self.device = self.group.start(cfg.device)
+        if cfg.precision == "auto":
+            self.config = cfg = dataclasses.replace(cfg, precision=resolve_precision(self.device.type))
         self._seed(cfg.seed)
         self.model_path = resolve_checkpoint(cfg.model)
         data = Path(cfg.data)
