@@ -307,6 +307,7 @@ class W8A8Linear(_Int8Linear):
         self._zero_points = torch.zeros(weight_int8.shape[0], dtype=torch.long)
         self._split = None  # (rest channels [in - n], outlier channels [n]) when outlier_channels is set
         self._parts = None  # the two halves as W8A8Linear layers, for the paths without AMX
+        self._weight_float = None  # float32 copy of weight_int8 on CPUs without exact int8 GEMMs
 
     def _channels(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._split is None:
@@ -389,6 +390,8 @@ class W8A8Linear(_Int8Linear):
         if self.outlier_channels is not None:
             return self._split_forward(x)
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+        if x2.device.type == "cpu" and not exact_int8_gemm_cpu():
+            return self._float_gemm_forward(x2).reshape(*x.shape[:-1], self.out_features)
         if x2.device.type == "cpu" and self._packed is None:
             self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
         if x2.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and _use_fused():
@@ -420,6 +423,22 @@ class W8A8Linear(_Int8Linear):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _float_gemm_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        """The ``w8a8`` arithmetic with the int8 x int8 products summed by an fp32 GEMM (CPUs without
+        VNNI or AMX, ``exact_int8_gemm_cpu``): ``[M, in] -> [M, out]`` in x's dtype.
+
+        Each product is exact in float32 and so is every partial sum below 2^24 (``in`` x 127 x 127 is
+        9.3e6 at ``in = 576``); past that a sum rounds like any fp32 accumulation. The weight is kept
+        once as float32 (4x the int8 bytes): it runs at the fp32 GEMM's speed, no faster.
+        """
+        if self._weight_float is None:
+            self._weight_float = self.weight_int8.float()  # [out, in]
+        xq, x_scale = quantize_per_token(x2)  # int8 [M, in], [M, 1]
+        y = F.linear(xq.float(), self._weight_float) * x_scale * self.weight_scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x2.dtype)
 
     def _split_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The outlier split without AMX: the two parts as plain ``W8A8Linear`` layers in float32, summed."""
@@ -526,6 +545,22 @@ def scheme_metadata(scheme: str) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 # Which variant is fastest here
 # --------------------------------------------------------------------------------------------
+
+
+#: CPU flags of int8 dot-product instructions that sum int8 x int8 products without saturating.
+EXACT_INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def exact_int8_gemm_cpu() -> bool:
+    """Whether oneDNN's int8 GEMM (``onednn::qlinear_pointwise``) is exact on this CPU: it has VNNI or AMX-INT8.
+
+    Without them oneDNN multiplies with ``vpmaddubsw`` (u8 x s8 pairs summed into saturating int16):
+    measured on an AVX2-only AMD EPYC, s8 activations of [-127, 127] against a [1536, 576] int8 weight
+    gave int32 sums off by up to 1.4e5 (of sums up to ~1e6). There ``W8A8Linear`` sums the same
+    products with an fp32 GEMM (``W8A8Linear._float_gemm_forward``).
+    """
+    flags = cpu_flags()
+    return any(f in flags for f in EXACT_INT8_FLAGS)
 
 
 def cpu_int8_flags() -> list[str]:
