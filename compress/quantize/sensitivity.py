@@ -84,5 +84,6 @@ def unit_sensitivity(
         finally:
             for name, linear in zip(unit, originals):
                 model.set_submodule(name, linear)
-        result[unit] = kl / tokens
+        # KL >= 0; a unit whose INT8 copy leaves the logits all but unchanged can sum to -1e-9 in float32
+        result[unit] = max(kl / tokens, 0.0)
     return result
