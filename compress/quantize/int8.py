@@ -40,6 +40,7 @@ INT8 is.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -551,6 +552,7 @@ def scheme_metadata(scheme: str) -> dict[str, str]:
 EXACT_INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
+@functools.cache  # asked on every W8A8Linear forward: read /proc/cpuinfo once
 def exact_int8_gemm_cpu() -> bool:
     """Whether oneDNN's int8 GEMM (``onednn::qlinear_pointwise``) is exact on this CPU: it has VNNI or AMX-INT8.
 
