@@ -24,7 +24,8 @@ for ``w8a8`` on CPU, one C++ op of our own, ``fused_cpu_kernels``):
   dynamic per-token scheme of ZeroQuant, Yao et al. 2022), and an int8 x int8 -> int32 GEMM:
   on CPUs with AMX-INT8 our own tile kernels (``amx_cpu_kernel``, ``csrc/w8a8_amx_cpu.cpp``: the
   weights packed once into the tiles' layout, the engine's residual add and SwiGLU fused into the
-  output's store), elsewhere ``torch.ops.onednn.qlinear_pointwise`` on CPU (VNNI where the CPU has it),
+  output's store), elsewhere ``torch.ops.onednn.qlinear_pointwise`` on CPU (VNNI where the CPU has it;
+  activations passed as uint8 ``q + 128`` with zero point 128, the form VNNI's u8 x s8 product takes),
   ``torch._int_mm`` on CUDA. Output = ``acc * s_x * s_w + b``. On CPU the quantization, the
   GEMM call and the scaling run as one op (``csrc/w8a8_cpu.cpp``, bit-identical to the ATen
   ops, which remain the fallback). Measured in one process, 1 thread, 64 sequences, SmolLM2:
@@ -57,6 +58,8 @@ from compress.quantize.native import NativeKernels, cpu_flags, onednn_bf16_suppo
 logger = logging.getLogger(__name__)
 
 INT8_WEIGHT_SUFFIX = ".weight_int8"
+#: ``w8a8`` activations reach oneDNN's int8 GEMM as uint8 ``q + 128`` with this zero point (exactly the int8 sums).
+ONEDNN_ACTIVATION_ZERO_POINT = 128
 INT8_SCALE_SUFFIX = ".weight_scale"
 #: int64 ``[n]``: input channels of a ``w8a8`` layer quantized with a per-token scale of their own.
 OUTLIER_CHANNELS_SUFFIX = ".outlier_channels"
@@ -400,10 +403,12 @@ class W8A8Linear(_Int8Linear):
             return y.reshape(*x.shape[:-1], self.out_features)
         xq, x_scale = quantize_per_token(x2)  # int8 [M, in], [M, 1]
         if x2.device.type == "cpu":
+            # uint8 xq + 128 with zero point 128: the same sums; oneDNN 3.12 runs int8 activations on its
+            # reference kernel on an AVX-512 VNNI CPU without AMX (~4000x slower; VNNI multiplies u8 x s8)
             acc = torch.ops.onednn.qlinear_pointwise(
-                xq,
+                (xq.to(torch.int16) + ONEDNN_ACTIVATION_ZERO_POINT).to(torch.uint8),
                 1.0,
-                0,
+                ONEDNN_ACTIVATION_ZERO_POINT,
                 self._packed,
                 self.weight_scale,
                 self._zero_points,

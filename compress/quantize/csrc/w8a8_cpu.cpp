@@ -7,7 +7,9 @@
 // lmforge_int8::w8a8_linear(x [M, K], oneDNN-packed int8 weight, w_scale [N], w_zero_point [N], bias [N]?) -> [M, N]
 //   in x's dtype: quantize_per_token, onednn::qlinear_pointwise (int8 x int8 -> float32 acc * w_scale), then
 //   acc * x_scale (+ bias) rounded once to x's dtype, as the ATen path does (built with -ffp-contract=off so no
-//   fused multiply-add changes the rounding).
+//   fused multiply-add changes the rounding). The activations go to oneDNN as uint8 q + 128 with zero point 128
+//   (the same integer sums): VNNI's dot product is u8 x s8, and oneDNN 3.12 on an AVX-512 VNNI CPU without AMX
+//   ran signed int8 activations on its reference kernel (`ref_int8`), ~4000x slower than its u8 kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -16,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -60,8 +63,9 @@ struct F32Row {
 // every thread.
 inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(cols, 1)); }
 
-template <typename Row>
-void quantize_rows(const typename Row::raw_t* x, int64_t rows, int64_t cols, int8_t* q, float* scale) {
+// Out = int8_t: q; out = uint8_t: q + 128 (oneDNN's u8 activations with zero point 128).
+template <typename Row, typename Out = int8_t>
+void quantize_rows(const typename Row::raw_t* x, int64_t rows, int64_t cols, Out* q, float* scale) {
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const typename Row::raw_t* row = x + m * cols;
@@ -69,12 +73,13 @@ void quantize_rows(const typename Row::raw_t* x, int64_t rows, int64_t cols, int
       for (int64_t k = 0; k < cols; ++k) amax_bits = std::max(amax_bits, Row::abs_bits(row[k]));
       const float s = std::max(Row::abs_value(amax_bits), 1e-8f) / 127.0f;
       scale[m] = s;
-      int8_t* out = q + m * cols;
+      Out* out = q + m * cols;
+      constexpr int32_t offset = std::is_same_v<Out, uint8_t> ? 128 : 0;
       for (int64_t k = 0; k < cols; ++k) {
         float v = Row::load(row[k]) / s;
         v = (v + kRoundMagic) - kRoundMagic;
         v = std::min(std::max(v, -127.0f), 127.0f);
-        out[k] = static_cast<int8_t>(static_cast<int32_t>(v));
+        out[k] = static_cast<Out>(static_cast<int32_t>(v) + offset);
       }
     }
   });
@@ -106,31 +111,37 @@ void check_input(const at::Tensor& x) {
               x.scalar_type());
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x) {
+template <typename Out>
+std::tuple<at::Tensor, at::Tensor> quantize_per_token_as(const at::Tensor& x, at::ScalarType out_type) {
   check_input(x);
   auto xc = x.contiguous();
   const int64_t rows = xc.size(0), cols = xc.size(1);
-  auto q = at::empty({rows, cols}, xc.options().dtype(at::kChar));
+  auto q = at::empty({rows, cols}, xc.options().dtype(out_type));
   auto scale = at::empty({rows, 1}, xc.options().dtype(at::kFloat));
+  Out* qp = static_cast<Out*>(q.data_ptr());
   if (xc.scalar_type() == at::kBFloat16) {
-    quantize_rows<BF16Row>(static_cast<const uint16_t*>(xc.const_data_ptr()), rows, cols, q.data_ptr<int8_t>(),
-                           scale.data_ptr<float>());
+    quantize_rows<BF16Row, Out>(static_cast<const uint16_t*>(xc.const_data_ptr()), rows, cols, qp,
+                                scale.data_ptr<float>());
   } else {
-    quantize_rows<F32Row>(static_cast<const uint32_t*>(xc.const_data_ptr()), rows, cols, q.data_ptr<int8_t>(),
-                          scale.data_ptr<float>());
+    quantize_rows<F32Row, Out>(static_cast<const uint32_t*>(xc.const_data_ptr()), rows, cols, qp,
+                               scale.data_ptr<float>());
   }
   return {q, scale};
 }
 
+std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x) {
+  return quantize_per_token_as<int8_t>(x, at::kChar);
+}
+
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
                        const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias) {
-  auto [q, scale] = quantize_per_token(x);
+  auto [q, scale] = quantize_per_token_as<uint8_t>(x, at::kByte);  // q + 128
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("onednn::qlinear_pointwise", "")
                        .typed<at::Tensor(at::Tensor, double, int64_t, at::Tensor, at::Tensor, at::Tensor,
                                          std::optional<at::Tensor>, double, int64_t, std::optional<at::ScalarType>,
                                          std::string_view, c10::List<std::optional<at::Scalar>>, std::string_view)>();
-  at::Tensor acc = op.call(q, 1.0, 0, w_packed, w_scale, w_zero_point, std::nullopt, 1.0, 0, at::kFloat, "none",
+  at::Tensor acc = op.call(q, 1.0, 128, w_packed, w_scale, w_zero_point, std::nullopt, 1.0, 0, at::kFloat, "none",
                            c10::List<std::optional<at::Scalar>>(), "")
                        .contiguous();
   const int64_t rows = acc.size(0), cols = acc.size(1);
