@@ -70,8 +70,8 @@ class EngineConfig:
             ``lmforge distill`` output whose manifest names ``model`` as its parent
             (``engine.spec_decode.find_distilled_draft``).
         speculative_disable_by_batch_size: no speculation in a step that starts with at least
-            this many running requests (verifying k extra tokens no longer pays when the batch
-            is compute-bound); ``None`` never switches it off.
+            this many requests enqueued, running or waiting (verifying k extra tokens no longer
+            pays when the batch is compute-bound); ``None`` never switches it off.
         speculative_draft_dtype: dtype of the ``"draft"`` model, independent of ``dtype`` (its
             proposals are verified by the target, so output is unchanged); ``"auto"`` as for
             ``dtype`` (``bfloat16`` on a CPU with native bf16: half the bytes per draft forward).

@@ -293,7 +293,7 @@ class LLMEngine:
                 ``MAX_CONSECUTIVE_FAILED_STEPS`` steps failed in a row.
         """
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, num_waiting=len(self.scheduler.waiting))
         out = self.scheduler.schedule()
         if out.is_empty:
             return []

@@ -373,3 +373,19 @@ def test_reduced_head_keeps_outlier_channels_and_the_fp32_row_rule():
 
     fp32 = reduced_head(Linear(torch.randn(96, 64, generator=g)), ids, "cpu", torch.float32)
     assert fp32.pack_rows == FP32_PACKED_ROWS == packed_rows("cpu", torch.float32)
+
+
+def test_waiting_requests_count_towards_the_disable_batch_size():
+    """``speculative_disable_by_batch_size`` counts enqueued requests, running and waiting (as vLLM does):
+    a burst's first decoding requests get no proposals while the rest of the burst still waits."""
+    from engine.spec_decode.speculator import Speculator
+
+    proposer = _RecordingProposer()
+    config = EngineConfig(
+        speculative_method="ngram", speculative_adaptive=False, speculative_disable_by_batch_size=4, max_model_len=2048
+    )
+    spec = Speculator(config, proposer)
+    spec.propose([_decoding_sequence("a"), _decoding_sequence("b")], num_waiting=2)
+    assert proposer.rounds == []
+    spec.propose([_decoding_sequence("a"), _decoding_sequence("b")], num_waiting=1)
+    assert proposer.rounds == [[config.num_speculative_tokens] * 2]

@@ -269,13 +269,16 @@ class Speculator:
 
     # ---------------------------------------------------------------- before scheduling
 
-    def propose(self, running: list) -> None:
+    def propose(self, running: list, num_waiting: int = 0) -> None:
         """Set ``spec_token_ids`` (and ``spec_probs``) of the decoding requests among ``running``.
 
+        No proposals while ``speculative_disable_by_batch_size`` requests or more are enqueued
+        (running + ``num_waiting``, as vLLM counts them): a burst of requests would otherwise
+        speculate, and prefill its first prompts into the draft, while the rest still wait.
         A proposer that raises only costs this step its proposals (logged); decoding goes on.
         """
         limit = self.config.speculative_disable_by_batch_size
-        if limit is not None and len(running) >= limit:
+        if limit is not None and len(running) + num_waiting >= limit:
             return
         seqs, ks = [], []
         adaptive = self.config.speculative_adaptive
