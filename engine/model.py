@@ -116,14 +116,17 @@ def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
     return device == "cpu" and dtype == torch.bfloat16 and onednn_bf16_supported()
 
 
-#: Rows (tokens) of an fp32 CPU linear that run on a oneDNN-packed copy of the weight: from 4 to 64.
-#: MKL's fp32 ``F.linear`` is as fast as a GEMV up to 3 rows, then re-packs the weight on every call:
-#: measured at 1 thread (SmolLM2-135M shapes, ms per call, ``F.linear`` vs packed): ``[3072, 576]``
-#: 0.85 vs 0.89 at 1 row, 0.88 vs 0.82 at 3, 1.63 vs 0.83 at 5, 2.03 vs 1.29 at 16; the ``[49152, 576]``
-#: head 11.1 vs 11.7 at 1 row, 26.8 vs 14.1 at 5. So a speculative verification of 1 + 4 tokens took
-#: 142 ms against a 76 ms one-token step. Past 64 rows (prefill) the plain weight is kept, as measured
-#: before packing fp32 weights at every size (``can_pack_weights``).
-FP32_PACKED_ROWS = (4, 64)
+#: Rows (tokens) of an fp32 CPU linear that run on a oneDNN-packed copy of the weight: from 1 to 64 (decode,
+#: speculative verification); prefill keeps MKL's ``F.linear`` on the plain weight. MKL's fp32 GEMM re-packs the
+#: weight on every call past 3 rows: measured at 1 thread on an AVX-512 + AMX CPU (SmolLM2-135M shapes, ms per
+#: call, ``F.linear`` vs packed): ``[3072, 576]`` 0.85 vs 0.89 at 1 row, 1.63 vs 0.83 at 5, 2.03 vs 1.29 at 16;
+#: the ``[49152, 576]`` head 11.1 vs 11.7 at 1 row, 26.8 vs 14.1 at 5 (a verification of 1 + 4 tokens took
+#: 142 ms against a 76 ms one-token step). On an AMD EPYC with AVX-512 (no AMX), 2 threads, MKL is slow from
+#: 1 row on: the head 11.2 vs 5.6 ms at 1 row, 26.4 vs 6.9 at 2; one sequence decoded at 14.5 tok/s with
+#: MKL below 4 rows and 20.5-21.6 with every decode row packed (same greedy tokens), while the Intel CPU's 1-row
+#: figures are even. Past 64 rows the plain weight is kept, as measured before packing fp32 weights at every
+#: size (``can_pack_weights``).
+FP32_PACKED_ROWS = (1, 64)
 
 
 def packed_rows(device: str, dtype: torch.dtype) -> tuple[int, int] | None:

@@ -139,8 +139,12 @@ def test_greedy_with_preemption_equals_no_speculation(target_dir, noisy_draft_di
 
 
 def test_batch_size_switch_off_gives_same_tokens(target_dir, noisy_draft_dir, prompts, reference):
+    """No proposals while 3 or more requests are enqueued (running or waiting); the two longest go on alone."""
     llm = spec_llm(target_dir, "draft", noisy_draft_dir, speculative_disable_by_batch_size=3)
-    assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+    untied = prompts["untied"]
+    lengths = [8] * (len(untied) - 2) + [GREEDY.max_tokens] * 2
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
+    assert tokens(llm.generate(untied, params)) == [ref[:n] for ref, n in zip(reference["untied"], lengths)]
     stats = llm.engine.get_stats()
     assert stats.spec_decode_num_drafts_total > 0  # once fewer than 3 requests are left
     check_all_freed(llm)
