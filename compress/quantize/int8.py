@@ -58,11 +58,11 @@ from compress.quantize.native import NativeKernels, cpu_flags, onednn_bf16_suppo
 logger = logging.getLogger(__name__)
 
 INT8_WEIGHT_SUFFIX = ".weight_int8"
-#: ``w8a8`` activations reach oneDNN's int8 GEMM as uint8 ``q + 128`` with this zero point (exactly the int8 sums).
-ONEDNN_ACTIVATION_ZERO_POINT = 128
 INT8_SCALE_SUFFIX = ".weight_scale"
 #: int64 ``[n]``: input channels of a ``w8a8`` layer quantized with a per-token scale of their own.
 OUTLIER_CHANNELS_SUFFIX = ".outlier_channels"
+#: ``w8a8`` activations reach oneDNN's int8 GEMM as uint8 ``q + 128`` with this zero point (exactly the int8 sums).
+ONEDNN_ACTIVATION_ZERO_POINT = 128
 SCHEME_METADATA_KEY = "lmforge_int8_scheme"
 SCHEMES = ("weight-only", "w8a8")
 #: A file with INT8 tensors but no scheme entry was written by the former ``dynamic`` method.

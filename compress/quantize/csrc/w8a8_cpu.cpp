@@ -63,7 +63,7 @@ struct F32Row {
 // every thread.
 inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(cols, 1)); }
 
-// Out = int8_t: q; out = uint8_t: q + 128 (oneDNN's u8 activations with zero point 128).
+// Out = int8_t: q; Out = uint8_t: q + 128 (oneDNN's u8 activations with zero point 128, `w8a8_linear`).
 template <typename Row, typename Out = int8_t>
 void quantize_rows(const typename Row::raw_t* x, int64_t rows, int64_t cols, Out* q, float* scale) {
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
