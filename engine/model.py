@@ -154,7 +154,7 @@ class Linear:
 
     ``add`` (residual) and ``silu_mul`` (SwiGLU) run the element-wise work after the GEMM as
     oneDNN post-ops on packed weights (computed on the float accumulator before the one rounding
-    to ``dtype``), in the INT8 layer's own ``add`` / ``silu_mul`` (fused on AMX for ``w8a8``),
+    to ``dtype``), in the INT8 layer's own ``add`` / ``silu_mul`` (fused for ``w8a8`` on CPU),
     and as separate ops otherwise. A layer made with ``gated=True`` holds
     ``[gate; up]`` (``[2 * intermediate, in]``) and is packed as its two halves for ``silu_mul``.
 

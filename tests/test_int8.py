@@ -109,6 +109,42 @@ def test_w8a8_fused_cpu_kernel_is_bit_identical_to_the_aten_path(dtype, with_bia
     assert torch.equal(fused, aten)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_fused_epilogues_round_once_where_the_aten_path_rounds_twice(dtype, aten_path_restored):
+    if not fused_cpu_kernels():
+        pytest.fail(f"fused w8a8 CPU kernels did not build: {fused_cpu_kernels_reason()}")
+    torch.manual_seed(1)
+    half, in_features = 45, 100  # 2 x 16 columns + a tail of 13 per half; 100 = 6 x 16 + 4 inputs
+    w, b = torch.randn(2 * half, in_features), torch.randn(2 * half)
+    w8, scale = quantize_weight_per_channel(w)
+    gated, square = W8A8Linear(w8, scale, b), W8A8Linear(*quantize_weight_per_channel(torch.randn(2 * half, 100)))
+    x = (torch.randn(19, in_features) * 3).to(dtype)
+    residual = torch.randn(19, 2 * half).to(dtype)
+    fused = gated.silu_mul(x), square.add(x, residual)
+    xq, x_scale = quantize_per_token(x)
+    acc = (xq.double() @ w8.double().T) * x_scale.double() * scale.double() + b.double()  # [19, 2 half]
+    gate, up = acc.chunk(2, dim=-1)
+    fused_cpu_kernels(False)
+    aten = gated.silu_mul(x), square.add(x, residual)
+    exact_silu_mul = F.silu(gate) * up
+    exact_add = (xq.double() @ square.weight_int8.double().T) * x_scale.double() * square.weight_scale.double()
+    exact_add = exact_add + residual.double()
+    tol = 2**-8 if dtype == torch.bfloat16 else 2e-6  # bf16: half a unit in the last place; fp32: a few ulps + exp
+    for got, unfused, exact in zip(fused, aten, (exact_silu_mul, exact_add), strict=True):
+        assert got.dtype == unfused.dtype == dtype and got.shape == unfused.shape == exact.shape
+        torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
+        # one rounding of the float32 result against the ATen path's rounding of the GEMM output first
+        assert (got.double() - exact).abs().mean() <= (unfused.double() - exact).abs().mean() * 1.01
+    with pytest.raises(RuntimeError, match="residual must be"):
+        torch.ops.lmforge_int8.w8a8_linear_epilogue(
+            x, square._packed, square.weight_scale, square._zero_points, None, residual[:, :5], False
+        )
+    with pytest.raises(RuntimeError, match="not both or neither"):
+        torch.ops.lmforge_int8.w8a8_linear_epilogue(
+            x, square._packed, square.weight_scale, square._zero_points, None, None, False
+        )
+
+
 def test_microbench_times_every_variant_and_names_the_fastest():
     results = gemm_microbench([(64, 32, 2)], rows=(1, 8), threads=1, repeats=1, number=1)
     assert set(results) == {"M=1", "M=8"}

@@ -28,9 +28,12 @@ for ``w8a8`` on CPU, one C++ op of our own, ``fused_cpu_kernels``):
   activations passed as uint8 ``q + 128`` with zero point 128, the form VNNI's u8 x s8 product takes),
   ``torch._int_mm`` on CUDA. Output = ``acc * s_x * s_w + b``. On CPU the quantization, the
   GEMM call and the scaling run as one op (``csrc/w8a8_cpu.cpp``, bit-identical to the ATen
-  ops, which remain the fallback). Measured in one process, 1 thread, 64 sequences, SmolLM2:
-  4 decoder linears together 538 us against 1,307 us for the ATen ops and 498 us for packed
-  bf16; the engine (64 requests x 64 tokens) ran at 1.00x bf16 and 1.14x the ATen path. The AMX
+  ops, which remain the fallback), and ``add`` / ``silu_mul`` as one op with the residual add or
+  SwiGLU applied to the float32 accumulators before the one rounding (``w8a8_linear_epilogue``);
+  with AVX-512 its row passes run 16 lanes wide. Measured on an AVX-512 VNNI CPU without AMX
+  (2 threads, 64 rows, SmolLM2's MLP: ``down.add(gate_up.silu_mul(x), h)``): 568-600 us against
+  852-932 us for packed bf16 with oneDNN post-ops; the engine (64 requests x 64 tokens) at 1.28x
+  bf16 (``lmforge bench engine --configs engine_bf16,engine_int8``). The AMX
   kernels give the oneDNN path's outputs bit for bit (same integers, products in the same order)
   and run SmolLM2's decoder linears at 64 rows ~2x faster than it (README, "INT8").
 
@@ -281,8 +284,10 @@ class W8A8Linear(_Int8Linear):
     (residual) and ``silu_mul`` (SwiGLU, ``[gate; up]`` layers, each half packed alone) fused into
     the store of the output. Other CPUs: oneDNN ``qlinear_pointwise`` on the prepacked weight
     (activation scale 1, so the int32 accumulators come back as float and the per-token and
-    per-channel scales are applied after), as one fused op ``lmforge_int8::w8a8_linear`` where
-    ``fused_cpu_kernels()`` built it, else as ATen ops (same results); CUDA: ``torch._int_mm``.
+    per-channel scales are applied after), as one fused op ``lmforge_int8::w8a8_linear`` (and
+    ``w8a8_linear_epilogue`` for ``add`` / ``silu_mul``) where ``fused_cpu_kernels()`` built it,
+    else as ATen ops (same results; the epilogues there round the GEMM output first); CUDA:
+    ``torch._int_mm``.
 
     ``outlier_channels`` (int64 ``[n]``, optional): input channels whose activations are quantized
     with a per-token scale of their own, ``s2 = max|x_row[outliers]| / 127``, while the other
@@ -326,6 +331,24 @@ class W8A8Linear(_Int8Linear):
             return None
         return x.reshape(-1, x.shape[-1])
 
+    def _fused_input(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` as ``[M, in]`` when the fused oneDNN-path ops of ``fused_cpu_kernels()`` take it, else None.
+
+        They need a CPU input in bf16 / fp32, a CPU with exact int8 GEMMs (``exact_int8_gemm_cpu``) and no
+        outlier split; the weight is prepacked for oneDNN on first use.
+        """
+        if (
+            x.device.type != "cpu"
+            or x.dtype not in (torch.bfloat16, torch.float32)
+            or self.outlier_channels is not None
+            or not exact_int8_gemm_cpu()
+            or not _use_fused()
+        ):
+            return None
+        if self._packed is None:
+            self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
+        return x.reshape(-1, x.shape[-1])
+
     def _pack(self, weight_int8: torch.Tensor, gated: bool) -> torch.Tensor:
         if not gated:
             return _AMX.ops.pack_weight(weight_int8)
@@ -359,8 +382,15 @@ class W8A8Linear(_Int8Linear):
         return x2.index_select(1, rest), packed, x2.index_select(1, outliers), packed_outlier
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + self(x)`` rounded once to x's dtype on AMX: ``[N, in]``, ``[N, out]`` -> ``[N, out]``."""
+        """``residual + self(x)`` rounded once to x's dtype (AMX, or the fused oneDNN-path op):
+        ``[N, in]``, ``[N, out]`` -> ``[N, out]``."""
         x2 = self._amx_input(x)
+        if x2 is None and residual.dtype == x.dtype and (xf := self._fused_input(x)) is not None:
+            residual2 = residual.reshape(-1, self.out_features)
+            y = torch.ops.lmforge_int8.w8a8_linear_epilogue(
+                xf, self._packed, self.weight_scale, self._zero_points, self.bias, residual2, False
+            )
+            return y.reshape(residual.shape)
         if x2 is None or residual.dtype != x.dtype:
             return residual + self(x)
         residual2 = residual.reshape(-1, self.out_features)
@@ -369,7 +399,7 @@ class W8A8Linear(_Int8Linear):
         return y.reshape(residual.shape)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of a ``[gate; up]`` layer, in float32 before one rounding on AMX:
+        """``silu(gate) * up`` of a ``[gate; up]`` layer, in float32 before one rounding (AMX, fused op):
         ``[N, in] -> [N, out / 2]``.
 
         Raises:
@@ -379,7 +409,13 @@ class W8A8Linear(_Int8Linear):
             raise ValueError(f"silu_mul needs a [gate; up] layer with even out_features, got {self.out_features}")
         x2 = self._amx_input(x)
         if x2 is None:
-            return super().silu_mul(x)
+            xf = self._fused_input(x)
+            if xf is None:
+                return super().silu_mul(x)
+            y = torch.ops.lmforge_int8.w8a8_linear_epilogue(
+                xf, self._packed, self.weight_scale, self._zero_points, self.bias, None, True
+            )
+            return y.reshape(*x.shape[:-1], self.out_features // 2)
         half = self.out_features // 2
         xm, packed, xo, packed_outlier = self._amx_args(x2, gated=True)
         y = _AMX.ops.linear_silu_mul(xm, packed, self.weight_scale, self.bias, half, xo, packed_outlier)
@@ -393,14 +429,14 @@ class W8A8Linear(_Int8Linear):
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.outlier_channels is not None:
             return self._split_forward(x)
+        if (x2 := self._fused_input(x)) is not None:
+            y = torch.ops.lmforge_int8.w8a8_linear(x2, self._packed, self.weight_scale, self._zero_points, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         if x2.device.type == "cpu" and not exact_int8_gemm_cpu():
             return self._float_gemm_forward(x2).reshape(*x.shape[:-1], self.out_features)
         if x2.device.type == "cpu" and self._packed is None:
             self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
-        if x2.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and _use_fused():
-            y = torch.ops.lmforge_int8.w8a8_linear(x2, self._packed, self.weight_scale, self._zero_points, self.bias)
-            return y.reshape(*x.shape[:-1], self.out_features)
         xq, x_scale = quantize_per_token(x2)  # int8 [M, in], [M, 1]
         if x2.device.type == "cpu":
             # uint8 xq + 128 with zero point 128: the same sums; oneDNN 3.12 runs int8 activations on its

@@ -3,10 +3,10 @@
 Two sources register torch operators: ``compress/quantize/csrc/w8a8_cpu.cpp`` (``torch.ops.lmforge_int8``,
 the fused W8A8 linear) and ``engine/csrc/cpu_ops.cpp`` (``torch.ops.lmforge_engine``: RMSNorm, argmax, paged
 decode attention). ``torch.utils.cpp_extension.load`` compiles one with ``-O3 -march=native`` (15-25 s once)
-into ``~/.cache/torch_extensions``, one build per source path and content, torch include paths, flags and CPU
-flag set, so a build made for another checkout, environment or CPU is never reused or rebuilt over. Every
-caller keeps a pure-torch path: without a compiler, or when a build fails, ``NativeKernels.available`` is
-False, the reason is logged once and kept in ``NativeKernels.reason``.
+into ``~/.cache/torch_extensions``, one build per source path and content (with the headers beside it), torch
+include paths, flags and CPU flag set, so a build made for another checkout, environment or CPU is never reused or
+rebuilt over. Every caller keeps a pure-torch path: without a compiler, or when a build fails,
+``NativeKernels.available`` is False, the reason is logged once and kept in ``NativeKernels.reason``.
 
 Before loading, a cached library that is not a whole ELF file (a build killed while linking, a full disk)
 is removed so it is linked again (loading it would end the process with a bus error), and a build lock
@@ -144,6 +144,7 @@ class NativeKernels:
                 [
                     str(self.source),
                     self.source.read_text(),
+                    *(h.read_text() for h in sorted(self.source.parent.glob("*.h"))),  # headers it may include
                     torch.__version__,
                     *include_paths(),
                     *self.cflags,

@@ -46,6 +46,8 @@
 #include <utility>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int kArchReqXcompPerm = 0x1023;
@@ -155,36 +157,6 @@ struct F32Out {
   static inline __m512 load(const raw_t* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
   static inline void store(raw_t* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 };
-
-// e^x for x <= 0: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7),
-// 2^n by VSCALEFPS; below -87 the result is ~1e-38.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// silu(g) = g / (1 + e^-g) = g * (g >= 0 ? 1 : t) / (1 + t) with t = e^-|g| <= 1 (no overflow); the reciprocal
-// of 1 + t in [1, 2] by VRCP14PS and one Newton step (~1e-7 relative error).
-inline __m512 silu(__m512 g) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 t = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __m512 d = _mm512_add_ps(one, t);
-  __m512 inv = _mm512_rcp14_ps(d);
-  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
-  const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, t);
-  return _mm512_mul_ps(num, inv);
-}
 
 // Quantizes rows [0, m) of x [m, k] into q (row stride ldq) and scale [m]; see the header for the division.
 template <typename In>
@@ -354,7 +326,7 @@ void silu_mul_epilogue(const Activations& a, int64_t m, const int8_t* packed, in
                 const __m512 g = dequantize2(acc + r * 32, g2, ws + n0, bias ? bias + n0 : nullptr, xs, xs2, mask);
                 const __m512 u = dequantize2(acc + r * 32 + 16, g2 != nullptr ? g2 + 16 : nullptr, ws + half + n0,
                                              bias ? bias + half + n0 : nullptr, xs, xs2, mask);
-                Out::store(y + (mc + r) * half + n0, _mm512_mul_ps(silu(g), u), mask);
+                Out::store(y + (mc + r) * half + n0, _mm512_mul_ps(lmforge_vec::silu(g), u), mask);
               }
             });
 }

@@ -10,6 +10,12 @@
 //   fused multiply-add changes the rounding). The activations go to oneDNN as uint8 q + 128 with zero point 128
 //   (the same integer sums): VNNI's dot product is u8 x s8, and oneDNN 3.12 on an AVX-512 VNNI CPU without AMX
 //   ran signed int8 activations on its reference kernel (`ref_int8`), ~4000x slower than its u8 kernel.
+// lmforge_int8::w8a8_linear_epilogue(x, w_packed, w_scale, w_zero_point, bias?, residual [M, N]?, silu_mul) -> y
+//   the same GEMM with the layer's element-wise work done on the float32 accumulators before the one rounding:
+//   residual: y [M, N] = acc * x_scale (+ bias) + residual; silu_mul (a [gate; up] layer, N even):
+//   y [M, N / 2] = silu(gate) * up. Replaces the separate add / silu / mul ops (and their roundings).
+// With AVX-512 (F, BW) the passes over rows run 16 elements at a time, with the scalar loops' results (the same
+// division, round-half-even and clamp; the SiLU by the polynomial exp of vec_math.h, within ~2e-7 of expf).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -19,6 +25,15 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#include <cmath>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#include "vec_math.h"
+#define LMFORGE_W8A8_AVX512 1
+#endif
 
 namespace {
 
@@ -63,43 +78,160 @@ struct F32Row {
 // every thread.
 inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(cols, 1)); }
 
+// Scalar row kernels; the vector kernels below give the same bits (same division, round-half-even, clamp).
+template <typename Row, typename Out>
+inline uint32_t amax_bits_scalar(const typename Row::raw_t* row, int64_t begin, int64_t cols, uint32_t amax_bits) {
+  for (int64_t k = begin; k < cols; ++k) amax_bits = std::max(amax_bits, Row::abs_bits(row[k]));
+  return amax_bits;
+}
+
+template <typename Row, typename Out>
+inline void quantize_scalar(const typename Row::raw_t* row, int64_t begin, int64_t cols, float s, Out* out) {
+  constexpr int32_t offset = std::is_same_v<Out, uint8_t> ? 128 : 0;
+  for (int64_t k = begin; k < cols; ++k) {
+    float v = Row::load(row[k]) / s;
+    v = (v + kRoundMagic) - kRoundMagic;
+    v = std::min(std::max(v, -127.0f), 127.0f);
+    out[k] = static_cast<Out>(static_cast<int32_t>(v) + offset);
+  }
+}
+
+#ifdef LMFORGE_W8A8_AVX512
+// 16 elements of a row as float32 and as |x| bit patterns (BF16: the high half of a float32).
+template <typename Row>
+inline __m512 load16(const typename Row::raw_t* p) {
+  if constexpr (std::is_same_v<Row, BF16Row>) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+
+template <typename Row>
+inline uint32_t amax_bits_avx512(const typename Row::raw_t* row, int64_t cols, int64_t* done) {
+  // |x| bits of BF16 compare as 16-bit lanes of the raw data (32 per vector), of FP32 as 32-bit lanes.
+  const int64_t step = 64 / static_cast<int64_t>(sizeof(typename Row::raw_t));
+  const int64_t vec_end = cols - cols % step;
+  uint32_t amax = 0;
+  if constexpr (std::is_same_v<Row, BF16Row>) {
+    __m512i m = _mm512_setzero_si512();
+    const __m512i mask = _mm512_set1_epi16(0x7fff);
+    for (int64_t k = 0; k < vec_end; k += step)
+      m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(row + k), mask));
+    const __m512i m32 = _mm512_max_epu32(_mm512_and_si512(m, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(m, 16));
+    amax = static_cast<uint32_t>(_mm512_reduce_max_epu32(m32));
+  } else {
+    __m512i m = _mm512_setzero_si512();
+    const __m512i mask = _mm512_set1_epi32(0x7fffffff);
+    for (int64_t k = 0; k < vec_end; k += step)
+      m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(row + k), mask));
+    amax = static_cast<uint32_t>(_mm512_reduce_max_epu32(m));
+  }
+  *done = vec_end;
+  return amax;
+}
+
+template <typename Row, typename Out>
+inline int64_t quantize_avx512(const typename Row::raw_t* row, int64_t cols, float s, Out* out) {
+  constexpr int32_t offset = std::is_same_v<Out, uint8_t> ? 128 : 0;
+  const int64_t vec_end = cols - cols % 16;
+  const __m512 vs = _mm512_set1_ps(s), magic = _mm512_set1_ps(kRoundMagic);
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  const __m512i voffset = _mm512_set1_epi32(offset);
+  for (int64_t k = 0; k < vec_end; k += 16) {
+    __m512 v = _mm512_div_ps(load16<Row>(row + k), vs);
+    v = _mm512_sub_ps(_mm512_add_ps(v, magic), magic);
+    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));  // a NaN stays NaN (max/min return the second operand), as in the scalar loop
+    const __m512i i = _mm512_add_epi32(_mm512_cvttps_epi32(v), voffset);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(i));
+  }
+  return vec_end;
+}
+
+// Stores 16 floats rounded as Row::store (bf16: round-half-even, NaN -> 0x7fc0).
+template <typename Row>
+inline void store16(typename Row::raw_t* p, __m512 v) {
+  if constexpr (std::is_same_v<Row, BF16Row>) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  } else {
+    _mm512_storeu_ps(reinterpret_cast<float*>(p), v);
+  }
+}
+
+#endif
+
 // Out = int8_t: q; Out = uint8_t: q + 128 (oneDNN's u8 activations with zero point 128, `w8a8_linear`).
 template <typename Row, typename Out = int8_t>
 void quantize_rows(const typename Row::raw_t* x, int64_t rows, int64_t cols, Out* q, float* scale) {
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const typename Row::raw_t* row = x + m * cols;
+      int64_t done = 0;
       uint32_t amax_bits = 0;
-      for (int64_t k = 0; k < cols; ++k) amax_bits = std::max(amax_bits, Row::abs_bits(row[k]));
+#ifdef LMFORGE_W8A8_AVX512
+      amax_bits = amax_bits_avx512<Row>(row, cols, &done);
+#endif
+      amax_bits = amax_bits_scalar<Row, Out>(row, done, cols, amax_bits);
       const float s = std::max(Row::abs_value(amax_bits), 1e-8f) / 127.0f;
       scale[m] = s;
       Out* out = q + m * cols;
-      constexpr int32_t offset = std::is_same_v<Out, uint8_t> ? 128 : 0;
-      for (int64_t k = 0; k < cols; ++k) {
-        float v = Row::load(row[k]) / s;
-        v = (v + kRoundMagic) - kRoundMagic;
-        v = std::min(std::max(v, -127.0f), 127.0f);
-        out[k] = static_cast<Out>(static_cast<int32_t>(v) + offset);
-      }
+      done = 0;
+#ifdef LMFORGE_W8A8_AVX512
+      done = quantize_avx512<Row, Out>(row, cols, s, out);
+#endif
+      quantize_scalar<Row, Out>(row, done, cols, s, out);
     }
   });
 }
 
+// The output pass of `w8a8_linear` (no residual, no silu_mul) and the epilogues of `w8a8_linear_epilogue`, on the
+// float32 accumulators acc [rows, acc_cols] (= sum q w8 * s_w):
+//   plain: y[m, n] = store(acc[m, n] * s[m] (+ bias[n])), bit-identical to the ATen path (mul, then add);
+//   residual: y[m, n] = store(acc[m, n] * s[m] + bias[n] + residual[m, n]), cols = acc_cols;
+//   silu_mul: g = acc[m, n] * s[m] + bias[n], u = acc[m, cols + n] * s[m] + bias[cols + n],
+//             y[m, n] = store(silu(g) * u), cols = acc_cols / 2;
+// each computed in float32 and rounded once to the output dtype.
 template <typename Row>
-void dequantize_rows(const float* acc, const float* scale, const float* bias, int64_t rows, int64_t cols,
-                     typename Row::raw_t* y) {
-  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+void epilogue_rows(const float* acc, const float* scale, const float* bias, const typename Row::raw_t* residual,
+                   bool silu_mul, int64_t rows, int64_t cols, typename Row::raw_t* y) {
+  const int64_t acc_cols = silu_mul ? 2 * cols : cols;
+  at::parallel_for(0, rows, grain_rows(acc_cols), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float s = scale[m];
-      const float* a = acc + m * cols;
+      const float* a = acc + m * acc_cols;
       typename Row::raw_t* out = y + m * cols;
-      if (bias != nullptr) {
-        for (int64_t n = 0; n < cols; ++n) {
-          const float prod = a[n] * s;
-          out[n] = Row::store(prod + bias[n]);
+      int64_t n = 0;
+#ifdef LMFORGE_W8A8_AVX512
+      const __m512 vs = _mm512_set1_ps(s);
+      for (; n + 16 <= cols; n += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a + n), vs);
+        if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+        if (silu_mul) {
+          __m512 u = _mm512_mul_ps(_mm512_loadu_ps(a + cols + n), vs);
+          if (bias != nullptr) u = _mm512_add_ps(u, _mm512_loadu_ps(bias + cols + n));
+          v = _mm512_mul_ps(lmforge_vec::silu(v), u);
+        } else if (residual != nullptr) {
+          v = _mm512_add_ps(v, load16<Row>(residual + m * cols + n));
         }
-      } else {
-        for (int64_t n = 0; n < cols; ++n) out[n] = Row::store(a[n] * s);
+        store16<Row>(out + n, v);
+      }
+#endif
+      for (; n < cols; ++n) {
+        float v = a[n] * s;
+        if (bias != nullptr) v += bias[n];
+        if (silu_mul) {
+          float u = a[cols + n] * s;
+          if (bias != nullptr) u += bias[cols + n];
+          v = v / (1.0f + std::exp(-v)) * u;
+        } else if (residual != nullptr) {
+          v += Row::load(residual[m * cols + n]);
+        }
+        out[n] = Row::store(v);
       }
     }
   });
@@ -133,8 +265,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x) {
   return quantize_per_token_as<int8_t>(x, at::kChar);
 }
 
-at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
-                       const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias) {
+// The int8 GEMM of `w8a8_linear`: (acc [M, N] float32 = sum_k q x w8 * w_scale, x_scale [M, 1]).
+std::tuple<at::Tensor, at::Tensor> onednn_accumulate(const at::Tensor& x, const at::Tensor& w_packed,
+                                                     const at::Tensor& w_scale, const at::Tensor& w_zero_point) {
   auto [q, scale] = quantize_per_token_as<uint8_t>(x, at::kByte);  // q + 128
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("onednn::qlinear_pointwise", "")
@@ -144,17 +277,59 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at
   at::Tensor acc = op.call(q, 1.0, 128, w_packed, w_scale, w_zero_point, std::nullopt, 1.0, 0, at::kFloat, "none",
                            c10::List<std::optional<at::Scalar>>(), "")
                        .contiguous();
+  return {acc, scale};
+}
+
+at::Tensor float_bias(const std::optional<at::Tensor>& bias) {
+  if (bias.has_value() && bias->defined()) return bias->to(at::kFloat).contiguous();
+  return at::Tensor();
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
+                       const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias) {
+  auto [acc, scale] = onednn_accumulate(x, w_packed, w_scale, w_zero_point);
   const int64_t rows = acc.size(0), cols = acc.size(1);
   auto y = at::empty({rows, cols}, x.options());
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  const at::Tensor b = float_bias(bias);
   const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kBFloat16) {
-    dequantize_rows<BF16Row>(acc.const_data_ptr<float>(), scale.const_data_ptr<float>(), bp, rows, cols,
-                             static_cast<uint16_t*>(y.data_ptr()));
+    epilogue_rows<BF16Row>(acc.const_data_ptr<float>(), scale.const_data_ptr<float>(), bp, nullptr, false, rows,
+                           cols, static_cast<uint16_t*>(y.data_ptr()));
   } else {
-    dequantize_rows<F32Row>(acc.const_data_ptr<float>(), scale.const_data_ptr<float>(), bp, rows, cols,
-                            static_cast<uint32_t*>(y.data_ptr()));
+    epilogue_rows<F32Row>(acc.const_data_ptr<float>(), scale.const_data_ptr<float>(), bp, nullptr, false, rows, cols,
+                          static_cast<uint32_t*>(y.data_ptr()));
+  }
+  return y;
+}
+
+at::Tensor w8a8_linear_epilogue(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
+                                const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& residual, bool silu_mul) {
+  const bool has_residual = residual.has_value() && residual->defined();
+  TORCH_CHECK(has_residual != silu_mul, "w8a8_linear_epilogue: give a residual or silu_mul=True, not both or neither");
+  auto [acc, scale] = onednn_accumulate(x, w_packed, w_scale, w_zero_point);
+  const int64_t rows = acc.size(0), acc_cols = acc.size(1);
+  TORCH_CHECK(!silu_mul || acc_cols % 2 == 0, "w8a8_linear_epilogue: silu_mul needs an even out_features, got ",
+              acc_cols);
+  const int64_t cols = silu_mul ? acc_cols / 2 : acc_cols;
+  at::Tensor res;
+  if (has_residual) {
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->dim() == 2 && residual->size(0) == rows &&
+                    residual->size(1) == cols,
+                "w8a8_linear_epilogue: residual must be [", rows, ", ", cols, "] in x's dtype");
+    res = residual->contiguous();
+  }
+  auto y = at::empty({rows, cols}, x.options());
+  const at::Tensor b = float_bias(bias);
+  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kBFloat16) {
+    epilogue_rows<BF16Row>(acc.const_data_ptr<float>(), scale.const_data_ptr<float>(), bp,
+                           has_residual ? static_cast<const uint16_t*>(res.const_data_ptr()) : nullptr, silu_mul,
+                           rows, cols, static_cast<uint16_t*>(y.data_ptr()));
+  } else {
+    epilogue_rows<F32Row>(acc.const_data_ptr<float>(), scale.const_data_ptr<float>(), bp,
+                          has_residual ? static_cast<const uint32_t*>(res.const_data_ptr()) : nullptr, silu_mul,
+                          rows, cols, static_cast<uint32_t*>(y.data_ptr()));
   }
   return y;
 }
@@ -165,4 +340,8 @@ TORCH_LIBRARY(lmforge_int8, m) {
   m.def("quantize_per_token(Tensor x) -> (Tensor, Tensor)", &quantize_per_token);
   m.def("w8a8_linear(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_zero_point, Tensor? bias) -> Tensor",
         &w8a8_linear);
+  m.def(
+      "w8a8_linear_epilogue(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_zero_point, Tensor? bias, "
+      "Tensor? residual, bool silu_mul) -> Tensor",
+      &w8a8_linear_epilogue);
 }
