@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compress.quantize import int8
 from compress.quantize.int8 import (
     Int8WeightOnlyLinear,
     W8A8Linear,
@@ -62,8 +63,14 @@ def test_weight_only_decode_kernel_equals_the_dequantized_linear(dtype):
         torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.fixture
+def int8_activations_at_every_row_count(monkeypatch):
+    """``W8A8Linear`` quantizes the activations of every input: no weight-only path for few rows."""
+    monkeypatch.setattr(int8, "W8A8_GEMV_MAX_ROWS", 0)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_w8a8_equals_int8_arithmetic_with_per_token_scales(rows):
+def test_w8a8_equals_int8_arithmetic_with_per_token_scales(rows, int8_activations_at_every_row_count):
     torch.manual_seed(0)
     w, b, x = torch.randn(48, 96), torch.randn(48), torch.randn(rows, 96)
     x[:, 3] *= 30  # an outlier channel: per-token scales keep the other rows' precision
@@ -154,9 +161,37 @@ def test_microbench_times_every_variant_and_names_the_fastest():
 
 
 @pytest.fixture
-def amx_restored():
+def amx_restored(int8_activations_at_every_row_count):
+    """AMX re-enabled afterwards."""
     yield
     amx_cpu_kernel(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w8a8_few_rows_without_amx_run_the_weight_only_kernel(dtype, amx_restored, monkeypatch):
+    monkeypatch.setattr(int8, "W8A8_GEMV_MAX_ROWS", 4)
+    torch.manual_seed(2)
+    half, in_features = 37, 130
+    w, b = torch.randn(2 * half, in_features), torch.randn(2 * half)
+    w8, scale = quantize_weight_per_channel(w)
+    layer = W8A8Linear(w8, scale, b)
+    float_weight = (w8.double() * scale.double()[:, None]).T  # [in, 2 half]
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    gemv = weight_only_cpu_kernel() and not amx_cpu_kernel()
+    for rows in (1, 4, 5):
+        x = (torch.randn(rows, in_features) * 3).to(dtype)
+        residual = torch.randn(rows, 2 * half).to(dtype)
+        exact = x.double() @ float_weight + b.double()  # float activations: what the weight-only kernel computes
+        xq, x_scale = quantize_per_token(x)
+        exact_w8a8 = (xq.double() @ w8.double().T) * x_scale.double() * scale.double() + b.double()
+        expected = exact if gemv and rows <= 4 else exact_w8a8
+        for got, ref in (
+            (layer(x), expected),
+            (layer.add(x, residual), expected + residual.double()),
+            (layer.silu_mul(x), F.silu(expected[:, :half]) * expected[:, half:]),
+        ):
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 def _amx_expected() -> bool:

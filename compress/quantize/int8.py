@@ -76,6 +76,10 @@ LEGACY_SCHEME = "w8a8"
 #: 1 row, on a par with the conversion at 16 rows and 20-100x slower at 64 rows.
 WEIGHT_ONLY_MAX_ROWS = 8
 
+#: ``w8a8`` inputs of at most this many rows run the weight-only kernel on CPUs without AMX-INT8 (see
+#: ``W8A8Linear``): oneDNN's int8 GEMM of one row is slower than the packed bf16 GEMV there.
+W8A8_GEMV_MAX_ROWS = 4
+
 
 def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a linear weight symmetrically per output channel.
@@ -287,7 +291,10 @@ class W8A8Linear(_Int8Linear):
     per-channel scales are applied after), as one fused op ``lmforge_int8::w8a8_linear`` (and
     ``w8a8_linear_epilogue`` for ``add`` / ``silu_mul``) where ``fused_cpu_kernels()`` built it,
     else as ATen ops (same results; the epilogues there round the GEMM output first); CUDA:
-    ``torch._int_mm``.
+    ``torch._int_mm``. On CPUs without AMX-INT8, inputs of at most ``W8A8_GEMV_MAX_ROWS`` rows (one
+    sequence decoding, a short verification) run the weight-only kernel instead (``weight_only_mm``:
+    the same int8 weights and scales, float activations, so no activation rounding): oneDNN's int8
+    GEMM of one row is slower than packed bf16 there, and this reads half bf16's weight bytes.
 
     ``outlier_channels`` (int64 ``[n]``, optional): input channels whose activations are quantized
     with a per-token scale of their own, ``s2 = max|x_row[outliers]| / 127``, while the other
@@ -384,6 +391,8 @@ class W8A8Linear(_Int8Linear):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)`` rounded once to x's dtype (AMX, or the fused oneDNN-path op):
         ``[N, in]``, ``[N, out]`` -> ``[N, out]``."""
+        if self._gemv_input(x) is not None:
+            return residual + self(x)
         x2 = self._amx_input(x)
         if x2 is None and residual.dtype == x.dtype and (xf := self._fused_input(x)) is not None:
             residual2 = residual.reshape(-1, self.out_features)
@@ -407,6 +416,8 @@ class W8A8Linear(_Int8Linear):
         """
         if self.out_features % 2:
             raise ValueError(f"silu_mul needs a [gate; up] layer with even out_features, got {self.out_features}")
+        if self._gemv_input(x) is not None:
+            return super().silu_mul(x)
         x2 = self._amx_input(x)
         if x2 is None:
             xf = self._fused_input(x)
@@ -421,7 +432,25 @@ class W8A8Linear(_Int8Linear):
         y = _AMX.ops.linear_silu_mul(xm, packed, self.weight_scale, self.bias, half, xo, packed_outlier)
         return y.reshape(*x.shape[:-1], half)
 
+    def _gemv_input(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` as ``[M, in]`` when it runs the weight-only kernel (few rows, CPU without AMX), else None."""
+        if (
+            x.device.type != "cpu"
+            or x.dtype not in (torch.bfloat16, torch.float32)
+            or x.numel() > W8A8_GEMV_MAX_ROWS * x.shape[-1]
+            or _use_amx()
+            or not _GEMV.available
+        ):
+            return None
+        return x.reshape(-1, x.shape[-1])
+
+    def _gemv(self, x2: torch.Tensor) -> torch.Tensor:
+        """``[M, in] -> [M, out]``: the stored int8 weights and scales, float activations (no activation rounding)."""
+        return _GEMV.ops.weight_only_mm(x2, self.weight_int8, self.weight_scale, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (xg := self._gemv_input(x)) is not None:
+            return self._gemv(xg).reshape(*x.shape[:-1], self.out_features)
         x2 = self._amx_input(x)
         if x2 is not None:
             xm, packed, xo, packed_outlier = self._amx_args(x2)
