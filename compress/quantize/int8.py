@@ -391,8 +391,8 @@ class W8A8Linear(_Int8Linear):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)`` rounded once to x's dtype (AMX, or the fused oneDNN-path op):
         ``[N, in]``, ``[N, out]`` -> ``[N, out]``."""
-        if self._gemv_input(x) is not None:
-            return residual + self(x)
+        if (xg := self._gemv_input(x)) is not None:
+            return residual + self._gemv(xg).reshape(residual.shape)
         x2 = self._amx_input(x)
         if x2 is None and residual.dtype == x.dtype and (xf := self._fused_input(x)) is not None:
             residual2 = residual.reshape(-1, self.out_features)
@@ -416,8 +416,9 @@ class W8A8Linear(_Int8Linear):
         """
         if self.out_features % 2:
             raise ValueError(f"silu_mul needs a [gate; up] layer with even out_features, got {self.out_features}")
-        if self._gemv_input(x) is not None:
-            return super().silu_mul(x)
+        if (xg := self._gemv_input(x)) is not None:
+            gate, up = self._gemv(xg).reshape(*x.shape[:-1], self.out_features).chunk(2, dim=-1)
+            return F.silu(gate) * up
         x2 = self._amx_input(x)
         if x2 is None:
             xf = self._fused_input(x)

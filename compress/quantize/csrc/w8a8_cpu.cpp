@@ -22,11 +22,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-
-#include <cmath>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -81,7 +80,7 @@ inline int64_t grain_rows(int64_t cols) {
 }
 
 // Scalar row kernels; the vector kernels below give the same bits (same division, round-half-even, clamp).
-template <typename Row, typename Out>
+template <typename Row>
 inline uint32_t amax_bits_scalar(const typename Row::raw_t* row, int64_t begin, int64_t cols, uint32_t amax_bits) {
   for (int64_t k = begin; k < cols; ++k) amax_bits = std::max(amax_bits, Row::abs_bits(row[k]));
   return amax_bits;
@@ -99,7 +98,7 @@ inline void quantize_scalar(const typename Row::raw_t* row, int64_t begin, int64
 }
 
 #ifdef LMFORGE_W8A8_AVX512
-// 16 elements of a row as float32 and as |x| bit patterns (BF16: the high half of a float32).
+// 16 elements of a row as float32 (a BF16 value is the high half of a float32).
 template <typename Row>
 inline __m512 load16(const typename Row::raw_t* p) {
   if constexpr (std::is_same_v<Row, BF16Row>) {
@@ -178,7 +177,7 @@ void quantize_rows(const typename Row::raw_t* x, int64_t rows, int64_t cols, Out
 #ifdef LMFORGE_W8A8_AVX512
       amax_bits = amax_bits_avx512<Row>(row, cols, &done);
 #endif
-      amax_bits = amax_bits_scalar<Row, Out>(row, done, cols, amax_bits);
+      amax_bits = amax_bits_scalar<Row>(row, done, cols, amax_bits);
       const float s = std::max(Row::abs_value(amax_bits), 1e-8f) / 127.0f;
       scale[m] = s;
       Out* out = q + m * cols;
@@ -282,26 +281,41 @@ std::tuple<at::Tensor, at::Tensor> onednn_accumulate(const at::Tensor& x, const 
   return {acc, scale};
 }
 
-at::Tensor float_bias(const std::optional<at::Tensor>& bias) {
-  if (bias.has_value() && bias->defined()) return bias->to(at::kFloat).contiguous();
-  return at::Tensor();
+// acc * x_scale (+ bias) (+ residual, or silu(gate) * up) in x's dtype, after the int8 GEMM (`epilogue_rows`).
+at::Tensor linear_with_epilogue(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
+                                const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& residual, bool silu_mul) {
+  auto [acc, scale] = onednn_accumulate(x, w_packed, w_scale, w_zero_point);
+  const int64_t rows = acc.size(0), acc_cols = acc.size(1);
+  TORCH_CHECK(!silu_mul || acc_cols % 2 == 0, "w8a8_linear_epilogue: silu_mul needs an even out_features, got ",
+              acc_cols);
+  const int64_t cols = silu_mul ? acc_cols / 2 : acc_cols;
+  at::Tensor res;
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->dim() == 2 && residual->size(0) == rows &&
+                    residual->size(1) == cols,
+                "w8a8_linear_epilogue: residual must be [", rows, ", ", cols, "] in x's dtype");
+    res = residual->contiguous();
+  }
+  auto y = at::empty({rows, cols}, x.options());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  const float* ap = acc.const_data_ptr<float>();
+  const float* sp = scale.const_data_ptr<float>();
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* rp = res.defined() ? static_cast<const uint16_t*>(res.const_data_ptr()) : nullptr;
+    epilogue_rows<BF16Row>(ap, sp, bp, rp, silu_mul, rows, cols, static_cast<uint16_t*>(y.data_ptr()));
+  } else {
+    const auto* rp = res.defined() ? static_cast<const uint32_t*>(res.const_data_ptr()) : nullptr;
+    epilogue_rows<F32Row>(ap, sp, bp, rp, silu_mul, rows, cols, static_cast<uint32_t*>(y.data_ptr()));
+  }
+  return y;
 }
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
                        const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias) {
-  auto [acc, scale] = onednn_accumulate(x, w_packed, w_scale, w_zero_point);
-  const int64_t rows = acc.size(0), cols = acc.size(1);
-  auto y = at::empty({rows, cols}, x.options());
-  const at::Tensor b = float_bias(bias);
-  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
-  if (x.scalar_type() == at::kBFloat16) {
-    epilogue_rows<BF16Row>(acc.const_data_ptr<float>(), scale.const_data_ptr<float>(), bp, nullptr, false, rows,
-                           cols, static_cast<uint16_t*>(y.data_ptr()));
-  } else {
-    epilogue_rows<F32Row>(acc.const_data_ptr<float>(), scale.const_data_ptr<float>(), bp, nullptr, false, rows, cols,
-                          static_cast<uint32_t*>(y.data_ptr()));
-  }
-  return y;
+  return linear_with_epilogue(x, w_packed, w_scale, w_zero_point, bias, std::nullopt, false);
 }
 
 at::Tensor w8a8_linear_epilogue(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
@@ -309,31 +323,7 @@ at::Tensor w8a8_linear_epilogue(const at::Tensor& x, const at::Tensor& w_packed,
                                 const std::optional<at::Tensor>& residual, bool silu_mul) {
   const bool has_residual = residual.has_value() && residual->defined();
   TORCH_CHECK(has_residual != silu_mul, "w8a8_linear_epilogue: give a residual or silu_mul=True, not both or neither");
-  auto [acc, scale] = onednn_accumulate(x, w_packed, w_scale, w_zero_point);
-  const int64_t rows = acc.size(0), acc_cols = acc.size(1);
-  TORCH_CHECK(!silu_mul || acc_cols % 2 == 0, "w8a8_linear_epilogue: silu_mul needs an even out_features, got ",
-              acc_cols);
-  const int64_t cols = silu_mul ? acc_cols / 2 : acc_cols;
-  at::Tensor res;
-  if (has_residual) {
-    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->dim() == 2 && residual->size(0) == rows &&
-                    residual->size(1) == cols,
-                "w8a8_linear_epilogue: residual must be [", rows, ", ", cols, "] in x's dtype");
-    res = residual->contiguous();
-  }
-  auto y = at::empty({rows, cols}, x.options());
-  const at::Tensor b = float_bias(bias);
-  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
-  if (x.scalar_type() == at::kBFloat16) {
-    epilogue_rows<BF16Row>(acc.const_data_ptr<float>(), scale.const_data_ptr<float>(), bp,
-                           has_residual ? static_cast<const uint16_t*>(res.const_data_ptr()) : nullptr, silu_mul,
-                           rows, cols, static_cast<uint16_t*>(y.data_ptr()));
-  } else {
-    epilogue_rows<F32Row>(acc.const_data_ptr<float>(), scale.const_data_ptr<float>(), bp,
-                          has_residual ? static_cast<const uint32_t*>(res.const_data_ptr()) : nullptr, silu_mul,
-                          rows, cols, static_cast<uint32_t*>(y.data_ptr()));
-  }
-  return y;
+  return linear_with_epilogue(x, w_packed, w_scale, w_zero_point, bias, residual, silu_mul);
 }
 
 }  // namespace
