@@ -13,6 +13,12 @@ matmul rates, from which the workload's compute bound (``bench.bound``) in each 
 configuration's fraction of the bound of the dtype it runs follow. Prints the tables, the ratios
 to HF static batch, the best llama.cpp GGUF and vLLM, the targets, and writes everything to
 ``--out`` as JSON.
+
+On a shared machine the speed of every process drifts by tens of percent over minutes. With
+``--rounds N`` each configuration runs N times, the rounds alternating the configurations
+(ABBA order: each round reverses the one before, so a steady drift cancels in the mean), and a
+ratio is taken within each round, between runs minutes apart, before its median over the rounds
+is reported (``round_targets``).
 """
 
 from __future__ import annotations
@@ -72,6 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--single-max-tokens", type=int, default=64, help="new tokens of the one-request-alone run (default 64)"
     )
     parser.add_argument("--no-single", action="store_true", help="skip the one-request-alone run (the *_single rows)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every configuration this many times, alternating them (each round in the reverse order of the "
+        "one before); the table shows each configuration's median round and each target the median of its "
+        "per-round ratios (default 1)",
+    )
     parser.add_argument(
         "--vllm-python",
         default=None,
@@ -332,6 +346,53 @@ def token_agreement(tokens: list[list[int]] | None, reference: list[list[int]] |
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
+def round_order(configs: list[str], index: int) -> list[str]:
+    """The configurations of round ``index``: as given in even rounds, reversed in odd ones (ABBA
+    order, so a drift that is steady over the run favours no configuration in the mean)."""
+    return list(configs) if index % 2 == 0 else list(reversed(configs))
+
+
+def median_results(rounds: list[list[dict]]) -> list[dict]:
+    """Per configuration, the result of its median round by output tok/s (the lower middle one for
+    an even count; failed runs rank below every finished one), in the order of ``rounds[0]``.
+
+    Args:
+        rounds: per round, one ``RunResult`` dict per configuration, the same configurations in
+            the same order in every round.
+    """
+    out = []
+    for column in zip(*rounds):
+        ranked = sorted(column, key=lambda r: _tok_s(r) or -1.0)
+        out.append(ranked[(len(ranked) - 1) // 2])
+    return out
+
+
+def round_targets(per_round: list[list[tuple[str, float | None, str]]]) -> list[tuple[str, float | None, str]]:
+    """Each target's median over the rounds that measured it (``engine_targets`` of each round).
+
+    A ratio taken within one round compares runs minutes apart, so the machine's slower drift
+    cancels in it; its median over rounds is the figure to trust on a shared machine. A target
+    whose name depends on the round (the fastest engine row) is reported once per name.
+    """
+    values: dict[str, list[float]] = {}
+    kinds: dict[str, str] = {}
+    for targets in per_round:
+        for what, value, target in targets:
+            kinds.setdefault(what, target)
+            values.setdefault(what, [])
+            if value is not None:
+                values[what].append(value)
+    return [(what, _median(values[what]), kinds[what]) for what in kinds]
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ranked = sorted(values)
+    mid = len(ranked) // 2
+    return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
+
+
 def engine_targets(rows: list[Summary], singles: list[SingleSummary]) -> list[tuple[str, float | None, str]]:
     """The engine's targets: ``(what, measured, target)`` for each one whose rows ran."""
     by = {r.config: r for r in rows if r.status == "ok"}
@@ -529,17 +590,25 @@ def run(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()
     _print_workload(args, inputs, summary, load_before)
     matmul, gflops_before = _measure_peaks(args.smoke)
-    results, notes, int8_note = _run_systems(args, inputs, peers)
+    rounds, notes, int8_note = _run_systems(args, inputs, peers)
+    results = median_results(rounds)
     bound = _bound(inputs, summary, matmul, gflops_before)
     load_after = os.getloadavg()
     rows = summarize(results, bound.bound_tok_s)
     singles = summarize_single(results)
 
     _print_tables(args, inputs, rows, singles, bound, summary, load_after, int8_note, notes)
-    targets = engine_targets(rows, singles)
+    per_round = [engine_targets(summarize(r, bound.bound_tok_s), summarize_single(r)) for r in rounds]
+    targets = round_targets(per_round) if len(rounds) > 1 else engine_targets(rows, singles)
+    if len(rounds) > 1:
+        _print_rounds(rounds, per_round)
     _print_targets(targets, rows)
 
     report = _report(args, inputs, summary, peers, notes, bound, (load_before, load_after), int8_note, rows, singles)
+    report["rounds"] = [
+        {"output_tok_s": {r["config"]: _tok_s(r) for r in results_r}, "targets": {w: v for w, v, _ in targets_r}}
+        for results_r, targets_r in zip(rounds, per_round)
+    ]
     report["targets"] = [{"what": w, "measured": v, "target": t, "result": target_result(v, t)} for w, v, t in targets]
     write_output_file(args.out, json.dumps(report, indent=2) + "\n", flag="--out")
     print(f"\nwrote {args.out}")
@@ -562,6 +631,8 @@ def _load_inputs(args: argparse.Namespace) -> _Inputs:
         raise UsageError(f"--sequential-requests {args.sequential_requests}; it must be >= 1 (or left out for all)")
     if args.single_max_tokens < 1:
         raise UsageError(f"--single-max-tokens {args.single_max_tokens}; it must be >= 1")
+    if args.rounds < 1:
+        raise UsageError(f"--rounds {args.rounds}; it must be >= 1 (1: every configuration once)")
     configs = parse_configs(args.configs)
     engine_args = parse_engine_args(args.engine_arg)
     model_dir = resolve_checkpoint(args.model)
@@ -653,11 +724,15 @@ def _report(
     }
 
 
-def _run_systems(args: argparse.Namespace, inputs: _Inputs, peers: Peers) -> tuple[list[dict], dict[str, str], str]:
-    """Each configuration in its own process, on the workload written to a temporary directory.
+def _run_systems(
+    args: argparse.Namespace, inputs: _Inputs, peers: Peers
+) -> tuple[list[list[dict]], dict[str, str], str]:
+    """Each configuration in its own process, on the workload written to a temporary directory,
+    ``args.rounds`` times (``round_order``).
 
     Returns:
-        The results (one dict per configuration), the notes per configuration, the INT8 checkpoint's note.
+        The results of each round (one dict per configuration, in ``inputs.configs`` order), the
+        notes per configuration, the INT8 checkpoint's note.
     """
     notes: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="lmforge-engine-bench-") as tmp:
@@ -680,30 +755,34 @@ def _run_systems(args: argparse.Namespace, inputs: _Inputs, peers: Peers) -> tup
             if "engine_int8" in inputs.configs
             else (None, "not requested")
         )
-        results = []
-        for config in inputs.configs:
-            start = time.perf_counter()
-            result = _run_one(
-                config,
-                args,
-                peers,
-                inputs.model_dir,
-                gguf_dir,
-                work_dir,
-                workload_path,
-                int8_dir,
-                inputs.engine_args,
-                notes,
-            )
-            result["load_avg_1m"] = os.getloadavg()[0]
-            status = (
-                f"{_tok_s(result):.1f} tok/s"
-                if result.get("status") == "ok"
-                else f"{result['status']}: {result.get('reason')}"
-            )
-            print(f"  {config}: {status} ({time.perf_counter() - start:.0f} s with load)", flush=True)
-            results.append(result)
-    return results, notes, int8_note
+        rounds: list[list[dict]] = []
+        for index in range(args.rounds):
+            by_config = {}
+            for config in round_order(inputs.configs, index):
+                start = time.perf_counter()
+                result = _run_one(
+                    config,
+                    args,
+                    peers,
+                    inputs.model_dir,
+                    gguf_dir,
+                    work_dir,
+                    workload_path,
+                    int8_dir,
+                    inputs.engine_args,
+                    notes,
+                )
+                result["load_avg_1m"] = os.getloadavg()[0]
+                status = (
+                    f"{_tok_s(result):.1f} tok/s"
+                    if result.get("status") == "ok"
+                    else f"{result['status']}: {result.get('reason')}"
+                )
+                which = f"round {index + 1}/{args.rounds} " if args.rounds > 1 else ""
+                print(f"  {which}{config}: {status} ({time.perf_counter() - start:.0f} s with load)", flush=True)
+                by_config[config] = result
+            rounds.append([by_config[c] for c in inputs.configs])
+    return rounds, notes, int8_note
 
 
 def _print_tables(
@@ -750,6 +829,19 @@ def _print_tables(
             f"hf_sequential served the first {args.sequential_requests} of {summary['num_requests']} requests "
             f"(one at a time, so its tok/s does not depend on the count); 'same tok' compares those requests"
         )
+
+
+def _print_rounds(rounds: list[list[dict]], per_round: list[list[tuple[str, float | None, str]]]) -> None:
+    """Output tok/s of every configuration in every round, then each target's value per round."""
+    print("\nper round (output tok/s; rounds alternate the order of the configurations):")
+    head = ["config", *(f"round {i + 1}" for i in range(len(rounds)))]
+    lines = [[r["config"], *(_fmt(_tok_s(rnd[k])) for rnd in rounds)] for k, r in enumerate(rounds[0])]
+    print(_align(head, lines))
+    whats = list(dict.fromkeys(w for targets in per_round for w, _, _ in targets))
+    print("targets per round (the targets below are their medians):")
+    for what in whats:
+        cells = [next((_fmt(v, ".2f") for w, v, _ in targets if w == what), "-") for targets in per_round]
+        print(f"  {what}: {', '.join(cells)}")
 
 
 def _print_targets(targets: list[tuple[str, float | None, str]], rows: list[Summary]) -> None:

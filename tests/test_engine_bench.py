@@ -13,8 +13,11 @@ from bench.bound import percentile, ratio, workload_flops
 from bench.engine_backends import BACKENDS, left_pad
 from bench.engine_bench import (
     engine_targets,
+    median_results,
     parse_configs,
     parse_engine_args,
+    round_order,
+    round_targets,
     summarize,
     summarize_single,
     token_agreement,
@@ -152,6 +155,30 @@ def test_summary_ratios_bound_per_dtype_and_targets():
     assert targets["engine_fp32 start-up s"] == (2.0, "<= 10")
 
 
+def test_rounds_alternate_the_order_and_report_medians():
+    assert round_order(["a", "b", "c"], 0) == ["a", "b", "c"] and round_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+
+    def run(config, seconds):
+        if seconds is None:
+            return {"config": config, "status": "failed", "reason": "timed out"}
+        return {"config": config, "status": "ok", "output_tokens": 100, "elapsed_s": seconds}
+
+    rounds = [
+        [run("engine_int8", 0.5), run("vllm_bf16", 1.0)],
+        [run("engine_int8", None), run("vllm_bf16", 2.0)],
+        [run("engine_int8", 0.25), run("vllm_bf16", 0.5)],
+    ]
+    # per configuration its median round by tok/s; a failed round ranks lowest
+    assert [r["elapsed_s"] for r in median_results(rounds)] == [0.5, 1.0]
+    per_round = [
+        [("engine_int8 / vllm_bf16 output tok/s", 2.0, ">= 1.5"), ("x", 1.0, ">= 1")],
+        [("engine_int8 / vllm_bf16 output tok/s", None, ">= 1.5")],
+        [("engine_int8 / vllm_bf16 output tok/s", 1.0, ">= 1.5"), ("x", 3.0, ">= 1")],
+    ]
+    # the median of the ratios measured within each round, over the rounds that measured it
+    assert round_targets(per_round) == [("engine_int8 / vllm_bf16 output tok/s", 1.5, ">= 1.5"), ("x", 2.0, ">= 1")]
+
+
 def test_configuration_names():
     assert parse_configs(" engine_fp32,vllm_bf16 ,engine_fp32,") == ["engine_fp32", "vllm_bf16"]
     names = set(parse_configs(",".join(BACKENDS)))
@@ -207,6 +234,8 @@ def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path):
         "--smoke",
         "--configs",
         "hf_sequential,hf_static,engine_fp32",
+        "--rounds",
+        "2",
         "--out",
         str(out),
     ]
@@ -231,6 +260,10 @@ def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path):
     assert singles["engine_fp32_single"]["same_tokens_as_hf"] is True
     assert set(report["bound"]["output_tok_s"]) == {"fp32", "bf16", "int8"}
     assert "hf_static" in proc.stdout and "compute bound" in proc.stdout and "one request alone" in proc.stdout
+    # two rounds, the second in the reverse order, each configuration's tok/s in each
+    assert len(report["rounds"]) == 2 and all(set(r["output_tok_s"]) == set(rows) for r in report["rounds"])
+    assert "round 2/2 hf_sequential" in proc.stdout and "per round" in proc.stdout
+    assert proc.stdout.index("round 2/2 engine_fp32") < proc.stdout.index("round 2/2 hf_sequential")
 
 
 def test_spec_bench_compares_tokens_repeat_by_repeat_and_filters_the_corpus(tmp_path):
