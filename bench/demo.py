@@ -70,7 +70,7 @@ class DemoConfig:
     data: list[str] | None = None
     out: str = "reports/demo"
     finetune_steps: int = 24
-    distill_steps: int = 96  # compress.train.distill.DistillConfig's defaults
+    distill_steps: int = 84  # compress.train.distill.DistillConfig's defaults
     student_layers: str = "drop:7"
     generate_records: int = 400
     int8_method: str = "w8a8"
