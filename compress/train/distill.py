@@ -41,10 +41,11 @@ whole: with 128-token rows the student never saw a position past 128, where 30% 
 held-out assistant tokens lie. Both terms are taken at the positions ``kd_positions`` selects
 (``scored_positions``; the CE only where a label is): by default every real token, so the
 student also matches the teacher's next-token distributions inside system and user turns, at
-~12% more time per step than the assistant positions alone. Peak lr 2e-4: against the demo's
-fine-tuned teacher (drop:7, 96 steps), held-out perplexity was 1.63x / 1.40x / 1.30x / 1.30x the
-teacher's at lr 1e-3 / 6e-4 / 3e-4 / 2e-4 with the KL on assistant positions, and 1.36x at 6e-4
-and 1.26x at 3e-4 with it on every token (README, distill). The hidden-state term pairs
+~16% more time per step than the assistant positions alone (4.5 against 3.9 s on SmolLM2, 2 x
+384 tokens), hence 84 steps. Peak lr 2e-4: against the demo's fine-tuned teacher (drop:7, 96
+steps), held-out perplexity was 1.63x / 1.40x / 1.30x / 1.30x the teacher's at lr 1e-3 / 6e-4 /
+3e-4 / 2e-4 with the KL on assistant positions, and 1.36x at 6e-4 and 1.25x at 3e-4 with it on
+every token; the default (84 steps) gave 1.29x (README, distill). The hidden-state term pairs
 student layer input i with the teacher layer it was copied from (and the final normed outputs)
 on every real token. The teacher runs in eval mode under ``torch.no_grad``. The loop, progress
 bar (with ETA), monitoring, checkpoints and resume are those of ``compress.train.loop``, shared
@@ -667,7 +668,7 @@ FULL_BUDGET = {
     "max_steps": 600,
     "generate_records": 819,
     "generate_tokens": 96,
-    # as measured (README); the default's lr and KD positions are tuned for its 96 steps
+    # as measured (README); the default's lr and KD positions are tuned for its 84 steps
     "lr": 6e-4,
     "kd_positions": "assistant",
 }
