@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -84,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="run every configuration this many times, alternating them (each round in the reverse order of the "
         "one before); the table shows each configuration's median round and each target the median of its "
-        "per-round ratios (default 1)",
+        "per-round ratios; --profile profiles the first round (default 1)",
     )
     parser.add_argument(
         "--vllm-python",
@@ -382,15 +383,7 @@ def round_targets(per_round: list[list[tuple[str, float | None, str]]]) -> list[
             values.setdefault(what, [])
             if value is not None:
                 values[what].append(value)
-    return [(what, _median(values[what]), kinds[what]) for what in kinds]
-
-
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ranked = sorted(values)
-    mid = len(ranked) // 2
-    return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
+    return [(what, statistics.median(values[what]) if values[what] else None, kinds[what]) for what in kinds]
 
 
 def engine_targets(rows: list[Summary], singles: list[SingleSummary]) -> list[tuple[str, float | None, str]]:
@@ -591,7 +584,8 @@ def run(args: argparse.Namespace) -> int:
     _print_workload(args, inputs, summary, load_before)
     matmul, gflops_before = _measure_peaks(args.smoke)
     rounds, notes, int8_note = _run_systems(args, inputs, peers)
-    results = median_results(rounds)
+    # the first round holds the profiles (``--profile``), whichever round is the median
+    results = [{**r, "profile_top": first.get("profile_top")} for r, first in zip(median_results(rounds), rounds[0])]
     bound = _bound(inputs, summary, matmul, gflops_before)
     load_after = os.getloadavg()
     rows = summarize(results, bound.bound_tok_s)
@@ -599,7 +593,7 @@ def run(args: argparse.Namespace) -> int:
 
     _print_tables(args, inputs, rows, singles, bound, summary, load_after, int8_note, notes)
     per_round = [engine_targets(summarize(r, bound.bound_tok_s), summarize_single(r)) for r in rounds]
-    targets = round_targets(per_round) if len(rounds) > 1 else engine_targets(rows, singles)
+    targets = round_targets(per_round)  # one round: its own targets
     if len(rounds) > 1:
         _print_rounds(rounds, per_round)
     _print_targets(targets, rows)
@@ -771,6 +765,7 @@ def _run_systems(
                     int8_dir,
                     inputs.engine_args,
                     notes,
+                    profile=index == 0,  # one profile per configuration is enough
                 )
                 result["load_avg_1m"] = os.getloadavg()[0]
                 status = (
@@ -865,8 +860,10 @@ def _run_one(
     int8_dir: str | None,
     engine_args: dict,
     notes: dict[str, str],
+    profile: bool = True,
 ) -> dict:
-    """One configuration: not installed, the GGUF conversion failed, or its process's result."""
+    """One configuration: not installed, the GGUF conversion failed, or its process's result
+    (profiled when ``profile`` is set and ``--profile`` names it)."""
     missing = not_installed(config, peers)
     if missing is not None:
         return {"config": config, "status": "not installed", "reason": missing}
@@ -889,7 +886,7 @@ def _run_one(
         int8_model=int8_dir,
         threads=args.threads,
         engine_args=engine_args,
-        profile=config in ENGINE_CONFIGS and config in args.profile.split(","),
+        profile=profile and config in ENGINE_CONFIGS and config in args.profile.split(","),
         sequential_limit=args.sequential_requests,
         log_dir=str(work_dir),
     )
