@@ -26,9 +26,11 @@ import torch.nn.functional as F
 from compress.checkpoint.model_spec import ModelSpec
 from compress.checkpoint.store import CheckpointError
 from compress.quantize.int8 import (
+    INPUT_HADAMARD_SUFFIX,
     INT8_SCALE_SUFFIX,
     INT8_WEIGHT_SUFFIX,
     OUTLIER_CHANNELS_SUFFIX,
+    block_hadamard,
     dequantize_weight,
     int8_linear,
     read_scheme,
@@ -285,17 +287,11 @@ class WeightLoader:
         if all(self.is_int8(p) for p in prefixes) and self.device == "cpu":
             w8 = torch.cat([self.tensors[p + INT8_WEIGHT_SUFFIX] for p in prefixes])  # [sum(out), in]
             scale = torch.cat([self.tensors[p + INT8_SCALE_SUFFIX] for p in prefixes])
-            outliers = [self.tensors.get(p + OUTLIER_CHANNELS_SUFFIX) for p in prefixes]
-            if any(o is None for o in outliers) != all(o is None for o in outliers) or any(
-                o is not None and not torch.equal(o, outliers[0]) for o in outliers
-            ):
-                raise CheckpointError(
-                    f"{self.path}: {', '.join(prefixes)} share their input but not their outlier channels; "
-                    "re-create the checkpoint with `lmforge quantize`"
-                )
+            outliers = self._shared(prefixes, OUTLIER_CHANNELS_SUFFIX, "outlier channels")
+            rotation = self._shared(prefixes, INPUT_HADAMARD_SUFFIX, "input rotation")
             try:
                 layer = int8_linear(
-                    self.int8_scheme, w8, scale, None if biases is None else biases.float(), outliers[0]
+                    self.int8_scheme, w8, scale, None if biases is None else biases.float(), outliers, rotation
                 )
             except ValueError as exc:
                 raise CheckpointError(f"{self.path}: {prefixes[0]}: {exc}") from exc
@@ -312,9 +308,33 @@ class WeightLoader:
         layer.input_scaled = fold
         return layer
 
+    def _shared(self, prefixes: list[str], suffix: str, what: str) -> torch.Tensor | None:
+        """The ``suffix`` tensor that the INT8 layers ``prefixes`` (one fused input) all hold, or ``None``.
+
+        Raises:
+            CheckpointError: some of them hold it and others not, or different values.
+        """
+        found = [self.tensors.get(p + suffix) for p in prefixes]
+        if any(t is None for t in found) != all(t is None for t in found) or any(
+            t is not None and not torch.equal(t, found[0]) for t in found
+        ):
+            raise CheckpointError(
+                f"{self.path}: {', '.join(prefixes)} share their input but not their {what}; "
+                "re-create the checkpoint with `lmforge quantize`"
+            )
+        return found[0]
+
     def _float_weight(self, prefix: str, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``[out, in]`` float weight of ``prefix`` (an INT8 one dequantized) in the model's dtype.
+
+        A weight stored for a Hadamard-rotated input (``X.input_hadamard``: ``W' = W D H / b``) comes back
+        as ``W' H = W D``, the weight of the unrotated input (Sylvester's ``H`` is symmetric, ``H H = b I``).
+        """
         if self.is_int8(prefix):
             w = dequantize_weight(self.tensors[prefix + INT8_WEIGHT_SUFFIX], self.tensors[prefix + INT8_SCALE_SUFFIX])
+            block = self.tensors.get(prefix + INPUT_HADAMARD_SUFFIX)
+            if block is not None:
+                w = block_hadamard(w.float(), int(block.item()))  # each row's blocks times H
         elif input_scale is None:
             return self.tensor(prefix + ".weight")
         else:

@@ -84,16 +84,50 @@ def test_int8_checkpoint_matches_dequantized_hf(scheme, dtype, outliers, tmp_pat
         assert lm_head.int8_layer.outlier_channels.tolist() == list(range(0, 40, 5))
         assert runner.layers[0].qkv.int8_layer.outlier_channels is not None
         assert runner.layers[0].o.int8_layer.outlier_channels is None
+    matched, total = teacher_forced_agreement(llm, hf)
+    assert matched / total >= 0.8, f"INT8 engine agrees with the dequantized model on {matched}/{total} tokens"
+    llm.engine.check_invariants()
+
+
+def teacher_forced_agreement(llm, hf) -> tuple[int, int]:
+    """``(matched, total)``: HF's greedy choice after each prefix of the engine's greedy output (6 prompts x 8)."""
     prompts = random_prompts([4, 9, 15, 22, 30, 7], seed=23)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
     matched = total = 0
     with torch.inference_mode():
         for prompt, out in zip(prompts, outs):
-            # Teacher-forced agreement: HF's greedy choice after each engine prefix.
             ids = torch.tensor([prompt + out.outputs[0].token_ids])
-            logits = hf(ids).logits[0, len(prompt) - 1 : -1]  # [8, vocab]
-            hf_choice = logits.argmax(-1).tolist()
+            hf_choice = hf(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()  # [8]
             matched += sum(a == b for a, b in zip(hf_choice, out.outputs[0].token_ids))
             total += len(hf_choice)
-    assert matched / total >= 0.8, f"INT8 engine agrees with the dequantized model on {matched}/{total} tokens"
+    return matched, total
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rotated_w8a8_checkpoint_runs_in_the_engine_and_tracks_its_parent(dtype, tmp_path):
+    """``lmforge quantize --method w8a8`` rotates by default (residual stream, down_proj inputs): the engine runs the
+    online rotation in its INT8 layers, and its float path (the CUDA one) gets the weight of the unrotated input."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.quantize.int8 import INPUT_HADAMARD_SUFFIX, W8A8Linear, block_hadamard
+    from compress.quantize.methods import quantize
+    from engine.model import WeightLoader, load_state_dict
+
+    src = make_tiny_llama(tmp_path / "fp32", seed=5, hidden_size=128, intermediate_size=256)
+    out = quantize(src, tmp_path / "w8a8", method="w8a8", calibration_records=4)
+    llm = LLM(str(out), dtype=dtype, block_size=4, num_kv_blocks=128, max_model_len=128)
+    down = llm.engine.runner.layers[0].down.int8_layer
+    assert isinstance(down, W8A8Linear) and down.input_hadamard == 64
+    assert llm.engine.runner.layers[0].o.int8_layer.input_hadamard is None
+    hf = AutoModelForCausalLM.from_pretrained(src).eval()  # the fp32 parent
+    matched, total = teacher_forced_agreement(llm, hf)
+    assert matched / total >= 0.8, f"rotated w8a8 engine agrees with its fp32 parent on {matched}/{total} tokens"
     llm.engine.check_invariants()
+    tensors = load_state_dict(out)
+    prefix = "model.layers.1.mlp.down_proj"
+    assert tensors[prefix + INPUT_HADAMARD_SUFFIX].tolist() == [64]
+    w = WeightLoader(tensors, out, torch.float32, "cpu")._float_weight(prefix)  # [128, 256]: W' H
+    x = torch.randn(3, 256)
+    stored = dequantize_weight(tensors[prefix + INT8_WEIGHT_SUFFIX], tensors[prefix + INT8_SCALE_SUFFIX])  # W'
+    expected = block_hadamard(x, 64).double() @ stored.double().T  # what the INT8 layer computes, less rounding
+    torch.testing.assert_close(x.double() @ w.double().T, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

@@ -8,12 +8,14 @@ from compress.quantize.int8 import (
     W8A8Linear,
     amx_cpu_kernel,
     amx_cpu_kernel_reason,
+    block_hadamard,
     cpu_int8_flags,
     dequantize_weight,
     format_microbench,
     fused_cpu_kernels,
     fused_cpu_kernels_reason,
     gemm_microbench,
+    hadamard_matrix,
     int8_linear,
     quantize_per_token,
     quantize_weight_per_channel,
@@ -316,3 +318,62 @@ def test_w8a8_outlier_channels_get_their_own_per_token_scale(dtype, amx_restored
     ):
         with pytest.raises(ValueError, match=match):
             W8A8Linear(w8, scale, None, bad.long())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [2, 8, 64, 256])  # below 16: the scalar butterflies; 16 and up: AVX-512 where built
+def test_block_hadamard_equals_the_matrix_product(dtype, block, aten_path_restored):
+    h = hadamard_matrix(block)
+    assert torch.equal(h @ h.T, block * torch.eye(block)) and torch.equal(h, h.T)
+    torch.manual_seed(0)
+    x = (torch.randn(5, 512) * 4).to(dtype)
+    reference = (x.double().reshape(-1, block) @ h.double()).reshape(5, 512)  # [5, 512]
+    tol = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    for fused in (True, False):  # the C++ butterflies, the float32 matmul
+        fused_cpu_kernels(fused)
+        got = block_hadamard(x, block)
+        assert got.dtype == dtype and got.shape == x.shape
+        torch.testing.assert_close(got.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_matrix(12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w8a8_input_hadamard_rotates_once_on_every_path(dtype, amx_restored, monkeypatch):
+    """``y = Q(x H) W'^T`` with ``W' = W H / b``: the plain, add and silu_mul calls, few rows (weight-only kernel)
+    and many, and the outlier spread: one channel of x at 40x no longer sets its token's scale."""
+    monkeypatch.setattr(int8, "W8A8_GEMV_MAX_ROWS", 4)
+    torch.manual_seed(3)
+    block, in_features, out_features = 64, 128, 48
+    w, b = torch.randn(out_features, in_features), torch.randn(out_features)
+    h = hadamard_matrix(block, torch.float64)
+    rotated = (w.double().view(out_features, -1, block) @ h).view_as(w) / block  # W H / b, [out, in]
+    w8, scale = quantize_weight_per_channel(rotated.float())
+    layer = int8_linear("w8a8", w8, scale, b, input_hadamard=torch.tensor([block]))
+    assert isinstance(layer, W8A8Linear) and layer.input_hadamard == block
+    plain = W8A8Linear(w8, scale, b)
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    for rows in (1, 4, 40):
+        x = torch.randn(rows, in_features) * 2
+        x[:, 5] *= 40
+        x = x.to(dtype)
+        xh = block_hadamard(x, block)
+        expected = plain(xh).double()  # the rotation applied once, then the layer's own path
+        residual = torch.randn(rows, out_features).to(dtype)
+        torch.testing.assert_close(layer(x).double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+        added = layer.add(x, residual).double()
+        reference = expected + residual.double()
+        torch.testing.assert_close(added, reference, rtol=tol, atol=tol * reference.abs().max().item())
+        truth = x.double() @ w.double().T + b.double()
+        if rows > 4:  # INT8 activations: the rotated layer is closer to the float truth than the unrotated one
+            unrotated = W8A8Linear(*quantize_weight_per_channel(w), b)(x).double()
+            assert (layer(x).double() - truth).abs().mean() < 0.5 * (unrotated - truth).abs().mean()
+    gated = int8_linear("w8a8", w8, scale, b, input_hadamard=block)
+    gate, up = plain(block_hadamard(x, block)).double().chunk(2, dim=-1)
+    reference = F.silu(gate) * up
+    torch.testing.assert_close(gated.silu_mul(x).double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+    for bad in (48, 3, 256):
+        with pytest.raises(ValueError, match="input_hadamard"):
+            W8A8Linear(w8, scale, b, input_hadamard=bad)
+    with pytest.raises(ValueError, match="w8a8 scheme only"):
+        int8_linear("weight-only", w8, scale, b, input_hadamard=block)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import onnx
 import pytest
@@ -10,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from compress.checkpoint.store import CheckpointError, make_tiny_llama, read_manifest
+from compress.errors import UsageError
 from compress.evaluate.quality import (
     AGREEMENT_PROMPTS,
     EvalConfig,
@@ -93,13 +95,25 @@ def test_int8_format_and_runtime_modules(method, layer_cls, quantized_dirs):
         assert f.metadata()["lmforge_int8_scheme"] == CONFIGS[method].scheme
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_int8").dtype == torch.int8
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").shape == (64,)
-        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32  # tied: only the head's copy is INT8
+        # tied: only the head's copy is INT8; a rotated w8a8 stores its vocabulary tables (untied) in bf16
+        embed_dtype = torch.bfloat16 if method == "w8a8" else torch.float32
+        assert f.get_tensor("model.embed_tokens.weight").dtype == embed_dtype
         head_int8 = method == "int8-weight-only"  # w8a8 keeps the head float by default (it adds the most KL)
         assert ("lm_head.weight_int8" in keys) == head_int8
         assert not any(k.endswith(".outlier_channels") for k in keys)  # none by default
-    assert "model.layers.0.self_attn.q_proj.weight" not in keys and "lm_head.weight" not in keys
+        rotated = method == "w8a8"  # its default rotation: each down_proj's input, and the residual stream
+        for i in range(2):
+            assert (f"model.layers.{i}.mlp.down_proj.input_hadamard" in keys) == rotated
+        assert not any(k.endswith(".input_hadamard") and ".down_proj." not in k for k in keys)
+        if rotated:  # the norms folded into the next layers, the head untied (float) with the final norm in it
+            assert torch.equal(f.get_tensor("model.layers.0.mlp.down_proj.input_hadamard"), torch.tensor([64]))
+            assert torch.equal(f.get_tensor("model.norm.weight"), torch.ones(64))
+            assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16  # vocabulary tables in bf16 when rotated
+    assert "model.layers.0.self_attn.q_proj.weight" not in keys and ("lm_head.weight" in keys) == rotated
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is not rotated
     model = load_int8_model(out)
     assert isinstance(model.model.layers[1].mlp.down_proj, layer_cls)
+    assert getattr(model.model.layers[1].mlp.down_proj, "input_hadamard", None) == (64 if rotated else None)
     assert isinstance(model.lm_head, layer_cls if head_int8 else torch.nn.Linear)
     assert isinstance(model.model.embed_tokens.weight, torch.nn.Parameter)
     assert not any("torch.ao" in type(m).__module__ for m in model.modules())
@@ -111,10 +125,12 @@ def test_int8_skip_filter_and_biases(tmp_path):
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert "model.layers.0.mlp.down_proj.weight" in keys and "model.layers.0.mlp.up_proj.weight_int8" in keys
-    assert "model.layers.0.self_attn.q_proj.bias" in keys and not any(k.startswith("lm_head") for k in keys)
+    assert "model.layers.0.self_attn.q_proj.bias" in keys and "lm_head.weight_int8" not in keys
+    assert "model.layers.0.mlp.down_proj.input_hadamard" not in keys  # float: stored for its unrotated input
     reference = load_for_eval(parent).model
     model = load_int8_model(out)
-    assert isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is model.model.embed_tokens.weight
+    assert isinstance(model.lm_head, torch.nn.Linear)  # float, untied by the default rotation
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
     ids = torch.tensor([[1, 400, 5000, 31, 77]])  # [1, 5]
     with torch.no_grad():
         expected, got = reference(ids).logits, model(ids).logits
@@ -375,7 +391,7 @@ def test_w8a8_outlier_channels_are_stored_and_load_everywhere(tiny_llama_dir, tm
         method="w8a8",
         skip_modules=(),
         outlier_channels=8,
-        outlier_modules=("lm_head", "down_proj"),
+        outlier_modules=("lm_head", "o_proj"),  # down_proj's rotated input spreads its outliers instead
         calibration_records=4,
     )
     config = read_manifest(out).config
@@ -383,7 +399,7 @@ def test_w8a8_outlier_channels_are_stored_and_load_everywhere(tiny_llama_dir, tm
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         head = f.get_tensor("lm_head.outlier_channels")
         assert head.dtype == torch.int64 and head.shape == (8,) and torch.equal(head, head.sort().values)
-        assert f.get_tensor("model.layers.0.mlp.down_proj.outlier_channels").shape == (8,)
+        assert f.get_tensor("model.layers.0.self_attn.o_proj.outlier_channels").shape == (8,)
         assert "model.layers.0.mlp.up_proj.outlier_channels" not in set(f.keys())
     model = load_int8_model(out)
     assert torch.equal(model.lm_head.outlier_channels, head)
@@ -398,3 +414,30 @@ def test_w8a8_outlier_channels_are_stored_and_load_everywhere(tiny_llama_dir, tm
     outputs = llm.generate([[1, 400, 5000, 31]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(outputs[0].outputs[0].token_ids) == 4
     llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_rotations_keep_the_fp32_function(model_type, tmp_path):
+    """QuaRot-style rotations (compress.quantize.rotate): the residual stream, then SmoothQuant, then down_proj's
+    online input rotation; the float model computes the same logits, the head is untied, the norms are ones."""
+    from compress.quantize.methods import load_smoothed_model
+    from compress.quantize.rotate import RotatedInputLinear, orthogonal_rotation, rotated_inputs
+
+    parent = make_tiny_llama(tmp_path / model_type, seed=4, model_type=model_type)
+    reference = load_for_eval(parent, num_threads=1).model
+    rotated = load_smoothed_model(parent, alpha=0.5, data=None, num_records=2, rotation_block=32)
+    assert rotated_inputs(rotated) == {f"model.layers.{i}.mlp.down_proj": 32 for i in range(2)}
+    assert isinstance(rotated.model.layers[0].mlp.down_proj, RotatedInputLinear)
+    assert rotated.lm_head.weight is not rotated.model.embed_tokens.weight and not rotated.config.tie_word_embeddings
+    assert torch.equal(rotated.model.norm.weight, torch.ones(64))
+    assert not torch.allclose(rotated.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    ids = torch.tensor([[1, 400, 5000, 31, 77, 9, 12]])  # [1, 7]
+    with torch.no_grad():
+        expected, got = reference(ids).logits, rotated(ids).logits  # [1, 7, vocab]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    q = orthogonal_rotation(64)
+    torch.testing.assert_close(q @ q.T, torch.eye(64, dtype=torch.float64))
+    q = orthogonal_rotation(48)  # no Hadamard matrix of that size: a random rotation
+    torch.testing.assert_close(q @ q.T, torch.eye(48, dtype=torch.float64))
+    with pytest.raises(UsageError, match="rotation block 48"):
+        load_smoothed_model(parent, alpha=None, data=None, num_records=1, rotation_block=48)

@@ -9,7 +9,10 @@ file's safetensors metadata ``lmforge_int8_scheme`` names how activations are tr
 (``SCHEMES``); files written by the former ``dynamic`` method have no such entry and run as
 ``w8a8`` (their weights are in the same format; activations now get per-token scales). A ``w8a8``
 layer may also store ``X.outlier_channels`` (int64 ``[n]``): input channels whose activations get
-a per-token scale of their own (``W8A8Linear``); its weights and scales are stored as above.
+a per-token scale of their own (``W8A8Linear``); its weights and scales are stored as above. A ``w8a8``
+layer whose stored weight was rotated on its input side stores ``X.input_hadamard`` (int64 ``[1]``,
+the block size ``b``): its input is multiplied by ``block_hadamard(x, b)`` at run time before the
+activations are quantized (``compress.quantize.rotate``).
 
 Schemes (no pickle and no ``torch.ao.nn.quantized``; the kernels are ATen / oneDNN operators and,
 for ``w8a8`` on CPU, one C++ op of our own, ``fused_cpu_kernels``):
@@ -64,6 +67,8 @@ INT8_WEIGHT_SUFFIX = ".weight_int8"
 INT8_SCALE_SUFFIX = ".weight_scale"
 #: int64 ``[n]``: input channels of a ``w8a8`` layer quantized with a per-token scale of their own.
 OUTLIER_CHANNELS_SUFFIX = ".outlier_channels"
+#: int64 ``[1]``: block size of the Hadamard transform a ``w8a8`` layer applies to its input (``W8A8Linear``).
+INPUT_HADAMARD_SUFFIX = ".input_hadamard"
 #: ``w8a8`` activations reach oneDNN's int8 GEMM as uint8 ``q + 128`` with this zero point (exactly the int8 sums).
 ONEDNN_ACTIVATION_ZERO_POINT = 128
 SCHEME_METADATA_KEY = "lmforge_int8_scheme"
@@ -223,6 +228,52 @@ def fused_cpu_kernels_reason() -> str:
     return _FUSED.reason
 
 
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Sylvester's Hadamard matrix ``[n, n]``: entries +-1, symmetric, ``H @ H.T == n * I``.
+
+    Raises:
+        ValueError: ``n`` is not a power of two >= 1.
+    """
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power of two, got n={n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)))  # [[H, H], [H, -H]]
+    return h.to(dtype)
+
+
+@functools.cache
+def _hadamard_on(n: int, device: str) -> torch.Tensor:
+    return hadamard_matrix(n).to(device)
+
+
+def check_hadamard_block(block: int, in_features: int) -> int:
+    """``block`` as an int when it is a power of two >= 2 that divides ``in_features``.
+
+    Raises:
+        ValueError: otherwise (names both values).
+    """
+    block = int(block)
+    if block < 2 or block & (block - 1) or in_features % block:
+        raise ValueError(f"input_hadamard={block}: must be a power of two >= 2 that divides in_features={in_features}")
+    return block
+
+
+def block_hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x [..., K]`` with every run of ``block`` consecutive elements times ``hadamard_matrix(block)``.
+
+    Same shape and dtype; computed in float32 and rounded once. On CPU (bf16 / fp32) the butterflies
+    of the fast Walsh-Hadamard transform run in the fused C++ op (``lmforge_int8::block_hadamard``,
+    ``block * log2(block)`` adds per block); elsewhere, and without the op, a float32 matmul with the
+    matrix (the same values up to float32 summation order).
+    """
+    k = x.shape[-1]
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and _use_fused():
+        return torch.ops.lmforge_int8.block_hadamard(x.reshape(-1, k), block).reshape(x.shape)
+    h = _hadamard_on(block, str(x.device))  # [block, block]
+    return (x.reshape(-1, block).float() @ h).to(x.dtype).reshape(x.shape)
+
+
 class _Int8Linear(nn.Module):
     """Stored INT8 weights ``[out, in]``, float32 per-channel scales ``[out]`` and an optional bias."""
 
@@ -304,6 +355,13 @@ class W8A8Linear(_Int8Linear):
     The split follows LLM.int8()'s outlier decomposition (Dettmers et al. 2022), but both parts stay
     INT8: on AMX the outlier part is one more 64-wide K block of the same tiles. The weights and
     their per-channel scales are the same as without a split (stored as usual).
+
+    ``input_hadamard`` (block size ``b``, optional): every public call first computes
+    ``x' = block_hadamard(x, b)`` (runs of ``b`` input channels times the +-1 Hadamard matrix) and
+    runs every path above on ``x'``; the stored weight is the rotated one (``W D H / b``,
+    ``compress.quantize.rotate``), so ``x' @ W'^T == x @ W^T``. The transform spreads a channel's
+    outlier over its block, so one per-token scale rounds the block's other channels far less
+    (QuaRot's online Hadamard before ``down_proj``, Ashkboos et al. 2024).
     """
 
     def __init__(
@@ -312,11 +370,15 @@ class W8A8Linear(_Int8Linear):
         scale: torch.Tensor,
         bias: torch.Tensor | None = None,
         outlier_channels: torch.Tensor | None = None,
+        input_hadamard: int | None = None,
     ):
         super().__init__(weight_int8, scale, bias)
         if outlier_channels is not None:
             outlier_channels = check_outlier_channels(outlier_channels, weight_int8.shape[1])
         self.register_buffer("outlier_channels", outlier_channels)
+        self.input_hadamard = (
+            None if input_hadamard is None else check_hadamard_block(input_hadamard, weight_int8.shape[1])
+        )
         self._packed = None  # oneDNN's layout
         self._amx_packed = None  # int8 [ceil(out / 16), ceil(in / 64), 16, 64] (lmforge_int8_amx.pack_weight)
         self._amx_gated = None  # the gate and up halves, each packed alone, concatenated
@@ -388,9 +450,14 @@ class W8A8Linear(_Int8Linear):
         rest, outliers = self._channels()
         return x2.index_select(1, rest), packed, x2.index_select(1, outliers), packed_outlier
 
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's input as its stored weight expects it (``block_hadamard`` where ``input_hadamard`` is set)."""
+        return x if self.input_hadamard is None else block_hadamard(x, self.input_hadamard)
+
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)`` rounded once to x's dtype (AMX, or the fused oneDNN-path op):
         ``[N, in]``, ``[N, out]`` -> ``[N, out]``."""
+        x = self._rotate(x)
         if (xg := self._gemv_input(x)) is not None:
             return residual + self._gemv(xg).reshape(residual.shape)
         x2 = self._amx_input(x)
@@ -401,7 +468,7 @@ class W8A8Linear(_Int8Linear):
             )
             return y.reshape(residual.shape)
         if x2 is None or residual.dtype != x.dtype:
-            return residual + self(x)
+            return residual + self._linear(x)
         residual2 = residual.reshape(-1, self.out_features)
         xm, packed, xo, packed_outlier = self._amx_args(x2)
         y = _AMX.ops.linear(xm, packed, self.weight_scale, self.bias, self.out_features, residual2, xo, packed_outlier)
@@ -416,6 +483,7 @@ class W8A8Linear(_Int8Linear):
         """
         if self.out_features % 2:
             raise ValueError(f"silu_mul needs a [gate; up] layer with even out_features, got {self.out_features}")
+        x = self._rotate(x)
         if (xg := self._gemv_input(x)) is not None:
             gate, up = self._gemv(xg).reshape(*x.shape[:-1], self.out_features).chunk(2, dim=-1)
             return F.silu(gate) * up
@@ -423,7 +491,8 @@ class W8A8Linear(_Int8Linear):
         if x2 is None:
             xf = self._fused_input(x)
             if xf is None:
-                return super().silu_mul(x)
+                gate, up = self._linear(x).chunk(2, dim=-1)
+                return F.silu(gate) * up
             y = torch.ops.lmforge_int8.w8a8_linear_epilogue(
                 xf, self._packed, self.weight_scale, self._zero_points, self.bias, None, True
             )
@@ -450,6 +519,10 @@ class W8A8Linear(_Int8Linear):
         return _GEMV.ops.weight_only_mm(x2, self.weight_int8, self.weight_scale, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(self._rotate(x))
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` of an input already rotated (``_rotate``): ``[..., in] -> [..., out]`` in x's dtype."""
         if (xg := self._gemv_input(x)) is not None:
             return self._gemv(xg).reshape(*x.shape[:-1], self.out_features)
         x2 = self._amx_input(x)
@@ -558,6 +631,7 @@ def int8_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     outlier_channels: torch.Tensor | None = None,
+    input_hadamard: torch.Tensor | int | None = None,
 ) -> nn.Module:
     """The runtime layer of ``scheme`` from stored INT8 weights (no re-quantization).
 
@@ -567,17 +641,23 @@ def int8_linear(
             bias: optional float ``[out_features]``.
         outlier_channels: int64 ``[n]`` input channels with an activation scale of their own
             (``W8A8Linear``; ``w8a8`` only).
+        input_hadamard: block size of the input's Hadamard transform, or its stored int64 ``[1]``
+            tensor (``W8A8Linear``; ``w8a8`` only).
 
     Raises:
-        ValueError: unknown scheme, outlier channels on a scheme without activation quantization,
-            or bad outlier channels (``check_outlier_channels``).
+        ValueError: unknown scheme, outlier channels or an input rotation on a scheme without
+            activation quantization, or bad values (``check_outlier_channels``, ``check_hadamard_block``).
     """
     if scheme not in LAYERS:
         raise ValueError(f"INT8 scheme {scheme!r} is not supported; use one of {list(SCHEMES)}")
-    if outlier_channels is not None:
+    if isinstance(input_hadamard, torch.Tensor):
+        if input_hadamard.numel() != 1 or input_hadamard.is_floating_point():
+            raise ValueError(f"input_hadamard must be one integer (the block size), got {input_hadamard.tolist()}")
+        input_hadamard = int(input_hadamard.item())
+    if outlier_channels is not None or input_hadamard is not None:
         if scheme != "w8a8":
-            raise ValueError(f"outlier channels apply to the w8a8 scheme only, not {scheme!r}")
-        return W8A8Linear(weight_int8, scale, bias, outlier_channels)
+            raise ValueError(f"outlier channels and input rotations apply to the w8a8 scheme only, not {scheme!r}")
+        return W8A8Linear(weight_int8, scale, bias, outlier_channels, input_hadamard)
     return LAYERS[scheme](weight_int8, scale, bias)
 
 

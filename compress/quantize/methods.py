@@ -49,9 +49,11 @@ from compress.checkpoint.store import (
 from compress.data.records import default_split_records, encode_record, read_records
 from compress.errors import UsageError
 from compress.quantize.int8 import (
+    INPUT_HADAMARD_SUFFIX,
     INT8_SCALE_SUFFIX,
     INT8_WEIGHT_SUFFIX,
     OUTLIER_CHANNELS_SUFFIX,
+    block_hadamard,
     format_microbench,
     gemm_microbench,
     int8_linear,
@@ -61,10 +63,16 @@ from compress.quantize.int8 import (
     scheme_metadata,
 )
 from compress.quantize.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
+from compress.quantize.rotate import rotate_down_proj_inputs, rotate_residual_stream, rotated_inputs
 from compress.quantize.sensitivity import quantization_units, unit_sensitivity
 from compress.quantize.smooth import activation_absmax, calibrate_alpha, smooth_model
 
 WEIGHTS_NAME = "model.safetensors"
+#: Float vocabulary tables that a rotated ``w8a8`` checkpoint stores in bfloat16: SmolLM2-135M, 44 held-out dialogs,
+#: mean KL 0.0067 -> 0.0070, same top-1 96.9% -> 96.6%, 318 -> 210 MiB (two fp32 tables of 49152 x 576 otherwise).
+VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+#: ``W8A8Config.rotation`` values (``None``: no rotation).
+ROTATIONS = ("hadamard", None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,6 +158,17 @@ class W8A8Config:
         calibration_records: records whose activations set the SmoothQuant scales.
         calibration_data: JSONL of calibration records; ``None`` = the training split of the
             English chatterbot-corpus dialogs (never the held-out split).
+        rotation: ``"hadamard"`` (default): before SmoothQuant, rotate the residual stream by a random
+            Hadamard matrix folded into the weights, and give every ``down_proj`` an online Hadamard
+            rotation of ``rotation_block`` input channels (``compress.quantize.rotate``; QuaRot,
+            Ashkboos et al. 2024). The float model's function is unchanged; per-token INT8 activations
+            lose far less: SmolLM2-135M against fp32, 44 held-out dialogs, mean KL 0.0172 -> 0.0070, same
+            top-1 94.7% -> 96.6%, perplexity -0.48% -> +0.79% (README, "INT8"), for one ``block_hadamard``
+            pass over each ``down_proj`` input (~1.5% of a 64-row decode step). The checkpoint stores the
+            rotated weights, norm weights of 1 and an untied LM head (``VOCAB_TABLES`` in bf16). With it an
+            INT8 head (``skip_modules=()``) adds little (KL 0.0077, top-1 95.9%). ``None``: no rotation.
+        rotation_block: channels per block of the online ``down_proj`` rotation (a power of two that
+            divides the intermediate size).
     """
 
     skip_modules: tuple[str, ...] = ("lm_head",)
@@ -161,11 +180,18 @@ class W8A8Config:
     sensitivity_records: int = 8
     calibration_records: int = 32
     calibration_data: str | None = None
+    rotation: str | None = "hadamard"
+    rotation_block: int = 64
     scheme: ClassVar[str] = "w8a8"
 
     def __post_init__(self) -> None:
         _check_skip_modules(self.skip_modules)
         _check_smoothing(self.smoothquant_alpha, self.calibration_records)
+        if self.rotation not in ROTATIONS:
+            raise UsageError(f"rotation={self.rotation!r}: use 'hadamard' or None (--rotation none)")
+        block = self.rotation_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1):
+            raise UsageError(f"rotation_block={block!r}: must be a power of two >= 2 (default 64)")
         grid = self.smoothquant_alpha_grid
         if grid is not None and (isinstance(grid, str) or not grid or any(not 0.0 <= a <= 1.0 for a in grid)):
             raise UsageError(f"smoothquant_alpha_grid={grid!r}: must be a non-empty tuple of alphas in [0, 1]")
@@ -271,19 +297,35 @@ def load_smoothed_model(
     data: str | None,
     num_records: int,
     alpha_grid: tuple[float, ...] | None = None,
+    rotation_block: int | None = None,
 ):
     """The fp32 causal LM of ``source_dir``, with SmoothQuant applied when ``alpha`` or ``alpha_grid`` is set.
 
     With ``alpha_grid``, every group's alpha is calibrated (``calibrate_alpha``) on the same records.
+    With ``rotation_block``, the residual stream is rotated before SmoothQuant and the ``down_proj``
+    inputs after it (``compress.quantize.rotate``); those layers become ``RotatedInputLinear``.
+
+    Raises:
+        UsageError: a rotation of a model that is not a Llama-style decoder, or a block that does not
+            divide its intermediate size.
     """
     # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
-    if alpha is not None or alpha_grid:
-        tokenizer = AutoTokenizer.from_pretrained(source_dir)
-        batches = calibration_batches(tokenizer, data=data, num_records=num_records)
-        smooth_model(model, batches, alpha=calibrate_alpha(model, batches, alpha_grid) if alpha_grid else alpha)
+    try:
+        if rotation_block is not None:
+            rotate_residual_stream(model)
+        if alpha is not None or alpha_grid:
+            tokenizer = AutoTokenizer.from_pretrained(source_dir)
+            batches = calibration_batches(tokenizer, data=data, num_records=num_records)
+            smooth_model(model, batches, alpha=calibrate_alpha(model, batches, alpha_grid) if alpha_grid else alpha)
+        if rotation_block is not None:
+            rotate_down_proj_inputs(model, rotation_block)
+    except ValueError as exc:
+        if rotation_block is None:
+            raise
+        raise UsageError(f"--rotation hadamard: {exc}") from exc
     return model
 
 
@@ -294,7 +336,9 @@ def most_sensitive_units(model, tokenizer, config: Int8WeightOnlyConfig | W8A8Co
 
     def quantized(linear):
         weight_int8, scale = quantize_weight_per_channel(linear.weight)
-        return int8_linear(config.scheme, weight_int8, scale, None if linear.bias is None else linear.bias.detach())
+        bias = None if linear.bias is None else linear.bias.detach()
+        rotation = getattr(linear, "input_hadamard", None)  # a RotatedInputLinear's block
+        return int8_linear(config.scheme, weight_int8, scale, bias, input_hadamard=rotation)
 
     units = [u for u in quantization_units(model) if not any(is_skipped(n, config.skip_modules) for n in u)]
     batches = calibration_batches(
@@ -331,6 +375,13 @@ def outlier_input_channels(model, tokenizer, config: W8A8Config, float_modules=(
         raise UsageError(
             f"outlier_modules={config.outlier_modules!r} names no INT8 linear layer",
             fix="name a quantized layer (e.g. lm_head), or pass --outlier-channels 0",
+        )
+    both = sorted(names & set(rotated_inputs(model)))
+    if both:
+        raise UsageError(
+            f"outlier_modules={config.outlier_modules!r} includes {both[0]}, whose input is rotated (--rotation "
+            "hadamard spreads its outliers already)",
+            fix="leave down_proj out of --outlier-modules, or pass --rotation none",
         )
     batches = calibration_batches(tokenizer, data=config.calibration_data, num_records=config.calibration_records)
     absmax = activation_absmax(model, batches, names)
@@ -371,6 +422,13 @@ def _copy_side_files(source_dir: Path, target_dir: Path) -> None:
         if file.name.endswith(".safetensors.index.json"):
             continue
         shutil.copy2(file, target_dir / file.name)
+
+
+def _set_config(path: Path, **fields: Any) -> None:
+    """Set ``fields`` in the ``config.json`` at ``path`` (copied from the source checkpoint)."""
+    config = json.loads(path.read_text())
+    config.update(fields)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _finish(tmp: Path, output_dir: Path, *, source_dir: Path, method: str, config: dict[str, Any]) -> Path:
@@ -427,7 +485,11 @@ class Int8Quantizer:
 
         ``float_modules``: linear layers kept float besides ``skip_modules`` (exact names).
         ``outliers``: ``{module name: int64 [n]}`` outlier input channels (``w8a8``), stored as
-        ``X.outlier_channels`` next to an INT8 layer's weights.
+        ``X.outlier_channels`` next to an INT8 layer's weights. A ``RotatedInputLinear``'s block
+        (``load_smoothed_model``) is stored as ``X.input_hadamard`` when it is INT8; kept float, it
+        stores ``W' H`` (``== W D``), the weight of its input before the online rotation. A rotated
+        model's float vocabulary tables (``VOCAB_TABLES``: the rotation unties the head) are stored in
+        bfloat16, so the checkpoint is no larger than before.
 
         Each selected ``nn.Linear`` ``X`` contributes ``X.weight_int8`` (int8 ``[out, in]``) and
         ``X.weight_scale`` (float32 ``[out]``) instead of ``X.weight``; everything else stays
@@ -441,6 +503,7 @@ class Int8Quantizer:
             and not is_skipped(name, self.config.skip_modules)
             and name not in float_modules
         }
+        rotated = rotated_inputs(model)
         state: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for key, tensor in model.state_dict().items():
@@ -451,11 +514,17 @@ class Int8Quantizer:
                 state[module_name + INT8_SCALE_SUFFIX] = scale.contiguous()
                 if outliers and module_name in outliers:
                     state[module_name + OUTLIER_CHANNELS_SUFFIX] = outliers[module_name].to(torch.long).contiguous()
+                if module_name in rotated:
+                    state[module_name + INPUT_HADAMARD_SUFFIX] = torch.tensor([rotated[module_name]], dtype=torch.long)
+                continue
+            if module_name in rotated and leaf == "weight":  # kept float: the weight of the unrotated input
+                state[key] = block_hadamard(tensor.detach().float(), rotated[module_name]).contiguous()
                 continue
             if tensor.data_ptr() in seen:  # tied to a tensor already stored
                 continue
             seen.add(tensor.data_ptr())
-            state[key] = tensor.detach().float().contiguous() if tensor.is_floating_point() else tensor.contiguous()
+            dtype = torch.bfloat16 if rotated and key in VOCAB_TABLES else torch.float32
+            state[key] = tensor.detach().to(dtype).contiguous() if tensor.is_floating_point() else tensor.contiguous()
         if not quantized:
             raise UsageError(f"skip_modules={self.config.skip_modules!r} leaves no linear layer to quantize")
         return state
@@ -477,6 +546,7 @@ class Int8Quantizer:
             alpha_grid=getattr(c, "smoothquant_alpha_grid", None),
             data=getattr(c, "calibration_data", None),
             num_records=getattr(c, "calibration_records", 1),
+            rotation_block=c.rotation_block if getattr(c, "rotation", None) else None,
         )
         float_modules, outliers = [], {}
         if getattr(c, "float_units", 0) or getattr(c, "outlier_channels", 0):
@@ -497,6 +567,8 @@ class Int8Quantizer:
                 metadata={"format": "pt", "lmforge_method": self.method, **scheme_metadata(c.scheme)},
             )
             _copy_side_files(source_dir, tmp)
+            if rotated_inputs(model):  # the rotation untied the LM head (rotate.fold_norms)
+                _set_config(tmp / "config.json", tie_word_embeddings=False)
             config = {"scheme": c.scheme, **dataclasses.asdict(c)}
             if float_modules:
                 config["float_modules"] = float_modules
@@ -561,8 +633,9 @@ def load_int8_model(checkpoint_dir: str | Path):
             state.pop(scale_key),
             state.pop(prefix + ".bias", None),
             state.pop(prefix + OUTLIER_CHANNELS_SUFFIX, None),
+            state.pop(prefix + INPUT_HADAMARD_SUFFIX, None),
         )
-    stray = [k for k in state if k.endswith((INT8_SCALE_SUFFIX, OUTLIER_CHANNELS_SUFFIX))]
+    stray = [k for k in state if k.endswith((INT8_SCALE_SUFFIX, OUTLIER_CHANNELS_SUFFIX, INPUT_HADAMARD_SUFFIX))]
     if stray:
         raise CheckpointError(f"{weights}: scales without INT8 weights: {stray[:3]}; re-create the checkpoint")
     # Float tensors first (the quantized modules have a state-dict layout of their own).
@@ -580,7 +653,7 @@ def load_int8_model(checkpoint_dir: str | Path):
             f"{weights}: tensors do not match config.json: missing {missing[:5]}, unexpected "
             f"{result.unexpected_keys[:5]}"
         )
-    for prefix, (weight_int8, scale, bias, outlier_channels) in int8_layers.items():
+    for prefix, (weight_int8, scale, bias, outlier_channels, input_hadamard) in int8_layers.items():
         try:
             model.get_submodule(prefix)
         except AttributeError as exc:
@@ -589,7 +662,7 @@ def load_int8_model(checkpoint_dir: str | Path):
                 "file does not match config.json"
             ) from exc
         try:
-            layer = int8_linear(scheme, weight_int8, scale, bias, outlier_channels)
+            layer = int8_linear(scheme, weight_int8, scale, bias, outlier_channels, input_hadamard)
         except ValueError as exc:
             raise CheckpointError(f"{weights}: {prefix}: {exc}; re-create the checkpoint") from exc
         model.set_submodule(prefix, layer)
@@ -848,6 +921,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="w8a8: layers that get outlier channels (default lm_head)",
     )
     parser.add_argument(
+        "--rotation",
+        choices=("hadamard", "none"),
+        default=None,
+        help="w8a8: rotate the residual stream and each down_proj input by random Hadamard matrices before "
+        "quantizing (default hadamard; none: the unrotated model)",
+    )
+    parser.add_argument(
+        "--rotation-block",
+        type=int,
+        default=None,
+        help="w8a8: channels per block of the online down_proj rotation (default 64)",
+    )
+    parser.add_argument(
         "--calibration-data",
         default=None,
         help="int8-weight-only / w8a8 / onnx-int8: JSONL calibration records (default: training dialogs)",
@@ -882,12 +968,15 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "outlier_modules": tuple(args.outlier_modules) if args.outlier_modules else None,
         "calibration_data": args.calibration_data,
         "op_types_to_quantize": args.op_types,
+        "rotation_block": args.rotation_block,
     }
     given = {k: v for k, v in options.items() if v is not None}
     if args.no_smoothquant:
         if args.smoothquant_alpha is not None or args.smoothquant_alpha_grid:
             raise UsageError("--no-smoothquant and --smoothquant-alpha(-grid): pass one of them")
         given["smoothquant_alpha"] = None
+    if args.rotation is not None:
+        given["rotation"] = None if args.rotation == "none" else args.rotation
     fields = {f.name for f in dataclasses.fields(METHODS[args.method][1])} if args.method in METHODS else set(given)
     wrong = sorted(set(given) - fields)
     if wrong:

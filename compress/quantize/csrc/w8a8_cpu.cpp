@@ -14,6 +14,11 @@
 //   the same GEMM with the layer's element-wise work done on the float32 accumulators before the one rounding:
 //   residual: y [M, N] = acc * x_scale (+ bias) + residual; silu_mul (a [gate; up] layer, N even):
 //   y [M, N / 2] = silu(gate) * up. Replaces the separate add / silu / mul ops (and their roundings).
+// lmforge_int8::block_hadamard(x [M, K] bf16 / fp32, int block) -> [M, K] in x's dtype: each run of `block`
+//   consecutive elements of a row times the unnormalized Sylvester Hadamard matrix H_block (entries +-1,
+//   H H^T = block I), by the fast Walsh-Hadamard butterflies in float32 (stages of stride 1, 2, 4, ...), rounded
+//   once. The online half of the w8a8 input rotation (W8A8Linear.input_hadamard); with AVX-512 the strides below
+//   16 run as lane permutes inside a vector, with the scalar loop's results bit for bit (the same adds, same order).
 // With AVX-512 (F, BW) the passes over rows run 16 elements at a time, with the scalar loops' results (the same
 // division, round-half-even and clamp; the SiLU by the polynomial exp of vec_math.h, within ~2e-7 of expf).
 #include <ATen/ATen.h>
@@ -26,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -326,6 +332,107 @@ at::Tensor w8a8_linear_epilogue(const at::Tensor& x, const at::Tensor& w_packed,
   return linear_with_epilogue(x, w_packed, w_scale, w_zero_point, bias, residual, silu_mul);
 }
 
+// ---------------------------------------------------------------------------------------------- block Hadamard
+
+// In place: v [n] (n a power of two) times H_n, by butterflies of stride 1, 2, ..., n / 2.
+inline void fwht_scalar(float* v, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = v[j], b = v[j + h];
+        v[j] = a + b;
+        v[j + h] = a - b;
+      }
+}
+
+#ifdef LMFORGE_W8A8_AVX512
+// 16 floats times H_16: strides 1, 2, 4, 8 inside the vector (lanes i and i ^ h: a_i * sign + a_{i^h}, sign +1
+// where bit h of i is clear, -1 where set: the butterfly's a + b and a - b; the product by +-1 is exact).
+inline __m512 fwht16(__m512 a) {
+  const __m512 s1 = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
+  const __m512 s2 = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
+  const __m512 s4 = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
+  const __m512 s8 = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+  a = _mm512_fmadd_ps(a, s1, _mm512_permute_ps(a, 0xB1));        // swap neighbours
+  a = _mm512_fmadd_ps(a, s2, _mm512_permute_ps(a, 0x4E));        // swap pairs
+  a = _mm512_fmadd_ps(a, s4, _mm512_shuffle_f32x4(a, a, 0xB1));  // swap 128-bit lanes
+  return _mm512_fmadd_ps(a, s8, _mm512_shuffle_f32x4(a, a, 0x4E));  // swap 256-bit halves
+}
+
+// in [n] (n a multiple of 16) times H_n into out, in float32 with one rounding at the store: each run of 64
+// (or 16, 32) in registers, the strides of 64 and up between those runs in the float32 buffer v [n].
+template <typename Row>
+inline void fwht_avx512(const typename Row::raw_t* in, int64_t n, float* v, typename Row::raw_t* out) {
+  const int64_t run = std::min<int64_t>(n, 64), nv = run / 16;
+  for (int64_t r0 = 0; r0 < n; r0 += run) {
+    __m512 a[4];
+    for (int64_t i = 0; i < nv; ++i) a[i] = fwht16(load16<Row>(in + r0 + 16 * i));
+    for (int64_t h = 1; h < nv; h *= 2)  // strides 16 and 32
+      for (int64_t i = 0; i < nv; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const __m512 x = a[j], y = a[j + h];
+          a[j] = _mm512_add_ps(x, y);
+          a[j + h] = _mm512_sub_ps(x, y);
+        }
+    if (n == run) {
+      for (int64_t i = 0; i < nv; ++i) store16<Row>(out + 16 * i, a[i]);
+      return;
+    }
+    for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(v + r0 + 16 * i, a[i]);
+  }
+  for (int64_t h = 64; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; j += 16) {
+        const __m512 x = _mm512_loadu_ps(v + j), y = _mm512_loadu_ps(v + j + h);
+        _mm512_storeu_ps(v + j, _mm512_add_ps(x, y));
+        _mm512_storeu_ps(v + j + h, _mm512_sub_ps(x, y));
+      }
+  for (int64_t k = 0; k < n; k += 16) store16<Row>(out + k, _mm512_loadu_ps(v + k));
+}
+#endif
+
+template <typename Row>
+void hadamard_rows(const typename Row::raw_t* x, int64_t rows, int64_t cols, int64_t block, typename Row::raw_t* y) {
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(block));
+    float* v = buf.data();
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b0 = 0; b0 < cols; b0 += block) {
+        const typename Row::raw_t* in = x + m * cols + b0;
+        typename Row::raw_t* out = y + m * cols + b0;
+#ifdef LMFORGE_W8A8_AVX512
+        if (block % 16 == 0) {
+          fwht_avx512<Row>(in, block, v, out);
+          continue;
+        }
+#endif
+        for (int64_t k = 0; k < block; ++k) v[k] = Row::load(in[k]);
+        fwht_scalar(v, block);
+        for (int64_t k = 0; k < block; ++k) out[k] = Row::store(v[k]);
+      }
+    }
+  });
+}
+
+at::Tensor block_hadamard(const at::Tensor& x, int64_t block) {
+  check_input(x);
+  TORCH_CHECK(block >= 2 && (block & (block - 1)) == 0, "block_hadamard: block must be a power of two >= 2, got ",
+              block);
+  TORCH_CHECK(x.size(1) % block == 0, "block_hadamard: the row length ", x.size(1), " is not a multiple of block ",
+              block);
+  auto xc = x.contiguous();
+  auto y = at::empty_like(xc);
+  const int64_t rows = xc.size(0), cols = xc.size(1);
+  if (xc.scalar_type() == at::kBFloat16) {
+    hadamard_rows<BF16Row>(static_cast<const uint16_t*>(xc.const_data_ptr()), rows, cols, block,
+                           static_cast<uint16_t*>(y.data_ptr()));
+  } else {
+    hadamard_rows<F32Row>(static_cast<const uint32_t*>(xc.const_data_ptr()), rows, cols, block,
+                          static_cast<uint32_t*>(y.data_ptr()));
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lmforge_int8, m) {
@@ -336,4 +443,5 @@ TORCH_LIBRARY(lmforge_int8, m) {
       "w8a8_linear_epilogue(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_zero_point, Tensor? bias, "
       "Tensor? residual, bool silu_mul) -> Tensor",
       &w8a8_linear_epilogue);
+  m.def("block_hadamard(Tensor x, int block) -> Tensor", &block_hadamard);
 }
