@@ -217,6 +217,11 @@ class DraftProposer:
             config.speculative_draft_confidence_threshold,
         )
 
+    @property
+    def stops_itself(self) -> bool:
+        """A confidence threshold ends a request's proposals after a token the draft is unsure of."""
+        return self.min_confidence > 0.0
+
     # ---------------------------------------------------------------- proposals
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
