@@ -129,12 +129,13 @@ def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
 FP32_PACKED_ROWS = (1, 64)
 
 
-#: Fewest rows a bf16 step runs its oneDNN-packed linears with: a decode of 1 to 3 tokens is padded with zero rows
-#: to 4. oneDNN picks a slower kernel below 4 rows (the weights are read once either way). Measured on an AMD EPYC
+#: Fewest rows a step runs its oneDNN-packed float linears with: a decode of 1 to 3 tokens is padded with zero rows
+#: to 4. oneDNN picks slower kernels below 4 rows (the weights are read once either way). Measured on an AMD EPYC
 #: with AVX-512 BF16 (no AMX), 1 thread, SmolLM2-135M shapes, ms for the 120 layer linears of one step (30 x qkv,
-#: o, gate/up, down): 15.7 at 1 row, 16.7 at 2, 13.8 at 3, 13.2 at 4, 13.0 at 6, 15.7 at 8; the lm head 4.42, 4.67,
-#: 3.86, 3.75 ms at 1-4 rows. A verification of 1 + 1 tokens then cost 6-13% more than a one-token decode.
-PACKED_BF16_MIN_ROWS = 4
+#: o, gate/up, down): bf16 15.7 at 1 row, 16.7 at 2, 13.8 at 3, 13.2 at 4, 13.0 at 6, 15.7 at 8 (the lm head 4.42,
+#: 4.67, 3.86, 3.75 ms at 1-4 rows); fp32 24.4, 27.9, 20.2, 19.0, 19.4, 25.0. A verification of 1 + 1 tokens cost
+#: 6-13% more than a one-token decode.
+PACKED_MIN_ROWS = 4
 
 
 def packed_rows(device: str, dtype: torch.dtype) -> tuple[int, int] | None:
@@ -395,9 +396,9 @@ class Model:
         else:
             self.lm_head = Linear(self.embed, pack=loader.pack_rows is not None, pack_rows=loader.pack_rows)
         self.is_int8 = any(k.endswith(INT8_WEIGHT_SUFFIX) for k in tensors)
-        # the linears of a packed bf16 model run at least this many rows (INT8 decode kernels read the weights
+        # the linears of a packed float model run at least this many rows (INT8 decode kernels read the weights
         # once per call for any row count, so an INT8 model is never padded)
-        self.min_rows = PACKED_BF16_MIN_ROWS if loader.pack and not self.is_int8 else 1
+        self.min_rows = PACKED_MIN_ROWS if loader.pack_rows is not None and not self.is_int8 else 1
         del tensors
         inv_freq = rope_inv_freq(spec)
         t = torch.arange(max_model_len, dtype=torch.float32)

@@ -154,23 +154,23 @@ def test_bfloat16_tracks_hf_bfloat16(tiny_llama_dir):
     llm.engine.check_invariants()
 
 
-def test_bfloat16_decode_pads_its_packed_linears_to_the_fast_row_count(tiny_llama_dir):
-    """A packed bf16 model runs steps of 1 to 3 tokens with zero rows up to ``PACKED_BF16_MIN_ROWS`` (oneDNN's
-    kernels below that are slower); the real rows' logits are those of the unpadded step, and the padded
-    rows are never stored in the KV cache."""
-    from engine.model import PACKED_BF16_MIN_ROWS, can_pack_weights, pad_rows
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_pads_its_packed_linears_to_the_fast_row_count(tiny_llama_dir, dtype):
+    """A model with oneDNN-packed float linears runs steps of 1 to 3 tokens with zero rows up to
+    ``PACKED_MIN_ROWS`` (oneDNN's kernels below that are slower); the real rows' logits are those of the
+    unpadded step, and the padded rows are never stored in the KV cache."""
+    from engine.model import PACKED_MIN_ROWS, packed_rows, pad_rows
     from engine.scheduler import ScheduledSequence, SchedulerOutput
     from engine.sequence import Sequence
 
     x = torch.ones(2, 3)
     assert torch.equal(pad_rows(x, 4), torch.cat((x, torch.zeros(2, 3)))) and pad_rows(x, 2) is x
-    llm = make_llm(tiny_llama_dir, dtype="bfloat16")
+    llm = make_llm(tiny_llama_dir, dtype=dtype)
     runner = llm.engine.runner
-    if not can_pack_weights("cpu", torch.bfloat16):
+    if packed_rows("cpu", getattr(torch, dtype)) is None:
         assert runner.model.min_rows == 1
         return
-    assert runner.model.min_rows == PACKED_BF16_MIN_ROWS
-    assert make_llm(tiny_llama_dir, dtype="float32").engine.runner.model.min_rows == 1
+    assert runner.model.min_rows == PACKED_MIN_ROWS
     seq = Sequence("a", None, random_prompts([12], seed=9)[0], GREEDY, None, None)
     llm.engine.block_manager.allocate_slots(seq, seq.num_tokens + 3)
     seq.num_computed_tokens = seq.num_tokens - 1
@@ -182,7 +182,8 @@ def test_bfloat16_decode_pads_its_packed_linears_to_the_fast_row_count(tiny_llam
         runner.model.min_rows = 1
         runner.kv_cache.zero_()
         plain = runner.execute(out)
-        runner.model.min_rows = PACKED_BF16_MIN_ROWS
+        runner.model.min_rows = PACKED_MIN_ROWS
         assert torch.equal(written, runner.kv_cache)  # the zero rows wrote no K/V
-        torch.testing.assert_close(padded, plain, rtol=0.02, atol=0.02)
+        tolerance = 0.02 if dtype == "bfloat16" else 1e-4
+        torch.testing.assert_close(padded, plain, rtol=tolerance, atol=tolerance)
         assert torch.equal(padded.argmax(-1), plain.argmax(-1))
