@@ -152,3 +152,38 @@ def test_bfloat16_tracks_hf_bfloat16(tiny_llama_dir):
             total += len(out)
     assert matched / total >= 0.8, f"bf16 engine agrees with HF bf16 on {matched}/{total} tokens"
     llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_pads_its_packed_linears_to_the_fast_row_count(tiny_llama_dir, dtype):
+    """A model with oneDNN-packed float linears runs steps of 1 to 3 tokens with zero rows up to
+    ``PACKED_MIN_ROWS`` (oneDNN's kernels below that are slower); the real rows' logits are those of the
+    unpadded step, and the padded rows are never stored in the KV cache."""
+    from engine.model import PACKED_MIN_ROWS, packed_rows, pad_rows
+    from engine.scheduler import ScheduledSequence, SchedulerOutput
+    from engine.sequence import Sequence
+
+    x = torch.ones(2, 3)
+    assert torch.equal(pad_rows(x, 4), torch.cat((x, torch.zeros(2, 3)))) and pad_rows(x, 2) is x
+    llm = make_llm(tiny_llama_dir, dtype=dtype)
+    runner = llm.engine.runner
+    if packed_rows("cpu", getattr(torch, dtype)) is None:
+        assert runner.model.min_rows == 1
+        return
+    assert runner.model.min_rows == PACKED_MIN_ROWS
+    seq = Sequence("a", None, random_prompts([12], seed=9)[0], GREEDY, None, None)
+    llm.engine.block_manager.allocate_slots(seq, seq.num_tokens + 3)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    for proposals in ([], [5], [5, 6]):
+        out = SchedulerOutput([ScheduledSequence(seq, 1 + len(proposals), proposals)], 1 + len(proposals), [])
+        runner.kv_cache.zero_()
+        padded = runner.execute(out)  # [1 + m, vocab]
+        written = runner.kv_cache.clone()
+        runner.model.min_rows = 1
+        runner.kv_cache.zero_()
+        plain = runner.execute(out)
+        runner.model.min_rows = PACKED_MIN_ROWS
+        assert torch.equal(written, runner.kv_cache)  # the zero rows wrote no K/V
+        tolerance = 0.02 if dtype == "bfloat16" else 1e-4
+        torch.testing.assert_close(padded, plain, rtol=tolerance, atol=tolerance)
+        assert torch.equal(padded.argmax(-1), plain.argmax(-1))

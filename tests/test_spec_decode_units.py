@@ -13,7 +13,17 @@ from scipy.stats import chisquare
 
 from engine import EngineConfig
 from engine.spec_decode import NgramCorpus, NgramProposer, rejection_sample, verify_greedy
-from engine.spec_decode.speculator import AcceptanceTracker, CostModel, choose_k, expected_tokens
+from engine.spec_decode.speculator import (
+    REFIT_EVERY,
+    ROUND_PRIOR,
+    VERIFY_PRIOR,
+    AcceptanceTracker,
+    CostModel,
+    StepCosts,
+    choose_k,
+    expected_tokens,
+    pays_per_round,
+)
 
 VOCAB = 6
 TRIALS = 20000
@@ -193,10 +203,12 @@ def test_new_requests_start_from_the_engine_wide_acceptance():
     from engine.spec_decode.speculator import ACCEPTANCE_PRIOR, Speculator
 
     spec = Speculator(EngineConfig(speculative_method="ngram"), NgramProposer())
-    assert spec.new_request_prior() == ACCEPTANCE_PRIOR  # nothing verified yet
+    assert spec.new_request_prior() == (ACCEPTANCE_PRIOR, ROUND_PRIOR)  # nothing verified yet
     spec.engine_counts = [1.0, 9.0]
-    accepted, rejected = spec.new_request_prior()
+    spec.engine_rounds = [10.0, 1.0, 20.0]
+    (accepted, rejected), round_prior = spec.new_request_prior()
     assert accepted / (accepted + rejected) == pytest.approx(0.1) and accepted + rejected == pytest.approx(3.0)
+    assert round_prior == pytest.approx((ROUND_PRIOR[0], 0.1 * ROUND_PRIOR[0], 2.0 * ROUND_PRIOR[0]))
     assert spec._adapt("new", 4, cost=0.05) == 1  # alpha 0.1 alone: 1.1 / 1.05 > 1
     assert spec._adapt("other", 4, cost=0.05, num_others=3) == 0
 
@@ -234,33 +246,50 @@ def test_rejected_probes_wait_twice_as_long():
 
 
 def test_cost_model_fits_step_time_and_adds_the_proposer():
-    cost = CostModel(prior=0.3)
-    assert cost.costs(1) == (0.0, 0.3)  # nothing measured yet
+    cost = CostModel(propose_prior=0.25)
+    assert cost.costs(1) == (0.0, VERIFY_PRIOR, 0.25)  # nothing measured yet
     for _ in range(10):  # 10 ms a plain decode, 1 ms per more verified token, 2 ms per verifying request
         cost.observe_step(1, 0, 0.010)
         cost.observe_step(4, 1, 0.015)
         cost.observe_step(3, 1, 0.014)
     a, b, c = cost.fit()
     assert (a, b, c) == pytest.approx((0.009, 0.001, 0.002))
-    assert cost.costs(1) == (0.0, 0.3)  # proposer not timed yet
+    assert cost.costs(1) == (0.0, VERIFY_PRIOR, 0.25)  # proposer not timed yet
     cost.observe_propose(3, 1, 0.006)  # 2 ms per proposed position
-    fixed, per_token = cost.costs(1)
-    assert fixed == pytest.approx(0.2) and per_token == pytest.approx((0.001 + 0.002) / 0.010)
-    assert cost.costs(2)[1] == pytest.approx((0.001 + 0.002) / 0.011)
+    costs = cost.costs(1)
+    assert costs.fixed == pytest.approx(0.2) and costs.verify == pytest.approx(0.001 / 0.010)
+    assert costs.per_token == pytest.approx((0.001 + 0.002) / 0.010)
+    assert cost.costs(2).per_token == pytest.approx((0.001 + 0.002) / 0.011)
     cost.observe_propose(1, 4, 0.0)  # a round for 4 requests at once costs each of them less
-    assert cost.costs(1)[1] < per_token
-    only_spec = CostModel(prior=0.3)
+    assert cost.costs(1).per_token < costs.per_token
+    only_spec = CostModel(propose_prior=0.25)
     only_spec.observe_step(4, 1, 0.012)
     only_spec.observe_propose(1, 1, 0.0)
-    assert only_spec.fit() is None and only_spec.costs(1) == (0.0, 0.3)  # no plain step to compare with
+    assert only_spec.fit() is None and only_spec.costs(1) == (0.0, VERIFY_PRIOR, 0.25)  # no plain step to compare
     assert choose_k(0.6, 0.05, 4, fixed_cost=0.0) == 4
     assert choose_k(0.6, 0.05, 4, fixed_cost=2.0) == 0  # a fixed cost that no run of 0.6 pays back
+
+
+def test_cost_model_refits_every_few_steps():
+    """``costs`` reuses the step fit until ``REFIT_EVERY`` more steps were observed (a fit is ~2% of a step)."""
+    cost = CostModel(propose_prior=0.25)
+    cost.observe_propose(1, 1, 0.001)
+    for _ in range(8):
+        cost.observe_step(1, 0, 0.010)
+        cost.observe_step(2, 1, 0.012)
+    first = cost.costs(1)
+    for _ in range(REFIT_EVERY - 1):
+        cost.observe_step(2, 1, 0.020)  # verifying got dearer
+    assert cost.costs(1) == first
+    cost.observe_step(2, 1, 0.020)
+    assert cost.costs(1).per_token > first.per_token
+    assert cost.recent_fit() == cost.fit()
 
 
 def test_cost_model_fit_ignores_a_step_far_above_the_others():
     """One verifying step that took 50 plain steps (the process was preempted) must not make verifying
     look dear: one request alone, so tokens and verifying requests move together (1 + 1 tokens)."""
-    cost = CostModel(prior=0.3)
+    cost = CostModel(propose_prior=0.25)
     for i in range(60):
         cost.observe_step(1, 0, 0.010)
         if i % 4 == 0:
@@ -291,8 +320,30 @@ def test_a_step_speculates_only_when_its_gain_beats_the_fixed_and_per_token_cost
     assert not spec.step_pays(seqs, [0, 1], 4, 0.07, 0.01)  # unless it proposed nothing
 
 
+def test_a_self_stopping_proposer_proposes_its_cap_or_nothing_by_its_past_rounds():
+    """A draft with a confidence stop ends its own runs: a request gets ``k_max`` (the draft stops early on
+    its own) while its rounds gained more than they cost, else none; the i.i.d. ``choose_k`` would have
+    capped it at 1 here (alpha 0.45 at 0.19 per token)."""
+    from engine.spec_decode.speculator import Speculator
+
+    proposer = _RecordingProposer()
+    proposer.stops_itself = True
+    spec = Speculator(EngineConfig(speculative_method="ngram", max_model_len=2048), proposer)
+    assert choose_k(0.45, 0.19, 3) == 1
+    track = spec.tracks["a"] = AcceptanceTracker((0.45, 0.55), round_prior=(1.0, 0.9, 1.9))
+    assert spec._adapt("a", 3, cost=0.19) == 3  # 1.9 / (1 + 0.19 * 1.9) > 1
+    track.rounds, track.round_accepted, track.round_proposed = 1.0, 0.1, 1.2
+    assert spec._adapt("a", 3, cost=0.19) == 0  # 1.1 / 1.23 < 1
+    assert spec.expected_gain(track, 1) == (pytest.approx(0.1), 1.0)  # at most k positions
+    assert pays_per_round(0.5, 1.0, 0.19) and not pays_per_round(0.5, 1.0, 0.19, num_others=3)  # 4.5 / 1.19 < 4
+    track.update(3, 2)
+    assert track.gain_per_round == pytest.approx((0.95 * 0.1 + 2) / (0.95 + 1))
+
+
 class _RecordingProposer:
     """Proposes ``k`` copies of token 1 and records each round's ``ks``; ``last_catch_up`` as a draft sets it."""
+
+    stops_itself = False
 
     def __init__(self, catch_up: int = 1):
         self.rounds: list[list[int]] = []
@@ -324,7 +375,7 @@ def test_a_request_whose_steps_never_pay_still_probes():
 
     proposer = _RecordingProposer()
     spec = Speculator(EngineConfig(speculative_method="ngram", max_model_len=2048), proposer)
-    spec.cost.costs = lambda batch: (5.0, 0.01)
+    spec.cost.costs = lambda batch: StepCosts(5.0, 0.01, 0.0)
     seq = _decoding_sequence()
     proposed_at = []
     for step in range(1, 2 * PROBE_EVERY + 4):

@@ -217,6 +217,11 @@ class DraftProposer:
             config.speculative_draft_confidence_threshold,
         )
 
+    @property
+    def stops_itself(self) -> bool:
+        """A confidence threshold ends a request's proposals after a token the draft is unsure of."""
+        return self.min_confidence > 0.0
+
     # ---------------------------------------------------------------- proposals
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
@@ -238,18 +243,18 @@ class DraftProposer:
             for item in items:
                 item.seq.num_computed_tokens += item.num_new_tokens
             still = []
-            top = self._top_probs(logits, [seqs[i] for i, _ in active])  # [S] or None
+            greedy = self._greedy_picks(logits) if any(seqs[i].params.greedy for i, _ in active) else None
             for row, (i, shadow) in enumerate(active):
-                token, probs = self._draw(logits[row], seqs[i])
                 proposal = proposals[i]
-                proposal.token_ids.append(token)
-                if probs is not None:
+                if seqs[i].params.greedy:
+                    token, confidence = greedy[0][row], greedy[1][row]
+                else:
+                    token, probs = self._sample(logits[row], seqs[i])
+                    confidence = float(probs[token])
                     proposal.probs = probs[None] if proposal.probs is None else torch.cat((proposal.probs, probs[None]))
+                proposal.token_ids.append(token)
                 shadow.token_ids.append(token)
-                confident = self.min_confidence <= 0.0 or (
-                    float(top[row] if probs is None else probs[token]) >= self.min_confidence
-                )
-                if len(proposal.token_ids) < ks[i] and confident:
+                if len(proposal.token_ids) < ks[i] and confidence >= self.min_confidence:
                     still.append((i, shadow))
             active, first = still, False
         return proposals
@@ -265,21 +270,18 @@ class DraftProposer:
         normed = rms_norm(hidden[inputs.logits_index], r.model.norm, r.spec.rms_norm_eps)  # [S, hidden]
         return self.head(normed).float()
 
-    def _top_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
-        """``[S]`` the draft's probability of its greedy pick per row (softmax over ``[S, V']``), where a
-        confidence stop applies to a greedy request; ``None`` without one (a sampled token's own
-        probability ``q(x)`` is used for the others)."""
-        if self.min_confidence <= 0.0 or not any(seq.params.greedy for seq in seqs):
-            return None
-        return torch.softmax(logits.float(), -1).amax(-1)
+    def _greedy_picks(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Per row of ``[S, V']`` float32 logits: the draft's greedy token (a vocabulary id; the first maximum)
+        and its softmax probability, for the confidence stop. All rows at once: two host copies per forward."""
+        best, index = logits.max(-1)  # [S], [S]
+        top = torch.exp(logits - best[:, None]).sum(-1).reciprocal()  # [S]: softmax at the argmax
+        ids = index if self.head_ids is None else self.head_ids[index]
+        return ids.tolist(), top.tolist()
 
-    def _draw(self, row: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
-        """One draft token from ``[V']`` logits: argmax for greedy requests, else a draw from ``q``
-        (returned over the whole vocabulary, zero outside ``head_ids``)."""
+    def _sample(self, row: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor]:
+        """One draft token of a sampled request drawn from ``q`` of its ``[V']`` logits; ``q`` is returned over the
+        whole vocabulary (zero outside ``head_ids``)."""
         p = seq.params
-        if p.greedy:
-            index = int(row.argmax())
-            return (index if self.head_ids is None else int(self.head_ids[index])), None
         q = Sampler._probs(row, p.temperature, p.top_k, p.top_p)
         index = int(torch.multinomial(q, 1, generator=seq.generator))
         if self.head_ids is None:

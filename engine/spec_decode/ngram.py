@@ -101,6 +101,8 @@ class NgramProposer:
         ValueError: ``min_n < 1`` or ``max_n < min_n``.
     """
 
+    stops_itself = False  # a match proposes the k tokens that followed it
+
     def __init__(self, min_n: int = 1, max_n: int = 4, corpus: NgramCorpus | None = None) -> None:
         if min_n < 1 or max_n < min_n:
             raise ValueError(f"ngram sizes min_n={min_n}, max_n={max_n}; need 1 <= min_n <= max_n")

@@ -23,7 +23,14 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    """A source of proposals (``NgramProposer``, ``DraftProposer``)."""
+    """A source of proposals (``NgramProposer``, ``DraftProposer``).
+
+    Attributes:
+        stops_itself: the proposer ends a request's run on its own (a draft's confidence stop), so the
+            ``k`` it is given is a cap, not the run's length (``engine.spec_decode.speculator``).
+    """
+
+    stops_itself: bool
 
     def propose(self, seqs: list, ks: list[int]) -> list[Proposal]:
         """Up to ``ks[i]`` tokens to follow each ``seqs[i]`` (an ``engine.sequence.Sequence``)."""

@@ -21,6 +21,12 @@ speculation length of vLLM and SGLang, on measured costs). A request whose propo
 gets none (k = 0) and is probed with one token after ``PROBE_EVERY`` steps (twice as long after
 each rejected probe), so where proposals are not accepted speculation costs little more than
 the rare probe.
+
+A proposer that ends its own runs (``stops_itself``: a draft with a confidence threshold stops
+after a token it is unsure of) is not asked for an i.i.d. k: the positions it drafts past the
+first are the confident ones, accepted more often than its average. Such a request proposes up
+to ``num_speculative_tokens`` or nothing, by what its past rounds gained (accepted tokens) and
+cost (positions drafted) per round (``pays_per_round``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import collections
 import logging
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -67,12 +74,24 @@ ACCEPTANCE_PRIOR = (2.0, 1.0)
 ENGINE_ACCEPTANCE_DECAY = 0.98
 #: Weight of the past in a request's acceptance counts, per verification (recent steps count more).
 ACCEPTANCE_DECAY = 0.9
+#: Pseudo-counts (rounds, accepted tokens, proposed tokens) of a request's verified rounds before its first one,
+#: while the engine has verified nothing (else the engine-wide rounds scaled to ``ROUND_PRIOR[0]`` rounds).
+ROUND_PRIOR = (2.0, 1.0, 2.0)
+#: Weight of the past in a request's per-round counts (``pays_per_round``), per verification. Simulated on the
+#: teacher-forced agreement of the distilled draft with 12 chat replies (README): a shorter memory (0.9)
+#: switched a request off after a few rejections in a row and left it plain for the probe wait.
+ROUND_DECAY = 0.95
 #: Steps a request with k = 0 waits before it proposes one token again (to see if it pays now);
 #: the wait doubles after each probe that is rejected, up to ``PROBE_EVERY_MAX``.
 PROBE_EVERY = 8
 PROBE_EVERY_MAX = 64
 #: Verifying one more position, as a fraction of a plain decode step, until ``CostModel`` has measured it.
 VERIFY_PRIOR = 0.05
+#: ``CostModel`` refits the step time once this many more decode steps were observed (a fit with its outlier
+#: pass takes ~0.4 ms on one thread, ~2% of a bf16 SmolLM2 step; the window holds ``COST_WINDOW`` steps).
+REFIT_EVERY = 8
+#: A draft position, as a fraction of a plain decode step, until ``CostModel`` has timed the draft.
+DRAFT_PROPOSE_PRIOR = 0.25
 #: Weight of the past in the proposer's timing average (``CostModel``).
 COST_DECAY = 0.9
 #: Decode steps ``CostModel`` fits the step time on.
@@ -119,16 +138,31 @@ def choose_k(alpha: float, cost_per_token: float, k_max: int, fixed_cost: float 
     return best_k
 
 
+def pays_per_round(
+    gain: float, positions: float, cost_per_token: float, fixed_cost: float = 0.0, num_others: int = 0
+) -> bool:
+    """Whether a round that gains ``gain`` accepted tokens for ``positions`` proposed ones emits more tokens
+    per unit of step time than a plain step: ``(num_others + 1 + gain) / (1 + fixed_cost + cost_per_token *
+    positions) > num_others + 1`` (the step's other requests as in ``choose_k``)."""
+    plain = 1.0 + num_others
+    return (plain + gain) / (1.0 + fixed_cost + cost_per_token * positions) > plain * 1.0001
+
+
 class AcceptanceTracker:
     """Per-token acceptance of one request: decayed counts of accepted and rejected proposals.
 
     A verification of ``m`` proposals with ``a`` accepted tested ``a`` acceptances and, when
     ``a < m``, one rejection (positions after a rejection were not tested), so
     ``accepted / (accepted + rejected)`` estimates the per-token rate of ``expected_tokens``.
+    Per verified round it also keeps decayed sums of rounds, accepted and proposed tokens
+    (``gain_per_round``, ``proposed_per_round``) for a proposer that ends its own runs.
     """
 
-    def __init__(self, prior: tuple[float, float] = ACCEPTANCE_PRIOR) -> None:
+    def __init__(
+        self, prior: tuple[float, float] = ACCEPTANCE_PRIOR, round_prior: tuple[float, float, float] = ROUND_PRIOR
+    ) -> None:
         self.accepted, self.rejected = prior
+        self.rounds, self.round_accepted, self.round_proposed = round_prior
         self.idle_steps = 0
         self.probe_every = PROBE_EVERY
         self.probing = False
@@ -137,6 +171,16 @@ class AcceptanceTracker:
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
+    @property
+    def gain_per_round(self) -> float:
+        """Accepted tokens per verified round (recent rounds weigh more)."""
+        return self.round_accepted / self.rounds
+
+    @property
+    def proposed_per_round(self) -> float:
+        """Proposed tokens per verified round."""
+        return self.round_proposed / self.rounds
+
     def update(self, num_proposed: int, num_accepted: int) -> None:
         self.idle_steps = 0  # steps without proposals are counted from the last verification
         if self.probing:
@@ -144,6 +188,9 @@ class AcceptanceTracker:
             self.probe_every = PROBE_EVERY if num_accepted else min(2 * self.probe_every, PROBE_EVERY_MAX)
         self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
         self.rejected = ACCEPTANCE_DECAY * self.rejected + (1.0 if num_accepted < num_proposed else 0.0)
+        self.rounds = ROUND_DECAY * self.rounds + 1.0
+        self.round_accepted = ROUND_DECAY * self.round_accepted + num_accepted
+        self.round_proposed = ROUND_DECAY * self.round_proposed + num_proposed
 
 
 def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -159,6 +206,19 @@ def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.array([ab[0], ab[1], 0.0])
 
 
+class StepCosts(NamedTuple):
+    """What speculating adds to a step of plain decodes, as fractions of that step's time."""
+
+    fixed: float  # verifying at all (the multi-token attention path)
+    verify: float  # one more verified position
+    propose: float  # one proposed position of one request (a draft forward; ~0 for ngram)
+
+    @property
+    def per_token(self) -> float:
+        """A proposed token, proposing and verifying it."""
+        return self.verify + self.propose
+
+
 class CostModel:
     """What speculating costs, relative to a plain decode step, from measured times.
 
@@ -167,23 +227,28 @@ class CostModel:
       costs ``b``, a step that verifies at all ``c`` (the multi-token attention path runs besides
       the decode one; on a 2-core AVX-512 CPU, SmolLM2 bf16 at 1 thread, +3% of a one-request
       step and +7% of a four-request one, about the same for one verifying request as for four).
-      Every ``CALIBRATE_EVERY``-th step proposes nothing, so plain steps are always in the fit.
+      Every ``CALIBRATE_EVERY``-th step proposes nothing, so plain steps are always in the fit;
+      the fit is redone after every ``REFIT_EVERY`` new steps, not per step.
     * proposing: seconds of the proposer per proposing request and position (a draft forward
       shared by the requests drafted together; ~0 for ngram).
 
-    ``costs(batch)`` gives ``(fixed, per_token)`` as fractions of ``a + b * batch``, a plain step;
-    ``prior`` (per token, no fixed part) until the fit and the proposer have been measured.
+    ``costs(batch)`` gives ``StepCosts`` as fractions of ``a + b * batch``, a plain step;
+    ``VERIFY_PRIOR`` per verified token and ``propose_prior`` per proposed one (no fixed part)
+    until the fit and the proposer have been measured.
     """
 
-    def __init__(self, prior: float) -> None:
-        self.prior = prior
+    def __init__(self, propose_prior: float) -> None:
+        self.propose_prior = propose_prior
         self.steps: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=COST_WINDOW)
         self.propose_s: float | None = None
+        self._fit: tuple[float, float, float] | None = None
+        self._steps_since_fit = 0
 
     def observe_step(self, num_tokens: int, num_speculating: int, seconds: float) -> None:
         """A decode step's forward pass: ``num_tokens`` tokens (proposals included), of which
         ``num_speculating`` requests verified proposals, in ``seconds``."""
         self.steps.append((num_tokens, num_speculating, seconds))
+        self._steps_since_fit += 1
 
     def observe_propose(self, num_positions: int, num_seqs: int, seconds: float) -> None:
         """The proposer took ``seconds`` for ``num_positions`` sequential positions of ``num_seqs`` requests."""
@@ -211,15 +276,21 @@ class CostModel:
         a = max(mean_t - b * mean_n - c * mean_s, 0.05 * mean_t)
         return a, b, c
 
-    def costs(self, batch: int) -> tuple[float, float]:
-        """``(fixed, per_token)``: what verifying at all, and each proposed token, add to a step of
-        ``batch`` plain decodes, as fractions of that step."""
-        fit = self.fit()
+    def recent_fit(self) -> tuple[float, float, float] | None:
+        """``fit()`` as of at most ``REFIT_EVERY - 1`` steps ago (refitted while there is none)."""
+        if self._fit is None or self._steps_since_fit >= REFIT_EVERY:
+            self._fit, self._steps_since_fit = self.fit(), 0
+        return self._fit
+
+    def costs(self, batch: int) -> StepCosts:
+        """What verifying at all, each verified and each proposed token add to a step of ``batch`` plain
+        decodes, as fractions of that step."""
+        fit = self.recent_fit()
         if fit is None or self.propose_s is None:
-            return 0.0, self.prior
+            return StepCosts(0.0, VERIFY_PRIOR, self.propose_prior)
         a, b, c = fit
         plain = a + b * batch
-        return c / plain, (b + self.propose_s) / plain
+        return StepCosts(c / plain, b / plain, self.propose_s / plain)
 
 
 class Speculator:
@@ -237,9 +308,11 @@ class Speculator:
     def __init__(self, config: EngineConfig, proposer: Proposer) -> None:
         self.config = config
         self.proposer = proposer
-        self.cost = CostModel(prior=0.3 if isinstance(proposer, DraftProposer) else VERIFY_PRIOR)
+        self.cost = CostModel(propose_prior=DRAFT_PROPOSE_PRIOR if isinstance(proposer, DraftProposer) else 0.0)
+        self.stops_itself = proposer.stops_itself  # k is a cap: the proposer ends its own runs
         self.tracks: dict[str, AcceptanceTracker] = {}
         self.engine_counts = [0.0, 0.0]  # decayed (accepted, rejected) of every verification: new requests' prior
+        self.engine_rounds = [0.0, 0.0, 0.0]  # decayed (rounds, accepted, proposed) of every verification
         self.num_steps = 0
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -286,19 +359,19 @@ class Speculator:
             self.num_steps += 1
             if self.num_steps % CALIBRATE_EVERY == 0:
                 return  # a plain step for the cost model
-            fixed, cost = self.cost.costs(len(running))
+            costs = self.cost.costs(len(running))
         for seq in running:
             k = min(self.config.num_speculative_tokens, speculative_room(seq, self.config.max_model_len))
             if seq.num_uncomputed_tokens == 1 and k > 0 and verifiable(seq):
                 if adaptive:
-                    k = self._adapt(seq.request_id, k, cost, 0.0, len(running) - 1)
+                    k = self._adapt(seq.request_id, k, costs.per_token, 0.0, len(running) - 1)
                     if k == 0:
                         continue
                 seqs.append(seq)
                 ks.append(k)
         if not seqs:
             return
-        if adaptive and not self.step_pays(seqs, ks, len(running), fixed, cost):
+        if adaptive and not self.step_pays(seqs, ks, len(running), costs.fixed, costs.per_token):
             self._count_idle(seqs)  # else a request whose own k > 0 but whose step never pays would never probe
             return
         start = time.perf_counter()
@@ -314,29 +387,48 @@ class Speculator:
         # was full) is not timed: that cost is paid once per request, not per proposed position.
         if getattr(self.proposer, "last_catch_up", 0) <= STEADY_CATCH_UP:
             self.cost.observe_propose(max(len(p.token_ids) for p in proposals), len(seqs), time.perf_counter() - start)
-        if adaptive and not self.step_pays(seqs, [len(p.token_ids) for p in proposals], len(running), fixed, cost):
+        # the proposer's time is spent now: only verifying the proposals must pay
+        lengths = [len(p.token_ids) for p in proposals]
+        if adaptive and not self.step_pays(seqs, lengths, len(running), costs.fixed, costs.verify):
             self._count_idle(seqs)
             return  # e.g. ngram found too few matches: a plain step (the draft rolls back unverified tokens)
         for seq, proposal in zip(seqs, proposals):
             seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
 
     def step_pays(self, seqs: list, ks: list[int], batch: int, fixed: float, cost: float) -> bool:
-        """Whether proposing ``ks[i]`` tokens after each ``seqs[i]`` is expected to emit more tokens per
-        second than a plain step of ``batch`` requests: ``(batch + sum(expected_tokens - 1)) / (1 + fixed +
-        cost * sum(ks)) > batch``; always when a request is due a probe (else it could never learn)."""
+        """Whether proposing up to ``ks[i]`` tokens after each ``seqs[i]`` is expected to emit more tokens per
+        second than a plain step of ``batch`` requests: ``(batch + sum(gain)) / (1 + fixed + cost *
+        sum(positions)) > batch`` (``expected_gain``); always when a request is due a probe (else it could
+        never learn)."""
         tracks = [self.tracks.get(seq.request_id) for seq in seqs]
         if any(t is not None and t.probing and k for t, k in zip(tracks, ks)):
             return True
-        gain = sum(expected_tokens(t.alpha, k) - 1.0 for t, k in zip(tracks, ks) if t is not None)
-        return (batch + gain) / (1.0 + fixed + cost * sum(ks)) > batch * 1.0001
+        expected = [self.expected_gain(t, k) for t, k in zip(tracks, ks) if t is not None]
+        gain, positions = sum(g for g, _ in expected), sum(p for _, p in expected)
+        return (batch + gain) / (1.0 + fixed + cost * positions) > batch * 1.0001
+
+    def expected_gain(self, track: AcceptanceTracker, k: int) -> tuple[float, float]:
+        """``(accepted tokens, proposed positions)`` expected of a request that may propose up to ``k``: i.i.d.
+        acceptance (``expected_tokens``) over ``k`` positions, or for a proposer that ends its own runs what its
+        past rounds gained and proposed (at most ``k``)."""
+        if not k:
+            return 0.0, 0.0
+        if self.stops_itself:
+            return track.gain_per_round, min(float(k), track.proposed_per_round)
+        return expected_tokens(track.alpha, k) - 1.0, float(k)
 
     def _adapt(self, request_id: str, k_max: int, cost: float, fixed: float = 0.0, num_others: int = 0) -> int:
-        """This step's k of a request (``choose_k``); 1 when a switched-off request is due a probe."""
+        """This step's k of a request (``choose_k``; ``k_max`` or 0 by ``pays_per_round`` for a proposer that
+        ends its own runs); 1 when a switched-off request is due a probe."""
         track = self.tracks.get(request_id)
         if track is None:
-            track = self.tracks[request_id] = AcceptanceTracker(self.new_request_prior())
+            track = self.tracks[request_id] = AcceptanceTracker(*self.new_request_prior())
         track.probing = False  # a probe is for one step; one that proposed nothing (no ngram match) lapses
-        k = choose_k(track.alpha, cost, k_max, fixed, num_others)
+        if self.stops_itself:
+            gain, positions = self.expected_gain(track, k_max)
+            k = k_max if pays_per_round(gain, positions, cost, fixed, num_others) else 0
+        else:
+            k = choose_k(track.alpha, cost, k_max, fixed, num_others)
         if k == 0:
             track.idle_steps += 1
         if track.idle_steps >= track.probe_every:
@@ -351,13 +443,16 @@ class Speculator:
             if track is not None and not track.probing:
                 track.idle_steps += 1
 
-    def new_request_prior(self) -> tuple[float, float]:
-        """Pseudo-counts of a new request: the engine-wide acceptance with the weight of ``ACCEPTANCE_PRIOR``."""
+    def new_request_prior(self) -> tuple[tuple[float, float], tuple[float, float, float]]:
+        """Pseudo-counts of a new request (``AcceptanceTracker``'s two priors): the engine-wide acceptance with
+        the weight of ``ACCEPTANCE_PRIOR``, and its rounds scaled to ``ROUND_PRIOR[0]`` rounds."""
         accepted, rejected = self.engine_counts
         if accepted + rejected < 1.0:
-            return ACCEPTANCE_PRIOR
+            return ACCEPTANCE_PRIOR, ROUND_PRIOR
         weight = sum(ACCEPTANCE_PRIOR) / (accepted + rejected)
-        return accepted * weight, rejected * weight
+        rounds = self.engine_rounds[0]
+        round_prior = tuple(n * ROUND_PRIOR[0] / rounds for n in self.engine_rounds)
+        return (accepted * weight, rejected * weight), round_prior
 
     def observe_step(self, out, seconds: float) -> None:
         """Time of a step's forward pass (``engine.llm_engine``): decode-only steps feed ``CostModel``."""
@@ -413,6 +508,9 @@ class Speculator:
             counts = self.engine_counts
             counts[0] = ENGINE_ACCEPTANCE_DECAY * counts[0] + verified.num_accepted
             counts[1] = ENGINE_ACCEPTANCE_DECAY * counts[1] + (1.0 if verified.num_accepted < m else 0.0)
+            rounds = self.engine_rounds
+            for i, n in enumerate((1.0, verified.num_accepted, m)):
+                rounds[i] = ENGINE_ACCEPTANCE_DECAY * rounds[i] + n
         return tokens, logprobs
 
     def free(self, request_id: str) -> None:
