@@ -75,11 +75,6 @@ def _decoder_layers(model) -> list:
     return list(layers)
 
 
-def check_decoder(model) -> None:
-    """Raises ``ValueError`` (naming the fix) unless ``model`` is a Llama-style decoder the rotations know."""
-    _decoder_layers(model)
-
-
 @torch.no_grad()
 def fold_norms(model) -> None:
     """Fold every RMSNorm weight into the linear layers it feeds; the norms keep weight 1.
@@ -109,8 +104,7 @@ def rotate_residual_stream(model, seed: int = ROTATION_SEED) -> None:
     Raises:
         ValueError: not a Llama-style decoder.
     """
-    check_decoder(model)
-    fold_norms(model)
+    fold_norms(model)  # raises first for a model that is not a Llama-style decoder
     rotate_residual(model, orthogonal_rotation(model.config.hidden_size, seed))
 
 
