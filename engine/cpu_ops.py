@@ -12,6 +12,11 @@ in a bf16 / fp32 step on CPU:
 * ``rope_and_cache`` (bf16): rotary embedding of q and k and the store of k and v at their
   ``slot_mapping`` slots in one pass, with the roundings of the torch ops it replaces.
 
+``torch.ops.lmforge_decode.int8_decode_layers`` (``csrc/int8_decode_cpu.cpp``, bf16) runs every
+decoder layer of a weight-only INT8 model for a few tokens in one call, through those operators and
+the INT8 GEMV: a small draft model's forward is otherwise as much Python and op dispatch as
+reading its weights.
+
 They are built on first use (``compress.quantize.native.NativeKernels``, 15-25 s once, cached);
 where they cannot be built every function here runs its torch equivalent, and
 ``use_cpu_kernels(False)`` forces that path (tests compare the two).
@@ -29,6 +34,9 @@ from compress.quantize.native import NativeKernels, vector_cflags
 #: The C++ source of ``torch.ops.lmforge_engine``.
 KERNEL_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 KERNELS = NativeKernels("lmforge_engine", KERNEL_SOURCE, "rope_and_cache", cflags=vector_cflags())
+#: ``torch.ops.lmforge_decode``: the decoder layers of a weight-only INT8 model in one call (``int8_decode_layers``).
+DECODE_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "int8_decode_cpu.cpp"
+DECODE_KERNELS = NativeKernels("lmforge_decode", DECODE_KERNEL_SOURCE, "int8_decode_layers", cflags=vector_cflags())
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -134,3 +142,68 @@ def rope_and_cache(
     if qkv.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or not _native(qkv):
         return None
     return KERNELS.ops.rope_and_cache(qkv, cos, signed_sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
+
+
+def int8_decode_available() -> bool:
+    """Whether ``int8_decode_layers`` runs: the engine's kernels, the INT8 GEMV and this op are built and enabled
+    (``use_cpu_kernels(False)`` or ``compress.quantize.int8.weight_only_cpu_kernel(False)`` turn it off too)."""
+    # the GEMV lives with the INT8 layers; imported here to keep this module's imports light
+    from compress.quantize.int8 import weight_only_cpu_kernel
+
+    return KERNELS.available and weight_only_cpu_kernel() and DECODE_KERNELS.available
+
+
+def int8_decode_layers(
+    h: torch.Tensor,
+    weights: list[torch.Tensor],
+    scales: list[torch.Tensor | None],
+    biases: list[torch.Tensor | None],
+    norms: list[torch.Tensor | None],
+    kv_cache: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """All decoder layers of a Llama-style model with weight-only INT8 linears, for a few tokens, in C++.
+
+    The same ops and bf16 roundings as ``engine.model.Model.forward`` (RMSNorm, the INT8 GEMV of
+    ``compress.quantize.int8``, ``rope_and_cache``, ``paged_decode_attention``, residual adds and
+    SwiGLU as the GEMV's epilogues), without a Python call between them. Callers check
+    ``int8_decode_available()`` (``Model.int8_decode_weights`` does).
+
+    Args:
+        h: ``[N, hidden]`` bf16 embeddings, ``1 <= N <= 8``.
+        weights, scales, biases: per layer ``qkv, o, [gate; up], down``: int8 ``[out, in]``, float32
+            ``[out]`` and float32 ``[out]`` or ``None`` (``4 * num_layers`` each); a linear kept in float
+            has its bf16 ``[out, in]`` weight, scale ``None`` and a bf16 bias or ``None`` (``F.linear``).
+        norms: per layer the input and post-attention RMSNorm weights (``[hidden]`` bf16 or ``None``).
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` bf16 (written).
+        cos, signed_sin: ``[N, head_dim]`` bf16 rotary tables at the tokens' positions.
+        slot_mapping: ``[N]`` int64 cache slot of each token.
+        block_tables: ``[N, max_blocks]`` int64: the block table of each token's sequence.
+        seq_lens: ``[N]`` int64: each token's position + 1 (it attends to the keys before it and itself).
+
+    Returns:
+        ``[N, hidden]`` bf16 hidden states after the last layer (before the final norm).
+    """
+    return DECODE_KERNELS.ops.int8_decode_layers(
+        h,
+        weights,
+        scales,
+        biases,
+        norms,
+        kv_cache,
+        cos,
+        signed_sin,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        eps,
+    )

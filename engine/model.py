@@ -30,6 +30,7 @@ from compress.quantize.int8 import (
     INT8_SCALE_SUFFIX,
     INT8_WEIGHT_SUFFIX,
     OUTLIER_CHANNELS_SUFFIX,
+    Int8WeightOnlyLinear,
     block_hadamard,
     dequantize_weight,
     int8_linear,
@@ -428,6 +429,7 @@ class Model:
         half = spec.head_dim // 2
         sin = emb.sin()
         self.rope_signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
+        self._int8_decode: tuple | bool | None = None  # int8_decode_weights(), collected on first use
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn, attn_metadata
@@ -466,6 +468,40 @@ class Model:
             x = rms_norm(h, layer.post_norm, eps)
             h = layer.down.add(layer.gate_up.silu_mul(x), h)  # [R, intermediate] -> [R, hidden]
         return h[:n]
+
+    def int8_decode_weights(self) -> tuple[list, list, list, list] | None:
+        """``(weights, scales, biases, norms)`` of every layer for ``cpu_ops.int8_decode_layers``, or ``None`` where
+        it cannot run this model: not bf16 on CPU, no weight-only INT8 linear or a ``w8a8`` one, a sliding window,
+        or the C++ kernels (the engine's, the INT8 GEMV, the op itself) not built or disabled."""
+        if self._int8_decode is None:
+            self._int8_decode = self._collect_int8_decode() or False
+        if not self._int8_decode or not cpu_ops.int8_decode_available():
+            return None
+        return self._int8_decode
+
+    def _collect_int8_decode(self) -> tuple[list, list, list, list] | None:
+        if self.device != "cpu" or self.dtype != torch.bfloat16 or self.spec.sliding_window is not None:
+            return None
+        layers = [(lw.qkv, lw.o, lw.gate_up, lw.down) for lw in self.layers]
+        kinds = [type(lin.int8_layer) for group in layers for lin in group]
+        if Int8WeightOnlyLinear not in kinds or any(k not in (Int8WeightOnlyLinear, type(None)) for k in kinds):
+            return None
+        if any(lin.int8_layer is None and lin.weight is None for group in layers for lin in group):
+            return None  # a float layer held only in oneDNN's packed layout
+        weights, scales, biases, norms = [], [], [], []
+        for lw, group in zip(self.layers, layers):
+            for lin in group:
+                int8 = lin.int8_layer
+                if int8 is None:  # a layer the quantizer kept in float (its sensitivity): at::linear, bf16 bias
+                    weights.append(lin.weight)
+                    scales.append(None)
+                    biases.append(lin.bias)
+                else:
+                    weights.append(int8.weight_int8)
+                    scales.append(int8.weight_scale)
+                    biases.append(int8.bias)
+            norms += [lw.input_norm, lw.post_norm]
+        return weights, scales, biases, norms
 
     def compute_logits(self, hidden: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
         """``[S, hidden]`` last hidden states -> logits ``[S, vocab]`` (final norm, lm head), float32

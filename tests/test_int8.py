@@ -65,6 +65,29 @@ def test_weight_only_decode_kernel_equals_the_dequantized_linear(dtype):
         torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_only_kernel_epilogues_round_as_the_torch_ops(dtype):
+    """The residual add and SwiGLU epilogues of the decode kernel: ``residual + y`` bit for bit (the layer's
+    ``add``), and ``silu(gate) * up`` of the ``[gate; up]`` output to the last bit of x's dtype."""
+    assert weight_only_cpu_kernel(True), "weight-only INT8 CPU kernel did not build"
+    torch.manual_seed(0)
+    w, b = torch.randn(130, 200), torch.randn(130)
+    w8, scale = quantize_weight_per_channel(w)
+    layer = Int8WeightOnlyLinear(w8, scale, b)
+    ops = int8._GEMV.ops
+    for rows in (1, 3, 8):
+        x, residual = torch.randn(rows, 200).to(dtype), torch.randn(rows, 130).to(dtype)
+        y = layer(x)
+        assert torch.equal(layer.add(x, residual), residual + y)
+        gate, up = y.chunk(2, dim=-1)
+        got = ops.weight_only_mm(x, w8, scale, b, None, True)
+        assert got.shape == (rows, 65) and got.dtype == dtype
+        ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
+        torch.testing.assert_close(got, F.silu(gate) * up, rtol=ulp, atol=1e-6)
+    with pytest.raises(RuntimeError, match="residual or silu_mul"):
+        ops.weight_only_mm(x, w8, scale, b, residual, True)
+
+
 @pytest.fixture
 def int8_activations_at_every_row_count(monkeypatch):
     """``W8A8Linear`` quantizes the activations of every input: no weight-only path for few rows."""

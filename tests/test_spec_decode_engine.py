@@ -384,6 +384,58 @@ def test_int8_draft_keeps_a_reduced_int8_head(target_dir, noisy_draft_dir, promp
     check_all_freed(llm)
 
 
+def test_bf16_int8_draft_runs_its_decoder_in_one_call_with_the_same_numbers(
+    target_dir, noisy_draft_dir, prompts, reference, tmp_path, monkeypatch
+):
+    """A bf16 int8-weight-only draft runs its forwards of up to 8 tokens (steady rounds: a token or two per
+    request) through ``cpu_ops.int8_decode_layers``: the logits and KV writes of the op-by-op forward, bit for
+    bit (a layer kept in float runs unpacked there, as in the op); a prompt's catch-up keeps the op-by-op
+    path. Greedy output stays the target's."""
+    from compress.quantize.methods import quantize
+    from engine import cpu_ops
+    from engine.scheduler import ScheduledSequence, SchedulerOutput
+    from engine.sequence import Sequence
+    from engine.spec_decode import DraftProposer
+
+    int8 = quantize(noisy_draft_dir, tmp_path / "int8", method="int8-weight-only")
+    draft = DraftProposer(int8, "bfloat16", "cpu", 4, 256, 64)
+    model = draft.runner.model
+    assert cpu_ops.int8_decode_available(), "the C++ decode kernels did not build"
+    weights = model.int8_decode_weights()
+    assert weights is not None and any(scale is None for scale in weights[1])  # the float unit is kept
+    g = torch.Generator().manual_seed(3)
+    seqs = [
+        Sequence(str(i), None, torch.randint(3, 49000, (9 + 5 * i,), generator=g).tolist(), GREEDY, None, None)
+        for i in range(3)
+    ]
+    for new, seq in zip((1, 3, 3), seqs):  # of which 1, 2, 3 run: the first and last sample
+        assert draft.block_manager.allocate_slots(seq, seq.num_prompt_tokens + 8)
+        draft._logits(SchedulerOutput([ScheduledSequence(seq, seq.num_prompt_tokens)], seq.num_prompt_tokens, []))
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.token_ids += torch.randint(3, 49000, (new,), generator=g).tolist()
+    step = SchedulerOutput([ScheduledSequence(seq, n) for seq, n in zip(seqs, (1, 2, 3))], 6, [])
+    cache = draft.runner.kv_cache.clone()
+    fused = draft._logits(step)
+    fused_cache = draft.runner.kv_cache.clone()
+    draft.runner.kv_cache.copy_(cache)
+    for layer in model.layers:
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            linear.packed = linear.packed_halves = None  # a float unit unpacked, as the C++ op runs it
+    monkeypatch.setattr(cpu_ops, "int8_decode_available", lambda: False)
+    assert model.int8_decode_weights() is None
+    assert torch.equal(fused, draft._logits(step)) and fused.shape == (2, 49152)
+    assert torch.equal(fused_cache, draft.runner.kv_cache)
+    monkeypatch.undo()
+
+    calls = []
+    op = cpu_ops.int8_decode_layers
+    monkeypatch.setattr(cpu_ops, "int8_decode_layers", lambda *args: calls.append(args[0].shape[0]) or op(*args))
+    llm = spec_llm(target_dir, "draft", int8, speculative_draft_dtype="bfloat16")
+    assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
+    assert calls and max(calls) <= 8
+    check_all_freed(llm)
+
+
 def test_draft_confidence_stop_proposes_less_and_keeps_greedy_output(target_dir, noisy_draft_dir, prompts, reference):
     """With a confidence stop the draft ends a request's proposals after an unsure token: fewer proposed
     tokens, a larger share of them accepted, the target's greedy tokens."""

@@ -316,10 +316,27 @@ class Int8WeightOnlyLinear(_Int8Linear):
             self._scales[dtype] = self.weight_scale.to(dtype)
         return self._scales[dtype]
 
+    def _kernel_runs(self, x2: torch.Tensor) -> bool:
+        """Whether the C++ decode kernel takes ``x2`` (``[M, in]``): CPU, bf16 / fp32, ``M <= WEIGHT_ONLY_MAX_ROWS``."""
+        return (
+            x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS
+            and x2.device.type == "cpu"
+            and x2.dtype in (torch.bfloat16, torch.float32)
+            and _GEMV.available
+        )
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` (``[N, in]``, ``[N, out]`` in x's dtype); in the decode kernel's epilogue where it
+        runs (the same two roundings)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if residual.dtype == x.dtype and residual.shape == (x2.shape[0], self.out_features) and self._kernel_runs(x2):
+            return _GEMV.ops.weight_only_mm(x2, self.weight_int8, self.weight_scale, self.bias, residual)
+        return residual + self(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         cpu_decode = x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x2.device.type == "cpu"
-        if cpu_decode and x.dtype in (torch.bfloat16, torch.float32) and _GEMV.available:
+        if self._kernel_runs(x2):
             y = _GEMV.ops.weight_only_mm(x2, self.weight_int8, self.weight_scale, self.bias)  # [M, out], bias added
             return y.reshape(*x.shape[:-1], self.out_features)
         if cpu_decode:

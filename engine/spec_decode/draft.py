@@ -33,6 +33,8 @@ from compress.checkpoint.store import (
     read_manifest,
     resolve_checkpoint,
 )
+from compress.quantize.int8 import WEIGHT_ONLY_MAX_ROWS
+from engine import cpu_ops
 from engine.block_manager import BlockManager
 from engine.model import Linear, packed_rows, read_model_spec, rms_norm
 from engine.model_runner import ModelRunner
@@ -262,13 +264,68 @@ class DraftProposer:
     @torch.inference_mode()
     def _logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Float32 logits ``[S, V']`` of the sampled rows: the whole vocabulary, or ``head_ids`` only."""
-        if self.head is None:
-            return self.runner.execute(out)
         r = self.runner
-        inputs = r.prepare(out)
-        hidden = r.model.forward(inputs.input_ids, inputs.positions, r.kv_cache, r.attn, inputs.attn_metadata)
-        normed = rms_norm(hidden[inputs.logits_index], r.model.norm, r.spec.rms_norm_eps)  # [S, hidden]
-        return self.head(normed).float()
+        fused = self._fused_hidden(out)
+        if fused is not None:
+            hidden = fused  # [S, hidden]
+        elif self.head is None:
+            return r.execute(out)
+        else:
+            inputs = r.prepare(out)
+            hidden = r.model.forward(inputs.input_ids, inputs.positions, r.kv_cache, r.attn, inputs.attn_metadata)
+            hidden = hidden[inputs.logits_index]  # [S, hidden]
+        if self.head is None:
+            return r.model.compute_logits(hidden)
+        return self.head(rms_norm(hidden, r.model.norm, r.spec.rms_norm_eps)).float()
+
+    def _fused_hidden(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Last hidden states ``[S, hidden]`` of the sampled rows from ``cpu_ops.int8_decode_layers``, or ``None``
+        where it does not run (a float or ``w8a8`` draft, not bf16 on CPU, more than ``WEIGHT_ONLY_MAX_ROWS``
+        tokens, e.g. a prompt's first catch-up).
+
+        A steady round's forwards hold one to three tokens per request: the whole decoder runs in one C++
+        call, each token attending as a row of the decode kernel, with inputs built here from the block
+        tables (no attention metadata): a draft position then costs about its weight bytes, not the
+        Python and op dispatch of a forward (README, "Speculative decoding").
+        """
+        if out.num_batched_tokens > WEIGHT_ONLY_MAX_ROWS:
+            return None
+        model = self.runner.model
+        weights = model.int8_decode_weights()
+        if weights is None:
+            return None
+        bs = self.runner.block_size
+        ids, positions, slots, tables, lens, last = [], [], [], [], [], []
+        width = max(len(item.seq.block_table) for item in out.scheduled)
+        for item in out.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            table = seq.block_table
+            padded = table + [0] * (width - len(table))
+            for pos in range(start, start + item.num_new_tokens):
+                ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+                tables.append(padded)
+                lens.append(pos + 1)
+            if item.samples:  # the draft's items carry no proposals: one sampled row, the last token's
+                last.append(len(ids) - 1)
+        device = self.runner.device
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        spec = model.spec
+        hidden = cpu_ops.int8_decode_layers(
+            model.embed[torch.tensor(ids, dtype=torch.long, device=device)],
+            *weights,
+            self.runner.kv_cache,
+            model.rope_cos[pos],
+            model.rope_signed_sin[pos],
+            torch.tensor(slots, dtype=torch.long, device=device),
+            torch.tensor(tables, dtype=torch.long, device=device),
+            torch.tensor(lens, dtype=torch.long, device=device),
+            spec.num_attention_heads,
+            spec.num_key_value_heads,
+            spec.rms_norm_eps,
+        )  # [N, hidden]
+        return hidden if len(last) == len(ids) else hidden[torch.tensor(last, device=device)]
 
     def _greedy_picks(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Per row of ``[S, V']`` float32 logits: the draft's greedy token (a vocabulary id; the first maximum)

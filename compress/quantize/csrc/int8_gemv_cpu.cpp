@@ -6,11 +6,15 @@
 //   y[m, n] = (sum_k x[m, k] * w[n, k]) * w_scale[n] (+ bias[n]), accumulated in float32 and rounded once. Each
 //   weight row is read once for all M rows of x, 64 int8 values per step widened to float32 in registers: decoding
 //   a few sequences is bound by reading the weights, and these are half the bytes of bf16.
+//   Optional epilogues, with the roundings of the torch ops they replace (x's dtype after each op):
+//   residual [M, N] -> round(residual + round(y)) (a residual add); silu_mul -> w holds [gate; up] ([2 I, K]) and
+//   the result is [M, I], round(round(silu(round(gate))) * round(up)) (SwiGLU).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -99,8 +103,41 @@ using GemvFn = void (*)(const float*, int64_t, const int8_t*, int64_t, int64_t, 
 constexpr GemvFn kGemv[] = {gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
                             gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// y [M, N] in x's dtype (the plain product) -> round(residual + y), or round(round(silu(gate)) * up) of y = [gate, up].
+at::Tensor epilogue(const at::Tensor& y, const at::Tensor* residual, bool silu_mul) {
+  const bool bf16 = y.scalar_type() == at::kBFloat16;
+  const int64_t m = y.size(0), n = y.size(1), n_out = silu_mul ? n / 2 : n;
+  at::Tensor out = at::empty({m, n_out}, y.options());
+  auto load = [&](const at::Tensor& t, int64_t i) {
+    return bf16 ? bf16_to_float(reinterpret_cast<const uint16_t*>(t.data_ptr())[i]) : t.data_ptr<float>()[i];
+  };
+  auto round = [&](float v) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; };
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t c = 0; c < n_out; ++c) {
+      const float v = silu_mul ? round(silu(load(y, i * n + c))) * load(y, i * n + c + n_out)
+                               : load(*residual, i * n + c) + load(y, i * n + c);
+      if (bf16) {
+        reinterpret_cast<uint16_t*>(out.data_ptr())[i * n_out + c] = float_to_bf16(v);
+      } else {
+        out.data_ptr<float>()[i * n_out + c] = v;
+      }
+    }
+  }
+  return out;
+}
+
 at::Tensor weight_only_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
-                          const c10::optional<at::Tensor>& bias) {
+                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                          bool silu_mul) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "weight_only_mm: x must be a CPU bf16 / fp32 [M, K] tensor");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
@@ -112,6 +149,14 @@ at::Tensor weight_only_mm(const at::Tensor& x, const at::Tensor& w, const at::Te
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
                 "weight_only_mm: bias must be contiguous float32 [N]");
+  TORCH_CHECK(!(silu_mul && residual.has_value()), "weight_only_mm: give residual or silu_mul, not both");
+  TORCH_CHECK(!silu_mul || n % 2 == 0, "weight_only_mm: silu_mul needs an even number of weight rows [gate; up]");
+  at::Tensor res;
+  if (residual.has_value()) {
+    res = residual->contiguous();
+    TORCH_CHECK(res.scalar_type() == x.scalar_type() && res.dim() == 2 && res.size(0) == m && res.size(1) == n,
+                "weight_only_mm: residual must be [M, N] in x's dtype");
+  }
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]: a few KB, read from cache by every row of w
   at::Tensor acc = at::empty({m, n}, x.options().dtype(at::kFloat));
   const float* xp = xf.data_ptr<float>();
@@ -131,11 +176,15 @@ at::Tensor weight_only_mm(const at::Tensor& x, const at::Tensor& w, const at::Te
     for (int64_t i = 0; i < m; ++i)
       for (int64_t c = 0; c < n; ++c) op[i * n + c] = ap[i * n + c] * sp[c] + (bp ? bp[c] : 0.f);
   }
+  if (silu_mul || residual.has_value()) return epilogue(out, residual.has_value() ? &res : nullptr, silu_mul);
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(lmforge_int8_gemv, m) {
-  m.def("weight_only_mm(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor", &weight_only_mm);
+  m.def(
+      "weight_only_mm(Tensor x, Tensor w, Tensor w_scale, Tensor? bias, Tensor? residual=None, bool silu_mul=False) "
+      "-> Tensor",
+      &weight_only_mm);
 }

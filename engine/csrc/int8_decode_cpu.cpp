@@ -1,0 +1,112 @@
+// A CPU kernel of the engine (engine/cpu_ops.py builds it on first use with torch.utils.cpp_extension).
+//
+// lmforge_decode::int8_decode_layers(h [N, H] bf16, weights, scales, biases, norms, kv_cache [L, 2, num_blocks,
+//     block_size, Hkv, hd] bf16, cos [N, hd], signed_sin [N, hd], slot_mapping [N], block_tables [N, max_blocks],
+//     seq_lens [N], num_heads, num_kv, eps) -> [N, H]
+//   every decoder layer of a Llama-style model whose linears are weight-only INT8 (weights[4 l + j], j = qkv, o,
+//   [gate; up], down: int8 [out, in] with float32 scales [out] and optional float32 biases; a layer kept in float
+//   has its bf16 weight and bias and no scale, and runs at::linear); norms[2 l], [2 l + 1]:
+//   the input and post-attention RMSNorm weights or None), for N <= 8 tokens each attending as a row of the decode
+//   kernel (token i at position seq_lens[i] - 1 through block_tables[i]; its K and V are stored first, so later
+//   tokens of the same sequence see earlier ones). The ops and roundings of engine/model.py's forward, called
+//   through the dispatcher: lmforge_engine (rms_norm, rope_and_cache, paged_decode_attention) and
+//   lmforge_int8_gemv::weight_only_mm (with its residual and silu_mul epilogues) must be loaded. A source of its
+//   own, so that adding it does not change how the compiler builds (and rounds in) those kernels.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps) {
+  static const auto op = find_op<at::Tensor(const at::Tensor&, const c10::optional<at::Tensor>&, double)>(
+      "lmforge_engine::rms_norm");
+  return op.call(x, weight, eps);
+}
+
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                          const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv) {
+  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&, int64_t, int64_t)>("lmforge_engine::rope_and_cache");
+  return op.call(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv);
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
+                         int64_t, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&)>(
+          "lmforge_engine::paged_decode_attention");
+  return op.call(q, kv_cache, block_tables, seq_lens, 0, scale, 0, c10::nullopt, c10::nullopt);
+}
+
+// y = x w^T (+ bias), then the residual add or SwiGLU epilogue; a float weight (scale None) runs at::linear and the
+// torch ops of engine/model.py's unpacked float path.
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, bool silu_mul) {
+  if (!scale.has_value()) {
+    const at::Tensor y = at::linear(x, w, bias);
+    if (silu_mul) {
+      const int64_t half = y.size(1) / 2;
+      return at::silu(y.narrow(1, 0, half)) * y.narrow(1, half, half);
+    }
+    return residual.has_value() ? *residual + y : y;
+  }
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                         const c10::optional<at::Tensor>&, bool)>("lmforge_int8_gemv::weight_only_mm");
+  return op.call(x, w, *scale, bias, residual, silu_mul);
+}
+
+at::Tensor int8_decode_layers(const at::Tensor& h_in, at::TensorList weights,
+                              const c10::List<c10::optional<at::Tensor>>& scales,
+                              const c10::List<c10::optional<at::Tensor>>& biases,
+                              const c10::List<c10::optional<at::Tensor>>& norms, const at::Tensor& kv_cache,
+                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+                              int64_t num_kv, double eps) {
+  const int64_t num_layers = static_cast<int64_t>(weights.size()) / 4;
+  TORCH_CHECK(h_in.scalar_type() == at::kBFloat16 && h_in.dim() == 2 && h_in.size(0) >= 1 && h_in.size(0) <= 8,
+              "int8_decode_layers: h must be bf16 [N, H] with 1 <= N <= 8");
+  TORCH_CHECK(num_layers >= 1 && static_cast<int64_t>(weights.size()) == 4 * num_layers &&
+                  scales.size() == weights.size() && biases.size() == weights.size() &&
+                  static_cast<int64_t>(norms.size()) == 2 * num_layers,
+              "int8_decode_layers: give 4 weights, scales and biases and 2 norms per layer");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers && kv_cache.size(1) == 2,
+              "int8_decode_layers: kv_cache must be [L, 2, num_blocks, block_size, Hkv, hd]");
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kv_cache.size(5)));
+  at::Tensor h = h_in.contiguous();
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor cache = kv_cache.select(0, l);  // [2, num_blocks, block_size, Hkv, hd]
+    auto linear = [&](int64_t j, const at::Tensor& x, const c10::optional<at::Tensor>& residual, bool silu_mul) {
+      const int64_t i = 4 * l + j;
+      return gemv(x, weights[i], scales.get(i), biases.get(i), residual, silu_mul);
+    };
+    at::Tensor x = rms_norm(h, norms.get(2 * l), eps);
+    const at::Tensor q = rope_and_cache(linear(0, x, c10::nullopt, false), cos, sin, cache, slot_mapping, num_heads, num_kv);
+    const at::Tensor attn =
+        paged_decode_attention(q, cache, block_tables, seq_lens, scale);  // [N, Hq hd]
+    h = linear(1, attn, h, false);
+    x = rms_norm(h, norms.get(2 * l + 1), eps);
+    h = linear(3, linear(2, x, c10::nullopt, true), h, false);
+  }
+  return h;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(lmforge_decode, m) {
+  m.def(
+      "int8_decode_layers(Tensor h, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, Tensor?[] norms, "
+      "Tensor(a!) kv_cache, Tensor cos, Tensor signed_sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+      "int num_heads, int num_kv, float eps) -> Tensor",
+      &int8_decode_layers);
+}
