@@ -172,8 +172,11 @@ def int8_decode_layers(
     """All decoder layers of a Llama-style model with weight-only INT8 linears, for a few tokens, in C++.
 
     The same ops and bf16 roundings as ``engine.model.Model.forward`` (RMSNorm, the INT8 GEMV of
-    ``compress.quantize.int8``, ``rope_and_cache``, ``paged_decode_attention``, residual adds and
-    SwiGLU as the GEMV's epilogues), without a Python call between them. Callers check
+    ``compress.quantize.int8`` with its residual-add and SwiGLU epilogues, ``rope_and_cache``,
+    ``paged_decode_attention``), without a Python call between them: bit for bit where every linear is
+    INT8. A linear the quantizer kept in float runs ``F.linear`` on its plain weight (the engine's
+    unpacked path), where the engine runs oneDNN's packed weight with fused post-ops: the same
+    function, other roundings. Callers check
     ``int8_decode_available()`` (``Model.int8_decode_weights`` does).
 
     Args:

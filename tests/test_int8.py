@@ -67,8 +67,9 @@ def test_weight_only_decode_kernel_equals_the_dequantized_linear(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_only_kernel_epilogues_round_as_the_torch_ops(dtype):
-    """The residual add and SwiGLU epilogues of the decode kernel: ``residual + y`` bit for bit (the layer's
-    ``add``), and ``silu(gate) * up`` of the ``[gate; up]`` output to the last bit of x's dtype."""
+    """The residual add and SwiGLU epilogues of the decode kernel (the layer's ``add`` and ``silu_mul``):
+    ``residual + y`` bit for bit, and ``silu(gate) * up`` of the ``[gate; up]`` output to the last bit of
+    x's dtype (its exp is not ATen's)."""
     assert weight_only_cpu_kernel(True), "weight-only INT8 CPU kernel did not build"
     torch.manual_seed(0)
     w, b = torch.randn(130, 200), torch.randn(130)
@@ -82,6 +83,7 @@ def test_weight_only_kernel_epilogues_round_as_the_torch_ops(dtype):
         gate, up = y.chunk(2, dim=-1)
         got = ops.weight_only_mm(x, w8, scale, b, None, True)
         assert got.shape == (rows, 65) and got.dtype == dtype
+        assert torch.equal(layer.silu_mul(x), got)  # the layer's own SwiGLU is the epilogue
         ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
         torch.testing.assert_close(got, F.silu(gate) * up, rtol=ulp, atol=1e-6)
     with pytest.raises(RuntimeError, match="residual or silu_mul"):

@@ -333,6 +333,16 @@ class Int8WeightOnlyLinear(_Int8Linear):
             return _GEMV.ops.weight_only_mm(x2, self.weight_int8, self.weight_scale, self.bias, residual)
         return residual + self(x)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a ``[gate; up]`` layer (``[N, in] -> [N, out / 2]``); in the decode kernel's
+        epilogue where it runs (the roundings of the torch ops; its SiLU's exp may differ from ATen's in the
+        last float bit, which rarely moves a bf16 result), so the engine's op-by-op forward and
+        ``engine.cpu_ops.int8_decode_layers`` compute the same numbers."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.out_features % 2 == 0 and self._kernel_runs(x2):
+            return _GEMV.ops.weight_only_mm(x2, self.weight_int8, self.weight_scale, self.bias, None, True)
+        return super().silu_mul(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         cpu_decode = x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x2.device.type == "cpu"

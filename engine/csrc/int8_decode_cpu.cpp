@@ -5,13 +5,16 @@
 //     seq_lens [N], num_heads, num_kv, eps) -> [N, H]
 //   every decoder layer of a Llama-style model whose linears are weight-only INT8 (weights[4 l + j], j = qkv, o,
 //   [gate; up], down: int8 [out, in] with float32 scales [out] and optional float32 biases; a layer kept in float
-//   has its bf16 weight and bias and no scale, and runs at::linear); norms[2 l], [2 l + 1]:
+//   has its plain bf16 weight and bias and no scale and runs at::linear, then the add or SwiGLU as torch ops: the
+//   engine's unpacked float path, whose roundings differ from oneDNN's packed one with post-ops; norms[2 l], [2 l + 1]:
 //   the input and post-attention RMSNorm weights or None), for N <= 8 tokens each attending as a row of the decode
 //   kernel (token i at position seq_lens[i] - 1 through block_tables[i]; its K and V are stored first, so later
-//   tokens of the same sequence see earlier ones). The ops and roundings of engine/model.py's forward, called
+//   tokens of the same sequence see earlier ones). The ops and roundings of engine/model.py's forward (INT8 layers
+//   bit for bit; float layers as above), called
 //   through the dispatcher: lmforge_engine (rms_norm, rope_and_cache, paged_decode_attention) and
 //   lmforge_int8_gemv::weight_only_mm (with its residual and silu_mul epilogues) must be loaded. A source of its
-//   own, so that adding it does not change how the compiler builds (and rounds in) those kernels.
+//   own, so that adding it does not change how the compiler builds (and rounds in) those kernels. The switches
+//   engine.cpu_ops.use_cpu_kernels / weight_only_cpu_kernel are checked by its Python caller, not here.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -53,12 +56,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
                 const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, bool silu_mul) {
   if (!scale.has_value()) {
+    TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 2 && w.size(1) == x.size(1),
+                "int8_decode_layers: a float weight must be [out, in] in h's dtype");
     const at::Tensor y = at::linear(x, w, bias);
     if (silu_mul) {
+      TORCH_CHECK(y.size(1) % 2 == 0, "int8_decode_layers: a [gate; up] weight needs an even number of rows");
       const int64_t half = y.size(1) / 2;
       return at::silu(y.narrow(1, 0, half)) * y.narrow(1, half, half);
     }
-    return residual.has_value() ? *residual + y : y;
+    if (!residual.has_value()) return y;
+    TORCH_CHECK(residual->sizes() == y.sizes(), "int8_decode_layers: residual and linear output shapes differ");
+    return *residual + y;
   }
   static const auto op =
       find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,

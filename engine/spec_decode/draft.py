@@ -288,8 +288,12 @@ class DraftProposer:
         tables (no attention metadata): a draft position then costs about its weight bytes, not the
         Python and op dispatch of a forward (README, "Speculative decoding").
         """
-        if out.num_batched_tokens > WEIGHT_ONLY_MAX_ROWS:
-            return None
+        if (
+            out.num_batched_tokens > WEIGHT_ONLY_MAX_ROWS
+            or out.kv_copies
+            or any(i.spec_token_ids for i in out.scheduled)
+        ):
+            return None  # (no copies or proposals in a draft's own steps: the op-by-op path would handle them)
         model = self.runner.model
         weights = model.int8_decode_weights()
         if weights is None:
