@@ -9,6 +9,8 @@ the target with noise on its weights (about half the proposals rejected).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from scipy.stats import chi2_contingency
@@ -384,25 +386,19 @@ def test_int8_draft_keeps_a_reduced_int8_head(target_dir, noisy_draft_dir, promp
     check_all_freed(llm)
 
 
-def test_bf16_int8_draft_runs_its_decoder_in_one_call_with_the_same_numbers(
-    target_dir, noisy_draft_dir, prompts, reference, tmp_path, monkeypatch
-):
-    """A bf16 int8-weight-only draft runs its forwards of up to 8 tokens (steady rounds: a token or two per
-    request) through ``cpu_ops.int8_decode_layers``: the logits and KV writes of the op-by-op forward, bit for
-    bit (a layer kept in float runs unpacked there, as in the op); a prompt's catch-up keeps the op-by-op
-    path. Greedy output stays the target's."""
-    from compress.quantize.methods import quantize
+def check_one_call_equals_op_by_op(int8_dir, monkeypatch) -> None:
+    """A bf16 INT8 draft's forward of 3 requests with 1, 2 and 3 new tokens (crossing a block, one request
+    not sampling) through ``cpu_ops.int8_decode_layers`` gives the logits and KV writes of the op-by-op
+    forward bit for bit (float layers unpacked there, as the op runs them)."""
     from engine import cpu_ops
     from engine.scheduler import ScheduledSequence, SchedulerOutput
     from engine.sequence import Sequence
     from engine.spec_decode import DraftProposer
 
-    int8 = quantize(noisy_draft_dir, tmp_path / "int8", method="int8-weight-only")
-    draft = DraftProposer(int8, "bfloat16", "cpu", 4, 256, 64)
+    draft = DraftProposer(int8_dir, "bfloat16", "cpu", 4, 256, 64)
     model = draft.runner.model
     assert cpu_ops.int8_decode_available(), "the C++ decode kernels did not build"
-    weights = model.int8_decode_weights()
-    assert weights is not None and any(scale is None for scale in weights[1])  # the float unit is kept
+    assert model.int8_decode_weights() is not None
     g = torch.Generator().manual_seed(3)
     seqs = [
         Sequence(str(i), None, torch.randint(3, 49000, (9 + 5 * i,), generator=g).tolist(), GREEDY, None, None)
@@ -421,11 +417,25 @@ def test_bf16_int8_draft_runs_its_decoder_in_one_call_with_the_same_numbers(
     for layer in model.layers:
         for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
             linear.packed = linear.packed_halves = None  # a float unit unpacked, as the C++ op runs it
-    monkeypatch.setattr(cpu_ops, "int8_decode_available", lambda: False)
-    assert model.int8_decode_weights() is None
-    assert torch.equal(fused, draft._logits(step)) and fused.shape == (2, 49152)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_ops, "int8_decode_available", lambda: False)
+        assert model.int8_decode_weights() is None
+        assert torch.equal(fused, draft._logits(step)) and fused.shape == (2, 49152)
     assert torch.equal(fused_cache, draft.runner.kv_cache)
-    monkeypatch.undo()
+
+
+def test_bf16_int8_draft_runs_its_decoder_in_one_call_with_the_same_numbers(
+    target_dir, noisy_draft_dir, prompts, reference, tmp_path, monkeypatch
+):
+    """A bf16 int8-weight-only draft runs its forwards of up to 8 tokens (steady rounds: a token or two per
+    request) through ``cpu_ops.int8_decode_layers`` with the numbers of the op-by-op forward (its float
+    unit kept); a prompt's catch-up keeps the op-by-op path. Greedy output stays the target's."""
+    from compress.quantize.methods import quantize
+    from engine import cpu_ops
+
+    int8 = quantize(noisy_draft_dir, tmp_path / "int8", method="int8-weight-only")
+    assert json.loads((int8 / "lmforge.json").read_text())["config"]["float_modules"]  # a unit kept in float
+    check_one_call_equals_op_by_op(int8, monkeypatch)
 
     calls = []
     op = cpu_ops.int8_decode_layers
@@ -434,6 +444,30 @@ def test_bf16_int8_draft_runs_its_decoder_in_one_call_with_the_same_numbers(
     assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
     assert calls and max(calls) <= 8
     check_all_freed(llm)
+
+
+def test_one_call_draft_with_qkv_biases_and_every_linear_int8_and_its_switches(tmp_path, monkeypatch):
+    """A Qwen2 draft (q/k/v biases) with every linear INT8 runs the one-call path with the op-by-op numbers;
+    switching the INT8 GEMV or the engine's kernels off turns the one-call path off."""
+    from compress.checkpoint.store import make_tiny_llama
+    from compress.quantize.int8 import weight_only_cpu_kernel
+    from compress.quantize.methods import quantize
+    from engine import cpu_ops
+    from engine.model import Model
+
+    parent = make_tiny_llama(tmp_path / "qwen2", seed=2, model_type="qwen2")
+    int8 = quantize(parent, tmp_path / "int8", method="int8-weight-only", float_units=0)
+    check_one_call_equals_op_by_op(int8, monkeypatch)
+    model = Model(int8, torch.bfloat16, "cpu", 64)
+    weights = model.int8_decode_weights()
+    assert all(s is not None for s in weights[1]) and all(b is not None for b in weights[2][0::4])
+    for switch in (weight_only_cpu_kernel, cpu_ops.use_cpu_kernels):
+        try:
+            switch(False)
+            assert model.int8_decode_weights() is None
+        finally:
+            switch(True)
+    assert model.int8_decode_weights() is not None
 
 
 def test_draft_confidence_stop_proposes_less_and_keeps_greedy_output(target_dir, noisy_draft_dir, prompts, reference):
