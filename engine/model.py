@@ -505,10 +505,19 @@ class Model:
 
     def compute_logits(self, hidden: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
         """``[S, hidden]`` last hidden states -> logits ``[S, vocab]`` (final norm, lm head), float32
-        unless ``float_logits=False`` (then in the model dtype, e.g. for an argmax)."""
+        unless ``float_logits=False`` (then in the model dtype, for an argmax).
+
+        In bf16 the entries near each row's maximum are recomputed in float32 (``cpu_ops.refine_logits``):
+        the GEMM's rounding to bf16 would otherwise tie or swap close candidates, and greedy output would
+        follow the tie order instead of the model. With ``float_logits=False`` the exact winner is made
+        the row's unique maximum.
+        """
         s = hidden.shape[0]
         hidden = rms_norm(pad_rows(hidden, self.min_rows), self.norm, self.spec.rms_norm_eps)
         logits = self.lm_head(hidden)[:s]
+        head = self.lm_head
+        if logits.dtype == torch.bfloat16 and head.int8_layer is None and head.bias is None and head.weight is not None:
+            return cpu_ops.refine_logits(logits, hidden[:s], head.weight, to_float=float_logits)
         return logits.float() if float_logits else logits
 
 

@@ -85,6 +85,42 @@ def _reference(cache, tables, q, lens, block_size, window=None):
     return torch.stack(outs)
 
 
+def _near_tie_logits(rows: int = 12, vocab: int = 3000, hidden: int = 96):
+    """bf16 operands whose lm-head products round into ties and swaps near each row's maximum."""
+    torch.manual_seed(3)
+    h = torch.randn(rows, hidden).bfloat16()
+    w = (torch.randn(vocab, hidden) * 0.3).bfloat16()
+    w[:40] = w[40:80] + (torch.randn(40, hidden) * 1e-2).bfloat16()  # 40 near-duplicate rows
+    exact = h.float() @ w.float().T  # [rows, vocab]: what the GEMM sums before its rounding
+    logits = exact.bfloat16()
+    return h, w, exact, logits
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_refine_logits_makes_the_exact_maximum_win_where_bf16_rounding_ties(native):
+    h, w, exact, logits = _near_tie_logits()
+    for row in range(logits.shape[0]):  # force a tie at the top of each row: the rounded values of two columns equal
+        top2 = exact[row].topk(2).indices
+        logits[row, top2[1]] = logits[row, top2[0]]
+    assert not torch.equal(cpu_ops.argmax(logits), exact.argmax(-1))  # ties go to the first index, not the model
+    cpu_ops.use_cpu_kernels(native)
+    try:
+        full = cpu_ops.refine_logits(logits.clone(), h, w, to_float=True)
+        nudged = cpu_ops.refine_logits(logits.clone(), h, w, to_float=False)
+    finally:
+        cpu_ops.use_cpu_kernels(True)
+    assert full.dtype == torch.float32 and nudged.dtype == torch.bfloat16
+    assert torch.equal(full.argmax(-1), exact.argmax(-1))
+    assert torch.equal(cpu_ops.argmax(nudged), exact.argmax(-1))
+    top = full.topk(2, dim=-1).values
+    assert (top[:, 0] > top[:, 1]).all()  # no tie where the float32 sums have none
+    top1 = logits.float().max(-1, keepdim=True).values
+    near = logits.float() >= top1 - 2 * torch.exp2(torch.floor(torch.log2(top1.abs())) - 7)  # two bf16 steps
+    assert near.sum(-1).min() >= 2
+    torch.testing.assert_close(full[near], exact[near], rtol=1e-5, atol=1e-5)  # the exact sums near the top
+    assert torch.equal(full[~near], logits.float()[~near])  # the rest keeps the GEMM's values
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv,head_dim", [(9, 3, 64), (8, 2, 128), (16, 1, 64), (4, 4, 32), (6, 2, 24)])
 def test_paged_decode_attention_matches_direct_attention(dtype, num_heads, num_kv, head_dim):

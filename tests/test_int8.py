@@ -117,8 +117,11 @@ def test_w8a8_equals_int8_arithmetic_with_per_token_scales(rows, int8_activation
 
 @pytest.fixture
 def aten_path_restored():
+    """The fused oneDNN-path kernels forced (AMX off, so an AMX CPU runs them too); both re-enabled afterwards."""
+    amx_cpu_kernel(False)
     yield
     fused_cpu_kernels(True)
+    amx_cpu_kernel(True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
