@@ -300,7 +300,7 @@ def test_cli_generate_uses_the_engine(tiny_llama_dir, capsys):
     assert engine_text == hf_text
     assert (
         main(["generate", "--model", str(tiny_llama_dir), "--prompt", prompt, "--top-p", "1.5"]) == 2
-    )  # a usage error, as the README documents
+    )  # a usage error, as docs/cli.md documents
     assert "top_p" in capsys.readouterr().err
 
 

@@ -251,7 +251,7 @@ def test_int8_smollm2_stays_close_to_fp32(smollm2_dir, tmp_path):
         )
         loaded = load_for_eval(out, num_threads=2)
         m = quality_metrics(loaded.model, loaded.tokenizer, records, reference)
-        # measured on these 6 dialogs: see README (weight-only KL ~0.004, w8a8 ~0.01)
+        # measured on these 6 dialogs: weight-only KL ~0.004, w8a8 ~0.01
         assert m["kl_mean"] < max_kl and m["same_top1"] > min_top1, (method, m)
         assert abs(m["perplexity"] / ppl_fp32 - 1) < 0.05
         # measured 2.16x: the fp32 embedding table (113 MB) stays float; the int8 linears and head are ~4x smaller

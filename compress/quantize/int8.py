@@ -38,7 +38,7 @@ for ``w8a8`` on CPU, one C++ op of our own, ``fused_cpu_kernels``):
   852-932 us for packed bf16 with oneDNN post-ops; the engine (64 requests x 64 tokens) at 1.28x
   bf16 (``lmforge bench engine --configs engine_bf16,engine_int8``). The AMX
   kernels give the oneDNN path's outputs bit for bit (same integers, products in the same order)
-  and run SmolLM2's decoder linears at 64 rows ~2x faster than it (README, "INT8").
+  and run SmolLM2's decoder linears at 64 rows ~2x faster than it.
 
 ``gemm_microbench`` times these against fp32 and bf16 on given shapes, so ``lmforge quantize``
 and the benchmarks can say which variant is fastest on the CPU at hand instead of assuming

@@ -163,7 +163,7 @@ class W8A8Config:
             rotation of ``rotation_block`` input channels (``compress.quantize.rotate``; QuaRot,
             Ashkboos et al. 2024). The float model's function is unchanged; per-token INT8 activations
             lose far less: SmolLM2-135M against fp32, 44 held-out dialogs, mean KL 0.0172 -> 0.0070, same
-            top-1 94.7% -> 96.6%, perplexity -0.48% -> +0.79% (README, "INT8"), for one ``block_hadamard``
+            top-1 94.7% -> 96.6%, perplexity -0.48% -> +0.79% (docs/quantization.md), for one ``block_hadamard``
             pass over each ``down_proj`` input (~1.5% of a 64-row decode step). The checkpoint stores the
             rotated weights, norm weights of 1 and an untied LM head (``VOCAB_TABLES`` in bf16). With it an
             INT8 head (``skip_modules=()``) adds little (KL 0.0077, top-1 95.9%). ``None``: no rotation.

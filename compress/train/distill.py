@@ -45,7 +45,7 @@ student also matches the teacher's next-token distributions inside system and us
 384 tokens), hence 84 steps. Peak lr 2e-4: against the demo's fine-tuned teacher (drop:7, 96
 steps), held-out perplexity was 1.63x / 1.40x / 1.30x / 1.30x the teacher's at lr 1e-3 / 6e-4 /
 3e-4 / 2e-4 with the KL on assistant positions, and 1.36x at 6e-4 and 1.25x at 3e-4 with it on
-every token; the default (84 steps) gave 1.29x (README, distill). The hidden-state term pairs
+every token; the default (84 steps) gave 1.29x (docs/distillation.md). The hidden-state term pairs
 student layer input i with the teacher layer it was copied from (and the final normed outputs)
 on every real token. The teacher runs in eval mode under ``torch.no_grad``. The loop, progress
 bar (with ETA), monitoring, checkpoints and resume are those of ``compress.train.loop``, shared
@@ -668,7 +668,7 @@ FULL_BUDGET = {
     "max_steps": 600,
     "generate_records": 819,
     "generate_tokens": 96,
-    # as measured (README); the default's lr and KD positions are tuned for its 84 steps
+    # as measured (docs/distillation.md); the default's lr and KD positions are tuned for its 84 steps
     "lr": 6e-4,
     "kd_positions": "assistant",
 }

@@ -286,7 +286,7 @@ class DraftProposer:
         A steady round's forwards hold one to three tokens per request: the whole decoder runs in one C++
         call, each token attending as a row of the decode kernel, with inputs built here from the block
         tables (no attention metadata): a draft position then costs about its weight bytes, not the
-        Python and op dispatch of a forward (README, "Speculative decoding").
+        Python and op dispatch of a forward (docs/speculative-decoding.md).
         """
         if (
             out.num_batched_tokens > WEIGHT_ONLY_MAX_ROWS
