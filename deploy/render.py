@@ -30,9 +30,9 @@ from typing import Any
 
 import yaml
 
-from compress.checkpoint.outputs import RENDERED, check_output_dir
-from compress.errors import LmforgeError, UsageError
 from deploy.triton import DEFAULT_PORTS
+from engine.checkpoint.outputs import RENDERED, check_output_dir
+from engine.errors import LmforgeError, UsageError
 
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"  # NGC 24.10 = Triton 2.51, the server lmforge tests against
 TRITON_PORTS = DEFAULT_PORTS  # the ports tritonserver listens on (deploy.triton)
@@ -735,7 +735,7 @@ def render_deploy(
 
     Raises:
         ValueError: unknown target or field, or an invalid value (names the field).
-        OutputDirError: ``out_dir`` holds files that are not ours (``compress.checkpoint.outputs``).
+        OutputDirError: ``out_dir`` holds files that are not ours (``engine.checkpoint.outputs``).
     """
     unknown = set(overrides) - {f.name for f in dataclasses.fields(DeployValues)}
     if unknown:

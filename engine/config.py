@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from compress.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
-from compress.quantize.int8 import cpu_flags  # /proc/cpuinfo flags (also decide the INT8 kernels)
+from engine.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
+from engine.platform import cpu_flags  # /proc/cpuinfo flags (also decide the INT8 kernels)
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -48,7 +48,7 @@ class EngineConfig:
     """Configuration of an ``LLMEngine``; validated at construction.
 
     Attributes:
-        model: checkpoint name, ``.gguf`` file or directory (``compress.checkpoint.store.resolve_checkpoint``).
+        model: checkpoint name, ``.gguf`` file or directory (``engine.checkpoint.store.resolve_checkpoint``).
         block_size: tokens per KV cache block.
         num_kv_blocks: blocks in the KV pool; ``None`` derives it from ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: KV pool budget in bytes (K and V of every layer) when

@@ -17,25 +17,24 @@ decoder layer of a weight-only INT8 model for a few tokens in one call, through 
 the INT8 GEMV: a small draft model's forward is otherwise as much Python and op dispatch as
 reading its weights.
 
-They are built on first use (``compress.quantize.native.NativeKernels``, 15-25 s once, cached);
+They are built on first use (``engine.native.NativeKernels``, 15-25 s once, cached);
 where they cannot be built every function here runs its torch equivalent, and
 ``use_cpu_kernels(False)`` forces that path (tests compare the two).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from compress.quantize.native import NativeKernels, vector_cflags
+from engine.native import CSRC, NativeKernels
+from engine.platform import vector_cflags
 
 #: The C++ source of ``torch.ops.lmforge_engine``.
-KERNEL_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+KERNEL_SOURCE = CSRC / "cpu_ops.cpp"
 KERNELS = NativeKernels("lmforge_engine", KERNEL_SOURCE, "rope_and_cache", cflags=vector_cflags())
 #: ``torch.ops.lmforge_decode``: the decoder layers of a weight-only INT8 model in one call (``int8_decode_layers``).
-DECODE_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "int8_decode_cpu.cpp"
+DECODE_KERNEL_SOURCE = CSRC / "int8_decode_cpu.cpp"
 DECODE_KERNELS = NativeKernels("lmforge_decode", DECODE_KERNEL_SOURCE, "int8_decode_layers", cflags=vector_cflags())
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -186,9 +185,9 @@ def rope_and_cache(
 
 def int8_decode_available() -> bool:
     """Whether ``int8_decode_layers`` runs: the engine's kernels, the INT8 GEMV and this op are built and enabled
-    (``use_cpu_kernels(False)`` or ``compress.quantize.int8.weight_only_cpu_kernel(False)`` turn it off too)."""
+    (``use_cpu_kernels(False)`` or ``engine.quant.int8.weight_only_cpu_kernel(False)`` turn it off too)."""
     # the GEMV lives with the INT8 layers; imported here to keep this module's imports light
-    from compress.quantize.int8 import weight_only_cpu_kernel
+    from engine.quant.int8 import weight_only_cpu_kernel
 
     return KERNELS.available and weight_only_cpu_kernel() and DECODE_KERNELS.available
 
@@ -212,7 +211,7 @@ def int8_decode_layers(
     """All decoder layers of a Llama-style model with weight-only INT8 linears, for a few tokens, in C++.
 
     The same ops and bf16 roundings as ``engine.model.Model.forward`` (RMSNorm, the INT8 GEMV of
-    ``compress.quantize.int8`` with its residual-add and SwiGLU epilogues, ``rope_and_cache``,
+    ``engine.quant.int8`` with its residual-add and SwiGLU epilogues, ``rope_and_cache``,
     ``paged_decode_attention``), without a Python call between them: bit for bit where every linear is
     INT8. A linear the quantizer kept in float runs ``F.linear`` on its plain weight (the engine's
     unpacked path), where the engine runs oneDNN's packed weight with fused post-ops: the same

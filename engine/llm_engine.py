@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from compress.checkpoint.store import resolve_checkpoint
 from engine.block_manager import BlockManager
+from engine.checkpoint.store import resolve_checkpoint
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
@@ -54,7 +54,7 @@ class LLMEngine:
 
     Raises:
         ValueError: an inconsistent configuration (also once the checkpoint's limits are known).
-        compress.checkpoint.store.CheckpointError: the checkpoint is missing, corrupt or unsupported.
+        engine.checkpoint.store.CheckpointError: the checkpoint is missing, corrupt or unsupported.
     """
 
     def __init__(self, config: EngineConfig) -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from compress.checkpoint.store import make_tiny_llama, resolve_checkpoint
 from deploy.export import export
 from deploy.triton import TritonServer, free_ports
 from engine import LLM, SamplingParams
+from engine.checkpoint.store import make_tiny_llama, resolve_checkpoint
 
 #: Engine configuration of the LLM the session's Triton server serves (and the in-process reference).
 ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 256, "num_threads": 1}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compress.checkpoint.store import (
+from engine.checkpoint.store import (
     CheckpointError,
     Manifest,
     check_gguf,

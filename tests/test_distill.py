@@ -29,7 +29,7 @@ from compress.train.monitor import read_metrics
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory) -> Path:
     """A random 4-layer GQA Llama teacher with the SmolLM2 tokenizer."""
-    from compress.checkpoint.store import make_tiny_llama
+    from engine.checkpoint.store import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("teacher"), seed=1, num_hidden_layers=4)
 
@@ -224,8 +224,8 @@ def test_distill_run_halves_layers_lowers_loss_resumes_and_loads(teacher_dir, ch
 
 def test_student_speed_alternates_models_round_by_round(teacher_dir, tmp_path):
     from bench.student_speed import measure
-    from compress.checkpoint.store import make_tiny_llama
-    from compress.errors import UsageError
+    from engine.checkpoint.store import make_tiny_llama
+    from engine.errors import UsageError
 
     student = str(make_tiny_llama(tmp_path / "student", seed=2, num_hidden_layers=2))
     lines = []

@@ -22,8 +22,8 @@ from bench.engine_bench import (
     summarize_single,
     token_agreement,
 )
-from compress.checkpoint.model_spec import ModelSpec
-from compress.errors import UsageError
+from engine.checkpoint.model_spec import ModelSpec
+from engine.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 

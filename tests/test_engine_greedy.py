@@ -69,7 +69,7 @@ def test_greedy_batch_equals_hf(tiny_llama_dir, prompts, reference):
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
 def test_greedy_other_architectures_equal_hf(tmp_path, model_type):
-    from compress.checkpoint.store import make_tiny_llama
+    from engine.checkpoint.store import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path / model_type, seed=3, model_type=model_type)
     prompts = random_prompts([1, 5, 9, 16, 23], seed=4)

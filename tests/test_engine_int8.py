@@ -7,8 +7,9 @@ import shutil
 import pytest
 import torch
 
-from compress.checkpoint.store import Manifest, make_tiny_llama, write_manifest
-from compress.quantize.int8 import (
+from engine import LLM, SamplingParams
+from engine.checkpoint.store import Manifest, make_tiny_llama, write_manifest
+from engine.quant.int8 import (
     INT8_SCALE_SUFFIX,
     INT8_WEIGHT_SUFFIX,
     LAYERS,
@@ -17,7 +18,6 @@ from compress.quantize.int8 import (
     quantize_weight_per_channel,
     scheme_metadata,
 )
-from engine import LLM, SamplingParams
 from tests.test_engine_greedy import random_prompts
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -109,9 +109,9 @@ def test_rotated_w8a8_checkpoint_runs_in_the_engine_and_tracks_its_parent(dtype,
     online rotation in its INT8 layers, and its float path (the CUDA one) gets the weight of the unrotated input."""
     from transformers import AutoModelForCausalLM
 
-    from compress.quantize.int8 import INPUT_HADAMARD_SUFFIX, W8A8Linear, block_hadamard
     from compress.quantize.methods import quantize
     from engine.model import WeightLoader, load_state_dict
+    from engine.quant.int8 import INPUT_HADAMARD_SUFFIX, W8A8Linear, block_hadamard
 
     src = make_tiny_llama(tmp_path / "fp32", seed=5, hidden_size=128, intermediate_size=256)
     out = quantize(src, tmp_path / "w8a8", method="w8a8", calibration_records=4)

@@ -275,7 +275,7 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path, tin
     import json
     import shutil
 
-    from compress.checkpoint.store import CheckpointError
+    from engine.checkpoint.store import CheckpointError
 
     target = tmp_path / "gpt2-like"
     shutil.copytree(tiny_llama_dir, target)

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import lmforge_cli
-from compress.checkpoint.store import CheckpointError, read_manifest
 from compress.evaluate.quality import (
     EvalConfig,
     EvaluationError,
@@ -24,6 +23,7 @@ from compress.evaluate.quality import (
     read_records,
     reference_logprobs,
 )
+from engine.checkpoint.store import CheckpointError, read_manifest
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France, and it is lovely in spring."]
 DIALOG = {

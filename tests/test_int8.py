@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compress.quantize import int8
-from compress.quantize.int8 import (
+from engine.quant import int8
+from engine.quant.int8 import (
     Int8WeightOnlyLinear,
     W8A8Linear,
     amx_cpu_kernel,

@@ -8,8 +8,8 @@ import torch
 from optimum.onnxruntime import ORTModelForCausalLM, ORTModelForFeatureExtraction
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from compress.checkpoint.store import CheckpointError, read_manifest, resolve_checkpoint
 from compress.quantize.onnx import export_onnx, mean_pool, quantize_onnx_int8
+from engine.checkpoint.store import CheckpointError, read_manifest, resolve_checkpoint
 
 PROMPTS = ["Hello there, how are you today?", "The capital of France is"]
 SENTENCES = ["A man is playing a guitar.", "The weather is lovely today.", "Quantization makes models smaller."]

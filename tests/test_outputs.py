@@ -11,7 +11,8 @@ import pytest
 
 import bench.loadtest as loadtest
 import lmforge_cli
-from compress.checkpoint.outputs import (
+from compress.quantize.onnx import export_onnx
+from engine.checkpoint.outputs import (
     CHECKPOINT,
     DATA,
     OutputDirError,
@@ -21,8 +22,7 @@ from compress.checkpoint.outputs import (
     staged_output_dir,
     write_output_file,
 )
-from compress.checkpoint.store import convert_gguf, named_source_path, read_manifest, resolve_checkpoint
-from compress.quantize.onnx import export_onnx
+from engine.checkpoint.store import convert_gguf, named_source_path, read_manifest, resolve_checkpoint
 
 
 @pytest.fixture()

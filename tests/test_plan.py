@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from compress.checkpoint.store import tiny_llama_config
 from compress.scale.comm_model import (
     CLUSTER_PRESETS,
     LINK_EFFICIENCY,
@@ -38,6 +37,7 @@ from compress.scale.memory_model import (
 )
 from compress.scale.pipeline_schedule import bubble_fraction, simulate_1f1b
 from compress.scale.plan import Split, TrainingSetup, check_split, plan_training, serving_options
+from engine.checkpoint.store import tiny_llama_config
 from lmforge_cli import main
 
 #: Stated tolerance of predicted vs measured activation bytes (the counts agree exactly on

@@ -10,8 +10,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from compress.checkpoint.store import CheckpointError, make_tiny_llama, read_manifest
-from compress.errors import UsageError
 from compress.evaluate.quality import (
     AGREEMENT_PROMPTS,
     EvalConfig,
@@ -20,7 +18,6 @@ from compress.evaluate.quality import (
     greedy_tokens,
     load_for_eval,
 )
-from compress.quantize.int8 import Int8WeightOnlyLinear, W8A8Linear, quantize_weight_per_channel
 from compress.quantize.methods import (
     METHODS,
     Int8WeightOnlyConfig,
@@ -31,6 +28,9 @@ from compress.quantize.methods import (
     make_quantizer,
     quantize,
 )
+from engine.checkpoint.store import CheckpointError, make_tiny_llama, read_manifest
+from engine.errors import UsageError
+from engine.quant.int8 import Int8WeightOnlyLinear, W8A8Linear, quantize_weight_per_channel
 
 PROMPTS = AGREEMENT_PROMPTS[:3]
 CONFIGS = {
@@ -281,8 +281,8 @@ def test_smoothquant_keeps_the_fp32_function_and_flattens_outliers(model_type, t
 
 
 def test_out_dir_that_is_not_a_checkpoint_is_refused_and_kept(tiny_llama_dir, tmp_path, monkeypatch):
-    from compress.checkpoint.outputs import OutputDirError
     from compress.quantize.methods import quantize
+    from engine.checkpoint.outputs import OutputDirError
 
     precious = tmp_path / "precious"
     precious.mkdir()
@@ -298,8 +298,8 @@ def test_out_dir_that_is_not_a_checkpoint_is_refused_and_kept(tiny_llama_dir, tm
 
 
 def test_quantizing_a_quantized_checkpoint_is_refused(tiny_llama_dir, tmp_path):
-    from compress.checkpoint.store import CheckpointError
     from compress.quantize.methods import quantize
+    from engine.checkpoint.store import CheckpointError
 
     once = quantize(tiny_llama_dir, tmp_path / "once", method="w8a8", smoothquant_alpha=None)
     with pytest.raises(CheckpointError, match="already quantized \\(method w8a8\\)"):

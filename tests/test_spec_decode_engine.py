@@ -38,7 +38,7 @@ def repetitive_prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     """A random tiny Llama with untied embeddings: varied greedy output (the tied one repeats its input)."""
-    from compress.checkpoint.store import make_tiny_llama
+    from engine.checkpoint.store import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("target"), seed=0, tie_word_embeddings=False)
 
@@ -180,7 +180,7 @@ def test_stops_inside_an_accepted_run_truncate_like_without_speculation(target_d
 @pytest.fixture(scope="module")
 def small_vocab_dirs(tmp_path_factory):
     """A 64-token-vocabulary target (prompts and outputs use ids < 64; EOS ignored) and an unrelated draft."""
-    from compress.checkpoint.store import make_tiny_llama
+    from engine.checkpoint.store import make_tiny_llama
 
     target = make_tiny_llama(tmp_path_factory.mktemp("small-vocab"), seed=3, vocab_size=64, tie_word_embeddings=False)
     draft = make_tiny_llama(
@@ -254,7 +254,7 @@ def test_abort_mid_speculation_frees_every_block(target_dir, noisy_draft_dir):
 def test_draft_with_another_tokenizer_or_vocab_is_refused(tmp_path, tiny_llama_dir):
     from transformers import AutoTokenizer
 
-    from compress.checkpoint.store import make_tiny_llama
+    from engine.checkpoint.store import make_tiny_llama
 
     other_vocab = make_tiny_llama(tmp_path / "vocab", seed=1, vocab_size=49160)
     with pytest.raises(ValueError, match="vocab_size=49160"):
@@ -270,7 +270,7 @@ def test_draft_with_another_tokenizer_or_vocab_is_refused(tmp_path, tiny_llama_d
 def test_draft_defaults_to_the_distilled_student_of_the_model(tmp_path, tiny_llama_dir, monkeypatch):
     import shutil
 
-    from compress.checkpoint.store import read_manifest, write_manifest
+    from engine.checkpoint.store import read_manifest, write_manifest
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="no `lmforge distill` output"):
@@ -337,7 +337,7 @@ def test_adaptive_k_gives_same_tokens(target_dir, noisy_draft_dir, prompts, refe
 
 def test_adaptive_k_switches_off_a_draft_that_is_never_right(target_dir, prompts, reference, tmp_path):
     """A draft of random weights (about 1/vocab accepted): after a few rejections each request only probes."""
-    from compress.checkpoint.store import make_tiny_llama
+    from engine.checkpoint.store import make_tiny_llama
 
     stranger = make_tiny_llama(tmp_path / "stranger", seed=7, tie_word_embeddings=False)
     fixed = spec_llm(target_dir, "draft", stranger)
@@ -367,8 +367,8 @@ def test_reduced_draft_head_gives_same_tokens(target_dir, noisy_draft_dir, promp
 def test_int8_draft_keeps_a_reduced_int8_head(target_dir, noisy_draft_dir, prompts, reference, tmp_path):
     """An int8-weight-only draft's reduced head holds the stored INT8 rows and scales of the frequent tokens:
     its logits are those columns of the whole INT8 head's; greedy output stays the target's."""
-    from compress.quantize.int8 import Int8WeightOnlyLinear
     from compress.quantize.methods import quantize
+    from engine.quant.int8 import Int8WeightOnlyLinear
 
     freq = [int(t) for t in torch.randperm(49152, generator=torch.Generator().manual_seed(6))[:1500]]
     int8 = quantize(noisy_draft_dir, tmp_path / "int8", method="int8-weight-only")
@@ -449,11 +449,11 @@ def test_bf16_int8_draft_runs_its_decoder_in_one_call_with_the_same_numbers(
 def test_one_call_draft_with_qkv_biases_and_every_linear_int8_and_its_switches(tmp_path, monkeypatch):
     """A Qwen2 draft (q/k/v biases) with every linear INT8 runs the one-call path with the op-by-op numbers;
     switching the INT8 GEMV or the engine's kernels off turns the one-call path off."""
-    from compress.checkpoint.store import make_tiny_llama
-    from compress.quantize.int8 import weight_only_cpu_kernel
     from compress.quantize.methods import quantize
     from engine import cpu_ops
+    from engine.checkpoint.store import make_tiny_llama
     from engine.model import Model
+    from engine.quant.int8 import weight_only_cpu_kernel
 
     parent = make_tiny_llama(tmp_path / "qwen2", seed=2, model_type="qwen2")
     int8 = quantize(parent, tmp_path / "int8", method="int8-weight-only", float_units=0)
@@ -486,7 +486,7 @@ def test_draft_confidence_stop_proposes_less_and_keeps_greedy_output(target_dir,
 
 
 def test_bad_token_frequency_file_names_its_path(target_dir, noisy_draft_dir, tmp_path):
-    from compress.checkpoint.store import CheckpointError
+    from engine.checkpoint.store import CheckpointError
 
     draft = with_token_frequencies(noisy_draft_dir, tmp_path / "bad", [])
     (draft / "token_frequencies.json").write_text("{not json")

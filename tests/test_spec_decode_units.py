@@ -71,7 +71,7 @@ def test_ngram_with_corpus_tries_own_long_matches_then_the_corpus_then_own_singl
 def test_ngram_corpus_from_jsonl_reads_records_and_names_bad_files(tiny_llama_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from compress.errors import UsageError
+    from engine.errors import UsageError
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     good = tmp_path / "replies.jsonl"
@@ -406,8 +406,8 @@ def test_reduced_head_keeps_outlier_channels_and_the_fp32_row_rule():
     """A draft's reduced head is the chosen rows of the whole head: a ``w8a8`` head keeps its outlier
     input channels (same logits as those columns of the whole head); an fp32 head packs only the
     engine's fp32 row range."""
-    from compress.quantize.int8 import W8A8Linear
     from engine.model import FP32_PACKED_ROWS, Linear, packed_rows
+    from engine.quant.int8 import W8A8Linear
     from engine.spec_decode.draft import reduced_head
 
     g = torch.Generator().manual_seed(3)

@@ -16,7 +16,7 @@ Llama-style decoder before SmoothQuant and INT8 quantization:
   head is stored untied (``tie_word_embeddings`` false).
 * **The input of ``down_proj``** (``rotate_down_proj_inputs``, online): ``act(gate) * up`` has no
   linear producer to fold a rotation into, so each run of ``block`` channels is multiplied at run
-  time by the +-1 Sylvester Hadamard matrix (``compress.quantize.int8.block_hadamard``, stored as
+  time by the +-1 Sylvester Hadamard matrix (``engine.quant.int8.block_hadamard``, stored as
   ``X.input_hadamard``); random signs ``D`` are folded into ``up_proj``'s output rows and
   ``D H / block`` into ``down_proj``'s weight.
 
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.quantize.int8 import block_hadamard, hadamard_matrix
+from engine.quant.int8 import block_hadamard, hadamard_matrix
 
 #: Seed of the rotations' random signs (a checkpoint is reproducible from its config).
 ROTATION_SEED = 0

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from compress.checkpoint.model_spec import ModelSpec, check_positive
+from engine.checkpoint.model_spec import ModelSpec, check_positive
 
 
 class Precision(str, Enum):

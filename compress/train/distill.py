@@ -66,14 +66,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from compress.checkpoint.store import TOKEN_FREQUENCIES_NAME
 from compress.data.packing import IGNORE_INDEX, tokenize_and_pack, tokenize_record
 from compress.data.prepare import read_data_file
-from compress.data.records import read_jsonl
-from compress.errors import UsageError
 from compress.train.finetune import add_train_arguments, run_recipe, train_config_kwargs
 from compress.train.loop import TrainConfig, TrainingError, TrainingRecipe
 from engine import LLM, SamplingParams
+from engine.checkpoint.store import TOKEN_FREQUENCIES_NAME
+from engine.errors import UsageError
+from engine.records import read_jsonl
 
 
 @dataclasses.dataclass

@@ -31,6 +31,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -41,19 +43,8 @@
 
 namespace {
 
-inline float bf16_to_float(uint16_t r) {
-  const uint32_t u = static_cast<uint32_t>(r) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if (f != f) return 0x7fc0u;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
-}
+using lmforge_bf16::bf16_to_float;
+using lmforge_bf16::float_to_bf16;
 
 template <typename T>
 struct Elem;

@@ -1,4 +1,4 @@
-// Fused CPU kernels of the ``w8a8`` INT8 scheme (compress/quantize/int8.py), built on first use by
+// Fused CPU kernels of the ``w8a8`` INT8 scheme (engine/quant/int8.py), built on first use by
 // torch.utils.cpp_extension and cached.
 //
 // lmforge_int8::quantize_per_token(x [M, K] bf16 / fp32) -> (int8 [M, K], float32 scale [M, 1]):
@@ -20,7 +20,7 @@
 //   once. The online half of the w8a8 input rotation (W8A8Linear.input_hadamard); with AVX-512 the strides below
 //   16 run as lane permutes inside a vector, with the scalar loop's results bit for bit (the same adds, same order).
 // With AVX-512 (F, BW) the passes over rows run 16 elements at a time, with the scalar loops' results (the same
-// division, round-half-even and clamp; the SiLU by the polynomial exp of vec_math.h, within ~2e-7 of expf).
+// division, round-half-even and clamp; the SiLU by the polynomial exp of common.h, within ~2e-7 of expf).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -36,7 +36,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-#include "vec_math.h"
+#include "common.h"
 #define LMFORGE_W8A8_AVX512 1
 #endif
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compress.errors import CheckpointError
+from engine.errors import CheckpointError
 
 
 def _llama_bias(config: dict[str, Any]) -> bool:

@@ -58,8 +58,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.checkpoint.store import read_safetensors_header
-from compress.quantize.native import NativeKernels, cpu_flags, onednn_bf16_supported, vector_cflags
+from engine.checkpoint.store import read_safetensors_header
+from engine.native import CSRC, NativeKernels
+from engine.platform import cpu_int8_flags, exact_int8_gemm_cpu, onednn_bf16_supported, vector_cflags
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 #: Source of the fused CPU kernels (``lmforge_int8::quantize_per_token`` and ``w8a8_linear``).
-FUSED_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "w8a8_cpu.cpp"
+FUSED_KERNEL_SOURCE = CSRC / "w8a8_cpu.cpp"
 _FUSED = NativeKernels(
     "lmforge_int8", FUSED_KERNEL_SOURCE, "w8a8_linear", ("-O3", "-march=native", "-ffp-contract=off")
 )
@@ -132,7 +133,7 @@ _FUSED = NativeKernels(
 
 #: AMX-INT8 GEMMs of ``w8a8`` (``lmforge_int8_amx``): built only where /proc/cpuinfo reports AMX-INT8;
 #: -ffp-contract=off keeps the epilogue's products in the oneDNN path's order and rounding.
-AMX_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "w8a8_amx_cpu.cpp"
+AMX_KERNEL_SOURCE = CSRC / "w8a8_amx_cpu.cpp"
 _AMX = NativeKernels(
     "lmforge_int8_amx",
     AMX_KERNEL_SOURCE,
@@ -184,7 +185,7 @@ def _use_amx() -> bool:
 
 
 #: Weight-only INT8 products of 1 to ``WEIGHT_ONLY_MAX_ROWS`` rows (``lmforge_int8_gemv::weight_only_mm``).
-GEMV_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "int8_gemv_cpu.cpp"
+GEMV_KERNEL_SOURCE = CSRC / "int8_gemv_cpu.cpp"
 _GEMV = NativeKernels("lmforge_int8_gemv", GEMV_KERNEL_SOURCE, "weight_only_mm", cflags=vector_cflags())
 
 
@@ -206,7 +207,7 @@ def fused_cpu_kernels(enable: bool | None = None) -> bool:
     scale and bias while converting the GEMM's float32 output to the activation dtype, so a layer
     is one op call instead of about a dozen small ATen kernels; the results are bit-identical to
     the ATen path (built with ``-ffp-contract=off``, so no fused multiply-add changes a rounding).
-    ``compress.quantize.native.NativeKernels`` builds and caches them; without a compiler, or when
+    ``engine.native.NativeKernels`` builds and caches them; without a compiler, or when
     the build fails, the reason is logged once and the ATen path runs.
 
     Args:
@@ -724,29 +725,6 @@ def scheme_metadata(scheme: str) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 # Which variant is fastest here
 # --------------------------------------------------------------------------------------------
-
-
-#: CPU flags of int8 dot-product instructions that sum int8 x int8 products without saturating.
-EXACT_INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
-
-
-@functools.cache  # asked on every W8A8Linear forward: read /proc/cpuinfo once
-def exact_int8_gemm_cpu() -> bool:
-    """Whether oneDNN's int8 GEMM (``onednn::qlinear_pointwise``) is exact on this CPU: it has VNNI or AMX-INT8.
-
-    Without them oneDNN multiplies with ``vpmaddubsw`` (u8 x s8 pairs summed into saturating int16):
-    measured on an AVX2-only AMD EPYC, s8 activations of [-127, 127] against a [1536, 576] int8 weight
-    gave int32 sums off by up to 1.4e5 (of sums up to ~1e6). There ``W8A8Linear`` sums the same
-    products with an fp32 GEMM (``W8A8Linear._float_gemm_forward``).
-    """
-    flags = cpu_flags()
-    return any(f in flags for f in EXACT_INT8_FLAGS)
-
-
-def cpu_int8_flags() -> list[str]:
-    """The int8 / bf16 matrix instruction sets this CPU reports in /proc/cpuinfo (Linux)."""
-    flags = cpu_flags()
-    return [f for f in ("avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16") if f in flags]
 
 
 def _best_us(fn, repeats: int, number: int) -> float:

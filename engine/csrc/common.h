@@ -1,6 +1,28 @@
-// Vector math shared by the w8a8 CPU kernels (AVX-512F): e^x for x <= 0 and SiLU, in float32.
-// Included by w8a8_cpu.cpp and w8a8_amx_cpu.cpp; NativeKernels hashes the headers of csrc/ into each build's key.
+// Helpers shared by every CPU kernel source: bf16 <-> float32 conversion (round to nearest even, as torch does)
+// and, with AVX-512F, e^x for x <= 0 and SiLU in float32 vectors. NativeKernels hashes the headers of csrc/ into
+// each build's key, so a change here rebuilds every kernel.
 #pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace lmforge_bf16 {
+
+inline float bf16_to_float(uint16_t r) {
+  const uint32_t u = static_cast<uint32_t>(r) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if (f != f) return 0x7fc0u;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
+}
+
+}  // namespace lmforge_bf16
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

@@ -1,6 +1,6 @@
 """lmforge's C++ CPU kernels: built on first use with the machine's compiler, cached, optional.
 
-Two sources register torch operators: ``compress/quantize/csrc/w8a8_cpu.cpp`` (``torch.ops.lmforge_int8``,
+Two sources register torch operators: ``engine/csrc/w8a8_cpu.cpp`` (``torch.ops.lmforge_int8``,
 the fused W8A8 linear) and ``engine/csrc/cpu_ops.cpp`` (``torch.ops.lmforge_engine``: RMSNorm, argmax, paged
 decode attention). ``torch.utils.cpp_extension.load`` compiles one with ``-O3 -march=native`` (15-25 s once)
 into ``~/.cache/torch_extensions``, one build per source path and content (with the headers beside it), torch
@@ -29,51 +29,15 @@ from pathlib import Path
 
 import torch
 
+from engine.platform import cpu_flags
+
 logger = logging.getLogger(__name__)
+
+#: The C++ sources of every kernel (one folder, one shared header).
+CSRC = Path(__file__).with_name("csrc")
 
 #: A build takes well under a minute; a lock file older than this was left by a killed build.
 STALE_LOCK_S = 600.0
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """Feature flags of the first CPU in ``cpuinfo`` (empty where the file does not exist)."""
-    try:
-        text = Path(cpuinfo).read_text(encoding="utf-8")
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def onednn_bf16_supported() -> bool:
-    """Whether this CPU runs oneDNN's bf16 kernels (packed weights, ``mkldnn._linear_pointwise``).
-
-    oneDNN refuses bf16 without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (``_reorder_linear_weight``
-    raises "bf16 path needs the cpu support ..."); there bf16 linears run ``F.linear`` on the plain
-    weight.
-    """
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def vector_cflags() -> tuple[str, ...]:
-    """Flags for kernels whose float sums may be reassociated (not bit-identical to ATen).
-
-    ``-ffp-contract=fast`` lets ``a * b + c`` be one fused multiply-add (ISO C++ mode turns that off),
-    and the reassociation flags let float sums and maxima run as vector reductions (IEEE special
-    values still behave: no ``-ffinite-math-only``); with AVX-512, 16-float vectors fill one zmm.
-    """
-    flags = (
-        "-O3",
-        "-march=native",
-        "-ffp-contract=fast",
-        "-fassociative-math",
-        "-fno-signed-zeros",
-        "-fno-trapping-math",
-        "-fno-math-errno",
-    )
-    return flags + (("-mprefer-vector-width=512",) if "avx512f" in cpu_flags() else ())
 
 
 class NativeKernels:

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoint.model_spec import ARCHITECTURES, check_architecture_supported
-from compress.checkpoint.outputs import (
+from engine.checkpoint.model_spec import ARCHITECTURES, check_architecture_supported
+from engine.checkpoint.outputs import (
     CHECKPOINT,
     IMPORTED_METHOD,
     MANIFEST_NAME,
@@ -40,7 +40,7 @@ from compress.checkpoint.outputs import (
     staged_output_dir,
     write_atomic,
 )
-from compress.errors import CheckpointError, UsageError
+from engine.errors import CheckpointError, UsageError
 
 #: Files of which a checkpoint needs at least one for ``AutoTokenizer`` (fast, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -119,7 +119,7 @@ def read_manifest(checkpoint_dir: str | Path) -> Manifest:
     """
     path = Path(checkpoint_dir) / MANIFEST_NAME
     if not path.is_file():
-        raise CheckpointError(f"{path}: no manifest; write one with compress.checkpoint.store.write_manifest")
+        raise CheckpointError(f"{path}: no manifest; write one with engine.checkpoint.store.write_manifest")
     try:
         data = json.loads(path.read_text())
         fields = {f.name for f in dataclasses.fields(Manifest)}

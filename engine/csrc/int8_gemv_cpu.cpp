@@ -1,4 +1,4 @@
-// Weight-only INT8 matrix-vector products for decode (compress/quantize/int8.py, ``weight-only`` scheme), built on
+// Weight-only INT8 matrix-vector products for decode (engine/quant/int8.py, ``weight-only`` scheme), built on
 // first use by torch.utils.cpp_extension and cached.
 //
 // lmforge_int8_gemv::weight_only_mm(x [M, K] bf16 / fp32, w [N, K] int8, w_scale [N] float32, bias [N]? float32)
@@ -23,14 +23,11 @@
 #include <immintrin.h>
 #endif
 
+#include "common.h"
+
 namespace {
 
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if (f != f) return 0x7fc0u;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+using lmforge_bf16::float_to_bf16;
 
 // Rows of w per task: enough work per task that a parallel region pays off (K = 576: 256 rows).
 constexpr int64_t kRowsPerTask = 256;
@@ -103,12 +100,7 @@ using GemvFn = void (*)(const float*, int64_t, const int8_t*, int64_t, int64_t, 
 constexpr GemvFn kGemv[] = {gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
                             gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+using lmforge_bf16::bf16_to_float;
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 

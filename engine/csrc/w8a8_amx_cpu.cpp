@@ -1,4 +1,4 @@
-// AMX-INT8 kernels of the ``w8a8`` INT8 scheme (compress/quantize/int8.py), built on first use by
+// AMX-INT8 kernels of the ``w8a8`` INT8 scheme (engine/quant/int8.py), built on first use by
 // torch.utils.cpp_extension (with -mamx-tile -mamx-int8, only on CPUs that report amx_int8) and cached; used where
 // Linux also grants the tile state.
 //
@@ -46,7 +46,7 @@
 #include <utility>
 #include <vector>
 
-#include "vec_math.h"
+#include "common.h"
 
 namespace {
 

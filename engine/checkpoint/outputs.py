@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from compress.errors import UsageError
+from engine.errors import UsageError
 
 
 class OutputDirError(UsageError):
@@ -78,7 +78,7 @@ def _rendered_by_lmforge(path: Path) -> bool:
         return b"lmforge render" in f.read(4096)
 
 
-#: The checkpoint manifest (see ``compress.checkpoint.store``); it marks a directory as a checkpoint.
+#: The checkpoint manifest (see ``engine.checkpoint.store``); it marks a directory as a checkpoint.
 MANIFEST_NAME = "lmforge.json"
 
 #: ``Manifest.method`` of a directory lmforge did not write (see ``_made_by_lmforge``).
