@@ -33,6 +33,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.speculator import Speculator
 from engine.stats import EngineStats
+from engine.threads import ThreadGovernor, proc_stat_readable
 
 #: Longest default context when the checkpoint allows more (bounds rotary tables and KV needs).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -63,6 +64,11 @@ class LLMEngine:
 
         if config.num_threads is not None and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
+        self.thread_governor = (
+            ThreadGovernor(torch.get_num_threads())
+            if config.device == "cpu" and config.adaptive_threads and proc_stat_readable()
+            else None
+        )
         self.path = resolve_checkpoint(config.model)
         spec = read_model_spec(self.path)
         max_model_len = config.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
@@ -292,6 +298,8 @@ class LLMEngine:
             EngineDeadError: the KV bookkeeping is broken after a failure, or
                 ``MAX_CONSECUTIVE_FAILED_STEPS`` steps failed in a row.
         """
+        if self.thread_governor is not None:
+            self.thread_governor.maybe_adjust()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, num_waiting=len(self.scheduler.waiting))
         out = self.scheduler.schedule()
