@@ -88,6 +88,8 @@ class AsyncLLMEngine:
         """
         self._raise_if_dead()
         params, text, token_ids = self.engine.validate_request(prompt, params)  # ValueError for this request only
+        if params.structured_outputs is not None:  # compiled before the request joins: a bad grammar is its ValueError
+            await self._compile_grammar(params)
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -115,6 +117,20 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 await self.abort(request_id)
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Wait (off the step loop) for the request's grammar to compile.
+
+        Raises:
+            GrammarError (a ValueError): the constraint is invalid, matches nothing, or took longer
+                than the compile timeout.
+        """
+        compiler = self.engine.grammar_compiler
+        future = compiler.submit(params.structured_outputs)
+        try:  # shielded: the compile is shared with other requests of the same constraint
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), compiler.compile_timeout_s)
+        except asyncio.TimeoutError:
+            raise compiler.timeout_error(params.structured_outputs.key) from None
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; when this returns its blocks are free and its stream ends with ``finish_reason="abort"``."""

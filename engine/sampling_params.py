@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from engine.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
@@ -11,6 +12,108 @@ from engine.errors import UsageError  # a ValueError: a refused field is a usage
 MIN_TEMPERATURE = 1e-5
 #: ``torch.Generator.manual_seed`` takes an unsigned 64-bit seed.
 MAX_SEED = 2**64 - 1
+
+
+#: The fields of ``StructuredOutputsParams`` that name a constraint; exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text, enforced as a token mask at sampling time (vLLM's shape).
+
+    Exactly one field is set:
+
+    Attributes:
+        json: a JSON schema (a dict or its JSON text); the output is one JSON value valid against it.
+        regex: a regular expression (Rust ``regex`` syntax, matched in full).
+        choice: a list of strings; the output is exactly one of them.
+        grammar: a context-free grammar, Lark or GBNF (llama.cpp) syntax.
+        json_object: ``True``: the output is one JSON object (any keys).
+
+    Raises:
+        UsageError (a ValueError): none or several fields set, or a field of the wrong type (named).
+            Whether a schema, pattern or grammar compiles is known only when it is compiled
+            (``engine.structured_output``).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            which = "none" if not given else " and ".join(given)
+            raise UsageError(
+                f"structured_outputs sets {which}; set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+            )
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as exc:
+                raise UsageError(f"structured_outputs.json is not valid JSON ({exc}); send a JSON schema") from exc
+            if not isinstance(parsed, (dict, bool)):
+                raise UsageError("structured_outputs.json must be a JSON schema (an object)")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise UsageError(f"structured_outputs.json={self.json!r}; it must be a JSON schema (an object)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise UsageError(f"structured_outputs.{name}={value!r}; it must be a non-empty string")
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise UsageError(
+                    f"structured_outputs.choice={self.choice!r}; it must be a non-empty list of non-empty strings"
+                )
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise UsageError(f"structured_outputs.json_object={self.json_object!r}; it must be true or omitted")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(kind, canonical spec text)``: equal constraints have equal keys (the compile cache's key)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            value = json.loads(value) if isinstance(value, str) else value
+            return kind, json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, json.dumps(value)
+        if kind == "json_object":
+            return kind, ""
+        return kind, value
+
+    @classmethod
+    def from_value(cls, value: object) -> "StructuredOutputsParams | None":
+        """``None``, an instance, or a dict of its fields (JSON requests) -> an instance.
+
+        Raises:
+            UsageError (a ValueError): not a dict, an unknown field (named), or a bad value.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise UsageError(
+                f"structured_outputs={value!r}; it must be an object with one of {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+            )
+        unknown = sorted(set(value) - set(STRUCTURED_OUTPUT_KINDS))
+        if unknown:
+            raise UsageError(
+                f"structured_outputs has unknown field(s) {unknown}; known: {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+            )
+        return cls(**value)
 
 
 @dataclasses.dataclass
@@ -22,7 +125,7 @@ class SamplingParams:
         top_p: nucleus sampling mass in (0, 1] (Holtzman et al. 2019, "The Curious Case of
             Neural Text Degeneration").
         top_k: keep the ``top_k`` most likely tokens; ``None`` keeps all.
-        max_tokens: most new tokens to generate (>= 1).
+        max_tokens: most new tokens to generate (>= 1; 0 with ``prompt_logprobs``: score the prompt only).
         seed: seed of this request's own ``torch.Generator`` (reproducible sampling).
         stop: a string or list of strings; generation stops before the first occurrence and
             the stop string is not part of the returned text.
@@ -45,6 +148,13 @@ class SamplingParams:
             times the most likely token's (Nguyen et al. 2024, "Min P Sampling").
         logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to the logits before
             penalties and sampling (also for greedy requests). JSON string keys are accepted.
+        structured_outputs: a ``StructuredOutputsParams`` (or a dict of its fields): only tokens
+            that keep the output inside its language are sampled, end-of-sequence only where the
+            output is complete, and the request finishes (``"stop"``) once nothing can follow.
+            Such a request gets no speculative proposals.
+        prompt_logprobs: return the log-probability of each prompt token (``None`` for the first)
+            and of the ``prompt_logprobs`` most likely tokens at its position; ``None`` returns none.
+            The prompt is then computed in full rather than taken from the prefix cache.
 
     Raises:
         UsageError (a ValueError): a field out of range or of the wrong type (the message names it). Limits
@@ -68,6 +178,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
@@ -81,8 +193,14 @@ class SamplingParams:
             raise UsageError(f"top_p={self.top_p!r}; it must be in (0, 1]")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise UsageError(f"top_k={self.top_k!r}; it must be an integer >= 1, or None for no limit")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise UsageError(f"prompt_logprobs={self.prompt_logprobs!r}; it must be an integer >= 0, or None")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
             raise UsageError(f"max_tokens={self.max_tokens!r}; it must be an integer >= 1")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise UsageError(
+                "max_tokens=0 generates nothing; it must be >= 1, or set prompt_logprobs to score the prompt only"
+            )
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise UsageError(f"seed={self.seed!r}; it must be an integer in [0, 2**64 - 1], or None")
         self.stop = _check_stop(self.stop)
@@ -114,6 +232,9 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise UsageError(f"min_p={self.min_p!r}; it must be a number in [0, 1] (0 = off)")
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        if self.structured_outputs is not None and self.max_tokens == 0:
+            raise UsageError("structured_outputs with max_tokens=0 generates nothing; set max_tokens >= 1")
 
     def check_for_model(self, vocab_size: int, max_model_len: int, num_prompt_tokens: int) -> None:
         """Check the fields whose limits are the model's (called by the engine for every request).
@@ -135,10 +256,10 @@ class SamplingParams:
             raise UsageError(
                 f"logit_bias has token ids {bad_bias[:5]} outside the vocabulary [0, {vocab_size}); remove them"
             )
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise UsageError(
-                f"logprobs={self.logprobs} > the vocabulary size {vocab_size}; ask for at most {vocab_size}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise UsageError(f"{name}={value} > the vocabulary size {vocab_size}; ask for at most {vocab_size}")
         if num_prompt_tokens + self.max_tokens > max_model_len:
             raise UsageError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({self.max_tokens}) = "
@@ -161,6 +282,7 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
             or self.min_tokens > 0
+            or self.structured_outputs is not None
         )
 
     @classmethod
