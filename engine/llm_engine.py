@@ -24,6 +24,7 @@ from engine.checkpoint.store import resolve_checkpoint
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
+from engine.inputs import check_prompt_token_ids
 from engine.model import read_model_spec
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -249,17 +250,7 @@ class LLMEngine:
                 'prompt must be a string, a list of token ids or {"prompt_token_ids": [...]}, got '
                 f"{type(prompt).__name__}"
             )
-        if not token_ids:
-            raise ValueError("prompt is empty (no tokens); give at least one token")
-        vocab = self.runner.spec.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len={self.config.max_model_len} leaves no room "
-                "to generate; shorten the prompt or increase max_model_len"
-            )
-        return text, token_ids
+        return text, check_prompt_token_ids(token_ids, self.runner.spec.vocab_size, self.config.max_model_len)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort unfinished requests (unknown or finished ids are ignored); their blocks are freed now.
