@@ -68,10 +68,11 @@ def test_weight_only_decode_kernel_equals_the_dequantized_linear(dtype, kernel_p
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weight_only_kernel_epilogues_round_as_the_torch_ops(dtype):
+def test_weight_only_kernel_epilogues_round_as_the_torch_ops(dtype, kernel_path_allows):
     """The residual add and SwiGLU epilogues of the decode kernel (the layer's ``add`` and ``silu_mul``):
     ``residual + y`` bit for bit, and ``silu(gate) * up`` of the ``[gate; up]`` output to the last bit of
     x's dtype (its exp is not ATen's)."""
+    kernel_path_allows("gemv")
     assert weight_only_cpu_kernel(True), "weight-only INT8 CPU kernel did not build"
     torch.manual_seed(0)
     w, b = torch.randn(130, 200), torch.randn(130)
