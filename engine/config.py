@@ -68,6 +68,9 @@ class EngineConfig:
             CUDA device that supports it, ``float32`` elsewhere (``resolve_dtype``).
         device: ``cpu`` or ``cuda`` (``cuda:N``).
         num_threads: ``torch.set_num_threads`` for the CPU path; ``None`` leaves torch's default.
+        adaptive_threads: on CPU, lower the thread count (down to 1, up to ``num_threads`` or torch's
+            default) while other processes keep cores busy, and raise it again when they stop
+            (``engine.threads.ThreadGovernor``): a thread on a shared core stalls every step's barrier.
         seed: seeds the generator of requests sampled without their own ``seed``.
         speculative_method: ``None`` (off), ``"ngram"`` (prompt lookup: propose the tokens that
             followed the latest earlier occurrence of the last n tokens) or ``"draft"`` (a small
@@ -129,6 +132,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     num_threads: int | None = None
+    adaptive_threads: bool = True
     seed: int = 0
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None

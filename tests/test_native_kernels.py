@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from compress.quantize import native
+from engine import native
 
 
 def _a_real_library() -> Path:

@@ -15,7 +15,7 @@ import types
 import numpy as np
 import pytest
 
-from deploy.openai_server import _model_error
+from deploy.openai.triton_client import model_error
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tests.test_triton_llm_metrics import FakeFamily
 
@@ -202,10 +202,10 @@ def test_one_failed_completion_fails_the_request_and_the_frontend_maps_model_err
     assert flags == FINAL and response.error.code == "INTERNAL"
     assert response.error.message == "the engine failed this request: RuntimeError: boom"
 
-    assert _model_error(response.error.message).status == 500
-    assert _model_error("the engine of llm is dead (EngineDeadError: x); it is being reloaded, retry").status == 503
-    assert _model_error("internal error: KeyError('x')").status == 500
-    assert _model_error("text_input: empty prompt; send some text").status == 400
+    assert model_error(response.error.message).status == 500
+    assert model_error("the engine of llm is dead (EngineDeadError: x); it is being reloaded, retry").status == 503
+    assert model_error("internal error: KeyError('x')").status == 500
+    assert model_error("text_input: empty prompt; send some text").status == 400
 
 
 def test_a_send_refused_because_the_client_left_counts_as_an_abort(pb):

@@ -4,7 +4,7 @@ Request bodies are pydantic models checked strictly, like OpenAI's own API: a fi
 type, an out-of-range value or an unknown field is an error naming the field. vLLM's extra
 sampling fields (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``) are accepted. Errors are ``OpenAIError`` with OpenAI's body
-``{"error": {"message", "type", "param", "code"}}``. ``deploy.openai_server`` serves them.
+``{"error": {"message", "type", "param", "code"}}``. ``deploy.openai.app`` serves them.
 """
 
 from __future__ import annotations

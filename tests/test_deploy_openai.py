@@ -1,4 +1,4 @@
-"""The OpenAI-compatible frontend (deploy/openai_server.py) in front of the real tritonserver,
+"""The OpenAI-compatible frontend (deploy/openai/) in front of the real tritonserver,
 driven by the official ``openai`` client (sync and async, streaming and not) and raw HTTP.
 
 The session's Triton server (tests/conftest.py) serves the tiny random Llama as ``llm``; one
@@ -35,7 +35,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 @pytest.fixture(scope="session")
 def frontend(server, served_repo, tmp_path_factory):
-    """``python -m deploy.openai_server`` on a free port; yields its base URL."""
+    """``python -m deploy.openai`` on a free port; yields its base URL."""
     port = free_ports(1)[0]
     log_path = tmp_path_factory.mktemp("openai") / "frontend.log"
     with open(log_path, "w") as log:
@@ -43,7 +43,7 @@ def frontend(server, served_repo, tmp_path_factory):
             [
                 sys.executable,
                 "-m",
-                "deploy.openai_server",
+                "deploy.openai",
                 "--repo",
                 str(served_repo),
                 "--models",
