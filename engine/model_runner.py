@@ -166,6 +166,37 @@ class ModelRunner:
     # ------------------------------------------------------------ forward
 
     @torch.inference_mode()
+    def teacher_forced_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        """Float32 logits ``[T, vocab]`` of every position of one sequence, in one prefill (teacher forcing).
+
+        The sequence's K and V are written into ``block_table`` (blocks the caller holds, at least
+        ``ceil(T / block_size)``) and read back by attention as in any prefill, so the logits carry the
+        ``kv_cache_dtype``'s rounding (how ``lmforge evaluate --kv-cache-dtype`` judges a KV dtype).
+
+        Raises:
+            ValueError: ``block_table`` holds fewer blocks than the tokens need.
+        """
+        n, bs, device = len(token_ids), self.block_size, self.device
+        if len(block_table) * bs < n:
+            raise ValueError(f"{n} tokens need {-(-n // bs)} blocks of {bs}; block_table holds {len(block_table)}")
+        positions = torch.arange(n, device=device)
+        table = torch.tensor([block_table], dtype=torch.long, device=device)  # [1, blocks]
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.tensor([0, n], device=device),
+            seq_lens=torch.tensor([n], device=device),
+            block_table=table,
+            slot_mapping=table[0, positions // bs] * bs + positions % bs,
+            positions=positions,
+            query_lens_cpu=[n],
+            seq_lens_cpu=[n],
+            num_decodes=0,
+            block_size=bs,
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+        hidden = self.model.forward(ids, positions, self.kv_cache, self.attn, self.attn.build(common))  # [T, hidden]
+        return self.model.compute_logits(hidden)  # [T, vocab]
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, float_logits: bool = True) -> torch.Tensor:
         """Run one step; return logits ``[S, vocab]`` of the sampled rows (in ``out.scheduled`` order), float32
         unless ``float_logits=False`` (the model dtype: enough for greedy picks, and no copy of the whole row)."""
