@@ -512,12 +512,23 @@ def run_vllm_bf16(spec: RunSpec, work: Work, result: RunResult) -> None:
 
 
 def _engine_run(
-    spec: RunSpec, model: str, work: Work, result: RunResult, *, prefix_caching: bool, dtype: str | None
+    spec: RunSpec,
+    model: str,
+    work: Work,
+    result: RunResult,
+    *,
+    prefix_caching: bool,
+    dtype: str | None,
+    kv_cache_dtype: str | None = None,
 ) -> None:
-    """Our ``LLM`` on the token ids; ``dtype`` (when given) overrides ``--engine-arg dtype``."""
+    """Our ``LLM`` on the token ids; ``dtype`` and ``kv_cache_dtype`` (when given) override ``--engine-arg``."""
     from engine import LLM, SamplingParams
 
-    engine_args = {**spec.engine_args, **({"dtype": dtype} if dtype else {})}
+    engine_args = {
+        **spec.engine_args,
+        **({"dtype": dtype} if dtype else {}),
+        **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}),
+    }
     start = time.perf_counter()
     llm = LLM(model, enable_prefix_caching=prefix_caching, **engine_args)
     result.load_s = time.perf_counter() - start
@@ -601,6 +612,11 @@ def run_engine_bf16(spec: RunSpec, work: Work, result: RunResult) -> None:
     _engine_run(spec, spec.model, work, result, prefix_caching=True, dtype="bfloat16")
 
 
+def run_engine_bf16_kv8(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """Our engine, bf16, with the int8 KV cache (``kv_cache_dtype="int8"``), prefix caching on."""
+    _engine_run(spec, spec.model, work, result, prefix_caching=True, dtype="bfloat16", kv_cache_dtype="int8")
+
+
 def run_engine_int8(spec: RunSpec, work: Work, result: RunResult) -> None:
     """Our engine on the INT8 checkpoint (``w8a8`` unless ``--int8`` names another), prefix caching on."""
     if spec.int8_model is None:
@@ -638,6 +654,7 @@ BACKENDS: dict[str, Backend] = {
     "engine_prefix_off": Backend(run_engine_prefix_off, "fp32"),
     "engine_fp32": Backend(run_engine_fp32, "fp32"),
     "engine_bf16": Backend(run_engine_bf16, "bf16"),
+    "engine_bf16_kv8": Backend(run_engine_bf16_kv8, "bf16"),
     "engine_int8": Backend(run_engine_int8, "int8"),
 }
 

@@ -118,7 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="extra EngineConfig field for the engine configs (repeatable), e.g. max_num_seqs=64; "
-        "engine_fp32 / engine_bf16 / engine_prefix_off set dtype themselves",
+        "engine_fp32 / engine_bf16 / engine_prefix_off set dtype themselves, engine_bf16_kv8 dtype and "
+        "kv_cache_dtype=int8",
     )
     parser.add_argument(
         "--sequential-requests",

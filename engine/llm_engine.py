@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from engine.block_manager import BlockManager
 from engine.checkpoint.store import resolve_checkpoint
-from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
 from engine.inputs import check_prompt_token_ids
@@ -78,7 +78,8 @@ class LLMEngine:
                 f"max_model_len={max_model_len} > the checkpoint's max_position_embeddings="
                 f"{spec.max_position_embeddings}; decrease max_model_len"
             )
-        config = config.replace(dtype=resolve_dtype(config.dtype, config.device))
+        dtype = resolve_dtype(config.dtype, config.device)
+        config = config.replace(dtype=dtype, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, dtype))
         self.runner = make_model_runner(config, self.path, max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(config, max_model_len)
         self.config = config = config.replace(
@@ -514,8 +515,11 @@ def make_model_runner(config: EngineConfig, path: Path, max_model_len: int) -> M
             max_num_seqs=config.max_num_seqs,
             enforce_eager=config.enforce_eager,
             attention_backend=backend,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
-    return ModelRunner(path, config.dtype, config.device, config.block_size, max_model_len)
+    return ModelRunner(
+        path, config.dtype, config.device, config.block_size, max_model_len, kv_cache_dtype=config.kv_cache_dtype
+    )
 
 
 def read_eos_token_ids(path: Path, tokenizer) -> set[int]:

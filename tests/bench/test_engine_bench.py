@@ -185,6 +185,7 @@ def test_configuration_names():
     assert {
         "engine_fp32",
         "engine_bf16",
+        "engine_bf16_kv8",
         "engine_int8",
         "engine_prefix_off",
         "vllm_fp32",
@@ -194,7 +195,7 @@ def test_configuration_names():
         "hf_sequential",
         "hf_static",
     } <= names
-    assert {BACKENDS[c].dtype for c in ("engine_bf16", "vllm_bf16")} == {"bf16"}
+    assert {BACKENDS[c].dtype for c in ("engine_bf16", "engine_bf16_kv8", "vllm_bf16")} == {"bf16"}
     assert BACKENDS["llama_cpp_server_q8_0"].gguf_type == "q8_0" and BACKENDS["vllm_fp32"].interpreter == "vllm"
     with pytest.raises(ValueError, match="unknown engine_prefix_on; choose from"):
         parse_configs("engine_prefix_on")

@@ -114,6 +114,36 @@ def test_evaluate_writes_metrics_and_table(tiny_llama_dir, tmp_path):
     assert tiny_llama_dir.name[-28:] in format_table(results)
 
 
+def test_engine_rows_judge_a_kv_cache_dtype_against_the_first(tiny_llama_dir, tiny):
+    """``kv_cache_dtypes``: the checkpoint runs on the engine once per KV dtype; the engine's teacher-forced
+    fp32 logits equal Hugging Face's, the reference row agrees with itself, the int8 row is close, and no
+    manifest gets engine metrics."""
+    engine_fp32 = load_for_eval(tiny_llama_dir, kv_cache_dtype="auto", engine_dtype="float32", max_model_len=256)
+    ids = encode_record(tiny.tokenizer, DIALOG)[0]
+    x = torch.tensor([ids])
+    torch.testing.assert_close(engine_fp32.model(x).logits, tiny.model(x).logits.float(), atol=2e-4, rtol=1e-4)
+    assert engine_fp32.model.generate(x[:, :5], max_new_tokens=3, min_new_tokens=3).shape == (1, 8)
+    before = read_manifest(tiny_llama_dir).metrics
+    config = EvalConfig(agreement_tokens=4, measure_latency=False, num_threads=1)
+    results = evaluate(
+        [tiny_llama_dir],
+        records=[DIALOG, {"text": TEXTS[1]}],
+        config=config,
+        log=lambda _: None,
+        kv_cache_dtypes=["bfloat16", "int8"],
+        engine_dtype="bfloat16",
+    )
+    ref, int8 = results[f"{tiny_llama_dir} [kv bfloat16]"], results[f"{tiny_llama_dir} [kv int8]"]
+    assert ref["kind"] == int8["kind"] == "engine" and int8["kv_cache_dtype"] == "int8"
+    assert ref["kl_mean"] == 0 and ref["same_top1"] == 1.0 and ref["greedy_agreement"] == 1.0
+    assert int8["reference"] == f"{tiny_llama_dir} [kv bfloat16]"
+    assert 0 < int8["kl_mean"] < 0.05 and int8["same_top1"] >= 0.9
+    assert read_manifest(tiny_llama_dir).metrics == before
+    assert "[kv int8]" in format_table(results)
+    with pytest.raises(EvaluationError, match="--kv-cache-dtype: unknown fp8"):
+        evaluate([tiny_llama_dir], records=[DIALOG], kv_cache_dtypes=["fp8"])
+
+
 def test_default_heldout_data_is_english_dialogs():
     records, name = default_heldout_records()
     assert len(records) >= 10 and "chatterbot:english" in name
