@@ -11,7 +11,9 @@ The tensors are those of Triton's vLLM backend, so its clients work unchanged:
   prompt out of ``text_output`` (streamed responses never repeat it).
 
 Every problem raises ``ValueError`` naming the field and the fix; the model sends it back as the
-error of that one request.
+error of that one request. The engine's ``RequestLimits`` (``EngineConfig.limits``) are checked
+here first, before anything is tokenized: the prompt's size, and ``n``, stop strings, stop token
+ids and ``logit_bias`` by their sizes in the JSON before ``SamplingParams`` validates their entries.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import dataclasses
 import json
 from typing import Any
 
-MAX_PROMPT_CHARS = 1_000_000
+from engine.limits import RequestLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +61,13 @@ def decode_text(value: Any, field: str) -> str:
     raise ValueError(f"{field}: expected a string, got {type(value).__name__}")
 
 
-def parse_sampling_parameters(text: str | None):
+def parse_sampling_parameters(text: str | None, limits: RequestLimits | None = None):
     """JSON object -> ``engine.SamplingParams``.
 
     Raises:
-        ValueError: not JSON, not an object, an unknown field (lists the known ones), or a value
-            ``SamplingParams`` rejects (its message names the field).
+        ValueError: not JSON, not an object, an unknown field (lists the known ones), a size over
+            ``limits`` (default ``RequestLimits()``), or a value ``SamplingParams`` rejects (its message
+            names the field).
     """
     # torch-heavy: imported on use, so importing this module stays light
     from engine import SamplingParams
@@ -93,6 +96,7 @@ def parse_sampling_parameters(text: str | None):
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"sampling_parameters: unknown field(s) {unknown}; known fields: {sorted(known)}")
+    (limits or RequestLimits()).check_params(fields)
     try:
         return SamplingParams(**fields)
     except TypeError as exc:  # unknown keyword when SamplingParams is not a dataclass
@@ -105,30 +109,35 @@ def parse_request(
     sampling_parameters: Any = None,
     exclude_input_in_output: Any = None,
     prompt_token_ids: Any = None,
+    limits: RequestLimits | None = None,
+    max_model_len: int | None = None,
 ) -> LLMRequest:
     """Build an ``LLMRequest`` from the input tensors' values (``None`` = input absent).
 
+    Args:
+        limits: the engine's ``RequestLimits`` (default ``RequestLimits()``).
+        max_model_len: the engine's, to refuse a tokenized prompt by its length before reading it.
+
     Raises:
         ValueError: neither or both of ``text_input`` and ``prompt_token_ids``, an empty or too
-            long prompt, or a bad ``sampling_parameters``.
+            long prompt, a limit exceeded, or a bad ``sampling_parameters``.
     """
+    limits = limits or RequestLimits()
     if text_input is None and prompt_token_ids is None:
         raise ValueError("text_input: missing; send the prompt as text_input (or its tokens as prompt_token_ids)")
     if text_input is not None and prompt_token_ids is not None:
         raise ValueError("text_input and prompt_token_ids both given; send one of them")
     if text_input is not None:
         prompt: str | dict = decode_text(_first(text_input, "text_input"), "text_input")
-        if not prompt.strip():
-            raise ValueError("text_input: empty prompt; send some text")
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise ValueError(f"text_input: {len(prompt)} characters is over the {MAX_PROMPT_CHARS} limit")
+        limits.check_prompt_text(prompt, "text_input")
     else:
-        ids = [int(t) for t in getattr(prompt_token_ids, "flat", prompt_token_ids)]
-        if not ids:
+        flat = getattr(prompt_token_ids, "flat", prompt_token_ids)
+        num_ids = getattr(prompt_token_ids, "size", None)
+        num_ids = len(flat) if num_ids is None else int(num_ids)
+        if not num_ids:
             raise ValueError("prompt_token_ids: empty; send at least one token id")
-        if len(ids) > MAX_PROMPT_CHARS:
-            raise ValueError(f"prompt_token_ids: {len(ids)} tokens is over the {MAX_PROMPT_CHARS} limit")
-        prompt = {"prompt_token_ids": ids}
+        limits.check_prompt_tokens(num_ids, max_model_len or limits.max_prompt_chars + 1, "prompt_token_ids")
+        prompt = {"prompt_token_ids": [int(t) for t in flat]}
     params_text = (
         None
         if sampling_parameters is None
@@ -136,7 +145,7 @@ def parse_request(
     )
     return LLMRequest(
         prompt=prompt,
-        sampling_params=parse_sampling_parameters(params_text),
+        sampling_params=parse_sampling_parameters(params_text, limits),
         stream=False if stream is None else bool(_first(stream, "stream")),
         exclude_input_in_output=False
         if exclude_input_in_output is None

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from engine.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
+from engine.limits import RequestLimits
 from engine.platform import cpu_flags  # /proc/cpuinfo flags (also decide the INT8 kernels)
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -102,6 +103,8 @@ class EngineConfig:
             interpreter: tests only).
         enforce_eager: with the ``triton`` backend, never capture CUDA graphs of decode steps
             (``engine.cuda_graphs``); decode batches still run from bucket-padded static buffers.
+        limits: the per-request limits every entry point enforces (``engine.limits.RequestLimits``, or a
+            dict of its fields as ``model.json`` holds them); ``None`` takes the defaults.
 
     Raises:
         UsageError (a ValueError): a field out of range or an inconsistent combination (the message names
@@ -134,9 +137,11 @@ class EngineConfig:
     speculative_ngram_corpus: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    limits: RequestLimits | dict | None = None
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
+        self.limits = RequestLimits.from_value(self.limits)
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
