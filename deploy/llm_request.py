@@ -22,6 +22,7 @@ import dataclasses
 import json
 from typing import Any
 
+from engine.errors import InvalidRequestError
 from engine.limits import RequestLimits
 
 
@@ -120,7 +121,8 @@ def parse_request(
 
     Raises:
         ValueError: neither or both of ``text_input`` and ``prompt_token_ids``, an empty or too
-            long prompt, a limit exceeded, or a bad ``sampling_parameters``.
+            long prompt, a limit exceeded, a bad ``sampling_parameters``, or ``n`` > 1 without ``stream``
+            (refused before anything runs: Triton's ``generate`` would turn the ``n`` responses into an error).
     """
     limits = limits or RequestLimits()
     if text_input is None and prompt_token_ids is None:
@@ -143,10 +145,18 @@ def parse_request(
         if sampling_parameters is None
         else decode_text(_first(sampling_parameters, "sampling_parameters"), "sampling_parameters")
     )
+    sampling_params = parse_sampling_parameters(params_text, limits)
+    streaming = False if stream is None else bool(_first(stream, "stream"))
+    if sampling_params.n > 1 and not streaming:
+        raise InvalidRequestError(
+            f"n={sampling_params.n} with stream=false: a non-streaming request (Triton's generate) gets exactly one "
+            "response and each completion needs its own; send stream=true (generate_stream or a gRPC stream) or n=1",
+            param="n",
+        )
     return LLMRequest(
         prompt=prompt,
-        sampling_params=parse_sampling_parameters(params_text, limits),
-        stream=False if stream is None else bool(_first(stream, "stream")),
+        sampling_params=sampling_params,
+        stream=streaming,
         exclude_input_in_output=False
         if exclude_input_in_output is None
         else bool(_first(exclude_input_in_output, "exclude_input_in_output")),

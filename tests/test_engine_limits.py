@@ -111,4 +111,12 @@ def test_triton_parser_refuses_by_size_before_validating_entries():
         parse({"n": 3}, RequestLimits(max_n=2))
     with pytest.raises(InvalidRequestError, match="prompt_token_ids has 600 tokens"):
         parse_request(None, prompt_token_ids=np.arange(600), max_model_len=512)
-    assert parse({"n": 128}).sampling_params.n == 128
+    assert parse({"n": 128}, stream=np.array([True])).sampling_params.n == 128
+
+
+def test_triton_parser_refuses_n_over_1_without_stream():
+    params = np.array([b'{"n": 2}'], dtype=object)
+    with pytest.raises(InvalidRequestError, match="n=2 with stream=false") as info:
+        parse_request(np.array([b"Hello"], dtype=object), sampling_parameters=params)
+    assert info.value.param == "n"
+    assert parse_request(np.array([b"Hello"], dtype=object), np.array([True]), params).sampling_params.n == 2
