@@ -254,6 +254,9 @@ def _check_parameters(text: str) -> None:
 class TritonPythonModel:
     """Decoupled LLM model: one ``AsyncLLMEngine`` per instance, on an event-loop thread."""
 
+    limits = None  # the engine's RequestLimits (set in initialize; None: the defaults)
+    max_model_len = None
+
     def initialize(self, args: dict) -> None:
         # the engine (and torch) load when Triton initializes an instance, not when its stub imports this file
         import torch
@@ -271,6 +274,8 @@ class TritonPythonModel:
         self.dead_reported = False
         info = read_model_info(Path(args["model_repository"]) / args["model_version"])
         self.engine = AsyncLLMEngine(EngineConfig(model=info["checkpoint"], **info.get("engine", {})))
+        self.limits = self.engine.engine.config.limits
+        self.max_model_len = self.engine.engine.config.max_model_len
         self.logger.log_info(
             f"lmforge: {args['model_name']} engine ready on {info['checkpoint']} (torch threads "
             f"{torch.get_num_threads()})"
@@ -339,6 +344,8 @@ class TritonPythonModel:
                 _optional_input(request, "sampling_parameters"),
                 _optional_input(request, "exclude_input_in_output"),
                 _optional_input(request, "prompt_token_ids"),
+                limits=self.limits,
+                max_model_len=self.max_model_len,
             )
         except ValueError as exc:
             self._send_error(sender, str(exc))

@@ -24,6 +24,7 @@ from engine.checkpoint.store import resolve_checkpoint
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
 from engine.inputs import check_prompt_token_ids
 from engine.model import read_model_spec
 from engine.model_runner import ModelRunner
@@ -145,6 +146,8 @@ class LLMEngine:
                 vocabulary, a bad sampling parameter, or a duplicate ``request_id``; nothing is queued.
         """
         request_id = self.new_request_id() if request_id is None else str(request_id)
+        if isinstance(params, SamplingParams):
+            self.config.limits.check_params(params)  # n bounds the ids below
         self._sequence_ids(
             request_id, params.n if isinstance(params, SamplingParams) else 1
         )  # a duplicate fails before tokenizing
@@ -208,16 +211,21 @@ class LLMEngine:
     def validate_request(
         self, prompt: str | list[int] | dict, params: SamplingParams | None
     ) -> tuple[SamplingParams, str | None, list[int]]:
-        """Check a request against the model without queueing it (safe from any thread).
+        """Check a request against the limits and the model without queueing it (safe from any thread).
+
+        The cheap checks run first: ``EngineConfig.limits`` on the parameters and the prompt text
+        (``engine.limits.RequestLimits``), then the prompt is tokenized and its length and the
+        model-dependent fields are checked (``SamplingParams.check_for_model``).
 
         Returns:
             (a private copy of ``params``, the prompt text or ``None``, the prompt token ids).
 
         Raises:
-            ValueError: a bad prompt, or a sampling parameter out of range for this model
-                (``SamplingParams.check_for_model``); the message names the field and the fix.
+            InvalidRequestError (a ValueError): a bad prompt, a limit exceeded, or a sampling parameter
+                out of range for this model; the message names the field and the fix, ``param`` the field.
         """
         params = self._check_params(params)
+        self.config.limits.check_params(params)
         text, token_ids = self._tokenize(prompt)
         params.check_for_model(self.runner.spec.vocab_size, self.config.max_model_len, len(token_ids))
         return params, text, token_ids
@@ -233,25 +241,29 @@ class LLMEngine:
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             prompt = _unwrap_prompt_dict(prompt)
+        limits = self.config.limits
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty; give at least one character or token id")
+            limits.check_prompt_text(prompt)
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"prompt is not valid Unicode text ({exc.reason} at position {exc.start}); send UTF-8 text"
+                raise InvalidRequestError(
+                    f"prompt is not valid Unicode text ({exc.reason} at position {exc.start}); send UTF-8 text",
+                    param="prompt",
                 ) from exc
             token_ids = self.tokenizer(prompt).input_ids
             text: str | None = prompt
         elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids, text = list(prompt), None
         else:
-            raise ValueError(
+            raise InvalidRequestError(
                 'prompt must be a string, a list of token ids or {"prompt_token_ids": [...]}, got '
-                f"{type(prompt).__name__}"
+                f"{type(prompt).__name__}",
+                param="prompt",
             )
-        return text, check_prompt_token_ids(token_ids, self.runner.spec.vocab_size, self.config.max_model_len)
+        token_ids = check_prompt_token_ids(token_ids, self.runner.spec.vocab_size, self.config.max_model_len)
+        limits.check_prompt_tokens(len(token_ids), self.config.max_model_len)
+        return text, token_ids
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort unfinished requests (unknown or finished ids are ignored); their blocks are freed now.
