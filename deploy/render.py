@@ -674,7 +674,7 @@ def prometheus_config(v: DeployValues) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 #: Directories of this repository that hold files rendered with these targets and values
-#: (regenerate with ``python -m deploy.render``; tests/test_deploy_render.py keeps them in sync).
+#: (regenerate with ``python -m deploy.render``; tests/deploy/test_deploy_render.py keeps them in sync).
 COMMITTED: dict[str, tuple[str, dict[str, Any]]] = {
     "deploy/docker": ("docker", {}),
     "deploy/k8s/gpu": ("k8s", {}),

@@ -20,7 +20,7 @@ from compress.train.finetune import FinetuneConfig, FinetuneRecipe, run_recipe
 from compress.train.loop import TrainConfig, TrainingError, clip_gradients, cosine_schedule
 from compress.train.monitor import read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

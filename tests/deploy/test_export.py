@@ -26,7 +26,7 @@ from deploy.model_config import (
 from deploy.triton import free_ports, port_is_free, servable_models
 from lmforge_cli import main
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

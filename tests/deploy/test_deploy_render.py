@@ -31,7 +31,7 @@ from deploy.render import (
 )
 from lmforge_cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: Kubernetes API version the manifests are validated against (schemas ship in kubernetes-validate).
 K8S_SCHEMA_VERSION = "1.31.0"
 CUSTOM_RESOURCE_KINDS = {"ServiceMonitor", "PodMonitor"}  # Prometheus Operator CRDs, no upstream schema

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine import AsyncLLMEngine, EngineConfig, SamplingParams
-from tests.test_engine_greedy import hf_greedy, random_prompts
+from tests.engine.test_engine_greedy import hf_greedy, random_prompts
 
 
 def test_async_streams_abort_and_bad_request(tiny_llama_dir):

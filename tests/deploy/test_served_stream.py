@@ -21,7 +21,7 @@ from deploy.openai.serving_chat import OpenAIServingChat
 from deploy.openai.serving_completions import OpenAIServingCompletion
 from deploy.openai.triton_client import Piece, coalesce
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tests.test_triton_llm_faults import FINAL, FakeEngine, _model, _request, _tensors, pb  # noqa: F401
+from tests.deploy.test_triton_llm_faults import FINAL, FakeEngine, _model, _request, _tensors, pb  # noqa: F401
 
 TOKENS = [11, 12, 13, 14, 15, 16, 17, 18, 19]
 WORDS = [" a", " b", "c", " d", "", " é", " f", "g", " h"]  # "" : a token held back by the detokenizer

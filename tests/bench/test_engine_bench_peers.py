@@ -15,7 +15,7 @@ from bench.bound import MATMUL_DTYPES, measure_matmul_gflops
 from bench.engine_backends import RunSpec, run_spec
 from bench.peer_runs import Peers, not_installed, prepare_gguf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAKES = ROOT / "tests" / "fakes"
 FAKE_SERVER = FAKES / "fake_llama_server.py"
 

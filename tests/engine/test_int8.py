@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.kernel_paths import forced_cpu_kernel_path
 from engine.quant import int8
 from engine.quant.int8 import (
     Int8WeightOnlyLinear,
@@ -47,8 +48,9 @@ def test_weight_only_equals_the_dequantized_float_linear(rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weight_only_decode_kernel_equals_the_dequantized_linear(dtype):
+def test_weight_only_decode_kernel_equals_the_dequantized_linear(dtype, kernel_path_allows):
     """The C++ decode kernel: 1-8 rows, an odd output count and K not a multiple of 64 (tails)."""
+    kernel_path_allows("gemv")
     weight_only_cpu_kernel(True)
     if not weight_only_cpu_kernel():
         pytest.fail("weight-only INT8 CPU kernel did not build")
@@ -66,10 +68,11 @@ def test_weight_only_decode_kernel_equals_the_dequantized_linear(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weight_only_kernel_epilogues_round_as_the_torch_ops(dtype):
+def test_weight_only_kernel_epilogues_round_as_the_torch_ops(dtype, kernel_path_allows):
     """The residual add and SwiGLU epilogues of the decode kernel (the layer's ``add`` and ``silu_mul``):
     ``residual + y`` bit for bit, and ``silu(gate) * up`` of the ``[gate; up]`` output to the last bit of
     x's dtype (its exp is not ATen's)."""
+    kernel_path_allows("gemv")
     assert weight_only_cpu_kernel(True), "weight-only INT8 CPU kernel did not build"
     torch.manual_seed(0)
     w, b = torch.randn(130, 200), torch.randn(130)
@@ -126,7 +129,10 @@ def aten_path_restored():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_w8a8_fused_cpu_kernel_is_bit_identical_to_the_aten_path(dtype, with_bias, aten_path_restored):
+def test_w8a8_fused_cpu_kernel_is_bit_identical_to_the_aten_path(
+    dtype, with_bias, aten_path_restored, kernel_path_allows
+):
+    kernel_path_allows("fused")
     if not fused_cpu_kernels():
         pytest.fail(f"fused w8a8 CPU kernels did not build: {fused_cpu_kernels_reason()}")
     torch.manual_seed(0)
@@ -147,7 +153,10 @@ def test_w8a8_fused_cpu_kernel_is_bit_identical_to_the_aten_path(dtype, with_bia
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_fused_epilogues_round_once_where_the_aten_path_rounds_twice(dtype, aten_path_restored):
+def test_w8a8_fused_epilogues_round_once_where_the_aten_path_rounds_twice(
+    dtype, aten_path_restored, kernel_path_allows
+):
+    kernel_path_allows("fused")
     if not fused_cpu_kernels():
         pytest.fail(f"fused w8a8 CPU kernels did not build: {fused_cpu_kernels_reason()}")
     torch.manual_seed(1)
@@ -228,6 +237,9 @@ def _amx_expected() -> bool:
     """Whether this machine should run the AMX kernels (CPU flags and a successful build)."""
     if "amx_int8" not in cpu_int8_flags():
         assert not amx_cpu_kernel() and "lacks" in amx_cpu_kernel_reason()  # the fallback is chosen, and said why
+        return False
+    if forced_cpu_kernel_path() not in ("auto", "amx"):
+        assert not amx_cpu_kernel() and "forbidden" in amx_cpu_kernel_reason()
         return False
     if not amx_cpu_kernel():
         pytest.fail(f"the CPU has AMX-INT8 but the AMX kernels are not in use: {amx_cpu_kernel_reason()}")
