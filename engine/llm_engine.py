@@ -261,9 +261,8 @@ class LLMEngine:
                 f"{type(prompt).__name__}",
                 param="prompt",
             )
-        token_ids = check_prompt_token_ids(token_ids, self.runner.spec.vocab_size, self.config.max_model_len)
         limits.check_prompt_tokens(len(token_ids), self.config.max_model_len)
-        return text, token_ids
+        return text, check_prompt_token_ids(token_ids, self.runner.spec.vocab_size, self.config.max_model_len)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort unfinished requests (unknown or finished ids are ignored); their blocks are freed now.
