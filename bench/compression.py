@@ -10,7 +10,7 @@ Causal LM (default: the real SmolLM2-135M-Instruct) on the held-out English dial
 * HF decode latency (batch 1, ms/token),
 * our engine's output tok/s for 1 sequence alone and for the engine benchmark's workload
   (64 chat requests x 64 greedy tokens, ``bench.workload``), fp32 / bf16 / INT8 variants in one
-  process one after another, and a GEMM microbench (``compress.quantize.int8.gemm_microbench``) that
+  process one after another, and a GEMM microbench (``engine.quant.int8.gemm_microbench``) that
   says which variant is fastest on this CPU.
 
 Targets (``TARGETS``): int8-weight-only KL <= 0.005, top-1 >= 97%, perplexity <= +1.5%, 1
@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.workload import build_workload
-from compress.checkpoint.outputs import BENCH_COMPRESSION, check_output_dir
-from compress.checkpoint.store import Manifest, describe_weights, load_causal_lm, resolve_checkpoint, write_manifest
-from compress.errors import UsageError
 from compress.quantize.onnx import export_onnx, mean_pool, quantize_onnx_int8
+from engine.checkpoint.outputs import BENCH_COMPRESSION, check_output_dir
+from engine.checkpoint.store import Manifest, describe_weights, load_causal_lm, resolve_checkpoint, write_manifest
+from engine.errors import UsageError
 
 TARGET_LINEAR_REDUCTION = 3.5
 TARGET_MINILM_COSINE = 0.99
@@ -164,10 +164,10 @@ def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         format_table,
         read_records,
     )
+    from compress.quantize.methods import quantize
 
     # torch-heavy: imported on use, so importing this module stays light
-    from compress.quantize.int8 import format_microbench, gemm_microbench, model_linear_shapes
-    from compress.quantize.methods import quantize
+    from engine.quant.int8 import format_microbench, gemm_microbench, model_linear_shapes
 
     parent = resolve_checkpoint(args.model)
     if args.data:

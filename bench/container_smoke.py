@@ -41,9 +41,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from compress.errors import UsageError
 from deploy import container as ctr
-from deploy.render import COMMITTED, QUEUE_METRIC, SUCCESS_METRIC, model_ready_path, render_deploy
+from deploy.render import COMMITTED, QUEUE_METRIC, SUCCESS_METRIC, DeployValues, model_ready_path, render_deploy
+from engine.errors import UsageError
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 MAX_TOKENS = 32
@@ -346,6 +346,7 @@ NOT_PLAYED = {
     "HorizontalPodAutoscaler": "needs a cluster's metrics API (schema test; its metric is checked on /metrics)",
     "ServiceMonitor": "a Prometheus Operator resource (its selector is checked against the pods' labels)",
     "prometheus-adapter values": "Helm values (the PromQL is checked against Triton's metric names)",
+    "Locust Deployments and Service": "in-cluster load generators; the smoke test runs the same Locust from the host",
 }
 
 
@@ -356,11 +357,20 @@ def kube(args: argparse.Namespace, out: Path, check: Checks) -> None:
     expected = engine_answers(checkpoint, engine)
     manifests = out / "k8s"
     target, values = COMMITTED[KUBE_DIR]
-    render_deploy(target, manifests, **{**values, "image": args.image, "model_name": name})
+    # the committed files themselves unless another image or model is asked for
+    overrides = {
+        k: v for k, v in (("image", args.image), ("model_name", name)) if v != getattr(DeployValues(**values), k)
+    }
+    overrides = {} if overrides == {"image": ctr.IMAGE} else overrides  # the same image, named in full
+    render_deploy(target, manifests, **{**values, **overrides})
+    source = f"{KUBE_DIR} as rendered with {overrides}" if overrides else f"{KUBE_DIR} as committed"
     played = [manifests / "model-repository-pvc.yaml", manifests / "deployment.yaml"]
     try:
         result = ctr.kube_play(played, repo)
-        print(f"     podman kube play {' '.join(p.name for p in played)}: pod {result.pod}, volumes {result.volumes}")
+        print(
+            f"     podman kube play {' '.join(p.name for p in played)} ({source}): pod {result.pod}, "
+            f"volumes {', '.join(result.volumes)}"
+        )
         ip = ctr.pod_address(result.pod)
         ready_s = wait_ready(
             f"http://{ip}:8000{model_ready_path(name)}",

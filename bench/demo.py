@@ -43,13 +43,13 @@ from typing import Any
 
 from bench.compression import bf16_copy
 from bench.loadtest import LoadTestConfig, run_loadtest
-from compress.checkpoint.outputs import DEMO, check_output_dir
-from compress.checkpoint.store import DEFAULT_MODEL, make_tiny_llama, resolve_checkpoint
 from compress.data.prepare import DEFAULT_INPUT, DataConfig, prepare
-from compress.data.records import read_records
-from compress.errors import LmforgeError, UsageError
 from deploy.export import export as export_model
 from deploy.triton import TritonServer, free_ports
+from engine.checkpoint.outputs import DEMO, check_output_dir
+from engine.checkpoint.store import DEFAULT_MODEL, make_tiny_llama, resolve_checkpoint
+from engine.errors import LmforgeError, UsageError
+from engine.records import read_records
 
 SMOKE_MODEL = "tiny-random"
 

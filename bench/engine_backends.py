@@ -197,7 +197,7 @@ def _hf_load(spec: RunSpec, result: RunResult):
     and ``startup_s`` (to the warm-up's first token)."""
     import torch
 
-    from compress.checkpoint.store import load_causal_lm
+    from engine.checkpoint.store import load_causal_lm
 
     start = time.perf_counter()
     model, tokenizer, _ = load_causal_lm(spec.model)

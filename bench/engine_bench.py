@@ -38,10 +38,10 @@ from bench.engine_backends import BACKENDS, RunSpec
 from bench.peer_runs import Peers, not_installed, prepare_gguf, run_config
 from bench.peers import vllm_env
 from bench.workload import WorkloadError, build_workload, single_prompt
-from compress.checkpoint.model_spec import ModelSpec
-from compress.checkpoint.outputs import check_output_file, write_output_file
-from compress.checkpoint.store import CheckpointError, resolve_checkpoint
-from compress.errors import UsageError
+from engine.checkpoint.model_spec import ModelSpec
+from engine.checkpoint.outputs import check_output_file, write_output_file
+from engine.checkpoint.store import CheckpointError, resolve_checkpoint
+from engine.errors import UsageError
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
 #: is the faster of the ``llama_cpp_server_*`` rows.

@@ -37,8 +37,8 @@ from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summar
 from bench.prompts import PromptError, load_prompts, render_chat, with_system_prompt
 from bench.protocol import OPENAI_PATHS, openai_payload, request_payload
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
-from compress.checkpoint.outputs import LOADTEST_REPORT, check_output_dir
-from compress.errors import LmforgeError, UsageError
+from engine.checkpoint.outputs import LOADTEST_REPORT, check_output_dir
+from engine.errors import LmforgeError, UsageError
 
 LOCUST_PREFIX = "locust"
 CHECK_TIMEOUT_S = 3.0
@@ -396,7 +396,7 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     Raises:
         LoadTestError: from :func:`preflight` (nothing was sent), or the load generator could
             not start at all.
-        OutputDirError: ``out_dir`` is unsafe to write (``compress.checkpoint.outputs.check_output_dir``).
+        OutputDirError: ``out_dir`` is unsafe to write (``engine.checkpoint.outputs.check_output_dir``).
     """
     # absolute: the load generator runs in another working directory
     out = check_output_dir(out_dir, kind=LOADTEST_REPORT, sources=(config.prompts,) if config.prompts else ())

@@ -11,9 +11,10 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from compress.checkpoint.store import CheckpointError, resolve_checkpoint
-from compress.data.records import default_split_records, read_jsonl
-from compress.errors import UsageError
+from compress.data.records import default_split_records
+from engine.checkpoint.store import CheckpointError, resolve_checkpoint
+from engine.errors import UsageError
+from engine.records import read_jsonl
 
 
 class PromptError(UsageError):

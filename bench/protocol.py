@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import requests
 
-from compress.errors import LmforgeError
+from engine.errors import LmforgeError
 
 
 def request_payload(prompt: str, sampling_parameters: dict, *, stream: bool) -> dict:
@@ -117,7 +117,7 @@ def read_whole(response: requests.Response, result: StreamResult) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# OpenAI API (our deploy/openai_server.py, `vllm serve`, `llama-server`)
+# OpenAI API (our deploy/openai/, `vllm serve`, `llama-server`)
 # --------------------------------------------------------------------------------------------
 
 #: ``--endpoint`` values of the OpenAI API and their paths.

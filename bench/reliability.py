@@ -41,10 +41,10 @@ import psutil
 
 from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
 from bench.report import read_samples
-from compress.checkpoint.store import CheckpointError, make_tiny_llama, resolve_checkpoint
-from compress.errors import LmforgeError
 from deploy.export import export
 from deploy.triton import ModelSupervisor, TritonError, TritonServer, free_ports
+from engine.checkpoint.store import CheckpointError, make_tiny_llama, resolve_checkpoint
+from engine.errors import LmforgeError
 
 #: Engine of the served model: room for 16 users' prompts and outputs without preemption.
 ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 640}

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.metrics import RequestSample, latency_by_concurrency, throughput_timeline
-from compress.data.records import read_jsonl
-from compress.errors import LmforgeError
+from engine.errors import LmforgeError
+from engine.records import read_jsonl
 
 PLOT_FILES = ("ttft_cdf.png", "e2e_cdf.png", "output_tok_s_over_time.png", "concurrency_vs_latency.png")
 

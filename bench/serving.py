@@ -23,10 +23,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from compress.checkpoint.outputs import check_output_file, write_output_file
-from compress.checkpoint.store import resolve_checkpoint
 from deploy.export import export
 from deploy.triton import TritonServer, free_ports
+from engine.checkpoint.outputs import check_output_file, write_output_file
+from engine.checkpoint.store import resolve_checkpoint
 
 PROMPTS = [
     "Explain why the sky is blue in one paragraph.",

@@ -37,9 +37,9 @@ from pathlib import Path
 
 from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
 from bench.report import read_samples
-from compress.checkpoint.outputs import SERVING_REPORT, check_output_dir
-from compress.checkpoint.store import resolve_checkpoint
 from deploy.triton import free_ports, stop_process
+from engine.checkpoint.outputs import SERVING_REPORT, check_output_dir
+from engine.checkpoint.store import resolve_checkpoint
 
 DEFAULT_USERS = (1, 4, 16, 64)
 DEFAULT_PEERS_DIR = "/work/main/.peers"

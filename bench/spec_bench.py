@@ -35,7 +35,7 @@ from pathlib import Path
 from bench.bound import target_result
 from bench.prompts import PromptError, load_prompts
 from bench.workload import WorkloadError, build_workload
-from compress.checkpoint.store import CheckpointError, load_causal_lm, resolve_checkpoint
+from engine.checkpoint.store import CheckpointError, load_causal_lm, resolve_checkpoint
 
 #: Paragraphs of the input-grounded task (written for this benchmark).
 GROUNDED_PARAGRAPHS = (
@@ -308,8 +308,8 @@ def ngram_corpus(args, draft: Path, prompts: set[str], work_dir: Path) -> tuple[
         UsageError: an unreadable corpus (names file:line).
     """
     # first-party module that imports torch: imported on use, so importing this module stays light
-    from compress.data.records import read_records
-    from compress.errors import UsageError
+    from engine.errors import UsageError
+    from engine.records import read_records
 
     choice = args.spec_ngram_corpus
     if choice == "none":

@@ -15,7 +15,7 @@ import os
 import time
 
 from bench.workload import build_workload
-from compress.errors import UsageError
+from engine.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from compress.data.prepare import DataError, chatterbot_dir
-from compress.errors import UsageError
+from compress.data.prepare import chatterbot_dir
+from engine.errors import UsageError
+from engine.records import DataError
 
 #: The shared system prompt (about 150 tokens with the SmolLM2 tokenizer and chat template).
 SYSTEM_PROMPT = (

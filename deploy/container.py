@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from compress.errors import LmforgeError, UsageError
 from deploy.render import TORCH_VERSION, cpu_image
+from engine.errors import LmforgeError, UsageError
 
 #: The tag ``make image`` gives the CPU image (what ``deploy/k8s/cpu`` and compose name).
 IMAGE = "localhost/" + cpu_image("lmforge-triton:0.1.0")
@@ -47,7 +47,7 @@ DOCKERFILE = "deploy/docker/Dockerfile.cpu"
 #: Where the Dockerfile's venv keeps site-packages (the OpenAI frontend runs from it).
 IMAGE_PYTHON = "/opt/lmforge/venv/bin/python"
 #: The module of the OpenAI-compatible frontend (``python -m``), as ``lmforge serve`` starts it.
-OPENAI_MODULE = "deploy.openai_server"
+OPENAI_MODULE = "deploy.openai"
 #: Inside the build, where a wheel directory and a CA bundle of the host are mounted.
 BUILD_WHEELS = "/run/lmforge-wheels"
 BUILD_CA_BUNDLE = "/run/lmforge-ca.crt"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from compress.checkpoint.store import resolve_checkpoint
 from compress.quantize.onnx import export_onnx
+from engine.checkpoint.store import resolve_checkpoint
 
 ENCODER_INFO_NAME = "encoder.json"
 POOLED_OUTPUT = "embeddings"

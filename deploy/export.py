@@ -29,9 +29,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoint.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
-from compress.checkpoint.store import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
-from compress.errors import UsageError
 from deploy.encoder import prepare_encoder_onnx
 from deploy.model_config import (
     CONFIG_NAME,
@@ -43,6 +40,9 @@ from deploy.model_config import (
     to_text,
     tokenizer_config,
 )
+from engine.checkpoint.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
+from engine.checkpoint.store import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
+from engine.errors import UsageError
 
 MODEL_INFO_NAME = "model.json"
 VERSION = "1"

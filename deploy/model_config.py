@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from compress.errors import LmforgeError
+from engine.errors import LmforgeError
 
 CONFIG_NAME = "config.pbtxt"
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import yaml
 
-from compress.checkpoint.outputs import RENDERED, check_output_dir
-from compress.errors import LmforgeError, UsageError
 from deploy.triton import DEFAULT_PORTS
+from engine.checkpoint.outputs import RENDERED, check_output_dir
+from engine.errors import LmforgeError, UsageError
 
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"  # NGC 24.10 = Triton 2.51, the server lmforge tests against
 TORCH_VERSION = "2.13.0"  # the pyproject pin; the CPU image installs this version's CPU build
@@ -45,24 +45,20 @@ SUCCESS_METRIC = "nv_inference_request_success"
 HPA_METRIC = "triton_queue_duration_us_per_request"
 TARGETS = ("docker", "k8s")
 
-#: pyproject dependencies the CPU image leaves out: the Triton compiler (about 1 GB, it only builds the
-#: CUDA paged-attention kernels) and the development tools (tests, lint, manifest schemas).
-IMAGE_SKIPPED_DEPENDENCIES = (
-    "triton",
-    "ruff",
-    "import-linter",
-    "pytest",
-    "pytest-timeout",
-    "check-jsonschema",
-    "kubernetes-validate",
-)
+#: pyproject extras the CPU image installs: the Triton server and OpenAI frontend (``serve``), and
+#: Locust with the OpenAI client (``bench``: the compose and Kubernetes load generators use the
+#: image). ``dev`` (tests, lint, manifest schemas) stays out.
+IMAGE_EXTRAS = ("serve", "bench")
+#: pyproject dependencies the CPU image leaves out: the Triton compiler (about 1 GB; it only builds
+#: the CUDA paged-attention kernels).
+IMAGE_SKIPPED_DEPENDENCIES = ("triton",)
 #: The non-root user the CPU image runs as (uid = gid).
 IMAGE_UID = 1000
 #: Python the CPU image runs to build the C++ CPU kernels (those ``make venv`` builds); it fails
 #: the build when the engine's own kernels do not build (the INT8 ones may not apply to the CPU).
 IMAGE_KERNEL_BUILD = (
     "import sys; from engine.cpu_ops import use_cpu_kernels; "
-    "from compress.quantize.int8 import amx_cpu_kernel, fused_cpu_kernels, weight_only_cpu_kernel; "
+    "from engine.quant.int8 import amx_cpu_kernel, fused_cpu_kernels, weight_only_cpu_kernel; "
     "built = [use_cpu_kernels(), fused_cpu_kernels(), weight_only_cpu_kernel(), amx_cpu_kernel()]; "
     "print('C++ CPU kernels built:', built); sys.exit(0 if built[0] else 'the engine kernels did not build')"
 )
@@ -582,8 +578,8 @@ DOCKERFILE_CPU = (
 #                     CUDA build that pulls gigabytes of nvidia-* wheels; the build refuses one)
 #   TORCH_FIND_LINKS  a directory of wheels pip looks in as well (e.g. mounted with `podman build -v`)
 #   PIP_CERT          a CA bundle pip trusts instead of its own (behind a TLS-inspecting proxy)
-#   SKIP_DEPENDENCIES pyproject dependencies left out: the Triton compiler (CUDA kernels only) and
-#                     the development tools
+#   EXTRAS            pyproject extras installed: serve (Triton, OpenAI frontend), bench (Locust)
+#   SKIP_DEPENDENCIES pyproject dependencies left out: the Triton compiler (CUDA kernels only)
 #   CPU_KERNELS       1: g++ and the engine's C++ CPU kernels in the image; 0: neither
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
@@ -592,6 +588,7 @@ ARG PIP_INDEX_URL=https://pypi.org/simple
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_FIND_LINKS=
 ARG PIP_CERT
+ARG EXTRAS="{extras}"
 ARG SKIP_DEPENDENCIES="{skipped}"
 ENV PIP_NO_CACHE_DIR=1 \\
     PIP_DISABLE_PIP_VERSION_CHECK=1 \\
@@ -599,11 +596,12 @@ ENV PIP_NO_CACHE_DIR=1 \\
     PATH=/opt/lmforge/venv/bin:$PATH
 WORKDIR /opt/lmforge
 RUN python3 -m venv $VIRTUAL_ENV
-# Dependencies first (from pyproject.toml alone), so a source change rebuilds only the layers below.
+# Dependencies first (from pyproject.toml alone: its dependencies and EXTRAS, less SKIP_DEPENDENCIES),
+# so a source change rebuilds only the layers below.
 COPY pyproject.toml ./
 RUN pip install --index-url "$TORCH_INDEX_URL" ${{TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"}} torch=={torch_version} \\
  && python -c "import sys, torch; sys.exit(torch.version.cuda and f'torch {{torch.__version__}} is a CUDA build; set TORCH_INDEX_URL to a CPU index')" \\
- && python -c "import os, re, tomllib; skip = set(os.environ['SKIP_DEPENDENCIES'].split()); deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\\\\n'.join(d for d in deps if re.match(r'[A-Za-z0-9._-]+', d).group().lower().replace('_', '-') not in skip))" > /tmp/requirements.txt \\
+ && python -c "import os, re, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; skip = set(os.environ['SKIP_DEPENDENCIES'].split()); deps = p['dependencies'] + [d for e in os.environ['EXTRAS'].split() for d in p['optional-dependencies'][e]]; print('\\\\n'.join(d for d in deps if re.match(r'[A-Za-z0-9._-]+', d).group().lower().replace('_', '-') not in skip))" > /tmp/requirements.txt \\
  && pip install -r /tmp/requirements.txt
 """  # noqa: E501
     + _COPY_SOURCES
@@ -741,7 +739,7 @@ def prometheus_config(v: DeployValues) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 #: Directories of this repository that hold files rendered with these targets and values
-#: (regenerate with ``python -m deploy.render``; tests/test_deploy_render.py keeps them in sync).
+#: (regenerate with ``python -m deploy.render``; tests/deploy/test_deploy_render.py keeps them in sync).
 COMMITTED: dict[str, tuple[str, dict[str, Any]]] = {
     "deploy/docker": ("docker", {}),
     "deploy/k8s/gpu": ("k8s", {}),
@@ -776,6 +774,7 @@ def render_files(target: str, values: DeployValues) -> dict[str, str]:
             "startup_timeout_s": values.startup_timeout_s,
             "torch_version": TORCH_VERSION,
             "skipped": " ".join(IMAGE_SKIPPED_DEPENDENCIES),
+            "extras": " ".join(IMAGE_EXTRAS),
             "uid": IMAGE_UID,
             "kernels": IMAGE_KERNEL_BUILD,
             **{f"{name}_port": port for name, port in TRITON_PORTS.items()},
@@ -806,7 +805,7 @@ def render_deploy(
 
     Raises:
         ValueError: unknown target or field, or an invalid value (names the field).
-        OutputDirError: ``out_dir`` holds files that are not ours (``compress.checkpoint.outputs``).
+        OutputDirError: ``out_dir`` holds files that are not ours (``engine.checkpoint.outputs``).
     """
     unknown = set(overrides) - {f.name for f in dataclasses.fields(DeployValues)}
     if unknown:

@@ -42,9 +42,9 @@ from typing import Any
 
 import psutil
 
-from compress.checkpoint.store import cache_dir
-from compress.errors import LmforgeError, UsageError
 from deploy.model_config import ConfigCheckError, parse_config_file
+from engine.checkpoint.store import cache_dir
+from engine.errors import LmforgeError, UsageError
 
 HOST = "127.0.0.1"
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}

@@ -1,5 +1,6 @@
 """lmforge inference engine: paged KV cache with prefix reuse, continuous batching (vLLM-shaped API)."""
 
+import engine.library_noise  # noqa: F401  (first: its filters must be in place before torchao is imported)
 from engine.config import EngineConfig
 from engine.llm_engine import LLM, LLMEngine
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput

@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from compress.checkpoint.store import DEFAULT_MODEL, check_device, load_causal_lm
-from compress.errors import LmforgeError, UsageError
 from engine import LLM, SamplingParams
+from engine.checkpoint.store import DEFAULT_MODEL, check_device, load_causal_lm
+from engine.errors import LmforgeError, UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from compress.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
-from compress.quantize.int8 import cpu_flags  # /proc/cpuinfo flags (also decide the INT8 kernels)
+from engine.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
+from engine.platform import cpu_flags  # /proc/cpuinfo flags (also decide the INT8 kernels)
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -28,18 +28,18 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 3}
 
 #: Tokens whose logits a draft with ``token_frequencies.json`` computes (``speculative_draft_vocab_size``).
-#: Measured with the 600-step distilled SmolLM2 student in INT8 (README, "Speculative decoding"): its greedy
+#: Measured with the 600-step distilled SmolLM2 student in INT8 (docs/speculative-decoding.md): its greedy
 #: token agrees with the target's on 44.3% of 677 chat reply positions with 8192 or 2048 rows (grounded: 20.0%
 #: and 19.2%), and the 2048-row head reads 3.5 MB less per draft position (an INT8 head of 8192 rows took
 #: 0.64 ms of a 4.4 ms position); chat alone 1.29-1.37x vs 1.17-1.32x with 8192 in four A/B runs.
 DEFAULT_SPECULATIVE_DRAFT_VOCAB_SIZE = 2048
 
 #: A draft stops proposing for a request after a token it gave less than this probability
-#: (``speculative_draft_confidence_threshold``; measured: README, "Speculative decoding").
+#: (``speculative_draft_confidence_threshold``; measured: docs/speculative-decoding.md).
 DEFAULT_SPECULATIVE_DRAFT_CONFIDENCE_THRESHOLD = 0.0
 
 #: Running requests from which a step does not speculate (measured with ``lmforge bench engine
-#: --speculative``: see README, "Speculative decoding").
+#: --speculative``: see docs/speculative-decoding.md).
 DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE = 8
 
 
@@ -48,7 +48,7 @@ class EngineConfig:
     """Configuration of an ``LLMEngine``; validated at construction.
 
     Attributes:
-        model: checkpoint name, ``.gguf`` file or directory (``compress.checkpoint.store.resolve_checkpoint``).
+        model: checkpoint name, ``.gguf`` file or directory (``engine.checkpoint.store.resolve_checkpoint``).
         block_size: tokens per KV cache block.
         num_kv_blocks: blocks in the KV pool; ``None`` derives it from ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: KV pool budget in bytes (K and V of every layer) when
@@ -64,6 +64,9 @@ class EngineConfig:
             CUDA device that supports it, ``float32`` elsewhere (``resolve_dtype``).
         device: ``cpu`` or ``cuda`` (``cuda:N``).
         num_threads: ``torch.set_num_threads`` for the CPU path; ``None`` leaves torch's default.
+        adaptive_threads: on CPU, lower the thread count (down to 1, up to ``num_threads`` or torch's
+            default) while other processes keep cores busy, and raise it again when they stop
+            (``engine.threads.ThreadGovernor``): a thread on a shared core stalls every step's barrier.
         seed: seeds the generator of requests sampled without their own ``seed``.
         speculative_method: ``None`` (off), ``"ngram"`` (prompt lookup: propose the tokens that
             followed the latest earlier occurrence of the last n tokens) or ``"draft"`` (a small
@@ -120,6 +123,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     num_threads: int | None = None
+    adaptive_threads: bool = True
     seed: int = 0
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None

@@ -17,25 +17,24 @@ decoder layer of a weight-only INT8 model for a few tokens in one call, through 
 the INT8 GEMV: a small draft model's forward is otherwise as much Python and op dispatch as
 reading its weights.
 
-They are built on first use (``compress.quantize.native.NativeKernels``, 15-25 s once, cached);
+They are built on first use (``engine.native.NativeKernels``, 15-25 s once, cached);
 where they cannot be built every function here runs its torch equivalent, and
 ``use_cpu_kernels(False)`` forces that path (tests compare the two).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from compress.quantize.native import NativeKernels, vector_cflags
+from engine.native import CSRC, NativeKernels
+from engine.platform import vector_cflags
 
 #: The C++ source of ``torch.ops.lmforge_engine``.
-KERNEL_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+KERNEL_SOURCE = CSRC / "cpu_ops.cpp"
 KERNELS = NativeKernels("lmforge_engine", KERNEL_SOURCE, "rope_and_cache", cflags=vector_cflags())
 #: ``torch.ops.lmforge_decode``: the decoder layers of a weight-only INT8 model in one call (``int8_decode_layers``).
-DECODE_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "int8_decode_cpu.cpp"
+DECODE_KERNEL_SOURCE = CSRC / "int8_decode_cpu.cpp"
 DECODE_KERNELS = NativeKernels("lmforge_decode", DECODE_KERNEL_SOURCE, "int8_decode_layers", cflags=vector_cflags())
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -69,6 +68,46 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() == 2 and logits.stride(1) == 1 and _native(logits):
         return KERNELS.ops.argmax(logits)
     return logits.max(dim=-1).indices  # the first maximum too, and on CPU ~4x faster than argmax
+
+
+def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, to_float: bool) -> torch.Tensor:
+    """Exact top of bf16 logits: entries within two bf16 steps of a row's maximum recomputed in float32.
+
+    A bf16 GEMM rounds its float32 accumulators to 8 significant bits (0.125 apart near 20), so close
+    candidates tie or swap and greedy decoding follows the tie order. The entries that can hold a row's
+    true maximum are recomputed as float32 dot products of the same bf16 operands.
+
+    Args:
+        logits: ``[S, V]`` bf16, the lm head's output for ``hidden`` (no bias).
+        hidden: ``[S, H]`` bf16, its input.
+        weight: ``[V, H]`` bf16, its weight.
+        to_float: return a float32 ``[S, V]`` copy holding the exact values near each maximum; otherwise
+            raise each row's exact winner in place to the next bf16 value above the row's maximum, so an
+            argmax picks it (for greedy rows, which read nothing else).
+
+    Returns:
+        The float32 copy, or ``logits`` itself.
+    """
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    if logits.stride(1) == 1 and _native(logits):
+        return KERNELS.ops.refine_logits(logits, hidden, weight, to_float)
+    out = logits.float()
+    top = out.max(dim=-1, keepdim=True).values
+    step = torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(torch.finfo(torch.float32).tiny))) - 7)
+    rows, cols = (out >= top - 2 * step).nonzero(as_tuple=True)
+    exact = torch.einsum("nh,nh->n", hidden[rows].float(), weight[cols].float())
+    if to_float:
+        out[rows, cols] = exact
+        return out
+    best = torch.full_like(top[:, 0], float("-inf")).scatter_reduce(0, rows, exact, "amax")
+    is_best = exact == best[rows]
+    winner = {}
+    for r, c in zip(rows[is_best].tolist(), cols[is_best].tolist()):
+        winner.setdefault(r, c)  # the lowest index among exact ties, as the kernel keeps
+    for r, c in winner.items():
+        if int(logits[r].max(dim=-1).indices) != c:
+            logits[r, c] = (top[r, 0] + step[r, 0]).to(logits.dtype)  # a bf16 value above the row's maximum
+    return logits
 
 
 def decode_kernel_runs(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -146,9 +185,9 @@ def rope_and_cache(
 
 def int8_decode_available() -> bool:
     """Whether ``int8_decode_layers`` runs: the engine's kernels, the INT8 GEMV and this op are built and enabled
-    (``use_cpu_kernels(False)`` or ``compress.quantize.int8.weight_only_cpu_kernel(False)`` turn it off too)."""
+    (``use_cpu_kernels(False)`` or ``engine.quant.int8.weight_only_cpu_kernel(False)`` turn it off too)."""
     # the GEMV lives with the INT8 layers; imported here to keep this module's imports light
-    from compress.quantize.int8 import weight_only_cpu_kernel
+    from engine.quant.int8 import weight_only_cpu_kernel
 
     return KERNELS.available and weight_only_cpu_kernel() and DECODE_KERNELS.available
 
@@ -172,7 +211,7 @@ def int8_decode_layers(
     """All decoder layers of a Llama-style model with weight-only INT8 linears, for a few tokens, in C++.
 
     The same ops and bf16 roundings as ``engine.model.Model.forward`` (RMSNorm, the INT8 GEMV of
-    ``compress.quantize.int8`` with its residual-add and SwiGLU epilogues, ``rope_and_cache``,
+    ``engine.quant.int8`` with its residual-add and SwiGLU epilogues, ``rope_and_cache``,
     ``paged_decode_attention``), without a Python call between them: bit for bit where every linear is
     INT8. A linear the quantizer kept in float runs ``F.linear`` on its plain weight (the engine's
     unpacked path), where the engine runs oneDNN's packed weight with fused post-ops: the same

@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from compress.checkpoint.store import resolve_checkpoint
 from engine.block_manager import BlockManager
+from engine.checkpoint.store import resolve_checkpoint
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
+from engine.inputs import check_prompt_token_ids
 from engine.model import read_model_spec
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -33,6 +34,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.speculator import Speculator
 from engine.stats import EngineStats
+from engine.threads import ThreadGovernor, proc_stat_readable
 
 #: Longest default context when the checkpoint allows more (bounds rotary tables and KV needs).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -54,7 +56,7 @@ class LLMEngine:
 
     Raises:
         ValueError: an inconsistent configuration (also once the checkpoint's limits are known).
-        compress.checkpoint.store.CheckpointError: the checkpoint is missing, corrupt or unsupported.
+        engine.checkpoint.store.CheckpointError: the checkpoint is missing, corrupt or unsupported.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -63,6 +65,11 @@ class LLMEngine:
 
         if config.num_threads is not None and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
+        self.thread_governor = (
+            ThreadGovernor(torch.get_num_threads())
+            if config.device == "cpu" and config.adaptive_threads and proc_stat_readable()
+            else None
+        )
         self.path = resolve_checkpoint(config.model)
         spec = read_model_spec(self.path)
         max_model_len = config.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
@@ -243,17 +250,7 @@ class LLMEngine:
                 'prompt must be a string, a list of token ids or {"prompt_token_ids": [...]}, got '
                 f"{type(prompt).__name__}"
             )
-        if not token_ids:
-            raise ValueError("prompt is empty (no tokens); give at least one token")
-        vocab = self.runner.spec.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len={self.config.max_model_len} leaves no room "
-                "to generate; shorten the prompt or increase max_model_len"
-            )
-        return text, token_ids
+        return text, check_prompt_token_ids(token_ids, self.runner.spec.vocab_size, self.config.max_model_len)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort unfinished requests (unknown or finished ids are ignored); their blocks are freed now.
@@ -292,6 +289,8 @@ class LLMEngine:
             EngineDeadError: the KV bookkeeping is broken after a failure, or
                 ``MAX_CONSECUTIVE_FAILED_STEPS`` steps failed in a row.
         """
+        if self.thread_governor is not None:
+            self.thread_governor.maybe_adjust()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, num_waiting=len(self.scheduler.waiting))
         out = self.scheduler.schedule()

@@ -7,9 +7,9 @@ checkpoint's ``rope_theta`` and ``linear`` / ``llama3`` scaling, grouped-query a
 
 ``Model.forward`` runs all scheduled tokens of a step as one flat batch of ``N`` tokens: linear
 layers see ``[N, hidden]``; attention is delegated to an ``engine.attention.AttentionBackend``
-with the step's metadata. INT8 checkpoints (``compress.quantize.int8``: ``weight-only`` or
+with the step's metadata. INT8 checkpoints (``engine.quant.int8``: ``weight-only`` or
 ``w8a8``, named in the safetensors metadata) run their linear layers, the LM head included when it
-was quantized, with the INT8 kernels of ``compress.quantize.int8`` on CPU; on CUDA their weights are
+was quantized, with the INT8 kernels of ``engine.quant.int8`` on CPU; on CUDA their weights are
 dequantized to ``dtype``.
 """
 
@@ -23,9 +23,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from compress.checkpoint.model_spec import ModelSpec
-from compress.checkpoint.store import CheckpointError
-from compress.quantize.int8 import (
+from engine import cpu_ops
+from engine.checkpoint.model_spec import ModelSpec
+from engine.checkpoint.store import CheckpointError
+from engine.config import SUPPORTED_DTYPES
+from engine.platform import onednn_bf16_supported
+from engine.quant.int8 import (
     INPUT_HADAMARD_SUFFIX,
     INT8_SCALE_SUFFIX,
     INT8_WEIGHT_SUFFIX,
@@ -36,9 +39,6 @@ from compress.quantize.int8 import (
     int8_linear,
     read_scheme,
 )
-from compress.quantize.native import onednn_bf16_supported
-from engine import cpu_ops
-from engine.config import SUPPORTED_DTYPES
 
 #: ``EngineConfig.dtype`` names -> torch dtypes (``"auto"`` is resolved to one of them first).
 DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES if name != "auto"}
@@ -48,7 +48,7 @@ DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES if name != "au
 
 
 def read_model_spec(path: Path) -> ModelSpec:
-    """Read ``config.json`` of a checkpoint directory (``compress.checkpoint.model_spec``).
+    """Read ``config.json`` of a checkpoint directory (``engine.checkpoint.model_spec``).
 
     Raises:
         CheckpointError: an architecture outside ``ARCHITECTURES`` (the supported ones are listed).
@@ -155,7 +155,7 @@ def packed_rows(device: str, dtype: torch.dtype) -> tuple[int, int] | None:
 
 
 class Linear:
-    """``y = x @ W^T + b`` from float weights, or a CPU INT8 layer of ``compress.quantize.int8`` (same dtype in and
+    """``y = x @ W^T + b`` from float weights, or a CPU INT8 layer of ``engine.quant.int8`` (same dtype in and
     out).
 
     With ``pack=True`` (CPU) the float weight ``[out, in]`` is reordered once into oneDNN's
@@ -505,10 +505,19 @@ class Model:
 
     def compute_logits(self, hidden: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
         """``[S, hidden]`` last hidden states -> logits ``[S, vocab]`` (final norm, lm head), float32
-        unless ``float_logits=False`` (then in the model dtype, e.g. for an argmax)."""
+        unless ``float_logits=False`` (then in the model dtype, for an argmax).
+
+        In bf16 the entries near each row's maximum are recomputed in float32 (``cpu_ops.refine_logits``):
+        the GEMM's rounding to bf16 would otherwise tie or swap close candidates, and greedy output would
+        follow the tie order instead of the model. With ``float_logits=False`` the exact winner is made
+        the row's unique maximum.
+        """
         s = hidden.shape[0]
         hidden = rms_norm(pad_rows(hidden, self.min_rows), self.norm, self.spec.rms_norm_eps)
         logits = self.lm_head(hidden)[:s]
+        head = self.lm_head
+        if logits.dtype == torch.bfloat16 and head.int8_layer is None and head.bias is None and head.weight is not None:
+            return cpu_ops.refine_logits(logits, hidden[:s], head.weight, to_float=float_logits)
         return logits.float() if float_logits else logits
 
 

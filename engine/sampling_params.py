@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from compress.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
+from engine.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
 
 #: Smallest temperature > 0: logits / temperature overflow float32 below it (use 0 for greedy).
 MIN_TEMPERATURE = 1e-5

@@ -14,14 +14,14 @@ import lmforge_cli
 from bench.loadtest import LoadTestError
 from bench.prompts import PromptError
 from bench.workload import WorkloadError
-from compress.checkpoint.store import CheckpointError
-from compress.data.prepare import DataError
-from compress.errors import LmforgeError, UsageError
 from compress.evaluate.quality import EvaluationError
 from compress.scale.diagnose import RunDirError
 from compress.train.loop import TrainingError
 from deploy.model_config import ConfigCheckError
 from deploy.triton import TritonError
+from engine.checkpoint.store import CheckpointError
+from engine.errors import LmforgeError, UsageError
+from engine.records import DataError
 
 
 def test_error_classes_share_the_base_and_keep_their_builtin_base():
@@ -50,7 +50,7 @@ def _fake_command(monkeypatch, run):
     monkeypatch.setattr(
         lmforge_cli.importlib,
         "import_module",
-        lambda name: module if name == "compress.checkpoint.store" else real_import(name),
+        lambda name: module if name == "engine.checkpoint.store" else real_import(name),
     )
 
 

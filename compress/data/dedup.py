@@ -14,7 +14,7 @@ import hashlib
 import re
 from collections.abc import Sequence
 
-from compress.errors import UsageError
+from engine.errors import UsageError
 
 _WHITESPACE = re.compile(r"\s+")
 

@@ -37,25 +37,20 @@ import random
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from compress.checkpoint.outputs import DATA, check_output_dir, staged_output_dir
 from compress.data.dedup import MinHashConfig, exact_key, near_duplicates, normalize
-from compress.errors import LmforgeError, UsageError
+from engine.checkpoint.outputs import DATA, check_output_dir, staged_output_dir
+from engine.errors import UsageError
+from engine.records import DataError, iter_jsonl, read_utf8, validate_record
 
-ROLES = ("system", "user", "assistant")
 DEFAULT_INPUT = "chatterbot:english"
 DEFAULT_BLOCKLIST = Path(__file__).parent / "resources" / "blocklist.txt"
 _SYMBOLS = set("#…{}[]<>|\\^~`@$%*_=+")
 _MAX_EXAMPLES = 5  # removed records listed per filter in the report
-
-
-class DataError(LmforgeError, ValueError):
-    """Bad input data; the message names the file and line and what to fix."""
 
 
 @dataclasses.dataclass
@@ -147,35 +142,6 @@ class DataConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def validate_record(obj: Any, source: str, line: int) -> dict[str, Any]:
-    """Check one record's shape and return it in canonical form.
-
-    Raises:
-        DataError: not an object, neither ``messages`` nor ``text``, a message without a known
-            ``role`` or a string ``content`` (names ``source:line`` and the field).
-    """
-    where = f"{source}:{line}"
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: record must be a JSON object with 'messages' or 'text', got {type(obj).__name__}")
-    if "messages" in obj:
-        messages = obj["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
-        clean = []
-        for k, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise DataError(
-                    f"{where}: messages[{k}] must be {{'role': one of {list(ROLES)}, 'content': string}}, got {m!r}"
-                )
-            clean.append({"role": m["role"], "content": m["content"]})
-        return {"messages": clean}
-    if "text" in obj:
-        if not isinstance(obj["text"], str):
-            raise DataError(f"{where}: 'text' must be a string, got {type(obj['text']).__name__}")
-        return {"text": obj["text"]}
-    raise DataError(f"{where}: record has neither 'messages' nor 'text' (keys: {sorted(obj)})")
-
-
 def chatterbot_dir(language: str) -> Path:
     """The installed chatterbot-corpus data directory of ``language`` (e.g. ``english``).
 
@@ -234,41 +200,6 @@ def load_chatterbot_file(path: Path, skipped: list[tuple[Record, str]] | None = 
         ]
         records.append(Record({"messages": messages}, str(path), line))
     return records
-
-
-def read_utf8(path: Path, error: type[LmforgeError] = DataError) -> str:
-    """The text of the user file ``path``.
-
-    Raises:
-        ``error``: the file is not UTF-8 (names the file and the byte offset).
-    """
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise error(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})", fix="save it as UTF-8") from exc
-
-
-def iter_jsonl(
-    path: Path, error: type[LmforgeError] = DataError, *, torn_tail_ok: bool = False
-) -> Iterator[tuple[int, Any]]:
-    """``(line number, parsed value)`` of each non-blank line of a JSONL file.
-
-    With ``torn_tail_ok`` a last line that is not JSON is skipped (its writer was stopped mid-line).
-
-    Raises:
-        ``error``: the file is not UTF-8, or a line is not JSON (names file:line).
-    """
-    lines = read_utf8(path, error).splitlines()
-    for line_no, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if torn_tail_ok and line_no == len(lines):
-                return
-            raise error(f"{path}:{line_no}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
-        yield line_no, value
 
 
 def load_jsonl(path: Path) -> list[Record]:
@@ -544,7 +475,7 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
     Raises:
         DataError: a malformed record, an empty input, or nothing (or a single record) left
             after filtering (names the files and lines removed and why).
-        OutputDirError: ``out`` is unsafe to replace (``compress.checkpoint.outputs.check_output_dir``).
+        OutputDirError: ``out`` is unsafe to replace (``engine.checkpoint.outputs.check_output_dir``).
     """
     started = time.monotonic()
     sources = tuple(path for path in config.inputs if Path(path).exists())

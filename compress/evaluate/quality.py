@@ -21,7 +21,7 @@ first checkpoint listed: put the parent first):
   ``(time(1 + n tokens) - time(1 token)) / n``, each time the fastest of the repeats.
 
 Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``int8``
-(``compress.quantize.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8``
+(``engine.quant.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8``
 (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
 ONNX Runtime through Optimum).
 """
@@ -40,20 +40,21 @@ from typing import Any
 
 import torch
 
-from compress.checkpoint.outputs import check_output_file, write_output_file
-from compress.checkpoint.store import (
+from compress.data import records as records_module
+from compress.data.records import default_split_records
+from compress.quantize.methods import load_int8_model, load_llm_int8_model
+from compress.quantize.onnx import onnx_num_parameters
+from engine.checkpoint.outputs import check_output_file, write_output_file
+from engine.checkpoint.store import (
     MANIFEST_NAME,
     describe_weights,
     read_safetensors_header,
     resolve_checkpoint,
     update_metrics,
 )
-from compress.data import records as records_module
-from compress.data.records import default_split_records, encode_record
-from compress.errors import LmforgeError
-from compress.quantize.int8 import INT8_WEIGHT_SUFFIX
-from compress.quantize.methods import load_int8_model, load_llm_int8_model
-from compress.quantize.onnx import onnx_num_parameters
+from engine.errors import LmforgeError
+from engine.quant.int8 import INT8_WEIGHT_SUFFIX
+from engine.records import encode_record
 
 #: Fixed prompts of the greedy-agreement metric (chat-formatted).
 AGREEMENT_PROMPTS: tuple[str, ...] = (

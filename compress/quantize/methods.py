@@ -9,7 +9,7 @@ that runs them.
   per-output-channel INT8 weights for every ``nn.Linear`` outside ``skip_modules`` (the LM head
   included by default for weight-only, kept float by default for ``w8a8``; embeddings are not
   linear layers), stored in the format of
-  ``compress.quantize.int8`` with the scheme in the safetensors metadata. Weight-only keeps activations in
+  ``engine.quant.int8`` with the scheme in the safetensors metadata. Weight-only keeps activations in
   bf16 / fp32; ``w8a8`` quantizes them per token at run time, after SmoothQuant
   (``compress.quantize.smooth``, calibrated on training dialogs) has moved activation outliers into the
   weights. Neither uses the deprecated ``torch.ao.nn.quantized`` modules.
@@ -35,8 +35,13 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from compress.checkpoint.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
-from compress.checkpoint.store import (
+from compress.data.records import default_split_records
+from compress.quantize.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
+from compress.quantize.rotate import rotate_down_proj_inputs, rotate_residual_stream, rotated_inputs
+from compress.quantize.sensitivity import quantization_units, unit_sensitivity
+from compress.quantize.smooth import activation_absmax, calibrate_alpha, smooth_model
+from engine.checkpoint.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
+from engine.checkpoint.store import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
@@ -46,9 +51,8 @@ from compress.checkpoint.store import (
     resolve_checkpoint,
     write_manifest,
 )
-from compress.data.records import default_split_records, encode_record, read_records
-from compress.errors import UsageError
-from compress.quantize.int8 import (
+from engine.errors import UsageError
+from engine.quant.int8 import (
     INPUT_HADAMARD_SUFFIX,
     INT8_SCALE_SUFFIX,
     INT8_WEIGHT_SUFFIX,
@@ -62,10 +66,7 @@ from compress.quantize.int8 import (
     read_scheme,
     scheme_metadata,
 )
-from compress.quantize.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
-from compress.quantize.rotate import rotate_down_proj_inputs, rotate_residual_stream, rotated_inputs
-from compress.quantize.sensitivity import quantization_units, unit_sensitivity
-from compress.quantize.smooth import activation_absmax, calibrate_alpha, smooth_model
+from engine.records import encode_record, read_records
 
 WEIGHTS_NAME = "model.safetensors"
 #: Float vocabulary tables that a rotated ``w8a8`` checkpoint stores in bfloat16: SmolLM2-135M, 44 held-out dialogs,
@@ -128,7 +129,7 @@ class Int8WeightOnlyConfig:
 
 @dataclasses.dataclass(frozen=True)
 class W8A8Config:
-    """``w8a8``: per-channel INT8 weights, per-token dynamic INT8 activations (``compress.quantize.int8``).
+    """``w8a8``: per-channel INT8 weights, per-token dynamic INT8 activations (``engine.quant.int8``).
 
     Attributes:
         skip_modules: as in ``Int8WeightOnlyConfig``, but the LM head stays float by default:
@@ -163,7 +164,7 @@ class W8A8Config:
             rotation of ``rotation_block`` input channels (``compress.quantize.rotate``; QuaRot,
             Ashkboos et al. 2024). The float model's function is unchanged; per-token INT8 activations
             lose far less: SmolLM2-135M against fp32, 44 held-out dialogs, mean KL 0.0172 -> 0.0070, same
-            top-1 94.7% -> 96.6%, perplexity -0.48% -> +0.79% (README, "INT8"), for one ``block_hadamard``
+            top-1 94.7% -> 96.6%, perplexity -0.48% -> +0.79% (docs/quantization.md), for one ``block_hadamard``
             pass over each ``down_proj`` input (~1.5% of a 64-row decode step). The checkpoint stores the
             rotated weights, norm weights of 1 and an untied LM head (``VOCAB_TABLES`` in bf16). With it an
             INT8 head (``skip_modules=()``) adds little (KL 0.0077, top-1 95.9%). ``None``: no rotation.
@@ -466,7 +467,7 @@ class Quantizer(Protocol):
 
 @dataclasses.dataclass
 class Int8Quantizer:
-    """``int8-weight-only`` / ``w8a8``: per-channel INT8 weights in the format of ``compress.quantize.int8``.
+    """``int8-weight-only`` / ``w8a8``: per-channel INT8 weights in the format of ``engine.quant.int8``.
 
     The scheme (how activations run) is the config's ``scheme``, written into the safetensors
     metadata, so the engine, ``lmforge evaluate`` and the Triton model pick the same kernels.
@@ -586,7 +587,7 @@ def load_int8_model(checkpoint_dir: str | Path):
     """Step 2: build the ``transformers`` model and swap in INT8 linear layers.
 
     Every ``X.weight_int8`` / ``X.weight_scale`` pair becomes the runtime layer of the file's
-    scheme (``compress.quantize.int8.int8_linear``: ``Int8WeightOnlyLinear`` or ``W8A8Linear``) at module
+    scheme (``engine.quant.int8.int8_linear``: ``Int8WeightOnlyLinear`` or ``W8A8Linear``) at module
     ``X``; all other tensors are loaded as stored. Checkpoints of the former ``dynamic`` method
     (same tensors, no scheme metadata) load as ``w8a8``.
 
@@ -839,7 +840,7 @@ def quantize(checkpoint: str | Path, output_dir: str | Path, *, method: str, **c
 
     Raises:
         CheckpointError: the input is missing, corrupt or already quantized, or ``output_dir``
-            is unsafe to replace (``compress.checkpoint.outputs.OutputDirError``, see ``check_output_dir``).
+            is unsafe to replace (``engine.checkpoint.outputs.OutputDirError``, see ``check_output_dir``).
     """
     quantizer = make_quantizer(method, **config)
     if isinstance(getattr(quantizer.config, "device", None), str):

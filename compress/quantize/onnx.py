@@ -22,8 +22,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from compress.checkpoint.outputs import CHECKPOINT, staged_output_dir
-from compress.checkpoint.store import (
+from engine.checkpoint.outputs import CHECKPOINT, staged_output_dir
+from engine.checkpoint.store import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
@@ -143,7 +143,7 @@ def export_onnx(checkpoint_dir: str | Path, output_dir: str | Path, *, task: str
     Args:
         checkpoint_dir: a checkpoint (name, ``.gguf`` or directory; see ``resolve_checkpoint``).
         output_dir: the new checkpoint directory: new, empty or an earlier checkpoint (replaced).
-            ``OutputDirError`` otherwise (``compress.checkpoint.outputs``).
+            ``OutputDirError`` otherwise (``engine.checkpoint.outputs``).
         task: ``text-generation-with-past`` for causal LMs (exports the KV-cache inputs and
             outputs), ``feature-extraction`` for encoders (``last_hidden_state``
             ``[batch, seq, hidden]``).
@@ -200,7 +200,7 @@ def quantize_onnx_int8(
     Args:
         onnx_dir: a directory written by ``export_onnx`` (``model.onnx`` + config + tokenizer).
         output_dir: the new checkpoint directory: new, empty or an earlier checkpoint (replaced).
-            ``OutputDirError`` otherwise (``compress.checkpoint.outputs``).
+            ``OutputDirError`` otherwise (``engine.checkpoint.outputs``).
         config: quantization settings; ``OnnxInt8Config()`` (QInt8, per-channel) by default.
         parent: the manifest's ``parent``; defaults to ``onnx_dir`` (``lmforge quantize`` passes
             the PyTorch checkpoint when the fp32 export was only an intermediate step).

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from compress.quantize.int8 import dequantize_weight, quantize_per_token, quantize_weight_per_channel
+from engine.quant.int8 import dequantize_weight, quantize_per_token, quantize_weight_per_channel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +138,7 @@ def w8a8_output_error(x: torch.Tensor, weights: list[torch.Tensor], scale: torch
 
     Returns:
         ``sum_W ||Q(x / s) Q(W s)^T - x W^T||^2 / ||x W^T||^2`` with per-token activation and
-        per-channel weight INT8 (``compress.quantize.int8``).
+        per-channel weight INT8 (``engine.quant.int8``).
     """
     xq, x_scale = quantize_per_token(x / scale)
     x_deq = xq.float() * x_scale  # [rows, in]

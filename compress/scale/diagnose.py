@@ -17,10 +17,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from compress.checkpoint.outputs import check_output_file, write_output_file
 from compress.data.dedup import MinHashConfig, cross_duplicates
-from compress.data.records import read_jsonl, read_records
-from compress.errors import UsageError
+from engine.checkpoint.outputs import check_output_file, write_output_file
+from engine.errors import UsageError
+from engine.records import read_jsonl, read_records
 
 SPIKE_WINDOW = 10  # preceding train steps a spike is compared with
 SPIKE_MIN_HISTORY = 5

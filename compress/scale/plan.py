@@ -24,9 +24,6 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from compress.checkpoint.outputs import check_output_file, write_output_file
-from compress.checkpoint.store import resolve_checkpoint
-from compress.errors import LmforgeError, UsageError
 from compress.scale.comm_model import (
     CLUSTER_PRESETS,
     Cluster,
@@ -49,6 +46,9 @@ from compress.scale.memory_model import (
     total_params,
 )
 from compress.scale.pipeline_schedule import bubble_fraction, simulate_1f1b
+from engine.checkpoint.outputs import check_output_file, write_output_file
+from engine.checkpoint.store import resolve_checkpoint
+from engine.errors import LmforgeError, UsageError
 
 GIB = 2**30
 

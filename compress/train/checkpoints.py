@@ -4,7 +4,7 @@ A checkpoint holds the trainable weights (``model.pt``), the optimizer (``optimi
 scheduler (``scheduler.pt``), the fp16 loss scaler when one is used (``scaler.pt``), each rank's
 RNG states (``rng_rank{R}.pt``) and the progress (``trainer_state.json``: step, data position,
 tokens, losses). It is built in ``checkpoints/.tmp_step_NNNNNN`` and swapped into place with
-``compress.checkpoint.outputs.replace_dir``, so a checkpoint directory is always complete; only the newest
+``engine.checkpoint.outputs.replace_dir``, so a checkpoint directory is always complete; only the newest
 ``keep`` stay. Every rank takes part in ``save`` and ``restore`` (rank 0 writes the shared files).
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from compress.checkpoint.outputs import TRAINING_CHECKPOINT, replace_dir
-from compress.errors import LmforgeError
+from engine.checkpoint.outputs import TRAINING_CHECKPOINT, replace_dir
+from engine.errors import LmforgeError
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from compress.errors import UsageError
 from compress.train.loop import PRECISIONS, TrainConfig, TrainingRecipe, token_losses
+from engine.errors import UsageError
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -48,15 +48,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from compress.checkpoint.outputs import CHECKPOINT, TRAINING_RUN, check_output_dir, staged_output_dir
-from compress.checkpoint.store import Manifest, describe_weights, read_manifest, resolve_checkpoint, write_manifest
 from compress.data.packing import IGNORE_INDEX, PackedData, tokenize_and_pack
 from compress.data.prepare import read_data_file
-from compress.errors import UsageError
 from compress.train.checkpoints import TrainingCheckpoints, TrainingError, TrainState
 from compress.train.distributed import ProcessGroup, local_shard
 from compress.train.monitor import MetricsLog
+from engine.checkpoint.outputs import CHECKPOINT, TRAINING_RUN, check_output_dir, staged_output_dir
+from engine.checkpoint.store import Manifest, describe_weights, read_manifest, resolve_checkpoint, write_manifest
 from engine.config import resolve_dtype
+from engine.errors import UsageError
 
 __all__ = ["TrainConfig", "TrainResult", "TrainState", "TrainingError", "TrainingRecipe", "token_losses"]
 
@@ -74,7 +74,7 @@ class TrainConfig:
     """Settings shared by every training recipe (recorded in ``run.json`` and the manifest).
 
     Attributes:
-        model: input checkpoint (name, .gguf, or directory; ``compress.checkpoint.store``).
+        model: input checkpoint (name, .gguf, or directory; ``engine.checkpoint.store``).
         data: directory with ``train.jsonl`` and ``val.jsonl`` from ``lmforge data``.
         run_dir: output directory (metrics, plots, checkpoints, ``final/``).
         max_steps: optimizer steps in the whole run (the schedule's length).

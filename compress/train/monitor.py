@@ -28,8 +28,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from compress.data.records import read_jsonl
 from compress.train.checkpoints import TrainingError
+from engine.records import read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -5,6 +5,12 @@
 //   round(weight * y), the two roundings of Hugging Face's LlamaRMSNorm. One read of each row.
 // lmforge_engine::argmax(logits [S, V] bf16 / fp32) -> int64 [S]
 //   index of the first maximum of each row (a NaN counts as the maximum, as torch.argmax does).
+// lmforge_engine::refine_logits(logits [S, V] bf16, hidden [S, H] bf16, weight [V, H] bf16, to_float) -> Tensor
+//   logits rounded to bf16 by the lm head's GEMM tie or swap near the top (bf16 keeps 8 bits: 0.125 apart at 20),
+//   so each entry within two bf16 steps of its row's maximum is recomputed as a float32 dot product of the same
+//   bf16 operands (the GEMM's own accumulation, before its rounding). to_float: a float32 [S, V] copy holding
+//   those exact values. Otherwise, in place: the exact winner of each row is raised to the next bf16 value
+//   above the row's maximum, so any argmax of the row picks it (greedy decoding reads nothing else).
 // lmforge_engine::paged_decode_attention(q [D, Hq, hd], kv_cache [2, num_blocks, block_size, Hkv, hd],
 //     block_tables [D, max_blocks] int64, seq_lens [D] int64, first_block, scale, sliding_window,
 //     prior_out [Hkv, D * g, hd]?, prior_lse [Hkv, D * g]?) -> [D, Hq * hd]
@@ -25,6 +31,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,19 +43,8 @@
 
 namespace {
 
-inline float bf16_to_float(uint16_t r) {
-  const uint32_t u = static_cast<uint32_t>(r) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if (f != f) return 0x7fc0u;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
-}
+using lmforge_bf16::bf16_to_float;
+using lmforge_bf16::float_to_bf16;
 
 template <typename T>
 struct Elem;
@@ -231,6 +228,74 @@ at::Tensor argmax(const at::Tensor& logits) {
   } else {
     TORCH_CHECK(false, "argmax: logits must be bf16 or fp32");
   }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ refine_logits
+
+inline float dot_bf16(const uint16_t* a, const uint16_t* b, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i) acc += bf16_to_float(a[i]) * bf16_to_float(b[i]);
+  return acc;
+}
+
+at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, bool to_float) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1 &&
+                  logits.scalar_type() == at::kBFloat16,
+              "refine_logits: logits must be a CPU bf16 [S, V] tensor with unit last stride");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == logits.size(0) && hidden.is_contiguous() &&
+                  hidden.scalar_type() == at::kBFloat16,
+              "refine_logits: hidden must be a contiguous bf16 [S, H] tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == logits.size(1) && weight.size(1) == hidden.size(1) &&
+                  weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
+              "refine_logits: weight must be a contiguous bf16 [V, H] tensor");
+  const int64_t rows = logits.size(0), cols = logits.size(1), h = hidden.size(1), stride = logits.stride(0);
+  uint16_t* lp = reinterpret_cast<uint16_t*>(logits.data_ptr());
+  const uint16_t* hp = reinterpret_cast<const uint16_t*>(hidden.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  at::Tensor out = to_float ? at::empty({rows, cols}, logits.options().dtype(at::kFloat)) : logits;
+  float* op = to_float ? out.data_ptr<float>() : nullptr;
+  at::parallel_for(0, rows, grain(cols, 1 << 17), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* row = lp + r * stride;
+      float m = -std::numeric_limits<float>::infinity();
+      if (op) {
+        float* orow = op + r * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+          const float v = bf16_to_float(row[c]);
+          orow[c] = v;
+          m = v > m ? v : m;
+        }
+      } else {
+        for (int64_t c = 0; c < cols; ++c) {
+          const float v = bf16_to_float(row[c]);
+          m = v > m ? v : m;
+        }
+      }
+      if (!std::isfinite(m)) continue;  // NaN / inf rows: nothing to refine
+      // true values round to within half a bf16 step each, so the true maximum lies within two steps of m
+      const float step = std::ldexp(1.0f, std::ilogb(std::max(std::fabs(m), std::numeric_limits<float>::min())) - 7);
+      const float threshold = m - 2.0f * step;
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t best_index = -1, first_max = -1;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float v = bf16_to_float(row[c]);
+        if (v < threshold) continue;
+        if (first_max < 0 && v == m) first_max = c;
+        const float exact = dot_bf16(hp + r * h, wp + c * h, h);
+        if (op) op[r * cols + c] = exact;
+        if (exact > best) {
+          best = exact;
+          best_index = c;
+        }
+      }
+      if (!op && best_index >= 0 && best_index != first_max) {
+        // the next bf16 value above m (m finite and not the largest bf16)
+        const uint16_t bits = float_to_bf16(m);
+        row[best_index] = m == 0.f ? uint16_t{0x0001} : static_cast<uint16_t>(m > 0.f ? bits + 1 : bits - 1);
+      }
+    }
+  });
   return out;
 }
 
@@ -665,6 +730,7 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
 TORCH_LIBRARY(lmforge_engine, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
   m.def("argmax(Tensor logits) -> Tensor", &argmax);
+  m.def("refine_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, bool to_float) -> Tensor", &refine_logits);
   m.def(
       "rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "int num_heads, int num_kv) -> Tensor",

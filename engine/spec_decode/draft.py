@@ -26,18 +26,18 @@ from pathlib import Path
 
 import torch
 
-from compress.checkpoint.store import (
+from engine import cpu_ops
+from engine.block_manager import BlockManager
+from engine.checkpoint.store import (
     MANIFEST_NAME,
     TOKEN_FREQUENCIES_NAME,
     CheckpointError,
     read_manifest,
     resolve_checkpoint,
 )
-from compress.quantize.int8 import WEIGHT_ONLY_MAX_ROWS
-from engine import cpu_ops
-from engine.block_manager import BlockManager
 from engine.model import Linear, packed_rows, read_model_spec, rms_norm
 from engine.model_runner import ModelRunner
+from engine.quant.int8 import WEIGHT_ONLY_MAX_ROWS
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
@@ -151,7 +151,7 @@ class DraftProposer:
 
     Raises:
         ValueError: the draft's context is shorter than ``max_model_len``.
-        compress.checkpoint.store.CheckpointError: the draft checkpoint is missing or unsupported.
+        engine.checkpoint.store.CheckpointError: the draft checkpoint is missing or unsupported.
     """
 
     def __init__(
@@ -286,7 +286,7 @@ class DraftProposer:
         A steady round's forwards hold one to three tokens per request: the whole decoder runs in one C++
         call, each token attending as a row of the decode kernel, with inputs built here from the block
         tables (no attention metadata): a draft position then costs about its weight bytes, not the
-        Python and op dispatch of a forward (README, "Speculative decoding").
+        Python and op dispatch of a forward (docs/speculative-decoding.md).
         """
         if (
             out.num_batched_tokens > WEIGHT_ONLY_MAX_ROWS

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from compress.data.records import encode_record, read_records
-from compress.errors import UsageError
+from engine.errors import UsageError
+from engine.records import encode_record, read_records
 from engine.spec_decode.proposer import Proposal
 
 #: Shortest n-gram an ``NgramCorpus`` matches: a 1-token match in someone else's reply is mostly wrong.

@@ -78,8 +78,8 @@ ACCEPTANCE_DECAY = 0.9
 #: while the engine has verified nothing (else the engine-wide rounds scaled to ``ROUND_PRIOR[0]`` rounds).
 ROUND_PRIOR = (2.0, 1.0, 2.0)
 #: Weight of the past in a request's per-round counts (``pays_per_round``), per verification. Simulated on the
-#: teacher-forced agreement of the distilled draft with 12 chat replies (README): a shorter memory (0.9)
-#: switched a request off after a few rejections in a row and left it plain for the probe wait.
+#: teacher-forced agreement of the distilled draft with 12 chat replies (docs/speculative-decoding.md): a shorter
+#: memory (0.9) switched a request off after a few rejections in a row and left it plain for the probe wait.
 ROUND_DECAY = 0.95
 #: Steps a request with k = 0 waits before it proposes one token again (to see if it pays now);
 #: the wait doubles after each probe that is rejected, up to ``PROBE_EVERY_MAX``.

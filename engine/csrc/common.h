@@ -1,0 +1,64 @@
+// Helpers shared by every CPU kernel source: bf16 <-> float32 conversion (round to nearest even, as torch does)
+// and, with AVX-512F, e^x for x <= 0 and SiLU in float32 vectors. NativeKernels hashes the headers of csrc/ into
+// each build's key, so a change here rebuilds every kernel.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace lmforge_bf16 {
+
+inline float bf16_to_float(uint16_t r) {
+  const uint32_t u = static_cast<uint32_t>(r) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if (f != f) return 0x7fc0u;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
+}
+
+}  // namespace lmforge_bf16
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace lmforge_vec {
+
+// e^x for x <= 0: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7),
+// 2^n by VSCALEFPS; below -87 the result is ~1e-38.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) = g / (1 + e^-g) = g * (g >= 0 ? 1 : t) / (1 + t) with t = e^-|g| <= 1 (no overflow); the reciprocal
+// of 1 + t in [1, 2] by VRCP14PS and one Newton step (~1e-7 relative error).
+inline __m512 silu(__m512 g) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 t = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __m512 d = _mm512_add_ps(one, t);
+  __m512 inv = _mm512_rcp14_ps(d);
+  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
+  const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, t);
+  return _mm512_mul_ps(num, inv);
+}
+
+}  // namespace lmforge_vec
+
+#endif

@@ -1,0 +1,446 @@
+// Fused CPU kernels of the ``w8a8`` INT8 scheme (engine/quant/int8.py), built on first use by
+// torch.utils.cpp_extension and cached.
+//
+// lmforge_int8::quantize_per_token(x [M, K] bf16 / fp32) -> (int8 [M, K], float32 scale [M, 1]):
+//   one pass per row for max|x| and one to quantize, bit-identical to the ATen reference
+//   ``quantize_per_token``: scale = max(max|x_row|, 1e-8) / 127, q = clamp(round_half_even(x / scale), -127, 127).
+// lmforge_int8::w8a8_linear(x [M, K], oneDNN-packed int8 weight, w_scale [N], w_zero_point [N], bias [N]?) -> [M, N]
+//   in x's dtype: quantize_per_token, onednn::qlinear_pointwise (int8 x int8 -> float32 acc * w_scale), then
+//   acc * x_scale (+ bias) rounded once to x's dtype, as the ATen path does (built with -ffp-contract=off so no
+//   fused multiply-add changes the rounding). The activations go to oneDNN as uint8 q + 128 with zero point 128
+//   (the same integer sums): VNNI's dot product is u8 x s8, and oneDNN 3.12 on an AVX-512 VNNI CPU without AMX
+//   ran signed int8 activations on its reference kernel (`ref_int8`), ~4000x slower than its u8 kernel.
+// lmforge_int8::w8a8_linear_epilogue(x, w_packed, w_scale, w_zero_point, bias?, residual [M, N]?, silu_mul) -> y
+//   the same GEMM with the layer's element-wise work done on the float32 accumulators before the one rounding:
+//   residual: y [M, N] = acc * x_scale (+ bias) + residual; silu_mul (a [gate; up] layer, N even):
+//   y [M, N / 2] = silu(gate) * up. Replaces the separate add / silu / mul ops (and their roundings).
+// lmforge_int8::block_hadamard(x [M, K] bf16 / fp32, int block) -> [M, K] in x's dtype: each run of `block`
+//   consecutive elements of a row times the unnormalized Sylvester Hadamard matrix H_block (entries +-1,
+//   H H^T = block I), by the fast Walsh-Hadamard butterflies in float32 (stages of stride 1, 2, 4, ...), rounded
+//   once. The online half of the w8a8 input rotation (W8A8Linear.input_hadamard); with AVX-512 the strides below
+//   16 run as lane permutes inside a vector, with the scalar loop's results bit for bit (the same adds, same order).
+// With AVX-512 (F, BW) the passes over rows run 16 elements at a time, with the scalar loops' results (the same
+// division, round-half-even and clamp; the SiLU by the polynomial exp of common.h, within ~2e-7 of expf).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#include "common.h"
+#define LMFORGE_W8A8_AVX512 1
+#endif
+
+namespace {
+
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: (v + magic) - magic == round-half-even(v) for |v| < 2^22
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// Element loads as float and |x| bit patterns (monotonic in |x| for non-NaN values).
+struct BF16Row {
+  using raw_t = uint16_t;
+  static inline uint32_t abs_bits(raw_t r) { return static_cast<uint32_t>(r & 0x7fffu); }
+  static inline float abs_value(uint32_t bits) { return bits_to_float(bits << 16); }
+  static inline float load(raw_t r) { return bits_to_float(static_cast<uint32_t>(r) << 16); }
+  static inline raw_t store(float f) {
+    const uint32_t u = float_to_bits(f);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+    return static_cast<raw_t>(f != f ? 0x7fc0u : rounded);
+  }
+};
+
+struct F32Row {
+  using raw_t = uint32_t;
+  static inline uint32_t abs_bits(raw_t r) { return r & 0x7fffffffu; }
+  static inline float abs_value(uint32_t bits) { return bits_to_float(bits); }
+  static inline float load(raw_t r) { return bits_to_float(r); }
+  static inline raw_t store(float f) { return float_to_bits(f); }
+};
+
+// Rows per task of at::parallel_for: 2^14 elements, so a decode step of 64 rows splits over the threads the int8
+// GEMM uses (about 10% faster on SmolLM2's MLP at 64 rows than every pass on the calling thread), and one row
+// (a lone sequence) stays on the calling thread. With one torch thread parallel_for runs inline.
+inline int64_t grain_rows(int64_t cols) {
+  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(cols, 1));
+}
+
+// Scalar row kernels; the vector kernels below give the same bits (same division, round-half-even, clamp).
+template <typename Row>
+inline uint32_t amax_bits_scalar(const typename Row::raw_t* row, int64_t begin, int64_t cols, uint32_t amax_bits) {
+  for (int64_t k = begin; k < cols; ++k) amax_bits = std::max(amax_bits, Row::abs_bits(row[k]));
+  return amax_bits;
+}
+
+template <typename Row, typename Out>
+inline void quantize_scalar(const typename Row::raw_t* row, int64_t begin, int64_t cols, float s, Out* out) {
+  constexpr int32_t offset = std::is_same_v<Out, uint8_t> ? 128 : 0;
+  for (int64_t k = begin; k < cols; ++k) {
+    float v = Row::load(row[k]) / s;
+    v = (v + kRoundMagic) - kRoundMagic;
+    v = std::min(std::max(v, -127.0f), 127.0f);
+    out[k] = static_cast<Out>(static_cast<int32_t>(v) + offset);
+  }
+}
+
+#ifdef LMFORGE_W8A8_AVX512
+// 16 elements of a row as float32 (a BF16 value is the high half of a float32).
+template <typename Row>
+inline __m512 load16(const typename Row::raw_t* p) {
+  if constexpr (std::is_same_v<Row, BF16Row>) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+
+template <typename Row>
+inline uint32_t amax_bits_avx512(const typename Row::raw_t* row, int64_t cols, int64_t* done) {
+  // |x| bits of BF16 compare as 16-bit lanes of the raw data (32 per vector), of FP32 as 32-bit lanes.
+  const int64_t step = 64 / static_cast<int64_t>(sizeof(typename Row::raw_t));
+  const int64_t vec_end = cols - cols % step;
+  uint32_t amax = 0;
+  if constexpr (std::is_same_v<Row, BF16Row>) {
+    __m512i m = _mm512_setzero_si512();
+    const __m512i mask = _mm512_set1_epi16(0x7fff);
+    for (int64_t k = 0; k < vec_end; k += step)
+      m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(row + k), mask));
+    const __m512i m32 = _mm512_max_epu32(_mm512_and_si512(m, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(m, 16));
+    amax = static_cast<uint32_t>(_mm512_reduce_max_epu32(m32));
+  } else {
+    __m512i m = _mm512_setzero_si512();
+    const __m512i mask = _mm512_set1_epi32(0x7fffffff);
+    for (int64_t k = 0; k < vec_end; k += step)
+      m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(row + k), mask));
+    amax = static_cast<uint32_t>(_mm512_reduce_max_epu32(m));
+  }
+  *done = vec_end;
+  return amax;
+}
+
+template <typename Row, typename Out>
+inline int64_t quantize_avx512(const typename Row::raw_t* row, int64_t cols, float s, Out* out) {
+  constexpr int32_t offset = std::is_same_v<Out, uint8_t> ? 128 : 0;
+  const int64_t vec_end = cols - cols % 16;
+  const __m512 vs = _mm512_set1_ps(s), magic = _mm512_set1_ps(kRoundMagic);
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  const __m512i voffset = _mm512_set1_epi32(offset);
+  for (int64_t k = 0; k < vec_end; k += 16) {
+    __m512 v = _mm512_div_ps(load16<Row>(row + k), vs);
+    v = _mm512_sub_ps(_mm512_add_ps(v, magic), magic);
+    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));  // a NaN stays NaN (max/min return the second operand), as in the scalar loop
+    const __m512i i = _mm512_add_epi32(_mm512_cvttps_epi32(v), voffset);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(i));
+  }
+  return vec_end;
+}
+
+// Stores 16 floats rounded as Row::store (bf16: round-half-even, NaN -> 0x7fc0).
+template <typename Row>
+inline void store16(typename Row::raw_t* p, __m512 v) {
+  if constexpr (std::is_same_v<Row, BF16Row>) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  } else {
+    _mm512_storeu_ps(reinterpret_cast<float*>(p), v);
+  }
+}
+
+#endif
+
+// Out = int8_t: q; Out = uint8_t: q + 128 (oneDNN's u8 activations with zero point 128, `w8a8_linear`).
+template <typename Row, typename Out = int8_t>
+void quantize_rows(const typename Row::raw_t* x, int64_t rows, int64_t cols, Out* q, float* scale) {
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const typename Row::raw_t* row = x + m * cols;
+      int64_t done = 0;
+      uint32_t amax_bits = 0;
+#ifdef LMFORGE_W8A8_AVX512
+      amax_bits = amax_bits_avx512<Row>(row, cols, &done);
+#endif
+      amax_bits = amax_bits_scalar<Row>(row, done, cols, amax_bits);
+      const float s = std::max(Row::abs_value(amax_bits), 1e-8f) / 127.0f;
+      scale[m] = s;
+      Out* out = q + m * cols;
+      done = 0;
+#ifdef LMFORGE_W8A8_AVX512
+      done = quantize_avx512<Row, Out>(row, cols, s, out);
+#endif
+      quantize_scalar<Row, Out>(row, done, cols, s, out);
+    }
+  });
+}
+
+// The output pass of `w8a8_linear` (no residual, no silu_mul) and the epilogues of `w8a8_linear_epilogue`, on the
+// float32 accumulators acc [rows, acc_cols] (= sum q w8 * s_w):
+//   plain: y[m, n] = store(acc[m, n] * s[m] (+ bias[n])), bit-identical to the ATen path (mul, then add);
+//   residual: y[m, n] = store(acc[m, n] * s[m] + bias[n] + residual[m, n]), cols = acc_cols;
+//   silu_mul: g = acc[m, n] * s[m] + bias[n], u = acc[m, cols + n] * s[m] + bias[cols + n],
+//             y[m, n] = store(silu(g) * u), cols = acc_cols / 2;
+// each computed in float32 and rounded once to the output dtype.
+template <typename Row>
+void epilogue_rows(const float* acc, const float* scale, const float* bias, const typename Row::raw_t* residual,
+                   bool silu_mul, int64_t rows, int64_t cols, typename Row::raw_t* y) {
+  const int64_t acc_cols = silu_mul ? 2 * cols : cols;
+  at::parallel_for(0, rows, grain_rows(acc_cols), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float s = scale[m];
+      const float* a = acc + m * acc_cols;
+      typename Row::raw_t* out = y + m * cols;
+      int64_t n = 0;
+#ifdef LMFORGE_W8A8_AVX512
+      const __m512 vs = _mm512_set1_ps(s);
+      for (; n + 16 <= cols; n += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a + n), vs);
+        if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+        if (silu_mul) {
+          __m512 u = _mm512_mul_ps(_mm512_loadu_ps(a + cols + n), vs);
+          if (bias != nullptr) u = _mm512_add_ps(u, _mm512_loadu_ps(bias + cols + n));
+          v = _mm512_mul_ps(lmforge_vec::silu(v), u);
+        } else if (residual != nullptr) {
+          v = _mm512_add_ps(v, load16<Row>(residual + m * cols + n));
+        }
+        store16<Row>(out + n, v);
+      }
+#endif
+      for (; n < cols; ++n) {
+        float v = a[n] * s;
+        if (bias != nullptr) v += bias[n];
+        if (silu_mul) {
+          float u = a[cols + n] * s;
+          if (bias != nullptr) u += bias[cols + n];
+          v = v / (1.0f + std::exp(-v)) * u;
+        } else if (residual != nullptr) {
+          v += Row::load(residual[m * cols + n]);
+        }
+        out[n] = Row::store(v);
+      }
+    }
+  });
+}
+
+void check_input(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [M, K], got ", x.dim(), " dims");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bfloat16 or float32, got ",
+              x.scalar_type());
+}
+
+template <typename Out>
+std::tuple<at::Tensor, at::Tensor> quantize_per_token_as(const at::Tensor& x, at::ScalarType out_type) {
+  check_input(x);
+  auto xc = x.contiguous();
+  const int64_t rows = xc.size(0), cols = xc.size(1);
+  auto q = at::empty({rows, cols}, xc.options().dtype(out_type));
+  auto scale = at::empty({rows, 1}, xc.options().dtype(at::kFloat));
+  Out* qp = static_cast<Out*>(q.data_ptr());
+  if (xc.scalar_type() == at::kBFloat16) {
+    quantize_rows<BF16Row, Out>(static_cast<const uint16_t*>(xc.const_data_ptr()), rows, cols, qp,
+                                scale.data_ptr<float>());
+  } else {
+    quantize_rows<F32Row, Out>(static_cast<const uint32_t*>(xc.const_data_ptr()), rows, cols, qp,
+                               scale.data_ptr<float>());
+  }
+  return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x) {
+  return quantize_per_token_as<int8_t>(x, at::kChar);
+}
+
+// The int8 GEMM of `w8a8_linear`: (acc [M, N] float32 = sum_k q x w8 * w_scale, x_scale [M, 1]).
+std::tuple<at::Tensor, at::Tensor> onednn_accumulate(const at::Tensor& x, const at::Tensor& w_packed,
+                                                     const at::Tensor& w_scale, const at::Tensor& w_zero_point) {
+  auto [q, scale] = quantize_per_token_as<uint8_t>(x, at::kByte);  // q + 128
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("onednn::qlinear_pointwise", "")
+                       .typed<at::Tensor(at::Tensor, double, int64_t, at::Tensor, at::Tensor, at::Tensor,
+                                         std::optional<at::Tensor>, double, int64_t, std::optional<at::ScalarType>,
+                                         std::string_view, c10::List<std::optional<at::Scalar>>, std::string_view)>();
+  at::Tensor acc = op.call(q, 1.0, 128, w_packed, w_scale, w_zero_point, std::nullopt, 1.0, 0, at::kFloat, "none",
+                           c10::List<std::optional<at::Scalar>>(), "")
+                       .contiguous();
+  return {acc, scale};
+}
+
+// acc * x_scale (+ bias) (+ residual, or silu(gate) * up) in x's dtype, after the int8 GEMM (`epilogue_rows`).
+at::Tensor linear_with_epilogue(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
+                                const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& residual, bool silu_mul) {
+  auto [acc, scale] = onednn_accumulate(x, w_packed, w_scale, w_zero_point);
+  const int64_t rows = acc.size(0), acc_cols = acc.size(1);
+  TORCH_CHECK(!silu_mul || acc_cols % 2 == 0, "w8a8_linear_epilogue: silu_mul needs an even out_features, got ",
+              acc_cols);
+  const int64_t cols = silu_mul ? acc_cols / 2 : acc_cols;
+  at::Tensor res;
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->dim() == 2 && residual->size(0) == rows &&
+                    residual->size(1) == cols,
+                "w8a8_linear_epilogue: residual must be [", rows, ", ", cols, "] in x's dtype");
+    res = residual->contiguous();
+  }
+  auto y = at::empty({rows, cols}, x.options());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  const float* ap = acc.const_data_ptr<float>();
+  const float* sp = scale.const_data_ptr<float>();
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* rp = res.defined() ? static_cast<const uint16_t*>(res.const_data_ptr()) : nullptr;
+    epilogue_rows<BF16Row>(ap, sp, bp, rp, silu_mul, rows, cols, static_cast<uint16_t*>(y.data_ptr()));
+  } else {
+    const auto* rp = res.defined() ? static_cast<const uint32_t*>(res.const_data_ptr()) : nullptr;
+    epilogue_rows<F32Row>(ap, sp, bp, rp, silu_mul, rows, cols, static_cast<uint32_t*>(y.data_ptr()));
+  }
+  return y;
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
+                       const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias) {
+  return linear_with_epilogue(x, w_packed, w_scale, w_zero_point, bias, std::nullopt, false);
+}
+
+at::Tensor w8a8_linear_epilogue(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
+                                const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& residual, bool silu_mul) {
+  const bool has_residual = residual.has_value() && residual->defined();
+  TORCH_CHECK(has_residual != silu_mul, "w8a8_linear_epilogue: give a residual or silu_mul=True, not both or neither");
+  return linear_with_epilogue(x, w_packed, w_scale, w_zero_point, bias, residual, silu_mul);
+}
+
+// ---------------------------------------------------------------------------------------------- block Hadamard
+
+// In place: v [n] (n a power of two) times H_n, by butterflies of stride 1, 2, ..., n / 2.
+inline void fwht_scalar(float* v, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = v[j], b = v[j + h];
+        v[j] = a + b;
+        v[j + h] = a - b;
+      }
+}
+
+#ifdef LMFORGE_W8A8_AVX512
+// 16 floats times H_16: strides 1, 2, 4, 8 inside the vector (lanes i and i ^ h: a_i * sign + a_{i^h}, sign +1
+// where bit h of i is clear, -1 where set: the butterfly's a + b and a - b; the product by +-1 is exact).
+inline __m512 fwht16(__m512 a) {
+  const __m512 s1 = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
+  const __m512 s2 = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
+  const __m512 s4 = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
+  const __m512 s8 = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+  a = _mm512_fmadd_ps(a, s1, _mm512_permute_ps(a, 0xB1));        // swap neighbours
+  a = _mm512_fmadd_ps(a, s2, _mm512_permute_ps(a, 0x4E));        // swap pairs
+  a = _mm512_fmadd_ps(a, s4, _mm512_shuffle_f32x4(a, a, 0xB1));  // swap 128-bit lanes
+  return _mm512_fmadd_ps(a, s8, _mm512_shuffle_f32x4(a, a, 0x4E));  // swap 256-bit halves
+}
+
+// in [n] (n a multiple of 16) times H_n into out, in float32 with one rounding at the store: each run of 64
+// (or 16, 32) in registers, the strides of 64 and up between those runs in the float32 buffer v [n].
+template <typename Row>
+inline void fwht_avx512(const typename Row::raw_t* in, int64_t n, float* v, typename Row::raw_t* out) {
+  const int64_t run = std::min<int64_t>(n, 64), nv = run / 16;
+  for (int64_t r0 = 0; r0 < n; r0 += run) {
+    __m512 a[4];
+    for (int64_t i = 0; i < nv; ++i) a[i] = fwht16(load16<Row>(in + r0 + 16 * i));
+    for (int64_t h = 1; h < nv; h *= 2)  // strides 16 and 32
+      for (int64_t i = 0; i < nv; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const __m512 x = a[j], y = a[j + h];
+          a[j] = _mm512_add_ps(x, y);
+          a[j + h] = _mm512_sub_ps(x, y);
+        }
+    if (n == run) {
+      for (int64_t i = 0; i < nv; ++i) store16<Row>(out + 16 * i, a[i]);
+      return;
+    }
+    for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(v + r0 + 16 * i, a[i]);
+  }
+  for (int64_t h = 64; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; j += 16) {
+        const __m512 x = _mm512_loadu_ps(v + j), y = _mm512_loadu_ps(v + j + h);
+        _mm512_storeu_ps(v + j, _mm512_add_ps(x, y));
+        _mm512_storeu_ps(v + j + h, _mm512_sub_ps(x, y));
+      }
+  for (int64_t k = 0; k < n; k += 16) store16<Row>(out + k, _mm512_loadu_ps(v + k));
+}
+#endif
+
+template <typename Row>
+void hadamard_rows(const typename Row::raw_t* x, int64_t rows, int64_t cols, int64_t block, typename Row::raw_t* y) {
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(block));
+    float* v = buf.data();
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b0 = 0; b0 < cols; b0 += block) {
+        const typename Row::raw_t* in = x + m * cols + b0;
+        typename Row::raw_t* out = y + m * cols + b0;
+#ifdef LMFORGE_W8A8_AVX512
+        if (block % 16 == 0) {
+          fwht_avx512<Row>(in, block, v, out);
+          continue;
+        }
+#endif
+        for (int64_t k = 0; k < block; ++k) v[k] = Row::load(in[k]);
+        fwht_scalar(v, block);
+        for (int64_t k = 0; k < block; ++k) out[k] = Row::store(v[k]);
+      }
+    }
+  });
+}
+
+at::Tensor block_hadamard(const at::Tensor& x, int64_t block) {
+  check_input(x);
+  TORCH_CHECK(block >= 2 && (block & (block - 1)) == 0, "block_hadamard: block must be a power of two >= 2, got ",
+              block);
+  TORCH_CHECK(x.size(1) % block == 0, "block_hadamard: the row length ", x.size(1), " is not a multiple of block ",
+              block);
+  auto xc = x.contiguous();
+  auto y = at::empty_like(xc);
+  const int64_t rows = xc.size(0), cols = xc.size(1);
+  if (xc.scalar_type() == at::kBFloat16) {
+    hadamard_rows<BF16Row>(static_cast<const uint16_t*>(xc.const_data_ptr()), rows, cols, block,
+                           static_cast<uint16_t*>(y.data_ptr()));
+  } else {
+    hadamard_rows<F32Row>(static_cast<const uint32_t*>(xc.const_data_ptr()), rows, cols, block,
+                          static_cast<uint32_t*>(y.data_ptr()));
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(lmforge_int8, m) {
+  m.def("quantize_per_token(Tensor x) -> (Tensor, Tensor)", &quantize_per_token);
+  m.def("w8a8_linear(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_zero_point, Tensor? bias) -> Tensor",
+        &w8a8_linear);
+  m.def(
+      "w8a8_linear_epilogue(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_zero_point, Tensor? bias, "
+      "Tensor? residual, bool silu_mul) -> Tensor",
+      &w8a8_linear_epilogue);
+  m.def("block_hadamard(Tensor x, int block) -> Tensor", &block_hadamard);
+}

@@ -1,0 +1,41 @@
+"""Filters for the log records of libraries we cannot fix, so a command prints only its own output.
+
+Each filter drops one known message at the logger that raises it, and nothing else:
+
+* torchao's CPU wheel ships CUDA-only extension files (``_C_mxfp8``, ``_C_cutlass_90a``) and logs a
+  warning for each one it cannot load; we use none of them on CPU;
+* torch's pytree logs a deprecation warning when torchao registers its enums as pytree constants.
+"""
+
+from __future__ import annotations
+
+import logging
+
+
+class _DropMessages(logging.Filter):
+    """Drops records whose formatted message contains one of ``fragments`` (each a known message's text)."""
+
+    def __init__(self, *fragments: str) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(fragment in message for fragment in self.fragments)
+
+
+_FILTERS = {
+    "torchao": _DropMessages("_C_mxfp8", "_C_cutlass"),
+    "torch.utils._pytree": _DropMessages("is an Enum subclass and is now natively supported"),
+}
+
+
+def quiet_library_noise() -> None:
+    """Install the filters (idempotent)."""
+    for name, record_filter in _FILTERS.items():
+        logger = logging.getLogger(name)
+        if record_filter not in logger.filters:
+            logger.addFilter(record_filter)
+
+
+quiet_library_noise()
