@@ -104,6 +104,8 @@ class AsyncLLMEngine:
         try:
             while True:
                 item = await queue.get()
+                while not queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+                    item = queue.get_nowait()  # cumulative: the newest output holds what the skipped ones said
                 if isinstance(item, ValueError):
                     finished = True
                     raise item
@@ -217,8 +219,16 @@ class AsyncLLMEngine:
             self._fail(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._send(out.request_id, out, last=out.finished)
+        """Hand a step's outputs to their callers: one ``call_soon_threadsafe`` per event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._queues_lock:
+            for out in outputs:
+                target = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append((target[1], out))
+        for loop, items in batches.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _send(self, request_id: str, item, last: bool) -> None:
         with self._queues_lock:
@@ -239,6 +249,11 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine step loop failed; create a new engine") from self._error
         if self._stopped:
             raise EngineDeadError("the engine was shut down")
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _resolve(future: asyncio.Future) -> None:

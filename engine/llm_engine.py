@@ -21,9 +21,11 @@ from tqdm import tqdm
 
 from engine.block_manager import BlockManager
 from engine.checkpoint.store import resolve_checkpoint
-from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.inputs import check_prompt_token_ids
 from engine.model import read_model_spec
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -78,7 +80,8 @@ class LLMEngine:
                 f"max_model_len={max_model_len} > the checkpoint's max_position_embeddings="
                 f"{spec.max_position_embeddings}; decrease max_model_len"
             )
-        config = config.replace(dtype=resolve_dtype(config.dtype, config.device))
+        dtype = resolve_dtype(config.dtype, config.device)
+        config = config.replace(dtype=dtype, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, dtype))
         self.runner = make_model_runner(config, self.path, max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(config, max_model_len)
         self.config = config = config.replace(
@@ -146,6 +149,8 @@ class LLMEngine:
                 vocabulary, a bad sampling parameter, or a duplicate ``request_id``; nothing is queued.
         """
         request_id = self.new_request_id() if request_id is None else str(request_id)
+        if isinstance(params, SamplingParams):
+            self.config.limits.check_params(params)  # n bounds the ids below
         self._sequence_ids(
             request_id, params.n if isinstance(params, SamplingParams) else 1
         )  # a duplicate fails before tokenizing
@@ -215,16 +220,21 @@ class LLMEngine:
     def validate_request(
         self, prompt: str | list[int] | dict, params: SamplingParams | None
     ) -> tuple[SamplingParams, str | None, list[int]]:
-        """Check a request against the model without queueing it (safe from any thread).
+        """Check a request against the limits and the model without queueing it (safe from any thread).
+
+        The cheap checks run first: ``EngineConfig.limits`` on the parameters and the prompt text
+        (``engine.limits.RequestLimits``), then the prompt is tokenized and its length and the
+        model-dependent fields are checked (``SamplingParams.check_for_model``).
 
         Returns:
             (a private copy of ``params``, the prompt text or ``None``, the prompt token ids).
 
         Raises:
-            ValueError: a bad prompt, or a sampling parameter out of range for this model
-                (``SamplingParams.check_for_model``); the message names the field and the fix.
+            InvalidRequestError (a ValueError): a bad prompt, a limit exceeded, or a sampling parameter
+                out of range for this model; the message names the field and the fix, ``param`` the field.
         """
         params = self._check_params(params)
+        self.config.limits.check_params(params)
         text, token_ids = self._tokenize(prompt)
         params.check_for_model(self.runner.spec.vocab_size, self.config.max_model_len, len(token_ids))
         return params, text, token_ids
@@ -240,35 +250,28 @@ class LLMEngine:
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             prompt = _unwrap_prompt_dict(prompt)
+        limits = self.config.limits
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty; give at least one character or token id")
+            limits.check_prompt_text(prompt)
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"prompt is not valid Unicode text ({exc.reason} at position {exc.start}); send UTF-8 text"
+                raise InvalidRequestError(
+                    f"prompt is not valid Unicode text ({exc.reason} at position {exc.start}); send UTF-8 text",
+                    param="prompt",
                 ) from exc
             token_ids = self.tokenizer(prompt).input_ids
             text: str | None = prompt
         elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids, text = list(prompt), None
         else:
-            raise ValueError(
+            raise InvalidRequestError(
                 'prompt must be a string, a list of token ids or {"prompt_token_ids": [...]}, got '
-                f"{type(prompt).__name__}"
+                f"{type(prompt).__name__}",
+                param="prompt",
             )
-        if not token_ids:
-            raise ValueError("prompt is empty (no tokens); give at least one token")
-        vocab = self.runner.spec.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len={self.config.max_model_len} leaves no room "
-                "to generate; shorten the prompt or increase max_model_len"
-            )
-        return text, token_ids
+        limits.check_prompt_tokens(len(token_ids), self.config.max_model_len)
+        return text, check_prompt_token_ids(token_ids, self.runner.spec.vocab_size, self.config.max_model_len)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort unfinished requests (unknown or finished ids are ignored); their blocks are freed now.
@@ -602,8 +605,11 @@ def make_model_runner(config: EngineConfig, path: Path, max_model_len: int) -> M
             max_num_seqs=config.max_num_seqs,
             enforce_eager=config.enforce_eager,
             attention_backend=backend,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
-    return ModelRunner(path, config.dtype, config.device, config.block_size, max_model_len)
+    return ModelRunner(
+        path, config.dtype, config.device, config.block_size, max_model_len, kv_cache_dtype=config.kv_cache_dtype
+    )
 
 
 def read_eos_token_ids(path: Path, tokenizer) -> set[int]:
