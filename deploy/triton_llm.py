@@ -8,7 +8,8 @@ hands over only its newest output when this loop fell behind, so a response then
 new text and tokens of several steps: each send is a round trip to Triton, and under load
 fewer, fuller responses are what keeps the stream up with the engine); one at the end
 otherwise. The last response carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``, the finish
-reason and ``num_cached_tokens`` (prompt tokens served from the prefix cache). A request whose client
+reason and ``num_cached_tokens`` (prompt tokens served from the prefix cache); the first carries the
+request's ``prompt_logprobs`` when they were asked (JSON). A request whose client
 went away (``response_sender.is_cancelled()``, polled every ``CANCEL_CHECK_INTERVAL_S`` whether
 or not the engine produced output, so a request still waiting for a batch slot is caught too)
 is aborted in the engine, which frees its KV blocks at once. Triton 2.51 flags HTTP clients that
@@ -244,6 +245,7 @@ class _SentState:
     chars: dict[int, int] = dataclasses.field(default_factory=dict)  # text characters streamed
     tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # token ids streamed
     done: set[int] = dataclasses.field(default_factory=set)  # completions whose finish was sent
+    prompt_logprobs_sent: bool = False
 
 
 def _output_tensors(
@@ -500,6 +502,13 @@ class TritonPythonModel:
             finish = completion.finish_reason
             responses.append(
                 _output_tensors(delta, output, completion, finish, new_tokens, logprobs, final=finish is not None)
+            )
+        prompt_logprobs = getattr(output, "prompt_logprobs", None)
+        if responses and prompt_logprobs is not None and not sent.prompt_logprobs_sent:
+            sent.prompt_logprobs_sent = True  # complete once anything is sent: the prompt ran before the first token
+            entries = [None if e is None else {str(t): v for t, v in e.items()} for e in prompt_logprobs]
+            responses[0].append(
+                pb_utils.Tensor("prompt_logprobs", np.array([json.dumps(entries).encode()], dtype=np.object_))
             )
         for i, tensors in enumerate(responses):
             final = output.finished and i == len(responses) - 1
