@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from engine.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
+from engine.limits import RequestLimits
 from engine.platform import cpu_flags  # /proc/cpuinfo flags (also decide the INT8 kernels)
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -114,6 +115,8 @@ class EngineConfig:
             (absmax / 127) per token and KV head stored beside each row, about half the bytes of bf16, so a
             ``kv_cache_memory_bytes`` budget holds about twice the blocks (``engine.attention.quantize_kv``;
             quality: docs/engine.md).
+        limits: the per-request limits every entry point enforces (``engine.limits.RequestLimits``, or a
+            dict of its fields as ``model.json`` holds them); ``None`` takes the defaults.
 
     Raises:
         UsageError (a ValueError): a field out of range or an inconsistent combination (the message names
@@ -148,9 +151,11 @@ class EngineConfig:
     attention_backend: str | None = None
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"
+    limits: RequestLimits | dict | None = None
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
+        self.limits = RequestLimits.from_value(self.limits)
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)

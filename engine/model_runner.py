@@ -31,7 +31,9 @@ class StepInputs:
         input_ids: ``[N]`` token ids, decodes first then prefill chunks.
         positions: ``[N]`` positions in their sequences.
         attn_metadata: the attention backend's metadata of this step.
-        logits_index: ``[S]`` rows whose logits are sampled (last token of finished chunks).
+        logits_index: ``[S + P]`` rows whose logits are computed: the ``S`` sampled ones (last token of
+            finished chunks, in ``out.scheduled`` order), then the ``P`` prompt positions that score
+            the next prompt token (``ScheduledSequence.prompt_logprob_positions``, same order).
     """
 
     input_ids: torch.Tensor
@@ -123,10 +125,12 @@ class ModelRunner:
         computed: list[int] = []
         tables: list[list[int]] = []
         logits_index: list[int] = []
+        prompt_rows: list[int] = []
         num_decodes = 0
         for item in out.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
+            prompt_rows.extend(len(ids) + p - start for p in item.prompt_logprob_positions)
             ids.extend(seq.token_ids[start : start + n] + item.spec_token_ids)  # proposals follow the last token
             query_lens.append(n)
             computed.append(start)
@@ -161,7 +165,7 @@ class ModelRunner:
             block_size=bs,
         )
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        return StepInputs(as_long(ids), positions, self.attn.build(common), as_long(logits_index))
+        return StepInputs(as_long(ids), positions, self.attn.build(common), as_long(logits_index + prompt_rows))
 
     # ------------------------------------------------------------ forward
 
@@ -198,11 +202,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, float_logits: bool = True) -> torch.Tensor:
-        """Run one step; return logits ``[S, vocab]`` of the sampled rows (in ``out.scheduled`` order), float32
-        unless ``float_logits=False`` (the model dtype: enough for greedy picks, and no copy of the whole row)."""
+        """Run one step; return logits ``[S + P, vocab]``: the sampled rows (in ``out.scheduled`` order), then the
+        prompt-logprob rows (``StepInputs.logits_index``); float32 unless ``float_logits=False`` (the model dtype:
+        enough for greedy picks, and no copy of the whole row)."""
         self.copy_kv_slots(out.kv_copies)
         inputs = self.prepare(out)
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_cache, self.attn, inputs.attn_metadata
         )  # [N, hidden]
-        return self.model.compute_logits(hidden[inputs.logits_index], float_logits)  # [S, vocab]
+        return self.model.compute_logits(hidden[inputs.logits_index], float_logits)  # [S + P, vocab]

@@ -45,6 +45,18 @@ class ScheduledSequence:
         """Logit rows this sequence needs: 0 (chunk ends before the sequence does), 1, or 1 + proposals."""
         return 1 + len(self.spec_token_ids) if self.samples else 0
 
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this chunk whose logits score the next prompt token and are not scored yet
+        (``SamplingParams.prompt_logprobs``; position ``p`` scores prompt token ``p + 1``)."""
+        scored = self.seq.prompt_logprobs
+        if scored is None:
+            return range(0)
+        computed = self.seq.num_computed_tokens
+        start = max(computed, len(scored) - 1)
+        end = min(computed + self.num_new_tokens - len(self.spec_token_ids), self.seq.num_prompt_tokens - 1)
+        return range(start, max(start, end))
+
 
 @dataclasses.dataclass
 class SchedulerOutput:
@@ -197,11 +209,14 @@ class Scheduler:
         bm = self.block_manager
         donors = list(self.running)  # their computed K/V exists before this step (not the new ones')
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq)
-            if bm.enable_prefix_caching and self._prefix_in_flight(seq, len(cached), in_flight):
+            seq = next((s for s in self.waiting if not s.waits_for_grammar), None)
+            if seq is None:
+                break  # the rest wait for their structured-output grammars to compile
+            use_cache = not seq.skips_prefix_cache  # prompt logprobs need the logits of every prompt position
+            cached = bm.find_cached_prefix(seq) if use_cache else []
+            if bm.enable_prefix_caching and use_cache and self._prefix_in_flight(seq, len(cached), in_flight):
                 break  # a running request is computing this prefix now: wait one step and hit it
-            partial = bm.find_partial_block(seq, cached, donors) if donors else None
+            partial = bm.find_partial_block(seq, cached, donors) if donors and use_cache else None
             copied = partial[1] if partial else 0
             remaining = seq.num_tokens - len(cached) * bm.block_size - copied
             if remaining > budget and not self.config.enable_chunked_prefill:
@@ -215,7 +230,7 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = len(cached) * bm.block_size + copied
             bm.record_prefix_query(seq, cached, copied)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, n))

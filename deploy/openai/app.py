@@ -134,7 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         f"OpenAI API on http://{args.host}:{args.port}/v1 for {', '.join(models)} -> Triton gRPC {args.grpc_url}",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    # uvloop and httptools: the event loop and HTTP parser built for many small writes (SSE)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        loop="uvloop",
+        http="httptools",
+    )
     return 0
 
 

@@ -27,7 +27,7 @@ class OpenAIServingChat(OpenAIServing):
             "finish_reason": finish_reason(piece.finish_reason),
         }
 
-    def render(self, state: StreamState, piece: Piece) -> str:
+    def render(self, state: StreamState, piece: Piece) -> bytes:
         plan = state.plan
         index = piece.prompt_index * plan.n + piece.index
         out = []
@@ -45,4 +45,4 @@ class OpenAIServingChat(OpenAIServing):
             "finish_reason": finish_reason(piece.finish_reason),
         }
         out.append(state.chunk([choice]))
-        return "".join(out)
+        return b"".join(out)

@@ -3,23 +3,28 @@ responses and server-sent events, usage counting and logprobs formatting.
 
 A serving class (``serving_completions``, ``serving_chat``) subclasses ``OpenAIServing`` and
 only says how one choice looks, whole (``choice``) and streamed (``render``).
+
+The streaming path does per step only what it must: the pieces already waiting are merged per
+choice (``coalesce``: one event carries several tokens when the writer fell behind), each event is
+the stream's constant head (id, object, created, model: encoded once) plus ``orjson`` of its
+choices, and the events of one wake-up go out as one write. Text comes detokenized from the
+engine (once, incrementally); the frontend never decodes tokens except for logprobs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 
-from fastapi.responses import StreamingResponse
+import orjson
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from deploy.openai.models import ServedModel
 from deploy.openai.prompts import Plan, make_plan
 from deploy.openai.protocol import OpenAIError, validation_error
-from deploy.openai.triton_client import Piece, TritonBackend, merged
+from deploy.openai.triton_client import Piece, PieceQueue, TritonBackend, coalesce
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -83,19 +88,28 @@ def joined(pieces: list[Piece]) -> Piece:
 
 
 class Usage:
-    """Token counts summed over every prompt and completion."""
+    """Token counts summed over every prompt and completion; ``prompt_tokens_details.cached_tokens``
+    counts the prompt tokens the engine's prefix cache served (what load clients read as hits)."""
 
     def __init__(self, plan: Plan) -> None:
         self.prompt = [0] * len(plan.prompts)
+        self.cached = [0] * len(plan.prompts)
         self.completion: dict[tuple[int, int], int] = {}
 
     def add(self, piece: Piece) -> None:
         self.prompt[piece.prompt_index] = piece.num_input_tokens
         self.completion[(piece.prompt_index, piece.index)] = piece.num_output_tokens
+        if piece.num_cached_tokens is not None:
+            self.cached[piece.prompt_index] = piece.num_cached_tokens
 
     def body(self) -> dict:
         prompt, completion = sum(self.prompt), sum(self.completion.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached)},
+        }
 
 
 @dataclasses.dataclass
@@ -109,13 +123,16 @@ class StreamState:
     offsets: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # characters sent per choice
     started: set[int] = dataclasses.field(default_factory=set)  # choices whose first chunk is sent
 
-    def chunk(self, choices: list[dict], usage_body: dict | None = None) -> str:
+    def __post_init__(self) -> None:
+        head = {"id": self.ident, "object": self.kind, "created": self.created, "model": self.plan.model.name}
+        self._head = b"data: " + orjson.dumps(head)[:-1] + b',"choices":'  # encoded once per stream
+        self._tail = b',"usage":null}\n\n' if self.plan.include_usage else b"}\n\n"
+
+    def chunk(self, choices: list[dict], usage_body: dict | None = None) -> bytes:
         """One server-sent event with ``choices`` (and ``usage`` when the client asked for it)."""
-        body = {"id": self.ident, "object": self.kind, "created": self.created, "model": self.plan.model.name}
-        body["choices"] = choices
-        if self.plan.include_usage:
-            body["usage"] = usage_body
-        return f"data: {json.dumps(body)}\n\n"
+        if usage_body is not None and self.plan.include_usage:
+            return self._head + orjson.dumps(choices) + b',"usage":' + orjson.dumps(usage_body) + b"}\n\n"
+        return self._head + orjson.dumps(choices) + self._tail
 
 
 class OpenAIServing:
@@ -136,7 +153,7 @@ class OpenAIServing:
     def new_id(self) -> str:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
-    async def create(self, body: bytes) -> dict | StreamingResponse:
+    async def create(self, body: bytes) -> Response:
         """Answer one request body.
 
         Raises:
@@ -147,34 +164,33 @@ class OpenAIServing:
             plan = make_plan(self.request_type.model_validate_json(body), self.models)
         except ValidationError as exc:
             raise validation_error(exc) from exc
-        stream = merged(self.backend, plan)
+        pieces = PieceQueue(self.backend, plan)
         try:
-            first = await anext(stream)  # Triton's errors before any output become HTTP errors
-        except OpenAIError:
-            await stream.aclose()
+            first = await pieces.drain()  # Triton's errors before any output become HTTP errors
+        except BaseException:
+            await pieces.aclose()
             raise
-        except StopAsyncIteration:
-            raise OpenAIError(500, "no output from Triton", type_="server_error") from None
+        if not first:
+            await pieces.aclose()
+            raise OpenAIError(500, "no output from Triton", type_="server_error")
         if plan.stream:
-            return StreamingResponse(self.sse(plan, first, stream), media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(self.sse(plan, first, pieces), media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            return await self.whole(plan, first, stream)
+            return Response(orjson.dumps(await self.whole(plan, first, pieces)), media_type="application/json")
         finally:
-            await stream.aclose()
+            await pieces.aclose()
 
-    async def whole(self, plan: Plan, first: Piece, stream: AsyncIterator[Piece]) -> dict:
+    async def whole(self, plan: Plan, first: list[Piece], pieces: PieceQueue) -> dict:
         """The whole response once every completion has finished."""
-        pieces: dict[tuple[int, int], list[Piece]] = {}
+        collected: dict[tuple[int, int], list[Piece]] = {}
         usage = Usage(plan)
-
-        def take(piece: Piece) -> None:
-            pieces.setdefault((piece.prompt_index, piece.index), []).append(piece)
-            usage.add(piece)
-
-        take(first)
-        async for piece in stream:
-            take(piece)
-        choices = [self.choice(plan, key[0] * plan.n + key[1], joined(pieces[key])) for key in sorted(pieces)]
+        batch = first
+        while batch:
+            for piece in batch:
+                collected.setdefault((piece.prompt_index, piece.index), []).append(piece)
+                usage.add(piece)
+            batch = await pieces.drain()
+        choices = [self.choice(plan, key[0] * plan.n + key[1], joined(collected[key])) for key in sorted(collected)]
         return {
             "id": self.new_id(),
             "object": self.object_kind,
@@ -184,28 +200,32 @@ class OpenAIServing:
             "usage": usage.body(),
         }
 
-    async def sse(self, plan: Plan, first: Piece, stream: AsyncIterator[Piece]) -> AsyncIterator[str]:
-        """Server-sent events as pieces arrive, then usage (if asked) and ``[DONE]``."""
+    async def sse(self, plan: Plan, first: list[Piece], pieces: PieceQueue):
+        """Server-sent events as pieces arrive (the pieces waiting at each wake-up merged per
+        choice and written at once), then usage (if asked) and ``[DONE]``."""
         state = StreamState(plan, self.new_id(), self.chunk_kind)
         usage = Usage(plan)
         try:
-            usage.add(first)
-            yield self.render(state, first)
-            async for piece in stream:
-                usage.add(piece)
-                yield self.render(state, piece)
+            batch = first
+            while batch:
+                events = []
+                for piece in coalesce(batch):
+                    usage.add(piece)
+                    events.append(self.render(state, piece))
+                yield b"".join(events)
+                batch = await pieces.drain()
             if plan.include_usage:
                 yield state.chunk([], usage.body())
         except OpenAIError as exc:
-            yield f"data: {json.dumps(exc.body())}\n\n"
+            yield b"data: " + orjson.dumps(exc.body()) + b"\n\n"
         finally:
-            await stream.aclose()  # on a disconnect too: cancels the Triton request
-        yield "data: [DONE]\n\n"
+            await pieces.aclose()  # on a disconnect too: cancels the Triton requests
+        yield b"data: [DONE]\n\n"
 
     def choice(self, plan: Plan, index: int, piece: Piece) -> dict:
         """One whole choice of the response (``piece``: the completion's pieces joined)."""
         raise NotImplementedError
 
-    def render(self, state: StreamState, piece: Piece) -> str:
-        """One streamed piece as server-sent events."""
+    def render(self, state: StreamState, piece: Piece) -> bytes:
+        """One streamed piece (a choice's new text, maybe several steps of it) as server-sent events."""
         raise NotImplementedError

@@ -25,7 +25,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "finish_reason": finish_reason(piece.finish_reason),
         }
 
-    def render(self, state: StreamState, piece: Piece) -> str:
+    def render(self, state: StreamState, piece: Piece) -> bytes:
         plan = state.plan
         key = (piece.prompt_index, piece.index)
         logprobs = None

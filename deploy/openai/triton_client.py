@@ -1,7 +1,12 @@
 """Triton over gRPC streaming: one bidirectional stream per engine request on one shared channel.
 
 ``TritonBackend.generate`` streams one prompt's ``n`` completions as ``Piece``s; ``merged``
-interleaves the pieces of every prompt of a ``Plan`` as they arrive.
+interleaves the pieces of every prompt of a ``Plan`` as they arrive, one reader task per prompt
+feeding one queue, so the server-sent-event writer can take every piece that is already waiting
+at once (``drain``) and send a choice's new tokens in one event when it fell behind.
+
+Responses are read straight from Triton's protobuf (``raw_output_contents``, one pass over the
+outputs): a piece per engine step costs no ``numpy`` arrays or per-output lookups.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from deploy.openai.prompts import Plan
 from deploy.openai.protocol import OpenAIError
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Piece:
-    """One Triton response: a completion's new text and tokens."""
+    """One Triton response (or several merged): a completion's new text and tokens."""
 
     prompt_index: int
     index: int  # completion index within its prompt
@@ -30,6 +35,18 @@ class Piece:
     finish_reason: str | None
     num_input_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (last response)
+
+    def extend(self, later: "Piece") -> None:
+        """Append a later piece of the same completion (its text, tokens, counts and finish)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finish_reason = later.finish_reason
+        self.num_input_tokens, self.num_output_tokens = later.num_input_tokens, later.num_output_tokens
+        if later.num_cached_tokens is not None:
+            self.num_cached_tokens = later.num_cached_tokens
 
 
 class TritonBackend:
@@ -87,7 +104,7 @@ class TritonBackend:
             async for result, error in responses:
                 if error is not None:
                     raise model_error(error.message())
-                piece = _piece(result, prompt_index)
+                piece = _piece(result.get_response(), prompt_index)
                 if piece.finish_reason == "error":  # the engine failed this request's step
                     raise OpenAIError(500, "the engine failed this request; retry it", type_="server_error")
                 if piece.finish_reason is not None:
@@ -118,55 +135,121 @@ def model_error(message: str) -> OpenAIError:
     return OpenAIError(400, message)
 
 
-def _piece(result, prompt_index: int) -> Piece:
-    def one(name):
-        value = result.as_numpy(name)
-        return None if value is None else value.reshape(-1)
+def _bytes_element(raw: bytes) -> bytes:
+    """The single element of a serialized BYTES tensor (4-byte little-endian length, then the bytes)."""
+    return raw[4 : 4 + int.from_bytes(raw[:4], "little")]
 
-    text = one("text_output")
-    finish = one("finish_reason")
-    logprobs = one("logprobs")
-    ids = one("output_token_ids")
+
+def _piece(response, prompt_index: int) -> Piece:
+    """A ``ModelInferResponse`` of the LLM model as a ``Piece`` (one pass over its outputs).
+
+    Raises:
+        OpenAIError: a response without raw output contents (not what Triton sends) or without ``index``.
+    """
+    if len(response.raw_output_contents) != len(response.outputs):
+        raise OpenAIError(500, "Triton sent a response without raw output contents", type_="server_error")
+    raw = {tensor.name: content for tensor, content in zip(response.outputs, response.raw_output_contents)}
+    if "index" not in raw:
+        raise OpenAIError(500, "Triton's response has no 'index' output; re-export the model", type_="server_error")
+    text = raw.get("text_output")
+    finish = raw.get("finish_reason")
+    logprobs = raw.get("logprobs")
+    ids = raw.get("output_token_ids")
+    cached = raw.get("num_cached_tokens")
     return Piece(
-        prompt_index=prompt_index,
-        index=int(one("index")[0]),
-        text=text[0].decode("utf-8") if text is not None and len(text) else "",
-        token_ids=[] if ids is None else ids.tolist(),
-        logprobs=None if logprobs is None else [{int(k): v for k, v in e.items()} for e in json.loads(logprobs[0])],
-        finish_reason=None if finish is None or not len(finish) else finish[0].decode(),
-        num_input_tokens=int(one("num_input_tokens")[0]),
-        num_output_tokens=int(one("num_output_tokens")[0]),
+        prompt_index,
+        _int32(raw["index"]),
+        _bytes_element(text).decode("utf-8") if text else "",
+        np.frombuffer(ids, dtype="<i8").tolist() if ids else [],
+        None if logprobs is None else _logprobs(_bytes_element(logprobs)),
+        _bytes_element(finish).decode() if finish else None,
+        _int32(raw.get("num_input_tokens")),
+        _int32(raw.get("num_output_tokens")),
+        None if cached is None else _int32(cached),
     )
 
 
-async def merged(backend: TritonBackend, plan: Plan) -> AsyncIterator[Piece]:
-    """The pieces of every prompt of ``plan``, as they arrive (one Triton request per prompt)."""
-    if len(plan.prompts) == 1:
-        async for piece in backend.generate(plan.model.name, plan.prompts[0], plan.sampling, 0, plan.n):
-            yield piece
-        return
-    queue: asyncio.Queue = asyncio.Queue()
+def _int32(raw: bytes | None) -> int:
+    return 0 if not raw else int.from_bytes(raw[:4], "little", signed=True)
 
-    async def pump(i: int, ids: list[int]) -> None:
+
+def _logprobs(text: bytes) -> list[dict[int, float]]:
+    return [{int(k): v for k, v in entry.items()} for entry in json.loads(text)]
+
+
+class PieceQueue:
+    """The pieces of every prompt of a ``Plan`` as they arrive: one reader task per prompt feeds one queue.
+
+    ``drain`` returns every piece already waiting, so a slow consumer sends many steps of a
+    completion at once instead of one event per step. ``aclose`` cancels the readers (and
+    with them the Triton requests still running).
+    """
+
+    def __init__(self, backend: TritonBackend, plan: Plan) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.remaining = len(plan.prompts)
+        self.tasks = [
+            asyncio.create_task(self._pump(backend.generate(plan.model.name, ids, plan.sampling, i, plan.n)))
+            for i, ids in enumerate(plan.prompts)
+        ]
+
+    async def _pump(self, pieces: AsyncIterator[Piece]) -> None:
+        put = self.queue.put_nowait
         try:
-            async for piece in backend.generate(plan.model.name, ids, plan.sampling, i, plan.n):
-                queue.put_nowait(piece)
-            queue.put_nowait(None)
+            async for piece in pieces:
+                put(piece)
+            put(None)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait(exc)
+            put(exc)
+        finally:
+            await pieces.aclose()
 
-    tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(plan.prompts)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
+    def _take(self, item) -> Piece | None:
+        if item is None:
+            self.remaining -= 1
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def drain(self) -> list[Piece]:
+        """Wait for at least one piece (or the end), then return every piece already queued; [] at the end.
+
+        Raises:
+            OpenAIError: a prompt's Triton request failed.
+        """
+        out: list[Piece] = []
+        while self.remaining and not out:
+            piece = self._take(await self.queue.get())
+            if piece is not None:
+                out.append(piece)
+            while self.remaining and not self.queue.empty():
+                piece = self._take(self.queue.get_nowait())
+                if piece is not None:
+                    out.append(piece)
+        return out
+
+    def __aiter__(self) -> AsyncIterator[Piece]:
+        return self._each()
+
+    async def _each(self):
+        while pieces := await self.drain():
+            for piece in pieces:
+                yield piece
+
+    async def aclose(self) -> None:
+        for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def coalesce(pieces: list[Piece]) -> list[Piece]:
+    """Consecutive pieces of the same completion merged into one, in arrival order of their first piece."""
+    merged: dict[tuple[int, int], Piece] = {}
+    for piece in pieces:
+        key = (piece.prompt_index, piece.index)
+        if key in merged:
+            merged[key].extend(piece)
+        else:
+            merged[key] = dataclasses.replace(piece, token_ids=list(piece.token_ids))
+    return list(merged.values())

@@ -18,7 +18,7 @@ from engine.quant.int8 import (
     quantize_weight_per_channel,
     scheme_metadata,
 )
-from tests.test_engine_greedy import random_prompts
+from tests.engine.test_engine_greedy import random_prompts
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'lmforge[gpu]')")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_script_dry_run_passes_and_reports(tmp_path):

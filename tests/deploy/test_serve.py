@@ -33,7 +33,7 @@ from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.integration
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
 SENTENCES = [

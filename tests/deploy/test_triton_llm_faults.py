@@ -1,7 +1,7 @@
 """``deploy.triton_llm`` when things go wrong: an engine step error, unknown request fields, and a
 dead engine (logged, answered UNAVAILABLE, the model unloaded so its readiness stops answering
 200). Triton's ``triton_python_backend_utils`` exists only inside the server, so a recording
-stand-in takes its place; the live paths are in tests/test_serve.py."""
+stand-in takes its place; the live paths are in tests/deploy/test_serve.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from deploy.openai.triton_client import model_error
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tests.test_triton_llm_metrics import FakeFamily
+from tests.deploy.test_triton_llm_metrics import FakeFamily
 
 FINAL = 1
 

@@ -9,8 +9,8 @@ import torch
 from engine import SamplingParams
 from engine.sampler import Sampler
 from engine.sequence import Sequence
-from tests.test_engine_greedy import random_prompts
-from tests.test_engine_requests import invariants_hold_after, llm  # noqa: F401 - fixtures
+from tests.engine.test_engine_greedy import random_prompts
+from tests.engine.test_engine_requests import invariants_hold_after, llm  # noqa: F401 - fixtures
 
 VOCAB = 32
 

@@ -31,7 +31,7 @@ from deploy.render import (
 )
 from lmforge_cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: Kubernetes API version the manifests are validated against (schemas ship in kubernetes-validate).
 K8S_SCHEMA_VERSION = "1.31.0"
 CUSTOM_RESOURCE_KINDS = {"ServiceMonitor", "PodMonitor"}  # Prometheus Operator CRDs, no upstream schema
@@ -167,14 +167,16 @@ def test_dockerfiles_build_on_triton_2_51_and_copy_existing_paths():
     files = render_files("docker", DeployValues())
     gpu, cpu = files["Dockerfile"], files["Dockerfile.cpu"]
     assert re.search(rf"^FROM {re.escape(TRITON_IMAGE)}$", gpu, re.M) and TRITON_IMAGE.endswith(":24.10-py3")
-    assert re.search(r"^FROM python:3\.11-slim", cpu, re.M)
+    # the CPU base is a build argument whose default is the public image
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim-bookworm$", cpu, re.M)
+    assert re.findall(r"^FROM (\S+)", cpu, re.M) == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
     for text in (gpu, cpu):
         assert (
             "EXPOSE 8000 8001 8002" in text
             and "/v2/models/smollm2_135m/ready" in text
             and "--load-model=smollm2_135m" in text
         )
-        for source in re.findall(r"^COPY (?!\$)(.+) \S+$", text, re.M):
+        for source in re.findall(r"^COPY (?!\$|--from)(.+) \S+$", text, re.M):
             for item in source.split():
                 assert (ROOT / item).exists(), item
     assert "python_backend_stubs/3.11/triton_python_backend_stub" in gpu and "python_backend_stubs/3.11" in cpu
@@ -226,11 +228,17 @@ def test_custom_values_change_what_they_should_and_nothing_else():
         ("deployment.yaml", 0, 0, "spec", "template", "spec", "tolerations", 0, key)
         for key in ("key", "operator", "effect")
     }
+    # the CPU image runs as its non-root user (Dockerfile.cpu); the GPU one is NGC's
+    security = {
+        ("deployment.yaml", 0, 0, "spec", "template", "spec", "securityContext", key)
+        for key in ("runAsNonRoot", "runAsUser", "runAsGroup", "fsGroup")
+    }
     assert (
         gpu_off
         == {container + ("resources", kind, "nvidia.com/gpu") for kind in ("requests", "limits")}
         | {container + ("args", 7)}
         | tolerations
+        | security
     )
     docker = render_files("docker", DeployValues())
     changed = _changed_paths(docker, render_files("docker", DeployValues(locust_workers=16)))

@@ -10,8 +10,8 @@ import pytest
 from engine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from engine.async_engine import EngineDeadError
 from engine.llm_engine import MAX_CONSECUTIVE_FAILED_STEPS
-from tests.test_engine_greedy import hf_greedy, random_prompts
-from tests.test_engine_requests import run_to_end
+from tests.engine.test_engine_greedy import hf_greedy, random_prompts
+from tests.engine.test_engine_requests import run_to_end
 
 CONFIG = dict(
     block_size=4, num_kv_blocks=128, max_num_batched_tokens=64, max_model_len=64, max_num_seqs=2, dtype="float32"

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from tests.test_engine_greedy import hf_greedy, random_prompts
+from tests.engine.test_engine_greedy import hf_greedy, random_prompts
 
 CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=64, max_model_len=128, dtype="float32")
 

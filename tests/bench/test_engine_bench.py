@@ -25,7 +25,7 @@ from bench.engine_bench import (
 from engine.checkpoint.model_spec import ModelSpec
 from engine.errors import UsageError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SMOLLM2_CONFIG = {
     "hidden_size": 576,

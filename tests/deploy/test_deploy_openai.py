@@ -27,7 +27,7 @@ from lmforge_cli import main
 
 pytestmark = pytest.mark.integration
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]

@@ -2,7 +2,7 @@
 
 Triton's ``triton_python_backend_utils`` exists only inside the server, so a recording stand-in
 with the same ``MetricFamily`` / ``Metric`` calls is put in its place (the live server path is
-covered by tests/test_serve.py).
+covered by tests/deploy/test_serve.py).
 """
 
 from __future__ import annotations

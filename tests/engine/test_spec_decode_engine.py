@@ -16,7 +16,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 from engine import LLM, SamplingParams
-from tests.test_engine_greedy import random_prompts
+from tests.engine.test_engine_greedy import random_prompts
 
 CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=256, dtype="float32")
 GREEDY = SamplingParams(temperature=0, max_tokens=24)

@@ -21,7 +21,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.cuda_graphs import DecodeStaging, StaticDecodeModelRunner, bucket_for, capture_sizes  # noqa: E402
 from engine.scheduler import ScheduledSequence, SchedulerOutput  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
-from tests.test_engine_greedy import hf_greedy, random_prompts, tokens  # noqa: E402
+from tests.engine.test_engine_greedy import hf_greedy, random_prompts, tokens  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
