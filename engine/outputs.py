@@ -50,3 +50,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    lora_request: object = None  # the ``engine.lora.LoRARequest`` it ran with (``None``: the base)

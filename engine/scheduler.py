@@ -192,12 +192,22 @@ class Scheduler:
 
         A request whose prompt continues a running request's computed tokens past their common
         cached blocks gets those K/V slots copied (``kv_copies``) instead of recomputing them.
+
+        With LoRA, the running requests use at most ``max_loras`` adapters: a request of another
+        adapter waits (keeping its place) while that many are running, and so do the adapter requests
+        behind it (no adapter starves); base requests pass.
         """
         in_flight = self._in_flight_hashes()
         bm = self.block_manager
         donors = list(self.running)  # their computed K/V exists before this step (not the new ones')
+        active_loras = {s.lora_request for s in self.running if s.lora_request is not None}
+        held: list[Sequence] = []  # adapter requests waiting for a LoRA slot, in arrival order
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            lora = seq.lora_request
+            if lora is not None and (held or (lora not in active_loras and len(active_loras) >= self.config.max_loras)):
+                held.append(self.waiting.popleft())
+                continue
             cached = bm.find_cached_prefix(seq)
             if bm.enable_prefix_caching and self._prefix_in_flight(seq, len(cached), in_flight):
                 break  # a running request is computing this prefix now: wait one step and hit it
@@ -220,8 +230,11 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, n))
             budget -= n
+            if lora is not None:
+                active_loras.add(lora)
             if bm.enable_prefix_caching:
                 in_flight.update(bm.full_block_hashes(seq)[len(cached) :])
+        self.waiting.extendleft(reversed(held))
         return budget
 
     def _in_flight_hashes(self) -> set[int]:
