@@ -20,6 +20,14 @@ first checkpoint listed: put the parent first):
 * ``decode_ms_per_token``: batch 1, CPU, greedy, with the KV cache:
   ``(time(1 + n tokens) - time(1 token)) / n``, each time the fastest of the repeats.
 
+With ``lora`` (``--lora DIR``) one LoRA adapter (PEFT format, ``lmforge finetune --lora``) runs on
+every checkpoint, the reference included: adapter-on-INT8-base is then judged against
+adapter-on-fp32-base, i.e. what compressing the base costs the adapted model. The adapter is added
+as a forward hook on each adapted projection (``y + s B A x``, Hu et al. 2021, in the layer's input
+dtype), which works the same on float, INT8 and bitsandbytes layers; ONNX checkpoints cannot take
+it. Those metrics describe the adapted model, so they are not merged into the checkpoints'
+manifests.
+
 Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``int8``
 (``engine.quant.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8``
 (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
@@ -44,6 +52,7 @@ from compress.data import records as records_module
 from compress.data.records import default_split_records
 from compress.quantize.methods import load_int8_model, load_llm_int8_model
 from compress.quantize.onnx import onnx_num_parameters
+from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import check_output_file, write_output_file
 from engine.checkpoint.store import (
     MANIFEST_NAME,
@@ -53,6 +62,7 @@ from engine.checkpoint.store import (
     update_metrics,
 )
 from engine.errors import LmforgeError
+from engine.lora import LORA_TARGETS, LoRARequest, load_adapter
 from engine.quant.int8 import INT8_WEIGHT_SUFFIX
 from engine.records import encode_record
 
@@ -138,16 +148,20 @@ class LoadedCheckpoint:
     tokenizer: Any
 
 
-def load_for_eval(spec: str | Path, *, num_threads: int | None = None) -> LoadedCheckpoint:
+def load_for_eval(
+    spec: str | Path, *, num_threads: int | None = None, lora: str | Path | None = None
+) -> LoadedCheckpoint:
     """Load a causal-LM checkpoint of any kind for evaluation (CPU).
 
     Args:
         spec: checkpoint name or directory.
         num_threads: CPU threads (``torch.set_num_threads`` for PyTorch kinds, process-wide;
             ONNX Runtime intra-op threads); ``None`` keeps the libraries' defaults.
+        lora: a LoRA adapter directory to run on the checkpoint (``apply_lora``).
 
     Raises:
         CheckpointError: missing/corrupt checkpoint or a non-causal model (names the file).
+        LoRAError: the adapter does not fit the checkpoint; EvaluationError: an ONNX checkpoint with ``lora``.
     """
     # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoTokenizer
@@ -157,7 +171,44 @@ def load_for_eval(spec: str | Path, *, num_threads: int | None = None) -> Loaded
     tokenizer = AutoTokenizer.from_pretrained(path)
     if num_threads:
         torch.set_num_threads(num_threads)
-    return LoadedCheckpoint(path, kind, LOADERS[kind](path, num_threads), tokenizer)
+    if lora is not None and kind == "onnx":
+        raise EvaluationError(f"--lora {lora}: {path} is an ONNX checkpoint, which cannot take a LoRA adapter")
+    model = LOADERS[kind](path, num_threads)
+    if lora is not None:
+        apply_lora(model, lora, path)
+    return LoadedCheckpoint(path, kind, model, tokenizer)
+
+
+def apply_lora(model, adapter_dir: str | Path, checkpoint_dir: Path) -> int:
+    """Add a LoRA adapter to a loaded ``transformers`` model as forward hooks: each adapted projection's
+    output gains ``s B A x`` (computed in its input's dtype). Returns the number of hooked modules.
+
+    Raises:
+        LoRAError: the adapter's files, settings or shapes do not fit the checkpoint
+            (``engine.lora.load_adapter``, which names the field).
+        EvaluationError: an adapted module is not in the model.
+    """
+    spec = ModelSpec.from_checkpoint(checkpoint_dir)
+    adapter = load_adapter(LoRARequest("evaluate", 1, str(adapter_dir)), spec, 1 << 16, torch.float32)
+    modules = dict(model.named_modules())
+    for (layer, module), (a, b, scaling) in adapter.weights.items():
+        block = "mlp" if LORA_TARGETS[module][0] in ("gate_up", "down") else "self_attn"
+        name = f"model.layers.{layer}.{block}.{module}"
+        if name not in modules:
+            raise EvaluationError(f"--lora {adapter_dir}: {checkpoint_dir} has no module {name}")
+        modules[name].register_forward_hook(_lora_hook(a, b * scaling))
+    return len(adapter.weights)
+
+
+def _lora_hook(a: torch.Tensor, b: torch.Tensor):
+    """``output + (x A^T) B^T`` (``a [r, in]``, ``b [out, r]`` scaled) as a forward hook, in ``x``'s dtype."""
+
+    def hook(module, args, output):
+        x = args[0]
+        delta = (x @ a.to(x.dtype).t()) @ b.to(x.dtype).t()
+        return output + delta.to(output.dtype)
+
+    return hook
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,6 +539,7 @@ def evaluate(
     config: EvalConfig | None = None,
     write: bool = True,
     log: Callable[[str], None] = print,
+    lora: str | Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate checkpoints against a reference and (optionally) write metrics into their manifests.
 
@@ -498,7 +550,8 @@ def evaluate(
         reference: model whose distributions define KL / same top-1 (and whose greedy outputs
             define agreement); default ``checkpoints[0]``.
         config: ``EvalConfig``.
-        write: merge the metrics into each checkpoint's ``lmforge.json`` (when it has one).
+        write: merge the metrics into each checkpoint's ``lmforge.json`` (when it has one; never with ``lora``).
+        lora: a LoRA adapter directory run on every checkpoint and the reference (``apply_lora``).
 
     Returns:
         ``{str(resolved path): metrics}`` in the order given.
@@ -507,6 +560,7 @@ def evaluate(
         CheckpointError: a missing, corrupt or non-causal checkpoint (checked for all before any
             is loaded, so a typo in the last one fails at once).
         EvaluationError: bad data.
+        LoRAError: ``lora`` does not fit a checkpoint (names the field).
     """
     config = config or EvalConfig()
     if not checkpoints:
@@ -516,7 +570,7 @@ def evaluate(
     if records is None:
         records, data_name = default_heldout_records()
     records = list(records)[: config.max_records]
-    loaded_reference = load_for_eval(reference_path, num_threads=config.num_threads)
+    loaded_reference = load_for_eval(reference_path, num_threads=config.num_threads, lora=lora)
     reference_tokens = greedy_tokens(
         loaded_reference.model, loaded_reference.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens
     )
@@ -530,7 +584,7 @@ def evaluate(
             loaded, loaded_reference = loaded_reference, None
         else:
             loaded_reference = None
-            loaded = load_for_eval(path, num_threads=config.num_threads)
+            loaded = load_for_eval(path, num_threads=config.num_threads, lora=lora)
         metrics = evaluate_checkpoint(loaded, records, reference_tokens, config, reference_scores, reference_path)
         del loaded
         metrics.update(
@@ -539,10 +593,11 @@ def evaluate(
                 "eval_data": data_name or "records",
                 "eval_records": len(records),
                 "num_threads": config.num_threads,
+                **({"lora": str(lora)} if lora is not None else {}),
             }
         )
         results[str(path)] = metrics
-        if write and (path / MANIFEST_NAME).is_file() and os.access(path / MANIFEST_NAME, os.W_OK):
+        if write and lora is None and (path / MANIFEST_NAME).is_file() and os.access(path / MANIFEST_NAME, os.W_OK):
             update_metrics(path, metrics)
     return results
 
@@ -610,6 +665,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for every checkpoint (default: library defaults)"
     )
+    parser.add_argument(
+        "--lora",
+        default=None,
+        metavar="DIR",
+        help="a LoRA adapter (PEFT format) run on every checkpoint and the reference: judges adapter-on-compressed-"
+        "base against adapter-on-parent (metrics then go to --json and the table, not into the manifests)",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--no-write", action="store_true", help="do not write metrics into the manifests")
 
@@ -633,6 +695,7 @@ def run(args: argparse.Namespace) -> int:
         reference=args.reference,
         config=config,
         write=not args.no_write,
+        lora=args.lora,
     )
     print(format_table(results))
     if args.json:
