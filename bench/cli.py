@@ -13,11 +13,15 @@ import importlib
 TARGETS: dict[str, tuple[str, str]] = {
     "engine": (
         "bench.engine_bench",
-        "Engine throughput/TTFT/start-up vs HF generate, llama-server, vLLM; compute bound per dtype.",
+        "Engine throughput/TTFT/start-up vs HF generate, llama-server, vLLM, OpenVINO GenAI; compute bound per dtype.",
     ),
     "serving": (
         "bench.serving_compare",
         "The same Locust load on several servers (Triton, our OpenAI API, vllm serve, llama-server) at 1-64 users.",
+    ),
+    "serving-profile": (
+        "bench.serving_profile",
+        "Where a streamed token's CPU goes on the served path: CPU s per 1k tokens per process and thread, py-spy.",
     ),
     "compression": (
         "bench.compression",

@@ -3,11 +3,16 @@
 One ``engine.AsyncLLMEngine`` per model instance runs on an asyncio event loop in its own
 thread. ``execute`` only hands each request to that loop and returns at once; the loop parses
 the request (``deploy.llm_request``), iterates ``engine.generate`` and sends responses through
-the request's response sender: one per engine step when ``stream`` is true, one at the end
-otherwise; the last carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. A request whose client
-went away (``response_sender.is_cancelled()``, polled every ``CANCEL_CHECK_INTERVAL_S`` whether
-or not the engine produced output, so a request still waiting for a batch slot is caught too)
-is aborted in the engine, which frees its KV blocks at once. Triton 2.51 flags HTTP clients that
+the request's response sender: when ``stream`` is true, one per engine step at most (the engine
+hands over only its newest output when this loop fell behind, so a response then carries the
+new text and tokens of several steps: each send is a round trip to Triton, and under load
+fewer, fuller responses are what keeps the stream up with the engine); one at the end
+otherwise. The last response carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``, the finish
+reason and ``num_cached_tokens`` (prompt tokens served from the prefix cache); the first carries the
+request's ``prompt_logprobs`` when they were asked (JSON). A request whose client
+went away (``response_sender.is_cancelled()``, polled by one task for all requests whether or
+not the engine produced output, so a request still waiting for a batch slot is caught too: see
+``CancelWatch``) is aborted in the engine, which frees its KV blocks at once. Triton 2.51 flags HTTP clients that
 close a ``generate_stream`` (SSE) and gRPC stream cancellations; it does not flag a client that
 leaves a non-streaming ``generate``, which then runs to its end.
 
@@ -43,8 +48,10 @@ from deploy.llm_request import LLMRequest, parse_request
 from engine.async_engine import EngineDeadError
 
 STATS_INTERVAL_S = 0.05
-#: How often a request asks Triton whether its client cancelled (an IPC round trip).
+#: How often a request asks Triton whether its client cancelled (an IPC round trip), at most...
 CANCEL_CHECK_INTERVAL_S = 0.1
+#: ...and how many of those round trips all requests share per second (``CancelWatch``).
+CANCEL_POLLS_PER_S = 100
 #: Request parameters Triton or its clients set themselves (e.g. ``triton_enable_empty_final_response``).
 RESERVED_PARAMETER_PREFIX = "triton_"
 #: Histogram buckets (seconds) for time to first token and time per output token.
@@ -82,6 +89,9 @@ class LLMMetrics:
     * ``lmforge_num_preemptions_total``, ``lmforge_requests_finished_total`` (label
       ``finish_reason``), ``lmforge_requests_aborted_total``, ``lmforge_request_errors_total``
       (counters);
+    * ``lmforge_prompt_tokens_total``, ``lmforge_generation_tokens_total``,
+      ``lmforge_engine_steps_total`` (the engine's counters) and ``lmforge_responses_total``
+      (responses sent; with the tokens, the messages per token of the stream);
     * ``lmforge_time_to_first_token_seconds``, ``lmforge_time_per_output_token_seconds``
       (histograms);
     * speculative decoding: ``lmforge_spec_decode_num_drafts_total`` (request-steps that
@@ -152,6 +162,14 @@ class LLMMetrics:
         self._counters = {
             "num_preemptions_total": [self.preemptions, 0],
             **{
+                field: [family(name, help_text, counter).Metric(labels=labels), 0]
+                for field, name, help_text in (
+                    ("num_prompt_tokens_total", "lmforge_prompt_tokens_total", "Prompt tokens of admitted requests"),
+                    ("num_generation_tokens_total", "lmforge_generation_tokens_total", "Tokens generated"),
+                    ("num_steps_total", "lmforge_engine_steps_total", "Engine steps run"),
+                )
+            },
+            **{
                 f"spec_decode_{name}_total": [
                     family(f"lmforge_spec_decode_{name}_total", help_text, counter).Metric(labels=labels),
                     0,
@@ -164,24 +182,41 @@ class LLMMetrics:
             },
         }
         self._running_max_seen = 0
+        self.responses = family(
+            "lmforge_responses_total", "Responses sent (streamed pieces and finals)", counter
+        ).Metric(labels=labels)
+        #: Responses sent, counted by the sending thread; ``update_stats`` exports them.
+        self.num_responses = 0
+        self._responses_exported = 0
+        self._gauge_values: dict[int, float] = {}
+
+    def _set(self, gauge, value: float) -> None:
+        """Set a gauge only when its value changed: each set is a round trip to Triton."""
+        if self._gauge_values.get(id(gauge)) != value:
+            self._gauge_values[id(gauge)] = value
+            gauge.set(value)
 
     def update_stats(self, stats) -> None:
-        """Copy an ``EngineStats`` snapshot into the gauges."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
+        """Copy an ``EngineStats`` snapshot into the gauges and counters."""
+        self._set(self.running, stats.num_running)
+        self._set(self.waiting, stats.num_waiting)
         if stats.num_running > self._running_max_seen:
             self._running_max_seen = stats.num_running
             self.running_max.set(stats.num_running)
-        self.kv_usage.set(float(stats.kv_cache_usage))
+        self._set(self.kv_usage, float(stats.kv_cache_usage))
         queries = stats.prefix_cache_queries_tokens_total
-        self.hit_rate.set(stats.prefix_cache_hits_tokens_total / queries if queries else 0.0)
-        self.acceptance_rate.set(float(stats.spec_decode_acceptance_rate))
-        self.mean_accepted_length.set(float(stats.spec_decode_mean_accepted_length))
+        self._set(self.hit_rate, stats.prefix_cache_hits_tokens_total / queries if queries else 0.0)
+        self._set(self.acceptance_rate, float(stats.spec_decode_acceptance_rate))
+        self._set(self.mean_accepted_length, float(stats.spec_decode_mean_accepted_length))
         for field, entry in self._counters.items():
             value = getattr(stats, field)
             if value > entry[1]:
                 entry[0].increment(value - entry[1])
                 entry[1] = value
+        responses = self.num_responses
+        if responses > self._responses_exported:
+            self.responses.increment(responses - self._responses_exported)
+            self._responses_exported = responses
 
     def finished(self, output) -> None:
         """Record a finished ``RequestOutput``: its finish reason, TTFT and TPOT."""
@@ -205,6 +240,48 @@ def _is_cancelled(sender) -> bool:
         return True
 
 
+class CancelWatch:
+    """Asks Triton whether the clients of the streaming requests cancelled, from one task.
+
+    Each ``is_cancelled`` is an IPC round trip to the Triton process, which under load cost more
+    than the responses themselves when every request polled on its own every 0.1 s. So the
+    polls share a budget: every ``max(CANCEL_CHECK_INTERVAL_S, n / CANCEL_POLLS_PER_S)`` seconds
+    one sweep asks about each of the ``n`` requests watched (at 64 requests, each every 0.64 s).
+    A cancelled request's event is set and ``on_cancel(request_id)`` runs as its own task.
+    """
+
+    def __init__(self, on_cancel) -> None:
+        self.on_cancel = on_cancel
+        self.watched: dict[str, tuple[object, asyncio.Event]] = {}
+        self.task: asyncio.Future | None = None
+        self.aborts: set[asyncio.Future] = set()
+
+    def add(self, request_id: str, sender) -> asyncio.Event:
+        """Watch a request (on the running event loop); returns the event set when its client cancels."""
+        cancelled = asyncio.Event()
+        self.watched[request_id] = (sender, cancelled)
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._run())
+        return cancelled
+
+    def remove(self, request_id: str) -> None:
+        self.watched.pop(request_id, None)
+
+    def interval_s(self) -> float:
+        return max(CANCEL_CHECK_INTERVAL_S, len(self.watched) / CANCEL_POLLS_PER_S)
+
+    async def _run(self) -> None:
+        while self.watched:
+            await asyncio.sleep(self.interval_s())
+            for request_id, (sender, cancelled) in list(self.watched.items()):
+                if request_id in self.watched and _is_cancelled(sender):  # an IPC round trip to Triton
+                    del self.watched[request_id]
+                    cancelled.set()
+                    abort = asyncio.ensure_future(self.on_cancel(request_id))
+                    self.aborts.add(abort)
+                    abort.add_done_callback(self.aborts.discard)
+
+
 @dataclasses.dataclass
 class _SentState:
     """What one request's responses already carried, per completion ``index``."""
@@ -212,19 +289,29 @@ class _SentState:
     chars: dict[int, int] = dataclasses.field(default_factory=dict)  # text characters streamed
     tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # token ids streamed
     done: set[int] = dataclasses.field(default_factory=set)  # completions whose finish was sent
+    prompt_logprobs_sent: bool = False
 
 
-def _output_tensors(text: str, output, completion, finish_reason: str | None, token_ids=(), logprobs=None) -> list:
-    """One response's tensors for one completion (``token_ids``/``logprobs``: those of this response)."""
+def _output_tensors(
+    text: str, output, completion, finish_reason: str | None, token_ids=(), logprobs=None, final: bool = False
+) -> list:
+    """One response's tensors for one completion (``token_ids``/``logprobs``: those of this response).
+
+    ``finish_reason`` and ``num_cached_tokens`` (prompt tokens served from the prefix cache) ride
+    on a completion's last response only.
+    """
     tensors = [
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
         pb_utils.Tensor("num_input_tokens", np.array([len(output.prompt_token_ids)], dtype=np.int32)),
         pb_utils.Tensor("num_output_tokens", np.array([len(completion.token_ids)], dtype=np.int32)),
         pb_utils.Tensor("index", np.array([completion.index], dtype=np.int32)),
-        pb_utils.Tensor("output_token_ids", np.array(list(token_ids), dtype=np.int64)),
+        pb_utils.Tensor("output_token_ids", np.array(token_ids, dtype=np.int64)),
     ]
     if finish_reason is not None:
         tensors.append(pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=np.object_)))
+    if final:
+        cached = output.metrics.num_cached_tokens if getattr(output, "metrics", None) is not None else 0
+        tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([cached], dtype=np.int32)))
     if logprobs is not None:
         entries = [{str(t): v for t, v in entry.items()} for entry in logprobs]
         tensors.append(pb_utils.Tensor("logprobs", np.array([json.dumps(entries).encode()], dtype=np.object_)))
@@ -254,6 +341,10 @@ def _check_parameters(text: str) -> None:
 class TritonPythonModel:
     """Decoupled LLM model: one ``AsyncLLMEngine`` per instance, on an event-loop thread."""
 
+    limits = None  # the engine's RequestLimits (set in initialize; None: the defaults)
+    max_model_len = None
+    _cancel_watch: CancelWatch | None = None
+
     def initialize(self, args: dict) -> None:
         # the engine (and torch) load when Triton initializes an instance, not when its stub imports this file
         import torch
@@ -271,6 +362,8 @@ class TritonPythonModel:
         self.dead_reported = False
         info = read_model_info(Path(args["model_repository"]) / args["model_version"])
         self.engine = AsyncLLMEngine(EngineConfig(model=info["checkpoint"], **info.get("engine", {})))
+        self.limits = self.engine.engine.config.limits
+        self.max_model_len = self.engine.engine.config.max_model_len
         self.logger.log_info(
             f"lmforge: {args['model_name']} engine ready on {info['checkpoint']} (torch threads "
             f"{torch.get_num_threads()})"
@@ -339,6 +432,8 @@ class TritonPythonModel:
                 _optional_input(request, "sampling_parameters"),
                 _optional_input(request, "exclude_input_in_output"),
                 _optional_input(request, "prompt_token_ids"),
+                limits=self.limits,
+                max_model_len=self.max_model_len,
             )
         except ValueError as exc:
             self._send_error(sender, str(exc))
@@ -381,12 +476,13 @@ class TritonPythonModel:
     async def _stream(self, request: LLMRequest, request_id: str, stream, sender) -> tuple[bool, object]:
         """Send the engine's outputs; returns (FINAL sent, last output).
 
-        A watcher task aborts the request as soon as Triton reports its client cancelled.
+        ``CancelWatch`` aborts the request once Triton reports its client cancelled.
         """
         sent = _SentState()
         last = None
-        cancelled = asyncio.Event()
-        watcher = asyncio.ensure_future(self._watch_cancel(sender, request_id, cancelled))
+        if self._cancel_watch is None:
+            self._cancel_watch = CancelWatch(self._client_cancelled)
+        cancelled = self._cancel_watch.add(request_id, sender)
         try:
             async for output in stream:
                 last = output
@@ -402,18 +498,13 @@ class TritonPythonModel:
                         self.metrics.aborted.increment(1)
                     return False, last  # closing the stream aborts the engine request
         finally:
-            watcher.cancel()
+            self._cancel_watch.remove(request_id)
         return False, last
 
-    async def _watch_cancel(self, sender, request_id: str, cancelled: asyncio.Event) -> None:
-        """Abort the request once Triton says its client cancelled, whether or not it has output yet."""
-        while True:
-            await asyncio.sleep(CANCEL_CHECK_INTERVAL_S)
-            if sender.is_cancelled():  # an IPC round trip to Triton
-                cancelled.set()
-                self.metrics.aborted.increment(1)
-                await self.engine.abort(request_id)  # the stream ends with the abort output
-                return
+    async def _client_cancelled(self, request_id: str) -> None:
+        """Abort a request whose client cancelled, whether or not it has output yet."""
+        self.metrics.aborted.increment(1)
+        await self.engine.abort(request_id)  # the stream ends with the abort output
 
     def _send_output(self, request: LLMRequest, output, sender, sent: "_SentState") -> bool:
         """Send what ``output`` adds to what ``sent`` records as already sent; returns whether FINAL was sent.
@@ -449,7 +540,17 @@ class TritonPythonModel:
             if not request.stream and not request.exclude_input_in_output:
                 delta = request.prompt_text + delta
             logprobs = completion.logprobs[start_tokens:] if completion.logprobs is not None else None
-            responses.append(_output_tensors(delta, output, completion, completion.finish_reason, new_tokens, logprobs))
+            finish = completion.finish_reason
+            responses.append(
+                _output_tensors(delta, output, completion, finish, new_tokens, logprobs, final=finish is not None)
+            )
+        prompt_logprobs = getattr(output, "prompt_logprobs", None)
+        if responses and prompt_logprobs is not None and not sent.prompt_logprobs_sent:
+            sent.prompt_logprobs_sent = True  # complete once anything is sent: the prompt ran before the first token
+            entries = [None if e is None else {str(t): v for t, v in e.items()} for e in prompt_logprobs]
+            responses[0].append(
+                pb_utils.Tensor("prompt_logprobs", np.array([json.dumps(entries).encode()], dtype=np.object_))
+            )
         for i, tensors in enumerate(responses):
             final = output.finished and i == len(responses) - 1
             sender.send(
@@ -457,6 +558,7 @@ class TritonPythonModel:
             )
         if output.finished and not responses:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.metrics.num_responses += len(responses) or output.finished
         return output.finished
 
     def _send_error(self, sender, message: str, code=None) -> None:

@@ -8,9 +8,14 @@ from typing import Any
 import torch
 
 from engine.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
+from engine.limits import RequestLimits
 from engine.platform import cpu_flags  # /proc/cpuinfo flags (also decide the INT8 kernels)
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+#: ``kv_cache_dtype`` names: ``auto`` stores K and V in the model's dtype; ``int8`` stores them as symmetric
+#: int8 with one float16 scale per (token, KV head) (``engine.attention.quantize_kv``).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
 
 #: ``/proc/cpuinfo`` flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -64,6 +69,9 @@ class EngineConfig:
             CUDA device that supports it, ``float32`` elsewhere (``resolve_dtype``).
         device: ``cpu`` or ``cuda`` (``cuda:N``).
         num_threads: ``torch.set_num_threads`` for the CPU path; ``None`` leaves torch's default.
+        adaptive_threads: on CPU, lower the thread count (down to 1, up to ``num_threads`` or torch's
+            default) while other processes keep cores busy, and raise it again when they stop
+            (``engine.threads.ThreadGovernor``): a thread on a shared core stalls every step's barrier.
         seed: seeds the generator of requests sampled without their own ``seed``.
         speculative_method: ``None`` (off), ``"ngram"`` (prompt lookup: propose the tokens that
             followed the latest earlier occurrence of the last n tokens) or ``"draft"`` (a small
@@ -102,6 +110,13 @@ class EngineConfig:
             interpreter: tests only).
         enforce_eager: with the ``triton`` backend, never capture CUDA graphs of decode steps
             (``engine.cuda_graphs``); decode batches still run from bucket-padded static buffers.
+        kv_cache_dtype: how K and V are stored (``KV_CACHE_DTYPES``): ``"auto"`` in the model's ``dtype``;
+            ``"bfloat16"`` / ``"float32"`` in that dtype; ``"int8"``: symmetric int8 with one float16 scale
+            (absmax / 127) per token and KV head stored beside each row, about half the bytes of bf16, so a
+            ``kv_cache_memory_bytes`` budget holds about twice the blocks (``engine.attention.quantize_kv``;
+            quality: docs/engine.md).
+        limits: the per-request limits every entry point enforces (``engine.limits.RequestLimits``, or a
+            dict of its fields as ``model.json`` holds them); ``None`` takes the defaults.
         enable_lora: serve LoRA adapters on the base (requests name theirs with a ``LoRARequest``;
             ``engine.lora``); a batch mixes adapters and the base in one forward pass.
         max_loras: adapters active in one step (the scheduler holds back requests of another adapter
@@ -127,6 +142,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     num_threads: int | None = None
+    adaptive_threads: bool = True
     seed: int = 0
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
@@ -141,6 +157,8 @@ class EngineConfig:
     speculative_ngram_corpus: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    kv_cache_dtype: str = "auto"
+    limits: RequestLimits | dict | None = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -148,6 +166,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
+        self.limits = RequestLimits.from_value(self.limits)
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -163,6 +182,11 @@ class EngineConfig:
             raise UsageError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise UsageError(f"device={self.device!r}; use 'cpu' or 'cuda' / 'cuda:N'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UsageError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of {KV_CACHE_DTYPES} "
+                "('auto': the model's dtype)"
+            )
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise UsageError(
                 f"attention_backend={self.attention_backend!r}; use one of {ATTENTION_BACKENDS} or None (by device)"
@@ -267,6 +291,11 @@ class EngineConfig:
     def replace(self, **changes: Any) -> "EngineConfig":
         """A validated copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """``"auto"`` -> the model's resolved ``dtype``; other ``KV_CACHE_DTYPES`` unchanged."""
+    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

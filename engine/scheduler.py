@@ -45,6 +45,18 @@ class ScheduledSequence:
         """Logit rows this sequence needs: 0 (chunk ends before the sequence does), 1, or 1 + proposals."""
         return 1 + len(self.spec_token_ids) if self.samples else 0
 
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this chunk whose logits score the next prompt token and are not scored yet
+        (``SamplingParams.prompt_logprobs``; position ``p`` scores prompt token ``p + 1``)."""
+        scored = self.seq.prompt_logprobs
+        if scored is None:
+            return range(0)
+        computed = self.seq.num_computed_tokens
+        start = max(computed, len(scored) - 1)
+        end = min(computed + self.num_new_tokens - len(self.spec_token_ids), self.seq.num_prompt_tokens - 1)
+        return range(start, max(start, end))
+
 
 @dataclasses.dataclass
 class SchedulerOutput:
@@ -201,17 +213,20 @@ class Scheduler:
         bm = self.block_manager
         donors = list(self.running)  # their computed K/V exists before this step (not the new ones')
         active_loras = {s.lora_request for s in self.running if s.lora_request is not None}
-        held: list[Sequence] = []  # adapter requests waiting for a LoRA slot, in arrival order
+        held: set[int] = set()  # ids of the adapter requests waiting for a LoRA slot
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = next((s for s in self.waiting if not s.waits_for_grammar and id(s) not in held), None)
+            if seq is None:
+                break  # the rest wait for their structured-output grammars to compile (or for a LoRA slot)
             lora = seq.lora_request
             if lora is not None and (held or (lora not in active_loras and len(active_loras) >= self.config.max_loras)):
-                held.append(self.waiting.popleft())
+                held.add(id(seq))  # keeps its place in the queue
                 continue
-            cached = bm.find_cached_prefix(seq)
-            if bm.enable_prefix_caching and self._prefix_in_flight(seq, len(cached), in_flight):
+            use_cache = not seq.skips_prefix_cache  # prompt logprobs need the logits of every prompt position
+            cached = bm.find_cached_prefix(seq) if use_cache else []
+            if bm.enable_prefix_caching and use_cache and self._prefix_in_flight(seq, len(cached), in_flight):
                 break  # a running request is computing this prefix now: wait one step and hit it
-            partial = bm.find_partial_block(seq, cached, donors) if donors else None
+            partial = bm.find_partial_block(seq, cached, donors) if donors and use_cache else None
             copied = partial[1] if partial else 0
             remaining = seq.num_tokens - len(cached) * bm.block_size - copied
             if remaining > budget and not self.config.enable_chunked_prefill:
@@ -225,7 +240,7 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = len(cached) * bm.block_size + copied
             bm.record_prefix_query(seq, cached, copied)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, n))
@@ -234,7 +249,6 @@ class Scheduler:
                 active_loras.add(lora)
             if bm.enable_prefix_caching:
                 in_flight.update(bm.full_block_hashes(seq)[len(cached) :])
-        self.waiting.extendleft(reversed(held))
         return budget
 
     def _in_flight_hashes(self) -> set[int]:

@@ -1,0 +1,180 @@
+"""The OpenAI API's protocol as lmforge serves it: the request bodies and the error shape.
+
+Request bodies are pydantic models checked strictly, like OpenAI's own API: a field of the wrong
+type, an out-of-range value or an unknown field is an error naming the field. vLLM's extra
+sampling fields (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``) are accepted, and so are its structured-output fields (``structured_outputs``,
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) beside OpenAI's
+``response_format``. Errors are ``OpenAIError`` with OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``. ``deploy.openai.app`` serves them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+#: Longest prompt text accepted before tokenizing (characters), as Triton's model accepts.
+MAX_PROMPT_CHARS = 1_000_000
+#: Most completions per request (``n`` x number of prompts).
+MAX_CHOICES = 128
+
+
+# --------------------------------------------------------------------------------------------
+# Request bodies (strict: wrong types and unknown fields are errors)
+# --------------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema is enforced whether ``strict`` is true or not."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Strict):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputsFields(_Strict):
+    """vLLM's ``structured_outputs`` extra field (``engine.sampling_params.StructuredOutputsParams``)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class _SamplingFields(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # the engine's own fields, with vLLM's names
+    top_k: int | None = Field(None, ge=1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    # structured output: OpenAI's field, then vLLM's (at most one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: a prompt is text, a list of texts, token ids or lists of them."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (with echo)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False  # the prompt before the completion; with logprobs, the prompt tokens' logprobs too
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A chat message; fields beyond ``role`` and ``content`` go to the chat template as given."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(exc: ValidationError) -> OpenAIError:
+    """The first pydantic error as a 400 naming the field."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return OpenAIError(400, f"the request body is not valid JSON ({first['msg']})", code="invalid_json")
+    loc = [str(part) for part in first["loc"] if not isinstance(part, str) or not _is_type_tag(part)]
+    if len(loc) > 1 and loc[0] == "response_format":  # drop the union's tag (the ``type`` it matched)
+        del loc[1]
+    param = ".".join(loc) or None
+    if first["type"] == "extra_forbidden":
+        return OpenAIError(400, f"unrecognized request argument supplied: {param}", param=param, code="unknown_field")
+    if first["type"] == "missing":
+        return OpenAIError(400, f"{param}: missing required field", param=param, code="missing_field")
+    shown = repr(first.get("input"))[:80]
+    return OpenAIError(400, f"{param}: {first['msg']} (got {shown})", param=param, code="invalid_value")
+
+
+def _is_type_tag(part: str) -> bool:
+    """Union members in pydantic locations (``str``, ``list[int]``...), not field names."""
+    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[")) or part in ("ContentPart",)
