@@ -204,14 +204,24 @@ class Scheduler:
 
         A request whose prompt continues a running request's computed tokens past their common
         cached blocks gets those K/V slots copied (``kv_copies``) instead of recomputing them.
+
+        With LoRA, the running requests use at most ``max_loras`` adapters: a request of another
+        adapter waits (keeping its place) while that many are running, and so do the adapter requests
+        behind it (no adapter starves); base requests pass.
         """
         in_flight = self._in_flight_hashes()
         bm = self.block_manager
         donors = list(self.running)  # their computed K/V exists before this step (not the new ones')
+        active_loras = {s.lora_request for s in self.running if s.lora_request is not None}
+        held: set[int] = set()  # ids of the adapter requests waiting for a LoRA slot
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = next((s for s in self.waiting if not s.waits_for_grammar), None)
+            seq = next((s for s in self.waiting if not s.waits_for_grammar and id(s) not in held), None)
             if seq is None:
-                break  # the rest wait for their structured-output grammars to compile
+                break  # the rest wait for their structured-output grammars to compile (or for a LoRA slot)
+            lora = seq.lora_request
+            if lora is not None and (held or (lora not in active_loras and len(active_loras) >= self.config.max_loras)):
+                held.add(id(seq))  # keeps its place in the queue
+                continue
             use_cache = not seq.skips_prefix_cache  # prompt logprobs need the logits of every prompt position
             cached = bm.find_cached_prefix(seq) if use_cache else []
             if bm.enable_prefix_caching and use_cache and self._prefix_in_flight(seq, len(cached), in_flight):
@@ -235,6 +245,8 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, n))
             budget -= n
+            if lora is not None:
+                active_loras.add(lora)
             if bm.enable_prefix_caching:
                 in_flight.update(bm.full_block_hashes(seq)[len(cached) :])
         return budget
