@@ -24,7 +24,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +45,30 @@ class ProcessStartError(RuntimeError):
     def __init__(self, message: str, exit_code: int | None = None) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def url_ready(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether a GET of ``url`` answers HTTP 200 within ``timeout_s``."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_for_url(
+    url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.5
+) -> float | None:
+    """Seconds until ``url`` answers 200; ``None`` when ``timeout_s`` passes first or ``alive()``
+    turns false (the server or container it waits for has gone)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if url_ready(url, timeout_s=3.0):
+            return time.monotonic() - start
+        if not alive():
+            return None
+        time.sleep(poll_s)
+    return None
 
 
 def signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -158,11 +182,7 @@ class ManagedProcess:
     def _ready(self) -> bool:
         if self.ready_line is not None:
             return self.ready_line in self._read_log()
-        try:
-            with urllib.request.urlopen(self.ready_url, timeout=2.0) as reply:
-                return reply.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+        return url_ready(self.ready_url)
 
     def _read_log(self) -> str:
         try:

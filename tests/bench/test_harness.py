@@ -22,6 +22,7 @@ from bench.harness import (
     peers_dir,
     percentiles,
     run_process,
+    wait_for_url,
     write_json,
 )
 from deploy.triton import free_ports
@@ -69,8 +70,10 @@ def test_a_process_ready_by_url_and_ended_when_the_block_raises(tmp_path):
     with pytest.raises(RuntimeError, match="measurement failed"):
         with ManagedProcess(command, ready_url=f"http://127.0.0.1:{port}/", log_path=tmp_path / "http.log") as server:
             pid = server.proc.pid
+            assert wait_for_url(f"http://127.0.0.1:{port}/", 10.0) is not None
             raise RuntimeError("measurement failed")
     assert _gone(pid) and server.exit_code is not None
+    assert wait_for_url(f"http://127.0.0.1:{port}/", 60.0, alive=lambda: False) is None  # gone: no wait
 
 
 def test_a_process_that_exits_or_is_late_fails_to_start_with_its_log_tail(tmp_path):
