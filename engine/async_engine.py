@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
@@ -134,12 +135,15 @@ class AsyncLLMEngine:
 
         Raises:
             GrammarError (a ValueError): the constraint is invalid, matches nothing, or took longer
-                than the compile timeout.
+                than the compile timeout (counted from when the grammar tokenizer is ready).
         """
         compiler = self.engine.grammar_compiler
+        submitted = time.monotonic()
         future = compiler.submit(params.structured_outputs)
+        await asyncio.wait([asyncio.wrap_future(compiler.tokenizer_future())])  # a failed build fails the compile
+        remaining = compiler.deadline(submitted) - time.monotonic()
         try:  # shielded: the compile is shared with other requests of the same constraint
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), compiler.compile_timeout_s)
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), max(remaining, 0.0))
         except asyncio.TimeoutError:
             raise compiler.timeout_error(params.structured_outputs.key) from None
 
