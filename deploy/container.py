@@ -391,58 +391,27 @@ def triton_command(model: str, ports: dict[str, int]) -> list[str]:
     ]
 
 
-def run_triton(name: str, image: str, repo: Path, model: str, ports: dict[str, int]) -> None:
-    """Start the image's tritonserver detached as container ``name``, ``repo`` mounted read-only at /models."""
+def _run_detached(name: str, repo: Path, *args: str) -> None:
+    """``podman run -d`` as container ``name`` on the host network, ``repo`` mounted read-only at /models."""
     run(
-        podman(
-            "run",
-            "-d",
-            "--name",
-            name,
-            "--network",
-            "host",
-            "--shm-size",
-            "2g",
-            "-v",
-            f"{repo}:/models:ro",
-            image,
-            *triton_command(model, ports),
-        ),
+        podman("run", "-d", "--name", name, "--network", "host", "-v", f"{repo}:/models:ro", *args),
         timeout_s=120,
         what=f"podman run {name}",
     )
 
 
+def run_triton(name: str, image: str, repo: Path, model: str, ports: dict[str, int]) -> None:
+    """Start the image's tritonserver detached as container ``name``, ``repo`` mounted read-only at /models."""
+    _run_detached(name, repo, "--shm-size", "2g", image, *triton_command(model, ports))
+
+
 def run_openai(name: str, image: str, repo: Path, model: str, grpc_port: int, port: int) -> None:
     """Start the image's OpenAI frontend detached as container ``name``, forwarding to Triton's gRPC."""
-    run(
-        podman(
-            "run",
-            "-d",
-            "--name",
-            name,
-            "--network",
-            "host",
-            "-v",
-            f"{repo}:/models:ro",
-            "--entrypoint",
-            IMAGE_PYTHON,
-            image,
-            "-m",
-            OPENAI_MODULE,
-            "--repo",
-            "/models",
-            "--grpc-url",
-            f"127.0.0.1:{grpc_port}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--models",
-            model,
-        ),
-        timeout_s=120,
-        what=f"podman run {name}",
+    _run_detached(
+        name,
+        repo,
+        *("--entrypoint", IMAGE_PYTHON, image, "-m", OPENAI_MODULE, "--repo", "/models"),
+        *("--grpc-url", f"127.0.0.1:{grpc_port}", "--host", "127.0.0.1", "--port", str(port), "--models", model),
     )
 
 

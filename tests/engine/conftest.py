@@ -59,3 +59,16 @@ def gpt2_like_dir(tiny_llama_dir, tmp_path):
     config["model_type"] = "gpt2"
     (other / "config.json").write_text(json.dumps(config))
     return other
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels():
+    """The engine's C++ CPU kernels, built and switched on for the module (skipped where
+    ``--cpu-kernel-path=torch`` holds them off; a build failure fails the module)."""
+    if cpu_ops.KERNELS.forbidden:
+        pytest.skip("--cpu-kernel-path=torch holds the engine's C++ kernels off")
+    cpu_ops.use_cpu_kernels(True)
+    if not cpu_ops.use_cpu_kernels():
+        pytest.fail(f"engine CPU kernels did not build: {cpu_ops.KERNELS.reason}")
+    yield
+    cpu_ops.use_cpu_kernels(True)

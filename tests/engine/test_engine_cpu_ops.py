@@ -7,16 +7,7 @@ import torch.nn.functional as F
 from engine import cpu_ops
 from engine.attention import CommonAttentionMetadata, TorchAttentionBackend
 
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    if cpu_ops.KERNELS.forbidden:
-        pytest.skip("--cpu-kernel-path=torch holds the engine's C++ kernels off")
-    cpu_ops.use_cpu_kernels(True)
-    if not cpu_ops.use_cpu_kernels():
-        pytest.fail(f"engine CPU kernels did not build: {cpu_ops.KERNELS.reason}")
-    yield
-    cpu_ops.use_cpu_kernels(True)
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def test_rms_norm_matches_torch_in_bf16_and_fp32():

@@ -26,13 +26,7 @@ from engine.model_runner import ModelRunner
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    cpu_ops.use_cpu_kernels(True)
-    if not cpu_ops.use_cpu_kernels():
-        pytest.fail(f"engine CPU kernels did not build: {cpu_ops.KERNELS.reason}")
-    yield
-    cpu_ops.use_cpu_kernels(True)
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def test_quantize_kv_rows_scales_and_error_bound():
