@@ -7,9 +7,14 @@ the request's response sender: one per engine step when ``stream`` is true, one 
 otherwise; the last carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. A request whose client
 went away (``response_sender.is_cancelled()``, polled every ``CANCEL_CHECK_INTERVAL_S`` whether
 or not the engine produced output, so a request still waiting for a batch slot is caught too)
-is aborted in the engine, which frees its KV blocks at once. Triton 2.51 flags HTTP clients that
-close a ``generate_stream`` (SSE) and gRPC stream cancellations; it does not flag a client that
-leaves a non-streaming ``generate``, which then runs to its end.
+is aborted in the engine, which frees its KV blocks at once. Triton 2.51 flags gRPC stream
+cancellations at once; it flags an HTTP client that closed a ``generate_stream`` (SSE) only when
+it writes to the connection, so a streaming request that sent nothing for ``HEARTBEAT_INTERVAL_S``
+(queued, or waiting on a long step) sends an empty response (``heartbeat_tensors``; clients skip
+it) and a closed client is aborted within about a second, queued or running. A client that leaves
+a non-streaming ``generate`` is never flagged (no response may be written before the last one);
+such a request runs to its end, bounded by the request limits (``engine.limits``: it has one
+completion, ``n`` > 1 needs ``stream``, and at most ``max_model_len`` tokens).
 
 A bad request gets an error response (``INVALID_ARG``, HTTP 400); a request whose engine step
 failed gets ``INTERNAL`` with the engine's reason; the other requests carry on. If the engine
@@ -45,6 +50,10 @@ from engine.async_engine import EngineDeadError
 STATS_INTERVAL_S = 0.05
 #: How often a request asks Triton whether its client cancelled (an IPC round trip).
 CANCEL_CHECK_INTERVAL_S = 0.1
+#: A streaming request that sent nothing for this long (queued behind others, or a long step) gets an empty
+#: response (``heartbeat_tensors``): Triton 2.51's HTTP server notices a closed SSE connection only when it
+#: writes to it, and a client (the OpenAI frontend) can tell a live instance from a dead one by it.
+HEARTBEAT_INTERVAL_S = 0.3
 #: Request parameters Triton or its clients set themselves (e.g. ``triton_enable_empty_final_response``).
 RESERVED_PARAMETER_PREFIX = "triton_"
 #: Histogram buckets (seconds) for time to first token and time per output token.
@@ -212,6 +221,22 @@ class _SentState:
     chars: dict[int, int] = dataclasses.field(default_factory=dict)  # text characters streamed
     tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # token ids streamed
     done: set[int] = dataclasses.field(default_factory=set)  # completions whose finish was sent
+    last: object = None  # the latest RequestOutput (heartbeats repeat its token counts)
+    heartbeats: int = 0  # empty responses sent
+
+
+def heartbeat_tensors(last) -> list:
+    """An empty response of a streaming request: ``text_output`` "", no ``output_token_ids``, no
+    ``finish_reason``, index 0 and the token counts of ``last`` (0 before the first output). Clients skip it."""
+    num_in = len(last.prompt_token_ids) if last is not None else 0
+    num_out = len(last.outputs[0].token_ids) if last is not None else 0
+    return [
+        pb_utils.Tensor("text_output", np.array([b""], dtype=np.object_)),
+        pb_utils.Tensor("num_input_tokens", np.array([num_in], dtype=np.int32)),
+        pb_utils.Tensor("num_output_tokens", np.array([num_out], dtype=np.int32)),
+        pb_utils.Tensor("index", np.array([0], dtype=np.int32)),
+        pb_utils.Tensor("output_token_ids", np.array([], dtype=np.int64)),
+    ]
 
 
 def _output_tensors(text: str, output, completion, finish_reason: str | None, token_ids=(), logprobs=None) -> list:
@@ -388,15 +413,18 @@ class TritonPythonModel:
     async def _stream(self, request: LLMRequest, request_id: str, stream, sender) -> tuple[bool, object]:
         """Send the engine's outputs; returns (FINAL sent, last output).
 
-        A watcher task aborts the request as soon as Triton reports its client cancelled.
+        A watcher task aborts the request as soon as Triton reports its client cancelled, and keeps a
+        quiet streaming request's connection checked with heartbeats (``HEARTBEAT_INTERVAL_S``).
         """
         sent = _SentState()
         last = None
         cancelled = asyncio.Event()
-        watcher = asyncio.ensure_future(self._watch_cancel(sender, request_id, cancelled))
+        watcher = asyncio.ensure_future(
+            self._watch_cancel(sender, request_id, cancelled, sent if request.stream else None)
+        )
         try:
             async for output in stream:
-                last = output
+                last = sent.last = output
                 if cancelled.is_set():
                     return False, last
                 try:
@@ -412,11 +440,32 @@ class TritonPythonModel:
             watcher.cancel()
         return False, last
 
-    async def _watch_cancel(self, sender, request_id: str, cancelled: asyncio.Event) -> None:
-        """Abort the request once Triton says its client cancelled, whether or not it has output yet."""
+    async def _watch_cancel(
+        self, sender, request_id: str, cancelled: asyncio.Event, sent: "_SentState | None" = None
+    ) -> None:
+        """Abort the request once Triton says its client cancelled, whether or not it has output yet.
+
+        With ``sent`` (a streaming request), a request that sent nothing for ``HEARTBEAT_INTERVAL_S``
+        sends a heartbeat: the write is what lets Triton's HTTP server see a closed SSE connection (the
+        next poll then finds the request cancelled), and a send that fails means the client is gone.
+        """
+        progress, quiet_since = None, time.monotonic()
         while True:
             await asyncio.sleep(CANCEL_CHECK_INTERVAL_S)
-            if sender.is_cancelled():  # an IPC round trip to Triton
+            gone = sender.is_cancelled()  # an IPC round trip to Triton
+            if not gone and sent is not None:
+                now = time.monotonic()
+                seen = (len(sent.chars), sum(sent.chars.values()), sum(sent.tokens.values()), len(sent.done))
+                if seen != progress:
+                    progress, quiet_since = seen, now
+                elif now - quiet_since >= HEARTBEAT_INTERVAL_S:
+                    quiet_since = now
+                    try:
+                        sender.send(pb_utils.InferenceResponse(heartbeat_tensors(sent.last)), flags=0)
+                        sent.heartbeats += 1
+                    except Exception:  # noqa: BLE001 -- the client is gone
+                        gone = True
+            if gone:
                 cancelled.set()
                 self.metrics.aborted.increment(1)
                 await self.engine.abort(request_id)  # the stream ends with the abort output
