@@ -1,6 +1,7 @@
 """Running one benchmark configuration: where the peers are, whether they are installed, the
-GGUF a llama.cpp configuration serves, and each configuration in a fresh process of its own
-interpreter (``bench.engine_backends``), ended with the session it leads.
+GGUF a llama.cpp configuration serves or the OpenVINO IR an OpenVINO configuration runs, each
+configuration in a fresh process of its own interpreter (``bench.engine_backends``), ended with
+the session it leads, and the busy processes that share the cores with it (``--contention``).
 
 Shared by ``bench.engine_bench`` and ``bench.spec_bench``.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from bench import peers
 from bench.engine_backends import BACKENDS, RunSpec
-from bench.peers import NOT_INSTALLED, PeerError, convert_to_gguf
+from bench.peers import NOT_INSTALLED, PeerError, convert_to_gguf, export_openvino
 
 
 @dataclasses.dataclass
@@ -28,15 +29,21 @@ class Peers:
     vllm_python: Path | None
     llama_server: Path | None
     gguf_converter: tuple[Path, Path] | None
+    openvino_python: Path | None = None
 
     @classmethod
-    def find(cls, vllm_python: str | None, llama_server: str | None) -> "Peers":
+    def find(cls, vllm_python: str | None, llama_server: str | None, openvino_python: str | None = None) -> "Peers":
         """The given paths, else what ``make peers`` installed (:mod:`bench.peers`)."""
         return cls(
             Path(vllm_python) if vllm_python else peers.default_vllm_python(),
             Path(llama_server) if llama_server else peers.default_llama_server(),
             peers.gguf_converter(),
+            Path(openvino_python) if openvino_python else peers.default_openvino_python(),
         )
+
+    def python(self, interpreter: str) -> Path | None:
+        """The interpreter a configuration runs under (``Backend.interpreter``); ``None``: this one."""
+        return {"vllm": self.vllm_python, "openvino": self.openvino_python}.get(interpreter)
 
 
 def not_installed(config: str, peers: Peers) -> str | None:
@@ -44,29 +51,49 @@ def not_installed(config: str, peers: Peers) -> str | None:
     backend = BACKENDS[config]
     if backend.interpreter == "vllm" and (peers.vllm_python is None or not peers.vllm_python.exists()):
         return f"vLLM {NOT_INSTALLED} (or pass --vllm-python)"
+    if backend.interpreter == "openvino" and (peers.openvino_python is None or not peers.openvino_python.exists()):
+        return f"OpenVINO GenAI {NOT_INSTALLED} or `make peers-openvino` (or pass --openvino-python)"
     if backend.gguf_type is not None and (peers.llama_server is None or not peers.llama_server.exists()):
         return f"llama-server {NOT_INSTALLED} (or pass --llama-server)"
     return None
 
 
-def prepare_gguf(config: str, model_dir: Path, gguf_dir: Path, peers: Peers) -> tuple[str | None, str, bool]:
-    """Convert the checkpoint to the GGUF type ``config`` serves (``gguf_dir/<name>-<type>.gguf``,
-    reused if already there).
+def prepare_peer_model(config: str, model_dir: Path, cache_dir: Path, peers: Peers) -> tuple[str | None, str, bool]:
+    """Convert the checkpoint to the form ``config`` runs, reused if already in ``cache_dir``: the
+    GGUF type a llama.cpp configuration serves (``<name>-<type>.gguf``, llama.cpp's converter) or
+    the OpenVINO IR an OpenVINO configuration runs (``<name>-openvino-<weights>/``,
+    ``optimum-cli export openvino``).
 
     Returns ``(path or None, note, converter missing)``.
     """
-    outtype = BACKENDS[config].gguf_type
-    out = gguf_dir / f"{model_dir.name}-{outtype}.gguf"
-    existed = out.is_file()
-    if not existed and peers.gguf_converter is None:
-        return None, f"llama.cpp's convert_hf_to_gguf.py {NOT_INSTALLED}", True
+    backend = BACKENDS[config]
+    if backend.gguf_type is not None:
+        out = cache_dir / f"{model_dir.name}-{backend.gguf_type}.gguf"
+        tool, have = "llama.cpp's convert_hf_to_gguf.py", peers.gguf_converter is not None
+
+        def convert() -> None:
+            convert_to_gguf(model_dir, backend.gguf_type, out, peers.gguf_converter)
+
+    elif backend.openvino_weights is not None:
+        out = cache_dir / f"{model_dir.name}-openvino-{backend.openvino_weights}"
+        tool, have = "optimum-cli (OpenVINO)", peers.openvino_python is not None
+
+        def convert() -> None:
+            export_openvino(model_dir, backend.openvino_weights, out, peers.openvino_python)
+
+    else:
+        raise ValueError(f"{config} runs the checkpoint itself; it has no peer model to prepare")
+    existed = out.exists()
+    if not existed and not have:
+        return None, f"{tool} {NOT_INSTALLED}", True
     start = time.perf_counter()
     try:
-        convert_to_gguf(model_dir, outtype, out, peers.gguf_converter)
+        convert()
     except PeerError as exc:
         return None, str(exc), False
     how = "reused" if existed else f"converted in {time.perf_counter() - start:.0f} s"
-    return str(out), f"{out} ({how}, {out.stat().st_size / 2**20:.0f} MiB)", False
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else out.stat().st_size
+    return str(out), f"{out} ({how}, {size / 2**20:.0f} MiB)", False
 
 
 def run_config(
@@ -106,3 +133,83 @@ def _end_session(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# --------------------------------------------------------------------------------------------
+# Busy cores (``--contention``)
+# --------------------------------------------------------------------------------------------
+
+#: What each busy process runs: spin until ``argv[1]`` seconds have passed. It asks the kernel to
+#: kill it when the benchmark's process (``argv[2]``) dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``),
+#: and exits at once if that happened before it asked, so neither a crash nor a kill of the
+#: benchmark leaves it behind.
+BUSY_LOOP = """
+import ctypes, os, sys, time
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[2]):
+    sys.exit(0)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    pass
+"""
+
+
+def busy_cores(count: int) -> list[int]:
+    """The cores the ``count`` busy processes spin on: from the last core this process may use
+    (``os.sched_getaffinity``) backwards, wrapping around, so with ``--threads`` as many as the
+    cores, every busy process shares a core with one of the measured system's threads (peers
+    that bind their threads, vLLM among them, take the first cores)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return [allowed[-1 - i % len(allowed)] for i in range(count)]
+
+
+class BusyProcesses:
+    """``count`` processes that each spin on one core, for the lifetime of a ``with`` block.
+
+    They model what a served engine shares its cores with (the server, the frontend, the
+    tokenizer, a load client): always runnable, never sleeping. Each is bounded in time
+    (``limit_s``, a run's own time limit plus a margin), dies with the benchmark's process, and
+    is killed and reaped when the block ends, also when it ends with an exception.
+
+    Attributes:
+        procs: the running processes (inside the block).
+        cores: the core each one is pinned to (:func:`busy_cores`).
+    """
+
+    def __init__(self, count: int, limit_s: float) -> None:
+        if count < 0:
+            raise ValueError(f"busy process count {count}; it must be >= 0")
+        self.count, self.limit_s = count, limit_s
+        self.cores = busy_cores(count)
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "BusyProcesses":
+        try:
+            for core in self.cores:
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", BUSY_LOOP, f"{self.limit_s:.1f}", str(os.getpid())],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+                self.procs.append(proc)
+                os.sched_setaffinity(proc.pid, {core})
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:  # a process in uninterruptible sleep; reaped by init later
+                pass
+        self.procs = []

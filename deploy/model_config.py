@@ -147,7 +147,9 @@ def llm_config(name: str, *, instance_count: int = 1):
     Outputs: ``text_output`` STRING [-1], ``finish_reason`` STRING [-1], ``num_input_tokens``
     and ``num_output_tokens`` INT32 [1]; ``index`` INT32 [1] (completion index, ``n`` > 1),
     ``output_token_ids`` INT64 [-1] (the tokens of this response), ``logprobs`` STRING [1]
-    (JSON, one ``{token_id: logprob}`` per token of this response, when asked).
+    (JSON, one ``{token_id: logprob}`` per token of this response, when asked),
+    ``num_cached_tokens`` INT32 [1] (on a completion's last response: prompt tokens served from
+    the prefix cache).
     """
     config = _pb().ModelConfig(name=name, backend="python", max_batch_size=0)
     config.model_transaction_policy.decoupled = True
@@ -163,6 +165,7 @@ def llm_config(name: str, *, instance_count: int = 1):
     _tensor(config.output, "index", "TYPE_INT32", [1])
     _tensor(config.output, "output_token_ids", "TYPE_INT64", [-1])
     _tensor(config.output, "logprobs", "TYPE_STRING", [1])
+    _tensor(config.output, "num_cached_tokens", "TYPE_INT32", [1])
     _cpu_instances(config, instance_count)
     return config
 

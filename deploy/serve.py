@@ -14,7 +14,7 @@ exit 1 at once with the ports named. While serving, a model whose Python-backend
 whose engine died is loaded again, and a server that crashed is started again
 (``deploy.triton.ModelSupervisor``); each event is printed.
 
-With ``--openai-port`` it also starts the OpenAI-compatible frontend (``deploy.openai_server``,
+With ``--openai-port`` it also starts the OpenAI-compatible frontend (``python -m deploy.openai``,
 its own process, bound to ``--host``, default 127.0.0.1) on the server's LLM models once they
 are ready; it forwards to Triton over gRPC (so it outlives a supervised server restart on the
 same ports) and stops with it (pid in ``REPO/openai_server.pid``, log in
@@ -165,13 +165,13 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 
 
 def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: float = 120.0) -> subprocess.Popen:
-    """Start ``deploy.openai_server`` on the server's LLM models; returns once ``/health`` answers 200.
+    """Start ``deploy.openai`` on the server's LLM models; returns once ``/health`` answers 200.
 
     Raises:
         TritonError: no LLM model is loaded, or the frontend exited or did not get ready in time.
     """
     # optional or heavy dependency: imported only on the path that needs it
-    from deploy.openai_server import llm_names
+    from deploy.openai.models import llm_names
 
     repo = Path(args.repo).resolve()
     names = llm_names(repo, server.models)
@@ -185,7 +185,7 @@ def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: floa
     command = [
         sys.executable,
         "-m",
-        "deploy.openai_server",
+        "deploy.openai",
         "--repo",
         str(repo),
         "--grpc-url",
@@ -236,7 +236,7 @@ def stop_openai_from_pid_file(repo: str | Path, grace_s: float) -> int | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     try:
-        ours = _pid_alive(pid) and b"deploy.openai_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ours = _pid_alive(pid) and b"deploy.openai" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         ours = False
     pid_path.unlink(missing_ok=True)

@@ -3,8 +3,12 @@
 One ``engine.AsyncLLMEngine`` per model instance runs on an asyncio event loop in its own
 thread. ``execute`` only hands each request to that loop and returns at once; the loop parses
 the request (``deploy.llm_request``), iterates ``engine.generate`` and sends responses through
-the request's response sender: one per engine step when ``stream`` is true, one at the end
-otherwise; the last carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. A request whose client
+the request's response sender: when ``stream`` is true, one per engine step at most (the engine
+hands over only its newest output when this loop fell behind, so a response then carries the
+new text and tokens of several steps: each send is a round trip to Triton, and under load
+fewer, fuller responses are what keeps the stream up with the engine); one at the end
+otherwise. The last response carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``, the finish
+reason and ``num_cached_tokens`` (prompt tokens served from the prefix cache). A request whose client
 went away (``response_sender.is_cancelled()``, polled every ``CANCEL_CHECK_INTERVAL_S`` whether
 or not the engine produced output, so a request still waiting for a batch slot is caught too)
 is aborted in the engine, which frees its KV blocks at once. Triton 2.51 flags gRPC stream
@@ -91,6 +95,9 @@ class LLMMetrics:
     * ``lmforge_num_preemptions_total``, ``lmforge_requests_finished_total`` (label
       ``finish_reason``), ``lmforge_requests_aborted_total``, ``lmforge_request_errors_total``
       (counters);
+    * ``lmforge_prompt_tokens_total``, ``lmforge_generation_tokens_total``,
+      ``lmforge_engine_steps_total`` (the engine's counters) and ``lmforge_responses_total``
+      (responses sent; with the tokens, the messages per token of the stream);
     * ``lmforge_time_to_first_token_seconds``, ``lmforge_time_per_output_token_seconds``
       (histograms);
     * speculative decoding: ``lmforge_spec_decode_num_drafts_total`` (request-steps that
@@ -161,6 +168,14 @@ class LLMMetrics:
         self._counters = {
             "num_preemptions_total": [self.preemptions, 0],
             **{
+                field: [family(name, help_text, counter).Metric(labels=labels), 0]
+                for field, name, help_text in (
+                    ("num_prompt_tokens_total", "lmforge_prompt_tokens_total", "Prompt tokens of admitted requests"),
+                    ("num_generation_tokens_total", "lmforge_generation_tokens_total", "Tokens generated"),
+                    ("num_steps_total", "lmforge_engine_steps_total", "Engine steps run"),
+                )
+            },
+            **{
                 f"spec_decode_{name}_total": [
                     family(f"lmforge_spec_decode_{name}_total", help_text, counter).Metric(labels=labels),
                     0,
@@ -173,24 +188,41 @@ class LLMMetrics:
             },
         }
         self._running_max_seen = 0
+        self.responses = family(
+            "lmforge_responses_total", "Responses sent (streamed pieces and finals)", counter
+        ).Metric(labels=labels)
+        #: Responses sent, counted by the sending thread; ``update_stats`` exports them.
+        self.num_responses = 0
+        self._responses_exported = 0
+        self._gauge_values: dict[int, float] = {}
+
+    def _set(self, gauge, value: float) -> None:
+        """Set a gauge only when its value changed: each set is a round trip to Triton."""
+        if self._gauge_values.get(id(gauge)) != value:
+            self._gauge_values[id(gauge)] = value
+            gauge.set(value)
 
     def update_stats(self, stats) -> None:
-        """Copy an ``EngineStats`` snapshot into the gauges."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
+        """Copy an ``EngineStats`` snapshot into the gauges and counters."""
+        self._set(self.running, stats.num_running)
+        self._set(self.waiting, stats.num_waiting)
         if stats.num_running > self._running_max_seen:
             self._running_max_seen = stats.num_running
             self.running_max.set(stats.num_running)
-        self.kv_usage.set(float(stats.kv_cache_usage))
+        self._set(self.kv_usage, float(stats.kv_cache_usage))
         queries = stats.prefix_cache_queries_tokens_total
-        self.hit_rate.set(stats.prefix_cache_hits_tokens_total / queries if queries else 0.0)
-        self.acceptance_rate.set(float(stats.spec_decode_acceptance_rate))
-        self.mean_accepted_length.set(float(stats.spec_decode_mean_accepted_length))
+        self._set(self.hit_rate, stats.prefix_cache_hits_tokens_total / queries if queries else 0.0)
+        self._set(self.acceptance_rate, float(stats.spec_decode_acceptance_rate))
+        self._set(self.mean_accepted_length, float(stats.spec_decode_mean_accepted_length))
         for field, entry in self._counters.items():
             value = getattr(stats, field)
             if value > entry[1]:
                 entry[0].increment(value - entry[1])
                 entry[1] = value
+        responses = self.num_responses
+        if responses > self._responses_exported:
+            self.responses.increment(responses - self._responses_exported)
+            self._responses_exported = responses
 
     def finished(self, output) -> None:
         """Record a finished ``RequestOutput``: its finish reason, TTFT and TPOT."""
@@ -239,17 +271,26 @@ def heartbeat_tensors(last) -> list:
     ]
 
 
-def _output_tensors(text: str, output, completion, finish_reason: str | None, token_ids=(), logprobs=None) -> list:
-    """One response's tensors for one completion (``token_ids``/``logprobs``: those of this response)."""
+def _output_tensors(
+    text: str, output, completion, finish_reason: str | None, token_ids=(), logprobs=None, final: bool = False
+) -> list:
+    """One response's tensors for one completion (``token_ids``/``logprobs``: those of this response).
+
+    ``finish_reason`` and ``num_cached_tokens`` (prompt tokens served from the prefix cache) ride
+    on a completion's last response only.
+    """
     tensors = [
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
         pb_utils.Tensor("num_input_tokens", np.array([len(output.prompt_token_ids)], dtype=np.int32)),
         pb_utils.Tensor("num_output_tokens", np.array([len(completion.token_ids)], dtype=np.int32)),
         pb_utils.Tensor("index", np.array([completion.index], dtype=np.int32)),
-        pb_utils.Tensor("output_token_ids", np.array(list(token_ids), dtype=np.int64)),
+        pb_utils.Tensor("output_token_ids", np.array(token_ids, dtype=np.int64)),
     ]
     if finish_reason is not None:
         tensors.append(pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=np.object_)))
+    if final:
+        cached = output.metrics.num_cached_tokens if getattr(output, "metrics", None) is not None else 0
+        tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([cached], dtype=np.int32)))
     if logprobs is not None:
         entries = [{str(t): v for t, v in entry.items()} for entry in logprobs]
         tensors.append(pb_utils.Tensor("logprobs", np.array([json.dumps(entries).encode()], dtype=np.object_)))
@@ -505,7 +546,10 @@ class TritonPythonModel:
             if not request.stream and not request.exclude_input_in_output:
                 delta = request.prompt_text + delta
             logprobs = completion.logprobs[start_tokens:] if completion.logprobs is not None else None
-            responses.append(_output_tensors(delta, output, completion, completion.finish_reason, new_tokens, logprobs))
+            finish = completion.finish_reason
+            responses.append(
+                _output_tensors(delta, output, completion, finish, new_tokens, logprobs, final=finish is not None)
+            )
         for i, tensors in enumerate(responses):
             final = output.finished and i == len(responses) - 1
             sender.send(
@@ -513,6 +557,7 @@ class TritonPythonModel:
             )
         if output.finished and not responses:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.metrics.num_responses += len(responses) or output.finished
         return output.finished
 
     def _send_error(self, sender, message: str, code=None) -> None:

@@ -88,6 +88,8 @@ class AsyncLLMEngine:
         """
         self._raise_if_dead()
         params, text, token_ids = self.engine.validate_request(prompt, params)  # ValueError for this request only
+        if params.structured_outputs is not None:  # compiled before the request joins: a bad grammar is its ValueError
+            await self._compile_grammar(params)
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -102,6 +104,8 @@ class AsyncLLMEngine:
         try:
             while True:
                 item = await queue.get()
+                while not queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+                    item = queue.get_nowait()  # cumulative: the newest output holds what the skipped ones said
                 if isinstance(item, ValueError):
                     finished = True
                     raise item
@@ -115,6 +119,20 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 await self.abort(request_id)
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Wait (off the step loop) for the request's grammar to compile.
+
+        Raises:
+            GrammarError (a ValueError): the constraint is invalid, matches nothing, or took longer
+                than the compile timeout.
+        """
+        compiler = self.engine.grammar_compiler
+        future = compiler.submit(params.structured_outputs)
+        try:  # shielded: the compile is shared with other requests of the same constraint
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), compiler.compile_timeout_s)
+        except asyncio.TimeoutError:
+            raise compiler.timeout_error(params.structured_outputs.key) from None
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; when this returns its blocks are free and its stream ends with ``finish_reason="abort"``."""
@@ -201,8 +219,16 @@ class AsyncLLMEngine:
             self._fail(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._send(out.request_id, out, last=out.finished)
+        """Hand a step's outputs to their callers: one ``call_soon_threadsafe`` per event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._queues_lock:
+            for out in outputs:
+                target = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append((target[1], out))
+        for loop, items in batches.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _send(self, request_id: str, item, last: bool) -> None:
         with self._queues_lock:
@@ -223,6 +249,11 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine step loop failed; create a new engine") from self._error
         if self._stopped:
             raise EngineDeadError("the engine was shut down")
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -13,6 +13,10 @@ from engine.platform import cpu_flags  # /proc/cpuinfo flags (also decide the IN
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+#: ``kv_cache_dtype`` names: ``auto`` stores K and V in the model's dtype; ``int8`` stores them as symmetric
+#: int8 with one float16 scale per (token, KV head) (``engine.attention.quantize_kv``).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
+
 #: ``/proc/cpuinfo`` flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -73,6 +77,9 @@ class EngineConfig:
             CUDA device that supports it, ``float32`` elsewhere (``resolve_dtype``).
         device: ``cpu`` or ``cuda`` (``cuda:N``).
         num_threads: ``torch.set_num_threads`` for the CPU path; ``None`` leaves torch's default.
+        adaptive_threads: on CPU, lower the thread count (down to 1, up to ``num_threads`` or torch's
+            default) while other processes keep cores busy, and raise it again when they stop
+            (``engine.threads.ThreadGovernor``): a thread on a shared core stalls every step's barrier.
         seed: seeds the generator of requests sampled without their own ``seed``.
         speculative_method: ``None`` (off), ``"ngram"`` (prompt lookup: propose the tokens that
             followed the latest earlier occurrence of the last n tokens) or ``"draft"`` (a small
@@ -125,6 +132,11 @@ class EngineConfig:
             token as a row of the C++ kernel over its keys in one fixed order (no shared-prefix split, no
             batch-shaped flash call). CPU, float checkpoints (bf16 or fp32) only; it costs prefill speed
             (docs/engine.md has the measured cost).
+        kv_cache_dtype: how K and V are stored (``KV_CACHE_DTYPES``): ``"auto"`` in the model's ``dtype``;
+            ``"bfloat16"`` / ``"float32"`` in that dtype; ``"int8"``: symmetric int8 with one float16 scale
+            (absmax / 127) per token and KV head stored beside each row, about half the bytes of bf16, so a
+            ``kv_cache_memory_bytes`` budget holds about twice the blocks (``engine.attention.quantize_kv``;
+            quality: docs/engine.md).
         limits: the per-request limits every entry point enforces (``engine.limits.RequestLimits``, or a
             dict of its fields as ``model.json`` holds them); ``None`` takes the defaults.
 
@@ -145,6 +157,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     num_threads: int | None = None
+    adaptive_threads: bool = True
     seed: int = 0
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
@@ -163,6 +176,7 @@ class EngineConfig:
     fair_share_tokens: int | None = DEFAULT_FAIR_SHARE_TOKENS
     long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
     batch_invariant: bool = False
+    kv_cache_dtype: str = "auto"
     limits: RequestLimits | dict | None = None
 
     def __post_init__(self) -> None:
@@ -187,6 +201,11 @@ class EngineConfig:
             raise UsageError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise UsageError(f"device={self.device!r}; use 'cpu' or 'cuda' / 'cuda:N'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UsageError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of {KV_CACHE_DTYPES} "
+                "('auto': the model's dtype)"
+            )
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise UsageError(
                 f"attention_backend={self.attention_backend!r}; use one of {ATTENTION_BACKENDS} or None (by device)"
@@ -283,6 +302,11 @@ class EngineConfig:
     def replace(self, **changes: Any) -> "EngineConfig":
         """A validated copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """``"auto"`` -> the model's resolved ``dtype``; other ``KV_CACHE_DTYPES`` unchanged."""
+    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

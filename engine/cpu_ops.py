@@ -10,7 +10,8 @@ in a bf16 / fp32 step on CPU:
   through its block table, merged with a prior partial result (a shared prefix) by its
   log-sum-exp, so no ``index_select`` copy of the cache and no padded keys;
 * ``rope_and_cache`` (bf16): rotary embedding of q and k and the store of k and v at their
-  ``slot_mapping`` slots in one pass, with the roundings of the torch ops it replaces.
+  ``slot_mapping`` slots in one pass, with the roundings of the torch ops it replaces (quantized to
+  int8 rows for an int8 KV cache).
 
 ``torch.ops.lmforge_decode.int8_decode_layers`` (``csrc/int8_decode_cpu.cpp``, bf16) runs every
 decoder layer of a weight-only INT8 model for a few tokens in one call, through those operators and
@@ -112,7 +113,7 @@ def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tens
 
 def decode_kernel_runs(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether ``paged_decode_attention`` runs the C++ kernel for these queries and this cache."""
-    return _native(q) and kv_cache.dtype == q.dtype and q.shape[-1] <= 256
+    return _native(q) and kv_cache.dtype in (q.dtype, torch.int8) and q.shape[-1] <= 256
 
 
 def paged_decode_attention(
@@ -128,7 +129,9 @@ def paged_decode_attention(
 
     Args:
         q: ``[D, num_heads, head_dim]``, one query per sequence at position ``seq_lens - 1``.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's K and V (q's dtype).
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's K and V in q's dtype, or
+            int8 ``[..., head_dim + 2]``: each row's int8 values and float16 scale (``engine.attention.quantize_kv``),
+            dequantized as they are read (a score is ``scale * (q . k_int8)``).
         block_tables: ``[D, max_blocks]`` int64 physical blocks of each sequence (from its first block).
         seq_lens: ``[D]`` int64 context lengths (the query's key included).
         first_block: keys before ``first_block * block_size`` are skipped (covered by ``prior``).
@@ -172,13 +175,15 @@ def rope_and_cache(
         qkv: ``[N, (num_heads + 2 * num_kv_heads) * head_dim]`` the fused projection's output.
         cos, signed_sin: ``[N, head_dim]`` rotary tables at each token's position (``engine.model``:
             ``x * cos + swap_halves(x) * signed_sin`` is Hugging Face's rotary embedding).
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's cache (written).
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's bf16 cache (written), or an
+            int8 one (``[..., head_dim + 2]``): the rotated k and the v rows are then quantized as
+            ``engine.attention.quantize_kv`` does (the same bytes).
         slot_mapping: ``[N]`` int64 slot ``block * block_size + offset`` of each token (negative: not stored).
 
     Returns:
         The rotated queries ``[N, num_heads, head_dim]``, bit-identical to the torch ops.
     """
-    if qkv.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or not _native(qkv):
+    if qkv.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, torch.int8) or not _native(qkv):
         return None
     return KERNELS.ops.rope_and_cache(qkv, cos, signed_sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
 
@@ -224,7 +229,8 @@ def int8_decode_layers(
             ``[out]`` and float32 ``[out]`` or ``None`` (``4 * num_layers`` each); a linear kept in float
             has its bf16 ``[out, in]`` weight, scale ``None`` and a bf16 bias or ``None`` (``F.linear``).
         norms: per layer the input and post-attention RMSNorm weights (``[hidden]`` bf16 or ``None``).
-        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` bf16 (written).
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` bf16, or int8 ``[...,
+            head_dim + 2]`` (written).
         cos, signed_sin: ``[N, head_dim]`` bf16 rotary tables at the tokens' positions.
         slot_mapping: ``[N]`` int64 cache slot of each token.
         block_tables: ``[N, max_blocks]`` int64: the block table of each token's sequence.

@@ -155,7 +155,7 @@ class StaticDecodeModelRunner(ModelRunner):
     Needs an attention backend with ``decode_metadata`` (``engine.attention_triton``).
 
     Args:
-        path, dtype, device, block_size, max_model_len, attention_backend: as ``ModelRunner``.
+        path, dtype, device, block_size, max_model_len, attention_backend, kv_cache_dtype: as ``ModelRunner``.
         max_num_seqs: largest decode batch (sizes the buckets, ``capture_sizes``).
         enforce_eager: never capture graphs (the static buffers are still used).
     """
@@ -171,8 +171,17 @@ class StaticDecodeModelRunner(ModelRunner):
         max_num_seqs: int,
         enforce_eager: bool = False,
         attention_backend: str | None = None,
+        kv_cache_dtype: str | None = None,
     ):
-        super().__init__(path, dtype, device, block_size, max_model_len, attention_backend=attention_backend)
+        super().__init__(
+            path,
+            dtype,
+            device,
+            block_size,
+            max_model_len,
+            attention_backend=attention_backend,
+            kv_cache_dtype=kv_cache_dtype,
+        )
         if not hasattr(self.attn, "decode_metadata"):
             raise ValueError(
                 f"{type(self.attn).__name__} has no decode_metadata; static decode batches need "

@@ -21,10 +21,11 @@ from tqdm import tqdm
 
 from engine.block_manager import BlockManager
 from engine.checkpoint.store import resolve_checkpoint
-from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.inputs import check_prompt_token_ids
 from engine.model import read_model_spec
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -34,6 +35,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.speculator import Speculator
 from engine.stats import EngineStats
+from engine.structured_output import GrammarCompiler, SequenceGrammar, wait_any
+from engine.threads import ThreadGovernor, proc_stat_readable
 
 #: Longest default context when the checkpoint allows more (bounds rotary tables and KV needs).
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -64,6 +67,11 @@ class LLMEngine:
 
         if config.num_threads is not None and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
+        self.thread_governor = (
+            ThreadGovernor(torch.get_num_threads())
+            if config.device == "cpu" and config.adaptive_threads and proc_stat_readable()
+            else None
+        )
         self.path = resolve_checkpoint(config.model)
         spec = read_model_spec(self.path)
         max_model_len = config.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
@@ -72,7 +80,8 @@ class LLMEngine:
                 f"max_model_len={max_model_len} > the checkpoint's max_position_embeddings="
                 f"{spec.max_position_embeddings}; decrease max_model_len"
             )
-        config = config.replace(dtype=resolve_dtype(config.dtype, config.device))
+        dtype = resolve_dtype(config.dtype, config.device)
+        config = config.replace(dtype=dtype, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, dtype))
         self.runner = make_model_runner(config, self.path, max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(config, max_model_len)
         self.config = config = config.replace(
@@ -85,6 +94,8 @@ class LLMEngine:
         self.eos_token_ids = read_eos_token_ids(self.path, self.tokenizer)
         self.sampler = Sampler(self.eos_token_ids)
         self.speculator = Speculator.build(config, self.path, self.tokenizer, spec.vocab_size)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, spec.vocab_size, self.eos_token_ids)
+        self._grammar_waiting: list[Sequence] = []  # sequences whose grammar is compiling
         self.requests: dict[str, Sequence] = {}  # unfinished sequences by sequence id
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its ``n`` sequences
         self._seed_rng = random.Random(config.seed)
@@ -187,6 +198,12 @@ class LLMEngine:
                 arrival_time,
             )
             seq.group_id, seq.index = request_id, index
+            if params.structured_outputs is not None:
+                seq.grammar = SequenceGrammar(self.grammar_compiler, params.structured_outputs)
+                if seq.waits_for_grammar:
+                    self._grammar_waiting.append(seq)
+            if params.prompt_logprobs is not None and index == 0:  # the prompt is the same for all n
+                seq.prompt_logprobs = [None]
             group.append(seq)
             self.requests[seq_id] = seq
             self.scheduler.add(seq)
@@ -253,13 +270,8 @@ class LLMEngine:
                 f"{type(prompt).__name__}",
                 param="prompt",
             )
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty (no tokens); give at least one token", param="prompt")
         limits.check_prompt_tokens(len(token_ids), self.config.max_model_len)
-        vocab = self.runner.spec.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt contains token ids outside the vocabulary [0, {vocab})", param="prompt")
-        return text, token_ids
+        return text, check_prompt_token_ids(token_ids, self.runner.spec.vocab_size, self.config.max_model_len)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort unfinished requests (unknown or finished ids are ignored); their blocks are freed now.
@@ -298,19 +310,21 @@ class LLMEngine:
             EngineDeadError: the KV bookkeeping is broken after a failure, or
                 ``MAX_CONSECUTIVE_FAILED_STEPS`` steps failed in a row.
         """
+        if self.thread_governor is not None:
+            self.thread_governor.maybe_adjust()
+        touched = self._poll_grammars()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, num_waiting=len(self.scheduler.waiting))
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return self._group_outputs(touched)
         self.num_steps_total += 1
         try:
             sampled, new_tokens, new_logprobs = self._run_batch(out)
         except Exception as exc:  # noqa: BLE001 - fails this step's requests, not the engine
-            return self._fail_step([item.seq for item in out.scheduled], exc)
+            return self._group_outputs(touched) + self._fail_step([item.seq for item in out.scheduled], exc)
         self.num_consecutive_failed_steps = 0
         now = time.monotonic()
-        touched: dict[str, list[Sequence]] = {}
         for seq, tokens, logprobs in zip(sampled, new_tokens, new_logprobs):
             try:
                 self._process_tokens(seq, tokens, logprobs, now)
@@ -322,6 +336,29 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
             touched.setdefault(seq.group_id, self.groups[seq.group_id])
         return self._group_outputs(touched)
+
+    def _poll_grammars(self) -> dict[str, list[Sequence]]:
+        """Requests whose structured-output grammar finished compiling become schedulable; those whose
+        compile failed or timed out finish with ``"error"`` (returned as touched groups). When nothing
+        else can run, wait for the first compile to end (or the earliest compile deadline)."""
+        touched: dict[str, list[Sequence]] = {}
+        if not self._grammar_waiting:
+            return touched
+        if not self.scheduler.running and all(s.waits_for_grammar for s in self.scheduler.waiting):
+            wait_any([s.grammar for s in self._grammar_waiting if not s.is_finished])
+        waiting = []
+        for seq in self._grammar_waiting:
+            if seq.is_finished:
+                continue
+            error = seq.grammar.poll()
+            if error is not None:
+                self._finish_with_error(seq, error)
+                self.requests.pop(seq.request_id, None)
+                touched.setdefault(seq.group_id, self.groups[seq.group_id])
+            elif seq.waits_for_grammar:
+                waiting.append(seq)
+        self._grammar_waiting = waiting
+        return touched
 
     def _group_outputs(self, touched: dict[str, list[Sequence]]) -> list[RequestOutput]:
         """One output per request touched; finished requests leave ``groups``."""
@@ -345,22 +382,59 @@ class LLMEngine:
         # Plain greedy rows (verified ones too: an argmax match) take the argmax of the model-dtype
         # logits, with or without speculation, so a speculative engine picks exactly the tokens of a
         # plain one wherever the forward is the same (the float32 copy is exact, but costs a pass).
-        greedy = Sampler.is_plain_greedy([item.seq for item in items])
+        scoring = any(item.prompt_logprob_positions for item in out.scheduled)
+        greedy = Sampler.is_plain_greedy([item.seq for item in items]) and not scoring
         logits = self.runner.execute(
             out, float_logits=not greedy
-        )  # [R, vocab]: 1 row per sampling item, 1 + m per speculative one
+        )  # [R + P, vocab]: 1 row per sampling item, 1 + m per speculative one, then the prompt-logprob rows
         if self.speculator is not None:
             self.speculator.observe_step(out, time.perf_counter() - start)
+        num_rows = sum(item.num_sampled_rows for item in items)
+        if scoring:
+            self._score_prompts(out, logits[num_rows:])
+        logits = logits[:num_rows]
         if self.speculator is not None:
             new_tokens, new_logprobs = self.speculator.sample(self.sampler, logits, items)
         else:
             result = self.sampler(logits, [item.seq for item in items])
             new_tokens, new_logprobs = [[t] for t in result.token_ids], [[lp] for lp in result.logprobs]
+        for i, item in enumerate(items):
+            if item.seq.params.max_tokens == 0:  # scores its prompt only: nothing is generated
+                new_tokens[i], new_logprobs[i] = [], []
         self.scheduler.update_from_output(out, new_tokens)
         return [item.seq for item in items], new_tokens, new_logprobs
 
+    def _score_prompts(self, out, logits: torch.Tensor) -> None:
+        """Append the prompt logprobs of this step's prompt positions (``[P, vocab]`` logits, in
+        ``ScheduledSequence.prompt_logprob_positions`` order) to their sequences: per token, its
+        log-probability and those of the ``prompt_logprobs`` most likely tokens there (log-softmax
+        in float32, as vLLM)."""
+        row = 0
+        for item in out.scheduled:
+            positions = item.prompt_logprob_positions
+            if not positions:
+                continue
+            seq, k = item.seq, item.seq.params.prompt_logprobs
+            logprobs = torch.log_softmax(logits[row : row + len(positions)].float(), dim=-1)  # [p, vocab]
+            row += len(positions)
+            next_ids = seq.token_ids[positions.start + 1 : positions.stop + 1]
+            index = torch.tensor(next_ids, dtype=torch.long, device=logprobs.device)
+            chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
+            top = torch.topk(logprobs, k, dim=-1) if k else None
+            for j, token in enumerate(next_ids):
+                entry = {token: chosen[j]}
+                if top is not None:
+                    entry.update(zip(top.indices[j].tolist(), top.values[j].tolist()))
+                seq.prompt_logprobs.append(entry)
+
     def _process_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> None:
         """Stop checks, text and stats of a step's new tokens, one at a time; tokens after a stop are dropped."""
+        if not tokens and seq.params.max_tokens == 0:  # a prompt-scoring request is done once its prompt ran
+            self.num_prompt_tokens_total += seq.num_prompt_tokens
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+            seq.finished_time = now
+            self.num_requests_finished_total += 1
+            return
         del seq.token_ids[len(seq.token_ids) - len(tokens) :]
         for token, entry in zip(tokens, logprobs):
             seq.token_ids.append(token)
@@ -415,6 +489,11 @@ class LLMEngine:
             seq.logprobs.append(logprobs)
         text_before = len(seq.output_text)
         seq.output_text += seq.detokenizer.add_token(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+            if seq.grammar.error is not None:
+                self._finish_with_error(seq, RuntimeError(seq.grammar.error))
+                return
         status = self._stop_status(seq, token, text_before)
         if status is not None:
             self._finish(seq, status)
@@ -423,6 +502,8 @@ class LLMEngine:
 
     def _stop_status(self, seq: Sequence, token: int, text_before: int) -> SequenceStatus | None:
         p = seq.params
+        if seq.grammar is not None and seq.grammar.is_terminated:  # nothing may follow (EOS included)
+            return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens < p.min_tokens:  # the sampler blocked EOS and stop ids
             return SequenceStatus.FINISHED_LENGTH if seq.num_tokens >= self.config.max_model_len else None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
@@ -461,7 +542,10 @@ class LLMEngine:
             first.num_cached_tokens or 0,
             sum(s.num_output_tokens for s in group),
         )
-        return RequestOutput(first.group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)
+        prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
+        return RequestOutput(
+            first.group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics, prompt_logprobs
+        )
 
     # ---------------------------------------------------------------- introspection
 
@@ -521,8 +605,11 @@ def make_model_runner(config: EngineConfig, path: Path, max_model_len: int) -> M
             max_num_seqs=config.max_num_seqs,
             enforce_eager=config.enforce_eager,
             attention_backend=backend,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
-    return ModelRunner(path, config.dtype, config.device, config.block_size, max_model_len)
+    return ModelRunner(
+        path, config.dtype, config.device, config.block_size, max_model_len, kv_cache_dtype=config.kv_cache_dtype
+    )
 
 
 def read_eos_token_ids(path: Path, tokenizer) -> set[int]:

@@ -64,15 +64,30 @@ class NativeKernels:
         self.requires = tuple(requires)
         self.state: bool | None = None  # None: not tried yet
         self.reason = ""
+        self.forbidden = False  # held off by forbid(): enable(True) does not bring it back
         self._lock = threading.Lock()
 
+    def forbid(self, why: str) -> None:
+        """Hold the torch path for the rest of the process (a forced kernel path); ``allow`` lifts it."""
+        with self._lock:
+            self.forbidden, self.state, self.reason = True, False, f"forbidden: {why}"
+
+    def allow(self) -> None:
+        """Lift ``forbid``; the operators load again on next use."""
+        with self._lock:
+            if self.forbidden:
+                self.forbidden, self.state, self.reason = False, None, ""
+
     def enable(self, enable: bool | None = None) -> bool:
-        """Load on first call; ``False`` forces the torch path (comparisons), ``True`` re-enables it.
+        """Load on first call; ``False`` forces the torch path (comparisons), ``True`` re-enables it
+        (unless ``forbid`` holds it off).
 
         Returns:
             True when the operators are loaded and enabled.
         """
         with self._lock:
+            if self.forbidden:
+                return False
             if enable is False:
                 self.state, self.reason = False, "disabled by enable(False)"
                 return False

@@ -56,6 +56,18 @@ class ScheduledSequence:
         """Logit rows this sequence needs: 0 (chunk ends before the sequence does), 1, or 1 + proposals."""
         return 1 + len(self.spec_token_ids) if self.samples else 0
 
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this chunk whose logits score the next prompt token and are not scored yet
+        (``SamplingParams.prompt_logprobs``; position ``p`` scores prompt token ``p + 1``)."""
+        scored = self.seq.prompt_logprobs
+        if scored is None:
+            return range(0)
+        computed = self.seq.num_computed_tokens
+        start = max(computed, len(scored) - 1)
+        end = min(computed + self.num_new_tokens - len(self.spec_token_ids), self.seq.num_prompt_tokens - 1)
+        return range(start, max(start, end))
+
 
 @dataclasses.dataclass
 class SchedulerOutput:
@@ -330,12 +342,15 @@ class Scheduler:
             limit = budget if share is None or seq.group_id not in share.large else min(budget, share.room(seq))
             if limit <= 0:
                 break
-            cached = bm.find_cached_prefix(seq)
-            if bm.enable_prefix_caching and self._prefix_in_flight(seq, len(cached), in_flight):
+            if seq.waits_for_grammar:
+                continue  # its structured-output grammar is still compiling
+            use_cache = not seq.skips_prefix_cache  # prompt logprobs need the logits of every prompt position
+            cached = bm.find_cached_prefix(seq) if use_cache else []
+            if bm.enable_prefix_caching and use_cache and self._prefix_in_flight(seq, len(cached), in_flight):
                 continue  # a running request is computing this prefix now: wait one step and hit it
             if len(self.running) >= self.config.max_num_seqs and not make_room(seq):
                 break
-            partial = bm.find_partial_block(seq, cached, donors) if donors else None
+            partial = bm.find_partial_block(seq, cached, donors) if donors and use_cache else None
             copied = partial[1] if partial else 0
             remaining = seq.num_tokens - len(cached) * bm.block_size - copied
             if remaining > limit and not self.config.enable_chunked_prefill:

@@ -79,6 +79,11 @@ class Sequence:
         # the target accepts them) and the [len, vocab] draft distributions they were drawn from.
         self.spec_token_ids: list[int] = []
         self.spec_probs = None
+        # Structured output: the request's grammar (engine.structured_output.SequenceGrammar), if any.
+        self.grammar = None
+        # Prompt logprobs (``params.prompt_logprobs``): one entry per prompt token scored so far, the
+        # first ``None``; ``None`` when not asked (or asked of the request's first sequence only).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +104,17 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """Its structured-output grammar is still compiling (the scheduler does not admit it yet)."""
+        return self.grammar is not None and not self.grammar.ready
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Its prompt logprobs are not all computed: cached positions would have no logits, so the
+        prompt is computed in full."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_prefilling(self) -> bool:

@@ -65,3 +65,37 @@ def engine_text(tiny_llama_dir):
         return results[0] if isinstance(prompt, (str, dict)) else results
 
     return complete
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-kernel-path",
+        default="auto",
+        choices=("auto", "amx", "vnni", "onednn", "torch"),
+        help="force one CPU kernel path for the whole run (engine.kernel_paths); default: what the CPU supports",
+    )
+
+
+def pytest_configure(config):
+    from engine.kernel_paths import force_cpu_kernel_path
+
+    force_cpu_kernel_path(config.getoption("--cpu-kernel-path"))
+
+
+def pytest_report_header(config):
+    return f"cpu kernel path: {config.getoption('--cpu-kernel-path')}"
+
+
+@pytest.fixture
+def kernel_path_allows():
+    """``kernel_path_allows(name)``: skip a test of kernel set ``name`` (amx, fused, gemv, decode, engine) that
+    the forced ``--cpu-kernel-path`` holds off; the run of that path tests the fallback instead."""
+    from engine.kernel_paths import _FORBIDDEN, forced_cpu_kernel_path
+
+    def check(*names: str) -> None:
+        path = forced_cpu_kernel_path()
+        held = [n for n in names if n in _FORBIDDEN[path]]
+        if held:
+            pytest.skip(f"--cpu-kernel-path={path} holds {', '.join(held)} off")
+
+    return check

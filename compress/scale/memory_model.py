@@ -245,7 +245,7 @@ def stage_activation_bytes(
     of the end of the forward (with the output layer's log-softmax) and the backward, which holds
     one recomputed layer at a time, whose input is the kept checkpoint (not counted twice).
     Activation memory here is the bytes of distinct tensors referenced by saved-for-backward slots;
-    checked against that measurement in fp32 and bf16 in tests/test_plan.py.
+    checked against that measurement in fp32 and bf16 in tests/compress/test_plan.py.
     """
     tokens = micro_batch * seq_len
     layers = model.num_hidden_layers // pipeline_parallel

@@ -32,20 +32,13 @@ Loss per micro-batch (``distillation_loss``), weights configurable:
                                                                    loss on hidden states
 
 Defaults: logit KL at T = 1 plus the cross-entropy on the dialogs' assistant tokens (``alpha=1,
-beta=1, gamma=0``; Hinton et al.'s soft plus hard targets). Measured on SmolLM2-135M, drop:7,
-64 steps of 8 x 128 tokens: with ``beta=1`` held-out perplexity 1.16x the teacher's (mean KL
-0.96, same top-1 59.8%), with ``beta=0`` 1.76x (KL 0.87, top-1 62.4%): the labels fit the held-out
-dialogs' domain, pure KD agrees more with the teacher (the better draft model). Rows are 384
-tokens (``max_length``), so the longest training replies (code, up to 383 tokens) are learnt
-whole: with 128-token rows the student never saw a position past 128, where 30% of the demo's
-held-out assistant tokens lie. Both terms are taken at the positions ``kd_positions`` selects
-(``scored_positions``; the CE only where a label is): by default every real token, so the
-student also matches the teacher's next-token distributions inside system and user turns, at
-~16% more time per step than the assistant positions alone (4.5 against 3.9 s on SmolLM2, 2 x
-384 tokens), hence 84 steps. Peak lr 2e-4: against the demo's fine-tuned teacher (drop:7, 96
-steps), held-out perplexity was 1.63x / 1.40x / 1.30x / 1.30x the teacher's at lr 1e-3 / 6e-4 /
-3e-4 / 2e-4 with the KL on assistant positions, and 1.36x at 6e-4 and 1.25x at 3e-4 with it on
-every token; the default (84 steps) gave 1.29x (docs/distillation.md). The hidden-state term pairs
+beta=1, gamma=0``; Hinton et al.'s soft plus hard targets): the labels fit the held-out dialogs'
+domain, while pure KD (``beta=0``) agrees more with the teacher, the better choice for a draft model.
+Rows are 384 tokens (``max_length``) so the longest training replies are learnt whole. Both terms are
+taken at the positions ``kd_positions`` selects (``scored_positions``; the CE only where a label is):
+by default every real token, so the student also matches the teacher inside system and user turns,
+for ~16% more time per step. The step count and peak lr (84 steps, 2e-4) are the best of a sweep on
+the demo's teacher (docs/distillation.md). The hidden-state term pairs
 student layer input i with the teacher layer it was copied from (and the final normed outputs)
 on every real token. The teacher runs in eval mode under ``torch.no_grad``. The loop, progress
 bar (with ETA), monitoring, checkpoints and resume are those of ``compress.train.loop``, shared

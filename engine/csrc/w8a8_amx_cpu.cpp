@@ -23,8 +23,7 @@
 // Blocking: 2 x 2 tiles of 16 x 16 int32 accumulators (32 tokens x 32 channels), 2 activation and 2 weight tiles
 // per 64-wide K step, the most the 8 tile registers hold. Each task of at::parallel_for owns pairs of 16-channel
 // weight blocks and runs them over blocks of kRowBlock tokens (so the quantized activations stay in L2), then
-// every 32-token chunk of a block. Measured (1 thread, SmolLM2-135M's decoder shapes, 64 tokens): the tiles run
-// at ~1.1-1.3 T int8 MAC/s, the activation quantizer at ~0.1 ns per element.
+// every 32-token chunk of a block.
 //
 // The quantizer divides by one multiply and an FMA correction (q0 = x * (1 / s), q = q0 + (x - q0 * s) / s with
 // the residual exact by FMA), a quarter of the cost of a vector division; for bf16 inputs its rounded integers

@@ -1,0 +1,151 @@
+"""The FastAPI application (thin routes, auth, error handlers) and the ``python -m deploy.openai`` command.
+
+Each route parses what it needs from the HTTP request and hands it to its serving class; an
+``OpenAIError`` raised anywhere becomes OpenAI's error body with its status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from deploy.openai.models import ServedModel, discover_models
+from deploy.openai.protocol import OpenAIError
+from deploy.openai.serving_chat import OpenAIServingChat
+from deploy.openai.serving_completions import OpenAIServingCompletion
+from deploy.openai.serving_models import OpenAIServingModels
+from deploy.openai.triton_client import TritonBackend
+
+
+def error_response(exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def api_key_check(api_key: str | None):
+    """A dependency that raises the 401 for a missing or wrong bearer token (``--api-key``)."""
+
+    def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            return
+        message = "missing API key; send Authorization: Bearer KEY" if not header else "incorrect API key"
+        raise OpenAIError(401, message, code="invalid_api_key")
+
+    return check
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """OpenAI's error shape for our errors, unknown routes (404) and wrong methods (405)."""
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError):
+        return error_response(exc)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc):
+        message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
+        return error_response(OpenAIError(404, message, code="not_found"))
+
+    @app.exception_handler(405)
+    async def bad_method(request: Request, exc):
+        message = f"method {request.method} not allowed on {request.url.path}"
+        return error_response(OpenAIError(405, message, code="method_not_allowed"))
+
+
+def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application (uvicorn runs it; see ``main``)."""
+    backend = TritonBackend(grpc_url)
+    serving_models = OpenAIServingModels(models, backend)
+    serving_completion = OpenAIServingCompletion(models, backend)
+    serving_chat = OpenAIServingChat(models, backend)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await backend.start()
+        yield
+        await backend.close()
+
+    app = FastAPI(
+        title="lmforge OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.backend = backend
+    add_error_handlers(app)
+    auth = [Depends(api_key_check(api_key))]
+
+    @app.get("/health")
+    async def health():
+        await serving_models.check_ready()
+        return Response(status_code=200)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def list_models():
+        return serving_models.list()
+
+    @app.get("/v1/models/{name}", dependencies=auth)
+    async def get_model(name: str):
+        return serving_models.get(name)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request):
+        return await serving_completion.create(await request.body())
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request):
+        return await serving_chat.create(await request.body())
+
+    return app
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--repo", default="model_repository", help="Triton model repository (its LLMs' model.json name the checkpoints)"
+    )
+    parser.add_argument("--grpc-url", default="127.0.0.1:8001", help="Triton's gRPC address (default 127.0.0.1:8001)")
+    parser.add_argument("--models", nargs="+", help="LLM models to serve (default: every LLM of the repository)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=9000, help="HTTP port (default 9000)")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes (also $LMFORGE_API_KEY)")
+    parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    # optional or heavy dependency: imported only on the path that needs it
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="OpenAI-compatible API in front of a running Triton server")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        models = discover_models(args.repo, args.models)
+    except ValueError as exc:
+        print(f"error: {exc}", flush=True)
+        return 1
+    api_key = args.api_key or os.environ.get("LMFORGE_API_KEY")
+    app = create_app(models, args.grpc_url, api_key)
+    print(
+        f"OpenAI API on http://{args.host}:{args.port}/v1 for {', '.join(models)} -> Triton gRPC {args.grpc_url}",
+        flush=True,
+    )
+    # uvloop and httptools: the event loop and HTTP parser built for many small writes (SSE)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        loop="uvloop",
+        http="httptools",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""The LLMs the frontend serves: those of the Triton model repository (``*/1/model.json`` of kind llm)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass
+class ServedModel:
+    """An LLM of the model repository: its Triton name, tokenizer and context length."""
+
+    name: str
+    checkpoint: Path
+    tokenizer: Any
+    max_model_len: int
+    created: int
+    vocab_size: int = 0  # len(tokenizer), computed once (it is slow: it builds the whole vocabulary)
+
+    def __post_init__(self) -> None:
+        if not self.vocab_size:
+            self.vocab_size = len(self.tokenizer)
+
+
+def llm_names(repo: str | Path, names: list[str]) -> list[str]:
+    """Those of ``names`` that are LLM models of ``repo`` (``1/model.json`` of kind ``llm``)."""
+    found = []
+    for name in names:
+        try:
+            if json.loads((Path(repo) / name / "1" / "model.json").read_text()).get("kind") == "llm":
+                found.append(name)
+        except (OSError, json.JSONDecodeError):
+            continue
+    return found
+
+
+def discover_models(repo: str | Path, names: list[str] | None = None) -> dict[str, ServedModel]:
+    """The LLM models of ``repo`` (``*/1/model.json`` with ``kind: llm``), optionally only ``names``.
+
+    Raises:
+        ValueError: a named model is not an LLM of the repository, or none is found.
+    """
+    # optional or heavy dependency: imported only on the path that needs it
+    from transformers import AutoTokenizer
+
+    # torch-heavy: imported on use, so importing this module stays light
+    from engine.llm_engine import DEFAULT_MAX_MODEL_LEN_CAP
+
+    repo = Path(repo)
+    found: dict[str, ServedModel] = {}
+    for info_path in sorted(repo.glob("*/1/model.json")):
+        name = info_path.parent.parent.name
+        if names is not None and name not in names:
+            continue
+        try:
+            info = json.loads(info_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{info_path}: unreadable ({exc}); re-export the model with `lmforge export`") from exc
+        if info.get("kind") != "llm":
+            continue
+        checkpoint = Path(info["checkpoint"])
+        if not checkpoint.is_absolute():
+            checkpoint = info_path.parent / checkpoint
+        config = json.loads((checkpoint / "config.json").read_text())
+        max_model_len = (info.get("engine") or {}).get("max_model_len") or min(
+            config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP), DEFAULT_MAX_MODEL_LEN_CAP
+        )
+        found[name] = ServedModel(
+            name,
+            checkpoint,
+            AutoTokenizer.from_pretrained(checkpoint),
+            int(max_model_len),
+            int(info_path.stat().st_mtime),
+        )
+    missing = sorted(set(names or []) - set(found))
+    if missing:
+        raise ValueError(
+            f"{repo}: no LLM model(s) {missing} (a directory with 1/model.json of kind llm); export them with "
+            "`lmforge export`"
+        )
+    if not found:
+        raise ValueError(f"{repo}: no LLM model; export one with `lmforge export --model CKPT --repo {repo}`")
+    return found

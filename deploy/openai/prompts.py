@@ -1,0 +1,212 @@
+"""Turning an OpenAI request into engine prompts and sampling parameters (the ``Plan``).
+
+Prompt token ids are checked by the engine's own rules (``engine.inputs``), so a bad prompt is
+refused here with the engine's words before anything is sent to Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from deploy.openai.models import ServedModel
+from deploy.openai.protocol import (
+    MAX_CHOICES,
+    MAX_PROMPT_CHARS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+)
+
+
+@dataclasses.dataclass
+class Plan:
+    """What to ask Triton: one engine request per prompt, ``n`` completions each."""
+
+    model: ServedModel
+    prompts: list[list[int]]
+    sampling: dict  # SamplingParams fields (JSON)
+    n: int
+    logprobs: int | None  # top alternatives per token; None = no logprobs
+    stream: bool
+    include_usage: bool
+
+
+def _prompt_error(exc) -> OpenAIError:
+    """An ``engine.inputs.PromptError`` as a 400 naming the field."""
+    code = exc.code if exc.code == "context_length_exceeded" else None
+    return OpenAIError(400, str(exc), param=exc.field, code=code)
+
+
+def _check_prompt_ids(ids: list[int], model: ServedModel, param: str) -> list[int]:
+    """The engine's checks of a prompt's ids (not empty, in the vocabulary) -> 400 naming ``param``."""
+    # torch-heavy: imported on use, so importing this module stays light
+    from engine.inputs import PromptError, check_prompt_token_ids
+
+    try:
+        return check_prompt_token_ids(ids, model.vocab_size, field=param)
+    except PromptError as exc:
+        raise _prompt_error(exc) from exc
+
+
+def _check_prompt_length(num_tokens: int, model: ServedModel, param: str) -> None:
+    """The engine's check that a prompt leaves room to generate -> 400 ``context_length_exceeded``."""
+    # torch-heavy: imported on use, so importing this module stays light
+    from engine.inputs import PromptError, check_prompt_length
+
+    try:
+        check_prompt_length(num_tokens, model.max_model_len, field=param)
+    except PromptError as exc:
+        raise _prompt_error(exc) from exc
+
+
+def _tokenize(text: str, model: ServedModel, param: str) -> list[int]:
+    if len(text) > MAX_PROMPT_CHARS:
+        raise OpenAIError(
+            400, f"{param}: {len(text)} characters is over the {MAX_PROMPT_CHARS} limit; shorten it", param=param
+        )
+    return _check_prompt_ids(model.tokenizer(text).input_ids, model, param)
+
+
+def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[list[int]]:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [_tokenize(prompt, model, "prompt")]
+    if not prompt:
+        raise OpenAIError(400, "prompt: empty list; give a string, a list of strings or token ids", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [_tokenize(p, model, f"prompt.{i}") for i, p in enumerate(prompt)]
+    if all(isinstance(p, int) for p in prompt):
+        return [_check_prompt_ids(list(prompt), model, "prompt")]
+    return [_check_prompt_ids(list(p), model, f"prompt.{i}") for i, p in enumerate(prompt)]
+
+
+def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
+    messages = []
+    for m in request.messages:
+        message = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            message["content"] = "".join(part.text for part in m.content)
+        messages.append(message)
+    if sum(len(m.get("content") or "") for m in messages) > MAX_PROMPT_CHARS:
+        raise OpenAIError(
+            400, f"messages: over {MAX_PROMPT_CHARS} characters of content; shorten them", param="messages"
+        )
+    if model.tokenizer.chat_template is None:
+        raise OpenAIError(400, f"model {model.name} has no chat template; use /v1/completions", param="messages")
+    try:
+        ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # noqa: BLE001 - a template that refuses these messages (e.g. role order)
+        raise OpenAIError(400, f"messages: the chat template refused them ({exc})", param="messages") from exc
+    if isinstance(ids, dict):  # BatchEncoding in some transformers versions
+        ids = ids["input_ids"]
+    return _check_prompt_ids(list(ids), model, "messages")
+
+
+def _find_model(request: CompletionRequest | ChatCompletionRequest, models: dict[str, ServedModel]) -> ServedModel:
+    model = models.get(request.model)
+    if model is None:
+        raise OpenAIError(
+            404,
+            f"the model `{request.model}` does not exist; GET /v1/models lists {sorted(models)}",
+            param="model",
+            code="model_not_found",
+        )
+    return model
+
+
+def _max_tokens(
+    request: CompletionRequest | ChatCompletionRequest, model: ServedModel, prompts: list[list[int]]
+) -> int:
+    """The completion budget: as asked, else the rest of the context (chat) or 16 (completions).
+
+    Raises:
+        OpenAIError: 400 the longest prompt, or it + ``max_tokens``, over the model's context.
+    """
+    chat = isinstance(request, ChatCompletionRequest)
+    max_tokens = (request.max_completion_tokens or request.max_tokens) if chat else request.max_tokens
+    param = "max_completion_tokens" if chat and request.max_completion_tokens else "max_tokens"
+    longest = max(len(p) for p in prompts)
+    _check_prompt_length(longest, model, "messages" if chat else "prompt")
+    if max_tokens is None:
+        max_tokens = model.max_model_len - longest if chat else 16
+    if longest + max_tokens > model.max_model_len:
+        raise OpenAIError(
+            400,
+            f"this model's maximum context length is {model.max_model_len} tokens; you requested "
+            f"{longest + max_tokens} "
+            f"({longest} in the prompt, {max_tokens} in the completion); reduce {param}",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Top alternatives per token (``None``: no logprobs)."""
+    if not isinstance(request, ChatCompletionRequest):
+        return request.logprobs
+    if request.top_logprobs is not None and not request.logprobs:
+        raise OpenAIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
+    return (request.top_logprobs or 0) if request.logprobs else None
+
+
+def _sampling(
+    request: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None, model: ServedModel
+) -> dict:
+    """The ``SamplingParams`` fields (JSON) Triton gets, checked by the engine's own rules."""
+    # torch-heavy: imported on use, so importing this module stays light
+    from engine.sampling_params import SamplingParams
+
+    sampling = {
+        "max_tokens": max_tokens,
+        "n": request.n,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "min_p": request.min_p,
+        "min_tokens": request.min_tokens,
+        "repetition_penalty": request.repetition_penalty,
+        "ignore_eos": request.ignore_eos,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+    }
+    optional = {
+        "seed": request.seed,
+        "stop": request.stop,
+        "top_k": request.top_k,
+        "logprobs": logprobs,
+        "stop_token_ids": request.stop_token_ids,
+        "logit_bias": request.logit_bias,
+    }
+    sampling.update({k: v for k, v in optional.items() if v is not None})
+    try:
+        SamplingParams(**sampling)  # the engine's own checks, before anything is sent
+    except ValueError as exc:
+        field = str(exc).split("=", 1)[0].split(" ", 1)[0]
+        raise OpenAIError(400, str(exc), param=field if field in sampling else None) from exc
+    vocab = model.vocab_size
+    if request.logit_bias and any(int(k) >= vocab for k in request.logit_bias):
+        raise OpenAIError(400, f"logit_bias: token ids must be in [0, {vocab})", param="logit_bias")
+    return sampling
+
+
+def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[str, ServedModel]) -> Plan:
+    """Check the request against the model and build what Triton gets.
+
+    Raises:
+        OpenAIError: 404 unknown model; 400 a prompt or a parameter the engine refuses, or a
+            prompt + ``max_tokens`` beyond the model's context.
+    """
+    model = _find_model(request, models)
+    chat = isinstance(request, ChatCompletionRequest)
+    prompts = [chat_prompt(request, model)] if chat else completion_prompts(request, model)
+    if len(prompts) * request.n > MAX_CHOICES:
+        raise OpenAIError(
+            400, f"n x prompts = {len(prompts) * request.n} completions; at most {MAX_CHOICES}", param="n"
+        )
+    max_tokens = _max_tokens(request, model, prompts)
+    logprobs = _logprobs(request)
+    sampling = _sampling(request, max_tokens, logprobs, model)
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    if request.stream_options is not None and not request.stream:
+        raise OpenAIError(400, "stream_options: only allowed with stream=true", param="stream_options")
+    return Plan(model, prompts, sampling, request.n, logprobs, request.stream, include_usage)

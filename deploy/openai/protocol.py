@@ -1,0 +1,131 @@
+"""The OpenAI API's protocol as lmforge serves it: the request bodies and the error shape.
+
+Request bodies are pydantic models checked strictly, like OpenAI's own API: a field of the wrong
+type, an out-of-range value or an unknown field is an error naming the field. vLLM's extra
+sampling fields (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``) are accepted. Errors are ``OpenAIError`` with OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``. ``deploy.openai.app`` serves them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+#: Longest prompt text accepted before tokenizing (characters), as Triton's model accepts.
+MAX_PROMPT_CHARS = 1_000_000
+#: Most completions per request (``n`` x number of prompts).
+MAX_CHOICES = 128
+
+
+# --------------------------------------------------------------------------------------------
+# Request bodies (strict: wrong types and unknown fields are errors)
+# --------------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # the engine's own fields, with vLLM's names
+    top_k: int | None = Field(None, ge=1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: a prompt is text, a list of texts, token ids or lists of them."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: Literal[False] = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A chat message; fields beyond ``role`` and ``content`` go to the chat template as given."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(exc: ValidationError) -> OpenAIError:
+    """The first pydantic error as a 400 naming the field."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return OpenAIError(400, f"the request body is not valid JSON ({first['msg']})", code="invalid_json")
+    loc = [str(part) for part in first["loc"] if not isinstance(part, str) or not _is_type_tag(part)]
+    param = ".".join(loc) or None
+    if first["type"] == "extra_forbidden":
+        return OpenAIError(400, f"unrecognized request argument supplied: {param}", param=param, code="unknown_field")
+    if first["type"] == "missing":
+        return OpenAIError(400, f"{param}: missing required field", param=param, code="missing_field")
+    shown = repr(first.get("input"))[:80]
+    return OpenAIError(400, f"{param}: {first['msg']} (got {shown})", param=param, code="invalid_value")
+
+
+def _is_type_tag(part: str) -> bool:
+    """Union members in pydantic locations (``str``, ``list[int]``...), not field names."""
+    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[")) or part in ("ContentPart",)

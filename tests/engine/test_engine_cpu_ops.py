@@ -1,0 +1,236 @@
+"""The engine's C++ CPU kernels (engine/csrc/cpu_ops.cpp) against their torch definitions."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_ops
+from engine.attention import CommonAttentionMetadata, TorchAttentionBackend
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if cpu_ops.KERNELS.forbidden:
+        pytest.skip("--cpu-kernel-path=torch holds the engine's C++ kernels off")
+    cpu_ops.use_cpu_kernels(True)
+    if not cpu_ops.use_cpu_kernels():
+        pytest.fail(f"engine CPU kernels did not build: {cpu_ops.KERNELS.reason}")
+    yield
+    cpu_ops.use_cpu_kernels(True)
+
+
+def test_rms_norm_matches_torch_in_bf16_and_fp32():
+    torch.manual_seed(0)
+    x = torch.randn(300, 576) * torch.logspace(-3, 3, 300)[:, None]
+    weight = torch.randn(576)
+    for dtype in (torch.bfloat16, torch.float32):
+        xd, wd = x.to(dtype), weight.to(dtype)
+        ref = F.rms_norm(xd.float(), (576,), None, 1e-5).to(dtype)
+        got = cpu_ops.rms_norm(xd, None, 1e-5)
+        got_w = cpu_ops.rms_norm(xd, wd, 1e-5)
+        ref_w = wd * ref  # Hugging Face's LlamaRMSNorm: round, then multiply in the model dtype
+        torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+        torch.testing.assert_close(got_w.float(), ref_w.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+        if dtype == torch.bfloat16:
+            # the same float32 arithmetic in another summation order: a rare last-place difference at most
+            assert (got != ref).float().mean() < 1e-4 and (got_w != ref_w).float().mean() < 1e-4
+    # a non-contiguous row stride is read as such
+    wide = torch.randn(8, 1000).bfloat16()
+    assert torch.equal(cpu_ops.rms_norm(wide[:, :576], None, 1e-6), cpu_ops.rms_norm(wide[:, :576].clone(), None, 1e-6))
+
+
+def test_argmax_is_the_first_maximum_as_torch():
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in [(64, 49152), (3, 7), (2, 33), (5, 100), (1, 1)]:
+            for trial in range(8):
+                logits = torch.randint(-3, 3, shape).to(dtype) if trial % 2 else torch.randn(shape).to(dtype)
+                if trial == 2:
+                    logits[0, -1] = float("nan")
+                if trial == 3:
+                    logits[:, 0] = float("inf")
+                if trial == 4:
+                    logits[:] = float("-inf")
+                assert torch.equal(cpu_ops.argmax(logits), logits.argmax(dim=-1)), (dtype, shape, trial)
+
+
+def _paged_case(num_seqs, num_heads, num_kv, head_dim, block_size, lens, dtype, seed=0):
+    """A cache with each sequence's blocks scattered, and the reference attention of its last token."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    cache = torch.randn(2, num_blocks, block_size, num_kv, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 is the padding block
+    tables, start = [], 0
+    for nb in blocks_per_seq:
+        tables.append(perm[start : start + nb].tolist())
+        start += nb
+    width = max(blocks_per_seq)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(dtype)
+    return cache, block_tables, tables, q
+
+
+def _reference(cache, tables, q, lens, block_size, window=None):
+    num_kv, head_dim = cache.shape[3], cache.shape[4]
+    g = q.shape[1] // num_kv
+    flat_k, flat_v = cache[0].reshape(-1, num_kv, head_dim).float(), cache[1].reshape(-1, num_kv, head_dim).float()
+    outs = []
+    for i, n in enumerate(lens):
+        slots = torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in tables[i]])[:n]
+        if window is not None:
+            slots = slots[max(0, n - window) :]
+        k, v = flat_k[slots].transpose(0, 1), flat_v[slots].transpose(0, 1)  # [kv, T, hd]
+        qi = q[i].float().view(num_kv, g, head_dim)
+        p = (qi @ k.transpose(1, 2) * head_dim**-0.5).softmax(-1)
+        outs.append((p @ v).reshape(-1))
+    return torch.stack(outs)
+
+
+def _near_tie_logits(rows: int = 12, vocab: int = 3000, hidden: int = 96):
+    """bf16 operands whose lm-head products round into ties and swaps near each row's maximum."""
+    torch.manual_seed(3)
+    h = torch.randn(rows, hidden).bfloat16()
+    w = (torch.randn(vocab, hidden) * 0.3).bfloat16()
+    w[:40] = w[40:80] + (torch.randn(40, hidden) * 1e-2).bfloat16()  # 40 near-duplicate rows
+    exact = h.float() @ w.float().T  # [rows, vocab]: what the GEMM sums before its rounding
+    logits = exact.bfloat16()
+    return h, w, exact, logits
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_refine_logits_makes_the_exact_maximum_win_where_bf16_rounding_ties(native):
+    h, w, exact, logits = _near_tie_logits()
+    for row in range(logits.shape[0]):  # force a tie at the top of each row: the rounded values of two columns equal
+        top2 = exact[row].topk(2).indices
+        logits[row, top2[1]] = logits[row, top2[0]]
+    assert not torch.equal(cpu_ops.argmax(logits), exact.argmax(-1))  # ties go to the first index, not the model
+    cpu_ops.use_cpu_kernels(native)
+    try:
+        full = cpu_ops.refine_logits(logits.clone(), h, w, to_float=True)
+        nudged = cpu_ops.refine_logits(logits.clone(), h, w, to_float=False)
+    finally:
+        cpu_ops.use_cpu_kernels(True)
+    assert full.dtype == torch.float32 and nudged.dtype == torch.bfloat16
+    assert torch.equal(full.argmax(-1), exact.argmax(-1))
+    assert torch.equal(cpu_ops.argmax(nudged), exact.argmax(-1))
+    top = full.topk(2, dim=-1).values
+    assert (top[:, 0] > top[:, 1]).all()  # no tie where the float32 sums have none
+    top1 = logits.float().max(-1, keepdim=True).values
+    near = logits.float() >= top1 - 2 * torch.exp2(torch.floor(torch.log2(top1.abs())) - 7)  # two bf16 steps
+    assert near.sum(-1).min() >= 2
+    torch.testing.assert_close(full[near], exact[near], rtol=1e-5, atol=1e-5)  # the exact sums near the top
+    assert torch.equal(full[~near], logits.float()[~near])  # the rest keeps the GEMM's values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(9, 3, 64), (8, 2, 128), (16, 1, 64), (4, 4, 32), (6, 2, 24)])
+def test_paged_decode_attention_matches_direct_attention(dtype, num_heads, num_kv, head_dim):
+    lens = [1, 5, 16, 17, 40, 100]
+    cache, block_tables, tables, q = _paged_case(len(lens), num_heads, num_kv, head_dim, 16, lens, dtype)
+    ref = _reference(cache, tables, q, lens, 16)
+    got = cpu_ops.paged_decode_attention(q, cache, block_tables, torch.tensor(lens))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+    windowed = cpu_ops.paged_decode_attention(q, cache, block_tables, torch.tensor(lens), sliding_window=7)
+    torch.testing.assert_close(windowed.float(), _reference(cache, tables, q, lens, 16, window=7), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_backend_with_shared_prefix_equals_the_torch_path(dtype):
+    """Cascade decode (shared prefix read once, own blocks in place) against the gather + flash path."""
+    torch.manual_seed(0)
+    num_heads, num_kv, head_dim, bs = 9, 3, 64, 16
+    prefix = [1, 2, 3]  # 48 shared tokens
+    lens = [50, 63, 64, 65, 90]
+    tables, nxt = [], 4
+    for n in lens:
+        own = -(-n // bs) - len(prefix)
+        tables.append(prefix + list(range(nxt, nxt + own)))
+        nxt += own
+    width = max(map(len, tables))
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    cache = torch.randn(2, nxt, bs, num_kv, head_dim).to(dtype)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    seq_lens = torch.tensor(lens)
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.arange(len(lens) + 1),
+        seq_lens=seq_lens,
+        block_table=block_table,
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+        positions=seq_lens - 1,
+        query_lens_cpu=[1] * len(lens),
+        seq_lens_cpu=lens,
+        num_decodes=len(lens),
+        block_size=bs,
+    )
+    backend = TorchAttentionBackend(num_heads, num_kv, head_dim)
+    group = backend.build(common).decode
+    assert group.shared_blocks is not None and len(group.shared_blocks) == 3
+    native = backend._decode_attention(q, cache, group)
+    cpu_ops.use_cpu_kernels(False)
+    try:
+        torch_path = backend._decode_attention(q, cache, group)
+    finally:
+        cpu_ops.use_cpu_kernels(True)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(native.float(), torch_path.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(native.float(), _reference(cache, tables, q, lens, bs), rtol=tol, atol=tol)
+
+
+def test_bad_arguments_name_the_tensor():
+    q = torch.randn(2, 4, 16)
+    cache = torch.randn(2, 4, 8, 2, 16)
+    with pytest.raises(RuntimeError, match="block_tables"):
+        cpu_ops.KERNELS.ops.paged_decode_attention(
+            q, cache, torch.zeros(2, 3, dtype=torch.int32), torch.tensor([1, 2]), 0, 0.25, 0, None, None
+        )
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        cpu_ops.KERNELS.ops.paged_decode_attention(
+            q.bfloat16(), cache, torch.zeros(2, 3, dtype=torch.long), torch.tensor([1, 2]), 0, 0.25, 0, None, None
+        )
+
+
+def test_rope_and_cache_is_bit_identical_to_the_torch_ops():
+    from engine.model import swap_halves
+
+    torch.manual_seed(0)
+    n, num_heads, num_kv, hd, bs, num_blocks = 7, 9, 3, 64, 4, 6
+    qkv = torch.randn(n, (num_heads + 2 * num_kv) * hd).bfloat16()
+    angles = torch.rand(n, hd // 2) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).bfloat16()
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16()
+    slots = torch.tensor([0, 5, 6, 13, 22, -1, 9])  # -1: padding, not stored
+    cache = torch.zeros(2, num_blocks, bs, num_kv, hd).bfloat16()
+    q = cpu_ops.rope_and_cache(qkv, cos, sin, cache, slots, num_heads, num_kv)
+    qk = qkv[:, : (num_heads + num_kv) * hd].view(n, num_heads + num_kv, hd)
+    ref = qk * cos[:, None] + swap_halves(qk) * sin[:, None]
+    assert torch.equal(q, ref[:, :num_heads])
+    flat = cache.view(2, -1, num_kv, hd)
+    stored = slots >= 0
+    assert torch.equal(flat[0, slots[stored]], ref[stored, num_heads:])
+    assert torch.equal(flat[1, slots[stored]], qkv[stored, (num_heads + num_kv) * hd :].view(-1, num_kv, hd))
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots[stored]] = False
+    assert not flat[:, untouched].any()
+    assert cpu_ops.rope_and_cache(qkv.float(), cos, sin, cache, slots, num_heads, num_kv) is None  # fp32: torch ops
+
+
+def test_fp32_linear_uses_the_packed_weight_only_for_its_row_range():
+    from engine.model import FP32_PACKED_ROWS, Linear, packed_rows
+
+    if packed_rows("cpu", torch.float32) is None:
+        return  # no oneDNN: plain F.linear everywhere
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 40), torch.randn(96)
+    layer = Linear(w, b, pack=True, pack_rows=FP32_PACKED_ROWS)
+    assert layer.packed is not None and layer.pack_rows == FP32_PACKED_ROWS
+    for rows in (1, 3, 4, 17, 64, 65, 200):
+        x = torch.randn(rows, 40)
+        expected = torch.nn.functional.linear(x, w, b)
+        got = layer(x)
+        if not FP32_PACKED_ROWS[0] <= rows <= FP32_PACKED_ROWS[1]:
+            assert torch.equal(got, expected), rows  # the plain weight, MKL's GEMM: Hugging Face's numbers
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        residual = torch.randn(rows, 96)
+        torch.testing.assert_close(layer.add(x, residual), residual + expected, rtol=1e-5, atol=1e-5)
