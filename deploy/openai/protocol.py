@@ -103,6 +103,7 @@ class OpenAIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_elsewhere = False  # a model instance refused it for a dead stub: another instance may take it
 
     @property
     def headers(self) -> dict[str, str]:

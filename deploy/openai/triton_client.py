@@ -98,11 +98,30 @@ class TritonBackend:
     ) -> AsyncIterator[Piece]:
         """Stream the pieces of one prompt's ``n`` completions until every one has finished.
 
+        A request refused at once because the model instance Triton gave it has a dead stub is sent again
+        (at most ``DEAD_INSTANCE_RETRIES`` times): with several instances Triton gives it another one.
+
         Raises:
             OpenAIError: Triton answered an error (400 for bad input, 503 while the model or Triton recovers,
                 else 500), or the request heard nothing for ``stall_timeout_s`` (503).
         Closing the iterator early cancels the gRPC stream (Triton aborts the engine request).
         """
+        for attempt in range(DEAD_INSTANCE_RETRIES + 1):
+            heard = False
+            try:
+                async for piece in self._generate_once(model, prompt_ids, sampling, prompt_index, n):
+                    heard = True
+                    yield piece
+                return
+            except OpenAIError as exc:
+                if heard or not exc.retry_elsewhere or attempt == DEAD_INSTANCE_RETRIES:
+                    raise
+            await asyncio.sleep(0.05)
+
+    async def _generate_once(
+        self, model: str, prompt_ids: list[int], sampling: dict, prompt_index: int, n: int
+    ) -> AsyncIterator[Piece]:
+        """One Triton request of ``generate``."""
         # optional or heavy dependency: imported only on the path that needs it
         import tritonclient.grpc.aio as grpcclient
 
@@ -180,6 +199,12 @@ TRITON_UNAVAILABLE_MARKERS = (
 )
 
 
+#: Triton's refusal of a request sent to an instance whose Python-backend stub died (another instance may take it).
+DEAD_STUB_MARKERS = ("Stub process", "is not healthy", "Failed to process the request(s) for model instance")
+#: Times ``TritonBackend.generate`` sends again a request refused for a dead stub.
+DEAD_INSTANCE_RETRIES = 2
+
+
 def model_error(message: str) -> OpenAIError:
     """An error response from Triton -> 503 (the model's engine is dead, the model is not loaded or reloading,
     its stub died: retry), 500 (the model's own failure) or 400 (it refused the request: INVALID_ARG), with
@@ -187,7 +212,9 @@ def model_error(message: str) -> OpenAIError:
     if message.startswith(MODEL_UNAVAILABLE_PREFIX) and " is dead " in message:
         return unavailable(message)
     if any(marker in message for marker in TRITON_UNAVAILABLE_MARKERS):
-        return unavailable(f"{message}; the model is being loaded again, retry")
+        error = unavailable(f"{message}; the model is being loaded again, retry")
+        error.retry_elsewhere = any(marker in message for marker in DEAD_STUB_MARKERS)
+        return error
     if message.startswith(MODEL_INTERNAL_PREFIXES):
         return OpenAIError(500, message, type_="server_error")
     return OpenAIError(400, message, param=_leading_field(message))

@@ -141,3 +141,37 @@ def test_a_client_that_leaves_while_its_request_waits_is_noticed():
         return 42
 
     assert asyncio.run(unless_disconnected(quick(), is_disconnected)) == 42
+
+
+def test_a_request_refused_for_a_dead_stub_is_sent_again_to_another_instance():
+    class Refused:
+        """An instance whose stub died: Triton refuses at once."""
+
+        def __init__(self):
+            self.done = False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.done:
+                raise StopAsyncIteration
+            self.done = True
+            message = (
+                "Failed to process the request(s) for model instance 'llm_0_0', message: Stub process is not healthy."
+            )
+            return None, types.SimpleNamespace(message=lambda: message)
+
+        def cancel(self):
+            pass
+
+    calls = []
+    backend = TritonBackend("127.0.0.1:1")
+    backend.client = types.SimpleNamespace(stream_infer=lambda requests, headers=None: calls.append(1) or Refused())
+
+    async def run():
+        return [piece async for piece in backend.generate("llm", [1, 2, 3], {"max_tokens": 4}, 0, 1)]
+
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(asyncio.wait_for(run(), 10))
+    assert info.value.status == 503 and len(calls) == 3  # the first try and two more, then the honest 503
