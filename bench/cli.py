@@ -19,6 +19,10 @@ TARGETS: dict[str, tuple[str, str]] = {
         "bench.serving_compare",
         "The same Locust load on several servers (Triton, our OpenAI API, vllm serve, llama-server) at 1-64 users.",
     ),
+    "serving-profile": (
+        "bench.serving_profile",
+        "Where a streamed token's CPU goes on the served path: CPU s per 1k tokens per process and thread, py-spy.",
+    ),
     "compression": (
         "bench.compression",
         "INT8 methods vs fp32 (size, perplexity, agreement, decode speed); MiniLM ONNX INT8.",

@@ -41,6 +41,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from bench.harness import wait_for_url
 from deploy import container as ctr
 from deploy.render import COMMITTED, QUEUE_METRIC, SUCCESS_METRIC, DeployValues, model_ready_path, render_deploy
 from engine.errors import UsageError
@@ -79,18 +80,6 @@ def http(url: str, body: dict | None = None, timeout_s: float = 120.0) -> tuple[
         return exc.code, exc.read()
     except (urllib.error.URLError, OSError):
         return 0, b""
-
-
-def wait_ready(url: str, timeout_s: float, alive=lambda: True) -> float | None:
-    """Seconds until ``url`` answers 200; None when ``timeout_s`` passes or ``alive()`` turns False."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if http(url, timeout_s=3)[0] == 200:
-            return time.monotonic() - start
-        if not alive():
-            return None
-        time.sleep(0.5)
-    return None
 
 
 def triton_generate(base: str, model: str, prompt: str, *, stream: bool) -> str:
@@ -270,7 +259,9 @@ def smoke(args: argparse.Namespace, out: Path, check: Checks) -> None:
     summary = None
     try:
         ctr.run_triton(triton, args.image, repo, name, ports)
-        ready_s = wait_ready(f"{base}{model_ready_path(name)}", READY_TIMEOUT_S, lambda: ctr.container_running(triton))
+        ready_s = wait_for_url(
+            f"{base}{model_ready_path(name)}", READY_TIMEOUT_S, lambda: ctr.container_running(triton)
+        )
         if not check(ready_s is not None, f"tritonserver in the container: {name} ready in {ready_s or 0:.1f} s"):
             print(ctr.logs(triton))
             return
@@ -281,7 +272,7 @@ def smoke(args: argparse.Namespace, out: Path, check: Checks) -> None:
             kind = "generate_stream" if stream else "generate"
             check(got == expected["text"], f"Triton {kind}: {got!r} == the in-process engine's greedy answer")
         ctr.run_openai(frontend, args.image, repo, name, grpc_port, openai_port)
-        openai_s = wait_ready(f"{openai_base}/health", 180, lambda: ctr.container_running(frontend))
+        openai_s = wait_for_url(f"{openai_base}/health", 180, lambda: ctr.container_running(frontend))
         if check(openai_s is not None, f"OpenAI frontend in the container: ready in {openai_s or 0:.1f} s"):
             for stream in (False, True):
                 got = openai_chat(openai_base, name, stream=stream)
@@ -372,7 +363,7 @@ def kube(args: argparse.Namespace, out: Path, check: Checks) -> None:
             f"volumes {', '.join(result.volumes)}"
         )
         ip = ctr.pod_address(result.pod)
-        ready_s = wait_ready(
+        ready_s = wait_for_url(
             f"http://{ip}:8000{model_ready_path(name)}",
             READY_TIMEOUT_S,
             lambda: ctr.container_running(result.container),

@@ -346,7 +346,8 @@ def run_llama_cpp_server(spec: RunSpec, work: Work, result: RunResult) -> None:
     Slots keep their own prompt cache (``cache_prompt``), but the shared system prompt is
     computed once per slot: llama-server does not share KV blocks between slots.
     """
-    from bench.peers import NOT_INSTALLED, PeerError, TreeRssSampler, stream_completion
+    from bench.harness import NOT_INSTALLED
+    from bench.peers import PeerError, TreeRssSampler, stream_completion
 
     if spec.llama_server is None or not Path(spec.llama_server).exists():
         raise NotInstalled(f"llama-server {NOT_INSTALLED}")
@@ -473,7 +474,7 @@ def _vllm_run(spec: RunSpec, work: Work, result: RunResult, dtype: str) -> None:
     try:
         from vllm import LLM
     except ImportError as exc:
-        from bench.peers import NOT_INSTALLED
+        from bench.harness import NOT_INSTALLED
 
         raise NotInstalled(
             f"vllm is not importable by {sys.executable} ({exc}); {NOT_INSTALLED} or pass --vllm-python"
@@ -596,7 +597,7 @@ def _openvino_run(spec: RunSpec, work: Work, result: RunResult, precision_hint: 
         import openvino as ov
         import openvino_genai
     except ImportError as exc:
-        from bench.peers import NOT_INSTALLED
+        from bench.harness import NOT_INSTALLED
 
         raise NotInstalled(
             f"openvino_genai is not importable by {sys.executable} ({exc}); {NOT_INSTALLED} or pass --openvino-python"

@@ -41,9 +41,10 @@ from pathlib import Path
 from typing import Callable
 
 from bench import spec_bench
-from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, target_result, workload_flops
+from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, ratio, target_result, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
-from bench.peer_runs import BusyProcesses, Peers, busy_cores, not_installed, prepare_peer_model, run_config
+from bench.harness import Peers, align_columns, fmt, percentiles, report_json
+from bench.peer_runs import BusyProcesses, busy_cores, not_installed, prepare_peer_model, run_config
 from bench.peers import vllm_env
 from bench.workload import WorkloadError, build_workload, single_prompt
 from engine.checkpoint.model_spec import ModelSpec
@@ -344,6 +345,7 @@ def summarize(results: list[dict], bound_tok_s: dict[str, float]) -> list[Summar
         if f"openvino_{dtype}" in tok_s:
             speedup["openvino_same_dtype"] = ratio(tok_s[r["config"]], tok_s[f"openvino_{dtype}"])
         agreement = greedy_agreement(r.get("token_ids"), ours_tokens) if ok else None
+        ttft = percentiles(ttft_ms, (50, 99))
         rows.append(
             Summary(
                 config=r["config"],
@@ -352,8 +354,8 @@ def summarize(results: list[dict], bound_tok_s: dict[str, float]) -> list[Summar
                 dtype=dtype,
                 output_tok_s=tok_s[r["config"]],
                 elapsed_s=r.get("elapsed_s") if ok else None,
-                ttft_p50_ms=percentile(ttft_ms, 50),
-                ttft_p99_ms=percentile(ttft_ms, 99),
+                ttft_p50_ms=ttft["p50"],
+                ttft_p99_ms=ttft["p99"],
                 ttft_basis=r.get("ttft_basis", ""),
                 peak_rss_mib=rss / 2**20 if rss and ok else None,
                 load_s=r.get("load_s") if ok else None,
@@ -581,24 +583,6 @@ def _openvino_targets(by: dict[str, Summary], single: dict[str, SingleSummary], 
         )
 
 
-def _fmt(value, spec: str = ".1f", scale: float = 1.0) -> str:
-    return "-" if value is None else format(value * scale, spec)
-
-
-def _align(head: list[str], lines: list[list[str]]) -> str:
-    """Columns right-aligned (the first left-aligned); a 2-cell line is ``name  reason``."""
-    widths = [
-        max([len(head[i])] + [len(line[i]) for line in lines if len(line) == len(head)]) for i in range(len(head))
-    ]
-    out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
-    for line in lines:
-        if len(line) == len(head):
-            out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))))
-        else:
-            out.append(f"{line[0].ljust(widths[0])}  {line[1]}")
-    return "\n".join(out)
-
-
 def format_table(rows: list[Summary]) -> str:
     """The side-by-side table (one line per configuration, unavailable ones with their reason)."""
     ratio_cols = [b for b in PRINTED_BASELINES if any(r.speedup.get(b) is not None for r in rows)]
@@ -626,20 +610,20 @@ def format_table(rows: list[Summary]) -> str:
             [
                 r.config,
                 r.dtype,
-                _fmt(r.output_tok_s),
-                _fmt(r.ttft_p50_ms, ".0f"),
-                _fmt(r.ttft_p99_ms, ".0f"),
-                _fmt(r.startup_s),
-                _fmt(r.peak_rss_mib, ".0f"),
-                _fmt(r.prefix_hit_rate, ".0%"),
-                _fmt(r.same_tokens_as_hf, ".0%"),
-                *[_fmt(r.speedup.get(b), ".2f") for b in ratio_cols],
-                _fmt(r.fraction_of_bound, ".1f", 100.0),
+                fmt(r.output_tok_s),
+                fmt(r.ttft_p50_ms, ".0f"),
+                fmt(r.ttft_p99_ms, ".0f"),
+                fmt(r.startup_s),
+                fmt(r.peak_rss_mib, ".0f"),
+                fmt(r.prefix_hit_rate, ".0%"),
+                fmt(r.same_tokens_as_hf, ".0%"),
+                *[fmt(r.speedup.get(b), ".2f") for b in ratio_cols],
+                fmt(r.fraction_of_bound, ".1f", 100.0),
                 str(r.contention),
-                _fmt(r.load_avg_1m),
+                fmt(r.load_avg_1m),
             ]
         )
-    return _align(head, lines)
+    return align_columns(head, lines)
 
 
 def format_single_table(singles: list[SingleSummary]) -> str:
@@ -652,16 +636,16 @@ def format_single_table(singles: list[SingleSummary]) -> str:
         [
             s.config,
             s.dtype,
-            _fmt(s.output_tok_s),
-            _fmt(s.ttft_ms, ".0f"),
-            _fmt(s.decode_tok_s),
+            fmt(s.output_tok_s),
+            fmt(s.ttft_ms, ".0f"),
+            fmt(s.decode_tok_s),
             "-" if s.same_tokens_as_hf is None else ("yes" if s.same_tokens_as_hf else "no"),
-            _fmt(s.speedup_vllm, ".2f"),
-            *([_fmt(s.speedup_openvino, ".2f")] if with_openvino else []),
+            fmt(s.speedup_vllm, ".2f"),
+            *([fmt(s.speedup_openvino, ".2f")] if with_openvino else []),
         ]
         for s in singles
     ]
-    return _align(head, lines)
+    return align_columns(head, lines)
 
 
 def format_agreement_table(rows: list[Summary]) -> str | None:
@@ -671,14 +655,14 @@ def format_agreement_table(rows: list[Summary]) -> str | None:
             r.config,
             r.dtype,
             f"{r.identical_to_engine_fp32}/{r.agreement_checked}",
-            _fmt(r.first_diff_vs_engine_fp32),
+            fmt(r.first_diff_vs_engine_fp32),
         ]
         for r in rows
         if r.config != AGREEMENT_CONFIG and r.identical_to_engine_fp32 is not None
     ]
     if not lines:
         return None
-    return _align(["config", "dtype", "identical", "mean first difference (token)"], lines)
+    return align_columns(["config", "dtype", "identical", "mean first difference (token)"], lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -755,7 +739,7 @@ def run(args: argparse.Namespace) -> int:
         for results_r, targets_r in zip(rounds, per_round)
     ]
     report["targets"] = [{"what": w, "measured": v, "target": t, "result": target_result(v, t)} for w, v, t in targets]
-    write_output_file(args.out, json.dumps(report, indent=2) + "\n", flag="--out")
+    write_output_file(args.out, report_json(report), flag="--out")
     print(f"\nwrote {args.out}")
     return 0 if all(r.status != "failed" for r in rows) else 1
 
@@ -1002,12 +986,12 @@ def _print_rounds(rounds: list[list[dict]], per_round: list[list[tuple[str, floa
     """Output tok/s of every configuration in every round, then each target's value per round."""
     print("\nper round (output tok/s; rounds alternate the order of the configurations):")
     head = ["config", *(f"round {i + 1}" for i in range(len(rounds)))]
-    lines = [[r["config"], *(_fmt(_tok_s(rnd[k])) for rnd in rounds)] for k, r in enumerate(rounds[0])]
-    print(_align(head, lines))
+    lines = [[r["config"], *(fmt(_tok_s(rnd[k])) for rnd in rounds)] for k, r in enumerate(rounds[0])]
+    print(align_columns(head, lines))
     whats = list(dict.fromkeys(w for targets in per_round for w, _, _ in targets))
     print("targets per round (the targets below are their medians):")
     for what in whats:
-        cells = [next((_fmt(v, ".2f") for w, v, _ in targets if w == what), "-") for targets in per_round]
+        cells = [next((fmt(v, ".2f") for w, v, _ in targets if w == what), "-") for targets in per_round]
         print(f"  {what}: {', '.join(cells)}")
 
 
@@ -1015,7 +999,7 @@ def _print_targets(targets: list[tuple[str, float | None, str]], rows: list[Summ
     if targets:
         print("targets:")
         for what, value, target in targets:
-            print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
+            print(f"  {what}: {fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
     for r in rows:
         if r.profile_top:
             print(f"\ntorch.profiler, repeat run of {r.config} (top ops by self CPU time):\n{r.profile_top}")

@@ -100,6 +100,12 @@ class LoadTestConfig:
         if self.api == "openai" and self.endpoint == "generate_stream":
             self.endpoint = "chat"  # the OpenAI API's default endpoint
 
+    @property
+    def system_message(self) -> bool:
+        """Whether the system prompt goes as a system message (OpenAI chat, no ``chat_template``)
+        rather than in front of every prompt."""
+        return bool(self.system_prompt) and self.api == "openai" and self.endpoint == "chat" and not self.chat_template
+
     def validate(self) -> None:
         """Raises :class:`LoadTestError` naming the bad field and the fix."""
         checks = [
@@ -278,7 +284,7 @@ def write_prompts(config: LoadTestConfig, path: Path) -> list[str]:
         prompts = load_prompts(config.prompts, limit=config.num_prompts)
         if config.chat_template is not None:
             prompts = render_chat(prompts, config.chat_template, config.system_prompt)
-        else:
+        elif not config.system_message:
             prompts = with_system_prompt(prompts, config.system_prompt)
     except PromptError as exc:
         raise LoadTestError(str(exc)) from exc
@@ -311,7 +317,14 @@ def _warm_up_one(config: LoadTestConfig, prompt: str) -> str | None:
     if config.api == "openai":
         url = f"{check_host(config.host)}{OPENAI_PATHS[config.endpoint]}"
         body = json.dumps(
-            openai_payload(prompt, sampling, model=config.model, endpoint=config.endpoint, stream=False)
+            openai_payload(
+                prompt,
+                sampling,
+                model=config.model,
+                endpoint=config.endpoint,
+                stream=False,
+                system=config.system_prompt if config.system_message else None,
+            )
         ).encode()
     else:
         url = f"{check_host(config.host)}/v2/models/{urllib.parse.quote(config.model)}/generate"
@@ -364,6 +377,8 @@ def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
         str(out_dir / "samples.jsonl"),
     ]
     command += ["--prompts", str(out_dir / PROMPTS_FILE)]  # resolved by the parent (write_prompts)
+    if config.system_message:
+        command += ["--system-prompt", config.system_prompt]
     command += ["--api", config.api]
     if config.api_key:
         command += ["--api-key", config.api_key]

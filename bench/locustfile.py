@@ -80,7 +80,11 @@ def add_options(parser) -> None:
     group.add_argument("--api-key", default=None, help="openai: bearer token")
     group.add_argument("--prompts", default=None, help="JSONL of prompts (default: the held-out dialogs)")
     group.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    group.add_argument("--system-prompt", default=None, help="shared prefix put before every prompt (prefix reuse)")
+    group.add_argument(
+        "--system-prompt",
+        default=None,
+        help="shared prefix put before every prompt (prefix reuse); openai chat: a system message",
+    )
     group.add_argument("--max-tokens", type=int, default=64, help="SamplingParams.max_tokens (default 64)")
     group.add_argument("--temperature", type=float, default=0.0, help="SamplingParams.temperature (0 = greedy)")
     group.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p")
@@ -146,6 +150,7 @@ class LoadConfig:
     api: str = "triton"
     stream: bool = True
     api_key: str | None = None
+    system_prompt: str | None = None  # openai chat: sent as a system message (elsewhere put before each prompt)
 
     def path(self, stream: bool | None = None) -> str:
         """The request path; for Triton ``stream`` picks generate_stream or generate (default: ``self.stream``)."""
@@ -167,7 +172,12 @@ class LoadConfig:
         stream = self.stream if stream is None else stream
         if self.api == "openai":
             return openai_payload(
-                prompt, self.sampling_parameters, model=self.model, endpoint=self.endpoint, stream=stream
+                prompt,
+                self.sampling_parameters,
+                model=self.model,
+                endpoint=self.endpoint,
+                stream=stream,
+                system=self.system_prompt,
             )
         return request_payload(prompt, self.sampling_parameters, stream=stream)
 
@@ -215,7 +225,10 @@ def config_from_options(options) -> LoadConfig:
     bad, disconnect = getattr(options, "bad_share", 0.0), getattr(options, "disconnect_share", 0.0)
     if not (0 <= bad and 0 <= disconnect and bad + disconnect <= 1):
         raise ValueError(f"--bad-share={bad}, --disconnect-share={disconnect}; each must be >= 0 and their sum <= 1")
-    prompts = with_system_prompt(load_prompts(options.prompts, limit=options.num_prompts), options.system_prompt)
+    system_message = api == "openai" and endpoint == "chat"  # a real system message, not a prefix
+    prompts = load_prompts(options.prompts, limit=options.num_prompts)
+    if not system_message:
+        prompts = with_system_prompt(prompts, options.system_prompt)
     sampling = {"max_tokens": options.max_tokens, "temperature": options.temperature, "top_p": options.top_p}
     if options.ignore_eos:
         sampling["ignore_eos"] = True
@@ -232,6 +245,7 @@ def config_from_options(options) -> LoadConfig:
         api=api,
         stream=stream,
         api_key=getattr(options, "api_key", None),
+        system_prompt=options.system_prompt if system_message else None,
     )
 
 

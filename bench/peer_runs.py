@@ -1,49 +1,26 @@
-"""Running one benchmark configuration: where the peers are, whether they are installed, the
-GGUF a llama.cpp configuration serves or the OpenVINO IR an OpenVINO configuration runs, each
+"""Running one benchmark configuration: whether its peer is installed (:class:`bench.harness.Peers`),
+the GGUF a llama.cpp configuration serves or the OpenVINO IR an OpenVINO configuration runs, each
 configuration in a fresh process of its own interpreter (``bench.engine_backends``), ended with
-the session it leads, and the busy processes that share the cores with it (``--contention``).
+the process group it leads (:func:`bench.harness.run_process`), and the busy processes that
+share the cores with it (``--contention``, on :class:`bench.harness.ManagedProcess`).
 
 Shared by ``bench.engine_bench`` and ``bench.spec_bench``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench import peers
 from bench.engine_backends import BACKENDS, RunSpec
-from bench.peers import NOT_INSTALLED, PeerError, convert_to_gguf, export_openvino
-
-
-@dataclasses.dataclass
-class Peers:
-    """Where the peers are for this run (``None``: not installed)."""
-
-    vllm_python: Path | None
-    llama_server: Path | None
-    gguf_converter: tuple[Path, Path] | None
-    openvino_python: Path | None = None
-
-    @classmethod
-    def find(cls, vllm_python: str | None, llama_server: str | None, openvino_python: str | None = None) -> "Peers":
-        """The given paths, else what ``make peers`` installed (:mod:`bench.peers`)."""
-        return cls(
-            Path(vllm_python) if vllm_python else peers.default_vllm_python(),
-            Path(llama_server) if llama_server else peers.default_llama_server(),
-            peers.gguf_converter(),
-            Path(openvino_python) if openvino_python else peers.default_openvino_python(),
-        )
-
-    def python(self, interpreter: str) -> Path | None:
-        """The interpreter a configuration runs under (``Backend.interpreter``); ``None``: this one."""
-        return {"vllm": self.vllm_python, "openvino": self.openvino_python}.get(interpreter)
+from bench.harness import NOT_INSTALLED, ManagedProcess, Peers, repo_root, run_process
+from bench.peers import PeerError, convert_to_gguf, export_openvino
 
 
 def not_installed(config: str, peers: Peers) -> str | None:
@@ -105,34 +82,19 @@ def run_config(
     result_path = work_dir / f"{spec.config}.result.json"
     spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
     cmd = [str(python or sys.executable), "-m", "bench.engine_backends", str(spec_path), str(result_path)]
-    root = Path(__file__).resolve().parent.parent
+    root = repo_root()
     env = dict(env if env is not None else os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    # A session of its own: the processes a configuration starts (vLLM's engine core, a server)
-    # are found by session for their RSS and ended with it.
-    proc = subprocess.Popen(
-        cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _end_session(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    # A process group of its own: the processes a configuration starts (vLLM's engine core, a
+    # server) are found by session for their RSS and ended with it.
+    proc = run_process(cmd, timeout_s, cwd=root, env=env)
+    if proc.timed_out:
         return {"config": spec.config, "status": "failed", "reason": f"timed out after {timeout_s:.0f} s"}
-    _end_session(proc.pid, signal.SIGTERM)  # whatever the configuration left running
     if proc.returncode != 0 or not result_path.is_file():
-        tail = (stderr or stdout).strip().splitlines()[-3:]
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         how = f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exit {proc.returncode}"
         return {"config": spec.config, "status": "failed", "reason": f"process {how}: {' | '.join(tail)}".rstrip(": ")}
     return json.loads(result_path.read_text())
-
-
-def _end_session(pgid: int, sig: signal.Signals) -> None:
-    """Signal the process group a configuration's process led (ours alone); gone is fine."""
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,32 +146,20 @@ class BusyProcesses:
             raise ValueError(f"busy process count {count}; it must be >= 0")
         self.count, self.limit_s = count, limit_s
         self.cores = busy_cores(count)
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list = []
+        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "BusyProcesses":
-        try:
+        command = [sys.executable, "-I", "-S", "-c", BUSY_LOOP, f"{self.limit_s:.1f}", str(os.getpid())]
+        with contextlib.ExitStack() as stack:
             for core in self.cores:
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", BUSY_LOOP, f"{self.limit_s:.1f}", str(os.getpid())],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    start_new_session=True,
+                busy = stack.enter_context(
+                    ManagedProcess(command, name="busy process", affinity={core}, stop_signal=signal.SIGKILL)
                 )
-                self.procs.append(proc)
-                os.sched_setaffinity(proc.pid, {core})
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+                self.procs.append(busy.proc)
+            self._stack = stack.pop_all()
         return self
 
     def __exit__(self, *exc) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:  # a process in uninterruptible sleep; reaped by init later
-                pass
+        self._stack.close()
         self.procs = []

@@ -124,9 +124,12 @@ def read_whole(response: requests.Response, result: StreamResult) -> None:
 OPENAI_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
-def openai_payload(prompt: str, sampling_parameters: dict, *, model: str, endpoint: str, stream: bool) -> dict:
-    """The JSON body of an OpenAI ``/v1/chat/completions`` (prompt as one user message) or
-    ``/v1/completions`` request with the same sampling fields; streamed with usage."""
+def openai_payload(
+    prompt: str, sampling_parameters: dict, *, model: str, endpoint: str, stream: bool, system: str | None = None
+) -> dict:
+    """The JSON body of an OpenAI ``/v1/chat/completions`` (prompt as one user message, after
+    ``system`` as a system message when given) or ``/v1/completions`` request with the same
+    sampling fields; streamed with usage."""
     body: dict = {
         "model": model,
         "max_tokens": sampling_parameters["max_tokens"],
@@ -134,7 +137,9 @@ def openai_payload(prompt: str, sampling_parameters: dict, *, model: str, endpoi
         "top_p": sampling_parameters.get("top_p", 1.0),
     }
     if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
+        body["messages"] = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
     else:
         body["prompt"] = prompt
     if sampling_parameters.get("ignore_eos"):

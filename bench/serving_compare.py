@@ -12,11 +12,21 @@ Triton's ``generate_stream``, ``api=openai`` streams ``/v1/chat/completions`` (`
 default) or ``/v1/completions``. For each user count the endpoints run one after the other, so
 load from other processes of a shared machine spreads over all of them.
 
-``--peers`` also starts the baselines installed by ``make peers`` (``$LMFORGE_PEERS``, default
-``/work/main/.peers``): ``vllm serve`` (CPU build, same checkpoint, ``--dtype``) and
-``llama-server`` (one slot per user, ``-np`` = the largest user count, on ``--gguf`` or a GGUF
-of the same dtype found in the peers directory). A peer that is not installed or does not start is skipped
-with a note in the report.
+``--ours`` starts lmforge's own stack first (``tritonserver`` + the OpenAI frontend, as ``lmforge
+serve --openai-port`` does, on a temporary export of ``--checkpoint`` with ``--dtype``,
+``--max-model-len`` and ``max_num_seqs`` = the largest user count): endpoints ``lmforge-openai``
+(chat) and ``lmforge-triton`` (``generate_stream``). ``--peers`` also starts the baselines
+installed by ``make peers`` (``$LMFORGE_PEERS``, default ``.peers`` at the repository root):
+``vllm serve`` (CPU build, same checkpoint, ``--dtype``) and ``llama-server`` (one slot per user,
+``-np`` = the largest user count, on ``--gguf`` or a GGUF of the same dtype found in the peers
+directory). A peer that is not installed or does not start is skipped with a note in the report.
+
+``--shared-system-prompt`` sends the load of a chat service: a ~150-token system prompt shared by
+every request (``bench.workload.system_prompt``) and a distinct ~100-token user turn
+(``bench.workload.user_turns``), as chat messages on the OpenAI endpoints (the peers use chat
+too) and as the chat template's text on Triton's. ``--in-process`` runs the same prompts on the
+engine in process (a child process, ``--in-process-requests-per-stream`` greedy requests per
+stream at each user count) and adds its rows and every row's ``served / in-process`` throughput.
 
 ``OUT/`` gets ``serving.json`` (per endpoint and user count: output tok/s, TTFT / ITL / E2E p50
 and p99 in ms, goodput = output tok/s of the requests whose TTFT met ``--ttft-bound-ms``),
@@ -27,23 +37,36 @@ each run's own load-test directory ``NAME/uU/``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
+import tempfile
 import time
+import types
 import urllib.request
 from pathlib import Path
 
 from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
+from bench.peers import peers_dir, vllm_env
 from bench.report import read_samples
-from deploy.triton import free_ports, stop_process
+from bench.serving_profile import format_in_process, in_process_levels
+from bench.workload import system_prompt, user_turns
+from deploy.triton import TritonServer, free_ports, stop_process
 from engine.checkpoint.outputs import SERVING_REPORT, check_output_dir
 from engine.checkpoint.store import resolve_checkpoint
 
 DEFAULT_USERS = (1, 4, 16, 64)
-DEFAULT_PEERS_DIR = "/work/main/.peers"
 PEER_START_TIMEOUT_S = 600.0
+#: Distinct user turns written for ``--shared-system-prompt`` (more than a run sends, so none repeats).
+SHARED_SYSTEM_TURNS = 1024
+IN_PROCESS = "in-process engine"
+
+
+def peers_directory() -> Path:
+    """``$LMFORGE_PEERS``, else ``.peers`` at the repository root (where ``make peers`` installs)."""
+    return Path(os.environ.get("LMFORGE_PEERS") or peers_dir())
 
 
 @dataclasses.dataclass
@@ -108,16 +131,20 @@ def row_from_summary(name: str, users: int, summary: dict, samples, bound_ms: fl
 
 
 def format_table(rows: list[dict], bound_ms: float) -> str:
+    """The report table; ``served / in-process`` where the in-process engine ran at that user count."""
+    in_process = {r["users"]: r["output_tok_s"] for r in rows if r["endpoint"] == IN_PROCESS}
     head = (
-        "| endpoint | users | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-        f"| E2E p50 ms | E2E p99 ms | goodput tok/s (TTFT <= {bound_ms:g} ms) |"
+        "| endpoint | users | requests | output tok/s | served / in-process | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
+        f"| ITL p99 ms | E2E p50 ms | E2E p99 ms | goodput tok/s (TTFT <= {bound_ms:g} ms) |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     fmt = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in rows:
+        reference = in_process.get(r["users"])
+        ratio = r["output_tok_s"] / reference if reference and r["output_tok_s"] else None
         lines.append(
             f"| {r['endpoint']} | {r['users']} | {r['requests']} (+{r['failed']} failed) | {fmt(r['output_tok_s'])} "
-            f"| {fmt(r['ttft_p50_ms'], 0)} | {fmt(r['ttft_p99_ms'], 0)} | {fmt(r['itl_p50_ms'])} | "
+            f"| {fmt(ratio, 2)} | {fmt(r['ttft_p50_ms'], 0)} | {fmt(r['ttft_p99_ms'], 0)} | {fmt(r['itl_p50_ms'])} | "
             f"{fmt(r['itl_p99_ms'])} "
             f"| {fmt(r['e2e_p50_ms'], 0)} | {fmt(r['e2e_p99_ms'], 0)} | {fmt(r['goodput_tok_s'])} |"
         )
@@ -182,7 +209,7 @@ def _wait_health(url: str, process: subprocess.Popen, timeout_s: float) -> bool:
 
 def start_peers(args, out: Path, notes: list[str]) -> list[Peer]:
     """Start ``vllm serve`` and ``llama-server`` from the peers directory; notes say what was skipped."""
-    peers_dir = Path(os.environ.get("LMFORGE_PEERS", DEFAULT_PEERS_DIR))
+    peers_dir = peers_directory()
     if not peers_dir.is_dir():
         notes.append(f"peers skipped: {peers_dir} does not exist (install them with `make peers`)")
         return []
@@ -269,11 +296,15 @@ def start_peers(args, out: Path, notes: list[str]) -> list[Peer]:
         )
     for peer_name, command, port in candidates:
         log = out / f"{peer_name}.log"
+        env = vllm_env(None) if peer_name == "vllm" else None
         with log.open("w") as handle:
-            process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(
+                command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
         url = f"http://127.0.0.1:{port}"
         if _wait_health(url, process, PEER_START_TIMEOUT_S):
-            started.append(Peer(Endpoint(peer_name, "openai", url, name, args.peer_endpoint), process, log))
+            endpoint = "chat" if args.shared_system_prompt else args.peer_endpoint
+            started.append(Peer(Endpoint(peer_name, "openai", url, name, endpoint), process, log))
         else:
             notes.append(
                 f"{peer_name} skipped: it did not become healthy within {PEER_START_TIMEOUT_S:.0f} s; log {log}"
@@ -285,6 +316,94 @@ def start_peers(args, out: Path, notes: list[str]) -> list[Peer]:
 def _stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         stop_process(process.pid, 15.0, wait=process.wait)
+
+
+@contextlib.contextmanager
+def our_stack(args, out: Path):
+    """lmforge's stack (``tritonserver`` + the OpenAI frontend) on a temporary export; yields its endpoints."""
+    # optional or heavy dependency: imported only on the path that needs it
+    from deploy.export import export
+    from deploy.serve import start_openai, stop_openai
+
+    engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": max(args.users)}
+    with tempfile.TemporaryDirectory(prefix="lmforge-bench-serving-") as repo:
+        export(args.checkpoint, Path(repo), name="llm", engine=engine, kind="llm")
+        http, grpc, metrics = free_ports(3)
+        log = out / "tritonserver.log"
+        with TritonServer(
+            repo, http, grpc, metrics, models=["llm"], log_path=log, write_pid_file=False, startup_timeout_s=900
+        ) as server:
+            port = free_ports(1)[0]
+            frontend = start_openai(
+                types.SimpleNamespace(repo=repo, host="127.0.0.1", openai_port=port, api_key=None, grace_s=10.0),
+                server,
+            )
+            try:
+                yield [
+                    Endpoint("lmforge-openai", "openai", f"http://127.0.0.1:{port}", "llm", "chat"),
+                    Endpoint("lmforge-triton", "triton", server.http_url, "llm", "generate_stream"),
+                ]
+            finally:
+                stop_openai(frontend, types.SimpleNamespace(repo=repo, grace_s=10.0))
+
+
+def write_shared_system_prompts(args, out: Path) -> Path:
+    """``OUT/prompts-shared-system.jsonl``: the distinct ~100-token user turns of ``--shared-system-prompt``."""
+    # optional or heavy dependency: imported only on the path that needs it
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_checkpoint(args.checkpoint)))
+    path = out / "prompts-shared-system.jsonl"
+    turns = user_turns(tokenizer, SHARED_SYSTEM_TURNS)
+    path.write_text("".join(json.dumps({"prompt": turn}) + "\n" for turn in turns))
+    return path
+
+
+def in_process_rows(args, prompts_path: Path | None, system: str | None) -> list[dict]:
+    """The in-process engine on the same prompts (chat template, after ``system``) at each user count."""
+    # optional or heavy dependency: imported only on the path that needs it
+    from transformers import AutoTokenizer
+
+    from bench.prompts import load_prompts
+
+    checkpoint = str(resolve_checkpoint(args.checkpoint))
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    texts = load_prompts(prompts_path, limit=args.num_prompts)
+    head = [{"role": "system", "content": system}] if system else []
+    per_stream = args.in_process_requests_per_stream
+    needed = max(args.users) * per_stream
+    ids = [
+        tokenizer.apply_chat_template(head + [{"role": "user", "content": t}], add_generation_prompt=True)
+        for t in (texts * (needed // len(texts) + 1))[:needed]
+    ]
+    engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": max(args.users)}
+    spec = types.SimpleNamespace(streams=args.users, requests_per_stream=per_stream, max_tokens=args.max_tokens)
+    levels = in_process_levels(spec, checkpoint, engine, [list(i) for i in ids])
+    rows = []
+    for users in args.users:
+        level = levels.get(users)
+        if level is None:
+            continue
+        print(f"{IN_PROCESS}: {format_in_process(level)}", flush=True)
+        rows.append(
+            {
+                "endpoint": IN_PROCESS,
+                "users": users,
+                "requests": users * per_stream,
+                "failed": 0,
+                "output_tok_s": level["output_tok_s"],
+                "ttft_p50_ms": None,
+                "ttft_p99_ms": level["ttft_p99_ms"],
+                "itl_p50_ms": level["itl_p50_ms"],
+                "itl_p99_ms": None,
+                "e2e_p50_ms": None,
+                "e2e_p99_ms": None,
+                "goodput_tok_s": None,
+                "errors": {},
+                "cpu_s_per_1k_tokens": level["cpu_s_per_1k_tokens"],
+            }
+        )
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,7 +419,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="name=N,api=triton|openai,url=http://127.0.0.1:PORT,model=M[,endpoint=E][,key=K] (repeat)",
     )
+    parser.add_argument(
+        "--ours", action="store_true", help="start lmforge's stack (Triton + OpenAI frontend) on --checkpoint"
+    )
     parser.add_argument("--peers", action="store_true", help="also start vllm serve and llama-server from `make peers`")
+    parser.add_argument(
+        "--shared-system-prompt",
+        action="store_true",
+        help="a ~150-token system prompt shared by every request + a distinct ~100-token user turn (chat)",
+    )
+    parser.add_argument(
+        "--in-process", action="store_true", help="also run the engine in process on the same prompts (ratio column)"
+    )
+    parser.add_argument(
+        "--in-process-requests-per-stream", type=int, default=3, help="in-process greedy requests per user (default 3)"
+    )
     parser.add_argument(
         "--checkpoint", default="smollm2-135m", help="checkpoint the peers serve (default smollm2-135m)"
     )
@@ -334,61 +467,79 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, LoadTestError) as exc:
         print(f"error: {exc}")
         return 2
-    if not endpoints and not args.peers:
-        print("error: no endpoint to measure; pass --endpoint (and/or --peers)")
+    if not endpoints and not args.peers and not args.ours:
+        print("error: no endpoint to measure; pass --endpoint (and/or --ours, --peers)")
         return 2
     out = check_output_dir(args.out, kind=SERVING_REPORT, sources=tuple(p for p in [args.prompts] if p))
     out.mkdir(parents=True, exist_ok=True)
+    system = None
+    if args.shared_system_prompt:
+        args.prompts, system = str(write_shared_system_prompts(args, out)), system_prompt(0)
     notes: list[str] = []
-    peers = start_peers(args, out, notes) if args.peers else []
-    endpoints += [p.endpoint for p in peers]
-    if not endpoints:
-        print("error: no endpoint to measure; pass --endpoint (and/or --peers)")
-        return 2
-    rows: list[dict] = []
-    try:
-        for users in args.users:
-            for ep in endpoints:
-                config = LoadTestConfig(
-                    host=ep.url,
-                    model=ep.model,
-                    api=ep.api,
-                    api_key=ep.key,
-                    users=users,
-                    spawn_rate=float(users),
-                    run_time_s=run_time_s,
-                    endpoint=ep.endpoint or ("chat" if ep.api == "openai" else "generate_stream"),
-                    prompts=args.prompts,
-                    num_prompts=args.num_prompts,
-                    max_tokens=args.max_tokens,
-                    ignore_eos=True,
-                    request_timeout_s=args.request_timeout_s,
-                )
-                run_dir = out / ep.name / f"u{users}"
-                print(f"{ep.name}: {users} users for {run_time_s:g} s ...", flush=True)
-                try:
-                    summary = run_loadtest(config, run_dir, log=lambda _m: None)
-                except LoadTestError as exc:
-                    notes.append(f"{ep.name} at {users} users: {exc}")
-                    print(f"  skipped: {exc}")
-                    continue
-                samples, _ = read_samples(run_dir / "samples.jsonl")
-                rows.append(row_from_summary(ep.name, users, summary, samples, args.ttft_bound_ms))
-                r = rows[-1]
-                print(
-                    f"  {r['output_tok_s'] or 0:.1f} tok/s, TTFT p50 {r['ttft_p50_ms'] or 0:.0f} ms, p99 "
-                    f"{r['ttft_p99_ms'] or 0:.0f} ms",
-                    flush=True,
-                )
-    finally:
-        for peer in peers:
-            _stop(peer.process)
+    rows: list[dict] = in_process_rows(args, args.prompts, system) if args.in_process else []
+    with contextlib.ExitStack() as stack:
+        if args.ours:
+            endpoints = stack.enter_context(our_stack(args, out)) + endpoints
+        peers = start_peers(args, out, notes) if args.peers else []
+        endpoints += [p.endpoint for p in peers]
+        if not endpoints:
+            print("error: no endpoint to measure; pass --endpoint (and/or --ours, --peers)")
+            return 2
+        try:
+            _measure(args, endpoints, run_time_s, out, system, rows, notes)
+        finally:
+            for peer in peers:
+                _stop(peer.process)
+    return _report(args, endpoints, run_time_s, out, rows, notes)
+
+
+def _measure(args, endpoints: list[Endpoint], run_time_s: float, out: Path, system, rows: list, notes: list) -> None:
+    """Each user count, each endpoint in turn (so load from other processes spreads over all of them)."""
+    for users in args.users:
+        for ep in endpoints:
+            config = LoadTestConfig(
+                host=ep.url,
+                model=ep.model,
+                api=ep.api,
+                api_key=ep.key,
+                users=users,
+                spawn_rate=float(users),
+                run_time_s=run_time_s,
+                endpoint=ep.endpoint or ("chat" if ep.api == "openai" else "generate_stream"),
+                prompts=args.prompts,
+                system_prompt=system,
+                chat_template=args.checkpoint if system and ep.api == "triton" else None,
+                num_prompts=args.num_prompts,
+                max_tokens=args.max_tokens,
+                ignore_eos=True,
+                request_timeout_s=args.request_timeout_s,
+            )
+            run_dir = out / ep.name / f"u{users}"
+            print(f"{ep.name}: {users} users for {run_time_s:g} s ...", flush=True)
+            try:
+                summary = run_loadtest(config, run_dir, log=lambda _m: None)
+            except LoadTestError as exc:
+                notes.append(f"{ep.name} at {users} users: {exc}")
+                print(f"  skipped: {exc}")
+                continue
+            samples, _ = read_samples(run_dir / "samples.jsonl")
+            rows.append(row_from_summary(ep.name, users, summary, samples, args.ttft_bound_ms))
+            r = rows[-1]
+            print(
+                f"  {r['output_tok_s'] or 0:.1f} tok/s, TTFT p50 {r['ttft_p50_ms'] or 0:.0f} ms, p99 "
+                f"{r['ttft_p99_ms'] or 0:.0f} ms",
+                flush=True,
+            )
+
+
+def _report(args, endpoints: list[Endpoint], run_time_s: float, out: Path, rows: list, notes: list) -> int:
     report = {
         "endpoints": [dataclasses.asdict(e) | {"key": None} for e in endpoints],
         "users": args.users,
         "run_time_s": run_time_s,
         "max_tokens": args.max_tokens,
         "ttft_bound_ms": args.ttft_bound_ms,
+        "shared_system_prompt": args.shared_system_prompt,
         "rows": rows,
         "notes": notes,
     }

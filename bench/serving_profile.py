@@ -39,13 +39,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.metrics import RequestSample, summarize
-from bench.workload import load_questions, system_prompt
+from bench.workload import system_prompt, user_turns
 from deploy.triton import TritonServer, free_ports
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -61,21 +62,11 @@ PY_SPY_RATE_HZ = 97
 
 def chat_load(tokenizer, num_requests: int, user_tokens: int = USER_TURN_TOKENS) -> list[list[dict]]:
     """``num_requests`` chat conversations: the shared system prompt + a distinct user turn of
-    about ``user_tokens`` tokens (corpus questions joined until long enough, each request
-    starting at another question)."""
-    questions = load_questions()
-    conversations = []
-    for i in range(num_requests):
-        parts, count, j = [], 0, i
-        while count < user_tokens:
-            question = questions[j % len(questions)]
-            parts.append(question)
-            count += len(tokenizer(" " + question, add_special_tokens=False).input_ids)
-            j += 7  # a stride that mixes topics
-        conversations.append(
-            [{"role": "system", "content": system_prompt(0)}, {"role": "user", "content": " ".join(parts)}]
-        )
-    return conversations
+    about ``user_tokens`` tokens (:func:`bench.workload.user_turns`)."""
+    return [
+        [{"role": "system", "content": system_prompt(0)}, {"role": "user", "content": turn}]
+        for turn in user_turns(tokenizer, num_requests, user_tokens)
+    ]
 
 
 def render(tokenizer, conversation: list[dict]) -> str:
@@ -294,37 +285,57 @@ async def run_streams(target: dict, conversations: list, prompts: list[str], str
 #: (stage, regex on one frame "function (file)") checked from the leaf up; the first hit names the
 #: sample's stage. Order matters: the innermost recognisable frame wins.
 STAGE_RULES: list[tuple[str, str]] = [
-    ("waiting for the GIL", r"take_gil|PyEval_RestoreThread|PyEval_AcquireThread|drop_gil"),
-    ("model forward", r"\bexecute \(engine/model_runner|\bforward \(engine/|engine/attention"),
+    ("model forward", r"\.execute \(engine/model_runner|\.forward \(engine/|engine/attention|engine/cpu_ops"),
     ("sampling", r"engine/sampler"),
-    ("detokenization", r"engine/detokenizer|\bdecode \(.*tokenization"),
+    ("detokenization", r"engine/detokenizer"),
     ("scheduling + KV blocks", r"engine/scheduler|engine/block_manager"),
-    ("engine outputs (RequestOutput)", r"_group_outputs|_output \(engine/llm_engine|_deliver|_send \(engine/async"),
-    ("engine step (other)", r"\bstep \(engine/llm_engine|_run \(engine/async_engine"),
-    ("response send (Triton IPC)", r"\bsend \(|ResponseSender|SendIPCMessage"),
-    ("response tensors", r"_output_tensors|_send_output|response_tensors|pb_utils|InferenceResponse"),
-    ("cancel polling", r"_watch_cancel|is_cancelled"),
-    ("metrics / stats", r"update_stats|_publish_stats|MetricFamily|\bset \(|increment"),
-    ("gRPC receive", r"grpc|_piece|as_numpy|tritonclient|protobuf"),
-    ("SSE / JSON encode", r"\bchunk \(deploy|\brender \(deploy|\bsse \(deploy|json/encoder|orjson|dumps"),
-    ("HTTP server (uvicorn/starlette)", r"uvicorn|starlette|h11|httptools|fastapi"),
-    ("request parse + tokenize", r"model_validate|pydantic|make_plan|apply_chat_template|tokeniz"),
-    ("asyncio event loop", r"asyncio|base_events|selectors|uvloop|_run_once"),
+    ("engine outputs (RequestOutput, hand-over)", r"_group_outputs|\._output \(engine/llm_engine|_deliver|_put_all"),
+    ("engine step (other)", r"\.step \(engine/llm_engine|_process_tokens|_process_token"),
+    ("response tensors + send", r"_output_tensors|_send_output|_send_error|\._close \(deploy"),
+    ("cancel polling", r"_watch_cancel|CancelWatch|is_cancelled"),
+    ("metrics / stats", r"update_stats|_publish_stats|\._set \(deploy"),
+    ("gRPC receive", r"grpc|_piece|as_numpy|tritonclient|protobuf|\._pump \(deploy|drain"),
+    ("SSE / JSON encode", r"\.chunk \(deploy|\.render \(deploy|\.sse \(deploy|coalesce|json/encoder|orjson|dumps"),
+    ("HTTP server (uvicorn/starlette)", r"uvicorn|starlette|h11|httptools|fastapi|anyio"),
+    ("request parse + tokenize", r"model_validate|pydantic|make_plan|apply_chat_template|tokeniz|jinja"),
+    ("asyncio event loop", r"asyncio|base_events|selectors|uvloop|_run_once|task_step"),
 ]
+#: A sample whose leaf is one of these waits is not running: waiting for the GIL, for Triton (a
+#: response or cancel-poll round trip: the stub waits on an interprocess condition), or idle.
+GIL_WAIT = r"take_gil|gil_scoped_acquire|PyEval_RestoreThread|PyEval_AcquireThread|PyGILState_Ensure"
+BLOCKING = (
+    r"pthread_cond_|epoll_p?wait|\bselect \(|\bpoll \(|nanosleep|futex|sem_wait|__lll_lock_wait|PyThread_acquire_lock"
+)
+TRITON_WAIT = {
+    "_send_output": "waiting for Triton: response send",
+    "_send_error": "waiting for Triton: response send",
+    "_watch_cancel": "waiting for Triton: cancel poll",
+    "CancelWatch": "waiting for Triton: cancel poll",
+}
 
 
 def classify(stack: str) -> str:
+    """The stage of one sampled stack (``;``-joined frames, root first)."""
     frames = stack.split(";")
+    leaf = ";".join(frames[-4:])
+    if re.search(GIL_WAIT, stack):
+        return "waiting for the GIL"
+    if re.search(BLOCKING, leaf):
+        python = [f for f in frames if ".py:" in f]
+        caller = python[-1] if python else ""
+        for name, stage in TRITON_WAIT.items():
+            if name in caller:
+                return stage
+        return "idle (blocked: no work)"
     for frame in reversed(frames):
         for stage, pattern in STAGE_RULES:
             if re.search(pattern, frame):
                 return stage
-    return "other"
+    return "other (native)"
 
 
 def stage_shares(raw_path: Path) -> dict[str, dict[str, int]]:
-    """py-spy ``--format raw`` (collapsed stacks, ``--threads``) -> ``{thread: {stage: samples}}``;
-    idle samples (a thread blocked in a system call, not on the GIL) count as ``idle``."""
+    """py-spy ``--format raw`` (collapsed stacks, ``--threads``, ``--idle``) -> ``{thread: {stage: samples}}``."""
     shares: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.defaultdict(int))
     for line in raw_path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -347,6 +358,48 @@ def start_py_spy(pid: int, out: Path, duration_s: int) -> subprocess.Popen:
 # --------------------------------------------------------------------------------------------
 
 
+class GaugeSampler:
+    """Samples the engine's ``lmforge_num_requests_running`` / ``_waiting`` gauges on a thread
+    (every ``interval_s``): the mean batch the engine ran while the load was on."""
+
+    def __init__(self, metrics_url: str, interval_s: float = 0.5) -> None:
+        self.metrics_url, self.interval_s = metrics_url, interval_s
+        self.samples: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "GaugeSampler":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            try:
+                with urllib.request.urlopen(self.metrics_url, timeout=5) as reply:
+                    text = reply.read().decode()
+            except OSError:
+                continue
+            values = {}
+            for name in ("running", "waiting"):
+                found = re.findall(rf"^lmforge_num_requests_{name}\{{[^}}]*\}} ([0-9.eE+-]+)$", text, re.M)
+                values[name] = sum(float(v) for v in found)
+            self.samples.append((values["running"], values["waiting"]))
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        running = [r for r, _ in self.samples]
+        return {
+            "mean_running": sum(running) / len(running),
+            "mean_waiting": sum(w for _, w in self.samples) / len(self.samples),
+            "share_of_time_idle": sum(1 for r in running if r == 0) / len(running),
+        }
+
+
 def lmforge_counters(metrics_url: str) -> dict[str, float]:
     """The ``lmforge_*_total`` counters of the model (summed over labels)."""
     try:
@@ -358,6 +411,101 @@ def lmforge_counters(metrics_url: str) -> dict[str, float]:
     for name, value in re.findall(r"^(lmforge_\w+_total)\{[^}]*\} ([0-9.eE+-]+)$", text, re.M):
         out[name] += float(value)
     return dict(out)
+
+
+# --------------------------------------------------------------------------------------------
+# The in-process engine on the same prompts (a child process, so its CPU time is its own)
+# --------------------------------------------------------------------------------------------
+
+
+async def _engine_streams(engine, prompts: list[list[int]], streams: int, per_stream: int, max_tokens: int):
+    # torch-heavy: imported on use, so importing this module stays light
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    counter = iter(range(10**9))
+
+    async def one(ids: list[int]) -> RequestSample:
+        sample = RequestSample(start_s=time.time(), e2e_s=0.0, endpoint="in-process")
+        start, times, last = time.perf_counter(), [], None
+        async for out in engine.generate({"prompt_token_ids": ids}, params, f"p{next(counter)}"):
+            times.append(time.perf_counter())
+            last = out
+        sample.output_tokens = len(last.outputs[0].token_ids)
+        sample.finish_reason = last.outputs[0].finish_reason
+        return _finish(sample, start, times)
+
+    async def stream(s: int) -> list[RequestSample]:
+        return [await one(prompts[(s * per_stream + r) % len(prompts)]) for r in range(per_stream)]
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(stream(s) for s in range(streams)))
+    return [x for r in results for x in r], time.perf_counter() - start
+
+
+def in_process_child(spec_path: str) -> int:
+    """``--in-process-child SPEC``: run the levels of SPEC (JSON) on an in-process ``AsyncLLMEngine``
+    and print one JSON line per level (tok/s, TTFT p99, ITL p50, this process's CPU seconds per 1k tokens)."""
+    # torch-heavy: imported on use, so importing this module stays light
+    from engine import AsyncLLMEngine, EngineConfig
+
+    spec = json.loads(Path(spec_path).read_text())
+    with AsyncLLMEngine(EngineConfig(model=spec["checkpoint"], **spec["engine"])) as engine:
+        for streams in spec["streams"]:
+            run = lambda per_stream: asyncio.run(  # noqa: E731
+                _engine_streams(engine, spec["prompts"], streams, per_stream, spec["max_tokens"])
+            )
+            run(1)  # warm-up at this batch size
+            cpu = sum(os.times()[:2])
+            samples, wall = run(spec["requests_per_stream"])
+            cpu = sum(os.times()[:2]) - cpu
+            summary = summarize(samples, duration_s=wall)
+            tokens = summary["total_output_tokens"] or 1
+            level = {
+                "streams": streams,
+                "output_tok_s": summary["output_throughput_tok_s"],
+                "ttft_p99_ms": summary["ttft_ms"]["p99"],
+                "itl_p50_ms": summary["itl_ms"]["p50"],
+                "cpu_s_per_1k_tokens": 1000.0 * cpu / tokens,
+            }
+            print("LEVEL " + json.dumps(level), flush=True)
+    return 0
+
+
+def in_process_levels(args, checkpoint: str, engine: dict, prompt_ids: list[list[int]]) -> dict[int, dict]:
+    """The in-process engine's figures per stream count (run in a child process)."""
+    with tempfile.TemporaryDirectory(prefix="lmforge-serving-profile-engine-") as tmp:
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(
+            json.dumps(
+                {
+                    "checkpoint": checkpoint,
+                    "engine": engine,
+                    "streams": args.streams,
+                    "requests_per_stream": args.requests_per_stream,
+                    "max_tokens": args.max_tokens,
+                    "prompts": prompt_ids,
+                }
+            )
+        )
+        repo_root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
+        child = subprocess.run(
+            [sys.executable, "-m", "bench.serving_profile", "--in-process-child", str(spec)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=7200,
+            check=False,
+        )
+    levels = {}
+    for line in child.stdout.splitlines():
+        if line.startswith("LEVEL "):
+            level = json.loads(line[6:])
+            levels[level["streams"]] = level
+    if child.returncode != 0:
+        print(f"note: the in-process run failed (status {child.returncode}): {child.stderr[-1500:]}")
+    return levels
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,6 +528,11 @@ def profile(args) -> dict:
     prompts = [render(tokenizer, c) for c in conversations]
     engine = {"dtype": args.dtype, "max_num_seqs": max(args.streams), "max_model_len": args.max_model_len}
     report = {"api": args.api, "checkpoint": checkpoint, "engine": engine, "levels": []}
+    if args.in_process:
+        ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        report["in_process"] = in_process_levels(args, checkpoint, engine, ids)
+        for level in report["in_process"].values():
+            print(f"in process: {format_in_process(level)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="lmforge-serving-profile-") as tmp:
         export(checkpoint, Path(tmp), name="llm", engine=engine, kind="llm")
         http, grpc, metrics = free_ports(3)
@@ -401,8 +554,12 @@ def profile(args) -> dict:
                     stub,
                 )
                 for streams in args.streams:
-                    report["levels"].append(_level(args, target, server, meter, conversations, prompts, streams, tmp))
-                    print(format_level(report["levels"][-1]), flush=True)
+                    level = _level(args, target, server, meter, conversations, prompts, streams, tmp)
+                    reference = report.get("in_process", {}).get(streams)
+                    if reference and reference["output_tok_s"] and level["output_tok_s"]:
+                        level["served_over_in_process_tok_s"] = level["output_tok_s"] / reference["output_tok_s"]
+                    report["levels"].append(level)
+                    print(format_level(level), flush=True)
             finally:
                 if frontend is not None:
                     stop_openai(frontend, argparse.Namespace(repo=tmp, grace_s=10.0))
@@ -415,7 +572,8 @@ def _level(args, target, server, meter: CpuMeter, conversations, prompts, stream
     )
     run(1)  # warm-up at this batch size (not measured)
     counters_before, before = lmforge_counters(server.metrics_url), meter.snapshot()
-    samples, count, wall = run(args.requests_per_stream)
+    with GaugeSampler(server.metrics_url) as gauges:
+        samples, count, wall = run(args.requests_per_stream)
     after, counters_after = meter.snapshot(), lmforge_counters(server.metrics_url)
     processes, stub_threads = meter.delta(before, after)
     summary = summarize(samples, duration_s=wall)
@@ -440,6 +598,7 @@ def _level(args, target, server, meter: CpuMeter, conversations, prompts, stream
             "SSE events at the client": count.events / tokens,
         },
         "engine_steps": counters.get("lmforge_engine_steps_total"),
+        "engine_batch": gauges.summary(),
         "cached_tokens_reported": count.cached_tokens,
     }
     if args.py_spy:
@@ -473,16 +632,30 @@ def _py_spy_pass(args, run, server, meter: CpuMeter, streams: int, tmp: str) -> 
 # --------------------------------------------------------------------------------------------
 
 
+def format_in_process(level: dict) -> str:
+    fmt = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    return (
+        f"{level['streams']} streams: {fmt(level['output_tok_s'])} tok/s, TTFT p99 {fmt(level['ttft_p99_ms'], 0)} ms, "
+        f"ITL p50 {fmt(level['itl_p50_ms'])} ms, CPU {fmt(level['cpu_s_per_1k_tokens'], 2)} s per 1k tokens"
+    )
+
+
 def format_level(level: dict) -> str:
     fmt = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     lines = [
         f"{level['streams']} streams: {level['requests']} requests (+{level['failed']} failed), "
         f"{fmt(level['output_tok_s'])} tok/s, TTFT p99 {fmt(level['ttft_p99_ms'], 0)} ms, ITL p50 "
-        f"{fmt(level['itl_p50_ms'])} ms, CPU {fmt(level['cpu_s_per_1k_tokens_total'], 2)} s per 1k tokens",
+        f"{fmt(level['itl_p50_ms'])} ms, CPU {fmt(level['cpu_s_per_1k_tokens_total'], 2)} s per 1k tokens"
+        + (
+            f", served / in-process {level['served_over_in_process_tok_s']:.2f}"
+            if level.get("served_over_in_process_tok_s")
+            else ""
+        ),
         "  CPU s / 1k tokens: " + ", ".join(f"{k} {fmt(v, 2)}" for k, v in level["cpu_s_per_1k_tokens"].items()),
         "  stub threads: "
         + ", ".join(f"{k} {fmt(v, 2)}" for k, v in level["stub_threads_cpu_s_per_1k_tokens"].items()),
         "  messages per token: " + ", ".join(f"{k} {fmt(v, 2)}" for k, v in level["messages_per_token"].items()),
+        "  engine batch: " + ", ".join(f"{k} {fmt(v, 2)}" for k, v in (level.get("engine_batch") or {}).items()),
     ]
     for process, threads in (level.get("py_spy_stages") or {}).items():
         for thread, stages in threads.items():
@@ -502,10 +675,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=512, help="EngineConfig.max_model_len (default 512)")
     parser.add_argument("--py-spy", action="store_true", help="also profile each level with py-spy (a second pass)")
     parser.add_argument("--py-spy-seconds", type=float, default=20.0, help="py-spy record duration (default 20)")
+    parser.add_argument(
+        "--in-process", action="store_true", help="also run the in-process engine on the same prompts (a child process)"
+    )
     parser.add_argument("--out", default="reports/serving-profile", help="report directory")
+    parser.add_argument("--in-process-child", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.in_process_child:
+        return in_process_child(args.in_process_child)
     if min(args.streams) < 1 or args.requests_per_stream < 1 or args.max_tokens < 2:
         print("error: --streams and --requests-per-stream must be >= 1, --max-tokens >= 2")
         return 2

@@ -179,6 +179,28 @@ def build_workload(tokenizer, *, num_requests: int = 64, max_tokens: int = 64, n
     return Workload(prompts, texts, questions, system_of, shared, max_tokens)
 
 
+def user_turns(tokenizer, num_requests: int, num_tokens: int = 100) -> list[str]:
+    """``num_requests`` distinct user turns of about ``num_tokens`` tokens: corpus questions joined
+    until long enough, each turn starting at another question (a stride of 7 mixes topics).
+
+    Raises:
+        WorkloadError: a count is < 1.
+    """
+    if num_requests < 1 or num_tokens < 1:
+        raise WorkloadError(f"num_requests={num_requests}, num_tokens={num_tokens}; both must be >= 1")
+    questions = load_questions()
+    turns = []
+    for i in range(num_requests):
+        parts, count, j = [], 0, i
+        while count < num_tokens:
+            question = questions[j % len(questions)]
+            parts.append(question)
+            count += len(tokenizer(" " + question, add_special_tokens=False).input_ids)
+            j += 7
+        turns.append(" ".join(parts))
+    return turns
+
+
 def single_prompt(tokenizer, num_tokens: int = 160) -> list[int]:
     """The prompt of the one-request-alone run: the first ``num_tokens`` tokens of the corpus
     questions in reverse order, as plain text (no chat template, so it shares no prefix with the

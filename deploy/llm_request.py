@@ -6,7 +6,9 @@ The tensors are those of Triton's vLLM backend, so its clients work unchanged:
 * ``prompt_token_ids`` (INT64 [-1]): the prompt already tokenized (exactly one of the two);
 * ``stream`` (BOOL, default false): one response per engine step instead of one at the end;
 * ``sampling_parameters`` (STRING, default ``{}``): a JSON object of ``SamplingParams`` fields,
-  e.g. ``{"temperature": 0, "max_tokens": 32}``;
+  e.g. ``{"temperature": 0, "max_tokens": 32}``; a constraint as
+  ``{"structured_outputs": {"json": {...schema...}}}`` (or ``regex``, ``choice``, ``grammar``,
+  ``json_object``), also under older vLLM's name ``guided_decoding``; ``{"prompt_logprobs": k}``;
 * ``exclude_input_in_output`` (BOOL, default false): for non-streaming requests, leave the
   prompt out of ``text_output`` (streamed responses never repeat it).
 
@@ -92,6 +94,13 @@ def parse_sampling_parameters(text: str | None, limits: RequestLimits | None = N
         ) from exc
     if not isinstance(fields, dict):
         raise ValueError(f"sampling_parameters: expected a JSON object, got {type(fields).__name__}")
+    if "guided_decoding" in fields:  # older vLLM's name of structured_outputs (Triton's vLLM backend clients)
+        if "structured_outputs" in fields:
+            raise InvalidRequestError(
+                "sampling_parameters: both structured_outputs and guided_decoding given; send one",
+                param="structured_outputs",
+            )
+        fields["structured_outputs"] = fields.pop("guided_decoding")
     known = {f.name for f in dataclasses.fields(SamplingParams)} if dataclasses.is_dataclass(SamplingParams) else None
     if known is not None:
         unknown = sorted(set(fields) - known)

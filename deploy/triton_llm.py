@@ -8,17 +8,19 @@ hands over only its newest output when this loop fell behind, so a response then
 new text and tokens of several steps: each send is a round trip to Triton, and under load
 fewer, fuller responses are what keeps the stream up with the engine); one at the end
 otherwise. The last response carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``, the finish
-reason and ``num_cached_tokens`` (prompt tokens served from the prefix cache). A request whose client
-went away (``response_sender.is_cancelled()``, polled every ``CANCEL_CHECK_INTERVAL_S`` whether
-or not the engine produced output, so a request still waiting for a batch slot is caught too)
-is aborted in the engine, which frees its KV blocks at once. Triton 2.51 flags gRPC stream
-cancellations at once; it flags an HTTP client that closed a ``generate_stream`` (SSE) only when
-it writes to the connection, so a streaming request that sent nothing for ``HEARTBEAT_INTERVAL_S``
-(queued, or waiting on a long step) sends an empty response (``heartbeat_tensors``; clients skip
-it) and a closed client is aborted within about a second, queued or running. A client that leaves
-a non-streaming ``generate`` is never flagged (no response may be written before the last one);
-such a request runs to its end, bounded by the request limits (``engine.limits``: it has one
-completion, ``n`` > 1 needs ``stream``, and at most ``max_model_len`` tokens).
+reason and ``num_cached_tokens`` (prompt tokens served from the prefix cache); the first carries the
+request's ``prompt_logprobs`` when they were asked (JSON). A request whose client
+went away (``response_sender.is_cancelled()``, polled by one task for all requests whether or
+not the engine produced output, so a request still waiting for a batch slot is caught too: see
+``CancelWatch``) is aborted in the engine, which frees its KV blocks at once. Triton 2.51 flags
+gRPC stream cancellations at once; it flags an HTTP client that closed a ``generate_stream``
+(SSE) only when it writes to the connection, so a streaming request that sent nothing for
+``HEARTBEAT_INTERVAL_S`` (queued, or waiting on a long step) sends an empty response
+(``heartbeat_tensors``; clients skip it) and a closed client is aborted within about a second,
+queued or running; the heartbeats also tell a client that the instance serving it is alive. A
+client that leaves a non-streaming ``generate`` is never flagged (no response may be written
+before the last one); such a request runs to its end, bounded by the request limits
+(``engine.limits``: one completion, ``n`` > 1 needs ``stream``, at most ``max_model_len`` tokens).
 
 A bad request gets an error response (``INVALID_ARG``, HTTP 400); a request whose engine step
 failed gets ``INTERNAL`` with the engine's reason; the other requests carry on. If the engine
@@ -52,11 +54,13 @@ from deploy.llm_request import LLMRequest, parse_request
 from engine.async_engine import EngineDeadError
 
 STATS_INTERVAL_S = 0.05
-#: How often a request asks Triton whether its client cancelled (an IPC round trip).
+#: How often a request asks Triton whether its client cancelled (an IPC round trip), at most...
 CANCEL_CHECK_INTERVAL_S = 0.1
+#: ...and how many of those round trips all requests share per second (``CancelWatch``).
+CANCEL_POLLS_PER_S = 100
 #: A streaming request that sent nothing for this long (queued behind others, or a long step) gets an empty
 #: response (``heartbeat_tensors``): Triton 2.51's HTTP server notices a closed SSE connection only when it
-#: writes to it, and a client (the OpenAI frontend) can tell a live instance from a dead one by it.
+#: writes to it, and a client (the OpenAI frontend) tells a live instance from a dead one by it.
 HEARTBEAT_INTERVAL_S = 0.3
 #: Request parameters Triton or its clients set themselves (e.g. ``triton_enable_empty_final_response``).
 RESERVED_PARAMETER_PREFIX = "triton_"
@@ -246,6 +250,84 @@ def _is_cancelled(sender) -> bool:
         return True
 
 
+class CancelWatch:
+    """Asks Triton whether the clients of the streaming requests cancelled, from one task.
+
+    Each ``is_cancelled`` is an IPC round trip to the Triton process, which under load cost more
+    than the responses themselves when every request polled on its own every 0.1 s. So the
+    polls share a budget: every ``max(CANCEL_CHECK_INTERVAL_S, n / CANCEL_POLLS_PER_S)`` seconds
+    one sweep asks about each of the ``n`` requests watched (at 64 requests, each every 0.64 s).
+    A cancelled request's event is set and ``on_cancel(request_id)`` runs as its own task.
+
+    Every ``HEARTBEAT_INTERVAL_S`` (apart from the sweeps) each streaming request that sent
+    nothing since the last look sends a heartbeat (``heartbeat_tensors``); a send that fails
+    counts as a cancel. Requests that stream tokens send none.
+    """
+
+    def __init__(self, on_cancel) -> None:
+        self.on_cancel = on_cancel
+        # request id -> (sender, cancelled event, _SentState of a streaming request or None, progress at the last look)
+        self.watched: dict[str, list] = {}
+        self.task: asyncio.Future | None = None
+        self.aborts: set[asyncio.Future] = set()
+
+    def add(self, request_id: str, sender, sent: "_SentState | None" = None) -> asyncio.Event:
+        """Watch a request (on the running event loop); ``sent``: a streaming request's state (it gets
+        heartbeats). Returns the event set when its client cancels."""
+        cancelled = asyncio.Event()
+        self.watched[request_id] = [sender, cancelled, sent, None]
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._run())
+        return cancelled
+
+    def remove(self, request_id: str) -> None:
+        self.watched.pop(request_id, None)
+
+    def interval_s(self) -> float:
+        return max(CANCEL_CHECK_INTERVAL_S, len(self.watched) / CANCEL_POLLS_PER_S)
+
+    def _cancel(self, request_id: str) -> None:
+        entry = self.watched.pop(request_id, None)
+        if entry is None:
+            return
+        entry[1].set()
+        abort = asyncio.ensure_future(self.on_cancel(request_id))
+        self.aborts.add(abort)
+        abort.add_done_callback(self.aborts.discard)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_sweep = next_heartbeats = loop.time()
+        while self.watched:
+            await asyncio.sleep(max(0.0, min(next_sweep, next_heartbeats) - loop.time()))
+            now = loop.time()
+            if now >= next_heartbeats:
+                next_heartbeats = now + HEARTBEAT_INTERVAL_S
+                for request_id, entry in list(self.watched.items()):
+                    if entry[2] is not None and request_id in self.watched and not self._heartbeat(entry):
+                        self._cancel(request_id)
+            if now >= next_sweep:
+                next_sweep = now + self.interval_s()
+                for request_id, entry in list(self.watched.items()):
+                    if request_id in self.watched and _is_cancelled(entry[0]):  # an IPC round trip to Triton
+                        self._cancel(request_id)
+
+    @staticmethod
+    def _heartbeat(entry: list) -> bool:
+        """Send a heartbeat if the request sent nothing since the last look; False if the send failed."""
+        sender, _, sent, progress = entry
+        seen = (len(sent.chars), sum(sent.chars.values()), sum(sent.tokens.values()), len(sent.done))
+        if seen != progress:
+            entry[3] = seen
+            return True
+        try:
+            sender.send(pb_utils.InferenceResponse(heartbeat_tensors(sent.last)), flags=0)
+        except Exception:  # noqa: BLE001 -- the client is gone
+            return False
+        sent.heartbeats += 1
+        return True
+
+
 @dataclasses.dataclass
 class _SentState:
     """What one request's responses already carried, per completion ``index``."""
@@ -253,6 +335,7 @@ class _SentState:
     chars: dict[int, int] = dataclasses.field(default_factory=dict)  # text characters streamed
     tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # token ids streamed
     done: set[int] = dataclasses.field(default_factory=set)  # completions whose finish was sent
+    prompt_logprobs_sent: bool = False
     last: object = None  # the latest RequestOutput (heartbeats repeat its token counts)
     heartbeats: int = 0  # empty responses sent
 
@@ -322,6 +405,7 @@ class TritonPythonModel:
 
     limits = None  # the engine's RequestLimits (set in initialize; None: the defaults)
     max_model_len = None
+    _cancel_watch: CancelWatch | None = None
 
     def initialize(self, args: dict) -> None:
         # the engine (and torch) load when Triton initializes an instance, not when its stub imports this file
@@ -454,15 +538,13 @@ class TritonPythonModel:
     async def _stream(self, request: LLMRequest, request_id: str, stream, sender) -> tuple[bool, object]:
         """Send the engine's outputs; returns (FINAL sent, last output).
 
-        A watcher task aborts the request as soon as Triton reports its client cancelled, and keeps a
-        quiet streaming request's connection checked with heartbeats (``HEARTBEAT_INTERVAL_S``).
+        ``CancelWatch`` aborts the request once Triton reports its client cancelled.
         """
         sent = _SentState()
         last = None
-        cancelled = asyncio.Event()
-        watcher = asyncio.ensure_future(
-            self._watch_cancel(sender, request_id, cancelled, sent if request.stream else None)
-        )
+        if self._cancel_watch is None:
+            self._cancel_watch = CancelWatch(self._client_cancelled)
+        cancelled = self._cancel_watch.add(request_id, sender, sent if request.stream else None)
         try:
             async for output in stream:
                 last = sent.last = output
@@ -478,39 +560,13 @@ class TritonPythonModel:
                         self.metrics.aborted.increment(1)
                     return False, last  # closing the stream aborts the engine request
         finally:
-            watcher.cancel()
+            self._cancel_watch.remove(request_id)
         return False, last
 
-    async def _watch_cancel(
-        self, sender, request_id: str, cancelled: asyncio.Event, sent: "_SentState | None" = None
-    ) -> None:
-        """Abort the request once Triton says its client cancelled, whether or not it has output yet.
-
-        With ``sent`` (a streaming request), a request that sent nothing for ``HEARTBEAT_INTERVAL_S``
-        sends a heartbeat: the write is what lets Triton's HTTP server see a closed SSE connection (the
-        next poll then finds the request cancelled), and a send that fails means the client is gone.
-        """
-        progress, quiet_since = None, time.monotonic()
-        while True:
-            await asyncio.sleep(CANCEL_CHECK_INTERVAL_S)
-            gone = sender.is_cancelled()  # an IPC round trip to Triton
-            if not gone and sent is not None:
-                now = time.monotonic()
-                seen = (len(sent.chars), sum(sent.chars.values()), sum(sent.tokens.values()), len(sent.done))
-                if seen != progress:
-                    progress, quiet_since = seen, now
-                elif now - quiet_since >= HEARTBEAT_INTERVAL_S:
-                    quiet_since = now
-                    try:
-                        sender.send(pb_utils.InferenceResponse(heartbeat_tensors(sent.last)), flags=0)
-                        sent.heartbeats += 1
-                    except Exception:  # noqa: BLE001 -- the client is gone
-                        gone = True
-            if gone:
-                cancelled.set()
-                self.metrics.aborted.increment(1)
-                await self.engine.abort(request_id)  # the stream ends with the abort output
-                return
+    async def _client_cancelled(self, request_id: str) -> None:
+        """Abort a request whose client cancelled, whether or not it has output yet."""
+        self.metrics.aborted.increment(1)
+        await self.engine.abort(request_id)  # the stream ends with the abort output
 
     def _send_output(self, request: LLMRequest, output, sender, sent: "_SentState") -> bool:
         """Send what ``output`` adds to what ``sent`` records as already sent; returns whether FINAL was sent.
@@ -549,6 +605,13 @@ class TritonPythonModel:
             finish = completion.finish_reason
             responses.append(
                 _output_tensors(delta, output, completion, finish, new_tokens, logprobs, final=finish is not None)
+            )
+        prompt_logprobs = getattr(output, "prompt_logprobs", None)
+        if responses and prompt_logprobs is not None and not sent.prompt_logprobs_sent:
+            sent.prompt_logprobs_sent = True  # complete once anything is sent: the prompt ran before the first token
+            entries = [None if e is None else {str(t): v for t, v in e.items()} for e in prompt_logprobs]
+            responses[0].append(
+                pb_utils.Tensor("prompt_logprobs", np.array([json.dumps(entries).encode()], dtype=np.object_))
             )
         for i, tensors in enumerate(responses):
             final = output.finished and i == len(responses) - 1

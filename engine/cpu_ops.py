@@ -71,7 +71,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices  # the first maximum too, and on CPU ~4x faster than argmax
 
 
-def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, to_float: bool) -> torch.Tensor:
+def refine_logits(
+    logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, to_float: bool, top_k: int = 0
+) -> torch.Tensor:
     """Exact top of bf16 logits: entries within two bf16 steps of a row's maximum recomputed in float32.
 
     A bf16 GEMM rounds its float32 accumulators to 8 significant bits (0.125 apart near 20), so close
@@ -85,17 +87,28 @@ def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tens
         to_float: return a float32 ``[S, V]`` copy holding the exact values near each maximum; otherwise
             raise each row's exact winner in place to the next bf16 value above the row's maximum, so an
             argmax picks it (for greedy rows, which read nothing else).
+        top_k: with ``to_float``, also recompute every entry that may be among the ``top_k`` largest exact
+            values of its row (those within two bf16 steps below a value ``top_k`` entries reach), so the top
+            logprobs a request reads hold no rounding ties.
 
     Returns:
         The float32 copy, or ``logits`` itself.
     """
     hidden, weight = hidden.contiguous(), weight.contiguous()
     if logits.stride(1) == 1 and _native(logits):
-        return KERNELS.ops.refine_logits(logits, hidden, weight, to_float)
+        return KERNELS.ops.refine_logits(logits, hidden, weight, to_float, top_k)
     out = logits.float()
     top = out.max(dim=-1, keepdim=True).values
-    step = torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(torch.finfo(torch.float32).tiny))) - 7)
-    rows, cols = (out >= top - 2 * step).nonzero(as_tuple=True)
+
+    def bf16_step(x: torch.Tensor) -> torch.Tensor:
+        return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(torch.finfo(torch.float32).tiny))) - 7)
+
+    step = bf16_step(top)
+    threshold = top - 2 * step
+    if to_float and top_k > 1:  # the k-th largest rounded value bounds the true top k (the kernel's doubling search
+        kth = out.topk(min(top_k, out.shape[-1]), dim=-1).values[:, -1:]  # finds a lower one: a superset)
+        threshold = torch.minimum(threshold, kth - 2 * bf16_step(torch.maximum(top.abs(), kth.abs())))
+    rows, cols = (out >= threshold).nonzero(as_tuple=True)
     exact = torch.einsum("nh,nh->n", hidden[rows].float(), weight[cols].float())
     if to_float:
         out[rows, cols] = exact

@@ -45,7 +45,7 @@ class RequestLimits:
         max_stop_chars: characters of one stop string.
         max_stop_token_ids: entries of ``stop_token_ids``.
         max_logit_bias: entries of ``logit_bias``.
-        max_logprobs: ``SamplingParams.logprobs`` (top tokens returned per position).
+        max_logprobs: ``SamplingParams.logprobs`` and ``prompt_logprobs`` (top tokens returned per position).
 
     Raises:
         UsageError (a ValueError): a limit that is not a positive integer.
@@ -119,7 +119,7 @@ class RequestLimits:
 
     def check_params(self, params: Any) -> None:
         """The sizes a request's sampling parameters state: ``n``, stop strings, stop token ids, ``logit_bias``,
-        ``logprobs`` and ``max_tokens`` (when ``self.max_tokens`` is set).
+        ``logprobs``, ``prompt_logprobs`` and ``max_tokens`` (when ``self.max_tokens`` is set).
 
         Args:
             params: a ``SamplingParams``, or the raw mapping of its fields (checked before it is built, so a
@@ -155,9 +155,10 @@ class RequestLimits:
             raise InvalidRequestError(
                 f"logit_bias has {len(bias)} entries; at most {self.max_logit_bias} are allowed", param="logit_bias"
             )
-        logprobs = get("logprobs")
-        if _is_int(logprobs) and logprobs > self.max_logprobs:
-            raise InvalidRequestError(f"logprobs={logprobs} is over the limit of {self.max_logprobs}", param="logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = get(name)
+            if _is_int(value) and value > self.max_logprobs:
+                raise InvalidRequestError(f"{name}={value} is over the limit of {self.max_logprobs}", param=name)
         max_tokens = get("max_tokens")
         if self.max_tokens is not None and _is_int(max_tokens) and max_tokens > self.max_tokens:
             raise InvalidRequestError(

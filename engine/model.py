@@ -575,16 +575,22 @@ class Model:
 
         In bf16 the entries near each row's maximum are recomputed in float32 (``cpu_ops.refine_logits``):
         the GEMM's rounding to bf16 would otherwise tie or swap close candidates, and greedy output would
-        follow the tie order instead of the model. With ``float_logits=False`` the exact winner is made
-        the row's unique maximum.
+        follow the tie order instead of the model. Float logits also hold the exact values of every entry that
+        may be among the ``EXACT_TOP_LOGITS`` largest (the top logprobs a request reads, the candidates a
+        sampler keeps). With ``float_logits=False`` the exact winner is made the row's unique maximum.
         """
         s = hidden.shape[0]
         hidden = rms_norm(pad_rows(hidden, self.min_rows), self.norm, self.spec.rms_norm_eps)
         logits = self.lm_head(hidden)[:s]
         head = self.lm_head
         if logits.dtype == torch.bfloat16 and head.int8_layer is None and head.bias is None and head.weight is not None:
-            return cpu_ops.refine_logits(logits, hidden[:s], head.weight, to_float=float_logits)
+            return cpu_ops.refine_logits(logits, hidden[:s], head.weight, to_float=float_logits, top_k=EXACT_TOP_LOGITS)
         return logits.float() if float_logits else logits
+
+
+#: bf16 float logits hold exact float32 sums for (at least) this many largest entries of each row (``compute_logits``):
+#: more than the 20 top logprobs the OpenAI API returns.
+EXACT_TOP_LOGITS = 32
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -27,9 +27,12 @@ def error_response(exc: OpenAIError) -> JSONResponse:
 
 
 def api_key_check(api_key: str | None):
-    """A dependency that raises the 401 for a missing or wrong bearer token (``--api-key``)."""
+    """A dependency that raises the 401 for a missing or wrong bearer token (``--api-key``).
 
-    def check(request: Request) -> None:
+    ``async``: FastAPI runs a plain function dependency on a worker thread, a thread hop per request.
+    """
+
+    async def check(request: Request) -> None:
         if api_key is None:
             return
         header = request.headers.get("authorization", "")

@@ -27,6 +27,9 @@ class Plan:
     logprobs: int | None  # top alternatives per token; None = no logprobs
     stream: bool
     include_usage: bool
+    echo: bool = False  # completions: the prompt text (and its logprobs) before each choice's text
+    prompt_texts: list[str] | None = None  # with echo: each prompt as text
+    structured_param: str | None = None  # the request field that set a structured-output constraint
 
 
 def _prompt_error(exc) -> OpenAIError:
@@ -177,12 +180,62 @@ def _logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
     return (request.top_logprobs or 0) if request.logprobs else None
 
 
+#: vLLM's extra fields that each set one ``StructuredOutputsParams`` field.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(request: CompletionRequest | ChatCompletionRequest) -> tuple[dict | None, str | None]:
+    """The ``StructuredOutputsParams`` fields the request asks for, and the request field that asked.
+
+    ``response_format`` ``json_schema`` (``strict`` or not: the schema is always enforced) and
+    ``json_object``, vLLM's ``structured_outputs`` and its older ``guided_*`` fields; ``text`` asks
+    for nothing.
+
+    Raises:
+        OpenAIError: 400 when two fields constrain the output, a ``json_schema`` without its
+            ``schema``, or a constraint ``StructuredOutputsParams`` refuses (none or two kinds set).
+    """
+    # torch-heavy: imported on use, so importing this module stays light
+    from engine.sampling_params import StructuredOutputsParams
+
+    given: list[tuple[str, dict]] = []
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif response_format is not None and response_format.type == "json_schema":
+        if response_format.json_schema.schema_ is None:
+            param = "response_format.json_schema.schema"
+            raise OpenAIError(400, f"{param}: missing; give the JSON schema the output must follow", param=param)
+        given.append(("response_format.json_schema.schema", {"json": response_format.json_schema.schema_}))
+    if request.structured_outputs is not None:
+        fields = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        given.append(("structured_outputs." + (next(iter(fields)) if len(fields) == 1 else ""), fields))
+    given.extend(
+        (name, {kind: getattr(request, name)})
+        for name, kind in GUIDED_FIELDS.items()
+        if getattr(request, name) is not None
+    )
+    if not given:
+        return None, None
+    if len(given) > 1:
+        names = [name.removesuffix(".") for name, _ in given]
+        raise OpenAIError(400, f"{' and '.join(names)} all constrain the output; send one of them", param=names[1])
+    param, fields = given[0]
+    param = param.removesuffix(".")
+    try:
+        StructuredOutputsParams.from_value(fields)
+    except ValueError as exc:
+        raise OpenAIError(400, f"{param}: {exc}", param=param) from exc
+    return fields, param
+
+
 def _sampling(
     request: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
     logprobs: int | None,
     model: ServedModel,
     longest_prompt: int,
+    constraint: dict | None = None,
 ) -> dict:
     """The ``SamplingParams`` fields (JSON) Triton gets, checked by the engine's own rules."""
     # torch-heavy: imported on use, so importing this module stays light
@@ -210,6 +263,19 @@ def _sampling(
     }
     sampling.update({k: v for k, v in optional.items() if v is not None})
     _limited(model.limits.check_params, sampling)  # sizes first (a huge logit_bias is refused by its count)
+    echo = getattr(request, "echo", False)
+    if max_tokens == 0 and not echo:
+        raise OpenAIError(
+            400,
+            "max_tokens: 0 generates nothing; set echo=true (with logprobs) to score the prompt",
+            param="max_tokens",
+        )
+    if echo and (logprobs is not None or max_tokens == 0):  # the prompt tokens' logprobs (lm-eval's loglikelihood)
+        sampling["prompt_logprobs"] = logprobs or 0
+    if constraint is not None:
+        if max_tokens == 0:
+            raise OpenAIError(400, "max_tokens: 0 with a structured output generates nothing", param="max_tokens")
+        sampling["structured_outputs"] = constraint
     try:
         params = SamplingParams(**sampling)  # the engine's own checks, before anything is sent
         params.check_for_model(model.vocab_size, model.max_model_len, longest_prompt)
@@ -233,8 +299,31 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
     prompts = [chat_prompt(request, model)] if chat else completion_prompts(request, model)
     max_tokens = _max_tokens(request, model, prompts)
     logprobs = _logprobs(request)
-    sampling = _sampling(request, max_tokens, logprobs, model, max(len(p) for p in prompts))
+    constraint, structured_param = structured_outputs(request)
+    sampling = _sampling(request, max_tokens, logprobs, model, max(len(p) for p in prompts), constraint)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     if request.stream_options is not None and not request.stream:
         raise OpenAIError(400, "stream_options: only allowed with stream=true", param="stream_options")
-    return Plan(model, prompts, sampling, request.n, logprobs, request.stream, include_usage)
+    echo = not chat and request.echo
+    return Plan(
+        model,
+        prompts,
+        sampling,
+        request.n,
+        logprobs,
+        request.stream,
+        include_usage,
+        echo=echo,
+        prompt_texts=_echo_texts(request, prompts, model) if echo else None,
+        structured_param=structured_param,
+    )
+
+
+def _echo_texts(request: CompletionRequest, prompts: list[list[int]], model: ServedModel) -> list[str]:
+    """Each prompt as the client sent it: its text, or its token ids decoded (as vLLM echoes them)."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [model.tokenizer.decode(ids) for ids in prompts]

@@ -3,13 +3,15 @@
 Request bodies are pydantic models checked strictly, like OpenAI's own API: a field of the wrong
 type, an out-of-range value or an unknown field is an error naming the field. vLLM's extra
 sampling fields (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``) are accepted. Errors are ``OpenAIError`` with OpenAI's body
+``stop_token_ids``) are accepted, and so are its structured-output fields (``structured_outputs``,
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) beside OpenAI's
+``response_format``. Errors are ``OpenAIError`` with OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``. ``deploy.openai.app`` serves them.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -28,6 +30,43 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema is enforced whether ``strict`` is true or not."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Strict):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputsFields(_Strict):
+    """vLLM's ``structured_outputs`` extra field (``engine.sampling_params.StructuredOutputsParams``)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Strict):
@@ -51,14 +90,22 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # structured output: OpenAI's field, then vLLM's (at most one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: a prompt is text, a list of texts, token ids or lists of them."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0)
-    echo: Literal[False] = False
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (with echo)
+    logprobs: int | None = Field(None, ge=0)  # at most the model's limits.max_logprobs
+    echo: bool = False  # the prompt before the completion; with logprobs, the prompt tokens' logprobs too
 
 
 class ContentPart(BaseModel):
@@ -125,6 +172,8 @@ def validation_error(exc: ValidationError) -> OpenAIError:
     if first["type"] == "json_invalid":
         return OpenAIError(400, f"the request body is not valid JSON ({first['msg']})", code="invalid_json")
     loc = [str(part) for part in first["loc"] if not isinstance(part, str) or not _is_type_tag(part)]
+    if len(loc) > 1 and loc[0] == "response_format":  # drop the union's tag (the ``type`` it matched)
+        del loc[1]
     param = ".".join(loc) or None
     if first["type"] == "extra_forbidden":
         return OpenAIError(400, f"unrecognized request argument supplied: {param}", param=param, code="unknown_field")

@@ -83,6 +83,31 @@ def completion_logprobs(tokenizer, piece: Piece, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def echo_logprobs(tokenizer, prompt_ids: list[int], prompt_logprobs: list | None, piece: Piece | None) -> dict:
+    """``/v1/completions`` logprobs with ``echo``: the prompt's tokens (the first with ``null``s, as
+    OpenAI and vLLM), then the piece's (``piece=None``: the prompt alone), offsets from 0."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    position = 0
+    for token_id, entry in zip(prompt_ids, prompt_logprobs or [None] * len(prompt_ids)):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        token_logprobs.append(None if entry is None else entry.get(token_id))
+        top.append(
+            None
+            if entry is None
+            else {token_text(tokenizer, t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])}
+        )
+        offsets.append(position)
+        position += len(text)
+    if piece is not None:
+        generated = completion_logprobs(tokenizer, piece, position)
+        tokens += generated["tokens"]
+        token_logprobs += generated["token_logprobs"]
+        top += generated["top_logprobs"]
+        offsets += generated["text_offset"]
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
 def chat_logprobs(tokenizer, piece: Piece, top_k: int) -> dict:
     """``/v1/chat/completions`` logprobs of one piece (at most ``top_k`` alternatives per token)."""
     content = []
@@ -120,6 +145,7 @@ def joined(pieces: list[Piece]) -> Piece:
         pieces[-1].finish_reason,
         0,
         0,
+        prompt_logprobs=next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None),
     )
 
 
@@ -158,6 +184,7 @@ class StreamState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     offsets: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # characters sent per choice
     started: set[int] = dataclasses.field(default_factory=set)  # choices whose first chunk is sent
+    prompt_logprobs: dict[int, list] = dataclasses.field(default_factory=dict)  # per prompt, once Triton sent them
 
     def __post_init__(self) -> None:
         head = {"id": self.ident, "object": self.kind, "created": self.created, "model": self.plan.model.name}
@@ -207,8 +234,10 @@ class OpenAIServing:
         except ClientGone:
             await pieces.aclose()
             return Response(status_code=499)  # nobody reads it
-        except BaseException:
+        except BaseException as exc:
             await pieces.aclose()
+            if isinstance(exc, OpenAIError) and exc.status == 400 and exc.message.startswith("structured_outputs"):
+                exc.param = plan.structured_param  # the engine refused the constraint: name the field that sent it
             raise
         if not first:
             await pieces.aclose()
@@ -226,14 +255,21 @@ class OpenAIServing:
     async def whole(self, plan: Plan, first: list[Piece], pieces: PieceQueue) -> dict:
         """The whole response once every completion has finished."""
         collected: dict[tuple[int, int], list[Piece]] = {}
+        prompt_logprobs: dict[int, list] = {}  # sent once per prompt, on whichever completion answered first
         usage = Usage(plan)
         batch = first
         while batch:
             for piece in batch:
                 collected.setdefault((piece.prompt_index, piece.index), []).append(piece)
                 usage.add(piece)
+                if piece.prompt_logprobs is not None:
+                    prompt_logprobs[piece.prompt_index] = piece.prompt_logprobs
             batch = await pieces.drain()
-        choices = [self.choice(plan, key[0] * plan.n + key[1], joined(collected[key])) for key in sorted(collected)]
+        choices = []
+        for key in sorted(collected):
+            piece = joined(collected[key])
+            piece.prompt_logprobs = prompt_logprobs.get(key[0])
+            choices.append(self.choice(plan, key[0] * plan.n + key[1], piece))
         return {
             "id": self.new_id(),
             "object": self.object_kind,
@@ -254,6 +290,8 @@ class OpenAIServing:
                 events = []
                 for piece in coalesce(batch):
                     usage.add(piece)
+                    if piece.prompt_logprobs is not None:
+                        state.prompt_logprobs[piece.prompt_index] = piece.prompt_logprobs
                     events.append(self.render(state, piece))
                 yield b"".join(events)
                 batch = await pieces.drain()

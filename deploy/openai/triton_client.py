@@ -49,6 +49,7 @@ class Piece:
     num_input_tokens: int
     num_output_tokens: int
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (last response)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # the request's first response, when asked
 
     def extend(self, later: "Piece") -> None:
         """Append a later piece of the same completion (its text, tokens, counts and finish)."""
@@ -60,6 +61,8 @@ class Piece:
         self.num_input_tokens, self.num_output_tokens = later.num_input_tokens, later.num_output_tokens
         if later.num_cached_tokens is not None:
             self.num_cached_tokens = later.num_cached_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
 
 
 class TritonBackend:
@@ -266,6 +269,7 @@ def _piece(response, prompt_index: int) -> Piece:
     logprobs = raw.get("logprobs")
     ids = raw.get("output_token_ids")
     cached = raw.get("num_cached_tokens")
+    prompt_logprobs = raw.get("prompt_logprobs")
     return Piece(
         prompt_index,
         _int32(raw["index"]),
@@ -276,6 +280,7 @@ def _piece(response, prompt_index: int) -> Piece:
         _int32(raw.get("num_input_tokens")),
         _int32(raw.get("num_output_tokens")),
         None if cached is None else _int32(cached),
+        None if prompt_logprobs is None else _logprobs(_bytes_element(prompt_logprobs)),
     )
 
 
@@ -283,8 +288,8 @@ def _int32(raw: bytes | None) -> int:
     return 0 if not raw else int.from_bytes(raw[:4], "little", signed=True)
 
 
-def _logprobs(text: bytes) -> list[dict[int, float]]:
-    return [{int(k): v for k, v in entry.items()} for entry in json.loads(text)]
+def _logprobs(text: bytes) -> list[dict[int, float] | None]:
+    return [None if entry is None else {int(k): v for k, v in entry.items()} for entry in json.loads(text)]
 
 
 class PieceQueue:

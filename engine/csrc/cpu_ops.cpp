@@ -5,12 +5,15 @@
 //   round(weight * y), the two roundings of Hugging Face's LlamaRMSNorm. One read of each row.
 // lmforge_engine::argmax(logits [S, V] bf16 / fp32) -> int64 [S]
 //   index of the first maximum of each row (a NaN counts as the maximum, as torch.argmax does).
-// lmforge_engine::refine_logits(logits [S, V] bf16, hidden [S, H] bf16, weight [V, H] bf16, to_float) -> Tensor
+// lmforge_engine::refine_logits(logits [S, V] bf16, hidden [S, H] bf16, weight [V, H] bf16, to_float, top_k)
+//     -> Tensor
 //   logits rounded to bf16 by the lm head's GEMM tie or swap near the top (bf16 keeps 8 bits: 0.125 apart at 20),
 //   so each entry within two bf16 steps of its row's maximum is recomputed as a float32 dot product of the same
 //   bf16 operands (the GEMM's own accumulation, before its rounding). to_float: a float32 [S, V] copy holding
-//   those exact values. Otherwise, in place: the exact winner of each row is raised to the next bf16 value
-//   above the row's maximum, so any argmax of the row picks it (greedy decoding reads nothing else).
+//   those exact values, and also those of every entry that may be among the top_k largest exact values (whose
+//   logprobs a request may read): all entries within two steps below a bf16 value that top_k entries reach.
+//   Otherwise, in place: the exact winner of each row is raised to the next bf16 value above the row's maximum,
+//   so any argmax of the row picks it (greedy decoding reads nothing else).
 // lmforge_engine::paged_decode_attention(q [D, Hq, hd], kv_cache [2, num_blocks, block_size, Hkv, hd],
 //     block_tables [D, max_blocks] int64, seq_lens [D] int64, first_block, scale, sliding_window,
 //     prior_out [Hkv, D * g, hd]?, prior_lse [Hkv, D * g]?) -> [D, Hq * hd]
@@ -285,7 +288,26 @@ inline float dot_bf16(const uint16_t* a, const uint16_t* b, int64_t n) {
   return acc;
 }
 
-at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, bool to_float) {
+// The ulp of bf16 values of magnitude |x| (at least that of the smallest normal float).
+inline float bf16_step(float x) {
+  return std::ldexp(1.0f, std::ilogb(std::max(std::fabs(x), std::numeric_limits<float>::min())) - 7);
+}
+
+// A threshold t <= m such that at least k entries of row (n values) are >= t: m - 2^j steps of m, the first j that
+// reaches k (each try one vectorized count); -inf when the row holds fewer than k finite entries above m - 2^24 steps.
+inline float top_k_floor(const uint16_t* row, int64_t n, float m, int64_t k) {
+  const float step = bf16_step(m);
+  for (int j = 1; j <= 24; ++j) {
+    const float t = m - std::ldexp(step, j);
+    int64_t count = 0;
+    for (int64_t c = 0; c < n; ++c) count += bf16_to_float(row[c]) >= t;
+    if (count >= k) return t;
+  }
+  return -std::numeric_limits<float>::infinity();
+}
+
+at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, bool to_float,
+                         int64_t top_k) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1 &&
                   logits.scalar_type() == at::kBFloat16,
               "refine_logits: logits must be a CPU bf16 [S, V] tensor with unit last stride");
@@ -320,8 +342,13 @@ at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at:
       }
       if (!std::isfinite(m)) continue;  // NaN / inf rows: nothing to refine
       // true values round to within half a bf16 step each, so the true maximum lies within two steps of m
-      const float step = std::ldexp(1.0f, std::ilogb(std::max(std::fabs(m), std::numeric_limits<float>::min())) - 7);
-      const float threshold = m - 2.0f * step;
+      float threshold = m - 2.0f * bf16_step(m);
+      if (op && top_k > 1) {
+        // k entries reach t, so the k-th largest true value is at least t - step / 2 and every entry of the true
+        // top k has a bf16 value of at least t - step
+        const float t = top_k_floor(row, cols, m, std::min<int64_t>(top_k, cols));
+        threshold = std::min(threshold, t - 2.0f * bf16_step(std::max(std::fabs(m), std::fabs(t))));
+      }
       float best = -std::numeric_limits<float>::infinity();
       int64_t best_index = -1, first_max = -1;
       for (int64_t c = 0; c < cols; ++c) {
@@ -826,7 +853,8 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
 TORCH_LIBRARY(lmforge_engine, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
   m.def("argmax(Tensor logits) -> Tensor", &argmax);
-  m.def("refine_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, bool to_float) -> Tensor", &refine_logits);
+  m.def("refine_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, bool to_float, int top_k) -> Tensor",
+        &refine_logits);
   m.def(
       "rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "int num_heads, int num_kv) -> Tensor",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.bound import percentile, ratio, workload_flops
+from bench.bound import ratio, workload_flops
 from bench.engine_backends import BACKENDS, left_pad
 from bench.engine_bench import (
     engine_targets,
@@ -22,6 +22,7 @@ from bench.engine_bench import (
     summarize_single,
     token_agreement,
 )
+from bench.harness import percentiles
 from engine.checkpoint.model_spec import ModelSpec
 from engine.errors import UsageError
 
@@ -72,9 +73,11 @@ def test_workload_flops_equals_token_by_token_sum():
 
 
 def test_percentile_ratio_agreement():
-    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
-    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 99) == pytest.approx(4.96)
-    assert percentile([], 50) is None
+    assert percentiles([3.0, 1.0, 2.0, 4.0], (50,)) == {"p50": 2.5}
+    assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0], (99,))["p99"] == pytest.approx(4.96)
+    assert percentiles([], (50, 99.9)) == {"p50": None, "p99_9": None}
+    with pytest.raises(ValueError, match="between 0 and 100"):
+        percentiles([1.0], (101,))
     assert ratio(10.0, 4.0) == 2.5 and ratio(1.0, 0.0) is None and ratio(None, 1.0) is None
     assert token_agreement([[1, 2], [3, 4]], [[1, 2], [3, 5]]) == 0.5
     assert parse_engine_args(["max_num_seqs=64", "dtype=float32"]) == {"max_num_seqs": 64, "dtype": "float32"}

@@ -39,8 +39,9 @@ from bench.engine_bench import (
     summarize,
     summarize_single,
 )
-from bench.peer_runs import BusyProcesses, Peers, busy_cores, not_installed, prepare_peer_model, run_config
-from bench.peers import PeerError, default_openvino_python, openvino_export_command, run_converter
+from bench.harness import Peers
+from bench.peer_runs import BusyProcesses, busy_cores, not_installed, prepare_peer_model, run_config
+from bench.peers import PeerError, openvino_export_command, run_converter
 from engine.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -424,7 +425,7 @@ def test_every_row_runs_beside_busy_processes_and_a_failing_row_leaves_none(monk
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(default_openvino_python() is None, reason="OpenVINO GenAI not installed: `make peers-openvino`")
+@pytest.mark.skipif(Peers.find().openvino_python is None, reason="OpenVINO GenAI not installed: `make peers-openvino`")
 def test_real_openvino_rows_beside_our_engine(tiny_llama_dir, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [

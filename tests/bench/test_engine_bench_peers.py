@@ -13,7 +13,8 @@ import pytest
 from bench import peers
 from bench.bound import MATMUL_DTYPES, measure_matmul_gflops
 from bench.engine_backends import RunSpec, run_spec
-from bench.peer_runs import Peers, not_installed, prepare_peer_model
+from bench.harness import Peers
+from bench.peer_runs import not_installed, prepare_peer_model
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKES = ROOT / "tests" / "fakes"

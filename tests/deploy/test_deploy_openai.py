@@ -419,3 +419,46 @@ def test_disconnect_mid_stream_cancels_the_triton_request(frontend, server, clie
     assert metric(server, "lmforge_requests_aborted_total") >= aborted_before + 1
     print(f"KV blocks back in the pool {freed_s * 1000:.0f} ms after the client disconnected")
     assert client.completions.create(model="llm", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_chat_streams_under_load_equal_the_engine_with_every_token_and_cached_tokens(frontend, engine_text, tokenizer):
+    """8 concurrent chat streams sharing a system prompt: each one's deltas add up to the in-process
+    engine's greedy text (an event may carry several steps when a reader fell behind), usage counts
+    every token, and ``prompt_tokens_details.cached_tokens`` reports the prefix-cache hits."""
+    system = {"role": "system", "content": "You answer in one short sentence about colours and animals. " * 3}
+    conversations = [
+        [system, {"role": "user", "content": f"Question {i}: name a {w}."}] for i, w in enumerate("abcdefgh")
+    ]
+    all_ids = [chat_ids(tokenizer, c) for c in conversations]
+    expected = engine_text(
+        [{"prompt_token_ids": ids} for ids in all_ids], temperature=0, max_tokens=24, ignore_eos=True
+    )
+
+    async def one(aclient, messages):
+        stream = await aclient.chat.completions.create(
+            model="llm",
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        return [chunk async for chunk in stream]
+
+    async def run():
+        async with openai.AsyncOpenAI(
+            base_url=f"{frontend}/v1", api_key=API_KEY, max_retries=0, timeout=120
+        ) as aclient:
+            await one(aclient, conversations[0])  # fills the prefix cache with the system prompt
+            return await asyncio.gather(*(one(aclient, c) for c in conversations))
+
+    common = min(next((i for i, (x, y) in enumerate(zip(all_ids[0], ids)) if x != y), len(ids)) for ids in all_ids[1:])
+    for ids, (text, _), chunks in zip(all_ids, expected, asyncio.run(run())):
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        usage = chunks[-1].usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 24)
+        assert usage.prompt_tokens_details.cached_tokens >= common // 16 * 16 > 0
+        assert usage.prompt_tokens_details.cached_tokens % 16 == 0 and usage.prompt_tokens_details.cached_tokens < len(
+            ids
+        )

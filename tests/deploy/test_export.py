@@ -71,6 +71,7 @@ def test_built_configs_round_trip_through_the_proto():
         "output_token_ids",
         "logprobs",
         "num_cached_tokens",
+        "prompt_logprobs",
     ]
     onnx_config = builders[2]
     assert onnx_config.backend == "onnxruntime" and onnx_config.dynamic_batching.max_queue_delay_microseconds > 0

@@ -607,3 +607,44 @@ def test_real_smollm2_served_matches_in_process_engine(server, served_repo, smol
         assert served["text_output"] == expected and "Paris" in expected
     finally:
         requests.post(f"{server.http_url}/v2/repository/models/smollm2/unload", json={}, timeout=120)
+
+
+#: A shared prefix of several KV blocks (block_size 16) before each request's own question.
+SHARED_PREFIX = "You answer questions about colours, animals and the weather in one short sentence. " * 3
+
+
+def _cached_tokens_expected(tokenizer, warm: str, prompt: str, block_size: int = 16) -> int:
+    """Prompt tokens of ``prompt`` the prefix cache holds after ``warm`` ran: its leading full blocks
+    shared with ``warm`` (never the whole prompt: the last token is always computed)."""
+    a, b = tokenizer(warm).input_ids, tokenizer(prompt).input_ids
+    common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return min(common, len(b) - 1) // block_size * block_size
+
+
+def test_streams_under_load_keep_every_token_and_report_cached_tokens(server, engine_text, tiny_llama_dir):
+    """16 concurrent greedy streams sharing a prefix: each one's text equals the in-process engine's,
+    its responses carry every token exactly once (several per response when the model's loop fell
+    behind), and the last one reports the prompt tokens the prefix cache served."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    params = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+    warm = SHARED_PREFIX + "Sky: what colour is it?"
+    generate_stream(server, warm, params)  # fills the prefix cache
+    # each prompt parts from the others right after the shared prefix, so its hits are that prefix's full blocks
+    words = "Leaf Cat Snow Grass Sea Rose Coal Milk Sun Rust Plum Lime Sand Ink Fog Gold".split()
+    prompts = [SHARED_PREFIX + f"{word}: what colour is it?" for word in words]
+    responses_before = metric(server, "lmforge_responses_total")
+    tokens_before = metric(server, "lmforge_generation_tokens_total")
+    with ThreadPoolExecutor(16) as pool:
+        all_events = list(pool.map(lambda p: generate_stream(server, p, params), prompts))
+    for prompt, (expected, _), events in zip(prompts, engine_text(prompts, **params), all_events):
+        assert "".join(e["text_output"] for e in events) == expected
+        ids = [t for e in events for t in e["output_token_ids"]]
+        assert len(ids) == events[-1]["num_output_tokens"] == 40
+        assert [e["num_output_tokens"] for e in events] == sorted({e["num_output_tokens"] for e in events})
+        assert events[-1]["finish_reason"] == "length"
+        assert events[-1]["num_cached_tokens"] == _cached_tokens_expected(tokenizer, warm, prompt) > 0
+        assert all("num_cached_tokens" not in e for e in events[:-1])
+    sent = sum(len(events) for events in all_events)
+    assert wait_for(lambda: metric(server, "lmforge_responses_total") - responses_before >= sent)
+    assert metric(server, "lmforge_generation_tokens_total") - tokens_before >= 16 * 40
+    assert sent <= 16 * 40  # one response per step at most

@@ -185,7 +185,7 @@ def test_bad_arguments_name_the_tensor():
         cpu_ops.KERNELS.ops.paged_decode_attention(
             q, cache, torch.zeros(2, 3, dtype=torch.int32), torch.tensor([1, 2]), 0, 0.25, 0, None, None
         )
-    with pytest.raises(RuntimeError, match="dtypes differ"):
+    with pytest.raises(RuntimeError, match="kv_cache must be in q's dtype or int8"):
         cpu_ops.KERNELS.ops.paged_decode_attention(
             q.bfloat16(), cache, torch.zeros(2, 3, dtype=torch.long), torch.tensor([1, 2]), 0, 0.25, 0, None, None
         )
@@ -234,3 +234,19 @@ def test_fp32_linear_uses_the_packed_weight_only_for_its_row_range():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         residual = torch.randn(rows, 96)
         torch.testing.assert_close(layer.add(x, residual), residual + expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_refined_float_logits_hold_the_exact_top_k(native):
+    """With ``top_k`` the float copy holds the exact sums of every entry that may be among the k largest, so the
+    top-k values and their order are the float32 GEMM's (no rounding ties among them)."""
+    h, w, exact, logits = _near_tie_logits()
+    cpu_ops.use_cpu_kernels(native)
+    try:
+        full = cpu_ops.refine_logits(logits.clone(), h, w, to_float=True, top_k=20)
+    finally:
+        cpu_ops.use_cpu_kernels(True)
+    got, want = full.topk(20, dim=-1), exact.topk(20, dim=-1)
+    assert torch.equal(got.indices, want.indices)
+    torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-5)
+    assert (got.values[:, :-1] > got.values[:, 1:]).all()
