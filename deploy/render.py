@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from deploy.triton import DEFAULT_PORTS
+from deploy.triton import API_KEY_HEADER, DEFAULT_PORTS, RESTRICTED_APIS
 from engine.checkpoint.outputs import RENDERED, check_output_dir
 from engine.errors import LmforgeError, UsageError
 
@@ -120,6 +120,9 @@ class DeployValues:
     locust_users: int = 64  # docker target: users the headless Locust run starts
     locust_spawn_rate: int = 8
     locust_run_time: str = "10m"
+    # A Secret (its key ``api-key``) holding the API key: set, every Triton API but health answers only
+    # ``Authorization: Bearer KEY`` (inference, model control...), and Locust sends it. "" = open APIs.
+    api_key_secret: str = ""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -211,9 +214,15 @@ def _meta(v: DeployValues, name: str, component: str, **extra_labels: str) -> di
     return {"name": name, "namespace": v.namespace, "labels": {**_labels(v, component), **extra_labels}}
 
 
-def triton_args(v: DeployValues) -> list[str]:
-    """tritonserver flags: the repository, explicit loading of the one model, ports, metrics."""
-    return [
+#: The environment variable the API key reaches Triton and Locust in (from ``api_key_secret``).
+API_KEY_ENV = "LMFORGE_API_KEY"
+
+
+def triton_args(v: DeployValues, key_ref: str = f"$({API_KEY_ENV})") -> list[str]:
+    """tritonserver flags: the repository, explicit loading of the one model, ports, metrics, and with
+    ``api_key_secret`` every API but health restricted to the key (``key_ref``: how the manifest refers to
+    the variable holding it: ``$(VAR)`` in Kubernetes, ``${VAR}`` in compose)."""
+    args = [
         f"--model-repository={v.repository_path}",
         "--model-control-mode=explicit",
         f"--load-model={v.model_name}",
@@ -224,6 +233,17 @@ def triton_args(v: DeployValues) -> list[str]:
         f"--allow-gpu-metrics={'true' if v.gpus else 'false'}",
         "--exit-timeout-secs=30",
     ]
+    if v.api_key_secret:
+        rule = f"{','.join(RESTRICTED_APIS)}:{API_KEY_HEADER}=Bearer {key_ref}"
+        args += [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
+    return args
+
+
+def _api_key_env(v: DeployValues) -> list[dict[str, Any]]:
+    """The container's ``LMFORGE_API_KEY`` from ``api_key_secret`` (none without one)."""
+    if not v.api_key_secret:
+        return []
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": v.api_key_secret, "key": "api-key"}}}]
 
 
 def model_ready_path(model_name: str) -> str:
@@ -256,6 +276,7 @@ def triton_deployment(v: DeployValues) -> dict[str, Any]:
         "image": v.image,
         "args": triton_args(v),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in TRITON_PORTS.items()],
+        **({"env": _api_key_env(v)} if v.api_key_secret else {}),
         "resources": resources,
         # The model's own ready endpoint: a model whose engine died unloads itself, and
         # /v2/health/ready would still answer 200 (strict readiness ignores unloaded models).
@@ -294,7 +315,12 @@ def triton_deployment(v: DeployValues) -> dict[str, Any]:
     }
 
 
+#: The Triton ports a client needs (the Service's); ``metrics`` is only Prometheus' (its own Service).
+CLIENT_PORTS = ("http", "grpc")
+
+
 def triton_service(v: DeployValues) -> dict[str, Any]:
+    """The clients' Service: HTTP and gRPC only."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -302,7 +328,21 @@ def triton_service(v: DeployValues) -> dict[str, Any]:
         "spec": {
             "type": "ClusterIP",
             "selector": _labels(v, "server"),
-            "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in TRITON_PORTS.items()],
+            "ports": [{"name": n, "port": TRITON_PORTS[n], "targetPort": n, "protocol": "TCP"} for n in CLIENT_PORTS],
+        },
+    }
+
+
+def metrics_service(v: DeployValues) -> dict[str, Any]:
+    """The metrics port of the Triton pods, for the ServiceMonitor only."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(v, f"{v.name}-metrics", "metrics"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": _labels(v, "server"),
+            "ports": [{"name": "metrics", "port": TRITON_PORTS["metrics"], "targetPort": "metrics", "protocol": "TCP"}],
         },
     }
 
@@ -383,10 +423,10 @@ def prometheus_adapter_values(v: DeployValues) -> dict[str, Any]:
 
 
 def monitor(v: DeployValues) -> dict[str, Any]:
-    """ServiceMonitor (scrapes the Service's ``metrics`` port) or PodMonitor (the pods' port) for Triton."""
+    """ServiceMonitor (scrapes the metrics Service) or PodMonitor (the pods' ``metrics`` port) for Triton."""
     endpoint = {"port": "metrics", "path": "/metrics", "interval": "15s"}
     if v.monitor == "servicemonitor":
-        kind, spec = "ServiceMonitor", {"selector": {"matchLabels": _labels(v, "server")}, "endpoints": [endpoint]}
+        kind, spec = "ServiceMonitor", {"selector": {"matchLabels": _labels(v, "metrics")}, "endpoints": [endpoint]}
     else:
         kind, spec = (
             "PodMonitor",
@@ -407,6 +447,7 @@ def _locust_container(v: DeployValues, args: list[str], ports: list[dict[str, An
         "image": v.locust_image,
         "command": ["locust"],
         "args": args,
+        **({"env": _api_key_env(v)} if v.api_key_secret else {}),
         "ports": ports,
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
     }
@@ -422,6 +463,7 @@ def locust_master(v: DeployValues) -> list[dict[str, Any]]:
         f"--host=http://{v.name}:{TRITON_PORTS['http']}",
         f"--model={v.model_name}",
         f"--expect-workers={v.locust_workers}",
+        *([f"--api-key=$({API_KEY_ENV})"] if v.api_key_secret else []),
     ]
     ports = [
         {"name": "web", "containerPort": LOCUST_PORTS["web"]},
@@ -479,7 +521,7 @@ def k8s_documents(v: DeployValues) -> dict[str, list[dict[str, Any]]]:
     """File name -> Kubernetes objects (``kustomization.yaml`` and the adapter values excluded)."""
     files = {
         "deployment.yaml": [triton_deployment(v)],
-        "service.yaml": [triton_service(v)],
+        "service.yaml": [triton_service(v)] + ([metrics_service(v)] if v.monitor == "servicemonitor" else []),
         "hpa.yaml": [horizontal_pod_autoscaler(v)],
         f"{v.monitor}.yaml": [monitor(v)],
         "locust.yaml": [*locust_master(v), locust_workers(v)],
@@ -546,7 +588,7 @@ RUN pip install --upgrade pip && pip install . \\
 # mount one over /models instead to serve another.
 COPY ${{MODEL_REPOSITORY}} /models
 
-EXPOSE {http_port} {grpc_port} {metrics_port}
+EXPOSE {http_port} {grpc_port}
 HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
     CMD curl -fsS http://127.0.0.1:{http_port}/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver"]
@@ -632,7 +674,7 @@ WORKDIR /home/lmforge
 RUN if [ "$CPU_KERNELS" = 1 ]; then python -c "{kernels}"; fi
 VOLUME ["/models"]
 
-EXPOSE {http_port} {grpc_port} {metrics_port}
+EXPOSE {http_port} {grpc_port}
 HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
     CMD curl -fsS http://127.0.0.1:{http_port}/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver", "--backend-directory=/opt/lmforge/venv/lib/python3.11/site-packages/pytriton/tritonserver/backends"]
@@ -652,9 +694,13 @@ def _triton_service(v: DeployValues, profile: str) -> dict[str, Any]:
         "profiles": [profile],
         "build": {"context": "../..", "dockerfile": "deploy/docker/Dockerfile" + ("" if gpu else ".cpu")},
         "image": v.image if gpu else cpu_image(v.image),
-        "command": triton_args(dataclasses.replace(v, model_repository="pvc", gpus=v.gpus if gpu else 0)),
+        "command": triton_args(
+            dataclasses.replace(v, model_repository="pvc", gpus=v.gpus if gpu else 0),
+            f"${{{API_KEY_ENV}:?set {API_KEY_ENV} (api_key_secret is set)}}",
+        ),
         "shm_size": v.shm_size.replace("Gi", "gb"),
-        "ports": [f"127.0.0.1:{p}:{p}" for p in TRITON_PORTS.values()],
+        # the client ports only: Prometheus reaches the metrics port on the compose network
+        "ports": [f"127.0.0.1:{TRITON_PORTS[n]}:{TRITON_PORTS[n]}" for n in CLIENT_PORTS],
         "volumes": ["${MODEL_REPOSITORY:-../../model_repository}:/models:ro"],
         "networks": {"default": {"aliases": ["triton"]}},
         "healthcheck": {
@@ -703,6 +749,7 @@ def compose(v: DeployValues) -> dict[str, Any]:
                     f"--expect-workers={v.locust_workers}",
                     f"--host=http://triton:{TRITON_PORTS['http']}",
                     f"--model={v.model_name}",
+                    *([f"--api-key=${{{API_KEY_ENV}:?set {API_KEY_ENV}}}"] if v.api_key_secret else []),
                     "--csv=/results/locust",
                     "--html=/results/locust.html",
                 ],

@@ -32,7 +32,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_ops import decode_kernel_runs, paged_decode_attention
+from engine.cpu_ops import decode_kernel_built, decode_kernel_runs, paged_decode_attention
+from engine.errors import UsageError
 
 #: Bytes after each ``head_dim`` int8 values of a K or V row in an int8 cache: the row's float16 scale.
 KV_SCALE_BYTES = 2
@@ -231,6 +232,9 @@ class TorchAttentionMetadata:
             keys past the prefill group's shared blocks, each of their tokens as a decode row for the
             C++ kernel: ``(block_tables [n, own blocks] of the row's request from its first block
             after the shared ones, seq_lens [n] = position + 1 - shared tokens)``.
+        rows: batch-invariant mode: every token of the step as a row of the C++ kernel over all its keys,
+            ``(block_tables [N, max_blocks], seq_lens [N] = position + 1)``; ``decode`` and ``prefill`` are
+            then ``None``.
     """
 
     slot_mapping: torch.Tensor
@@ -239,6 +243,7 @@ class TorchAttentionMetadata:
     prefill: AttentionGroup | None
     block_size: int
     short_prefill: tuple[torch.Tensor, torch.Tensor] | None = None
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 #: Prefill chunks up to this many tokens run as rows of the decode kernel: a query token attends its
@@ -254,11 +259,43 @@ ROW_KERNEL_MAX_OWN_KEYS = 64
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Paged attention in plain torch ops and the C++ CPU kernels; see the module docstring."""
+    """Paged attention in plain torch ops and the C++ CPU kernels; see the module docstring.
+
+    Args:
+        batch_invariant: every query token is a row of the C++ decode kernel over all its keys, read in
+            one fixed order (no shared-prefix split, no padded flash call whose blocking follows the
+            batch), so its output is the same bits whatever else the step holds and however its prompt
+            was chunked (``EngineConfig.batch_invariant``).
+
+    Raises:
+        UsageError: ``batch_invariant`` where the C++ kernel cannot run (not built, or head_dim > 256).
+    """
 
     stores_kv_separately = True
 
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        batch_invariant: bool = False,
+    ):
+        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
+        self.batch_invariant = batch_invariant
+        if batch_invariant and not (decode_kernel_built() and head_dim <= 256):
+            raise UsageError(
+                "batch_invariant=True runs attention in the engine's C++ CPU kernel, which is not available here "
+                f"(head_dim={head_dim}; the kernel takes up to 256 and must build)",
+                fix="turn batch_invariant off",
+            )
+
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        if self.batch_invariant:
+            lens = torch.tensor(common.query_lens_cpu, device=common.positions.device)
+            request_of_row = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)  # [N]
+            rows = (common.block_table[request_of_row], common.positions + 1)
+            return TorchAttentionMetadata(common.slot_mapping, 0, None, None, common.block_size, rows=rows)
         d = common.num_decodes
         decode = self._decode_group(common) if d else None
         prefill = self._prefill_group(common) if d < len(common.query_lens_cpu) else None
@@ -351,6 +388,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
         if k is not None:
             store_kv_rows(kv_cache, k, v, metadata.slot_mapping)
+        if metadata.rows is not None:
+            return paged_decode_attention(q, kv_cache, *metadata.rows, sliding_window=self.sliding_window)
         outputs = []
         d = metadata.num_decode_tokens
         if metadata.decode is not None:

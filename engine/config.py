@@ -43,6 +43,14 @@ DEFAULT_SPECULATIVE_DRAFT_VOCAB_SIZE = 2048
 #: (``speculative_draft_confidence_threshold``; measured: docs/speculative-decoding.md).
 DEFAULT_SPECULATIVE_DRAFT_CONFIDENCE_THRESHOLD = 0.0
 
+#: Fair scheduling (``EngineConfig.fair_share_*``): while a regular request is running or waiting, large
+#: requests together run at most this many sequences (decode rows) and tokens per step. A step's cost on a CPU
+#: grows with its rows (docs/serving.md has the measured latencies that set these).
+DEFAULT_FAIR_SHARE_SEQS = 8
+DEFAULT_FAIR_SHARE_TOKENS = 32
+#: Prompt tokens still to compute above which a request is large (vLLM's ``long_prefill_token_threshold``).
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 1024
+
 #: Running requests from which a step does not speculate (measured with ``lmforge bench engine
 #: --speculative``: see docs/speculative-decoding.md).
 DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE = 8
@@ -110,6 +118,20 @@ class EngineConfig:
             interpreter: tests only).
         enforce_eager: with the ``triton`` backend, never capture CUDA graphs of decode steps
             (``engine.cuda_graphs``); decode batches still run from bucket-padded static buffers.
+        fair_share_seqs / fair_share_tokens: fair scheduling (``engine.scheduler``). A request is *large*
+            when it has more than ``fair_share_seqs`` unfinished sequences (``n``) or more than
+            ``long_prefill_token_threshold`` prompt tokens left to compute. While a regular request runs or
+            waits, the large ones together run at most ``fair_share_seqs`` sequences and ``fair_share_tokens``
+            tokens per step, give up their seats and KV blocks to regular requests first (preempted by
+            recompute), and regular requests are admitted before them; alone they use the whole step.
+            ``fair_share_tokens=None`` turns fair scheduling off (first come, first served).
+        long_prefill_token_threshold: see ``fair_share_seqs``.
+        batch_invariant: a request's output does not depend on what else runs in its steps (greedy
+            decoding is reproducible under any load): every linear layer runs on oneDNN's packed weight in
+            calls of at most ``engine.model.BATCH_INVARIANT_TILE_ROWS`` rows, and attention computes every
+            token as a row of the C++ kernel over its keys in one fixed order (no shared-prefix split, no
+            batch-shaped flash call). CPU, float checkpoints (bf16 or fp32) only; it costs prefill speed
+            (docs/engine.md has the measured cost).
         kv_cache_dtype: how K and V are stored (``KV_CACHE_DTYPES``): ``"auto"`` in the model's ``dtype``;
             ``"bfloat16"`` / ``"float32"`` in that dtype; ``"int8"``: symmetric int8 with one float16 scale
             (absmax / 127) per token and KV head stored beside each row, about half the bytes of bf16, so a
@@ -157,6 +179,10 @@ class EngineConfig:
     speculative_ngram_corpus: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    fair_share_seqs: int = DEFAULT_FAIR_SHARE_SEQS
+    fair_share_tokens: int | None = DEFAULT_FAIR_SHARE_TOKENS
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
+    batch_invariant: bool = False
     kv_cache_dtype: str = "auto"
     limits: RequestLimits | dict | None = None
     enable_lora: bool = False
@@ -167,6 +193,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.model = str(self.model)
         self.limits = RequestLimits.from_value(self.limits)
+        _require_positive("fair_share_seqs", self.fair_share_seqs)
+        _require_positive("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        if self.fair_share_tokens is not None:
+            _require_positive("fair_share_tokens", self.fair_share_tokens)
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -190,6 +220,11 @@ class EngineConfig:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise UsageError(
                 f"attention_backend={self.attention_backend!r}; use one of {ATTENTION_BACKENDS} or None (by device)"
+            )
+        if self.batch_invariant and (self.device != "cpu" or self.attention_backend not in (None, "torch")):
+            raise UsageError(
+                f"batch_invariant=True with device={self.device!r}, attention_backend={self.attention_backend!r}: "
+                "batch-invariant kernels exist for the CPU torch backend only; turn it off or run on CPU"
             )
         if self.max_model_len is not None:
             self.check_model_len(self.max_model_len)

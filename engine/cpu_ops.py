@@ -124,6 +124,11 @@ def refine_logits(
     return logits
 
 
+def decode_kernel_built() -> bool:
+    """Whether the C++ kernels are built and enabled (builds them on the first call)."""
+    return KERNELS.available
+
+
 def decode_kernel_runs(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether ``paged_decode_attention`` runs the C++ kernel for these queries and this cache."""
     return _native(q) and kv_cache.dtype in (q.dtype, torch.int8) and q.shape[-1] <= 256

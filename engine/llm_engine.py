@@ -706,7 +706,13 @@ def make_model_runner(config: EngineConfig, path: Path, max_model_len: int) -> M
             kv_cache_dtype=config.kv_cache_dtype,
         )
     return ModelRunner(
-        path, config.dtype, config.device, config.block_size, max_model_len, kv_cache_dtype=config.kv_cache_dtype
+        path,
+        config.dtype,
+        config.device,
+        config.block_size,
+        max_model_len,
+        kv_cache_dtype=config.kv_cache_dtype,
+        batch_invariant=config.batch_invariant,
     )
 
 

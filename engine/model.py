@@ -29,6 +29,7 @@ from engine import cpu_ops
 from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.store import CheckpointError
 from engine.config import SUPPORTED_DTYPES
+from engine.errors import UsageError
 from engine.platform import onednn_bf16_supported
 from engine.quant.int8 import (
     INPUT_HADAMARD_SUFFIX,
@@ -143,16 +144,26 @@ FP32_PACKED_ROWS = (1, 64)
 PACKED_MIN_ROWS = 4
 
 
-def packed_rows(device: str, dtype: torch.dtype) -> tuple[int, int] | None:
+#: Rows per oneDNN call of a float linear in batch-invariant mode (``EngineConfig.batch_invariant``): a row's
+#: result must not depend on how many rows share the call. oneDNN's packed bf16 GEMM (AMX, 2 threads) computes
+#: every row of a call of 1 to 32 rows bit-identically, and picks other kernels above that whose roundings differ
+#: in some rows (e.g. the ``[576, 1536]`` down projection at 37-568 rows, the LM head at 33-352 rows); fp32 packed
+#: calls of 2 or more rows agree at every size measured (up to 1,192), one row differs. So batch-invariant linears
+#: run on the packed weight in calls of at most this many rows, each padded to ``PACKED_MIN_ROWS``.
+BATCH_INVARIANT_TILE_ROWS = 32
+
+
+def packed_rows(device: str, dtype: torch.dtype, batch_invariant: bool = False) -> tuple[int, int] | None:
     """``(min, max)`` rows of a float linear that use the oneDNN-packed weight, or ``None`` (never packed).
 
     bf16 on CPU: every row count (``can_pack_weights``); fp32 on CPU: ``FP32_PACKED_ROWS`` (the plain
-    weight serves the others); elsewhere ``None``.
+    weight serves the others), or every row count in batch-invariant mode (no MKL call, whose rows
+    depend on the row count); elsewhere ``None``.
     """
     if can_pack_weights(device, dtype):
         return (1, sys.maxsize)
     if device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        return FP32_PACKED_ROWS
+        return (1, sys.maxsize) if batch_invariant else FP32_PACKED_ROWS
     return None
 
 
@@ -189,6 +200,8 @@ class Linear:
     ):
         self.weight, self.bias, self.int8_layer, self.dtype = weight, bias, int8_layer, dtype
         self.pack_rows = pack_rows or (1, sys.maxsize)
+        self.tile_rows: int | None = None  # batch-invariant mode: rows per call (``invariant_tiles``)
+        self.min_rows = 1
         self.packed = None
         self.packed_halves = None  # (gate, up, gate bias, up bias) of a packed gated layer
         self.input_scaled = False  # an RMSNorm weight is folded into the columns (WeightLoader.linear)
@@ -209,7 +222,33 @@ class Linear:
         lo, hi = self.pack_rows
         return lo <= x.shape[0] <= hi or self.weight is None
 
+    def invariant_tiles(self, tile_rows: int, min_rows: int) -> None:
+        """Batch-invariant mode: every call runs in calls of at most ``tile_rows`` rows, each padded with zero
+        rows to ``min_rows`` (see ``BATCH_INVARIANT_TILE_ROWS``)."""
+        self.tile_rows, self.min_rows = tile_rows, min_rows
+
+    def _tiled(self, fn, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``fn(x)`` (or ``fn(x, residual)``) over ``tile_rows``-row slices of ``x`` ``[N, in]``, concatenated."""
+        n = x.shape[0]
+        tile = self.tile_rows
+        if tile is None or self.min_rows <= n <= tile:
+            return fn(x) if residual is None else fn(x, residual)
+        outputs = []
+        for start in range(0, n, tile):
+            xs = pad_rows(x[start : start + tile], self.min_rows)
+            m = min(tile, n - start)
+            if residual is None:
+                outputs.append(fn(xs)[:m])
+            else:
+                outputs.append(fn(xs, pad_rows(residual[start : start + tile], self.min_rows))[:m])
+        return torch.cat(outputs)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_rows is not None:
+            return self._tiled(self._call, x)
+        return self._call(x)
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer(x)
         if self.packed is not None and self._on_packed(x):
@@ -222,21 +261,31 @@ class Linear:
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``; ``residual`` is ``[N, out]`` in the output dtype."""
+        if self.tile_rows is not None:
+            return self._tiled(self._add, x, residual)
+        return self._add(x, residual)
+
+    def _add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer.add(x, residual)
         if self.packed is not None and self._on_packed(x):
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
-        return residual + self(x)
+        return residual + self._call(x)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a ``[gate; up]`` layer: ``[N, in] -> [N, intermediate]``."""
+        if self.tile_rows is not None:
+            return self._tiled(self._silu_mul, x)
+        return self._silu_mul(x)
+
+    def _silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer.silu_mul(x)
         if self.packed_halves is not None and self._on_packed(x):
             gate, up, gate_bias, up_bias = self.packed_halves
             linear = torch.ops.mkldnn._linear_pointwise
             return linear.binary(x, linear(x, gate, gate_bias, "swish", [], ""), up, up_bias, "mul")
-        gate, up = self(x).chunk(2, dim=-1)
+        gate, up = self._call(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
 
@@ -264,14 +313,16 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 class WeightLoader:
     """Builds fused linear layers from a state dict, float or INT8 (``X.weight_int8`` + ``X.weight_scale``)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, device: str):
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, device: str, batch_invariant=False
+    ):
         self.tensors, self.path, self.dtype, self.device = tensors, path, dtype, device
         try:
             self.int8_scheme = read_scheme(sorted(path.glob("*.safetensors")))  # None for a float checkpoint
         except ValueError as exc:
             raise CheckpointError(str(exc)) from exc
         self.pack = can_pack_weights(device, dtype)  # every row count; RMSNorm weights folded in
-        self.pack_rows = packed_rows(device, dtype)  # bf16: every row count; fp32: FP32_PACKED_ROWS
+        self.pack_rows = packed_rows(device, dtype, batch_invariant)  # bf16: every row count; fp32: FP32_PACKED_ROWS
 
     def has(self, name: str) -> bool:
         return name in self.tensors or name.removesuffix(".weight") + INT8_WEIGHT_SUFFIX in self.tensors
@@ -406,16 +457,20 @@ class Model:
         dtype: activations and float weights (a ``torch.dtype``).
         device: ``cpu`` or ``cuda``.
         max_model_len: longest sequence (sizes the rotary tables).
+        batch_invariant: every linear layer runs its rows in calls of ``BATCH_INVARIANT_TILE_ROWS`` on the packed
+            weight, so a token's result does not depend on the other tokens of its step
+            (``EngineConfig.batch_invariant``).
 
     Raises:
         CheckpointError: unsupported architecture, missing or corrupt weights.
+        UsageError: ``batch_invariant`` with an INT8 checkpoint, or where float weights are not packed.
     """
 
-    def __init__(self, path: Path, dtype: torch.dtype, device: str, max_model_len: int):
+    def __init__(self, path: Path, dtype: torch.dtype, device: str, max_model_len: int, batch_invariant: bool = False):
         self.spec = spec = read_model_spec(path)
         self.dtype, self.device = dtype, device
         tensors = load_state_dict(path)
-        loader = WeightLoader(tensors, path, dtype, device)
+        loader = WeightLoader(tensors, path, dtype, device, batch_invariant)
         self.embed = loader.tensor("model.embed_tokens.weight")  # [vocab, hidden]
         self.layers = load_layers(loader, spec)
         self.norm = loader.tensor("model.norm.weight")
@@ -428,6 +483,17 @@ class Model:
         # once per call for any row count, so an INT8 model is never padded)
         self.min_rows = PACKED_MIN_ROWS if loader.pack_rows is not None and not self.is_int8 else 1
         del tensors
+        if batch_invariant:
+            if self.is_int8 or loader.pack_rows is None:
+                raise UsageError(
+                    f"batch_invariant=True needs a float checkpoint in bfloat16 or float32 on CPU with oneDNN; {path} "
+                    f"is {'INT8' if self.is_int8 else str(dtype)} on {device}",
+                    fix="turn batch_invariant off or serve the float checkpoint",
+                )
+            for lw in self.layers:
+                for linear in (lw.qkv, lw.o, lw.gate_up, lw.down):
+                    linear.invariant_tiles(BATCH_INVARIANT_TILE_ROWS, self.min_rows)
+            self.lm_head.invariant_tiles(BATCH_INVARIANT_TILE_ROWS, self.min_rows)
         inv_freq = rope_inv_freq(spec)
         t = torch.arange(max_model_len, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_model_len, head_dim / 2]

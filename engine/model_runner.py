@@ -58,6 +58,7 @@ class ModelRunner:
         attention_backend: ``engine.attention.ATTENTION_BACKENDS`` name; ``None`` picks by device.
         kv_cache_dtype: ``EngineConfig.kv_cache_dtype`` resolved (``float32`` / ``bfloat16`` / ``float16`` /
             ``int8``); ``None`` stores K and V in ``dtype``.
+        batch_invariant: ``EngineConfig.batch_invariant`` (the model's linears and the attention).
 
     Raises:
         CheckpointError: unsupported architecture, missing or corrupt weights.
@@ -72,15 +73,22 @@ class ModelRunner:
         max_model_len: int,
         attention_backend: str | None = None,
         kv_cache_dtype: str | None = None,
+        batch_invariant: bool = False,
     ):
         self.dtype = DTYPES[dtype]
         self.kv_cache_dtype = self.dtype if kv_cache_dtype in (None, "auto") else KV_DTYPES[kv_cache_dtype]
         self.device = device
         self.block_size = block_size
-        self.model = Model(path, self.dtype, device, max_model_len)
+        self.model = Model(path, self.dtype, device, max_model_len, batch_invariant)
         self.spec = s = self.model.spec
         self.attn = get_attention_backend(
-            device, s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.sliding_window, attention_backend
+            device,
+            s.num_attention_heads,
+            s.num_key_value_heads,
+            s.head_dim,
+            s.sliding_window,
+            attention_backend,
+            batch_invariant,
         )
         self.kv_cache: torch.Tensor | None = None
         self.lora_manager: LoRAManager | None = None

@@ -70,6 +70,8 @@ class Sequence:
         self.finished_time: float | None = None
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
+        self.last_scheduled_step = 0  # the scheduler's step counter when it last ran (fair scheduling order)
+        self.last_admitted_step = 0  # ... when it last moved from waiting to running
         self.group_id = request_id  # the request this completion belongs to (``SamplingParams.n``)
         self.index = 0  # its completion index in that request
         self.error: str | None = None  # why it finished with FINISHED_ERROR

@@ -15,10 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-#: Longest prompt text accepted before tokenizing (characters), as Triton's model accepts.
-MAX_PROMPT_CHARS = 1_000_000
-#: Most completions per request (``n`` x number of prompts).
-MAX_CHOICES = 128
+#: Seconds a client should wait before retrying a 503 (a model or the server recovering).
+RETRY_AFTER_S = 5
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,7 +74,7 @@ class _SamplingFields(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: int = Field(1, ge=1)  # its upper bound is the model's RequestLimits (deploy.openai.prompts)
     seed: int | None = None
     stop: str | list[str] | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -106,7 +104,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (with echo)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # at most the model's limits.max_logprobs
     echo: bool = False  # the prompt before the completion; with logprobs, the prompt tokens' logprobs too
 
 
@@ -130,7 +128,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,7 +137,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class OpenAIError(Exception):
-    """An error answered in OpenAI's shape with an HTTP status."""
+    """An error answered in OpenAI's shape with an HTTP status (a 503 also with ``Retry-After``)."""
 
     def __init__(
         self,
@@ -152,6 +150,16 @@ class OpenAIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_elsewhere = False  # a model instance refused it for a dead stub: another instance may take it
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else {}
+
+
+def unavailable(message: str) -> OpenAIError:
+    """A 503 ``server_error`` (with ``Retry-After``): the model or the server is recovering; retry."""
+    return OpenAIError(503, message, type_="server_error", code="model_unavailable")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
