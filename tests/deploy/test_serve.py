@@ -234,7 +234,7 @@ BAD_BODIES = [  # (JSON body or raw bytes, HTTP status, part of the error)
     (
         {"text_input": PROMPT, "sampling_parameters": json.dumps({"logprobs": 100000})},
         400,
-        "logprobs=100000 > the vocabulary size",
+        "logprobs=100000 is over the limit of 20",
     ),
     ({"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": "4"})}, 400, "max_tokens='4'"),
     ({"text_input": PROMPT, "sampling_parameters": json.dumps({"temperature": "hot"})}, 400, "temperature='hot'"),
