@@ -186,3 +186,31 @@ def test_export_checks_the_adapters_against_the_base(tiny_llama_dir, adapters, t
     assert info["lora_adapters"] == {"a1": "loras/a1", "a2": "loras/a2"}
     assert info["engine"]["enable_lora"] is True and info["engine"]["max_loras"] == 2
     assert (tmp_path / "repo" / "llm" / "1" / "loras" / "a2" / "adapter_model.safetensors").is_file()
+
+
+def test_loadtest_spreads_requests_over_adapters(lora_frontend, lora_server, adapters, tmp_path):
+    from bench.loadtest import LoadTestConfig, LoadTestError, run_loadtest
+    from bench.report import read_samples
+
+    body = {"lora_name": "a2", "lora_path": str(adapters["a2"]), "load_inplace": True}
+    assert post(lora_frontend, "load_lora_adapter", body).status_code == 200
+    before = {n: lora_metric(lora_server, "lmforge_lora_requests_finished_total", n) for n in ("a1", "a2")}
+    common = dict(users=2, spawn_rate=2.0, run_time_s=4.0, max_tokens=4, ignore_eos=True, num_prompts=8)
+    for api, host in (("openai", lora_frontend), ("triton", lora_server.http_url)):
+        config = LoadTestConfig(
+            host=host,
+            model="llm",
+            api=api,
+            api_key=API_KEY if api == "openai" else None,
+            lora_names=["a1", "a2"],
+            request_timeout_s=60.0,
+            **common,
+        )
+        summary = run_loadtest(config, tmp_path / api, log=lambda _m: None)
+        samples, _ = read_samples(tmp_path / api / "samples.jsonl")
+        assert len(samples) >= 2 and all(s.ok for s in samples), summary["metrics"]["errors"]
+    after = {n: lora_metric(lora_server, "lmforge_lora_requests_finished_total", n) for n in ("a1", "a2")}
+    assert after["a1"] - before["a1"] >= 2 and after["a2"] - before["a2"] >= 2  # warm-ups and runs, both adapters
+    bad = LoadTestConfig(host=lora_frontend, model="llm", api="openai", api_key=API_KEY, lora_names=["zz"], **common)
+    with pytest.raises(LoadTestError, match=r"LoRA adapter\(s\) \[.zz.\] are not served"):
+        run_loadtest(bad, tmp_path / "bad", log=lambda _m: None)
