@@ -156,13 +156,13 @@ class OpenAIError(Exception):
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else {}
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
 
 def unavailable(message: str) -> OpenAIError:
     """A 503 ``server_error`` (with ``Retry-After``): the model or the server is recovering; retry."""
     return OpenAIError(503, message, type_="server_error", code="model_unavailable")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def validation_error(exc: ValidationError) -> OpenAIError:
@@ -186,3 +186,19 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 def _is_type_tag(part: str) -> bool:
     """Union members in pydantic locations (``str``, ``list[int]``...), not field names."""
     return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[")) or part in ("ContentPart",)
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """``POST /v1/load_lora_adapter`` (vLLM's body); ``base_model_name`` picks the base when several are served."""
+
+    lora_name: str
+    lora_path: str
+    base_model_name: str | None = None
+    load_inplace: bool = False  # replace an adapter of that name (vLLM's field)
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
