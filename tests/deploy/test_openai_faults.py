@@ -175,3 +175,14 @@ def test_a_request_refused_for_a_dead_stub_is_sent_again_to_another_instance():
     with pytest.raises(OpenAIError) as info:
         asyncio.run(asyncio.wait_for(run(), 10))
     assert info.value.status == 503 and len(calls) == 3  # the first try and two more, then the honest 503
+
+
+def test_a_503_is_answered_in_openais_shape_with_retry_after():
+    from deploy.openai.app import error_response
+    from deploy.openai.protocol import unavailable
+
+    response = error_response(unavailable("the model llm is being reloaded; retry"))
+    assert response.status_code == 503 and response.headers["retry-after"] == "5"
+    assert response.headers["content-type"] == "application/json"
+    body = __import__("json").loads(response.body)
+    assert body["error"]["type"] == "server_error" and body["error"]["code"] == "model_unavailable"
