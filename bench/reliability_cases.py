@@ -62,6 +62,8 @@ GOOD_PROMPT = "Write a short story about a robot who learns to paint."
 FAIRNESS_TARGET = 2.0
 ABORT_TARGET_S = 1.0
 RECOVERY_TARGET_S = 10.0
+#: Longest wait for a good answer after a stub kill (seconds).
+KILL_WINDOW_S = 120.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,7 +396,11 @@ def case_kill(stack: Stack, instances: int, max_tokens: int, log) -> dict:
         kill_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         log(f"kill{instances}: killed stub {victim} of {len(stubs)}")
-        time.sleep(30.0)
+        deadline = kill_at + KILL_WINDOW_S
+        while time.monotonic() < deadline:  # until a request sent after the kill succeeded, plus 10 s
+            time.sleep(0.5)
+            if any(r["start"] >= kill_at and r["ok"] for r in list(loop.records)):
+                deadline = min(deadline, time.monotonic() + 10.0)
     records = loop.records
     in_flight = [r for r in records if r["start"] < kill_at <= r["end"]]
     after = [r for r in records if r["start"] >= kill_at]

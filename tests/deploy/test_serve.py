@@ -54,8 +54,13 @@ def generate(server, prompt: str, params: dict, **extra) -> requests.Response:
     return requests.post(f"{server.http_url}/v2/models/llm/generate", json=body, timeout=120)
 
 
+def is_heartbeat(event: dict) -> bool:
+    """The model's keep-alive response of a quiet stream (``deploy.triton_llm.heartbeat_tensors``)."""
+    return event.get("text_output") == "" and not event.get("output_token_ids") and "finish_reason" not in event
+
+
 def generate_stream(server, prompt: str, params: dict, **extra) -> list[dict]:
-    """POST generate_stream and return the SSE events (parsed JSON)."""
+    """POST generate_stream and return the SSE events (parsed JSON), heartbeats left out."""
     body = {"text_input": prompt, "sampling_parameters": json.dumps(params), "stream": True, **extra}
     events = []
     with requests.post(
@@ -65,7 +70,7 @@ def generate_stream(server, prompt: str, params: dict, **extra) -> list[dict]:
         for line in response.iter_lines():
             if line.startswith(b"data: "):
                 events.append(json.loads(line[len(b"data: ") :]))
-    return events
+    return [e for e in events if not is_heartbeat(e)]
 
 
 def metric_values(server, name: str, model: str = "llm") -> list[float]:
@@ -189,6 +194,7 @@ def test_token_id_prompt_with_n_2_streams_both_completions(server, engine_text, 
     ) as response:
         assert response.status_code == 200, response.text
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ")]
+        events = [e for e in events if not is_heartbeat(e)]
     for index in (0, 1):
         mine = [e for e in events if e["index"] == index]
         assert "".join(e["text_output"] for e in mine) == expected
