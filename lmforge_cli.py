@@ -56,6 +56,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("plan", "compress.scale.plan", "Plan memory and parallelism for training or inference at scale."),
     Command("diagnose", "compress.scale.diagnose", "Find the cause of a misbehaving training run from its metrics."),
     Command("render", "deploy.render", "Render container / Kubernetes deployment files for a model."),
+    Command("deploy", "bench.container_smoke", "Build the CPU container image (podman), run it and its k8s manifests."),
 )
 
 

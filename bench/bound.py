@@ -17,7 +17,6 @@ Useful FLOPs, with a shared prefix computed once per distinct system prompt:
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 
@@ -123,18 +122,6 @@ def measure_matmul_gflops(size: int = 1024, min_time_s: float = 1.0, repeats: in
                     break
             best = max(best, flops * count / elapsed / 1e9)
     return best
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) by linear interpolation (NumPy's default); ``None`` if empty."""
-    if not values:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"q={q}; a percentile must be between 0 and 100")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

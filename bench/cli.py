@@ -13,7 +13,7 @@ import importlib
 TARGETS: dict[str, tuple[str, str]] = {
     "engine": (
         "bench.engine_bench",
-        "Engine throughput/TTFT/start-up vs HF generate, llama-server, vLLM; compute bound per dtype.",
+        "Engine throughput/TTFT/start-up vs HF generate, llama-server, vLLM, OpenVINO GenAI; compute bound per dtype.",
     ),
     "serving": (
         "bench.serving_compare",

@@ -28,7 +28,6 @@ Prints a table and writes every figure to ``OUT/compression.json``. Targets are 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -36,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.harness import write_json
 from bench.workload import build_workload
 from compress.quantize.onnx import export_onnx, mean_pool, quantize_onnx_int8
 from engine.checkpoint.outputs import BENCH_COMPRESSION, check_output_dir
@@ -417,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
         report["minilm"] = minilm_figures(out, args.threads)
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     path = out / "compression.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(path, report)
     print(format_report(report))
     print(f"\nwrote {path} ({report['elapsed_s']} s)")
     return 0

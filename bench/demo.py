@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compression import bf16_copy
+from bench.harness import fmt, write_json
 from bench.loadtest import LoadTestConfig, run_loadtest
 from compress.data.prepare import DEFAULT_INPUT, DataConfig, prepare
 from deploy.export import export as export_model
@@ -431,7 +431,7 @@ class Demo:
         }
         if rows:
             report["plot"] = plot_quality_vs_speed(rows, self.out / "quality_vs_speed.png")
-        (self.out / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+        write_json(self.out / "report.json", report)
         return report
 
 
@@ -628,10 +628,6 @@ def batching_rows(results: dict) -> dict | None:
     return row
 
 
-def _f(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def format_final_table(report: dict) -> str:
     """The one table of the demo: fp32 vs INT8, then batching on vs off."""
     lines = [
@@ -641,25 +637,25 @@ def format_final_table(report: dict) -> str:
     for r in report["comparison"]:
         top1 = "-" if r["same_top1"] is None else f"{r['same_top1'] * 100:.1f}%"
         lines.append(
-            f"  {r['model']:<13} {_f(r['size_mib']):>9} {_f(r['perplexity'], 2):>11} {_f(r['kl_mean'], 4):>8} "
-            f"{top1:>6} "
-            f"{_f(r['output_tok_s']):>8} {_f(r['ttft_p50_ms'], 0):>12} {_f(r['ttft_p99_ms'], 0):>12}"
+            f"  {r['model']:<13} {fmt(r['size_mib']):>9} {fmt(r['perplexity'], '.2f'):>11} "
+            f"{fmt(r['kl_mean'], '.4f'):>8} {top1:>6} "
+            f"{fmt(r['output_tok_s']):>8} {fmt(r['ttft_p50_ms'], '.0f'):>12} {fmt(r['ttft_p99_ms'], '.0f'):>12}"
         )
     b = report.get("batching")
     if b:
         lines.append(
-            f"  batching at {b['on']['users']} users: on {_f(b['on']['output_tok_s'])} tok/s "
-            f"(TTFT p50 {_f(b['on']['ttft_p50_ms'], 0)} ms) vs off (max_num_seqs=1) "
-            f"{_f(b['off']['output_tok_s'])} tok/s (TTFT p50 {_f(b['off']['ttft_p50_ms'], 0)} ms): "
-            f"x{_f(b.get('throughput_ratio'), 2)}"
+            f"  batching at {b['on']['users']} users: on {fmt(b['on']['output_tok_s'])} tok/s "
+            f"(TTFT p50 {fmt(b['on']['ttft_p50_ms'], '.0f')} ms) vs off (max_num_seqs=1) "
+            f"{fmt(b['off']['output_tok_s'])} tok/s (TTFT p50 {fmt(b['off']['ttft_p50_ms'], '.0f')} ms): "
+            f"x{fmt(b.get('throughput_ratio'), '.2f')}"
         )
     base = report.get("baseline")
     if base:
         lines.append(
             f"  whole stack vs HF generate fp32 one request at a time (in process): "
-            f"{_f(base['best_served_tok_s'])} tok/s ({base['best_served']}, {base.get('best_served_users')} users) "
-            f"vs {_f(base['hf_generate_tok_s'])} tok/s: "
-            f"x{_f(base['factor'], 2)}"
+            f"{fmt(base['best_served_tok_s'])} tok/s ({base['best_served']}, {base.get('best_served_users')} users) "
+            f"vs {fmt(base['hf_generate_tok_s'])} tok/s: "
+            f"x{fmt(base['factor'], '.2f')}"
         )
     return "\n".join(lines)
 

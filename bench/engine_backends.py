@@ -3,10 +3,11 @@
 ``python -m bench.engine_backends SPEC.json RESULT.json`` loads one configuration, measures its
 start-up (construction to the first token of a short warm-up prompt), runs the whole workload
 once, then (``single_prompt`` in the workload) one request alone, and writes a ``RunResult`` as
-JSON. One process per configuration keeps their peak RSS apart. The vLLM configurations run
-this same module under the vLLM venv's interpreter (``--vllm-python``): it imports only the
-standard library at module level, and each backend imports its own stack (torch, transformers,
-vLLM, the engine, ``bench.peers``) inside its run function.
+JSON. One process per configuration keeps their peak RSS apart. The vLLM and OpenVINO GenAI
+configurations run this same module under their own venv's interpreter (``--vllm-python``,
+``--openvino-python``): it imports only the standard library at module level, and each backend
+imports its own stack (torch, transformers, vLLM, OpenVINO, the engine, ``bench.peers``) inside
+its run function.
 
 How time to first token (TTFT) is measured, per configuration (``ttft_basis`` in the result):
 
@@ -15,13 +16,13 @@ How time to first token (TTFT) is measured, per configuration (``ttft_basis`` in
   behind earlier requests is excluded.
 * ``hf_static``: all requests form one left-padded batch submitted at once; the first new token
   of every request appears after the first (prefill) step, so every request gets that one time.
-* ``hf_generate_batch`` / ``engine_*`` / ``vllm_*`` / ``llama_cpp_server_*``: all requests are
-  submitted at once; TTFT is from submission to the request's first new token (includes waiting
+* ``hf_generate_batch`` / ``engine_*`` / ``vllm_*`` / ``openvino_*`` / ``llama_cpp_server_*``: all
+  requests are submitted at once; TTFT is from submission to the request's first new token (includes waiting
   to be scheduled).
 
-Peak RSS: ``ru_maxrss`` of this process; for ``vllm_*`` the sampled sum over the processes of
-its session (vLLM's engine core runs in processes of its own), for ``llama_cpp_server_*`` the
-server process's.
+Peak RSS: ``ru_maxrss`` of this process (``openvino_*`` included: its pipeline runs in it); for
+``vllm_*`` the sampled sum over the processes of its session (vLLM's engine core runs in
+processes of its own), for ``llama_cpp_server_*`` the server process's.
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ class RunSpec:
         model: checkpoint directory (HF backends, engine).
         workload_path: JSON file with ``prompts`` (token id lists) and ``max_tokens``.
         gguf: GGUF file for a ``llama_cpp_server_*`` configuration; ``None`` makes it unavailable.
+        openvino_model: OpenVINO IR directory (``optimum-cli export openvino``) for an
+            ``openvino_*`` configuration; ``None`` makes it unavailable.
         llama_server: the ``llama-server`` binary; ``None``: not installed.
         int8_model: INT8 checkpoint dir (``w8a8`` by default) for ``engine_int8``; ``None`` makes it unavailable.
-        threads: torch / llama.cpp threads, ``None`` keeps the library default.
+        threads: torch / llama.cpp / OpenVINO threads, ``None`` keeps the library default.
         engine_args: extra ``EngineConfig`` fields for the engine configurations.
         profile: also profile a repeat run of the engine configurations (torch.profiler).
         sequential_limit: serve only the first N requests in ``hf_sequential`` (one at a time,
@@ -67,6 +70,7 @@ class RunSpec:
     model: str
     workload_path: str
     gguf: str | None = None
+    openvino_model: str | None = None
     llama_server: str | None = None
     int8_model: str | None = None
     threads: int | None = None
@@ -342,7 +346,8 @@ def run_llama_cpp_server(spec: RunSpec, work: Work, result: RunResult) -> None:
     Slots keep their own prompt cache (``cache_prompt``), but the shared system prompt is
     computed once per slot: llama-server does not share KV blocks between slots.
     """
-    from bench.peers import NOT_INSTALLED, PeerError, TreeRssSampler, stream_completion
+    from bench.harness import NOT_INSTALLED
+    from bench.peers import PeerError, TreeRssSampler, stream_completion
 
     if spec.llama_server is None or not Path(spec.llama_server).exists():
         raise NotInstalled(f"llama-server {NOT_INSTALLED}")
@@ -469,7 +474,7 @@ def _vllm_run(spec: RunSpec, work: Work, result: RunResult, dtype: str) -> None:
     try:
         from vllm import LLM
     except ImportError as exc:
-        from bench.peers import NOT_INSTALLED
+        from bench.harness import NOT_INSTALLED
 
         raise NotInstalled(
             f"vllm is not importable by {sys.executable} ({exc}); {NOT_INSTALLED} or pass --vllm-python"
@@ -507,17 +512,166 @@ def run_vllm_bf16(spec: RunSpec, work: Work, result: RunResult) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# OpenVINO GenAI (runs under the OpenVINO venv's interpreter)
+# --------------------------------------------------------------------------------------------
+
+#: KV cache of the OpenVINO pipeline, GiB: as much as vLLM's (``bench.peers.vllm_env``), several
+#: times what the workload holds.
+OPENVINO_CACHE_GIB = 1
+
+
+def openvino_properties(precision_hint: str, threads: int | None) -> dict[str, object]:
+    """The CPU plugin properties of an ``openvino_*`` pipeline: the precision its matmuls and
+    attention run in (``f32`` or ``bf16``; the weights are the IR's) and, when given, the
+    inference threads (else OpenVINO's default: every core). Everything else, the 8-bit KV
+    cache included, stays OpenVINO's default, as a user gets it."""
+    props: dict[str, object] = {"INFERENCE_PRECISION_HINT": precision_hint}
+    if threads:
+        props["INFERENCE_NUM_THREADS"] = int(threads)
+    return props
+
+
+def openvino_scheduler_fields() -> dict[str, object]:
+    """``SchedulerConfig`` fields set on the pipeline (the rest keep OpenVINO's defaults: 256
+    batched tokens a step with prompts split across steps, 256 sequences): prefix caching on, as
+    in every other continuous-batching row, and the KV cache size in GiB."""
+    return {"enable_prefix_caching": True, "cache_size": OPENVINO_CACHE_GIB}
+
+
+def _openvino_generate(
+    pipe, prompts: list[list[int]], config, tensor: Callable[[list[int]], object], first_id: int
+) -> tuple[float, list[float], list[list[int]]]:
+    """All prompts submitted at once to a ``ContinuousBatchingPipeline``, stepped until done, each
+    request's first token stamped when a step yields it (``GenerationHandle.read`` returns the
+    tokens of the steps not read yet).
+
+    Args:
+        pipe: the pipeline (``add_request``, ``step``, ``has_non_finished_requests``).
+        prompts: token ids per request.
+        config: the ``GenerationConfig`` (greedy, ``max_new_tokens``, EOS ignored).
+        tensor: token ids -> the ``(1, T)`` int64 ``ov.Tensor`` ``add_request`` takes.
+        first_id: request id of the first prompt (ids must not repeat within a pipeline).
+
+    Returns ``(elapsed_s, ttft_s per request, token ids per request)``.
+
+    Raises:
+        RuntimeError: unfinished after an hour, a request not ``FINISHED`` (e.g. ``IGNORED``: it
+            did not fit the KV cache), or one with other than ``max_new_tokens`` tokens.
+    """
+    start = time.perf_counter()
+    handles = [pipe.add_request(first_id + i, tensor(list(p)), config) for i, p in enumerate(prompts)]
+    first: list[float | None] = [None] * len(prompts)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    deadline = start + 3600.0
+    while pipe.has_non_finished_requests():
+        if time.perf_counter() > deadline:
+            raise RuntimeError("OpenVINO GenAI requests still unfinished after 3600 s")
+        pipe.step()
+        now = time.perf_counter()
+        for i, handle in enumerate(handles):
+            while handle.can_read():
+                for out in handle.read().values():  # one sequence per request (greedy)
+                    if out.generated_ids and first[i] is None:
+                        first[i] = now
+                    tokens[i].extend(int(t) for t in out.generated_ids)
+    elapsed = time.perf_counter() - start
+    statuses = [handle.get_status().name for handle in handles]
+    if any(s != "FINISHED" for s in statuses):
+        bad = sorted({s for s in statuses if s != "FINISHED"})
+        raise RuntimeError(
+            f"OpenVINO GenAI ended {sum(s != 'FINISHED' for s in statuses)} of {len(prompts)} requests {'/'.join(bad)}"
+        )
+    short = [len(t) for t in tokens if len(t) != config.max_new_tokens]
+    if short:
+        raise RuntimeError(
+            f"OpenVINO GenAI returned {short[0]} tokens, not {config.max_new_tokens} ({len(short)} requests)"
+        )
+    return elapsed, [f - start for f in first], tokens
+
+
+def _openvino_run(spec: RunSpec, work: Work, result: RunResult, precision_hint: str) -> None:
+    """OpenVINO GenAI's ``ContinuousBatchingPipeline`` on the exported IR, on the CPU, with the
+    same token ids; prefix caching on, greedy, EOS ignored."""
+    try:
+        import numpy as np
+        import openvino as ov
+        import openvino_genai
+    except ImportError as exc:
+        from bench.harness import NOT_INSTALLED
+
+        raise NotInstalled(
+            f"openvino_genai is not importable by {sys.executable} ({exc}); {NOT_INSTALLED} or pass --openvino-python"
+        ) from exc
+    if spec.openvino_model is None:
+        raise Unavailable("no OpenVINO IR for this model (the export did not run)")
+    scheduler = openvino_genai.SchedulerConfig()
+    for field, value in openvino_scheduler_fields().items():
+        setattr(scheduler, field, value)
+    start = time.perf_counter()
+    pipe = openvino_genai.ContinuousBatchingPipeline(
+        spec.openvino_model, scheduler, "CPU", openvino_properties(precision_hint, spec.threads)
+    )
+    result.load_s = time.perf_counter() - start
+
+    def tensor(prompt: list[int]):
+        return ov.Tensor(np.array([prompt], dtype=np.int64))
+
+    def greedy(max_tokens: int):
+        return openvino_genai.GenerationConfig(max_new_tokens=max_tokens, ignore_eos=True, do_sample=False)
+
+    submitted = time.perf_counter()
+    _, warm_ttft, _ = _openvino_generate(pipe, [_tokenize_warmup(spec.model)], greedy(2), tensor, 0)
+    result.startup_s = submitted - start + warm_ttft[0]
+    result.ttft_basis = "all submitted at once; from submission to the step that yields the request's first token"
+    if work.prompts:
+        result.elapsed_s, result.ttft_s, result.token_ids = _openvino_generate(
+            pipe, work.prompts, greedy(work.max_tokens), tensor, 1
+        )
+    if work.single_prompt is not None:
+        elapsed, ttft, tokens = _openvino_generate(
+            pipe, [work.single_prompt], greedy(work.single_max_tokens), tensor, 1 + len(work.prompts)
+        )
+        result.single = SingleResult(elapsed, ttft[0], tokens[0])
+
+
+def run_openvino_fp32(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """OpenVINO GenAI, fp32 IR, f32 inference precision."""
+    _openvino_run(spec, work, result, "f32")
+
+
+def run_openvino_bf16(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """OpenVINO GenAI, fp32 IR, bf16 inference precision (the CPU plugin's default where the CPU has bf16)."""
+    _openvino_run(spec, work, result, "bf16")
+
+
+def run_openvino_int8(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """OpenVINO GenAI, IR with NNCF int8 weights (``--weight-format int8``), bf16 inference precision."""
+    _openvino_run(spec, work, result, "bf16")
+
+
+# --------------------------------------------------------------------------------------------
 # Our engine
 # --------------------------------------------------------------------------------------------
 
 
 def _engine_run(
-    spec: RunSpec, model: str, work: Work, result: RunResult, *, prefix_caching: bool, dtype: str | None
+    spec: RunSpec,
+    model: str,
+    work: Work,
+    result: RunResult,
+    *,
+    prefix_caching: bool,
+    dtype: str | None,
+    kv_cache_dtype: str | None = None,
 ) -> None:
-    """Our ``LLM`` on the token ids; ``dtype`` (when given) overrides ``--engine-arg dtype``."""
+    """Our ``LLM`` on the token ids; ``dtype`` and ``kv_cache_dtype`` (when given) override ``--engine-arg``."""
     from engine import LLM, SamplingParams
 
-    engine_args = {**spec.engine_args, **({"dtype": dtype} if dtype else {})}
+    engine_args = {
+        **spec.engine_args,
+        **({"dtype": dtype} if dtype else {}),
+        **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}),
+    }
     start = time.perf_counter()
     llm = LLM(model, enable_prefix_caching=prefix_caching, **engine_args)
     result.load_s = time.perf_counter() - start
@@ -601,6 +755,11 @@ def run_engine_bf16(spec: RunSpec, work: Work, result: RunResult) -> None:
     _engine_run(spec, spec.model, work, result, prefix_caching=True, dtype="bfloat16")
 
 
+def run_engine_bf16_kv8(spec: RunSpec, work: Work, result: RunResult) -> None:
+    """Our engine, bf16, with the int8 KV cache (``kv_cache_dtype="int8"``), prefix caching on."""
+    _engine_run(spec, spec.model, work, result, prefix_caching=True, dtype="bfloat16", kv_cache_dtype="int8")
+
+
 def run_engine_int8(spec: RunSpec, work: Work, result: RunResult) -> None:
     """Our engine on the INT8 checkpoint (``w8a8`` unless ``--int8`` names another), prefix caching on."""
     if spec.int8_model is None:
@@ -616,14 +775,17 @@ class Backend:
         run: fills a ``RunResult`` from a ``RunSpec`` and the workload.
         dtype: the matmul dtype it runs (``fp32``, ``bf16``, ``int8``): its fraction of the
             compute bound is taken against that dtype's measured peak.
-        interpreter: ``ours`` (this venv) or ``vllm`` (``--vllm-python``).
+        interpreter: ``ours`` (this venv), ``vllm`` (``--vllm-python``) or ``openvino``
+            (``--openvino-python``).
         gguf_type: converter ``--outtype`` of the GGUF it serves (``llama_cpp_server_*``).
+        openvino_weights: ``--weight-format`` of the OpenVINO IR it runs (``openvino_*``).
     """
 
     run: Callable[[RunSpec, Work, RunResult], None]
     dtype: str
     interpreter: str = "ours"
     gguf_type: str | None = None
+    openvino_weights: str | None = None
 
 
 #: Configuration name -> how it runs, in table order.
@@ -635,9 +797,13 @@ BACKENDS: dict[str, Backend] = {
     "llama_cpp_server_q8_0": Backend(run_llama_cpp_server, "int8", gguf_type="q8_0"),
     "vllm_fp32": Backend(run_vllm_fp32, "fp32", interpreter="vllm"),
     "vllm_bf16": Backend(run_vllm_bf16, "bf16", interpreter="vllm"),
+    "openvino_fp32": Backend(run_openvino_fp32, "fp32", interpreter="openvino", openvino_weights="fp32"),
+    "openvino_bf16": Backend(run_openvino_bf16, "bf16", interpreter="openvino", openvino_weights="fp32"),
+    "openvino_int8": Backend(run_openvino_int8, "int8", interpreter="openvino", openvino_weights="int8"),
     "engine_prefix_off": Backend(run_engine_prefix_off, "fp32"),
     "engine_fp32": Backend(run_engine_fp32, "fp32"),
     "engine_bf16": Backend(run_engine_bf16, "bf16"),
+    "engine_bf16_kv8": Backend(run_engine_bf16_kv8, "bf16"),
     "engine_int8": Backend(run_engine_int8, "int8"),
 }
 

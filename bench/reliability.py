@@ -2,6 +2,7 @@
 
     lmforge bench reliability [--model tiny|CKPT] [--duration 3m] [--users 16]
                               [--bad-share 0.1] [--disconnect-share 0.1] [--kill-at 0.6]
+                              [--cases all|none|huge_n,queued_disconnects,...] [--no-soak]
 
 Exports the model (``tiny``: a random 2-layer Llama with the SmolLM2 tokenizer, made in ``OUT``;
 or a checkpoint name / directory such as ``smollm2-135m``) into ``OUT/model_repository``, serves
@@ -21,6 +22,12 @@ unload + load does, or its restart of the server when the kill took the server d
 Requests in flight in the killed stub are never answered by Triton: they end at the client's
 ``--request-timeout-s``. ``lmforge_requests_aborted_total`` also counts the requests in flight
 when Locust stops at the end (their clients close).
+
+Then ``--cases`` (``bench.reliability_cases``) each set up one fault and measure what a client
+sees: a good request's latency beside the worst request the limits allow (``huge_n``), queued and
+mid-stream SSE disconnects, non-streaming disconnects through the OpenAI frontend, and a killed
+stub with one and with two instances (how in-flight requests end, failures after the kill, the
+first good answer).
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -40,6 +46,7 @@ from pathlib import Path
 import psutil
 
 from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
+from bench.reliability_cases import CASES, ENGINE_CONFIG, read_metrics, run_cases
 from bench.report import read_samples
 from deploy.export import export
 from deploy.triton import ModelSupervisor, TritonError, TritonServer, free_ports
@@ -47,7 +54,6 @@ from engine.checkpoint.store import CheckpointError, make_tiny_llama, resolve_ch
 from engine.errors import LmforgeError
 
 #: Engine of the served model: room for 16 users' prompts and outputs without preemption.
-ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 640}
 RSS_TARGET_GROWTH = 0.05
 PROBE_INTERVAL_S = 0.25
 RSS_INTERVAL_S = 1.0
@@ -97,19 +103,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-threads", type=int, default=None, help="torch threads of the served engine (default: torch's)"
     )
     parser.add_argument("--out", default="reports/reliability", help="report directory (default reports/reliability)")
+    parser.add_argument(
+        "--cases",
+        default="all",
+        help="targeted fault cases after the soak (bench.reliability_cases.CASES), comma-separated; all (default) or "
+        "none",
+    )
+    parser.add_argument("--no-soak", action="store_true", help="run the cases only")
 
 
 def run(args: argparse.Namespace) -> int:
+    # the cases import the export and frontend machinery: imported on use
+
     try:
         duration_s = parse_duration(args.duration)
         _check_args(args, duration_s)
-        report = soak(args, duration_s)
+        cases = [] if args.cases == "none" else list(CASES) if args.cases == "all" else args.cases.split(",")
+        unknown = sorted(set(cases) - set(CASES))
+        if unknown:
+            raise ReliabilityError(f"--cases: unknown {unknown}; use some of {', '.join(CASES)}, all or none")
+        report = {"targets": {}, "targets_met": True} if args.no_soak else soak(args, duration_s)
+        if cases:
+            out = Path(args.out).resolve()
+            out.mkdir(parents=True, exist_ok=True)
+            checkpoint = _checkpoint(args, out)
+            report["cases"] = run_cases(cases, checkpoint, out / "cases", args.max_tokens, args.num_threads, print)
+            report["targets"].update(report["cases"]["targets"])
+            report["targets_met"] = all(report["targets"].values())
+            (out / "reliability.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     except (ReliabilityError, LoadTestError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_report(report))
+    if not args.no_soak:
+        print(format_report(report))
+    if "cases" in report:
+        print(format_cases(report["cases"]))
     print(f"report: {Path(args.out).resolve() / 'reliability.json'}")
     return 0 if report["targets_met"] else 1
+
+
+def format_cases(cases: dict) -> str:
+    """The cases' figures, one line each, and their targets."""
+    lines = ["targeted cases:"]
+    for name, result in cases.items():
+        if name != "targets":
+            lines.append(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in result.items() if k != "failure_examples"))
+    lines.append("  targets: " + ", ".join(f"{n}: {'met' if ok else 'MISSED'}" for n, ok in cases["targets"].items()))
+    return "\n".join(lines)
 
 
 def _check_args(args: argparse.Namespace, duration_s: float) -> None:
@@ -188,14 +228,21 @@ def soak(args: argparse.Namespace, duration_s: float) -> dict:
     return report
 
 
-def _export(args: argparse.Namespace, out: Path) -> Path:
+def _checkpoint(args: argparse.Namespace, out: Path) -> Path:
     try:
         if args.model == "tiny":
             checkpoint = out / "tiny-llama"
             if not (checkpoint / "config.json").is_file():
                 checkpoint = make_tiny_llama(checkpoint, seed=0)
-        else:
-            checkpoint = resolve_checkpoint(args.model)
+            return checkpoint
+        return resolve_checkpoint(args.model)
+    except (CheckpointError, ValueError, OSError) as exc:
+        raise ReliabilityError(f"cannot use {args.model}: {exc}") from exc
+
+
+def _export(args: argparse.Namespace, out: Path) -> Path:
+    checkpoint = _checkpoint(args, out)
+    try:
         engine = dict(ENGINE_CONFIG, **({"num_threads": args.num_threads} if args.num_threads else {}))
         repo = out / "model_repository"
         export(checkpoint, repo, name="llm", engine=engine)
@@ -269,20 +316,6 @@ class StubMonitor:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(PROBE_INTERVAL_S)
-
-
-def read_metrics(server) -> dict[str, float]:
-    """The ``lmforge_*`` metrics of model ``llm`` summed over labels (``{}`` when unreachable)."""
-    try:
-        with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
-            text = response.read().decode()
-    except (urllib.error.URLError, OSError):
-        return {}
-    values: dict[str, float] = {}
-    for name, labels, value in re.findall(r"^(lmforge_\w+)\{([^}]*)\} (\S+)$", text, re.M):
-        if 'model="llm"' in labels:
-            values[name] = values.get(name, 0.0) + float(value)
-    return values
 
 
 def _wait_idle(server, timeout_s: float = 30.0) -> dict[str, float]:

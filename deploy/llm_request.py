@@ -6,12 +6,16 @@ The tensors are those of Triton's vLLM backend, so its clients work unchanged:
 * ``prompt_token_ids`` (INT64 [-1]): the prompt already tokenized (exactly one of the two);
 * ``stream`` (BOOL, default false): one response per engine step instead of one at the end;
 * ``sampling_parameters`` (STRING, default ``{}``): a JSON object of ``SamplingParams`` fields,
-  e.g. ``{"temperature": 0, "max_tokens": 32}``;
+  e.g. ``{"temperature": 0, "max_tokens": 32}``; a constraint as
+  ``{"structured_outputs": {"json": {...schema...}}}`` (or ``regex``, ``choice``, ``grammar``,
+  ``json_object``), also under older vLLM's name ``guided_decoding``; ``{"prompt_logprobs": k}``;
 * ``exclude_input_in_output`` (BOOL, default false): for non-streaming requests, leave the
   prompt out of ``text_output`` (streamed responses never repeat it).
 
 Every problem raises ``ValueError`` naming the field and the fix; the model sends it back as the
-error of that one request.
+error of that one request. The engine's ``RequestLimits`` (``EngineConfig.limits``) are checked
+here first, before anything is tokenized: the prompt's size, and ``n``, stop strings, stop token
+ids and ``logit_bias`` by their sizes in the JSON before ``SamplingParams`` validates their entries.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import dataclasses
 import json
 from typing import Any
 
-MAX_PROMPT_CHARS = 1_000_000
+from engine.errors import InvalidRequestError
+from engine.limits import RequestLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +64,13 @@ def decode_text(value: Any, field: str) -> str:
     raise ValueError(f"{field}: expected a string, got {type(value).__name__}")
 
 
-def parse_sampling_parameters(text: str | None):
+def parse_sampling_parameters(text: str | None, limits: RequestLimits | None = None):
     """JSON object -> ``engine.SamplingParams``.
 
     Raises:
-        ValueError: not JSON, not an object, an unknown field (lists the known ones), or a value
-            ``SamplingParams`` rejects (its message names the field).
+        ValueError: not JSON, not an object, an unknown field (lists the known ones), a size over
+            ``limits`` (default ``RequestLimits()``), or a value ``SamplingParams`` rejects (its message
+            names the field).
     """
     # torch-heavy: imported on use, so importing this module stays light
     from engine import SamplingParams
@@ -88,11 +94,19 @@ def parse_sampling_parameters(text: str | None):
         ) from exc
     if not isinstance(fields, dict):
         raise ValueError(f"sampling_parameters: expected a JSON object, got {type(fields).__name__}")
+    if "guided_decoding" in fields:  # older vLLM's name of structured_outputs (Triton's vLLM backend clients)
+        if "structured_outputs" in fields:
+            raise InvalidRequestError(
+                "sampling_parameters: both structured_outputs and guided_decoding given; send one",
+                param="structured_outputs",
+            )
+        fields["structured_outputs"] = fields.pop("guided_decoding")
     known = {f.name for f in dataclasses.fields(SamplingParams)} if dataclasses.is_dataclass(SamplingParams) else None
     if known is not None:
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"sampling_parameters: unknown field(s) {unknown}; known fields: {sorted(known)}")
+    (limits or RequestLimits()).check_params(fields)
     try:
         return SamplingParams(**fields)
     except TypeError as exc:  # unknown keyword when SamplingParams is not a dataclass
@@ -105,39 +119,53 @@ def parse_request(
     sampling_parameters: Any = None,
     exclude_input_in_output: Any = None,
     prompt_token_ids: Any = None,
+    limits: RequestLimits | None = None,
+    max_model_len: int | None = None,
 ) -> LLMRequest:
     """Build an ``LLMRequest`` from the input tensors' values (``None`` = input absent).
 
+    Args:
+        limits: the engine's ``RequestLimits`` (default ``RequestLimits()``).
+        max_model_len: the engine's, to refuse a tokenized prompt by its length before reading it.
+
     Raises:
         ValueError: neither or both of ``text_input`` and ``prompt_token_ids``, an empty or too
-            long prompt, or a bad ``sampling_parameters``.
+            long prompt, a limit exceeded, a bad ``sampling_parameters``, or ``n`` > 1 without ``stream``
+            (refused before anything runs: Triton's ``generate`` would turn the ``n`` responses into an error).
     """
+    limits = limits or RequestLimits()
     if text_input is None and prompt_token_ids is None:
         raise ValueError("text_input: missing; send the prompt as text_input (or its tokens as prompt_token_ids)")
     if text_input is not None and prompt_token_ids is not None:
         raise ValueError("text_input and prompt_token_ids both given; send one of them")
     if text_input is not None:
         prompt: str | dict = decode_text(_first(text_input, "text_input"), "text_input")
-        if not prompt.strip():
-            raise ValueError("text_input: empty prompt; send some text")
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise ValueError(f"text_input: {len(prompt)} characters is over the {MAX_PROMPT_CHARS} limit")
+        limits.check_prompt_text(prompt, "text_input")
     else:
-        ids = [int(t) for t in getattr(prompt_token_ids, "flat", prompt_token_ids)]
-        if not ids:
+        flat = getattr(prompt_token_ids, "flat", prompt_token_ids)
+        num_ids = getattr(prompt_token_ids, "size", None)
+        num_ids = len(flat) if num_ids is None else int(num_ids)
+        if not num_ids:
             raise ValueError("prompt_token_ids: empty; send at least one token id")
-        if len(ids) > MAX_PROMPT_CHARS:
-            raise ValueError(f"prompt_token_ids: {len(ids)} tokens is over the {MAX_PROMPT_CHARS} limit")
-        prompt = {"prompt_token_ids": ids}
+        limits.check_prompt_tokens(num_ids, max_model_len or limits.max_prompt_chars + 1, "prompt_token_ids")
+        prompt = {"prompt_token_ids": [int(t) for t in flat]}
     params_text = (
         None
         if sampling_parameters is None
         else decode_text(_first(sampling_parameters, "sampling_parameters"), "sampling_parameters")
     )
+    sampling_params = parse_sampling_parameters(params_text, limits)
+    streaming = False if stream is None else bool(_first(stream, "stream"))
+    if sampling_params.n > 1 and not streaming:
+        raise InvalidRequestError(
+            f"n={sampling_params.n} with stream=false: a non-streaming request (Triton's generate) gets exactly one "
+            "response and each completion needs its own; send stream=true (generate_stream or a gRPC stream) or n=1",
+            param="n",
+        )
     return LLMRequest(
         prompt=prompt,
-        sampling_params=parse_sampling_parameters(params_text),
-        stream=False if stream is None else bool(_first(stream, "stream")),
+        sampling_params=sampling_params,
+        stream=streaming,
         exclude_input_in_output=False
         if exclude_input_in_output is None
         else bool(_first(exclude_input_in_output, "exclude_input_in_output")),

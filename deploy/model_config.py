@@ -149,7 +149,8 @@ def llm_config(name: str, *, instance_count: int = 1):
     ``output_token_ids`` INT64 [-1] (the tokens of this response), ``logprobs`` STRING [1]
     (JSON, one ``{token_id: logprob}`` per token of this response, when asked),
     ``num_cached_tokens`` INT32 [1] (on a completion's last response: prompt tokens served from
-    the prefix cache).
+    the prefix cache), ``prompt_logprobs`` STRING [1] (JSON, on the request's first response when
+    ``prompt_logprobs`` was asked: ``null`` then one ``{token_id: logprob}`` per prompt token).
     """
     config = _pb().ModelConfig(name=name, backend="python", max_batch_size=0)
     config.model_transaction_policy.decoupled = True
@@ -166,6 +167,7 @@ def llm_config(name: str, *, instance_count: int = 1):
     _tensor(config.output, "output_token_ids", "TYPE_INT64", [-1])
     _tensor(config.output, "logprobs", "TYPE_STRING", [1])
     _tensor(config.output, "num_cached_tokens", "TYPE_INT32", [1])
+    _tensor(config.output, "prompt_logprobs", "TYPE_STRING", [1])
     _cpu_instances(config, instance_count)
     return config
 

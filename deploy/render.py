@@ -30,11 +30,12 @@ from typing import Any
 
 import yaml
 
-from deploy.triton import DEFAULT_PORTS
+from deploy.triton import API_KEY_HEADER, DEFAULT_PORTS, RESTRICTED_APIS
 from engine.checkpoint.outputs import RENDERED, check_output_dir
 from engine.errors import LmforgeError, UsageError
 
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"  # NGC 24.10 = Triton 2.51, the server lmforge tests against
+TORCH_VERSION = "2.13.0"  # the pyproject pin; the CPU image installs this version's CPU build
 TRITON_PORTS = DEFAULT_PORTS  # the ports tritonserver listens on (deploy.triton)
 LOCUST_PORTS = {"web": 8089, "master": 5557}
 #: Triton 2.51 metric families the autoscaling rule reads (checked against a real server's /metrics).
@@ -43,6 +44,24 @@ SUCCESS_METRIC = "nv_inference_request_success"
 #: Name prometheus-adapter serves the per-pod average queue time per request under (custom.metrics.k8s.io).
 HPA_METRIC = "triton_queue_duration_us_per_request"
 TARGETS = ("docker", "k8s")
+
+#: pyproject extras the CPU image installs: the Triton server and OpenAI frontend (``serve``), and
+#: Locust with the OpenAI client (``bench``: the compose and Kubernetes load generators use the
+#: image). ``dev`` (tests, lint, manifest schemas) stays out.
+IMAGE_EXTRAS = ("serve", "bench")
+#: pyproject dependencies the CPU image leaves out: the Triton compiler (about 1 GB; it only builds
+#: the CUDA paged-attention kernels).
+IMAGE_SKIPPED_DEPENDENCIES = ("triton",)
+#: The non-root user the CPU image runs as (uid = gid).
+IMAGE_UID = 1000
+#: Python the CPU image runs to build the C++ CPU kernels (those ``make venv`` builds); it fails
+#: the build when the engine's own kernels do not build (the INT8 ones may not apply to the CPU).
+IMAGE_KERNEL_BUILD = (
+    "import sys; from engine.cpu_ops import use_cpu_kernels; "
+    "from engine.quant.int8 import amx_cpu_kernel, fused_cpu_kernels, weight_only_cpu_kernel; "
+    "built = [use_cpu_kernels(), fused_cpu_kernels(), weight_only_cpu_kernel(), amx_cpu_kernel()]; "
+    "print('C++ CPU kernels built:', built); sys.exit(0 if built[0] else 'the engine kernels did not build')"
+)
 
 
 #: Kubernetes object names (RFC 1123 label / subdomain), as the API server checks them.
@@ -101,6 +120,9 @@ class DeployValues:
     locust_users: int = 64  # docker target: users the headless Locust run starts
     locust_spawn_rate: int = 8
     locust_run_time: str = "10m"
+    # A Secret (its key ``api-key``) holding the API key: set, every Triton API but health answers only
+    # ``Authorization: Bearer KEY`` (inference, model control...), and Locust sends it. "" = open APIs.
+    api_key_secret: str = ""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -192,9 +214,15 @@ def _meta(v: DeployValues, name: str, component: str, **extra_labels: str) -> di
     return {"name": name, "namespace": v.namespace, "labels": {**_labels(v, component), **extra_labels}}
 
 
-def triton_args(v: DeployValues) -> list[str]:
-    """tritonserver flags: the repository, explicit loading of the one model, ports, metrics."""
-    return [
+#: The environment variable the API key reaches Triton and Locust in (from ``api_key_secret``).
+API_KEY_ENV = "LMFORGE_API_KEY"
+
+
+def triton_args(v: DeployValues, key_ref: str = f"$({API_KEY_ENV})") -> list[str]:
+    """tritonserver flags: the repository, explicit loading of the one model, ports, metrics, and with
+    ``api_key_secret`` every API but health restricted to the key (``key_ref``: how the manifest refers to
+    the variable holding it: ``$(VAR)`` in Kubernetes, ``${VAR}`` in compose)."""
+    args = [
         f"--model-repository={v.repository_path}",
         "--model-control-mode=explicit",
         f"--load-model={v.model_name}",
@@ -205,6 +233,17 @@ def triton_args(v: DeployValues) -> list[str]:
         f"--allow-gpu-metrics={'true' if v.gpus else 'false'}",
         "--exit-timeout-secs=30",
     ]
+    if v.api_key_secret:
+        rule = f"{','.join(RESTRICTED_APIS)}:{API_KEY_HEADER}=Bearer {key_ref}"
+        args += [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
+    return args
+
+
+def _api_key_env(v: DeployValues) -> list[dict[str, Any]]:
+    """The container's ``LMFORGE_API_KEY`` from ``api_key_secret`` (none without one)."""
+    if not v.api_key_secret:
+        return []
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": v.api_key_secret, "key": "api-key"}}}]
 
 
 def model_ready_path(model_name: str) -> str:
@@ -213,8 +252,9 @@ def model_ready_path(model_name: str) -> str:
 
 
 def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
+    # the port by number: podman kube play (4.3) turns a named port into port 0
     return {
-        "httpGet": {"path": path, "port": "http"},
+        "httpGet": {"path": path, "port": TRITON_PORTS["http"]},
         "periodSeconds": period_s,
         "failureThreshold": failures,
         "timeoutSeconds": 5,
@@ -236,6 +276,7 @@ def triton_deployment(v: DeployValues) -> dict[str, Any]:
         "image": v.image,
         "args": triton_args(v),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in TRITON_PORTS.items()],
+        **({"env": _api_key_env(v)} if v.api_key_secret else {}),
         "resources": resources,
         # The model's own ready endpoint: a model whose engine died unloads itself, and
         # /v2/health/ready would still answer 200 (strict readiness ignores unloaded models).
@@ -252,6 +293,13 @@ def triton_deployment(v: DeployValues) -> dict[str, Any]:
     else:
         container["envFrom"] = [{"secretRef": {"name": v.s3_secret, "optional": True}}]
     pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes, "terminationGracePeriodSeconds": 60}
+    if not v.gpus:  # the CPU image runs as this user (Dockerfile.cpu); the GPU one is NGC's, as root
+        pod_spec["securityContext"] = {
+            "runAsNonRoot": True,
+            "runAsUser": IMAGE_UID,
+            "runAsGroup": IMAGE_UID,
+            "fsGroup": IMAGE_UID,
+        }
     if v.gpus:
         pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     return {
@@ -267,7 +315,12 @@ def triton_deployment(v: DeployValues) -> dict[str, Any]:
     }
 
 
+#: The Triton ports a client needs (the Service's); ``metrics`` is only Prometheus' (its own Service).
+CLIENT_PORTS = ("http", "grpc")
+
+
 def triton_service(v: DeployValues) -> dict[str, Any]:
+    """The clients' Service: HTTP and gRPC only."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -275,7 +328,21 @@ def triton_service(v: DeployValues) -> dict[str, Any]:
         "spec": {
             "type": "ClusterIP",
             "selector": _labels(v, "server"),
-            "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in TRITON_PORTS.items()],
+            "ports": [{"name": n, "port": TRITON_PORTS[n], "targetPort": n, "protocol": "TCP"} for n in CLIENT_PORTS],
+        },
+    }
+
+
+def metrics_service(v: DeployValues) -> dict[str, Any]:
+    """The metrics port of the Triton pods, for the ServiceMonitor only."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(v, f"{v.name}-metrics", "metrics"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": _labels(v, "server"),
+            "ports": [{"name": "metrics", "port": TRITON_PORTS["metrics"], "targetPort": "metrics", "protocol": "TCP"}],
         },
     }
 
@@ -356,10 +423,10 @@ def prometheus_adapter_values(v: DeployValues) -> dict[str, Any]:
 
 
 def monitor(v: DeployValues) -> dict[str, Any]:
-    """ServiceMonitor (scrapes the Service's ``metrics`` port) or PodMonitor (the pods' port) for Triton."""
+    """ServiceMonitor (scrapes the metrics Service) or PodMonitor (the pods' ``metrics`` port) for Triton."""
     endpoint = {"port": "metrics", "path": "/metrics", "interval": "15s"}
     if v.monitor == "servicemonitor":
-        kind, spec = "ServiceMonitor", {"selector": {"matchLabels": _labels(v, "server")}, "endpoints": [endpoint]}
+        kind, spec = "ServiceMonitor", {"selector": {"matchLabels": _labels(v, "metrics")}, "endpoints": [endpoint]}
     else:
         kind, spec = (
             "PodMonitor",
@@ -380,6 +447,7 @@ def _locust_container(v: DeployValues, args: list[str], ports: list[dict[str, An
         "image": v.locust_image,
         "command": ["locust"],
         "args": args,
+        **({"env": _api_key_env(v)} if v.api_key_secret else {}),
         "ports": ports,
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
     }
@@ -395,6 +463,7 @@ def locust_master(v: DeployValues) -> list[dict[str, Any]]:
         f"--host=http://{v.name}:{TRITON_PORTS['http']}",
         f"--model={v.model_name}",
         f"--expect-workers={v.locust_workers}",
+        *([f"--api-key=$({API_KEY_ENV})"] if v.api_key_secret else []),
     ]
     ports = [
         {"name": "web", "containerPort": LOCUST_PORTS["web"]},
@@ -452,7 +521,7 @@ def k8s_documents(v: DeployValues) -> dict[str, list[dict[str, Any]]]:
     """File name -> Kubernetes objects (``kustomization.yaml`` and the adapter values excluded)."""
     files = {
         "deployment.yaml": [triton_deployment(v)],
-        "service.yaml": [triton_service(v)],
+        "service.yaml": [triton_service(v)] + ([metrics_service(v)] if v.monitor == "servicemonitor" else []),
         "hpa.yaml": [horizontal_pod_autoscaler(v)],
         f"{v.monitor}.yaml": [monitor(v)],
         "locust.yaml": [*locust_master(v), locust_workers(v)],
@@ -519,7 +588,7 @@ RUN pip install --upgrade pip && pip install . \\
 # mount one over /models instead to serve another.
 COPY ${{MODEL_REPOSITORY}} /models
 
-EXPOSE {http_port} {grpc_port} {metrics_port}
+EXPOSE {http_port} {grpc_port}
 HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
     CMD curl -fsS http://127.0.0.1:{http_port}/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver"]
@@ -540,34 +609,72 @@ build
 DOCKERFILE_CPU = (
     """\
 # lmforge on Triton Inference Server 2.51, CPU only: the tritonserver that nvidia-pytriton ships
-# (the same build the lmforge tests run), on a slim Python 3.11 image with CPU PyTorch.
+# (the same build the lmforge tests run) with the CPU build of PyTorch, run as a non-root user.
+# The model repository is a volume: export one with `lmforge export --repo DIR --copy-weights`
+# and mount DIR at /models.
 # Build from the repository root:  docker build -f deploy/docker/Dockerfile.cpu -t {image_cpu} .
-FROM python:3.11-slim-bookworm
+# Build arguments (the defaults are the public sources):
+#   BASE_IMAGE        Debian bookworm with Python 3.11: python3, its venv module, libpython3.11.so
+#   PIP_INDEX_URL     the package index of every dependency but torch
+#   TORCH_INDEX_URL   where torch=={torch_version} comes from: PyTorch's CPU index (PyPI's torch is a
+#                     CUDA build that pulls gigabytes of nvidia-* wheels; the build refuses one)
+#   TORCH_FIND_LINKS  a directory of wheels pip looks in as well (e.g. mounted with `podman build -v`)
+#   PIP_CERT          a CA bundle pip trusts instead of its own (behind a TLS-inspecting proxy)
+#   EXTRAS            pyproject extras installed: serve (Triton, OpenAI frontend), bench (Locust)
+#   SKIP_DEPENDENCIES pyproject dependencies left out: the Triton compiler (CUDA kernels only)
+#   CPU_KERNELS       1: g++ and the engine's C++ CPU kernels in the image; 0: neither
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 
-ARG MODEL_REPOSITORY=model_repository
+FROM ${{BASE_IMAGE}} AS build
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_FIND_LINKS=
+ARG PIP_CERT
+ARG EXTRAS="{extras}"
+ARG SKIP_DEPENDENCIES="{skipped}"
 ENV PIP_NO_CACHE_DIR=1 \\
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \\
     VIRTUAL_ENV=/opt/lmforge/venv \\
-    PATH=/opt/lmforge/venv/bin:$PATH \\
-    LD_LIBRARY_PATH=/opt/lmforge/venv/lib/python3.11/site-packages/nvidia_pytriton.libs
-
-RUN apt-get update \\
- && apt-get install -y --no-install-recommends curl libgomp1 \\
- && rm -rf /var/lib/apt/lists/* \\
- && python -m venv $VIRTUAL_ENV
-
-"""
+    PATH=/opt/lmforge/venv/bin:$PATH
+WORKDIR /opt/lmforge
+RUN python3 -m venv $VIRTUAL_ENV
+# Dependencies first (from pyproject.toml alone: its dependencies and EXTRAS, less SKIP_DEPENDENCIES),
+# so a source change rebuilds only the layers below.
+COPY pyproject.toml ./
+RUN pip install --index-url "$TORCH_INDEX_URL" ${{TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"}} torch=={torch_version} \\
+ && python -c "import sys, torch; sys.exit(torch.version.cuda and f'torch {{torch.__version__}} is a CUDA build; set TORCH_INDEX_URL to a CPU index')" \\
+ && python -c "import os, re, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; skip = set(os.environ['SKIP_DEPENDENCIES'].split()); deps = p['dependencies'] + [d for e in os.environ['EXTRAS'].split() for d in p['optional-dependencies'][e]]; print('\\\\n'.join(d for d in deps if re.match(r'[A-Za-z0-9._-]+', d).group().lower().replace('_', '-') not in skip))" > /tmp/requirements.txt \\
+ && pip install -r /tmp/requirements.txt
+"""  # noqa: E501
     + _COPY_SOURCES
     + """\
-RUN pip install --upgrade pip \\
- && pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \\
- && pip install . \\
- && TRITON=/opt/lmforge/venv/lib/python3.11/site-packages/pytriton/tritonserver \\
+RUN pip install --no-deps . \\
+ && TRITON=$VIRTUAL_ENV/lib/python3.11/site-packages/pytriton/tritonserver \\
  && cp $TRITON/python_backend_stubs/3.11/triton_python_backend_stub $TRITON/backends/python/ \\
- && ln -s $TRITON/bin/tritonserver /usr/local/bin/tritonserver
+ && rm -rf build *.egg-info
 
-COPY ${{MODEL_REPOSITORY}} /models
+FROM ${{BASE_IMAGE}}
+ARG CPU_KERNELS=1
+ENV VIRTUAL_ENV=/opt/lmforge/venv \\
+    PATH=/opt/lmforge/venv/bin:$PATH \\
+    LD_LIBRARY_PATH=/opt/lmforge/venv/lib/python3.11/site-packages/nvidia_pytriton.libs \\
+    HOME=/home/lmforge
+RUN apt-get update \\
+ && apt-get install -y --no-install-recommends curl libgomp1 $([ "$CPU_KERNELS" = 1 ] && echo g++) \\
+ && rm -rf /var/lib/apt/lists/* \\
+ && groupadd --gid {uid} lmforge \\
+ && useradd --uid {uid} --gid {uid} --create-home --shell /usr/sbin/nologin lmforge \\
+ && ln -s $VIRTUAL_ENV/lib/python3.11/site-packages/pytriton/tritonserver/bin/tritonserver /usr/local/bin/tritonserver
+COPY --from=build /opt/lmforge /opt/lmforge
+USER {uid}:{uid}
+WORKDIR /home/lmforge
+# The engine's C++ CPU kernels, built now for this CPU into ~/.cache/torch_extensions; a node with
+# another CPU builds its own on the first model load (g++ stays in the image for that).
+# CPU_KERNELS=0: no compiler in the image; the engine runs its torch ops instead (slower decode).
+RUN if [ "$CPU_KERNELS" = 1 ]; then python -c "{kernels}"; fi
+VOLUME ["/models"]
 
-EXPOSE {http_port} {grpc_port} {metrics_port}
+EXPOSE {http_port} {grpc_port}
 HEALTHCHECK --interval=10s --timeout=5s --start-period={startup_timeout_s}s --retries=3 \\
     CMD curl -fsS http://127.0.0.1:{http_port}/v2/models/{model_name}/ready || exit 1
 ENTRYPOINT ["tritonserver", "--backend-directory=/opt/lmforge/venv/lib/python3.11/site-packages/pytriton/tritonserver/backends"]
@@ -587,9 +694,13 @@ def _triton_service(v: DeployValues, profile: str) -> dict[str, Any]:
         "profiles": [profile],
         "build": {"context": "../..", "dockerfile": "deploy/docker/Dockerfile" + ("" if gpu else ".cpu")},
         "image": v.image if gpu else cpu_image(v.image),
-        "command": triton_args(dataclasses.replace(v, model_repository="pvc", gpus=v.gpus if gpu else 0)),
+        "command": triton_args(
+            dataclasses.replace(v, model_repository="pvc", gpus=v.gpus if gpu else 0),
+            f"${{{API_KEY_ENV}:?set {API_KEY_ENV} (api_key_secret is set)}}",
+        ),
         "shm_size": v.shm_size.replace("Gi", "gb"),
-        "ports": [f"127.0.0.1:{p}:{p}" for p in TRITON_PORTS.values()],
+        # the client ports only: Prometheus reaches the metrics port on the compose network
+        "ports": [f"127.0.0.1:{TRITON_PORTS[n]}:{TRITON_PORTS[n]}" for n in CLIENT_PORTS],
         "volumes": ["${MODEL_REPOSITORY:-../../model_repository}:/models:ro"],
         "networks": {"default": {"aliases": ["triton"]}},
         "healthcheck": {
@@ -638,6 +749,7 @@ def compose(v: DeployValues) -> dict[str, Any]:
                     f"--expect-workers={v.locust_workers}",
                     f"--host=http://triton:{TRITON_PORTS['http']}",
                     f"--model={v.model_name}",
+                    *([f"--api-key=${{{API_KEY_ENV}:?set {API_KEY_ENV}}}"] if v.api_key_secret else []),
                     "--csv=/results/locust",
                     "--html=/results/locust.html",
                 ],
@@ -707,6 +819,11 @@ def render_files(target: str, values: DeployValues) -> dict[str, str]:
             "triton_image": TRITON_IMAGE,
             "model_name": values.model_name,
             "startup_timeout_s": values.startup_timeout_s,
+            "torch_version": TORCH_VERSION,
+            "skipped": " ".join(IMAGE_SKIPPED_DEPENDENCIES),
+            "extras": " ".join(IMAGE_EXTRAS),
+            "uid": IMAGE_UID,
+            "kernels": IMAGE_KERNEL_BUILD,
             **{f"{name}_port": port for name, port in TRITON_PORTS.items()},
         }
         return {

@@ -14,6 +14,10 @@ exit 1 at once with the ports named. While serving, a model whose Python-backend
 whose engine died is loaded again, and a server that crashed is started again
 (``deploy.triton.ModelSupervisor``); each event is printed.
 
+With ``--api-key`` (or ``$LMFORGE_API_KEY``) every Triton API but health (inference, model
+control, metadata, statistics...) answers only requests with ``Authorization: Bearer KEY``, on
+HTTP and gRPC (``deploy.triton.restricted_api_flags``); the health endpoints stay open for probes.
+
 With ``--openai-port`` it also starts the OpenAI-compatible frontend (``python -m deploy.openai``,
 its own process, bound to ``--host``, default 127.0.0.1) on the server's LLM models once they
 are ready; it forwards to Triton over gRPC (so it outlives a supervised server restart on the
@@ -45,6 +49,7 @@ from deploy.triton import (
     stop_from_pid_file,
     stop_process,
 )
+from engine.errors import UsageError
 
 OPENAI_PID_FILE = "openai_server.pid"
 OPENAI_LOG_FILE = "openai_server.log"
@@ -75,7 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address the OpenAI API binds (default 127.0.0.1)")
     parser.add_argument(
-        "--api-key", help="require `Authorization: Bearer KEY` on the OpenAI API's /v1 routes (or $LMFORGE_API_KEY)"
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on the OpenAI API's /v1 routes and on every Triton API but health "
+        "(inference, model control, metadata...) over HTTP and gRPC (or $LMFORGE_API_KEY)",
     )
 
 
@@ -107,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
             log_path=args.log,
             startup_timeout_s=args.startup_timeout_s,
             grace_s=args.grace_s,
+            api_key=args.api_key or os.environ.get("LMFORGE_API_KEY"),
         )
-    except TritonError as exc:
+    except (TritonError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     # SIGTERM behaves like Ctrl-C: stop the server cleanly.

@@ -263,14 +263,19 @@ def check_ports(ports: dict[str, int], host: str = HOST) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def http_json(url: str, *, method: str = "GET", body: Any = None, timeout_s: float = 5.0) -> tuple[int, Any]:
-    """One HTTP request; returns ``(status, parsed JSON or text or None)``.
+def http_json(
+    url: str, *, method: str = "GET", body: Any = None, timeout_s: float = 5.0, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """One HTTP request (``headers`` added, e.g. ``api_key_headers``); returns ``(status, parsed JSON or text or
+    None)``.
 
     Raises:
         OSError: the server is unreachable (connection refused, timeout).
     """
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             status, raw = response.status, response.read()
@@ -282,6 +287,42 @@ def http_json(url: str, *, method: str = "GET", body: Any = None, timeout_s: flo
         return status, json.loads(raw)
     except json.JSONDecodeError:
         return status, raw.decode(errors="replace")
+
+
+#: Triton APIs ``--api-key`` restricts (its ``--http-restricted-api`` / ``--grpc-restricted-protocol`` names):
+#: all but ``health``, which probes and load balancers poll without a key.
+RESTRICTED_APIS = (
+    "inference",
+    "model-repository",
+    "model-config",
+    "metadata",
+    "statistics",
+    "trace",
+    "logging",
+    "shared-memory",
+)
+#: The header a restricted Triton API checks: the OpenAI API's own, so one header opens both.
+API_KEY_HEADER = "authorization"
+
+
+def api_key_headers(api_key: str | None) -> dict[str, str]:
+    """``{"authorization": "Bearer KEY"}``, or ``{}`` without a key (HTTP headers and gRPC metadata alike)."""
+    return {API_KEY_HEADER: f"Bearer {api_key}"} if api_key else {}
+
+
+def restricted_api_flags(api_key: str) -> list[str]:
+    """tritonserver flags that make ``RESTRICTED_APIS`` answer only requests carrying ``api_key_headers``.
+
+    Raises:
+        UsageError: a key Triton's flag syntax cannot carry (``:`` / ``=`` / ``,`` / whitespace / empty).
+    """
+    if not api_key or any(c in api_key for c in ":=,") or any(c.isspace() for c in api_key):
+        raise UsageError(
+            "--api-key: empty or holding ':', '=', ',' or whitespace, which Triton's restricted-API flags cannot "
+            "carry; use letters, digits, '-', '_', '.'"
+        )
+    rule = f"{','.join(RESTRICTED_APIS)}:{API_KEY_HEADER}=Bearer {api_key}"
+    return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,6 +345,9 @@ class TritonServer:
         grace_s: seconds between SIGINT and SIGKILL on stop.
         exit_timeout_s: Triton's own drain time for in-flight requests and open connections.
         log_verbose: Triton's ``--log-verbose`` level.
+        api_key: restrict every API but health (``RESTRICTED_APIS``: inference, model control...) on HTTP
+            and gRPC to requests with ``Authorization: Bearer KEY`` (``api_key_headers``); this class sends it.
+            Triton takes it on its command line, which local users can read (``ps``).
 
     Raises (on ``start``):
         PortsBusyError: a port is taken. ModelLoadError: a model failed to load (reasons from
@@ -325,7 +369,12 @@ class TritonServer:
         grace_s: float = 15.0,
         exit_timeout_s: int = 10,
         log_verbose: int = 0,
+        api_key: str | None = None,
     ) -> None:
+        if api_key:
+            restricted_api_flags(api_key)  # refuses a key the flags cannot carry, before anything starts
+        self.api_key = api_key or None
+        self.headers = api_key_headers(self.api_key)
         self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
         for kind, port in self.ports.items():
             if not isinstance(port, int) or not 1 <= port <= 65535:
@@ -384,6 +433,7 @@ class TritonServer:
             "--allow-gpu-metrics=false",
             "--allow-cpu-metrics=true",
             f"--log-verbose={self.log_verbose}",
+            *(restricted_api_flags(self.api_key) if self.api_key else []),
         ]
         return cmd
 
@@ -473,7 +523,7 @@ class TritonServer:
 
     def repository_index(self) -> list[dict[str, Any]]:
         """``POST /v2/repository/index``: ``[{"name", "version", "state", "reason"}, ...]``."""
-        status, index = http_json(self.http_url + "/v2/repository/index", method="POST", body={})
+        status, index = http_json(self.http_url + "/v2/repository/index", method="POST", body={}, headers=self.headers)
         if status != 200 or not isinstance(index, list):
             raise TritonError(f"repository index failed: HTTP {status} {index}")
         return index
@@ -529,7 +579,11 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         if self.model_state(name)[0] == "READY":
             status, body = http_json(
-                f"{self.http_url}/v2/repository/models/{name}/unload", method="POST", body={}, timeout_s=timeout_s
+                f"{self.http_url}/v2/repository/models/{name}/unload",
+                method="POST",
+                body={},
+                timeout_s=timeout_s,
+                headers=self.headers,
             )
             if status != 200:
                 raise TritonError(f"unloading {name} failed: HTTP {status} {body}; see {self.log_path}")
@@ -542,6 +596,7 @@ class TritonServer:
             method="POST",
             body={},
             timeout_s=max(1.0, deadline - time.monotonic()),
+            headers=self.headers,
         )
         if status != 200:
             raise TritonError(f"loading {name} again failed: HTTP {status} {body}; see {self.log_path}")

@@ -8,12 +8,19 @@ hands over only its newest output when this loop fell behind, so a response then
 new text and tokens of several steps: each send is a round trip to Triton, and under load
 fewer, fuller responses are what keeps the stream up with the engine); one at the end
 otherwise. The last response carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``, the finish
-reason and ``num_cached_tokens`` (prompt tokens served from the prefix cache). A request whose client
+reason and ``num_cached_tokens`` (prompt tokens served from the prefix cache); the first carries the
+request's ``prompt_logprobs`` when they were asked (JSON). A request whose client
 went away (``response_sender.is_cancelled()``, polled by one task for all requests whether or
 not the engine produced output, so a request still waiting for a batch slot is caught too: see
-``CancelWatch``) is aborted in the engine, which frees its KV blocks at once. Triton 2.51 flags HTTP clients that
-close a ``generate_stream`` (SSE) and gRPC stream cancellations; it does not flag a client that
-leaves a non-streaming ``generate``, which then runs to its end.
+``CancelWatch``) is aborted in the engine, which frees its KV blocks at once. Triton 2.51 flags
+gRPC stream cancellations at once; it flags an HTTP client that closed a ``generate_stream``
+(SSE) only when it writes to the connection, so a streaming request that sent nothing for
+``HEARTBEAT_INTERVAL_S`` (queued, or waiting on a long step) sends an empty response
+(``heartbeat_tensors``; clients skip it) and a closed client is aborted within about a second,
+queued or running; the heartbeats also tell a client that the instance serving it is alive. A
+client that leaves a non-streaming ``generate`` is never flagged (no response may be written
+before the last one); such a request runs to its end, bounded by the request limits
+(``engine.limits``: one completion, ``n`` > 1 needs ``stream``, at most ``max_model_len`` tokens).
 
 A bad request gets an error response (``INVALID_ARG``, HTTP 400); a request whose engine step
 failed gets ``INTERNAL`` with the engine's reason; the other requests carry on. If the engine
@@ -51,6 +58,10 @@ STATS_INTERVAL_S = 0.05
 CANCEL_CHECK_INTERVAL_S = 0.1
 #: ...and how many of those round trips all requests share per second (``CancelWatch``).
 CANCEL_POLLS_PER_S = 100
+#: A streaming request that sent nothing for this long (queued behind others, or a long step) gets an empty
+#: response (``heartbeat_tensors``): Triton 2.51's HTTP server notices a closed SSE connection only when it
+#: writes to it, and a client (the OpenAI frontend) tells a live instance from a dead one by it.
+HEARTBEAT_INTERVAL_S = 0.3
 #: Request parameters Triton or its clients set themselves (e.g. ``triton_enable_empty_final_response``).
 RESERVED_PARAMETER_PREFIX = "triton_"
 #: Histogram buckets (seconds) for time to first token and time per output token.
@@ -247,18 +258,24 @@ class CancelWatch:
     polls share a budget: every ``max(CANCEL_CHECK_INTERVAL_S, n / CANCEL_POLLS_PER_S)`` seconds
     one sweep asks about each of the ``n`` requests watched (at 64 requests, each every 0.64 s).
     A cancelled request's event is set and ``on_cancel(request_id)`` runs as its own task.
+
+    Every ``HEARTBEAT_INTERVAL_S`` (apart from the sweeps) each streaming request that sent
+    nothing since the last look sends a heartbeat (``heartbeat_tensors``); a send that fails
+    counts as a cancel. Requests that stream tokens send none.
     """
 
     def __init__(self, on_cancel) -> None:
         self.on_cancel = on_cancel
-        self.watched: dict[str, tuple[object, asyncio.Event]] = {}
+        # request id -> (sender, cancelled event, _SentState of a streaming request or None, progress at the last look)
+        self.watched: dict[str, list] = {}
         self.task: asyncio.Future | None = None
         self.aborts: set[asyncio.Future] = set()
 
-    def add(self, request_id: str, sender) -> asyncio.Event:
-        """Watch a request (on the running event loop); returns the event set when its client cancels."""
+    def add(self, request_id: str, sender, sent: "_SentState | None" = None) -> asyncio.Event:
+        """Watch a request (on the running event loop); ``sent``: a streaming request's state (it gets
+        heartbeats). Returns the event set when its client cancels."""
         cancelled = asyncio.Event()
-        self.watched[request_id] = (sender, cancelled)
+        self.watched[request_id] = [sender, cancelled, sent, None]
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._run())
         return cancelled
@@ -269,16 +286,46 @@ class CancelWatch:
     def interval_s(self) -> float:
         return max(CANCEL_CHECK_INTERVAL_S, len(self.watched) / CANCEL_POLLS_PER_S)
 
+    def _cancel(self, request_id: str) -> None:
+        entry = self.watched.pop(request_id, None)
+        if entry is None:
+            return
+        entry[1].set()
+        abort = asyncio.ensure_future(self.on_cancel(request_id))
+        self.aborts.add(abort)
+        abort.add_done_callback(self.aborts.discard)
+
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_sweep = next_heartbeats = loop.time()
         while self.watched:
-            await asyncio.sleep(self.interval_s())
-            for request_id, (sender, cancelled) in list(self.watched.items()):
-                if request_id in self.watched and _is_cancelled(sender):  # an IPC round trip to Triton
-                    del self.watched[request_id]
-                    cancelled.set()
-                    abort = asyncio.ensure_future(self.on_cancel(request_id))
-                    self.aborts.add(abort)
-                    abort.add_done_callback(self.aborts.discard)
+            await asyncio.sleep(max(0.0, min(next_sweep, next_heartbeats) - loop.time()))
+            now = loop.time()
+            if now >= next_heartbeats:
+                next_heartbeats = now + HEARTBEAT_INTERVAL_S
+                for request_id, entry in list(self.watched.items()):
+                    if entry[2] is not None and request_id in self.watched and not self._heartbeat(entry):
+                        self._cancel(request_id)
+            if now >= next_sweep:
+                next_sweep = now + self.interval_s()
+                for request_id, entry in list(self.watched.items()):
+                    if request_id in self.watched and _is_cancelled(entry[0]):  # an IPC round trip to Triton
+                        self._cancel(request_id)
+
+    @staticmethod
+    def _heartbeat(entry: list) -> bool:
+        """Send a heartbeat if the request sent nothing since the last look; False if the send failed."""
+        sender, _, sent, progress = entry
+        seen = (len(sent.chars), sum(sent.chars.values()), sum(sent.tokens.values()), len(sent.done))
+        if seen != progress:
+            entry[3] = seen
+            return True
+        try:
+            sender.send(pb_utils.InferenceResponse(heartbeat_tensors(sent.last)), flags=0)
+        except Exception:  # noqa: BLE001 -- the client is gone
+            return False
+        sent.heartbeats += 1
+        return True
 
 
 @dataclasses.dataclass
@@ -288,6 +335,23 @@ class _SentState:
     chars: dict[int, int] = dataclasses.field(default_factory=dict)  # text characters streamed
     tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # token ids streamed
     done: set[int] = dataclasses.field(default_factory=set)  # completions whose finish was sent
+    prompt_logprobs_sent: bool = False
+    last: object = None  # the latest RequestOutput (heartbeats repeat its token counts)
+    heartbeats: int = 0  # empty responses sent
+
+
+def heartbeat_tensors(last) -> list:
+    """An empty response of a streaming request: ``text_output`` "", no ``output_token_ids``, no
+    ``finish_reason``, index 0 and the token counts of ``last`` (0 before the first output). Clients skip it."""
+    num_in = len(last.prompt_token_ids) if last is not None else 0
+    num_out = len(last.outputs[0].token_ids) if last is not None else 0
+    return [
+        pb_utils.Tensor("text_output", np.array([b""], dtype=np.object_)),
+        pb_utils.Tensor("num_input_tokens", np.array([num_in], dtype=np.int32)),
+        pb_utils.Tensor("num_output_tokens", np.array([num_out], dtype=np.int32)),
+        pb_utils.Tensor("index", np.array([0], dtype=np.int32)),
+        pb_utils.Tensor("output_token_ids", np.array([], dtype=np.int64)),
+    ]
 
 
 def _output_tensors(
@@ -339,6 +403,8 @@ def _check_parameters(text: str) -> None:
 class TritonPythonModel:
     """Decoupled LLM model: one ``AsyncLLMEngine`` per instance, on an event-loop thread."""
 
+    limits = None  # the engine's RequestLimits (set in initialize; None: the defaults)
+    max_model_len = None
     _cancel_watch: CancelWatch | None = None
 
     def initialize(self, args: dict) -> None:
@@ -358,6 +424,8 @@ class TritonPythonModel:
         self.dead_reported = False
         info = read_model_info(Path(args["model_repository"]) / args["model_version"])
         self.engine = AsyncLLMEngine(EngineConfig(model=info["checkpoint"], **info.get("engine", {})))
+        self.limits = self.engine.engine.config.limits
+        self.max_model_len = self.engine.engine.config.max_model_len
         self.logger.log_info(
             f"lmforge: {args['model_name']} engine ready on {info['checkpoint']} (torch threads "
             f"{torch.get_num_threads()})"
@@ -426,6 +494,8 @@ class TritonPythonModel:
                 _optional_input(request, "sampling_parameters"),
                 _optional_input(request, "exclude_input_in_output"),
                 _optional_input(request, "prompt_token_ids"),
+                limits=self.limits,
+                max_model_len=self.max_model_len,
             )
         except ValueError as exc:
             self._send_error(sender, str(exc))
@@ -474,10 +544,10 @@ class TritonPythonModel:
         last = None
         if self._cancel_watch is None:
             self._cancel_watch = CancelWatch(self._client_cancelled)
-        cancelled = self._cancel_watch.add(request_id, sender)
+        cancelled = self._cancel_watch.add(request_id, sender, sent if request.stream else None)
         try:
             async for output in stream:
-                last = output
+                last = sent.last = output
                 if cancelled.is_set():
                     return False, last
                 try:
@@ -535,6 +605,13 @@ class TritonPythonModel:
             finish = completion.finish_reason
             responses.append(
                 _output_tensors(delta, output, completion, finish, new_tokens, logprobs, final=finish is not None)
+            )
+        prompt_logprobs = getattr(output, "prompt_logprobs", None)
+        if responses and prompt_logprobs is not None and not sent.prompt_logprobs_sent:
+            sent.prompt_logprobs_sent = True  # complete once anything is sent: the prompt ran before the first token
+            entries = [None if e is None else {str(t): v for t, v in e.items()} for e in prompt_logprobs]
+            responses[0].append(
+                pb_utils.Tensor("prompt_logprobs", np.array([json.dumps(entries).encode()], dtype=np.object_))
             )
         for i, tensors in enumerate(responses):
             final = output.finished and i == len(responses) - 1

@@ -3,6 +3,7 @@
 import engine.library_noise  # noqa: F401  (first: its filters must be in place before torchao is imported)
 from engine.config import EngineConfig
 from engine.llm_engine import LLM, LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -13,6 +14,7 @@ __all__ = [
     "AsyncLLMEngine",
     "EngineConfig",
     "SamplingParams",
+    "LoRARequest",
     "RequestOutput",
     "CompletionOutput",
     "RequestMetrics",

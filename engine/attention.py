@@ -16,6 +16,12 @@ they come first in the batch) form one group whose blocks shared by every reques
 chunks continue one cached prefix (a shared system prompt) that prefix is read once for all
 their queries as well, and only each chunk's own blocks are gathered. No Python loop over
 requests runs inside the layer loop.
+
+KV cache dtypes (``EngineConfig.kv_cache_dtype``): K and V are stored in the model's dtype, in another
+float dtype (converted on store and read), or as int8 rows: each (token, KV head) row of ``head_dim``
+values is followed by its float16 scale in ``KV_SCALE_BYTES`` bytes (``quantize_kv``), so the last dim of
+an int8 cache is ``head_dim + KV_SCALE_BYTES``. Every reader dequantizes (``dequantize_kv``; the C++ and
+Triton kernels on the fly).
 """
 
 from __future__ import annotations
@@ -26,7 +32,69 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_ops import decode_kernel_runs, paged_decode_attention
+from engine.cpu_ops import decode_kernel_built, decode_kernel_runs, paged_decode_attention
+from engine.errors import UsageError
+
+#: Bytes after each ``head_dim`` int8 values of a K or V row in an int8 cache: the row's float16 scale.
+KV_SCALE_BYTES = 2
+
+#: Largest magnitude of a symmetric int8 value (-128 is never used, so negation stays in range).
+INT8_MAX = 127
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """``[..., head_dim]`` float K or V rows -> ``[..., head_dim + KV_SCALE_BYTES]`` int8 cache rows.
+
+    Symmetric per-row quantization (one scale per token and KV head, as in KIVI, Liu et al. 2024, and
+    OpenVINO's per-token u8 cache): ``scale = float16(absmax / 127)``, ``q = clamp(round(x / scale), -127,
+    127)`` (round half to even; an all-zero row stores scale 0 and zeros), the scale's two bytes after the
+    values. The C++ ``rope_and_cache`` and the Triton ``store_kv`` compute the same bytes.
+    """
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX).to(torch.float16)  # [..., 1]
+    sf = scale.float()
+    q = torch.where(sf > 0, xf / sf, 0.0).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return torch.cat((q, scale.view(torch.int8)), dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[..., head_dim + KV_SCALE_BYTES]`` int8 cache rows -> ``[..., head_dim]`` in ``dtype``: ``q * scale``
+    (exact in float32: 8 by 11 significant bits), then rounded to ``dtype``."""
+    hd = rows.shape[-1] - KV_SCALE_BYTES
+    if rows.stride(-1) != 1 or any(st % KV_SCALE_BYTES for st in rows.stride()[:-1]):
+        rows = rows.contiguous()
+    scale = rows[..., hd:].view(torch.float16).float()  # [..., 1]
+    return (rows[..., :hd].float() * scale).to(dtype)
+
+
+def kv_as(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows as ``dtype`` values for an attention call: int8 rows dequantized, other dtypes converted
+    (the cache itself when it is in ``dtype``)."""
+    if rows.dtype == torch.int8:
+        return dequantize_kv(rows, dtype)
+    return rows if rows.dtype == dtype else rows.to(dtype)
+
+
+def kv_row_width(head_dim: int, kv_cache_dtype: torch.dtype) -> int:
+    """Elements of one (token, KV head) row of the cache: ``head_dim``, plus the scale's bytes when int8."""
+    return head_dim + KV_SCALE_BYTES if kv_cache_dtype == torch.int8 else head_dim
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: torch.dtype) -> int:
+    """Bytes of K and V of every layer for one token (int8: ``head_dim + KV_SCALE_BYTES`` bytes a row)."""
+    return 2 * num_layers * num_kv_heads * kv_row_width(head_dim, kv_cache_dtype) * kv_cache_dtype.itemsize
+
+
+def store_kv_rows(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``k, v [N, num_kv_heads, head_dim]`` at ``slot_mapping`` into ``kv_cache [2, num_blocks,
+    block_size, num_kv_heads, W]`` (quantized by ``quantize_kv`` for an int8 cache, else converted)."""
+    heads, width = kv_cache.shape[-2], kv_cache.shape[-1]
+    flat_k = kv_cache[0].view(-1, heads, width)  # [num_blocks * block_size, kv_heads, W]
+    flat_v = kv_cache[1].view(-1, heads, width)
+    if kv_cache.dtype == torch.int8:
+        k, v = quantize_kv(k), quantize_kv(v)
+    flat_k.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 @dataclasses.dataclass
@@ -76,9 +144,13 @@ class AttentionBackend(abc.ABC):
     #: ``forward`` accepts ``k = v = None`` (the caller stored them by ``metadata.slot_mapping``).
     stores_kv_separately = False
 
-    def kv_cache_shape(self, num_layers: int, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of the whole cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
-        return (num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+    def kv_cache_shape(
+        self, num_layers: int, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype | None = None
+    ) -> tuple[int, ...]:
+        """Shape of the whole cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, W]`` with ``W =
+        head_dim`` (``head_dim + KV_SCALE_BYTES`` for an int8 cache: ``kv_row_width``)."""
+        width = self.head_dim if kv_cache_dtype is None else kv_row_width(self.head_dim, kv_cache_dtype)
+        return (num_layers, 2, num_blocks, block_size, self.num_kv_heads, width)
 
     @abc.abstractmethod
     def build(self, common: CommonAttentionMetadata):
@@ -94,7 +166,8 @@ class AttentionBackend(abc.ABC):
             q: ``[N, num_heads, head_dim]`` (rotated); k, v: ``[N, num_kv_heads, head_dim]``, or both
                 ``None`` when the caller already stored them at ``slot_mapping`` (only where
                 ``stores_kv_separately``: the cache layout of this base class, written by slot).
-            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's K and V.
+            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, W]`` this layer's K and V, in any
+                ``EngineConfig.kv_cache_dtype`` (``W``: ``kv_row_width``).
             metadata: what ``build`` returned for this step.
 
         Returns:
@@ -159,6 +232,9 @@ class TorchAttentionMetadata:
             keys past the prefill group's shared blocks, each of their tokens as a decode row for the
             C++ kernel: ``(block_tables [n, own blocks] of the row's request from its first block
             after the shared ones, seq_lens [n] = position + 1 - shared tokens)``.
+        rows: batch-invariant mode: every token of the step as a row of the C++ kernel over all its keys,
+            ``(block_tables [N, max_blocks], seq_lens [N] = position + 1)``; ``decode`` and ``prefill`` are
+            then ``None``.
     """
 
     slot_mapping: torch.Tensor
@@ -167,6 +243,7 @@ class TorchAttentionMetadata:
     prefill: AttentionGroup | None
     block_size: int
     short_prefill: tuple[torch.Tensor, torch.Tensor] | None = None
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 #: Prefill chunks up to this many tokens run as rows of the decode kernel: a query token attends its
@@ -182,11 +259,43 @@ ROW_KERNEL_MAX_OWN_KEYS = 64
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Paged attention in plain torch ops and the C++ CPU kernels; see the module docstring."""
+    """Paged attention in plain torch ops and the C++ CPU kernels; see the module docstring.
+
+    Args:
+        batch_invariant: every query token is a row of the C++ decode kernel over all its keys, read in
+            one fixed order (no shared-prefix split, no padded flash call whose blocking follows the
+            batch), so its output is the same bits whatever else the step holds and however its prompt
+            was chunked (``EngineConfig.batch_invariant``).
+
+    Raises:
+        UsageError: ``batch_invariant`` where the C++ kernel cannot run (not built, or head_dim > 256).
+    """
 
     stores_kv_separately = True
 
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        batch_invariant: bool = False,
+    ):
+        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
+        self.batch_invariant = batch_invariant
+        if batch_invariant and not (decode_kernel_built() and head_dim <= 256):
+            raise UsageError(
+                "batch_invariant=True runs attention in the engine's C++ CPU kernel, which is not available here "
+                f"(head_dim={head_dim}; the kernel takes up to 256 and must build)",
+                fix="turn batch_invariant off",
+            )
+
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        if self.batch_invariant:
+            lens = torch.tensor(common.query_lens_cpu, device=common.positions.device)
+            request_of_row = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)  # [N]
+            rows = (common.block_table[request_of_row], common.positions + 1)
+            return TorchAttentionMetadata(common.slot_mapping, 0, None, None, common.block_size, rows=rows)
         d = common.num_decodes
         decode = self._decode_group(common) if d else None
         prefill = self._prefill_group(common) if d < len(common.query_lens_cpu) else None
@@ -278,11 +387,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
         if k is not None:
-            k_cache, v_cache = kv_cache[0], kv_cache[1]
-            flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * block_size, kv_heads, hd]
-            flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            flat_k.index_copy_(0, metadata.slot_mapping, k)
-            flat_v.index_copy_(0, metadata.slot_mapping, v)
+            store_kv_rows(kv_cache, k, v, metadata.slot_mapping)
+        if metadata.rows is not None:
+            return paged_decode_attention(q, kv_cache, *metadata.rows, sliding_window=self.sliding_window)
         outputs = []
         d = metadata.num_decode_tokens
         if metadata.decode is not None:
@@ -307,12 +414,16 @@ class TorchAttentionBackend(AttentionBackend):
         prior = None if group.shared_blocks is None else self._attend_shared(q, kv_cache, group)
         return paged_decode_attention(q, kv_cache, tables, seq_lens, sliding_window=self.sliding_window, prior=prior)
 
-    def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[2, num_blocks, bs, kv, hd]`` by ``[B, nb]`` -> keys and values ``[B, kv, nb * bs, hd]`` (one copy)."""
+    def _gather(
+        self, kv_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[2, num_blocks, bs, kv, W]`` by ``[B, nb]`` -> keys and values ``[B, kv, nb * bs, hd]`` in ``dtype``
+        (one copy; int8 rows dequantized)."""
         b, nb = block_tables.shape
         block_size = kv_cache.shape[2]
         rows = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, block_tables.reshape(-1))  # [2, B * nb, ...]
-        kv = rows.view(2, b, nb * block_size, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        rows = kv_as(rows.view(2, b, nb * block_size, self.num_kv_heads, kv_cache.shape[-1]), dtype)
+        kv = rows.transpose(2, 3)
         return kv[0], kv[1]
 
     def _decode_attention(self, q, kv_cache, group: AttentionGroup) -> torch.Tensor:
@@ -336,7 +447,7 @@ class TorchAttentionBackend(AttentionBackend):
         if out is not None:
             return out
         qg = q.view(d, kv, g, hd)  # [D, kv, g, hd]
-        keys, values = self._gather(kv_cache, group.block_tables)  # [D, kv, Tu, hd]
+        keys, values = self._gather(kv_cache, group.block_tables, q.dtype)  # [D, kv, Tu, hd]
         out, lse = attend(qg, keys, values, group.additive_mask(q.dtype))  # [D, kv, g, hd], [D, kv, g]
         if prior is not None:
             out_s = prior[0].view(kv, d, g, hd).transpose(0, 1)
@@ -344,13 +455,16 @@ class TorchAttentionBackend(AttentionBackend):
             out = torch.lerp(out, out_s, weight[..., None].to(out.dtype))
         return out.reshape(d, self.num_heads * hd)
 
-    def _shared(self, kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the shared prefix blocks, ``[1, kv, Ts, hd]`` each (views if consecutive)."""
+    def _shared(
+        self, kv_cache: torch.Tensor, group: AttentionGroup, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the shared prefix blocks, ``[1, kv, Ts, hd]`` each in ``dtype`` (views of the cache
+        if its blocks are consecutive and in ``dtype``; int8 rows dequantized)."""
         if group.shared_range is not None:
             blocks = kv_cache[:, group.shared_range[0] : group.shared_range[1]]
         else:
             blocks = kv_cache.index_select(1, group.shared_blocks)
-        kv = blocks.view(2, 1, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        kv = kv_as(blocks.view(2, 1, -1, self.num_kv_heads, kv_cache.shape[-1]), dtype).transpose(2, 3)
         return kv[0], kv[1]
 
     def _attend_shared(self, q, kv_cache, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,7 +474,7 @@ class TorchAttentionBackend(AttentionBackend):
         n, kv, hd = q.shape[0], self.num_kv_heads, self.head_dim
         g = self.num_heads // kv
         qs = q.view(n, kv, g, hd).transpose(0, 1).reshape(1, kv, n * g, hd)
-        out, lse = attend(qs, *self._shared(kv_cache, group), None)  # [1, kv, n*g, hd], [1, kv, n*g]
+        out, lse = attend(qs, *self._shared(kv_cache, group, q.dtype), None)  # [1, kv, n*g, hd], [1, kv, n*g]
         return out[0], lse[0]
 
     def _prefill_attention(self, q, kv_cache, group: AttentionGroup) -> torch.Tensor:
@@ -371,7 +485,7 @@ class TorchAttentionBackend(AttentionBackend):
         gathered; the two parts are merged by their log-sum-exp as in ``_decode_attention``.
         """
         p, max_q = group.query_index.shape
-        keys, values = self._gather(kv_cache, group.block_tables)  # [P, kv_heads, T, head_dim]
+        keys, values = self._gather(kv_cache, group.block_tables, q.dtype)  # [P, kv_heads, T, head_dim]
         if group.shared_blocks is None:
             qp = q[group.query_index].transpose(1, 2)  # [P, num_heads, max_q, head_dim]
             out = F.scaled_dot_product_attention(

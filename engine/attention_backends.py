@@ -12,9 +12,16 @@ from engine.config import ATTENTION_BACKENDS
 
 
 def get_attention_backend(
-    device: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None, name: str | None = None
+    device: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sliding_window: int | None,
+    name: str | None = None,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
-    """The attention backend ``name`` (``None``: ``triton`` on CUDA, ``torch`` elsewhere).
+    """The attention backend ``name`` (``None``: ``triton`` on CUDA, ``torch`` elsewhere); ``batch_invariant``
+    (torch backend only, ``EngineConfig.batch_invariant``) computes every token alike whatever its batch.
 
     ``triton`` (``engine.attention_triton``) needs the ``triton`` package; on CPU it runs under
     Triton's interpreter (``TRITON_INTERPRET=1``), for tests only.
@@ -24,7 +31,7 @@ def get_attention_backend(
     """
     name = name or ("triton" if device.startswith("cuda") else "torch")
     if name == "torch":
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window, batch_invariant)
     if name == "triton":
         from engine.attention_triton import TritonAttentionBackend  # optional dependency: imported only when chosen
 

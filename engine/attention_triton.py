@@ -15,6 +15,11 @@ Three kernels, all launched once per layer and step:
   causal over the chunk's context (the ``seq_len - query_len`` tokens already cached plus the
   chunk), sliding window when the model has one.
 
+An int8 cache (``EngineConfig.kv_cache_dtype="int8"``; rows of ``head_dim`` int8 values and a float16
+scale, ``engine.attention.quantize_kv``) is written by ``store_kv_int8`` and read by both attention
+kernels through a float16 view of the scale bytes: int8 values convert exactly to the query's dtype,
+a score is ``scale_k * (q . k)`` and a value row enters the accumulator as ``(p * scale_v) v``.
+
 Both attention kernels accumulate in float32; ``float32`` models use IEEE (not TF32) products
 so greedy tokens match a float32 reference. Under the interpreter 16-bit tiles are upcast
 before ``tl.dot`` (``_dot_fp32``); loads and stores keep the cache's dtype. On CPU the same kernels run under Triton's
@@ -34,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import AttentionBackend, CommonAttentionMetadata
+from engine.attention import KV_SCALE_BYTES, AttentionBackend, CommonAttentionMetadata
 
 #: Keys visited per inner-loop iteration of both kernels (a power of two >= 16 for ``tl.dot``).
 BLOCK_N = 64
@@ -62,11 +67,67 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _round_half_even(x):
+    """``x`` rounded to the nearest integer, ties to even (``torch.round``), in float32."""
+    r = tl.floor(x + 0.5)
+    half_up_odd = ((r - x) == 0.5) & (tl.floor(r * 0.5) != r * 0.5)
+    return tl.where(half_up_odd, r - 1.0, r)
+
+
+@triton.jit
+def _quantize_rows(x, values_ptr, scale_ptr, mask, row_mask):
+    """Store ``x [H, D]`` float32 rows as int8 ``values_ptr`` with float16 ``scale_ptr [H]`` (absmax / 127)."""
+    scale = (tl.max(tl.abs(x), 1) / 127.0).to(tl.float16)  # [H]
+    sf = scale.to(tl.float32)
+    safe = tl.where(sf > 0, sf, 1.0)
+    q = tl.where(sf[:, None] > 0, _round_half_even(x / safe[:, None]), 0.0)
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    tl.store(values_ptr, q.to(tl.int8), mask=mask)
+    tl.store(scale_ptr, scale, mask=row_mask)
+
+
+@triton.jit
+def _store_kv_int8_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    slot_ptr,
+    stride_k,
+    stride_v,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROW: tl.constexpr,
+    SCALE_ROW: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        hm = h < NUM_KV_HEADS
+        m = hm[:, None] & (d < HEAD_DIM)[None, :]
+        rows = slot.to(tl.int64) * NUM_KV_HEADS + h  # [H] cache rows of this token
+        src = h[:, None] * HEAD_DIM + d[None, :]
+        dst = rows[:, None] * ROW + d[None, :]
+        k = tl.load(k_ptr + token * stride_k + src, mask=m, other=0.0).to(tl.float32)
+        _quantize_rows(k, k_cache_ptr + dst, k_scale_ptr + rows * SCALE_ROW, m, hm)
+        v = tl.load(v_ptr + token * stride_v + src, mask=m, other=0.0).to(tl.float32)
+        _quantize_rows(v, v_cache_ptr + dst, v_scale_ptr + rows * SCALE_ROW, m, hm)
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     seq_lens_ptr,
     scale,
@@ -77,6 +138,9 @@ def _paged_decode_kernel(
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    ROW: tl.constexpr,
+    SCALE_ROW: tl.constexpr,
+    QUANT: tl.constexpr,
     PAGE: tl.constexpr,
     WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -115,19 +179,20 @@ def _paged_decode_kernel(
         blk = tl.load(block_table_ptr + req * stride_bt + toks // PAGE, mask=tm, other=0)
         row = (blk.to(tl.int64) * PAGE + toks % PAGE) * NUM_KV_HEADS + kvh  # [N] row of [slots * kv_heads, D]
         kv_mask = tm[:, None] & dm[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        if DOT_FP32:
-            k = k.to(tl.float32)
+        k = tl.load(k_cache_ptr + row[:, None] * ROW + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
+        if QUANT:
+            s = s * tl.load(k_scale_ptr + row * SCALE_ROW, mask=tm, other=0.0).to(tl.float32)[None, :]
         s = tl.where(tm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        v = tl.load(v_cache_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        if DOT_FP32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = tl.load(v_cache_ptr + row[:, None] * ROW + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
+        pv = p
+        if QUANT:
+            pv = p * tl.load(v_scale_ptr + row * SCALE_ROW, mask=tm, other=0.0).to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -144,6 +209,8 @@ def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     seq_lens_ptr,
     query_start_ptr,
@@ -155,6 +222,9 @@ def _paged_prefill_kernel(
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    ROW: tl.constexpr,
+    SCALE_ROW: tl.constexpr,
+    QUANT: tl.constexpr,
     PAGE: tl.constexpr,
     WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -198,10 +268,10 @@ def _paged_prefill_kernel(
             blk = tl.load(block_table_ptr + req * stride_bt + toks // PAGE, mask=tm, other=0)
             row = (blk.to(tl.int64) * PAGE + toks % PAGE) * NUM_KV_HEADS + kvh  # [N]
             kv_mask = tm[:, None] & dm[None, :]
-            k = tl.load(k_cache_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-            if DOT_FP32:
-                k = k.to(tl.float32)
+            k = tl.load(k_cache_ptr + row[:, None] * ROW + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
+            if QUANT:
+                s = s * tl.load(k_scale_ptr + row * SCALE_ROW, mask=tm, other=0.0).to(tl.float32)[None, :]
             allowed = tm[None, :] & (toks[None, :] <= q_pos[:, None])
             if WINDOW > 0:
                 allowed = allowed & (toks[None, :] > q_pos[:, None] - WINDOW)
@@ -210,10 +280,11 @@ def _paged_prefill_kernel(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
-            v = tl.load(v_cache_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            v = tl.load(v_cache_ptr + row[:, None] * ROW + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            pv = p
+            if QUANT:
+                pv = p * tl.load(v_scale_ptr + row * SCALE_ROW, mask=tm, other=0.0).to(tl.float32)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -230,19 +301,59 @@ def _paged_prefill_kernel(
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write ``k, v [N, kv_heads, head_dim]`` into ``k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]``.
+    """Write ``k, v [N, kv_heads, head_dim]`` into ``k_cache, v_cache [num_blocks, block_size, kv_heads, W]``.
 
     Row ``i`` goes to physical slot ``slot_mapping[i]`` (``block * block_size + offset``);
-    rows whose slot is negative are skipped.
+    rows whose slot is negative are skipped. An int8 cache (``W = head_dim + KV_SCALE_BYTES``) gets each
+    (token, KV head) row quantized as ``engine.attention.quantize_kv`` does; a float cache of another
+    dtype gets the values converted.
     """
     n, kv, hd = k.shape
     if n == 0:
         return
     k, v = _rows(k), _rows(v)
+    if k_cache.dtype == torch.int8:
+        _store_kv_int8_kernel[(n,)](
+            k,
+            v,
+            k_cache,
+            v_cache,
+            _scales(k_cache),
+            _scales(v_cache),
+            slot_mapping,
+            k.stride(0),
+            v.stride(0),
+            NUM_KV_HEADS=kv,
+            HEAD_DIM=hd,
+            ROW=k_cache.shape[-1],
+            SCALE_ROW=k_cache.shape[-1] // KV_SCALE_BYTES,
+            BLOCK_H=triton.next_power_of_2(kv),
+            BLOCK_D=triton.next_power_of_2(hd),
+        )
+        return
     row = kv * hd
     _store_kv_kernel[(n,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, BLOCK_ROW=triton.next_power_of_2(row)
     )
+
+
+def _scales(cache: torch.Tensor) -> torch.Tensor:
+    """The float16 scales of an int8 cache ``[num_blocks, block_size, kv_heads, head_dim + 2]`` as a view
+    ``[num_blocks, block_size, kv_heads, 1]`` (row ``r``'s scale at element ``r * (head_dim + 2) / 2``); a
+    float cache itself (the kernels then read no scale)."""
+    if cache.dtype != torch.int8:
+        return cache
+    return cache[..., cache.shape[-1] - KV_SCALE_BYTES :].view(torch.float16)
+
+
+def _cache_args(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
+    """The cache-layout constants of both attention kernels."""
+    return {
+        "HEAD_DIM": q.shape[-1],
+        "ROW": k_cache.shape[-1],
+        "SCALE_ROW": k_cache.shape[-1] // KV_SCALE_BYTES,
+        "QUANT": k_cache.dtype == torch.int8,
+    }
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -282,7 +393,8 @@ def paged_decode(
 
     Args:
         q: ``[B, num_heads, head_dim]`` (request ``i``'s token is at position ``seq_lens[i] - 1``).
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, W]`` (contiguous; int8 rows with their scales,
+            ``W = head_dim + 2``, or float rows, ``W = head_dim``).
         block_table: ``[B, max_blocks]`` int physical block ids.
         seq_lens: ``[B]`` int context lengths including the new token; 0 writes zeros.
         sliding_window: attend to the last this many keys (``None``: all).
@@ -303,6 +415,8 @@ def paged_decode(
         q,
         k_cache,
         v_cache,
+        _scales(k_cache),
+        _scales(v_cache),
         block_table,
         seq_lens,
         hd**-0.5,
@@ -312,7 +426,7 @@ def paged_decode(
         block_table.stride(0),
         NUM_KV_HEADS=kv,
         GROUP=group,
-        HEAD_DIM=hd,
+        **_cache_args(q, k_cache),
         PAGE=k_cache.shape[1],
         WINDOW=sliding_window or 0,
         PRECISION=_precision(q.dtype),
@@ -339,7 +453,7 @@ def paged_prefill(
 
     Args:
         q: ``[N, num_heads, head_dim]``, chunk ``i`` at rows ``query_start_loc[i]:query_start_loc[i + 1]``.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, W]`` (as ``paged_decode``).
         block_table: ``[P, max_blocks]``; seq_lens: ``[P]`` context length after the chunk.
         query_start_loc: ``[P + 1]`` offsets (the first is 0).
         max_query_len: longest chunk (sizes the launch grid; a host int).
@@ -361,6 +475,8 @@ def paged_prefill(
         q,
         k_cache,
         v_cache,
+        _scales(k_cache),
+        _scales(v_cache),
         block_table,
         seq_lens,
         query_start_loc,
@@ -371,7 +487,7 @@ def paged_prefill(
         block_table.stride(0),
         NUM_KV_HEADS=kv,
         GROUP=h // kv,
-        HEAD_DIM=hd,
+        **_cache_args(q, k_cache),
         PAGE=k_cache.shape[1],
         WINDOW=sliding_window or 0,
         PRECISION=_precision(q.dtype),

@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.checkpoint.store import DEFAULT_MODEL, check_device, load_causal_lm
+from engine.config import KV_CACHE_DTYPES
 from engine.errors import LmforgeError, UsageError
 
 
@@ -27,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "float32", "bfloat16"],
         help="engine dtype (auto: bfloat16 where the CPU has native bf16, else float32)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="how the KV cache stores K and V (auto: the engine dtype; int8: per-token, per-head scales, about half "
+        "the bytes of bf16)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
@@ -102,6 +110,7 @@ FLAG_FIELDS = (
     "max_tokens",
     "seed",
     "dtype",
+    "kv_cache_dtype",
     "max_model_len",
     "num_threads",
     "speculative_method",
@@ -138,6 +147,7 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
         llm = LLM(
             args.model,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             max_model_len=args.max_model_len,
             num_threads=args.num_threads,

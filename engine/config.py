@@ -8,9 +8,14 @@ from typing import Any
 import torch
 
 from engine.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
+from engine.limits import RequestLimits
 from engine.platform import cpu_flags  # /proc/cpuinfo flags (also decide the INT8 kernels)
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+#: ``kv_cache_dtype`` names: ``auto`` stores K and V in the model's dtype; ``int8`` stores them as symmetric
+#: int8 with one float16 scale per (token, KV head) (``engine.attention.quantize_kv``).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
 
 #: ``/proc/cpuinfo`` flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -37,6 +42,14 @@ DEFAULT_SPECULATIVE_DRAFT_VOCAB_SIZE = 2048
 #: A draft stops proposing for a request after a token it gave less than this probability
 #: (``speculative_draft_confidence_threshold``; measured: docs/speculative-decoding.md).
 DEFAULT_SPECULATIVE_DRAFT_CONFIDENCE_THRESHOLD = 0.0
+
+#: Fair scheduling (``EngineConfig.fair_share_*``): while a regular request is running or waiting, large
+#: requests together run at most this many sequences (decode rows) and tokens per step. A step's cost on a CPU
+#: grows with its rows (docs/serving.md has the measured latencies that set these).
+DEFAULT_FAIR_SHARE_SEQS = 8
+DEFAULT_FAIR_SHARE_TOKENS = 32
+#: Prompt tokens still to compute above which a request is large (vLLM's ``long_prefill_token_threshold``).
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 1024
 
 #: Running requests from which a step does not speculate (measured with ``lmforge bench engine
 #: --speculative``: see docs/speculative-decoding.md).
@@ -105,6 +118,34 @@ class EngineConfig:
             interpreter: tests only).
         enforce_eager: with the ``triton`` backend, never capture CUDA graphs of decode steps
             (``engine.cuda_graphs``); decode batches still run from bucket-padded static buffers.
+        fair_share_seqs / fair_share_tokens: fair scheduling (``engine.scheduler``). A request is *large*
+            when it has more than ``fair_share_seqs`` unfinished sequences (``n``) or more than
+            ``long_prefill_token_threshold`` prompt tokens left to compute. While a regular request runs or
+            waits, the large ones together run at most ``fair_share_seqs`` sequences and ``fair_share_tokens``
+            tokens per step, give up their seats and KV blocks to regular requests first (preempted by
+            recompute), and regular requests are admitted before them; alone they use the whole step.
+            ``fair_share_tokens=None`` turns fair scheduling off (first come, first served).
+        long_prefill_token_threshold: see ``fair_share_seqs``.
+        batch_invariant: a request's output does not depend on what else runs in its steps (greedy
+            decoding is reproducible under any load): every linear layer runs on oneDNN's packed weight in
+            calls of at most ``engine.model.BATCH_INVARIANT_TILE_ROWS`` rows, and attention computes every
+            token as a row of the C++ kernel over its keys in one fixed order (no shared-prefix split, no
+            batch-shaped flash call). CPU, float checkpoints (bf16 or fp32) only; it costs prefill speed
+            (docs/engine.md has the measured cost).
+        kv_cache_dtype: how K and V are stored (``KV_CACHE_DTYPES``): ``"auto"`` in the model's ``dtype``;
+            ``"bfloat16"`` / ``"float32"`` in that dtype; ``"int8"``: symmetric int8 with one float16 scale
+            (absmax / 127) per token and KV head stored beside each row, about half the bytes of bf16, so a
+            ``kv_cache_memory_bytes`` budget holds about twice the blocks (``engine.attention.quantize_kv``;
+            quality: docs/engine.md).
+        limits: the per-request limits every entry point enforces (``engine.limits.RequestLimits``, or a
+            dict of its fields as ``model.json`` holds them); ``None`` takes the defaults.
+        enable_lora: serve LoRA adapters on the base (requests name theirs with a ``LoRARequest``;
+            ``engine.lora``); a batch mixes adapters and the base in one forward pass.
+        max_loras: adapters active in one step (the scheduler holds back requests of another adapter
+            while this many are running).
+        max_lora_rank: highest adapter rank accepted (the slots are sized by it).
+        max_cpu_loras: adapters kept loaded in memory (least recently used out; reloaded from disk when
+            needed again); ``None``: ``max_loras``. At least ``max_loras``.
 
     Raises:
         UsageError (a ValueError): a field out of range or an inconsistent combination (the message names
@@ -138,9 +179,24 @@ class EngineConfig:
     speculative_ngram_corpus: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    fair_share_seqs: int = DEFAULT_FAIR_SHARE_SEQS
+    fair_share_tokens: int | None = DEFAULT_FAIR_SHARE_TOKENS
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
+    batch_invariant: bool = False
+    kv_cache_dtype: str = "auto"
+    limits: RequestLimits | dict | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
+        self.limits = RequestLimits.from_value(self.limits)
+        _require_positive("fair_share_seqs", self.fair_share_seqs)
+        _require_positive("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        if self.fair_share_tokens is not None:
+            _require_positive("fair_share_tokens", self.fair_share_tokens)
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -156,13 +212,36 @@ class EngineConfig:
             raise UsageError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise UsageError(f"device={self.device!r}; use 'cpu' or 'cuda' / 'cuda:N'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UsageError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of {KV_CACHE_DTYPES} "
+                "('auto': the model's dtype)"
+            )
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise UsageError(
                 f"attention_backend={self.attention_backend!r}; use one of {ATTENTION_BACKENDS} or None (by device)"
             )
+        if self.batch_invariant and (self.device != "cpu" or self.attention_backend not in (None, "torch")):
+            raise UsageError(
+                f"batch_invariant=True with device={self.device!r}, attention_backend={self.attention_backend!r}: "
+                "batch-invariant kernels exist for the CPU torch backend only; turn it off or run on CPU"
+            )
         if self.max_model_len is not None:
             self.check_model_len(self.max_model_len)
         self._check_speculative()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        _require_positive("max_loras", self.max_loras)
+        _require_positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _require_positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise UsageError(
+                f"max_cpu_loras={self.max_cpu_loras} < max_loras={self.max_loras}: every active adapter is also kept "
+                "in memory; raise max_cpu_loras or lower max_loras"
+            )
 
     def _check_speculative(self) -> None:
         method = self.speculative_method
@@ -247,6 +326,11 @@ class EngineConfig:
     def replace(self, **changes: Any) -> "EngineConfig":
         """A validated copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """``"auto"`` -> the model's resolved ``dtype``; other ``KV_CACHE_DTYPES`` unchanged."""
+    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

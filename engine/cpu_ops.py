@@ -10,7 +10,8 @@ in a bf16 / fp32 step on CPU:
   through its block table, merged with a prior partial result (a shared prefix) by its
   log-sum-exp, so no ``index_select`` copy of the cache and no padded keys;
 * ``rope_and_cache`` (bf16): rotary embedding of q and k and the store of k and v at their
-  ``slot_mapping`` slots in one pass, with the roundings of the torch ops it replaces.
+  ``slot_mapping`` slots in one pass, with the roundings of the torch ops it replaces (quantized to
+  int8 rows for an int8 KV cache).
 
 ``torch.ops.lmforge_decode.int8_decode_layers`` (``csrc/int8_decode_cpu.cpp``, bf16) runs every
 decoder layer of a weight-only INT8 model for a few tokens in one call, through those operators and
@@ -70,7 +71,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices  # the first maximum too, and on CPU ~4x faster than argmax
 
 
-def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, to_float: bool) -> torch.Tensor:
+def refine_logits(
+    logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, to_float: bool, top_k: int = 0
+) -> torch.Tensor:
     """Exact top of bf16 logits: entries within two bf16 steps of a row's maximum recomputed in float32.
 
     A bf16 GEMM rounds its float32 accumulators to 8 significant bits (0.125 apart near 20), so close
@@ -84,17 +87,28 @@ def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tens
         to_float: return a float32 ``[S, V]`` copy holding the exact values near each maximum; otherwise
             raise each row's exact winner in place to the next bf16 value above the row's maximum, so an
             argmax picks it (for greedy rows, which read nothing else).
+        top_k: with ``to_float``, also recompute every entry that may be among the ``top_k`` largest exact
+            values of its row (those within two bf16 steps below a value ``top_k`` entries reach), so the top
+            logprobs a request reads hold no rounding ties.
 
     Returns:
         The float32 copy, or ``logits`` itself.
     """
     hidden, weight = hidden.contiguous(), weight.contiguous()
     if logits.stride(1) == 1 and _native(logits):
-        return KERNELS.ops.refine_logits(logits, hidden, weight, to_float)
+        return KERNELS.ops.refine_logits(logits, hidden, weight, to_float, top_k)
     out = logits.float()
     top = out.max(dim=-1, keepdim=True).values
-    step = torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(torch.finfo(torch.float32).tiny))) - 7)
-    rows, cols = (out >= top - 2 * step).nonzero(as_tuple=True)
+
+    def bf16_step(x: torch.Tensor) -> torch.Tensor:
+        return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(torch.finfo(torch.float32).tiny))) - 7)
+
+    step = bf16_step(top)
+    threshold = top - 2 * step
+    if to_float and top_k > 1:  # the k-th largest rounded value bounds the true top k (the kernel's doubling search
+        kth = out.topk(min(top_k, out.shape[-1]), dim=-1).values[:, -1:]  # finds a lower one: a superset)
+        threshold = torch.minimum(threshold, kth - 2 * bf16_step(torch.maximum(top.abs(), kth.abs())))
+    rows, cols = (out >= threshold).nonzero(as_tuple=True)
     exact = torch.einsum("nh,nh->n", hidden[rows].float(), weight[cols].float())
     if to_float:
         out[rows, cols] = exact
@@ -110,9 +124,14 @@ def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tens
     return logits
 
 
+def decode_kernel_built() -> bool:
+    """Whether the C++ kernels are built and enabled (builds them on the first call)."""
+    return KERNELS.available
+
+
 def decode_kernel_runs(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether ``paged_decode_attention`` runs the C++ kernel for these queries and this cache."""
-    return _native(q) and kv_cache.dtype == q.dtype and q.shape[-1] <= 256
+    return _native(q) and kv_cache.dtype in (q.dtype, torch.int8) and q.shape[-1] <= 256
 
 
 def paged_decode_attention(
@@ -128,7 +147,9 @@ def paged_decode_attention(
 
     Args:
         q: ``[D, num_heads, head_dim]``, one query per sequence at position ``seq_lens - 1``.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's K and V (q's dtype).
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's K and V in q's dtype, or
+            int8 ``[..., head_dim + 2]``: each row's int8 values and float16 scale (``engine.attention.quantize_kv``),
+            dequantized as they are read (a score is ``scale * (q . k_int8)``).
         block_tables: ``[D, max_blocks]`` int64 physical blocks of each sequence (from its first block).
         seq_lens: ``[D]`` int64 context lengths (the query's key included).
         first_block: keys before ``first_block * block_size`` are skipped (covered by ``prior``).
@@ -172,13 +193,15 @@ def rope_and_cache(
         qkv: ``[N, (num_heads + 2 * num_kv_heads) * head_dim]`` the fused projection's output.
         cos, signed_sin: ``[N, head_dim]`` rotary tables at each token's position (``engine.model``:
             ``x * cos + swap_halves(x) * signed_sin`` is Hugging Face's rotary embedding).
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's cache (written).
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's bf16 cache (written), or an
+            int8 one (``[..., head_dim + 2]``): the rotated k and the v rows are then quantized as
+            ``engine.attention.quantize_kv`` does (the same bytes).
         slot_mapping: ``[N]`` int64 slot ``block * block_size + offset`` of each token (negative: not stored).
 
     Returns:
         The rotated queries ``[N, num_heads, head_dim]``, bit-identical to the torch ops.
     """
-    if qkv.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or not _native(qkv):
+    if qkv.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, torch.int8) or not _native(qkv):
         return None
     return KERNELS.ops.rope_and_cache(qkv, cos, signed_sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
 
@@ -224,7 +247,8 @@ def int8_decode_layers(
             ``[out]`` and float32 ``[out]`` or ``None`` (``4 * num_layers`` each); a linear kept in float
             has its bf16 ``[out, in]`` weight, scale ``None`` and a bf16 bias or ``None`` (``F.linear``).
         norms: per layer the input and post-attention RMSNorm weights (``[hidden]`` bf16 or ``None``).
-        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` bf16 (written).
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` bf16, or int8 ``[...,
+            head_dim + 2]`` (written).
         cos, signed_sin: ``[N, head_dim]`` bf16 rotary tables at the tokens' positions.
         slot_mapping: ``[N]`` int64 cache slot of each token.
         block_tables: ``[N, max_blocks]`` int64: the block table of each token's sequence.

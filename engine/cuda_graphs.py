@@ -155,7 +155,7 @@ class StaticDecodeModelRunner(ModelRunner):
     Needs an attention backend with ``decode_metadata`` (``engine.attention_triton``).
 
     Args:
-        path, dtype, device, block_size, max_model_len, attention_backend: as ``ModelRunner``.
+        path, dtype, device, block_size, max_model_len, attention_backend, kv_cache_dtype: as ``ModelRunner``.
         max_num_seqs: largest decode batch (sizes the buckets, ``capture_sizes``).
         enforce_eager: never capture graphs (the static buffers are still used).
     """
@@ -171,8 +171,17 @@ class StaticDecodeModelRunner(ModelRunner):
         max_num_seqs: int,
         enforce_eager: bool = False,
         attention_backend: str | None = None,
+        kv_cache_dtype: str | None = None,
     ):
-        super().__init__(path, dtype, device, block_size, max_model_len, attention_backend=attention_backend)
+        super().__init__(
+            path,
+            dtype,
+            device,
+            block_size,
+            max_model_len,
+            attention_backend=attention_backend,
+            kv_cache_dtype=kv_cache_dtype,
+        )
         if not hasattr(self.attn, "decode_metadata"):
             raise ValueError(
                 f"{type(self.attn).__name__} has no decode_metadata; static decode batches need "
@@ -227,9 +236,10 @@ class StaticDecodeModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, float_logits: bool = True) -> torch.Tensor:
-        """Decode steps that fit a bucket run from the static buffers (float32 logits); the rest as
-        ``ModelRunner.execute``."""
-        batch = bucket_for(len(out.scheduled), self.sizes) if is_decode_step(out) else None
+        """Decode steps that fit a bucket run from the static buffers (float32 logits); the rest, and steps with
+        LoRA rows, as ``ModelRunner.execute``."""
+        base_only = all(item.seq.lora_request is None for item in out.scheduled)
+        batch = bucket_for(len(out.scheduled), self.sizes) if base_only and is_decode_step(out) else None
         if batch is None:
             return super().execute(out, float_logits)
         self.copy_kv_slots(out.kv_copies)

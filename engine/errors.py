@@ -40,3 +40,17 @@ class UsageError(LmforgeError, ValueError):
 
 class CheckpointError(LmforgeError, ValueError):
     """A checkpoint is missing, corrupt or unsupported; the message names the file and the fix."""
+
+
+class InvalidRequestError(UsageError):
+    """A request the client must change; ``param`` names the offending field (OpenAI's error ``param``).
+
+    Args:
+        message: what is wrong, naming the field and the value.
+        param: the request field, e.g. ``"n"``, ``"logit_bias"``, ``"stop_token_ids"``, ``"prompt"``.
+        fix: what to send instead (appended to the message).
+    """
+
+    def __init__(self, message: str = "", *args: object, param: str | None = None, fix: str | None = None) -> None:
+        super().__init__(message, *args, fix=fix)
+        self.param = param

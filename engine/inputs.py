@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.errors import UsageError
+from engine.errors import InvalidRequestError
 
 
-class PromptError(UsageError):
+class PromptError(InvalidRequestError):
     """A prompt the model cannot take.
 
     Attributes:
@@ -23,7 +23,7 @@ class PromptError(UsageError):
     """
 
     def __init__(self, message: str, *, field: str, code: str) -> None:
-        super().__init__(message)
+        super().__init__(message, param=field)
         self.field, self.code = field, code
 
 

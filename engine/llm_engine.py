@@ -21,10 +21,12 @@ from tqdm import tqdm
 
 from engine.block_manager import BlockManager
 from engine.checkpoint.store import resolve_checkpoint
-from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
 from engine.inputs import check_prompt_token_ids
+from engine.lora import LoRAError, LoRARequest, adapter_cache_key
 from engine.model import read_model_spec
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -34,6 +36,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.speculator import Speculator
 from engine.stats import EngineStats
+from engine.structured_output import GrammarCompiler, SequenceGrammar, wait_any
 from engine.threads import ThreadGovernor, proc_stat_readable
 
 #: Longest default context when the checkpoint allows more (bounds rotary tables and KV needs).
@@ -78,8 +81,14 @@ class LLMEngine:
                 f"max_model_len={max_model_len} > the checkpoint's max_position_embeddings="
                 f"{spec.max_position_embeddings}; decrease max_model_len"
             )
-        config = config.replace(dtype=resolve_dtype(config.dtype, config.device))
+        dtype = resolve_dtype(config.dtype, config.device)
+        config = config.replace(dtype=dtype, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, dtype))
         self.runner = make_model_runner(config, self.path, max_model_len)
+        self.lora_manager = (
+            self.runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+            if config.enable_lora
+            else None
+        )
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(config, max_model_len)
         self.config = config = config.replace(
             max_model_len=max_model_len, num_kv_blocks=num_blocks, kv_cache_memory_bytes=None
@@ -91,6 +100,8 @@ class LLMEngine:
         self.eos_token_ids = read_eos_token_ids(self.path, self.tokenizer)
         self.sampler = Sampler(self.eos_token_ids)
         self.speculator = Speculator.build(config, self.path, self.tokenizer, spec.vocab_size)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, spec.vocab_size, self.eos_token_ids)
+        self._grammar_waiting: list[Sequence] = []  # sequences whose grammar is compiling
         self.requests: dict[str, Sequence] = {}  # unfinished sequences by sequence id
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its ``n`` sequences
         self._seed_rng = random.Random(config.seed)
@@ -127,6 +138,7 @@ class LLMEngine:
         prompt: str | list[int] | dict,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request (``params.n`` sequences); returns its id.
 
@@ -134,6 +146,7 @@ class LLMEngine:
             request_id: unique among unfinished requests; ``None`` picks one.
             prompt: text, token ids, ``{"prompt_token_ids": [...]}`` or ``{"prompt": text}``.
             params: ``SamplingParams`` (default: ``SamplingParams()``).
+            lora_request: the LoRA adapter it runs with (``enable_lora``); ``None``: the base.
 
         With ``n`` > 1 the completions are sequences ``{request_id}-{i}`` that share the
         prompt's full KV blocks through the prefix cache (the scheduler lets the first compute
@@ -141,14 +154,17 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, prompt too long for ``max_model_len``, token ids out of the
-                vocabulary, a bad sampling parameter, or a duplicate ``request_id``; nothing is queued.
+                vocabulary, a bad sampling parameter, a duplicate ``request_id``, or a LoRA adapter the
+                engine cannot serve (``engine.lora.LoRAError``); nothing is queued.
         """
         request_id = self.new_request_id() if request_id is None else str(request_id)
+        if isinstance(params, SamplingParams):
+            self.config.limits.check_params(params)  # n bounds the ids below
         self._sequence_ids(
             request_id, params.n if isinstance(params, SamplingParams) else 1
         )  # a duplicate fails before tokenizing
-        params, text, token_ids = self.validate_request(prompt, params)
-        return self.add_validated_request(request_id, text, token_ids, params, arrival_time)
+        params, text, token_ids = self.validate_request(prompt, params, lora_request)
+        return self.add_validated_request(request_id, text, token_ids, params, arrival_time, lora_request)
 
     def add_validated_request(
         self,
@@ -157,17 +173,20 @@ class LLMEngine:
         token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request that ``validate_request`` accepted (its prompt is not tokenized again); returns its id.
 
         ``params.n`` sequences, as in ``add_request``.
 
         Raises:
-            ValueError: a duplicate ``request_id``; nothing is queued.
+            ValueError: a duplicate ``request_id``, or a ``lora_request`` on an engine without LoRA; nothing is
+                queued.
         """
         request_id = self.new_request_id() if request_id is None else str(request_id)
         n = params.n
         seq_ids = self._sequence_ids(request_id, n)
+        lora_hash = None if lora_request is None else self._lora_key(lora_request)
         base_seed = params.seed
         if base_seed is None and not params.greedy:
             base_seed = self._seed_rng.getrandbits(62)
@@ -191,6 +210,13 @@ class LLMEngine:
                 arrival_time,
             )
             seq.group_id, seq.index = request_id, index
+            seq.lora_request, seq.lora_hash = lora_request, lora_hash
+            if params.structured_outputs is not None:
+                seq.grammar = SequenceGrammar(self.grammar_compiler, params.structured_outputs)
+                if seq.waits_for_grammar:
+                    self._grammar_waiting.append(seq)
+            if params.prompt_logprobs is not None and index == 0:  # the prompt is the same for all n
+                seq.prompt_logprobs = [None]
             group.append(seq)
             self.requests[seq_id] = seq
             self.scheduler.add(seq)
@@ -205,21 +231,72 @@ class LLMEngine:
         return seq_ids
 
     def validate_request(
-        self, prompt: str | list[int] | dict, params: SamplingParams | None
+        self, prompt: str | list[int] | dict, params: SamplingParams | None, lora_request: LoRARequest | None = None
     ) -> tuple[SamplingParams, str | None, list[int]]:
-        """Check a request against the model without queueing it (safe from any thread).
+        """Check a request against the limits and the model without queueing it (safe from any thread).
+
+        The cheap checks run first: ``EngineConfig.limits`` on the parameters and the prompt text
+        (``engine.limits.RequestLimits``), then the prompt is tokenized and its length and the
+        model-dependent fields are checked (``SamplingParams.check_for_model``).
+
+        A ``lora_request``'s adapter is read and checked against the base here (and kept loaded).
 
         Returns:
             (a private copy of ``params``, the prompt text or ``None``, the prompt token ids).
 
         Raises:
-            ValueError: a bad prompt, or a sampling parameter out of range for this model
-                (``SamplingParams.check_for_model``); the message names the field and the fix.
+            InvalidRequestError (a ValueError): a bad prompt, a limit exceeded, a sampling parameter out of
+                range for this model, or a LoRA adapter the engine cannot serve (``engine.lora.LoRAError``); the
+                message names the field and the fix, ``param`` the field.
         """
         params = self._check_params(params)
+        self.config.limits.check_params(params)
+        self._check_lora(lora_request)
         text, token_ids = self._tokenize(prompt)
         params.check_for_model(self.runner.spec.vocab_size, self.config.max_model_len, len(token_ids))
         return params, text, token_ids
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> int | None:
+        """Load and check the adapter (``LoRAManager.check``); its prefix-cache key (``None`` for the base).
+
+        Raises:
+            LoRAError: a bad adapter, or the engine runs without LoRA.
+        """
+        if lora_request is None:
+            return None
+        self._lora_key(lora_request)
+        return self.lora_manager.check(lora_request)
+
+    def _lora_key(self, lora_request: LoRARequest) -> int:
+        """The adapter's prefix-cache key, without loading it (it was checked by ``validate_request``)."""
+        if self.lora_manager is None:
+            raise LoRAError(
+                f"lora_request={lora_request!r} but the engine runs without LoRA",
+                fix="start it with enable_lora=True (`--enable-lora`)",
+            )
+        if not isinstance(lora_request, LoRARequest):
+            raise LoRAError(f"lora_request={lora_request!r}", fix="pass an engine.lora.LoRARequest")
+        return adapter_cache_key(lora_request)
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its requests (vLLM's ``add_lora``); True once it is in memory.
+
+        Raises:
+            LoRAError: see ``engine.lora.load_adapter``; or the engine runs without LoRA.
+        """
+        self._check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop adapter ``lora_id`` from memory and its slot; True if it was there. Requests still queued
+        with it read it from disk again when they run (they fail, naming the file, if it is gone)."""
+        return self.lora_manager is not None and self.lora_manager.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters in memory."""
+        return set() if self.lora_manager is None else {r.lora_int_id for r in self.lora_manager.list_loras()}
 
     @staticmethod
     def _check_params(params: SamplingParams | None) -> SamplingParams:
@@ -232,24 +309,27 @@ class LLMEngine:
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             prompt = _unwrap_prompt_dict(prompt)
+        limits = self.config.limits
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty; give at least one character or token id")
+            limits.check_prompt_text(prompt)
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"prompt is not valid Unicode text ({exc.reason} at position {exc.start}); send UTF-8 text"
+                raise InvalidRequestError(
+                    f"prompt is not valid Unicode text ({exc.reason} at position {exc.start}); send UTF-8 text",
+                    param="prompt",
                 ) from exc
             token_ids = self.tokenizer(prompt).input_ids
             text: str | None = prompt
         elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids, text = list(prompt), None
         else:
-            raise ValueError(
+            raise InvalidRequestError(
                 'prompt must be a string, a list of token ids or {"prompt_token_ids": [...]}, got '
-                f"{type(prompt).__name__}"
+                f"{type(prompt).__name__}",
+                param="prompt",
             )
+        limits.check_prompt_tokens(len(token_ids), self.config.max_model_len)
         return text, check_prompt_token_ids(token_ids, self.runner.spec.vocab_size, self.config.max_model_len)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -291,19 +371,20 @@ class LLMEngine:
         """
         if self.thread_governor is not None:
             self.thread_governor.maybe_adjust()
+        touched = self._poll_grammars()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, num_waiting=len(self.scheduler.waiting))
         out = self.scheduler.schedule()
+        self._activate_loras(out, touched)
         if out.is_empty:
-            return []
+            return self._group_outputs(touched)
         self.num_steps_total += 1
         try:
             sampled, new_tokens, new_logprobs = self._run_batch(out)
         except Exception as exc:  # noqa: BLE001 - fails this step's requests, not the engine
-            return self._fail_step([item.seq for item in out.scheduled], exc)
+            return self._group_outputs(touched) + self._fail_step([item.seq for item in out.scheduled], exc)
         self.num_consecutive_failed_steps = 0
         now = time.monotonic()
-        touched: dict[str, list[Sequence]] = {}
         for seq, tokens, logprobs in zip(sampled, new_tokens, new_logprobs):
             try:
                 self._process_tokens(seq, tokens, logprobs, now)
@@ -315,6 +396,60 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
             touched.setdefault(seq.group_id, self.groups[seq.group_id])
         return self._group_outputs(touched)
+
+    def _activate_loras(self, out, touched: dict[str, list[Sequence]]) -> None:
+        """Put the step's adapters into LoRA slots (reading one from disk again if it left memory).
+
+        A request whose adapter cannot be loaded (its files were removed or damaged since it was
+        queued) finishes with ``"error"`` naming the file and leaves the step (its group joins
+        ``touched``); the others run.
+        """
+        if self.lora_manager is None:
+            return
+        needed = {item.seq.lora_request for item in out.scheduled if item.seq.lora_request is not None}
+        failed: dict[LoRARequest, Exception] = {}
+        for lora in sorted(needed, key=lambda r: r.lora_int_id):
+            try:
+                self.lora_manager.activate(lora, needed)
+            except Exception as exc:  # noqa: BLE001 - fails this adapter's requests only
+                failed[lora] = exc
+        if not failed:
+            return
+        dropped = [item for item in out.scheduled if item.seq.lora_request in failed]
+        out.scheduled = [item for item in out.scheduled if item.seq.lora_request not in failed]
+        out.num_batched_tokens -= sum(item.num_new_tokens for item in dropped)
+        dropped_blocks = {block for item in dropped for block in item.seq.block_table}
+        out.kv_copies = [copy for copy in out.kv_copies if copy[1] not in dropped_blocks]
+        for item in dropped:
+            seq = item.seq
+            logger.error("request %s: its LoRA adapter cannot be loaded: %s", seq.request_id, failed[seq.lora_request])
+            if not seq.is_finished:
+                self._finish_with_error(seq, failed[seq.lora_request])
+            self.requests.pop(seq.request_id, None)
+            touched.setdefault(seq.group_id, self.groups[seq.group_id])
+
+    def _poll_grammars(self) -> dict[str, list[Sequence]]:
+        """Requests whose structured-output grammar finished compiling become schedulable; those whose
+        compile failed or timed out finish with ``"error"`` (returned as touched groups). When nothing
+        else can run, wait for the first compile to end (or the earliest compile deadline)."""
+        touched: dict[str, list[Sequence]] = {}
+        if not self._grammar_waiting:
+            return touched
+        if not self.scheduler.running and all(s.waits_for_grammar for s in self.scheduler.waiting):
+            wait_any([s.grammar for s in self._grammar_waiting if not s.is_finished])
+        waiting = []
+        for seq in self._grammar_waiting:
+            if seq.is_finished:
+                continue
+            error = seq.grammar.poll()
+            if error is not None:
+                self._finish_with_error(seq, error)
+                self.requests.pop(seq.request_id, None)
+                touched.setdefault(seq.group_id, self.groups[seq.group_id])
+            elif seq.waits_for_grammar:
+                waiting.append(seq)
+        self._grammar_waiting = waiting
+        return touched
 
     def _group_outputs(self, touched: dict[str, list[Sequence]]) -> list[RequestOutput]:
         """One output per request touched; finished requests leave ``groups``."""
@@ -338,22 +473,59 @@ class LLMEngine:
         # Plain greedy rows (verified ones too: an argmax match) take the argmax of the model-dtype
         # logits, with or without speculation, so a speculative engine picks exactly the tokens of a
         # plain one wherever the forward is the same (the float32 copy is exact, but costs a pass).
-        greedy = Sampler.is_plain_greedy([item.seq for item in items])
+        scoring = any(item.prompt_logprob_positions for item in out.scheduled)
+        greedy = Sampler.is_plain_greedy([item.seq for item in items]) and not scoring
         logits = self.runner.execute(
             out, float_logits=not greedy
-        )  # [R, vocab]: 1 row per sampling item, 1 + m per speculative one
+        )  # [R + P, vocab]: 1 row per sampling item, 1 + m per speculative one, then the prompt-logprob rows
         if self.speculator is not None:
             self.speculator.observe_step(out, time.perf_counter() - start)
+        num_rows = sum(item.num_sampled_rows for item in items)
+        if scoring:
+            self._score_prompts(out, logits[num_rows:])
+        logits = logits[:num_rows]
         if self.speculator is not None:
             new_tokens, new_logprobs = self.speculator.sample(self.sampler, logits, items)
         else:
             result = self.sampler(logits, [item.seq for item in items])
             new_tokens, new_logprobs = [[t] for t in result.token_ids], [[lp] for lp in result.logprobs]
+        for i, item in enumerate(items):
+            if item.seq.params.max_tokens == 0:  # scores its prompt only: nothing is generated
+                new_tokens[i], new_logprobs[i] = [], []
         self.scheduler.update_from_output(out, new_tokens)
         return [item.seq for item in items], new_tokens, new_logprobs
 
+    def _score_prompts(self, out, logits: torch.Tensor) -> None:
+        """Append the prompt logprobs of this step's prompt positions (``[P, vocab]`` logits, in
+        ``ScheduledSequence.prompt_logprob_positions`` order) to their sequences: per token, its
+        log-probability and those of the ``prompt_logprobs`` most likely tokens there (log-softmax
+        in float32, as vLLM)."""
+        row = 0
+        for item in out.scheduled:
+            positions = item.prompt_logprob_positions
+            if not positions:
+                continue
+            seq, k = item.seq, item.seq.params.prompt_logprobs
+            logprobs = torch.log_softmax(logits[row : row + len(positions)].float(), dim=-1)  # [p, vocab]
+            row += len(positions)
+            next_ids = seq.token_ids[positions.start + 1 : positions.stop + 1]
+            index = torch.tensor(next_ids, dtype=torch.long, device=logprobs.device)
+            chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
+            top = torch.topk(logprobs, k, dim=-1) if k else None
+            for j, token in enumerate(next_ids):
+                entry = {token: chosen[j]}
+                if top is not None:
+                    entry.update(zip(top.indices[j].tolist(), top.values[j].tolist()))
+                seq.prompt_logprobs.append(entry)
+
     def _process_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> None:
         """Stop checks, text and stats of a step's new tokens, one at a time; tokens after a stop are dropped."""
+        if not tokens and seq.params.max_tokens == 0:  # a prompt-scoring request is done once its prompt ran
+            self.num_prompt_tokens_total += seq.num_prompt_tokens
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+            seq.finished_time = now
+            self.num_requests_finished_total += 1
+            return
         del seq.token_ids[len(seq.token_ids) - len(tokens) :]
         for token, entry in zip(tokens, logprobs):
             seq.token_ids.append(token)
@@ -408,6 +580,11 @@ class LLMEngine:
             seq.logprobs.append(logprobs)
         text_before = len(seq.output_text)
         seq.output_text += seq.detokenizer.add_token(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+            if seq.grammar.error is not None:
+                self._finish_with_error(seq, RuntimeError(seq.grammar.error))
+                return
         status = self._stop_status(seq, token, text_before)
         if status is not None:
             self._finish(seq, status)
@@ -416,6 +593,8 @@ class LLMEngine:
 
     def _stop_status(self, seq: Sequence, token: int, text_before: int) -> SequenceStatus | None:
         p = seq.params
+        if seq.grammar is not None and seq.grammar.is_terminated:  # nothing may follow (EOS included)
+            return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens < p.min_tokens:  # the sampler blocked EOS and stop ids
             return SequenceStatus.FINISHED_LENGTH if seq.num_tokens >= self.config.max_model_len else None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
@@ -454,7 +633,17 @@ class LLMEngine:
             first.num_cached_tokens or 0,
             sum(s.num_output_tokens for s in group),
         )
-        return RequestOutput(first.group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)
+        prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
+        return RequestOutput(
+            first.group_id,
+            first.prompt,
+            first.prompt_token_ids,
+            completions,
+            finished,
+            metrics,
+            prompt_logprobs,
+            lora_request=first.lora_request,
+        )
 
     # ---------------------------------------------------------------- introspection
 
@@ -514,8 +703,17 @@ def make_model_runner(config: EngineConfig, path: Path, max_model_len: int) -> M
             max_num_seqs=config.max_num_seqs,
             enforce_eager=config.enforce_eager,
             attention_backend=backend,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
-    return ModelRunner(path, config.dtype, config.device, config.block_size, max_model_len)
+    return ModelRunner(
+        path,
+        config.dtype,
+        config.device,
+        config.block_size,
+        max_model_len,
+        kv_cache_dtype=config.kv_cache_dtype,
+        batch_invariant=config.batch_invariant,
+    )
 
 
 def read_eos_token_ids(path: Path, tokenizer) -> set[int]:
@@ -561,6 +759,7 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         chat: bool = False,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None | list[LoRARequest | None] = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched by the engine.
 
@@ -570,6 +769,8 @@ class LLM:
             sampling_params: one for all, or one per prompt.
             chat: wrap text prompts as a user turn with the checkpoint's chat template.
             use_tqdm: show a progress bar of finished requests.
+            lora_request: the LoRA adapter of every prompt, or one per prompt (``None``: the base);
+                prompts of different adapters run in the same batches.
 
         Returns:
             Final ``RequestOutput`` per prompt, in input order.
@@ -583,10 +784,20 @@ class LLM:
             raise ValueError(
                 f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt"
             )
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(
+                f"lora_request has {len(loras)} entries for {len(prompts)} prompts; give one or one per prompt"
+            )
         engine = self.engine
         inputs = [self.apply_chat_template(p) if chat and not isinstance(p, dict) else p for p in prompts]
-        validated = [engine.validate_request(p, sp) for p, sp in zip(inputs, params)]  # all before running any
-        ids = [engine.add_validated_request(None, text, token_ids, sp) for sp, text, token_ids in validated]
+        validated = [
+            engine.validate_request(p, sp, lora) for p, sp, lora in zip(inputs, params, loras)
+        ]  # all before running any
+        ids = [
+            engine.add_validated_request(None, text, token_ids, sp, None, lora)
+            for (sp, text, token_ids), lora in zip(validated, loras)
+        ]
         finals: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:

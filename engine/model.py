@@ -7,7 +7,9 @@ checkpoint's ``rope_theta`` and ``linear`` / ``llama3`` scaling, grouped-query a
 
 ``Model.forward`` runs all scheduled tokens of a step as one flat batch of ``N`` tokens: linear
 layers see ``[N, hidden]``; attention is delegated to an ``engine.attention.AttentionBackend``
-with the step's metadata. INT8 checkpoints (``engine.quant.int8``: ``weight-only`` or
+with the step's metadata. With an ``engine.lora.LoRABatch`` the rows of LoRA requests get their
+adapters' deltas on top of the base layers' outputs (``Model.forward``'s ``lora``).
+INT8 checkpoints (``engine.quant.int8``: ``weight-only`` or
 ``w8a8``, named in the safetensors metadata) run their linear layers, the LM head included when it
 was quantized, with the INT8 kernels of ``engine.quant.int8`` on CPU; on CUDA their weights are
 dequantized to ``dtype``.
@@ -27,6 +29,7 @@ from engine import cpu_ops
 from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.store import CheckpointError
 from engine.config import SUPPORTED_DTYPES
+from engine.errors import UsageError
 from engine.platform import onednn_bf16_supported
 from engine.quant.int8 import (
     INPUT_HADAMARD_SUFFIX,
@@ -141,16 +144,26 @@ FP32_PACKED_ROWS = (1, 64)
 PACKED_MIN_ROWS = 4
 
 
-def packed_rows(device: str, dtype: torch.dtype) -> tuple[int, int] | None:
+#: Rows per oneDNN call of a float linear in batch-invariant mode (``EngineConfig.batch_invariant``): a row's
+#: result must not depend on how many rows share the call. oneDNN's packed bf16 GEMM (AMX, 2 threads) computes
+#: every row of a call of 1 to 32 rows bit-identically, and picks other kernels above that whose roundings differ
+#: in some rows (e.g. the ``[576, 1536]`` down projection at 37-568 rows, the LM head at 33-352 rows); fp32 packed
+#: calls of 2 or more rows agree at every size measured (up to 1,192), one row differs. So batch-invariant linears
+#: run on the packed weight in calls of at most this many rows, each padded to ``PACKED_MIN_ROWS``.
+BATCH_INVARIANT_TILE_ROWS = 32
+
+
+def packed_rows(device: str, dtype: torch.dtype, batch_invariant: bool = False) -> tuple[int, int] | None:
     """``(min, max)`` rows of a float linear that use the oneDNN-packed weight, or ``None`` (never packed).
 
     bf16 on CPU: every row count (``can_pack_weights``); fp32 on CPU: ``FP32_PACKED_ROWS`` (the plain
-    weight serves the others); elsewhere ``None``.
+    weight serves the others), or every row count in batch-invariant mode (no MKL call, whose rows
+    depend on the row count); elsewhere ``None``.
     """
     if can_pack_weights(device, dtype):
         return (1, sys.maxsize)
     if device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        return FP32_PACKED_ROWS
+        return (1, sys.maxsize) if batch_invariant else FP32_PACKED_ROWS
     return None
 
 
@@ -187,6 +200,8 @@ class Linear:
     ):
         self.weight, self.bias, self.int8_layer, self.dtype = weight, bias, int8_layer, dtype
         self.pack_rows = pack_rows or (1, sys.maxsize)
+        self.tile_rows: int | None = None  # batch-invariant mode: rows per call (``invariant_tiles``)
+        self.min_rows = 1
         self.packed = None
         self.packed_halves = None  # (gate, up, gate bias, up bias) of a packed gated layer
         self.input_scaled = False  # an RMSNorm weight is folded into the columns (WeightLoader.linear)
@@ -207,7 +222,33 @@ class Linear:
         lo, hi = self.pack_rows
         return lo <= x.shape[0] <= hi or self.weight is None
 
+    def invariant_tiles(self, tile_rows: int, min_rows: int) -> None:
+        """Batch-invariant mode: every call runs in calls of at most ``tile_rows`` rows, each padded with zero
+        rows to ``min_rows`` (see ``BATCH_INVARIANT_TILE_ROWS``)."""
+        self.tile_rows, self.min_rows = tile_rows, min_rows
+
+    def _tiled(self, fn, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``fn(x)`` (or ``fn(x, residual)``) over ``tile_rows``-row slices of ``x`` ``[N, in]``, concatenated."""
+        n = x.shape[0]
+        tile = self.tile_rows
+        if tile is None or self.min_rows <= n <= tile:
+            return fn(x) if residual is None else fn(x, residual)
+        outputs = []
+        for start in range(0, n, tile):
+            xs = pad_rows(x[start : start + tile], self.min_rows)
+            m = min(tile, n - start)
+            if residual is None:
+                outputs.append(fn(xs)[:m])
+            else:
+                outputs.append(fn(xs, pad_rows(residual[start : start + tile], self.min_rows))[:m])
+        return torch.cat(outputs)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_rows is not None:
+            return self._tiled(self._call, x)
+        return self._call(x)
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer(x)
         if self.packed is not None and self._on_packed(x):
@@ -220,21 +261,31 @@ class Linear:
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``; ``residual`` is ``[N, out]`` in the output dtype."""
+        if self.tile_rows is not None:
+            return self._tiled(self._add, x, residual)
+        return self._add(x, residual)
+
+    def _add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer.add(x, residual)
         if self.packed is not None and self._on_packed(x):
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
-        return residual + self(x)
+        return residual + self._call(x)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a ``[gate; up]`` layer: ``[N, in] -> [N, intermediate]``."""
+        if self.tile_rows is not None:
+            return self._tiled(self._silu_mul, x)
+        return self._silu_mul(x)
+
+    def _silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer.silu_mul(x)
         if self.packed_halves is not None and self._on_packed(x):
             gate, up, gate_bias, up_bias = self.packed_halves
             linear = torch.ops.mkldnn._linear_pointwise
             return linear.binary(x, linear(x, gate, gate_bias, "swish", [], ""), up, up_bias, "mul")
-        gate, up = self(x).chunk(2, dim=-1)
+        gate, up = self._call(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
 
@@ -262,14 +313,16 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 class WeightLoader:
     """Builds fused linear layers from a state dict, float or INT8 (``X.weight_int8`` + ``X.weight_scale``)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, device: str):
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, device: str, batch_invariant=False
+    ):
         self.tensors, self.path, self.dtype, self.device = tensors, path, dtype, device
         try:
             self.int8_scheme = read_scheme(sorted(path.glob("*.safetensors")))  # None for a float checkpoint
         except ValueError as exc:
             raise CheckpointError(str(exc)) from exc
         self.pack = can_pack_weights(device, dtype)  # every row count; RMSNorm weights folded in
-        self.pack_rows = packed_rows(device, dtype)  # bf16: every row count; fp32: FP32_PACKED_ROWS
+        self.pack_rows = packed_rows(device, dtype, batch_invariant)  # bf16: every row count; fp32: FP32_PACKED_ROWS
 
     def has(self, name: str) -> bool:
         return name in self.tensors or name.removesuffix(".weight") + INT8_WEIGHT_SUFFIX in self.tensors
@@ -362,6 +415,9 @@ class LayerWeights:
     post_norm: torch.Tensor | None  # [hidden]; None when folded into gate_up
     gate_up: Linear  # hidden -> 2 * intermediate ([gate; up])
     down: Linear  # intermediate -> hidden
+    # the [hidden] RMSNorm weights folded into qkv / gate_up (else None): a LoRA adapter's A takes them too
+    folded_input_norm: torch.Tensor | None = None
+    folded_post_norm: torch.Tensor | None = None
 
 
 def load_layers(loader: WeightLoader, spec: ModelSpec) -> list[LayerWeights]:
@@ -383,6 +439,8 @@ def load_layers(loader: WeightLoader, spec: ModelSpec) -> list[LayerWeights]:
                 post_norm=None if gate_up.input_scaled else loader.tensor(post_norm),
                 gate_up=gate_up,
                 down=loader.linear([p + "mlp.down_proj"]),
+                folded_input_norm=loader.tensors[input_norm] if qkv.input_scaled else None,
+                folded_post_norm=loader.tensors[post_norm] if gate_up.input_scaled else None,
             )
         )
     return layers
@@ -399,16 +457,20 @@ class Model:
         dtype: activations and float weights (a ``torch.dtype``).
         device: ``cpu`` or ``cuda``.
         max_model_len: longest sequence (sizes the rotary tables).
+        batch_invariant: every linear layer runs its rows in calls of ``BATCH_INVARIANT_TILE_ROWS`` on the packed
+            weight, so a token's result does not depend on the other tokens of its step
+            (``EngineConfig.batch_invariant``).
 
     Raises:
         CheckpointError: unsupported architecture, missing or corrupt weights.
+        UsageError: ``batch_invariant`` with an INT8 checkpoint, or where float weights are not packed.
     """
 
-    def __init__(self, path: Path, dtype: torch.dtype, device: str, max_model_len: int):
+    def __init__(self, path: Path, dtype: torch.dtype, device: str, max_model_len: int, batch_invariant: bool = False):
         self.spec = spec = read_model_spec(path)
         self.dtype, self.device = dtype, device
         tensors = load_state_dict(path)
-        loader = WeightLoader(tensors, path, dtype, device)
+        loader = WeightLoader(tensors, path, dtype, device, batch_invariant)
         self.embed = loader.tensor("model.embed_tokens.weight")  # [vocab, hidden]
         self.layers = load_layers(loader, spec)
         self.norm = loader.tensor("model.norm.weight")
@@ -421,6 +483,17 @@ class Model:
         # once per call for any row count, so an INT8 model is never padded)
         self.min_rows = PACKED_MIN_ROWS if loader.pack_rows is not None and not self.is_int8 else 1
         del tensors
+        if batch_invariant:
+            if self.is_int8 or loader.pack_rows is None:
+                raise UsageError(
+                    f"batch_invariant=True needs a float checkpoint in bfloat16 or float32 on CPU with oneDNN; {path} "
+                    f"is {'INT8' if self.is_int8 else str(dtype)} on {device}",
+                    fix="turn batch_invariant off or serve the float checkpoint",
+                )
+            for lw in self.layers:
+                for linear in (lw.qkv, lw.o, lw.gate_up, lw.down):
+                    linear.invariant_tiles(BATCH_INVARIANT_TILE_ROWS, self.min_rows)
+            self.lm_head.invariant_tiles(BATCH_INVARIANT_TILE_ROWS, self.min_rows)
         inv_freq = rope_inv_freq(spec)
         t = torch.arange(max_model_len, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_model_len, head_dim / 2]
@@ -432,13 +505,19 @@ class Model:
         self._int8_decode: tuple | bool | None = None  # int8_decode_weights(), collected on first use
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn, attn_metadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn, attn_metadata, lora=None
     ) -> torch.Tensor:
         """``[N]`` token ids at ``[N]`` positions -> ``[N, hidden]`` last hidden states (before the final norm).
 
         Args:
             kv_cache: ``[num_layers, ...]`` the per-layer caches in ``attn``'s layout.
             attn: the ``AttentionBackend``; ``attn_metadata`` what its ``build`` returned for this step.
+            lora: an ``engine.lora.LoRABatch`` when rows of this step run with LoRA adapters, else ``None``.
+                Each adapted layer adds its delta to the base output: qkv before rotary and the cache store,
+                o and down after their residual-add epilogue (the delta is linear, so adding it after the
+                fused add is exact), and gate/up before SwiGLU, where the fused ``silu_mul`` then gives way to
+                the plain GEMM + ``silu * up`` in the layers an adapter of the step changes. A base-only step
+                (``None``) runs the fused path unchanged.
         """
         s = self.spec
         eps = s.rms_norm_eps
@@ -452,6 +531,8 @@ class Model:
         for layer_idx, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)[:n]  # [N, q_size + 2 * kv_size]
+            if lora is not None:
+                qkv = lora.apply(layer_idx, "qkv", x, qkv)
             q = None
             if slot_mapping is not None and attn.stores_kv_separately:
                 # bf16 on CPU: rotary on q and k and the k, v store in one C++ pass (else None)
@@ -465,8 +546,19 @@ class Model:
                 v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, s.head_dim)
             out = attn.forward(q, k, v, kv_cache[layer_idx], attn_metadata)  # [N, q_size]
             h = layer.o.add(pad_rows(out, self.min_rows), h)  # [R, hidden]
+            if lora is not None:
+                h = lora.apply(layer_idx, "o", out, h)
             x = rms_norm(h, layer.post_norm, eps)
-            h = layer.down.add(layer.gate_up.silu_mul(x), h)  # [R, intermediate] -> [R, hidden]
+            if lora is not None and lora.has(layer_idx, "gate_up"):
+                gate_up = layer.gate_up(x)  # [R, 2 * intermediate]
+                gate_up = lora.apply(layer_idx, "gate_up", x, gate_up)
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            else:
+                act = layer.gate_up.silu_mul(x)  # [R, intermediate]
+            h = layer.down.add(act, h)  # [R, hidden]
+            if lora is not None:
+                h = lora.apply(layer_idx, "down", act, h)
         return h[:n]
 
     def int8_decode_weights(self) -> tuple[list, list, list, list] | None:
@@ -509,16 +601,22 @@ class Model:
 
         In bf16 the entries near each row's maximum are recomputed in float32 (``cpu_ops.refine_logits``):
         the GEMM's rounding to bf16 would otherwise tie or swap close candidates, and greedy output would
-        follow the tie order instead of the model. With ``float_logits=False`` the exact winner is made
-        the row's unique maximum.
+        follow the tie order instead of the model. Float logits also hold the exact values of every entry that
+        may be among the ``EXACT_TOP_LOGITS`` largest (the top logprobs a request reads, the candidates a
+        sampler keeps). With ``float_logits=False`` the exact winner is made the row's unique maximum.
         """
         s = hidden.shape[0]
         hidden = rms_norm(pad_rows(hidden, self.min_rows), self.norm, self.spec.rms_norm_eps)
         logits = self.lm_head(hidden)[:s]
         head = self.lm_head
         if logits.dtype == torch.bfloat16 and head.int8_layer is None and head.bias is None and head.weight is not None:
-            return cpu_ops.refine_logits(logits, hidden[:s], head.weight, to_float=float_logits)
+            return cpu_ops.refine_logits(logits, hidden[:s], head.weight, to_float=float_logits, top_k=EXACT_TOP_LOGITS)
         return logits.float() if float_logits else logits
+
+
+#: bf16 float logits hold exact float32 sums for (at least) this many largest entries of each row (``compute_logits``):
+#: more than the 20 top logprobs the OpenAI API returns.
+EXACT_TOP_LOGITS = 32
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Token selection for a batch of requests: greedy, temperature, min-p, top-k, top-p, bias, penalties, logprobs."""
+"""Token selection for a batch of requests: grammar masks, greedy, temperature, min-p, top-k, top-p, bias,
+penalties, logprobs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from engine import cpu_ops
 from engine.sequence import Sequence
+from engine.structured_output import apply_bitmask, bitmask_words
 
 
 @dataclasses.dataclass
@@ -21,8 +23,10 @@ class SampleResult:
 class Sampler:
     """Samples one token per sequence from ``[S, vocab]`` float32 logits.
 
-    Per row, in vLLM's order: ``logit_bias`` added; while a request has fewer than
-    ``min_tokens`` new tokens, its end-of-sequence and ``stop_token_ids`` logits set to -inf;
+    Per row, in vLLM's order: the structured-output grammar's mask (disallowed tokens -inf, so
+    logprobs and the top alternatives are those of allowed tokens, as in vLLM); ``logit_bias``
+    added; while a request has fewer than ``min_tokens`` new tokens, its end-of-sequence and
+    ``stop_token_ids`` logits set to -inf;
     repetition penalty (Hugging Face / CTRL form over prompt and output: positive logits
     divided, negative multiplied); frequency and presence penalties over the output tokens
     (OpenAI's definition: ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``).
@@ -60,11 +64,14 @@ class Sampler:
         return SampleResult(tokens, self._logprobs(raw_logprobs, tokens, seqs))
 
     def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """``[S, vocab]`` logits -> a copy with bias, ``min_tokens`` blocking and penalties applied."""
+        """``[S, vocab]`` logits -> a copy with grammar masks, bias, ``min_tokens`` blocking and penalties applied."""
         if not any(s.params.changes_logits for s in seqs):
             return logits
         logits = logits.clone()
         vocab = logits.shape[-1]
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:
+            self._apply_grammars(logits, [seqs[i].grammar for i in constrained], constrained)
         for i, seq in enumerate(seqs):
             p = seq.params
             if not p.changes_logits:
@@ -87,6 +94,13 @@ class Sampler:
                 ids = ids.to(row.device)
                 row[ids] -= p.frequency_penalty * counts.to(row.device, row.dtype) + p.presence_penalty
         return logits
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, grammars: list, rows: list[int]) -> None:
+        """Mask ``logits[rows[j]]`` (in place) to the tokens ``grammars[j]`` allows next (other rows: all allowed)."""
+        bitmask = torch.full((logits.shape[0], bitmask_words(logits.shape[-1])), -1, dtype=torch.int32)  # [S, words]
+        grammars[0].compiler.fill_bitmask(grammars, rows, bitmask)
+        apply_bitmask(logits, bitmask)
 
     @staticmethod
     def _probs(

@@ -3,14 +3,133 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
-from engine.errors import UsageError  # a ValueError: a refused field is a usage error (exit 2)
+from engine.errors import InvalidRequestError  # a InvalidRequestError (a ValueError) naming the field (``param``)
 
 #: Smallest temperature > 0: logits / temperature overflow float32 below it (use 0 for greedy).
 MIN_TEMPERATURE = 1e-5
 #: ``torch.Generator.manual_seed`` takes an unsigned 64-bit seed.
 MAX_SEED = 2**64 - 1
+
+
+#: The fields of ``StructuredOutputsParams`` that name a constraint; exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text, enforced as a token mask at sampling time (vLLM's shape).
+
+    Exactly one field is set:
+
+    Attributes:
+        json: a JSON schema (a dict or its JSON text); the output is one JSON value valid against it.
+        regex: a regular expression (Rust ``regex`` syntax, matched in full).
+        choice: a list of strings; the output is exactly one of them.
+        grammar: a context-free grammar, Lark or GBNF (llama.cpp) syntax.
+        json_object: ``True``: the output is one JSON object (any keys).
+
+    Raises:
+        InvalidRequestError (a ValueError): none or several fields set, or a field of the wrong type (named).
+            Whether a schema, pattern or grammar compiles is known only when it is compiled
+            (``engine.structured_output``).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            which = "none" if not given else " and ".join(given)
+            raise InvalidRequestError(
+                f"structured_outputs sets {which}; set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+                param="structured_outputs",
+            )
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidRequestError(
+                    f"structured_outputs.json is not valid JSON ({exc}); send a JSON schema", param="structured_outputs"
+                ) from exc
+            if not isinstance(parsed, (dict, bool)):
+                raise InvalidRequestError(
+                    "structured_outputs.json must be a JSON schema (an object)", param="structured_outputs"
+                )
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise InvalidRequestError(
+                f"structured_outputs.json={self.json!r}; it must be a JSON schema (an object)",
+                param="structured_outputs",
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(
+                    f"structured_outputs.{name}={value!r}; it must be a non-empty string", param="structured_outputs"
+                )
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise InvalidRequestError(
+                    f"structured_outputs.choice={self.choice!r}; it must be a non-empty list of non-empty strings",
+                    param="structured_outputs",
+                )
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise InvalidRequestError(
+                f"structured_outputs.json_object={self.json_object!r}; it must be true or omitted",
+                param="structured_outputs",
+            )
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(kind, canonical spec text)``: equal constraints have equal keys (the compile cache's key)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            value = json.loads(value) if isinstance(value, str) else value
+            return kind, json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, json.dumps(value)
+        if kind == "json_object":
+            return kind, ""
+        return kind, value
+
+    @classmethod
+    def from_value(cls, value: object) -> "StructuredOutputsParams | None":
+        """``None``, an instance, or a dict of its fields (JSON requests) -> an instance.
+
+        Raises:
+            InvalidRequestError (a ValueError): not a dict, an unknown field (named), or a bad value.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError(
+                f"structured_outputs={value!r}; it must be an object with one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+                param="structured_outputs",
+            )
+        unknown = sorted(set(value) - set(STRUCTURED_OUTPUT_KINDS))
+        if unknown:
+            raise InvalidRequestError(
+                f"structured_outputs has unknown field(s) {unknown}; known: {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+                param="structured_outputs",
+            )
+        return cls(**value)
 
 
 @dataclasses.dataclass
@@ -22,7 +141,7 @@ class SamplingParams:
         top_p: nucleus sampling mass in (0, 1] (Holtzman et al. 2019, "The Curious Case of
             Neural Text Degeneration").
         top_k: keep the ``top_k`` most likely tokens; ``None`` keeps all.
-        max_tokens: most new tokens to generate (>= 1).
+        max_tokens: most new tokens to generate (>= 1; 0 with ``prompt_logprobs``: score the prompt only).
         seed: seed of this request's own ``torch.Generator`` (reproducible sampling).
         stop: a string or list of strings; generation stops before the first occurrence and
             the stop string is not part of the returned text.
@@ -45,9 +164,17 @@ class SamplingParams:
             times the most likely token's (Nguyen et al. 2024, "Min P Sampling").
         logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to the logits before
             penalties and sampling (also for greedy requests). JSON string keys are accepted.
+        structured_outputs: a ``StructuredOutputsParams`` (or a dict of its fields): only tokens
+            that keep the output inside its language are sampled, end-of-sequence only where the
+            output is complete, and the request finishes (``"stop"``) once nothing can follow.
+            Such a request gets no speculative proposals.
+        prompt_logprobs: return the log-probability of each prompt token (``None`` for the first)
+            and of the ``prompt_logprobs`` most likely tokens at its position; ``None`` returns none.
+            The prompt is then computed in full rather than taken from the prefix cache.
 
     Raises:
-        UsageError (a ValueError): a field out of range or of the wrong type (the message names it). Limits
+        InvalidRequestError (a ValueError): a field out of range or of the wrong type (the message names it,
+            ``param`` holds its name). Limits
             that depend on the model (vocabulary, context length) are checked by
             ``check_for_model`` when the engine adds the request.
     """
@@ -68,52 +195,83 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
-            raise UsageError(f"temperature={self.temperature!r}; it must be a finite number >= 0 (0 = greedy)")
+            raise InvalidRequestError(
+                f"temperature={self.temperature!r}; it must be a finite number >= 0 (0 = greedy)", param="temperature"
+            )
         if 0 < self.temperature < MIN_TEMPERATURE:
-            raise UsageError(
+            raise InvalidRequestError(
                 f"temperature={self.temperature!r} is below {MIN_TEMPERATURE} and would overflow the logits; "
-                "use 0 for greedy"
+                "use 0 for greedy",
+                param="temperature",
             )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise UsageError(f"top_p={self.top_p!r}; it must be in (0, 1]")
+            raise InvalidRequestError(f"top_p={self.top_p!r}; it must be in (0, 1]", param="top_p")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
-            raise UsageError(f"top_k={self.top_k!r}; it must be an integer >= 1, or None for no limit")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise UsageError(f"max_tokens={self.max_tokens!r}; it must be an integer >= 1")
+            raise InvalidRequestError(
+                f"top_k={self.top_k!r}; it must be an integer >= 1, or None for no limit", param="top_k"
+            )
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise InvalidRequestError(
+                f"prompt_logprobs={self.prompt_logprobs!r}; it must be an integer >= 0, or None",
+                param="prompt_logprobs",
+            )
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens={self.max_tokens!r}; it must be an integer >= 1", param="max_tokens")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise InvalidRequestError(
+                "max_tokens=0 generates nothing; it must be >= 1, or set prompt_logprobs to score the prompt only",
+                param="max_tokens",
+            )
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise UsageError(f"seed={self.seed!r}; it must be an integer in [0, 2**64 - 1], or None")
+            raise InvalidRequestError(
+                f"seed={self.seed!r}; it must be an integer in [0, 2**64 - 1], or None", param="seed"
+            )
         self.stop = _check_stop(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
-            raise UsageError(f"stop_token_ids={self.stop_token_ids!r}; it must be a list of non-negative token ids")
+            raise InvalidRequestError(
+                f"stop_token_ids={self.stop_token_ids!r}; it must be a list of non-negative token ids",
+                param="stop_token_ids",
+            )
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
-            raise UsageError(f"ignore_eos={self.ignore_eos!r}; it must be a bool")
+            raise InvalidRequestError(f"ignore_eos={self.ignore_eos!r}; it must be a bool", param="ignore_eos")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
-            raise UsageError(
-                f"repetition_penalty={self.repetition_penalty!r}; it must be a finite number > 0 (1 = off)"
+            raise InvalidRequestError(
+                f"repetition_penalty={self.repetition_penalty!r}; it must be a finite number > 0 (1 = off)",
+                param="repetition_penalty",
             )
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise UsageError(f"logprobs={self.logprobs!r}; it must be an integer >= 0, or None")
+            raise InvalidRequestError(
+                f"logprobs={self.logprobs!r}; it must be an integer >= 0, or None", param="logprobs"
+            )
         if not _is_int(self.n) or self.n < 1:
-            raise UsageError(f"n={self.n!r}; it must be an integer >= 1 (completions per prompt)")
+            raise InvalidRequestError(f"n={self.n!r}; it must be an integer >= 1 (completions per prompt)", param="n")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise UsageError(
-                f"min_tokens={self.min_tokens!r}; it must be an integer in [0, max_tokens={self.max_tokens}]"
+            raise InvalidRequestError(
+                f"min_tokens={self.min_tokens!r}; it must be an integer in [0, max_tokens={self.max_tokens}]",
+                param="min_tokens",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
-                raise UsageError(f"{name}={value!r}; it must be a number in [-2, 2] (0 = off)")
+                raise InvalidRequestError(f"{name}={value!r}; it must be a number in [-2, 2] (0 = off)", param=name)
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise UsageError(f"min_p={self.min_p!r}; it must be a number in [0, 1] (0 = off)")
+            raise InvalidRequestError(f"min_p={self.min_p!r}; it must be a number in [0, 1] (0 = off)", param="min_p")
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        if self.structured_outputs is not None and self.max_tokens == 0:
+            raise InvalidRequestError(
+                "structured_outputs with max_tokens=0 generates nothing; set max_tokens >= 1", param="max_tokens"
+            )
 
     def check_for_model(self, vocab_size: int, max_model_len: int, num_prompt_tokens: int) -> None:
         """Check the fields whose limits are the model's (called by the engine for every request).
@@ -124,27 +282,34 @@ class SamplingParams:
             num_prompt_tokens: this request's prompt length, in tokens.
 
         Raises:
-            UsageError (a ValueError): a token id outside the vocabulary, more ``logprobs`` than tokens, or a
+            InvalidRequestError (a ValueError): a token id outside the vocabulary, more ``logprobs`` than tokens, or a
                 prompt + ``max_tokens`` over ``max_model_len`` (the message names the field and fix).
         """
         bad_ids = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad_ids:
-            raise UsageError(f"stop_token_ids={bad_ids[:5]} are outside the vocabulary [0, {vocab_size}); remove them")
+            raise InvalidRequestError(
+                f"stop_token_ids={bad_ids[:5]} are outside the vocabulary [0, {vocab_size}); remove them",
+                param="stop_token_ids",
+            )
         bad_bias = sorted(t for t in (self.logit_bias or {}) if t >= vocab_size)
         if bad_bias:
-            raise UsageError(
-                f"logit_bias has token ids {bad_bias[:5]} outside the vocabulary [0, {vocab_size}); remove them"
+            raise InvalidRequestError(
+                f"logit_bias has token ids {bad_bias[:5]} outside the vocabulary [0, {vocab_size}); remove them",
+                param="logit_bias",
             )
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise UsageError(
-                f"logprobs={self.logprobs} > the vocabulary size {vocab_size}; ask for at most {vocab_size}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise InvalidRequestError(
+                    f"{name}={value} > the vocabulary size {vocab_size}; ask for at most {vocab_size}", param=name
+                )
         if num_prompt_tokens + self.max_tokens > max_model_len:
-            raise UsageError(
+            raise InvalidRequestError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({self.max_tokens}) = "
                 f"{num_prompt_tokens + self.max_tokens} "
                 f"> max_model_len={max_model_len}; set max_tokens <= "
-                f"{max(max_model_len - num_prompt_tokens, 0)} or shorten the prompt"
+                f"{max(max_model_len - num_prompt_tokens, 0)} or shorten the prompt",
+                param="max_tokens",
             )
 
     @property
@@ -161,6 +326,7 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
             or self.min_tokens > 0
+            or self.structured_outputs is not None
         )
 
     @classmethod
@@ -173,7 +339,9 @@ class SamplingParams:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise UsageError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+            raise InvalidRequestError(
+                f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}", param=unknown[0]
+            )
         return cls(**values)
 
 
@@ -183,9 +351,9 @@ def _check_stop(stop: object) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise UsageError(f"stop={stop!r}; it must be a string or a list of strings")
+        raise InvalidRequestError(f"stop={stop!r}; it must be a string or a list of strings", param="stop")
     if any(s == "" for s in stop):
-        raise UsageError("stop contains an empty string; remove it")
+        raise InvalidRequestError("stop contains an empty string; remove it", param="stop")
     return list(stop)
 
 
@@ -193,14 +361,18 @@ def _check_logit_bias(bias: object) -> dict[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, dict):
-        raise UsageError(f"logit_bias={bias!r}; it must be a mapping {{token_id: bias}}")
+        raise InvalidRequestError(f"logit_bias={bias!r}; it must be a mapping {{token_id: bias}}", param="logit_bias")
     checked: dict[int, float] = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        token = int(key) if isinstance(key, str) and key.isascii() and key.strip().isdigit() else key
         if not _is_int(token) or token < 0:
-            raise UsageError(f"logit_bias key {key!r}; keys must be non-negative token ids")
+            raise InvalidRequestError(
+                f"logit_bias key {key!r}; keys must be non-negative token ids", param="logit_bias"
+            )
         if not _is_number(value) or not -100.0 <= value <= 100.0:
-            raise UsageError(f"logit_bias[{key!r}]={value!r}; biases must be numbers in [-100, 100]")
+            raise InvalidRequestError(
+                f"logit_bias[{key!r}]={value!r}; biases must be numbers in [-100, 100]", param="logit_bias"
+            )
         checked[token] = float(value)
     return checked or None
 

@@ -70,6 +70,8 @@ class Sequence:
         self.finished_time: float | None = None
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
+        self.last_scheduled_step = 0  # the scheduler's step counter when it last ran (fair scheduling order)
+        self.last_admitted_step = 0  # ... when it last moved from waiting to running
         self.group_id = request_id  # the request this completion belongs to (``SamplingParams.n``)
         self.index = 0  # its completion index in that request
         self.error: str | None = None  # why it finished with FINISHED_ERROR
@@ -77,6 +79,16 @@ class Sequence:
         # the target accepts them) and the [len, vocab] draft distributions they were drawn from.
         self.spec_token_ids: list[int] = []
         self.spec_probs = None
+        # LoRA: the adapter it runs with (an ``engine.lora.LoRARequest``, ``None`` for the base) and that
+        # adapter's 64-bit prefix-cache key, the parent hash of its first KV block (so no block is shared
+        # across adapters).
+        self.lora_request = None
+        self.lora_hash: int | None = None
+        # Structured output: the request's grammar (engine.structured_output.SequenceGrammar), if any.
+        self.grammar = None
+        # Prompt logprobs (``params.prompt_logprobs``): one entry per prompt token scored so far, the
+        # first ``None``; ``None`` when not asked (or asked of the request's first sequence only).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +109,17 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """Its structured-output grammar is still compiling (the scheduler does not admit it yet)."""
+        return self.grammar is not None and not self.grammar.ready
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Its prompt logprobs are not all computed: cached positions would have no logits, so the
+        prompt is computed in full."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_prefilling(self) -> bool:

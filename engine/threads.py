@@ -26,6 +26,11 @@ DEFAULT_INTERVAL_S = 0.5
 #: Other processes' use (in cores) from which a core counts as taken: a core half-used by another
 #: process already stalls the barrier of a thread placed on it.
 BUSY_CORE_FRACTION = 0.5
+#: Consecutive looks that must agree on a new thread count before it is applied, and the least time
+#: between two changes: a change makes oneDNN build its kernels again for the new thread count, so a
+#: flickering load must not flip it back and forth.
+AGREEING_LOOKS = 2
+MIN_DWELL_S = 2.0
 
 
 def machine_busy_s(stat: str = "/proc/stat") -> float | None:
@@ -89,6 +94,8 @@ class ThreadGovernor:
         self.others_cores = 0.0  # other processes' use at the last look, in cores
         self.num_changes = 0
         self._last = self._sample()
+        self._last_change = self._last[0]
+        self._proposal, self._agreeing = self.threads, 0
 
     def _sample(self) -> tuple[float, float | None, float]:
         return self._clock(), self._busy(), self._own()
@@ -106,10 +113,13 @@ class ThreadGovernor:
         self.others_cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
         taken = int(self.others_cores + (1 - BUSY_CORE_FRACTION) + 1e-6)  # a core counts from BUSY_CORE_FRACTION
         threads = max(1, min(self.max_threads, self.cores - taken))
-        if threads != self.threads:
+        self._agreeing = self._agreeing + 1 if threads == self._proposal else 1
+        self._proposal = threads
+        if threads != self.threads and self._agreeing >= AGREEING_LOOKS and t1 - self._last_change >= MIN_DWELL_S:
             self._set(threads)
             self.threads = threads
             self.num_changes += 1
+            self._last_change = t1
         return self.threads
 
 

@@ -37,6 +37,8 @@ import time
 import traceback
 from pathlib import Path
 
+from bench.harness import percentiles
+
 #: Model shapes (``transformers.LlamaConfig`` fields).
 LLAMA_3_2_1B = dict(
     hidden_size=2048,
@@ -297,7 +299,6 @@ def check_bf16_logprobs(path: Path, prompts: list[list[int]], device: str, engin
 def run_workload(work: Path, device: str, shape: dict, w: Workload) -> dict:
     import torch
 
-    from bench.metrics import percentiles
     from engine import LLM, SamplingParams
 
     t = time.perf_counter()

@@ -20,10 +20,25 @@ first checkpoint listed: put the parent first):
 * ``decode_ms_per_token``: batch 1, CPU, greedy, with the KV cache:
   ``(time(1 + n tokens) - time(1 token)) / n``, each time the fastest of the repeats.
 
+With ``lora`` (``--lora DIR``) one LoRA adapter (PEFT format, ``lmforge finetune --lora``) runs on
+every checkpoint, the reference included: adapter-on-INT8-base is then judged against
+adapter-on-fp32-base, i.e. what compressing the base costs the adapted model. The adapter is added
+as a forward hook on each adapted projection (``y + s B A x``, Hu et al. 2021, in the layer's input
+dtype), which works the same on float, INT8 and bitsandbytes layers; ONNX checkpoints cannot take
+it. Those metrics describe the adapted model, so they are not merged into the checkpoints'
+manifests.
+
 Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``int8``
 (``engine.quant.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8``
 (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
 ONNX Runtime through Optimum).
+
+KV cache dtypes (``--kv-cache-dtype bfloat16,int8``): every checkpoint then runs on the lmforge engine
+(kind ``engine``, ``EngineLM``) once per listed ``EngineConfig.kv_cache_dtype``, and the reference is the
+reference checkpoint at the first one listed. Teacher-forced logits come from one engine prefill that
+writes the record's K and V into the cache and reads them back, so each position sees the quantized keys
+and values of every position before it, as a decode step would: KL and same top-1 of ``int8`` against
+``bfloat16`` judge the int8 KV cache the way the other metrics judge compressed weights.
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ import json
 import math
 import os
 import time
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +60,7 @@ from compress.data import records as records_module
 from compress.data.records import default_split_records
 from compress.quantize.methods import load_int8_model, load_llm_int8_model
 from compress.quantize.onnx import onnx_num_parameters
+from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import check_output_file, write_output_file
 from engine.checkpoint.store import (
     MANIFEST_NAME,
@@ -53,6 +70,7 @@ from engine.checkpoint.store import (
     update_metrics,
 )
 from engine.errors import LmforgeError
+from engine.lora import LORA_TARGETS, LoRARequest, load_adapter
 from engine.quant.int8 import INT8_WEIGHT_SUFFIX
 from engine.records import encode_record
 
@@ -71,6 +89,10 @@ AGREEMENT_PROMPTS: tuple[str, ...] = (
 
 class EvaluationError(LmforgeError, ValueError):
     """Bad evaluation input (data file, record, option); the message names the file or field."""
+
+
+#: The kind of a checkpoint evaluated on the lmforge engine (``--kv-cache-dtype``).
+ENGINE_KIND = "engine"
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,34 +152,158 @@ LOADERS: dict[str, Callable[[Path, int | None], Any]] = {
 
 @dataclasses.dataclass
 class LoadedCheckpoint:
-    """A checkpoint ready to run: ``model(input_ids=[1, T]).logits -> [1, T, vocab]``, ``model.generate``."""
+    """A checkpoint ready to run: ``model(input_ids=[1, T]).logits -> [1, T, vocab]``, ``model.generate``.
+
+    ``kv_cache_dtype`` is set for kind ``engine`` (the lmforge engine with that KV cache dtype)."""
 
     path: Path
     kind: str
     model: Any
     tokenizer: Any
+    kv_cache_dtype: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How its results are keyed: the path, and ``[kv DTYPE]`` on the engine."""
+        return str(self.path) if self.kv_cache_dtype is None else f"{self.path} [kv {self.kv_cache_dtype}]"
 
 
-def load_for_eval(spec: str | Path, *, num_threads: int | None = None) -> LoadedCheckpoint:
+class EngineLM:
+    """A checkpoint on the lmforge engine, with the calls evaluation makes of a ``transformers`` model.
+
+    ``model(input_ids=[1, T]).logits`` are the teacher-forced float32 logits ``[1, T, vocab]`` of one
+    engine prefill (``ModelRunner.teacher_forced_logits``: K and V go through the cache, so they carry
+    ``kv_cache_dtype``'s rounding); ``generate`` is engine greedy decoding (EOS kept unless
+    ``min_new_tokens`` holds it back). Prefix caching is off, so every record computes its own K and V.
+
+    Args:
+        path: a resolved checkpoint directory.
+        dtype: ``EngineConfig.dtype`` (``"auto"``: bf16 where the CPU computes it natively).
+        kv_cache_dtype: ``EngineConfig.kv_cache_dtype``.
+        max_model_len: longest record + generation in tokens (capped at the checkpoint's context).
+    """
+
+    def __init__(self, path: Path, dtype: str, kv_cache_dtype: str, max_model_len: int):
+        # the engine (and its C++ kernels) load only on this path
+        from engine import LLM
+        from engine.model import read_model_spec
+
+        max_model_len = min(max_model_len, read_model_spec(path).max_position_embeddings)
+        self.llm = LLM(
+            path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False, max_model_len=max_model_len
+        )
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        from engine.sampling_params import SamplingParams
+        from engine.sequence import Sequence
+
+        ids = input_ids[0].tolist()
+        engine = self.llm.engine
+        seq = Sequence("teacher-forced", None, ids, SamplingParams(max_tokens=1), None, None)
+        if not engine.block_manager.allocate_slots(seq, len(ids)):
+            raise EvaluationError(f"{len(ids)} tokens do not fit the engine's KV cache; decrease --max-length")
+        try:
+            logits = engine.runner.teacher_forced_logits(ids, seq.block_table)  # [T, vocab]
+        finally:
+            engine.block_manager.free(seq)
+        return types.SimpleNamespace(logits=logits[None])
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 32,
+        min_new_tokens: int = 0,
+        do_sample: bool = False,
+        pad_token_id: int | None = None,
+    ) -> torch.Tensor:
+        from engine.sampling_params import SamplingParams
+
+        if do_sample:
+            raise EvaluationError("the engine rows of `lmforge evaluate` decode greedily (do_sample=False)")
+        prompt = input_ids[0].tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, min_tokens=min_new_tokens)
+        out = self.llm.generate([{"prompt_token_ids": prompt}], params)[0]
+        return torch.tensor([prompt + list(out.outputs[0].token_ids)])
+
+
+def load_for_eval(
+    spec: str | Path,
+    *,
+    num_threads: int | None = None,
+    kv_cache_dtype: str | None = None,
+    engine_dtype: str = "auto",
+    max_model_len: int = 1024,
+    lora: str | Path | None = None,
+) -> LoadedCheckpoint:
     """Load a causal-LM checkpoint of any kind for evaluation (CPU).
 
     Args:
         spec: checkpoint name or directory.
         num_threads: CPU threads (``torch.set_num_threads`` for PyTorch kinds, process-wide;
             ONNX Runtime intra-op threads); ``None`` keeps the libraries' defaults.
+        kv_cache_dtype: run it on the lmforge engine (kind ``engine``, ``EngineLM``) with this
+            ``EngineConfig.kv_cache_dtype``; ``None``: with its own library.
+        engine_dtype, max_model_len: the engine's ``dtype`` and ``max_model_len`` (with ``kv_cache_dtype``).
+        lora: a LoRA adapter directory to run on the checkpoint (``apply_lora``; not with ``kv_cache_dtype``).
 
     Raises:
         CheckpointError: missing/corrupt checkpoint or a non-causal model (names the file).
+        UsageError: a ``kv_cache_dtype`` or ``engine_dtype`` the engine refuses (names the field).
+        LoRAError: the adapter does not fit the checkpoint.
+        EvaluationError: ``lora`` on an ONNX checkpoint or with ``kv_cache_dtype``.
     """
     # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoTokenizer
 
     path = resolve_checkpoint(spec)
-    kind = checkpoint_kind(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if num_threads:
         torch.set_num_threads(num_threads)
-    return LoadedCheckpoint(path, kind, LOADERS[kind](path, num_threads), tokenizer)
+    if lora is not None and kv_cache_dtype is not None:
+        raise EvaluationError("--lora with --kv-cache-dtype: the engine rows of evaluate run no adapter; drop one")
+    if kv_cache_dtype is not None:
+        model = EngineLM(path, engine_dtype, kv_cache_dtype, max_model_len)
+        return LoadedCheckpoint(path, ENGINE_KIND, model, tokenizer, kv_cache_dtype)
+    kind = checkpoint_kind(path)
+    if lora is not None and kind == "onnx":
+        raise EvaluationError(f"--lora {lora}: {path} is an ONNX checkpoint, which cannot take a LoRA adapter")
+    model = LOADERS[kind](path, num_threads)
+    if lora is not None:
+        apply_lora(model, lora, path)
+    return LoadedCheckpoint(path, kind, model, tokenizer)
+
+
+def apply_lora(model, adapter_dir: str | Path, checkpoint_dir: Path) -> int:
+    """Add a LoRA adapter to a loaded ``transformers`` model as forward hooks: each adapted projection's
+    output gains ``s B A x`` (computed in its input's dtype). Returns the number of hooked modules.
+
+    Raises:
+        LoRAError: the adapter's files, settings or shapes do not fit the checkpoint
+            (``engine.lora.load_adapter``, which names the field).
+        EvaluationError: an adapted module is not in the model.
+    """
+    spec = ModelSpec.from_checkpoint(checkpoint_dir)
+    adapter = load_adapter(LoRARequest("evaluate", 1, str(adapter_dir)), spec, 1 << 16, torch.float32)
+    modules = dict(model.named_modules())
+    for (layer, module), (a, b, scaling) in adapter.weights.items():
+        block = "mlp" if LORA_TARGETS[module][0] in ("gate_up", "down") else "self_attn"
+        name = f"model.layers.{layer}.{block}.{module}"
+        if name not in modules:
+            raise EvaluationError(f"--lora {adapter_dir}: {checkpoint_dir} has no module {name}")
+        modules[name].register_forward_hook(_lora_hook(a, b * scaling))
+    return len(adapter.weights)
+
+
+def _lora_hook(a: torch.Tensor, b: torch.Tensor):
+    """``output + (x A^T) B^T`` (``a [r, in]``, ``b [out, r]`` scaled) as a forward hook, in ``x``'s dtype."""
+
+    def hook(module, args, output):
+        x = args[0]
+        delta = (x @ a.to(x.dtype).t()) @ b.to(x.dtype).t()
+        return output + delta.to(output.dtype)
+
+    return hook
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,11 +596,13 @@ def evaluate_checkpoint(
     config: EvalConfig,
     reference_logprobs: list | None = None,
     reference_path: Path | None = None,
+    reference_kv_cache_dtype: str | None = None,
 ) -> dict[str, Any]:
     """All metrics of one loaded checkpoint (see the module docstring); when it is the
-    reference (``reference_path``) its agreement tokens are ``reference_tokens``."""
+    reference (``reference_path`` at ``reference_kv_cache_dtype``) its agreement tokens are ``reference_tokens``."""
     quality = quality_metrics(loaded.model, loaded.tokenizer, records, reference_logprobs, max_length=config.max_length)
-    if reference_path is not None and loaded.path == reference_path:  # it agrees with itself: no second greedy run
+    is_reference = loaded.path == reference_path and loaded.kv_cache_dtype == reference_kv_cache_dtype
+    if reference_path is not None and is_reference:  # it agrees with itself: no second greedy run
         generated = reference_tokens
     else:
         generated = greedy_tokens(
@@ -463,6 +611,7 @@ def evaluate_checkpoint(
     size_bytes, num_parameters = checkpoint_size(loaded.path)
     metrics = {
         "kind": loaded.kind,
+        **({} if loaded.kv_cache_dtype is None else {"kv_cache_dtype": loaded.kv_cache_dtype}),
         **{k: round(v, 6) if isinstance(v, float) else v for k, v in quality.items()},
         "greedy_agreement": round(agreement(reference_tokens, generated), 4),
         "size_bytes": size_bytes,
@@ -488,6 +637,9 @@ def evaluate(
     config: EvalConfig | None = None,
     write: bool = True,
     log: Callable[[str], None] = print,
+    kv_cache_dtypes: Sequence[str] | None = None,
+    engine_dtype: str = "auto",
+    lora: str | Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate checkpoints against a reference and (optionally) write metrics into their manifests.
 
@@ -498,51 +650,89 @@ def evaluate(
         reference: model whose distributions define KL / same top-1 (and whose greedy outputs
             define agreement); default ``checkpoints[0]``.
         config: ``EvalConfig``.
-        write: merge the metrics into each checkpoint's ``lmforge.json`` (when it has one).
+        write: merge the metrics into each checkpoint's ``lmforge.json`` (when it has one; never those
+            of engine rows, which describe a KV cache dtype rather than the checkpoint).
+        kv_cache_dtypes: run every checkpoint on the lmforge engine once per ``EngineConfig.kv_cache_dtype``
+            listed (module docstring); the reference is ``reference`` at the first one. ``None``: each
+            checkpoint on its own library.
+        engine_dtype: the engine's ``dtype`` for those rows.
+        lora: a LoRA adapter directory run on every checkpoint and the reference (``apply_lora``); its metrics
+            describe the adapted model and are never written into the manifests.
 
     Returns:
-        ``{str(resolved path): metrics}`` in the order given.
+        ``{label: metrics}`` in the order given; the label is the resolved path (``PATH [kv DTYPE]`` for
+        engine rows).
 
     Raises:
         CheckpointError: a missing, corrupt or non-causal checkpoint (checked for all before any
             is loaded, so a typo in the last one fails at once).
-        EvaluationError: bad data.
+        EvaluationError: bad data, or a ``kv_cache_dtypes`` entry the engine does not know.
+        LoRAError: ``lora`` does not fit a checkpoint (names the field).
     """
+    # engine.config is light next to torch, which this module imports anyway
+    from engine.config import KV_CACHE_DTYPES
+
     config = config or EvalConfig()
     if not checkpoints:
         raise EvaluationError("checkpoints: pass at least one checkpoint to evaluate")
+    kv_list: list[str | None] = list(kv_cache_dtypes) if kv_cache_dtypes else [None]
+    unknown = [kv for kv in kv_list if kv is not None and kv not in KV_CACHE_DTYPES]
+    if unknown:
+        raise EvaluationError(
+            f"--kv-cache-dtype: unknown {', '.join(unknown)}; choose from {', '.join(KV_CACHE_DTYPES)}"
+        )
     paths = [resolve_checkpoint(c) for c in checkpoints]
     reference_path = resolve_checkpoint(reference) if reference is not None else paths[0]
     if records is None:
         records, data_name = default_heldout_records()
     records = list(records)[: config.max_records]
-    loaded_reference = load_for_eval(reference_path, num_threads=config.num_threads)
+    # the engine's context holds a record and the longest generation (agreement prompts are short)
+    max_model_len = max(config.max_length, 128) + max(config.agreement_tokens, config.latency_tokens + 1)
+
+    def load(path: Path, kv_cache_dtype: str | None) -> LoadedCheckpoint:
+        return load_for_eval(
+            path,
+            num_threads=config.num_threads,
+            kv_cache_dtype=kv_cache_dtype,
+            engine_dtype=engine_dtype,
+            max_model_len=max_model_len,
+            lora=lora,
+        )
+
+    reference_entry = (reference_path, kv_list[0])
+    loaded_reference = load(*reference_entry)
     reference_tokens = greedy_tokens(
         loaded_reference.model, loaded_reference.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens
     )
     reference_scores = reference_logprobs(
         loaded_reference.model, loaded_reference.tokenizer, records, max_length=config.max_length
     )
+    reference_label = loaded_reference.label
     results: dict[str, dict[str, Any]] = {}
-    for path in paths:
-        log(f"evaluating {path} ...")
-        if path == reference_path and loaded_reference is not None:  # loaded once, greedy tokens reused
+    for path, kv_cache_dtype in [(p, kv) for p in paths for kv in kv_list]:
+        if (path, kv_cache_dtype) == reference_entry and loaded_reference is not None:  # loaded once, tokens reused
             loaded, loaded_reference = loaded_reference, None
         else:
             loaded_reference = None
-            loaded = load_for_eval(path, num_threads=config.num_threads)
-        metrics = evaluate_checkpoint(loaded, records, reference_tokens, config, reference_scores, reference_path)
+            loaded = load(path, kv_cache_dtype)
+        log(f"evaluating {loaded.label} ...")
+        metrics = evaluate_checkpoint(
+            loaded, records, reference_tokens, config, reference_scores, reference_path, reference_entry[1]
+        )
+        label = loaded.label
         del loaded
         metrics.update(
             {
-                "reference": str(reference_path),
+                "reference": reference_label,
                 "eval_data": data_name or "records",
                 "eval_records": len(records),
                 "num_threads": config.num_threads,
+                **({"lora": str(lora)} if lora is not None else {}),
             }
         )
-        results[str(path)] = metrics
-        if write and (path / MANIFEST_NAME).is_file() and os.access(path / MANIFEST_NAME, os.W_OK):
+        results[label] = metrics
+        manifest = path / MANIFEST_NAME
+        if write and kv_cache_dtype is None and lora is None and manifest.is_file() and os.access(manifest, os.W_OK):
             update_metrics(path, metrics)
     return results
 
@@ -610,6 +800,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for every checkpoint (default: library defaults)"
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        metavar="DTYPES",
+        help="run every checkpoint on the lmforge engine once per KV cache dtype listed, comma-separated (auto, "
+        "bfloat16, float32, int8), against the reference at the first one: e.g. bfloat16,int8 judges the int8 KV "
+        "cache against bf16's (default: each checkpoint on its own library)",
+    )
+    parser.add_argument(
+        "--engine-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the engine's dtype with --kv-cache-dtype (default auto: bfloat16 where the CPU has native bf16)",
+    )
+    parser.add_argument(
+        "--lora",
+        default=None,
+        metavar="DIR",
+        help="a LoRA adapter (PEFT format) run on every checkpoint and the reference: judges adapter-on-compressed-"
+        "base against adapter-on-parent (metrics then go to --json and the table, not into the manifests)",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--no-write", action="store_true", help="do not write metrics into the manifests")
 
@@ -633,6 +844,9 @@ def run(args: argparse.Namespace) -> int:
         reference=args.reference,
         config=config,
         write=not args.no_write,
+        lora=args.lora,
+        kv_cache_dtypes=[d.strip() for d in (args.kv_cache_dtype or "").split(",") if d.strip()] or None,
+        engine_dtype=args.engine_dtype,
     )
     print(format_table(results))
     if args.json:

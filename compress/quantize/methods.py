@@ -230,39 +230,34 @@ class LlmInt8Config:
 
 
 @dataclasses.dataclass(frozen=True)
-class OnnxInt8MethodConfig:
-    """``onnx-int8``: Optimum export task + ONNX Runtime dynamic quantization settings.
+class OnnxInt8MethodConfig(OnnxInt8Config):
+    """``onnx-int8``: Optimum export task + ONNX Runtime dynamic quantization settings (the fields of
+    ``compress.quantize.onnx.OnnxInt8Config``).
 
     Attributes:
         task: export task (``text-generation-with-past`` for causal LMs).
         smoothquant_alpha / calibration_records / calibration_data: SmoothQuant before export,
             as in ``W8A8Config``.
-        weight_type / per_channel / reduce_range / op_types_to_quantize / nodes_to_exclude:
-            see ``compress.quantize.onnx.OnnxInt8Config``.
     """
 
     task: str = "text-generation-with-past"
     smoothquant_alpha: float | None = 0.8
     calibration_records: int = 32
     calibration_data: str | None = None
-    weight_type: str = "QInt8"
-    per_channel: bool = True
-    reduce_range: bool = False
-    op_types_to_quantize: tuple[str, ...] = ("MatMul", "Gather")
-    nodes_to_exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         OnnxExportConfig(task=self.task)
         _check_smoothing(self.smoothquant_alpha, self.calibration_records)
-        self.ort_config()
+        super().__post_init__()
 
-    def ort_config(self):
+    def ort_config(self) -> OnnxInt8Config:
+        """The ONNX Runtime settings alone."""
         return OnnxInt8Config(
-            weight_type=self.weight_type,
-            per_channel=self.per_channel,
-            reduce_range=self.reduce_range,
-            op_types_to_quantize=tuple(self.op_types_to_quantize),
-            nodes_to_exclude=tuple(self.nodes_to_exclude),
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(OnnxInt8Config)}
+            | {
+                "op_types_to_quantize": tuple(self.op_types_to_quantize),
+                "nodes_to_exclude": tuple(self.nodes_to_exclude),
+            }
         )
 
 

@@ -4,8 +4,12 @@ The recipe is ``FinetuneRecipe(FinetuneConfig).run()`` = setup -> train -> save,
 ``compress.train.loop`` (AdamW, warmup + cosine, clipping, accumulation, bf16 autocast with fp32
 master weights, checkpoints with exact resume, DDP/FSDP2 under ``torchrun``). The loss is the
 next-token cross-entropy on assistant tokens only (``compress.data.packing``). With ``lora`` the
-model gets low-rank adapters (Hu et al. 2021, via ``peft``) on the attention projections; they
-are merged into the weights on save, so ``final/`` is a plain checkpoint.
+model gets low-rank adapters (Hu et al. 2021, via ``peft``) on the attention projections, and
+``final/`` is the adapter alone in the PEFT format (``adapter_config.json``,
+``adapter_model.safetensors``) with an ``lmforge.json`` whose ``parent`` is the base and whose
+``config["base"]`` records the base's shape (``engine.checkpoint.store.ADAPTER_BASE_FIELDS``): one
+base then serves many adapters (``engine.lora``). With ``merge`` as well, the adapters are merged
+into the weights on save and ``final/`` is a plain checkpoint.
 
 Default budget (SmolLM2-135M on 2 CPU cores, a few minutes): 24 optimizer steps of 4 packed
 rows of 64 tokens, peak LR 1e-4, 2 warmup steps, validation at steps 0, 12 and 24.
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from compress.train.loop import PRECISIONS, TrainConfig, TrainingRecipe, token_losses
+from engine.checkpoint.store import ADAPTER_BASE_FIELDS, ADAPTER_METHOD
 from engine.errors import UsageError
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -32,13 +37,15 @@ class FinetuneConfig(TrainConfig):
     """``TrainConfig`` plus LoRA settings.
 
     Attributes:
-        lora: train low-rank adapters instead of all weights (merged on save).
+        lora: train low-rank adapters instead of all weights; ``final/`` is the PEFT adapter.
+        merge: with ``lora``, merge the adapters into the weights on save (``final/`` is a checkpoint).
         lora_r / lora_alpha / lora_dropout: adapter rank, scaling numerator, dropout.
         lora_target_modules: module names that get adapters.
     """
 
     run_dir: str = "runs/finetune"
     lora: bool = False
+    merge: bool = False
     lora_r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.0
@@ -46,6 +53,8 @@ class FinetuneConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
+        if self.merge and not self.lora:
+            raise UsageError("--merge without --lora", fix="add --lora (merge applies to LoRA adapters)")
         if self.lora and self.lora_r < 1:
             raise ValueError(f"lora_r={self.lora_r}: must be >= 1")
         if self.lora and self.fsdp:
@@ -97,11 +106,34 @@ class FinetuneRecipe(TrainingRecipe):
         loss_sum, n = token_losses(logits, batch["labels"])
         return loss_sum / n.clamp(min=1), {}
 
+    @property
+    def keeps_adapter(self) -> bool:
+        return self.config.lora and not self.config.merge
+
+    @property
+    def output_method(self) -> str:
+        return ADAPTER_METHOD if self.keeps_adapter else self.method
+
     def export_model(self):
         model = self._unwrapped()
-        if self.config.lora:
+        if self.config.lora and self.config.merge:
             model = model.merge_and_unload()
         return model
+
+    def write_final(self, model, directory) -> None:
+        """A merged or full model as the base class writes it; an adapter as ``PeftModel.save_pretrained``
+        writes it (``adapter_config.json``, ``adapter_model.safetensors``, fp32)."""
+        if not self.keeps_adapter:
+            super().write_final(model, directory)
+            return
+        model.to(torch.float32).save_pretrained(directory, safe_serialization=True)
+
+    def manifest_config(self) -> dict[str, Any]:
+        config = super().manifest_config()
+        if self.keeps_adapter:
+            base = self._unwrapped().get_base_model().config.to_dict()
+            config["base"] = {"path": str(self.model_path), **{k: base.get(k) for k in ADAPTER_BASE_FIELDS}}
+        return config
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,7 +208,10 @@ def run_recipe(recipe_cls, config: TrainConfig) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = FinetuneConfig()
     add_train_arguments(parser, d)
-    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (merged on save)")
+    parser.add_argument(
+        "--lora", action="store_true", help="train LoRA adapters; final/ is the adapter (PEFT format) for its base"
+    )
+    parser.add_argument("--merge", action="store_true", help="with --lora: merge the adapters into a full checkpoint")
     parser.add_argument("--lora-r", type=int, default=d.lora_r)
     parser.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
     parser.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
@@ -187,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
     config = FinetuneConfig(
         **train_config_kwargs(args),
         lora=args.lora,
+        merge=args.merge,
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout,

@@ -257,6 +257,9 @@ class TrainingRecipe:
         ``compute_loss(model, batch) -> (loss, parts)``: scalar mean loss of a micro-batch and
             extra float metrics to log (may be empty).
         ``export_model() -> PreTrainedModel``: the plain model to save in ``final/``.
+        ``write_final(model, directory)``: write the exported model's files (default: fp32 safetensors,
+            config, tokenizer, chat template).
+        ``output_method``: manifest method of ``final/`` (default ``method``).
         ``final_metrics() -> dict``: extra manifest metrics.
     """
 
@@ -286,6 +289,14 @@ class TrainingRecipe:
 
     def final_metrics(self) -> dict[str, Any]:
         return {}
+
+    @property
+    def output_method(self) -> str:
+        return self.method
+
+    def write_final(self, model, directory: Path) -> None:
+        model.to(torch.float32).save_pretrained(directory, safe_serialization=True)
+        self.tokenizer.save_pretrained(directory)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -569,8 +580,8 @@ class TrainingRecipe:
     # -- save ----------------------------------------------------------------------------------------
 
     def save(self) -> Path:
-        """Write ``RUN_DIR/final/``: fp32 safetensors, config, tokenizer, chat template and an
-        ``lmforge.json`` manifest (parent = input checkpoint, method, config, metrics)."""
+        """Write ``RUN_DIR/final/``: the model's files (``write_final``: fp32 safetensors, config, tokenizer,
+        chat template) and an ``lmforge.json`` manifest (parent = input checkpoint, method, config, metrics)."""
 
         out = self.run_dir / "final"
         full_state = None
@@ -584,8 +595,7 @@ class TrainingRecipe:
         if self.is_main:
             model = self.export_model() if full_state is None else self._model_from_state(full_state)
             with staged_output_dir(out, kind=CHECKPOINT, sources=(self.model_path,)) as tmp:
-                model.to(torch.float32).save_pretrained(tmp, safe_serialization=True)
-                self.tokenizer.save_pretrained(tmp)
+                self.write_final(model, tmp)
                 parent_manifest = None
                 try:
                     parent_manifest = read_manifest(self.model_path)
@@ -605,7 +615,7 @@ class TrainingRecipe:
                     Manifest(
                         source=parent_manifest.source if parent_manifest else str(self.model_path),
                         parent=str(self.model_path),
-                        method=self.method,
+                        method=self.output_method,
                         config=self.manifest_config(),
                         dtype=dtype,
                         num_parameters=num_parameters,

@@ -19,11 +19,11 @@ from deploy.openai.protocol import OpenAIError
 from deploy.openai.serving_chat import OpenAIServingChat
 from deploy.openai.serving_completions import OpenAIServingCompletion
 from deploy.openai.serving_models import OpenAIServingModels
-from deploy.openai.triton_client import TritonBackend
+from deploy.openai.triton_client import STALL_TIMEOUT_S, TritonBackend
 
 
 def error_response(exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def api_key_check(api_key: str | None):
@@ -52,6 +52,11 @@ def add_error_handlers(app: FastAPI) -> None:
     async def openai_error(request: Request, exc: OpenAIError):
         return error_response(exc)
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):  # a bug of ours: still OpenAI's shape, never text
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return error_response(OpenAIError(500, message, type_="server_error"))
+
     @app.exception_handler(404)
     async def not_found(request: Request, exc):
         message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
@@ -63,9 +68,15 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(OpenAIError(405, message, code="method_not_allowed"))
 
 
-def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI application (uvicorn runs it; see ``main``)."""
-    backend = TritonBackend(grpc_url)
+def create_app(
+    models: dict[str, ServedModel],
+    grpc_url: str,
+    api_key: str | None = None,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
+) -> FastAPI:
+    """The FastAPI application (uvicorn runs it; see ``main``). ``api_key`` guards ``/v1`` and is sent to
+    Triton (whose APIs ``lmforge serve --api-key`` restricts with the same key)."""
+    backend = TritonBackend(grpc_url, api_key, stall_timeout_s)
     serving_models = OpenAIServingModels(models, backend)
     serving_completion = OpenAIServingCompletion(models, backend)
     serving_chat = OpenAIServingChat(models, backend)
@@ -98,11 +109,11 @@ def create_app(models: dict[str, ServedModel], grpc_url: str, api_key: str | Non
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
-        return await serving_completion.create(await request.body())
+        return await serving_completion.create(await request.body(), request.is_disconnected)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
-        return await serving_chat.create(await request.body())
+        return await serving_chat.create(await request.body(), request.is_disconnected)
 
     return app
 
@@ -116,6 +127,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=9000, help="HTTP port (default 9000)")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes (also $LMFORGE_API_KEY)")
+    parser.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=STALL_TIMEOUT_S,
+        help="a request that hears nothing from Triton (no token, no heartbeat) this long gets a 503 "
+        f"(its model instance died; default {STALL_TIMEOUT_S})",
+    )
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
@@ -132,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", flush=True)
         return 1
     api_key = args.api_key or os.environ.get("LMFORGE_API_KEY")
-    app = create_app(models, args.grpc_url, api_key)
+    app = create_app(models, args.grpc_url, api_key, args.stall_timeout_s)
     print(
         f"OpenAI API on http://{args.host}:{args.port}/v1 for {', '.join(models)} -> Triton gRPC {args.grpc_url}",
         flush=True,

@@ -18,10 +18,15 @@ class ServedModel:
     max_model_len: int
     created: int
     vocab_size: int = 0  # len(tokenizer), computed once (it is slow: it builds the whole vocabulary)
+    limits: Any = None  # the engine's RequestLimits from model.json (engine.limits; None: the defaults)
 
     def __post_init__(self) -> None:
+        # torch-heavy package (engine/__init__): imported on use, so importing this module stays light
+        from engine.limits import RequestLimits
+
         if not self.vocab_size:
             self.vocab_size = len(self.tokenizer)
+        self.limits = RequestLimits.from_value(self.limits)
 
 
 def llm_names(repo: str | Path, names: list[str]) -> list[str]:
@@ -73,6 +78,7 @@ def discover_models(repo: str | Path, names: list[str] | None = None) -> dict[st
             AutoTokenizer.from_pretrained(checkpoint),
             int(max_model_len),
             int(info_path.stat().st_mtime),
+            limits=(info.get("engine") or {}).get("limits"),
         )
     missing = sorted(set(names or []) - set(found))
     if missing:

@@ -1,7 +1,11 @@
 """Turning an OpenAI request into engine prompts and sampling parameters (the ``Plan``).
 
 Prompt token ids are checked by the engine's own rules (``engine.inputs``), so a bad prompt is
-refused here with the engine's words before anything is sent to Triton.
+refused here with the engine's words before anything is sent to Triton. The model's request
+limits (``engine.limits.RequestLimits`` from its ``model.json``) are checked the way the engine
+checks them, the cheap ones first: the number of prompts x ``n`` and each prompt's characters
+before anything is tokenized, the sampling fields' sizes before their entries are validated.
+Every refusal is a 400 whose ``param`` names the field.
 """
 
 from __future__ import annotations
@@ -9,13 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from deploy.openai.models import ServedModel
-from deploy.openai.protocol import (
-    MAX_CHOICES,
-    MAX_PROMPT_CHARS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-)
+from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 
 
 @dataclasses.dataclass
@@ -29,6 +27,9 @@ class Plan:
     logprobs: int | None  # top alternatives per token; None = no logprobs
     stream: bool
     include_usage: bool
+    echo: bool = False  # completions: the prompt text (and its logprobs) before each choice's text
+    prompt_texts: list[str] | None = None  # with echo: each prompt as text
+    structured_param: str | None = None  # the request field that set a structured-output constraint
 
 
 def _prompt_error(exc) -> OpenAIError:
@@ -59,25 +60,49 @@ def _check_prompt_length(num_tokens: int, model: ServedModel, param: str) -> Non
         raise _prompt_error(exc) from exc
 
 
+def request_error(exc) -> OpenAIError:
+    """An ``engine.errors.InvalidRequestError`` (a limit, a sampling field) as a 400 naming its ``param``."""
+    return OpenAIError(400, str(exc), param=getattr(exc, "param", None))
+
+
+def _limited(check, *args) -> None:
+    """Run a ``RequestLimits`` check; its ``InvalidRequestError`` becomes a 400."""
+    # torch-heavy package (engine/__init__): imported on use, so importing this module stays light
+    from engine.errors import InvalidRequestError
+
+    try:
+        check(*args)
+    except InvalidRequestError as exc:
+        raise request_error(exc) from exc
+
+
 def _tokenize(text: str, model: ServedModel, param: str) -> list[int]:
-    if len(text) > MAX_PROMPT_CHARS:
-        raise OpenAIError(
-            400, f"{param}: {len(text)} characters is over the {MAX_PROMPT_CHARS} limit; shorten it", param=param
-        )
+    _limited(model.limits.check_prompt_text, text, param)  # its size and the blank rule, before tokenizing
     return _check_prompt_ids(model.tokenizer(text).input_ids, model, param)
 
 
+def _token_prompt(ids: list[int], model: ServedModel, param: str) -> list[int]:
+    _limited(model.limits.check_prompt_tokens, len(ids), model.max_model_len, param)
+    return _check_prompt_ids(ids, model, param)
+
+
 def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[list[int]]:
+    """The prompts' token ids; prompts x ``n`` is checked against the limits before any is tokenized."""
     prompt = request.prompt
     if isinstance(prompt, str):
+        _limited(model.limits.check_choices, 1, request.n)
         return [_tokenize(prompt, model, "prompt")]
     if not prompt:
         raise OpenAIError(400, "prompt: empty list; give a string, a list of strings or token ids", param="prompt")
+    single = all(isinstance(p, int) for p in prompt)
+    _limited(model.limits.check_choices, 1 if single else len(prompt), request.n)
+    if single:
+        return [_token_prompt(list(prompt), model, "prompt")]
     if all(isinstance(p, str) for p in prompt):
+        for i, p in enumerate(prompt):  # every size before any tokenizing
+            _limited(model.limits.check_prompt_text, p, f"prompt.{i}")
         return [_tokenize(p, model, f"prompt.{i}") for i, p in enumerate(prompt)]
-    if all(isinstance(p, int) for p in prompt):
-        return [_check_prompt_ids(list(prompt), model, "prompt")]
-    return [_check_prompt_ids(list(p), model, f"prompt.{i}") for i, p in enumerate(prompt)]
+    return [_token_prompt(list(p), model, f"prompt.{i}") for i, p in enumerate(prompt)]
 
 
 def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
@@ -87,9 +112,14 @@ def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> list[int]
         if isinstance(m.content, list):
             message["content"] = "".join(part.text for part in m.content)
         messages.append(message)
-    if sum(len(m.get("content") or "") for m in messages) > MAX_PROMPT_CHARS:
+    _limited(model.limits.check_choices, 1, request.n)
+    num_chars = sum(len(m.get("content") or "") for m in messages)
+    if num_chars > model.limits.max_prompt_chars:
         raise OpenAIError(
-            400, f"messages: over {MAX_PROMPT_CHARS} characters of content; shorten them", param="messages"
+            400,
+            f"messages: {num_chars} characters of content is over the limit of {model.limits.max_prompt_chars}; "
+            "shorten them",
+            param="messages",
         )
     if model.tokenizer.chat_template is None:
         raise OpenAIError(400, f"model {model.name} has no chat template; use /v1/completions", param="messages")
@@ -150,8 +180,62 @@ def _logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
     return (request.top_logprobs or 0) if request.logprobs else None
 
 
+#: vLLM's extra fields that each set one ``StructuredOutputsParams`` field.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(request: CompletionRequest | ChatCompletionRequest) -> tuple[dict | None, str | None]:
+    """The ``StructuredOutputsParams`` fields the request asks for, and the request field that asked.
+
+    ``response_format`` ``json_schema`` (``strict`` or not: the schema is always enforced) and
+    ``json_object``, vLLM's ``structured_outputs`` and its older ``guided_*`` fields; ``text`` asks
+    for nothing.
+
+    Raises:
+        OpenAIError: 400 when two fields constrain the output, a ``json_schema`` without its
+            ``schema``, or a constraint ``StructuredOutputsParams`` refuses (none or two kinds set).
+    """
+    # torch-heavy: imported on use, so importing this module stays light
+    from engine.sampling_params import StructuredOutputsParams
+
+    given: list[tuple[str, dict]] = []
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif response_format is not None and response_format.type == "json_schema":
+        if response_format.json_schema.schema_ is None:
+            param = "response_format.json_schema.schema"
+            raise OpenAIError(400, f"{param}: missing; give the JSON schema the output must follow", param=param)
+        given.append(("response_format.json_schema.schema", {"json": response_format.json_schema.schema_}))
+    if request.structured_outputs is not None:
+        fields = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        given.append(("structured_outputs." + (next(iter(fields)) if len(fields) == 1 else ""), fields))
+    given.extend(
+        (name, {kind: getattr(request, name)})
+        for name, kind in GUIDED_FIELDS.items()
+        if getattr(request, name) is not None
+    )
+    if not given:
+        return None, None
+    if len(given) > 1:
+        names = [name.removesuffix(".") for name, _ in given]
+        raise OpenAIError(400, f"{' and '.join(names)} all constrain the output; send one of them", param=names[1])
+    param, fields = given[0]
+    param = param.removesuffix(".")
+    try:
+        StructuredOutputsParams.from_value(fields)
+    except ValueError as exc:
+        raise OpenAIError(400, f"{param}: {exc}", param=param) from exc
+    return fields, param
+
+
 def _sampling(
-    request: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None, model: ServedModel
+    request: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    model: ServedModel,
+    longest_prompt: int,
+    constraint: dict | None = None,
 ) -> dict:
     """The ``SamplingParams`` fields (JSON) Triton gets, checked by the engine's own rules."""
     # torch-heavy: imported on use, so importing this module stays light
@@ -178,14 +262,28 @@ def _sampling(
         "logit_bias": request.logit_bias,
     }
     sampling.update({k: v for k, v in optional.items() if v is not None})
+    _limited(model.limits.check_params, sampling)  # sizes first (a huge logit_bias is refused by its count)
+    echo = getattr(request, "echo", False)
+    if max_tokens == 0 and not echo:
+        raise OpenAIError(
+            400,
+            "max_tokens: 0 generates nothing; set echo=true (with logprobs) to score the prompt",
+            param="max_tokens",
+        )
+    if echo and (logprobs is not None or max_tokens == 0):  # the prompt tokens' logprobs (lm-eval's loglikelihood)
+        sampling["prompt_logprobs"] = logprobs or 0
+    if constraint is not None:
+        if max_tokens == 0:
+            raise OpenAIError(400, "max_tokens: 0 with a structured output generates nothing", param="max_tokens")
+        sampling["structured_outputs"] = constraint
     try:
-        SamplingParams(**sampling)  # the engine's own checks, before anything is sent
+        params = SamplingParams(**sampling)  # the engine's own checks, before anything is sent
+        params.check_for_model(model.vocab_size, model.max_model_len, longest_prompt)
     except ValueError as exc:
-        field = str(exc).split("=", 1)[0].split(" ", 1)[0]
-        raise OpenAIError(400, str(exc), param=field if field in sampling else None) from exc
-    vocab = model.vocab_size
-    if request.logit_bias and any(int(k) >= vocab for k in request.logit_bias):
-        raise OpenAIError(400, f"logit_bias: token ids must be in [0, {vocab})", param="logit_bias")
+        error = request_error(exc)
+        if error.param == "logprobs" and isinstance(request, ChatCompletionRequest):
+            error.param = "top_logprobs"
+        raise error from exc
     return sampling
 
 
@@ -199,14 +297,33 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
     model = _find_model(request, models)
     chat = isinstance(request, ChatCompletionRequest)
     prompts = [chat_prompt(request, model)] if chat else completion_prompts(request, model)
-    if len(prompts) * request.n > MAX_CHOICES:
-        raise OpenAIError(
-            400, f"n x prompts = {len(prompts) * request.n} completions; at most {MAX_CHOICES}", param="n"
-        )
     max_tokens = _max_tokens(request, model, prompts)
     logprobs = _logprobs(request)
-    sampling = _sampling(request, max_tokens, logprobs, model)
+    constraint, structured_param = structured_outputs(request)
+    sampling = _sampling(request, max_tokens, logprobs, model, max(len(p) for p in prompts), constraint)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     if request.stream_options is not None and not request.stream:
         raise OpenAIError(400, "stream_options: only allowed with stream=true", param="stream_options")
-    return Plan(model, prompts, sampling, request.n, logprobs, request.stream, include_usage)
+    echo = not chat and request.echo
+    return Plan(
+        model,
+        prompts,
+        sampling,
+        request.n,
+        logprobs,
+        request.stream,
+        include_usage,
+        echo=echo,
+        prompt_texts=_echo_texts(request, prompts, model) if echo else None,
+        structured_param=structured_param,
+    )
+
+
+def _echo_texts(request: CompletionRequest, prompts: list[list[int]], model: ServedModel) -> list[str]:
+    """Each prompt as the client sent it: its text, or its token ids decoded (as vLLM echoes them)."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [model.tokenizer.decode(ids) for ids in prompts]

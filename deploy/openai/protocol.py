@@ -3,20 +3,20 @@
 Request bodies are pydantic models checked strictly, like OpenAI's own API: a field of the wrong
 type, an out-of-range value or an unknown field is an error naming the field. vLLM's extra
 sampling fields (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``) are accepted. Errors are ``OpenAIError`` with OpenAI's body
+``stop_token_ids``) are accepted, and so are its structured-output fields (``structured_outputs``,
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) beside OpenAI's
+``response_format``. Errors are ``OpenAIError`` with OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``. ``deploy.openai.app`` serves them.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-#: Longest prompt text accepted before tokenizing (characters), as Triton's model accepts.
-MAX_PROMPT_CHARS = 1_000_000
-#: Most completions per request (``n`` x number of prompts).
-MAX_CHOICES = 128
+#: Seconds a client should wait before retrying a 503 (a model or the server recovering).
+RETRY_AFTER_S = 5
 
 
 # --------------------------------------------------------------------------------------------
@@ -32,12 +32,49 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema is enforced whether ``strict`` is true or not."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Strict):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputsFields(_Strict):
+    """vLLM's ``structured_outputs`` extra field (``engine.sampling_params.StructuredOutputsParams``)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: int = Field(1, ge=1)  # its upper bound is the model's RequestLimits (deploy.openai.prompts)
     seed: int | None = None
     stop: str | list[str] | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -53,14 +90,22 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # structured output: OpenAI's field, then vLLM's (at most one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: a prompt is text, a list of texts, token ids or lists of them."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (with echo)
+    logprobs: int | None = Field(None, ge=0)  # at most the model's limits.max_logprobs
+    echo: bool = False  # the prompt before the completion; with logprobs, the prompt tokens' logprobs too
 
 
 class ContentPart(BaseModel):
@@ -83,7 +128,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,7 +137,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class OpenAIError(Exception):
-    """An error answered in OpenAI's shape with an HTTP status."""
+    """An error answered in OpenAI's shape with an HTTP status (a 503 also with ``Retry-After``)."""
 
     def __init__(
         self,
@@ -105,6 +150,16 @@ class OpenAIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_elsewhere = False  # a model instance refused it for a dead stub: another instance may take it
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else {}
+
+
+def unavailable(message: str) -> OpenAIError:
+    """A 503 ``server_error`` (with ``Retry-After``): the model or the server is recovering; retry."""
+    return OpenAIError(503, message, type_="server_error", code="model_unavailable")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -117,6 +172,8 @@ def validation_error(exc: ValidationError) -> OpenAIError:
     if first["type"] == "json_invalid":
         return OpenAIError(400, f"the request body is not valid JSON ({first['msg']})", code="invalid_json")
     loc = [str(part) for part in first["loc"] if not isinstance(part, str) or not _is_type_tag(part)]
+    if len(loc) > 1 and loc[0] == "response_format":  # drop the union's tag (the ``type`` it matched)
+        del loc[1]
     param = ".".join(loc) or None
     if first["type"] == "extra_forbidden":
         return OpenAIError(400, f"unrecognized request argument supplied: {param}", param=param, code="unknown_field")

@@ -4,6 +4,12 @@ responses and server-sent events, usage counting and logprobs formatting.
 A serving class (``serving_completions``, ``serving_chat``) subclasses ``OpenAIServing`` and
 only says how one choice looks, whole (``choice``) and streamed (``render``).
 
+A client that goes away is noticed within ``DISCONNECT_POLL_S`` whatever the mode: while its
+request waits for the first output (queued behind others) and, without ``stream``, until the
+whole answer is ready, ``Request.is_disconnected`` is polled and the Triton requests are
+cancelled (Triton aborts them in the engine); a streamed response is cancelled by the server when
+its writes fail. An error after the stream started ends it with an error event and ``[DONE]``.
+
 The streaming path does per step only what it must: the pieces already waiting are merged per
 choice (``coalesce``: one event carries several tokens when the writer fell behind), each event is
 the stream's constant head (id, object, created, model: encoded once) plus ``orjson`` of its
@@ -13,9 +19,11 @@ engine (once, incrementally); the frontend never decodes tokens except for logpr
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import orjson
 from fastapi.responses import Response, StreamingResponse
@@ -27,6 +35,34 @@ from deploy.openai.protocol import OpenAIError, validation_error
 from deploy.openai.triton_client import Piece, PieceQueue, TritonBackend, coalesce
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: How often a request that has nothing to send yet checks whether its client is still connected (seconds).
+DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready (its Triton requests are cancelled)."""
+
+
+async def unless_disconnected(work: Awaitable, is_disconnected: Callable[[], Awaitable[bool]] | None):
+    """``await work``, polling ``is_disconnected`` every ``DISCONNECT_POLL_S`` meanwhile.
+
+    Raises:
+        ClientGone: the client left first (``work`` is cancelled).
+    """
+    task = asyncio.ensure_future(work)
+    if is_disconnected is None:
+        return await task
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -44,6 +80,31 @@ def completion_logprobs(tokenizer, piece: Piece, offset: int) -> dict:
         top.append({token_text(tokenizer, t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
         offsets.append(position)
         position += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def echo_logprobs(tokenizer, prompt_ids: list[int], prompt_logprobs: list | None, piece: Piece | None) -> dict:
+    """``/v1/completions`` logprobs with ``echo``: the prompt's tokens (the first with ``null``s, as
+    OpenAI and vLLM), then the piece's (``piece=None``: the prompt alone), offsets from 0."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    position = 0
+    for token_id, entry in zip(prompt_ids, prompt_logprobs or [None] * len(prompt_ids)):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        token_logprobs.append(None if entry is None else entry.get(token_id))
+        top.append(
+            None
+            if entry is None
+            else {token_text(tokenizer, t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])}
+        )
+        offsets.append(position)
+        position += len(text)
+    if piece is not None:
+        generated = completion_logprobs(tokenizer, piece, position)
+        tokens += generated["tokens"]
+        token_logprobs += generated["token_logprobs"]
+        top += generated["top_logprobs"]
+        offsets += generated["text_offset"]
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
@@ -84,6 +145,7 @@ def joined(pieces: list[Piece]) -> Piece:
         pieces[-1].finish_reason,
         0,
         0,
+        prompt_logprobs=next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None),
     )
 
 
@@ -122,6 +184,7 @@ class StreamState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     offsets: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # characters sent per choice
     started: set[int] = dataclasses.field(default_factory=set)  # choices whose first chunk is sent
+    prompt_logprobs: dict[int, list] = dataclasses.field(default_factory=dict)  # per prompt, once Triton sent them
 
     def __post_init__(self) -> None:
         head = {"id": self.ident, "object": self.kind, "created": self.created, "model": self.plan.model.name}
@@ -153,8 +216,8 @@ class OpenAIServing:
     def new_id(self) -> str:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
-    async def create(self, body: bytes) -> Response:
-        """Answer one request body.
+    async def create(self, body: bytes, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> Response:
+        """Answer one request body (``is_disconnected``: the HTTP request's, see the module docstring).
 
         Raises:
             OpenAIError: a bad body (400), an unknown model (404), or Triton's error before any
@@ -166,9 +229,15 @@ class OpenAIServing:
             raise validation_error(exc) from exc
         pieces = PieceQueue(self.backend, plan)
         try:
-            first = await pieces.drain()  # Triton's errors before any output become HTTP errors
-        except BaseException:
+            # Triton's errors before any output become HTTP errors
+            first = await unless_disconnected(pieces.drain(), is_disconnected)
+        except ClientGone:
             await pieces.aclose()
+            return Response(status_code=499)  # nobody reads it
+        except BaseException as exc:
+            await pieces.aclose()
+            if isinstance(exc, OpenAIError) and exc.status == 400 and exc.message.startswith("structured_outputs"):
+                exc.param = plan.structured_param  # the engine refused the constraint: name the field that sent it
             raise
         if not first:
             await pieces.aclose()
@@ -176,21 +245,31 @@ class OpenAIServing:
         if plan.stream:
             return StreamingResponse(self.sse(plan, first, pieces), media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            return Response(orjson.dumps(await self.whole(plan, first, pieces)), media_type="application/json")
+            whole = await unless_disconnected(self.whole(plan, first, pieces), is_disconnected)
+            return Response(orjson.dumps(whole), media_type="application/json")
+        except ClientGone:
+            return Response(status_code=499)
         finally:
             await pieces.aclose()
 
     async def whole(self, plan: Plan, first: list[Piece], pieces: PieceQueue) -> dict:
         """The whole response once every completion has finished."""
         collected: dict[tuple[int, int], list[Piece]] = {}
+        prompt_logprobs: dict[int, list] = {}  # sent once per prompt, on whichever completion answered first
         usage = Usage(plan)
         batch = first
         while batch:
             for piece in batch:
                 collected.setdefault((piece.prompt_index, piece.index), []).append(piece)
                 usage.add(piece)
+                if piece.prompt_logprobs is not None:
+                    prompt_logprobs[piece.prompt_index] = piece.prompt_logprobs
             batch = await pieces.drain()
-        choices = [self.choice(plan, key[0] * plan.n + key[1], joined(collected[key])) for key in sorted(collected)]
+        choices = []
+        for key in sorted(collected):
+            piece = joined(collected[key])
+            piece.prompt_logprobs = prompt_logprobs.get(key[0])
+            choices.append(self.choice(plan, key[0] * plan.n + key[1], piece))
         return {
             "id": self.new_id(),
             "object": self.object_kind,
@@ -211,6 +290,8 @@ class OpenAIServing:
                 events = []
                 for piece in coalesce(batch):
                     usage.add(piece)
+                    if piece.prompt_logprobs is not None:
+                        state.prompt_logprobs[piece.prompt_index] = piece.prompt_logprobs
                     events.append(self.render(state, piece))
                 yield b"".join(events)
                 batch = await pieces.drain()
@@ -218,6 +299,9 @@ class OpenAIServing:
                 yield state.chunk([], usage.body())
         except OpenAIError as exc:
             yield b"data: " + orjson.dumps(exc.body()) + b"\n\n"
+        except Exception as exc:  # noqa: BLE001 - the stream has started: the client gets an error event
+            error = OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
+            yield b"data: " + orjson.dumps(error.body()) + b"\n\n"
         finally:
             await pieces.aclose()  # on a disconnect too: cancels the Triton requests
         yield b"data: [DONE]\n\n"

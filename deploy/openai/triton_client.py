@@ -7,6 +7,15 @@ at once (``drain``) and send a choice's new tokens in one event when it fell beh
 
 Responses are read straight from Triton's protobuf (``raw_output_contents``, one pass over the
 outputs): a piece per engine step costs no ``numpy`` arrays or per-output lookups.
+
+Faults answer honestly (``model_error``, ``transport_error``): a model that is not loaded or
+reloading ("unknown model", "no available versions"), a dead Python-backend stub ("Stub process
+is not healthy"), an unreachable or restarting Triton (gRPC ``UNAVAILABLE``) and a model instance
+that stopped answering are 503s with ``Retry-After``; only the model's own refusals
+(``INVALID_ARG``) are 400s. The model sends a heartbeat (an empty response, skipped here) while
+a streaming request is quiet (``deploy.triton_llm.HEARTBEAT_INTERVAL_S``), so a request that
+hears nothing for ``stall_timeout_s`` is on an instance that died (Triton 2.51 holds its requests
+until the model is unloaded): it is cancelled and answered 503 at once.
 """
 
 from __future__ import annotations
@@ -20,7 +29,11 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from deploy.openai.prompts import Plan
-from deploy.openai.protocol import OpenAIError
+from deploy.openai.protocol import OpenAIError, unavailable
+
+#: Seconds without any response (a token or a heartbeat) after which a request's model instance is taken for
+#: dead (the model sends a heartbeat every 0.3 s while a streaming request is quiet).
+STALL_TIMEOUT_S = 1.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -36,6 +49,7 @@ class Piece:
     num_input_tokens: int
     num_output_tokens: int
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (last response)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # the request's first response, when asked
 
     def extend(self, later: "Piece") -> None:
         """Append a later piece of the same completion (its text, tokens, counts and finish)."""
@@ -47,14 +61,24 @@ class Piece:
         self.num_input_tokens, self.num_output_tokens = later.num_input_tokens, later.num_output_tokens
         if later.num_cached_tokens is not None:
             self.num_cached_tokens = later.num_cached_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
 
 
 class TritonBackend:
-    """Generation requests to Triton's decoupled LLM model over one gRPC channel."""
+    """Generation requests to Triton's decoupled LLM model over one gRPC channel.
 
-    def __init__(self, grpc_url: str) -> None:
+    Args:
+        grpc_url: Triton's gRPC address.
+        api_key: sent as ``authorization: Bearer KEY`` (``lmforge serve --api-key`` restricts Triton's APIs).
+        stall_timeout_s: see the module docstring.
+    """
+
+    def __init__(self, grpc_url: str, api_key: str | None = None, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.grpc_url = grpc_url
         self.client = None
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self.stall_timeout_s = stall_timeout_s
 
     async def start(self) -> None:
         # optional or heavy dependency: imported only on the path that needs it
@@ -68,7 +92,7 @@ class TritonBackend:
 
     async def ready(self, model: str) -> bool:
         try:
-            return bool(await self.client.is_model_ready(model))
+            return bool(await self.client.is_model_ready(model, headers=self.headers))
         except Exception:  # noqa: BLE001 - Triton not reachable: not ready
             return False
 
@@ -77,10 +101,30 @@ class TritonBackend:
     ) -> AsyncIterator[Piece]:
         """Stream the pieces of one prompt's ``n`` completions until every one has finished.
 
+        A request refused at once because the model instance Triton gave it has a dead stub is sent again
+        (at most ``DEAD_INSTANCE_RETRIES`` times): with several instances Triton gives it another one.
+
         Raises:
-            OpenAIError: Triton answered an error (400 for bad input, else 500).
+            OpenAIError: Triton answered an error (400 for bad input, 503 while the model or Triton recovers,
+                else 500), or the request heard nothing for ``stall_timeout_s`` (503).
         Closing the iterator early cancels the gRPC stream (Triton aborts the engine request).
         """
+        for attempt in range(DEAD_INSTANCE_RETRIES + 1):
+            heard = False
+            try:
+                async for piece in self._generate_once(model, prompt_ids, sampling, prompt_index, n):
+                    heard = True
+                    yield piece
+                return
+            except OpenAIError as exc:
+                if heard or not exc.retry_elsewhere or attempt == DEAD_INSTANCE_RETRIES:
+                    raise
+            await asyncio.sleep(0.05)
+
+    async def _generate_once(
+        self, model: str, prompt_ids: list[int], sampling: dict, prompt_index: int, n: int
+    ) -> AsyncIterator[Piece]:
+        """One Triton request of ``generate``."""
         # optional or heavy dependency: imported only on the path that needs it
         import tritonclient.grpc.aio as grpcclient
 
@@ -98,21 +142,40 @@ class TritonBackend:
             yield {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
             await finished.wait()  # keep our side open until the last response
 
-        responses = self.client.stream_infer(requests())
-        pending = set(range(n))
         try:
-            async for result, error in responses:
+            responses = self.client.stream_infer(requests(), headers=self.headers)
+        except Exception as exc:  # noqa: BLE001 - the call could not even start: Triton is unreachable
+            raise transport_error(exc) from exc
+        pending = set(range(n))
+        stream = aiter(responses)
+        try:
+            while True:
+                try:
+                    result, error = await asyncio.wait_for(anext(stream), self.stall_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise unavailable(
+                        f"the model {model} stopped answering this request ({self.stall_timeout_s:.1f} s without a "
+                        "response or heartbeat: its instance died or is stuck); it is being reloaded, retry"
+                    ) from None
+                except OpenAIError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - grpc's AioRpcError and the like: Triton went away
+                    raise transport_error(exc) from exc
                 if error is not None:
                     raise model_error(error.message())
                 piece = _piece(result.get_response(), prompt_index)
                 if piece.finish_reason == "error":  # the engine failed this request's step
                     raise OpenAIError(500, "the engine failed this request; retry it", type_="server_error")
+                if is_heartbeat(piece):
+                    continue
                 if piece.finish_reason is not None:
                     pending.discard(piece.index)
                 yield piece
                 if not pending:
                     return
-            raise OpenAIError(500, "Triton closed the stream before the request finished", type_="server_error")
+            raise unavailable(f"Triton closed the stream of {model} before the request finished; retry")
         finally:
             finished.set()
             if pending:
@@ -125,14 +188,64 @@ MODEL_UNAVAILABLE_PREFIX = "the engine of "
 MODEL_INTERNAL_PREFIXES = ("internal error", "the engine failed this request", "unreadable request")
 
 
+#: Parts of Triton's own error messages for a model that cannot answer now: not loaded (unloaded, reloading after a
+#: fault), or its Python-backend stub died. The supervisor of ``lmforge serve`` loads it again.
+TRITON_UNAVAILABLE_MARKERS = (
+    "unknown model",
+    "no available versions",
+    "is not ready",
+    "Stub process",
+    "is not healthy",
+    "Failed to process the request(s) for model instance",
+    "Socket closed",
+    "failed to connect",
+)
+
+
+#: Triton's refusal of a request sent to an instance whose Python-backend stub died (another instance may take it).
+DEAD_STUB_MARKERS = ("Stub process", "is not healthy", "Failed to process the request(s) for model instance")
+#: Times ``TritonBackend.generate`` sends again a request refused for a dead stub.
+DEAD_INSTANCE_RETRIES = 2
+
+
 def model_error(message: str) -> OpenAIError:
-    """The model's error response -> 503 (its engine is dead and being reloaded), 500 (its own
-    failure) or 400 (it refused the request: INVALID_ARG)."""
+    """An error response from Triton -> 503 (the model's engine is dead, the model is not loaded or reloading,
+    its stub died: retry), 500 (the model's own failure) or 400 (it refused the request: INVALID_ARG), with
+    the model's ``param`` when its message starts with a request field (``logit_bias: ...``)."""
     if message.startswith(MODEL_UNAVAILABLE_PREFIX) and " is dead " in message:
-        return OpenAIError(503, message, type_="server_error")
+        return unavailable(message)
+    if any(marker in message for marker in TRITON_UNAVAILABLE_MARKERS):
+        error = unavailable(f"{message}; the model is being loaded again, retry")
+        error.retry_elsewhere = any(marker in message for marker in DEAD_STUB_MARKERS)
+        return error
     if message.startswith(MODEL_INTERNAL_PREFIXES):
         return OpenAIError(500, message, type_="server_error")
-    return OpenAIError(400, message)
+    return OpenAIError(400, message, param=_leading_field(message))
+
+
+#: Request fields the model's error messages start with (``"logit_bias has ..."``, ``"n=3 is over ..."``).
+MODEL_ERROR_FIELDS = frozenset(
+    "n stop stop_token_ids logit_bias logprobs max_tokens min_tokens temperature top_p top_k min_p seed "
+    "presence_penalty frequency_penalty repetition_penalty ignore_eos prompt text_input prompt_token_ids".split()
+)
+
+
+def _leading_field(message: str) -> str | None:
+    """The request field a model error message starts with, or ``None``."""
+    head = message.split(" ", 1)[0].split("=", 1)[0].split(":", 1)[0].split("[", 1)[0]
+    return head if head in MODEL_ERROR_FIELDS else None
+
+
+def transport_error(exc: Exception) -> OpenAIError:
+    """A failed gRPC call (Triton unreachable, restarting, or it dropped the stream) -> 503 with Retry-After."""
+    details = getattr(exc, "details", None)
+    text = details() if callable(details) else str(exc)
+    return unavailable(f"Triton is unavailable ({type(exc).__name__}: {text[:200]}); retry")
+
+
+def is_heartbeat(piece: "Piece") -> bool:
+    """The model's keep-alive response of a quiet stream: no text, no tokens, no logprobs, no finish."""
+    return not piece.text and not piece.token_ids and piece.finish_reason is None and piece.logprobs is None
 
 
 def _bytes_element(raw: bytes) -> bytes:
@@ -156,6 +269,7 @@ def _piece(response, prompt_index: int) -> Piece:
     logprobs = raw.get("logprobs")
     ids = raw.get("output_token_ids")
     cached = raw.get("num_cached_tokens")
+    prompt_logprobs = raw.get("prompt_logprobs")
     return Piece(
         prompt_index,
         _int32(raw["index"]),
@@ -166,6 +280,7 @@ def _piece(response, prompt_index: int) -> Piece:
         _int32(raw.get("num_input_tokens")),
         _int32(raw.get("num_output_tokens")),
         None if cached is None else _int32(cached),
+        None if prompt_logprobs is None else _logprobs(_bytes_element(prompt_logprobs)),
     )
 
 
@@ -173,8 +288,8 @@ def _int32(raw: bytes | None) -> int:
     return 0 if not raw else int.from_bytes(raw[:4], "little", signed=True)
 
 
-def _logprobs(text: bytes) -> list[dict[int, float]]:
-    return [{int(k): v for k, v in entry.items()} for entry in json.loads(text)]
+def _logprobs(text: bytes) -> list[dict[int, float] | None]:
+    return [None if entry is None else {int(k): v for k, v in entry.items()} for entry in json.loads(text)]
 
 
 class PieceQueue:

@@ -51,6 +51,22 @@ TOKEN_FREQUENCIES_NAME = "token_frequencies.json"
 #: ``config.json`` ``model_type`` values the causal-LM stages (engine, fine-tune, quantize) run.
 SUPPORTED_CAUSAL_LM_TYPES = tuple(ARCHITECTURES)
 
+#: Files of a LoRA adapter directory in the PEFT format (``PeftModel.save_pretrained``).
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+#: ``Manifest.method`` of an adapter ``lmforge finetune --lora`` wrote; its ``config["base"]`` holds
+#: ``ADAPTER_BASE_FIELDS`` of the base's ``config.json`` and its ``parent`` the base's path.
+ADAPTER_METHOD = "finetune-lora"
+ADAPTER_BASE_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class NamedSource:
@@ -254,6 +270,12 @@ def check_checkpoint_dir(path: str | Path, *, causal_lm: bool = True) -> dict[st
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory or .gguf file")
     config_path = path / "config.json"
+    if not config_path.is_file() and (path / ADAPTER_CONFIG_NAME).is_file():
+        raise CheckpointError(
+            f"{path}: a LoRA adapter ({ADAPTER_CONFIG_NAME}), not a checkpoint",
+            fix="pass its base as the model and the adapter as a LoRA request (`--lora`), or train with "
+            "`lmforge finetune --lora --merge` for a merged checkpoint",
+        )
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: missing; a checkpoint directory needs the model's config.json")
     try:

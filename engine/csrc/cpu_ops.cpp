@@ -5,12 +5,15 @@
 //   round(weight * y), the two roundings of Hugging Face's LlamaRMSNorm. One read of each row.
 // lmforge_engine::argmax(logits [S, V] bf16 / fp32) -> int64 [S]
 //   index of the first maximum of each row (a NaN counts as the maximum, as torch.argmax does).
-// lmforge_engine::refine_logits(logits [S, V] bf16, hidden [S, H] bf16, weight [V, H] bf16, to_float) -> Tensor
+// lmforge_engine::refine_logits(logits [S, V] bf16, hidden [S, H] bf16, weight [V, H] bf16, to_float, top_k)
+//     -> Tensor
 //   logits rounded to bf16 by the lm head's GEMM tie or swap near the top (bf16 keeps 8 bits: 0.125 apart at 20),
 //   so each entry within two bf16 steps of its row's maximum is recomputed as a float32 dot product of the same
 //   bf16 operands (the GEMM's own accumulation, before its rounding). to_float: a float32 [S, V] copy holding
-//   those exact values. Otherwise, in place: the exact winner of each row is raised to the next bf16 value
-//   above the row's maximum, so any argmax of the row picks it (greedy decoding reads nothing else).
+//   those exact values, and also those of every entry that may be among the top_k largest exact values (whose
+//   logprobs a request may read): all entries within two steps below a bf16 value that top_k entries reach.
+//   Otherwise, in place: the exact winner of each row is raised to the next bf16 value above the row's maximum,
+//   so any argmax of the row picks it (greedy decoding reads nothing else).
 // lmforge_engine::paged_decode_attention(q [D, Hq, hd], kv_cache [2, num_blocks, block_size, Hkv, hd],
 //     block_tables [D, max_blocks] int64, seq_lens [D] int64, first_block, scale, sliding_window,
 //     prior_out [Hkv, D * g, hd]?, prior_lse [Hkv, D * g]?) -> [D, Hq * hd]
@@ -21,14 +24,21 @@
 //   over keys before first_block, e.g. a prefix shared by the batch, in the layout of one attention call whose
 //   query rows are each KV head's g query heads, sequence-major: row i * g + j of KV head h is query head
 //   h * g + j of sequence i) the two parts are merged exactly, as the online-softmax state (m = lse, l = 1,
-//   acc = out) the kernel starts from (cascade attention, Ye et al. 2024).
+//   acc = out) the kernel starts from (cascade attention, Ye et al. 2024). kv_cache may instead be int8 [2,
+//   num_blocks, block_size, Hkv, hd + 2]: each row's hd int8 values followed by its float16 scale (the int8 KV
+//   cache, engine/attention.py quantize_kv); a key's score is scale * (q . k_int8) and a value row enters the
+//   accumulator weighted by p * scale (the same products as dequantizing first, in another order).
 // lmforge_engine::rope_and_cache(qkv [N, (Hq + 2 Hkv) * hd] bf16, cos [N, hd], signed_sin [N, hd], kv_cache
 //     [2, num_blocks, block_size, Hkv, hd], slot_mapping [N] int64) -> q [N, Hq, hd]
 //   rotary embedding of the q and k heads, x * cos + swap_halves(x) * signed_sin with each product and the sum
 //   rounded to bf16 as the three torch ops do, and the rotated k and the v heads stored at each token's slot
-//   (a negative slot: padding, not stored). One pass instead of a dozen small ops per layer.
+//   (a negative slot: padding, not stored). One pass instead of a dozen small ops per layer. An int8 kv_cache
+//   ([2, num_blocks, block_size, Hkv, hd + 2]) stores each rotated k row and each v row quantized from those bf16
+//   values: scale = float16(absmax / 127), q = clamp(round_half_even(x / scale), -127, 127), the scale's two
+//   bytes after the row (engine/attention.py quantize_kv computes the same bytes).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "common.h"
@@ -68,6 +78,45 @@ struct Elem<float> {
   static inline float load(raw_t r) { return r; }
   static inline raw_t store(float f) { return f; }
 };
+
+// The values of an int8 KV cache row (read only; the row's scale follows its hd values: row_scale).
+template <>
+struct Elem<int8_t> {
+  using raw_t = int8_t;
+  static inline float load(raw_t r) { return static_cast<float>(r); }
+};
+
+// Bytes after the hd int8 values of an int8 cache row: its float16 scale.
+constexpr int64_t kScaleBytes = 2;
+constexpr float kInt8Max = 127.0f;
+
+// The factor a cache row's values are multiplied by: 1 for a float cache, the row's float16 scale for int8.
+template <typename C>
+inline float row_scale(const typename Elem<C>::raw_t* /*row*/, int64_t /*hd*/) {
+  return 1.0f;
+}
+
+template <>
+inline float row_scale<int8_t>(const int8_t* row, int64_t hd) {
+  uint16_t bits;
+  std::memcpy(&bits, row + hd, sizeof(bits));
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// x [hd] (bf16 values) -> dst [hd + kScaleBytes]: symmetric int8 with one float16 scale (absmax / 127), rounded
+// half to even and clamped to +-127; an all-zero row gets scale 0 and zeros. engine/attention.py quantize_kv.
+inline void quantize_row(const float* x, int64_t hd, int8_t* dst) {
+  float absmax = 0.f;
+  for (int64_t d = 0; d < hd; ++d) absmax = std::max(absmax, std::fabs(x[d]));
+  const c10::Half scale_h(absmax / kInt8Max);
+  const float s = static_cast<float>(scale_h);
+  for (int64_t d = 0; d < hd; ++d) {
+    const float v = s > 0.f ? std::nearbyint(x[d] / s) : 0.f;
+    dst[d] = static_cast<int8_t>(std::min(kInt8Max, std::max(-kInt8Max, v)));
+  }
+  const uint16_t bits = scale_h.x;
+  std::memcpy(dst + hd, &bits, sizeof(bits));
+}
 
 // Work per task of at::parallel_for: small step tensors run on the calling thread (a parallel region costs
 // more than these passes when the cores are shared), big ones split.
@@ -239,7 +288,26 @@ inline float dot_bf16(const uint16_t* a, const uint16_t* b, int64_t n) {
   return acc;
 }
 
-at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, bool to_float) {
+// The ulp of bf16 values of magnitude |x| (at least that of the smallest normal float).
+inline float bf16_step(float x) {
+  return std::ldexp(1.0f, std::ilogb(std::max(std::fabs(x), std::numeric_limits<float>::min())) - 7);
+}
+
+// A threshold t <= m such that at least k entries of row (n values) are >= t: m - 2^j steps of m, the first j that
+// reaches k (each try one vectorized count); -inf when the row holds fewer than k finite entries above m - 2^24 steps.
+inline float top_k_floor(const uint16_t* row, int64_t n, float m, int64_t k) {
+  const float step = bf16_step(m);
+  for (int j = 1; j <= 24; ++j) {
+    const float t = m - std::ldexp(step, j);
+    int64_t count = 0;
+    for (int64_t c = 0; c < n; ++c) count += bf16_to_float(row[c]) >= t;
+    if (count >= k) return t;
+  }
+  return -std::numeric_limits<float>::infinity();
+}
+
+at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, bool to_float,
+                         int64_t top_k) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1 &&
                   logits.scalar_type() == at::kBFloat16,
               "refine_logits: logits must be a CPU bf16 [S, V] tensor with unit last stride");
@@ -274,8 +342,13 @@ at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at:
       }
       if (!std::isfinite(m)) continue;  // NaN / inf rows: nothing to refine
       // true values round to within half a bf16 step each, so the true maximum lies within two steps of m
-      const float step = std::ldexp(1.0f, std::ilogb(std::max(std::fabs(m), std::numeric_limits<float>::min())) - 7);
-      const float threshold = m - 2.0f * step;
+      float threshold = m - 2.0f * bf16_step(m);
+      if (op && top_k > 1) {
+        // k entries reach t, so the k-th largest true value is at least t - step / 2 and every entry of the true
+        // top k has a bf16 value of at least t - step
+        const float t = top_k_floor(row, cols, m, std::min<int64_t>(top_k, cols));
+        threshold = std::min(threshold, t - 2.0f * bf16_step(std::max(std::fabs(m), std::fabs(t))));
+      }
       float best = -std::numeric_limits<float>::infinity();
       int64_t best_index = -1, first_max = -1;
       for (int64_t c = 0; c < cols; ++c) {
@@ -323,8 +396,9 @@ struct KeyWalk {
   }
 };
 
-// One (sequence, KV head) item: its g query heads against keys lo .. seq_len - 1. HD > 0 fixes the head dim at
-// compile time (the loops over it unroll); HD == 0 reads it from hd.
+// One (sequence, KV head) item: its g query heads against keys lo .. seq_len - 1, read from a cache of element
+// type T (bf16, float, or int8 rows with their scale). HD > 0 fixes the head dim at compile time (the loops over
+// it unroll); HD == 0 reads it from hd.
 template <typename T, int HD>
 struct DecodeItem {
   using E = Elem<T>;
@@ -347,7 +421,8 @@ struct DecodeItem {
 
   static inline void load_row(const raw_t* src, float* dst, int64_t hd) {
     const int64_t n = HD > 0 ? HD : hd;
-    for (int64_t d = 0; d < n; ++d) dst[d] = E::load(src[d]);
+    const float s = row_scale<T>(src, n);
+    for (int64_t d = 0; d < n; ++d) dst[d] = E::load(src[d]) * s;
   }
 
   // scores: [g, n] scratch; qf [g][kMaxHeadDim] scaled queries; acc, m, l: the online-softmax state (in/out).
@@ -425,6 +500,15 @@ inline vf16 load16<float>(const float* src) {
   return f;
 }
 
+typedef int8_t vb16 __attribute__((vector_size(16)));
+
+template <>
+inline vf16 load16<int8_t>(const int8_t* src) {
+  vb16 b;
+  std::memcpy(&b, src, sizeof(b));
+  return __builtin_convertvector(b, vf16);
+}
+
 inline float hsum(vf16 v) {
   float s = 0.f;
   for (int e = 0; e < 16; ++e) s += v[e];
@@ -453,10 +537,11 @@ struct DecodeItemVec {
     keys.each(kp, [&](const raw_t* krow, int64_t t) {
       vf16 k[C];
       for (int c = 0; c < C; ++c) k[c] = load16<T>(krow + c * 16);
+      const float ks = row_scale<T>(krow, HD);
       for (int64_t j = 0; j < g; ++j) {
         vf16 s = qv[j][0] * k[0];
         for (int c = 1; c < C; ++c) s += qv[j][c] * k[c];
-        scores[j * n + t] = hsum(s);
+        scores[j * n + t] = hsum(s) * ks;
       }
     });
     float corr[GM];
@@ -482,8 +567,9 @@ struct DecodeItemVec {
       keys.each(vp, [&](const raw_t* vrow, int64_t t) {
         vf16 v[C];
         for (int c = 0; c < C; ++c) v[c] = load16<T>(vrow + c * 16);
+        const float vs = row_scale<T>(vrow, HD);
         for (int j = 0; j < G; ++j) {
-          const float w = scores[j * n + t];
+          const float w = scores[j * n + t] * vs;
           for (int c = 0; c < C; ++c) a[j][c] += w * v[c];
         }
       });
@@ -498,7 +584,7 @@ struct DecodeItemVec {
           a[c] *= corr[j];
         }
         keys.each(vp, [&](const raw_t* vrow, int64_t t) {
-          const float w = sj[t];
+          const float w = sj[t] * row_scale<T>(vrow, HD);
           for (int c = 0; c < C; ++c) a[c] += w * load16<T>(vrow + c * 16);
         });
         for (int c = 0; c < C; ++c) std::memcpy(&acc[j][c * 16], &a[c], sizeof(vf16));
@@ -511,12 +597,13 @@ template <typename T, int HD, int G>
 using DecodeItemFor =
     typename std::conditional<HD % 16 == 0 && HD != 0, DecodeItemVec<T, HD, G>, DecodeItem<T, HD>>::type;
 
-template <typename T, int HD, int G>
+template <typename T, typename CacheT, int HD, int G>
 void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
                       const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
   using E = Elem<T>;
   using raw_t = typename E::raw_t;
+  using cache_t = typename Elem<CacheT>::raw_t;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), hd = q.size(2);
   const int64_t block_size = kv_cache.size(2), num_kv = kv_cache.size(3);
   const int64_t g = num_heads / num_kv;
@@ -525,8 +612,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
                 c_head = kv_cache.stride(3);
   const int64_t bt_s0 = block_tables.stride(0), max_blocks = block_tables.size(1);
   const raw_t* qp = reinterpret_cast<const raw_t*>(q.data_ptr());
-  const raw_t* kp = reinterpret_cast<const raw_t*>(kv_cache.data_ptr());
-  const raw_t* vp = kp + c_half;
+  const cache_t* kp = reinterpret_cast<const cache_t*>(kv_cache.data_ptr());
+  const cache_t* vp = kp + c_half;
   const int64_t* btp = block_tables.data_ptr<int64_t>();
   const int64_t* slp = seq_lens.data_ptr<int64_t>();
   const raw_t* pop = prior_out ? reinterpret_cast<const raw_t*>(prior_out->data_ptr()) : nullptr;
@@ -566,7 +653,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
         }
       }
       const KeyWalk keys{btp + i * bt_s0, max_blocks, lo, seq_len, block_size, c_block, c_tok, h * c_head};
-      DecodeItemFor<T, HD, G>::run(kp, vp, keys, g, hd, qf, acc, m, l, scores);
+      DecodeItemFor<CacheT, HD, G>::run(kp, vp, keys, g, hd, qf, acc, m, l, scores);
       for (int64_t j = 0; j < g; ++j) {
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
         raw_t* dst = op + i * num_heads * hd + (h * g + j) * hd;
@@ -578,14 +665,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
 
 // Compile-time head dims 64 and 128 with 1 to 8 query heads per KV head (the usual grouped-query shapes), else
 // the runtime loops.
-template <typename T, int HD>
+template <typename T, typename CacheT, int HD>
 void decode_attention_group(int64_t g, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
                             const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
-#define LMFORGE_GROUP(G_)                                                                                       \
+#define LMFORGE_GROUP(G_)                                                                                     \
   case G_:                                                                                                    \
-    return decode_attention<T, HD, G_>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window, \
-                                       prior_out, prior_lse, out);
+    return decode_attention<T, CacheT, HD, G_>(q, kv_cache, block_tables, seq_lens, first_block, scale,       \
+                                               sliding_window, prior_out, prior_lse, out);
   switch (HD == 0 ? 0 : g) {
     LMFORGE_GROUP(1)
     LMFORGE_GROUP(2)
@@ -596,27 +683,27 @@ void decode_attention_group(int64_t g, const at::Tensor& q, const at::Tensor& kv
     LMFORGE_GROUP(7)
     LMFORGE_GROUP(8)
     default:
-      return decode_attention<T, HD, 0>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
-                                        prior_out, prior_lse, out);
+      return decode_attention<T, CacheT, HD, 0>(q, kv_cache, block_tables, seq_lens, first_block, scale,
+                                                sliding_window, prior_out, prior_lse, out);
   }
 #undef LMFORGE_GROUP
 }
 
-template <typename T>
+template <typename T, typename CacheT>
 void decode_attention_dispatch(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
                                const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
   const int64_t g = q.size(1) / kv_cache.size(3);
   switch (q.size(2)) {
     case 64:
-      return decode_attention_group<T, 64>(g, q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
-                                           prior_out, prior_lse, out);
+      return decode_attention_group<T, CacheT, 64>(g, q, kv_cache, block_tables, seq_lens, first_block, scale,
+                                                   sliding_window, prior_out, prior_lse, out);
     case 128:
-      return decode_attention_group<T, 128>(g, q, kv_cache, block_tables, seq_lens, first_block, scale,
-                                            sliding_window, prior_out, prior_lse, out);
+      return decode_attention_group<T, CacheT, 128>(g, q, kv_cache, block_tables, seq_lens, first_block, scale,
+                                                    sliding_window, prior_out, prior_lse, out);
     default:
-      return decode_attention_group<T, 0>(g, q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
-                                          prior_out, prior_lse, out);
+      return decode_attention_group<T, CacheT, 0>(g, q, kv_cache, block_tables, seq_lens, first_block, scale,
+                                                  sliding_window, prior_out, prior_lse, out);
   }
 }
 
@@ -627,8 +714,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be CPU [D, Hq, hd]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.stride(4) == 1,
               "paged_decode_attention: kv_cache must be [2, num_blocks, block_size, Hkv, hd]");
-  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type(), "paged_decode_attention: q and kv_cache dtypes differ");
-  TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(2) <= kMaxHeadDim, "paged_decode_attention: head_dim mismatch or > 256");
+  const bool quantized = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type() || quantized,
+              "paged_decode_attention: kv_cache must be in q's dtype or int8");
+  TORCH_CHECK(q.size(2) + (quantized ? kScaleBytes : 0) == kv_cache.size(4) && q.size(2) <= kMaxHeadDim,
+              "paged_decode_attention: head_dim mismatch (an int8 cache row is hd + 2 bytes) or > 256");
+  TORCH_CHECK(!quantized || (kv_cache.stride(3) % 2 == 0 && kv_cache.stride(2) % 2 == 0 &&
+                             kv_cache.stride(1) % 2 == 0 && kv_cache.stride(0) % 2 == 0),
+              "paged_decode_attention: an int8 kv_cache needs even strides (its float16 scales are read in place)");
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0 && q.size(1) / kv_cache.size(3) <= kMaxGroup,
               "paged_decode_attention: num_heads must be a multiple (<= 16) of num_kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
@@ -652,10 +745,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   const at::Tensor* pop = prior_out.has_value() ? &po : nullptr;
   const at::Tensor* plp = prior_out.has_value() ? &pl : nullptr;
-  if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_dispatch<at::BFloat16>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window, pop, plp, out);
+  if (q.scalar_type() == at::kBFloat16 && quantized) {
+    decode_attention_dispatch<at::BFloat16, int8_t>(q, kv_cache, block_tables, seq_lens, first_block, scale,
+                                                    sliding_window, pop, plp, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_attention_dispatch<at::BFloat16, at::BFloat16>(q, kv_cache, block_tables, seq_lens, first_block, scale,
+                                                          sliding_window, pop, plp, out);
+  } else if (q.scalar_type() == at::kFloat && quantized) {
+    decode_attention_dispatch<float, int8_t>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
+                                             pop, plp, out);
   } else if (q.scalar_type() == at::kFloat) {
-    decode_attention_dispatch<float>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window, pop, plp, out);
+    decode_attention_dispatch<float, float>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
+                                            pop, plp, out);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: q must be bf16 or fp32");
   }
@@ -668,10 +769,12 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
                           const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 2 && qkv.stride(1) == 1,
               "rope_and_cache: qkv must be a CPU bf16 [N, (Hq + 2 Hkv) * hd] tensor with unit last stride");
-  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+  const bool quantized = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((kv_cache.scalar_type() == at::kBFloat16 || quantized) && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
                   kv_cache.size(3) == num_kv && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4),
-              "rope_and_cache: kv_cache must be bf16 [2, num_blocks, block_size, Hkv, hd] with contiguous tokens");
-  const int64_t n = qkv.size(0), hd = kv_cache.size(4);
+              "rope_and_cache: kv_cache must be bf16 [2, num_blocks, block_size, Hkv, hd] or int8 [..., hd + 2] with "
+              "contiguous tokens");
+  const int64_t n = qkv.size(0), row = kv_cache.size(4), hd = quantized ? row - kScaleBytes : row;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv) * hd, "rope_and_cache: qkv width is not (Hq + 2 Hkv) * hd");
   TORCH_CHECK(hd % 2 == 0 && hd <= kMaxHeadDim, "rope_and_cache: head_dim must be even and <= 256");
   TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.dim() == 2 &&
@@ -686,15 +789,19 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
   const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
-  uint16_t* kp = reinterpret_cast<uint16_t*>(kv_cache.data_ptr());
-  uint16_t* vp = kp + kv_cache.stride(0);
+  // the cache in bytes (int8 rows, or bf16 rows of 2 bytes per value)
+  const int64_t esize = quantized ? 1 : 2;
+  char* kp = reinterpret_cast<char*>(kv_cache.data_ptr());
+  char* vp = kp + kv_cache.stride(0) * esize;
   uint16_t* qp = reinterpret_cast<uint16_t*>(q.data_ptr());
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t x_stride = qkv.stride(0), c_stride = cos.stride(0), s_stride = sin.stride(0);
-  const int64_t block_size = kv_cache.size(2), c_block = kv_cache.stride(1), c_tok = kv_cache.stride(2);
+  const int64_t block_size = kv_cache.size(2), c_block = kv_cache.stride(1) * esize,
+                c_tok = kv_cache.stride(2) * esize, row_bytes = row * esize;
   const int64_t half = hd / 2, num_rot = num_heads + num_kv;
   at::parallel_for(0, n, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
-    float c[kMaxHeadDim], sn[kMaxHeadDim];
+    float c[kMaxHeadDim], sn[kMaxHeadDim], vals[kMaxHeadDim];
+    uint16_t rotated[kMaxHeadDim];
     for (int64_t t = begin; t < end; ++t) {
       const uint16_t* x = xp + t * x_stride;
       for (int64_t d = 0; d < hd; ++d) {
@@ -702,12 +809,15 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
         sn[d] = E::load(sp[t * s_stride + d]);
       }
       const int64_t slot = slots[t];
-      uint16_t* k_dst = slot >= 0 ? kp + (slot / block_size) * c_block + (slot % block_size) * c_tok : nullptr;
-      uint16_t* v_dst = slot >= 0 ? vp + (slot / block_size) * c_block + (slot % block_size) * c_tok : nullptr;
+      char* k_dst = slot >= 0 ? kp + (slot / block_size) * c_block + (slot % block_size) * c_tok : nullptr;
+      char* v_dst = slot >= 0 ? vp + (slot / block_size) * c_block + (slot % block_size) * c_tok : nullptr;
       for (int64_t h = 0; h < num_rot; ++h) {
         const uint16_t* src = x + h * hd;
-        uint16_t* dst = h < num_heads ? qp + (t * num_heads + h) * hd : (k_dst ? k_dst + (h - num_heads) * hd : nullptr);
-        if (!dst) continue;
+        const bool is_k = h >= num_heads;
+        if (is_k && !k_dst) continue;
+        char* k_row = is_k ? k_dst + (h - num_heads) * row_bytes : nullptr;
+        uint16_t* dst = !is_k ? qp + (t * num_heads + h) * hd
+                              : (quantized ? rotated : reinterpret_cast<uint16_t*>(k_row));
         for (int64_t d = 0; d < half; ++d) {  // the two halves apart, so both loops vectorize
           const float a = E::load(E::store(E::load(src[d]) * c[d]));
           const float b = E::load(E::store(E::load(src[d + half]) * sn[d]));
@@ -718,8 +828,21 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
           const float b = E::load(E::store(E::load(src[d - half]) * sn[d]));
           dst[d] = E::store(a + b);
         }
+        if (is_k && quantized) {
+          for (int64_t d = 0; d < hd; ++d) vals[d] = E::load(rotated[d]);
+          quantize_row(vals, hd, reinterpret_cast<int8_t*>(k_row));
+        }
       }
-      if (v_dst) std::memcpy(v_dst, x + num_rot * hd, static_cast<size_t>(num_kv * hd) * sizeof(uint16_t));
+      if (!v_dst) continue;
+      const uint16_t* v_src = x + num_rot * hd;
+      if (!quantized) {
+        std::memcpy(v_dst, v_src, static_cast<size_t>(num_kv * hd) * sizeof(uint16_t));
+        continue;
+      }
+      for (int64_t h = 0; h < num_kv; ++h) {
+        for (int64_t d = 0; d < hd; ++d) vals[d] = E::load(v_src[h * hd + d]);
+        quantize_row(vals, hd, reinterpret_cast<int8_t*>(v_dst + h * row_bytes));
+      }
     }
   });
   return q;
@@ -730,7 +853,8 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
 TORCH_LIBRARY(lmforge_engine, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
   m.def("argmax(Tensor logits) -> Tensor", &argmax);
-  m.def("refine_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, bool to_float) -> Tensor", &refine_logits);
+  m.def("refine_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, bool to_float, int top_k) -> Tensor",
+        &refine_logits);
   m.def(
       "rope_and_cache(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "int num_heads, int num_kv) -> Tensor",

@@ -1,7 +1,8 @@
 // A CPU kernel of the engine (engine/cpu_ops.py builds it on first use with torch.utils.cpp_extension).
 //
 // lmforge_decode::int8_decode_layers(h [N, H] bf16, weights, scales, biases, norms, kv_cache [L, 2, num_blocks,
-//     block_size, Hkv, hd] bf16, cos [N, hd], signed_sin [N, hd], slot_mapping [N], block_tables [N, max_blocks],
+//     block_size, Hkv, hd] bf16 (or int8 [..., hd + 2]: the int8 KV cache, read and written by the two ops below),
+//     cos [N, hd], signed_sin [N, hd], slot_mapping [N], block_tables [N, max_blocks],
 //     seq_lens [N], num_heads, num_kv, eps) -> [N, H]
 //   every decoder layer of a Llama-style model whose linears are weight-only INT8 (weights[4 l + j], j = qkv, o,
 //   [gate; up], down: int8 [out, in] with float32 scales [out] and optional float32 biases; a layer kept in float
@@ -89,8 +90,9 @@ at::Tensor int8_decode_layers(const at::Tensor& h_in, at::TensorList weights,
                   static_cast<int64_t>(norms.size()) == 2 * num_layers,
               "int8_decode_layers: give 4 weights, scales and biases and 2 norms per layer");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers && kv_cache.size(1) == 2,
-              "int8_decode_layers: kv_cache must be [L, 2, num_blocks, block_size, Hkv, hd]");
-  const double scale = 1.0 / std::sqrt(static_cast<double>(kv_cache.size(5)));
+              "int8_decode_layers: kv_cache must be [L, 2, num_blocks, block_size, Hkv, hd] (int8: hd + 2)");
+  TORCH_CHECK(cos.dim() == 2, "int8_decode_layers: cos must be [N, hd]");
+  const double scale = 1.0 / std::sqrt(static_cast<double>(cos.size(1)));  // head_dim (an int8 cache row is longer)
   at::Tensor h = h_in.contiguous();
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor cache = kv_cache.select(0, l);  // [2, num_blocks, block_size, Hkv, hd]

@@ -148,6 +148,7 @@ class DraftProposer:
         num_blocks: blocks in the draft's KV pool.
         vocab_size: logits for this many frequent tokens only (``read_draft_vocab``); ``None``: all.
         min_confidence: stop a request's proposals after a token of lower draft probability (0: never).
+        kv_cache_dtype: the draft's KV cache dtype (``"int8"`` when the target's is); ``None``: ``dtype``.
 
     Raises:
         ValueError: the draft's context is shorter than ``max_model_len``.
@@ -164,6 +165,7 @@ class DraftProposer:
         num_blocks: int,
         vocab_size: int | None = None,
         min_confidence: float = 0.0,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         spec = read_model_spec(draft_dir)
         if spec.max_position_embeddings < max_model_len:
@@ -173,7 +175,7 @@ class DraftProposer:
             )
         self.path = draft_dir
         self.min_confidence = min_confidence
-        self.runner = ModelRunner(draft_dir, dtype, device, block_size, max_model_len)
+        self.runner = ModelRunner(draft_dir, dtype, device, block_size, max_model_len, kv_cache_dtype=kv_cache_dtype)
         self.runner.allocate_kv_cache(num_blocks)
         self.head_ids = read_draft_vocab(draft_dir, vocab_size, spec.vocab_size)  # [V'] or None
         self.head = None
@@ -217,6 +219,7 @@ class DraftProposer:
             config.num_kv_blocks,
             config.speculative_draft_vocab_size,
             config.speculative_draft_confidence_threshold,
+            "int8" if config.kv_cache_dtype == "int8" else None,  # an int8 target cache: the draft's too
         )
 
     @property

@@ -54,12 +54,14 @@ def verifiable(seq) -> bool:
     """Whether ``rejection.verify_request`` reproduces the sampler's distribution for ``seq``.
 
     It applies the repetition penalty, temperature, top-k and top-p per position; a request
-    with min-p, ``logit_bias``, frequency/presence penalties, or still under ``min_tokens``
-    decodes one token per step instead (its tokens stay exactly the sampler's).
+    with min-p, ``logit_bias``, frequency/presence penalties, a structured-output grammar (its
+    mask is not applied to proposals), or still under ``min_tokens`` decodes one token per step
+    instead (its tokens stay exactly the sampler's).
     """
     p = seq.params
     return not (
-        p.min_p > 0.0
+        p.structured_outputs is not None
+        or p.min_p > 0.0
         or p.logit_bias
         or p.frequency_penalty
         or p.presence_penalty

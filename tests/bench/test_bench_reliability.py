@@ -84,3 +84,32 @@ def test_report_splits_at_the_kill_and_checks_each_target(tmp_path):
     assert not report["targets_met"]
     text = format_report(report)
     assert "served again after 21.5 s" in text and "bad requests all refused with 400: MISSED" in text
+
+
+def test_case_targets_read_the_measured_figures():
+    from bench.reliability_cases import case_targets
+
+    results = {
+        "huge_n": {"ratio": 1.6},
+        "queued_disconnects": {"queued_aborted_within_s": 0.7, "mid_stream_aborted_within_s": None},
+        "nonstream_disconnects": {"nonstream_aborted_within_s": 0.4},
+        "kill2": {
+            "in_flight_failed_within_s": [0.9, 1.4],
+            "first_good_answer_after_kill_s": 3.0,
+            "sent_after_kill_failed": 0,
+        },
+    }
+    targets = case_targets(results)
+    assert targets["good request beside the worst allowed one <= 2x alone"] is True
+    assert targets["queued and mid-stream SSE disconnects aborted within 1 s"] is False  # one never counted
+    assert targets["non-streaming disconnects aborted within 1 s"] is True
+    assert targets["kill2: in-flight requests fail within 1 s"] is False
+    assert targets["kill2: first good answer within 10 s"] is True
+    assert targets["kill2: no request sent after the kill fails"] is True
+
+
+def test_unknown_case_is_refused(capsys):
+    from bench.reliability import run
+
+    assert run(_args("--cases", "huge_n,nope", "--no-soak")) == 2
+    assert "unknown ['nope']" in capsys.readouterr().err

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from bench.bound import percentile, ratio, workload_flops
+from bench.bound import ratio, workload_flops
 from bench.engine_backends import BACKENDS, left_pad
 from bench.engine_bench import (
     engine_targets,
@@ -22,6 +20,7 @@ from bench.engine_bench import (
     summarize_single,
     token_agreement,
 )
+from bench.harness import percentiles
 from engine.checkpoint.model_spec import ModelSpec
 from engine.errors import UsageError
 
@@ -72,9 +71,11 @@ def test_workload_flops_equals_token_by_token_sum():
 
 
 def test_percentile_ratio_agreement():
-    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
-    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 99) == pytest.approx(4.96)
-    assert percentile([], 50) is None
+    assert percentiles([3.0, 1.0, 2.0, 4.0], (50,)) == {"p50": 2.5}
+    assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0], (99,))["p99"] == pytest.approx(4.96)
+    assert percentiles([], (50, 99.9)) == {"p50": None, "p99_9": None}
+    with pytest.raises(ValueError, match="between 0 and 100"):
+        percentiles([1.0], (101,))
     assert ratio(10.0, 4.0) == 2.5 and ratio(1.0, 0.0) is None and ratio(None, 1.0) is None
     assert token_agreement([[1, 2], [3, 4]], [[1, 2], [3, 5]]) == 0.5
     assert parse_engine_args(["max_num_seqs=64", "dtype=float32"]) == {"max_num_seqs": 64, "dtype": "float32"}
@@ -185,6 +186,7 @@ def test_configuration_names():
     assert {
         "engine_fp32",
         "engine_bf16",
+        "engine_bf16_kv8",
         "engine_int8",
         "engine_prefix_off",
         "vllm_fp32",
@@ -194,7 +196,7 @@ def test_configuration_names():
         "hf_sequential",
         "hf_static",
     } <= names
-    assert {BACKENDS[c].dtype for c in ("engine_bf16", "vllm_bf16")} == {"bf16"}
+    assert {BACKENDS[c].dtype for c in ("engine_bf16", "engine_bf16_kv8", "vllm_bf16")} == {"bf16"}
     assert BACKENDS["llama_cpp_server_q8_0"].gguf_type == "q8_0" and BACKENDS["vllm_fp32"].interpreter == "vllm"
     with pytest.raises(ValueError, match="unknown engine_prefix_on; choose from"):
         parse_configs("engine_prefix_on")
@@ -221,25 +223,11 @@ def test_workload_is_deterministic_and_shares_the_system_prompt(tiny_llama_dir):
         build_workload(tokenizer, num_requests=2, num_systems=3)
 
 
-def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path):
+def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path, lmforge):
     out = tmp_path / "bench.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "lmforge_cli",
-        "bench",
-        "engine",
-        "--model",
-        str(tiny_llama_dir),
-        "--smoke",
-        "--configs",
-        "hf_sequential,hf_static,engine_fp32",
-        "--rounds",
-        "2",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    configs = "hf_sequential,hf_static,engine_fp32"
+    smoke = ("--model", tiny_llama_dir, "--smoke", "--configs", configs, "--rounds", 2)
+    proc = lmforge("bench", "engine", *smoke, "--out", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     rows = {r["config"]: r for r in report["rows"]}

@@ -13,7 +13,8 @@ import pytest
 from bench import peers
 from bench.bound import MATMUL_DTYPES, measure_matmul_gflops
 from bench.engine_backends import RunSpec, run_spec
-from bench.peer_runs import Peers, not_installed, prepare_gguf
+from bench.harness import Peers
+from bench.peer_runs import not_installed, prepare_peer_model
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKES = ROOT / "tests" / "fakes"
@@ -45,10 +46,10 @@ def test_missing_peers_are_reported_as_not_installed(tmp_path):
     # a llama-server without the converter: not installed unless the GGUF is already there
     server_only = Peers(vllm_python=None, llama_server=FAKE_SERVER, gguf_converter=None)
     assert not_installed("llama_cpp_server_f32", server_only) is None
-    path, note, missing = prepare_gguf("llama_cpp_server_f32", tmp_path / "tiny", tmp_path, server_only)
+    path, note, missing = prepare_peer_model("llama_cpp_server_f32", tmp_path / "tiny", tmp_path, server_only)
     assert path is None and missing and "convert_hf_to_gguf.py not installed: run `make peers`" in note
     (tmp_path / "tiny-q8_0.gguf").write_bytes(b"GGUF")
-    path, note, missing = prepare_gguf("llama_cpp_server_q8_0", tmp_path / "tiny", tmp_path, server_only)
+    path, note, missing = prepare_peer_model("llama_cpp_server_q8_0", tmp_path / "tiny", tmp_path, server_only)
     assert path == str(tmp_path / "tiny-q8_0.gguf") and "reused" in note and not missing
 
 

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import requests
 
+from bench.harness import percentiles
 from bench.loadtest import LoadTestConfig, LoadTestError, check_host, parse_duration, preflight, run_loadtest
 from bench.metrics import (
     LoadStep,
     RequestSample,
     goodput,
     latency_by_concurrency,
-    percentiles,
     step_summaries,
     summarize,
     throughput_timeline,

@@ -114,6 +114,36 @@ def test_evaluate_writes_metrics_and_table(tiny_llama_dir, tmp_path):
     assert tiny_llama_dir.name[-28:] in format_table(results)
 
 
+def test_engine_rows_judge_a_kv_cache_dtype_against_the_first(tiny_llama_dir, tiny):
+    """``kv_cache_dtypes``: the checkpoint runs on the engine once per KV dtype; the engine's teacher-forced
+    fp32 logits equal Hugging Face's, the reference row agrees with itself, the int8 row is close, and no
+    manifest gets engine metrics."""
+    engine_fp32 = load_for_eval(tiny_llama_dir, kv_cache_dtype="auto", engine_dtype="float32", max_model_len=256)
+    ids = encode_record(tiny.tokenizer, DIALOG)[0]
+    x = torch.tensor([ids])
+    torch.testing.assert_close(engine_fp32.model(x).logits, tiny.model(x).logits.float(), atol=2e-4, rtol=1e-4)
+    assert engine_fp32.model.generate(x[:, :5], max_new_tokens=3, min_new_tokens=3).shape == (1, 8)
+    before = read_manifest(tiny_llama_dir).metrics
+    config = EvalConfig(agreement_tokens=4, measure_latency=False, num_threads=1)
+    results = evaluate(
+        [tiny_llama_dir],
+        records=[DIALOG, {"text": TEXTS[1]}],
+        config=config,
+        log=lambda _: None,
+        kv_cache_dtypes=["bfloat16", "int8"],
+        engine_dtype="bfloat16",
+    )
+    ref, int8 = results[f"{tiny_llama_dir} [kv bfloat16]"], results[f"{tiny_llama_dir} [kv int8]"]
+    assert ref["kind"] == int8["kind"] == "engine" and int8["kv_cache_dtype"] == "int8"
+    assert ref["kl_mean"] == 0 and ref["same_top1"] == 1.0 and ref["greedy_agreement"] == 1.0
+    assert int8["reference"] == f"{tiny_llama_dir} [kv bfloat16]"
+    assert 0 < int8["kl_mean"] < 0.05 and int8["same_top1"] >= 0.9
+    assert read_manifest(tiny_llama_dir).metrics == before
+    assert "[kv int8]" in format_table(results)
+    with pytest.raises(EvaluationError, match="--kv-cache-dtype: unknown fp8"):
+        evaluate([tiny_llama_dir], records=[DIALOG], kv_cache_dtypes=["fp8"])
+
+
 def test_default_heldout_data_is_english_dialogs():
     records, name = default_heldout_records()
     assert len(records) >= 10 and "chatterbot:english" in name
@@ -137,3 +167,28 @@ def test_bad_inputs_name_the_file_or_field(tiny_llama_dir, tmp_path, capsys):
         evaluate(["minilm-l6"], records=[{"text": "hi"}])
     assert lmforge_cli.main(["evaluate", str(tmp_path / "nope")]) == 1
     assert "nope: checkpoint not found" in capsys.readouterr().err
+
+
+def test_evaluate_judges_an_adapter_on_the_int8_base_against_it_on_the_fp32_base(tmp_path):
+    """``--lora`` runs one adapter on every checkpoint: the reference's perplexity is ``PeftModel``'s on the fp32
+    base, the INT8 base gets KL / same top-1 against it, and no manifest takes the adapted metrics."""
+    from engine.checkpoint.store import make_tiny_llama
+    from tests.engine.test_engine_int8 import write_int8_checkpoint
+    from tests.engine.test_engine_lora import ALL_MODULES, make_peft_adapter, peft_model
+
+    base = make_tiny_llama(tmp_path / "fp32", seed=5, hidden_size=128, intermediate_size=256)
+    write_int8_checkpoint(base, tmp_path / "int8", "w8a8")
+    adapter = make_peft_adapter(base, tmp_path / "adapter", 8, ALL_MODULES, seed=4, b_std=0.05)
+    records = [DIALOG, {"text": TEXTS[0]}, {"text": TEXTS[1]}]
+    config = EvalConfig(agreement_tokens=6, measure_latency=False, num_threads=1)
+    results = evaluate([base, tmp_path / "int8"], records=records, config=config, log=lambda _: None, lora=adapter)
+    ref, int8 = results[str(base)], results[str(tmp_path / "int8")]
+    peft_ppl, _ = perplexity(peft_model(base, adapter), load_for_eval(base).tokenizer, records)
+    plain_ppl, _ = perplexity(peft_model(base, None), load_for_eval(base).tokenizer, records)
+    assert ref["perplexity"] == pytest.approx(peft_ppl, rel=1e-4) and abs(plain_ppl / peft_ppl - 1) > 1e-3
+    assert ref["kl_mean"] == 0 and ref["same_top1"] == 1.0 and ref["lora"] == str(adapter)
+    assert int8["kind"] == "int8" and 0 < int8["kl_mean"] < 0.5 and 0.5 <= int8["same_top1"] <= 1.0
+    assert "perplexity" not in read_manifest(base).metrics  # the adapted model's figures stay out of the manifests
+    other = make_tiny_llama(tmp_path / "wide", seed=1, hidden_size=64)
+    with pytest.raises(ValueError, match="the base.s intermediate_size is 128"):
+        evaluate([other], records=records, config=config, log=lambda _: None, lora=adapter)

@@ -15,23 +15,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from compress.data.prepare import DataConfig, prepare
 from compress.train.finetune import FinetuneConfig, FinetuneRecipe, run_recipe
 from compress.train.loop import TrainConfig, TrainingError, clip_gradients, cosine_schedule
 from compress.train.monitor import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory) -> Path:
-    """A small train/val split of the English chatterbot dialogs (48 train, 8 val dialogs)."""
-    out = tmp_path_factory.mktemp("chat-data")
-    prepare(DataConfig(), out, verbose=False)
-    for name, keep in (("train.jsonl", 48), ("val.jsonl", 8)):
-        lines = (out / name).read_text().splitlines()[:keep]
-        (out / name).write_text("\n".join(lines) + "\n")
-    return out
 
 
 def _config(tiny_llama_dir, chat_data, run_dir, **overrides) -> FinetuneConfig:
@@ -156,6 +144,7 @@ def test_lora_with_gradient_checkpointing_is_merged_on_save(tiny_llama_dir, chat
         chat_data,
         tmp_path / "lora",
         lora=True,
+        merge=True,
         max_steps=3,
         lr=1e-2,
         warmup_ratio=0.0,
@@ -172,6 +161,43 @@ def test_lora_with_gradient_checkpointing_is_merged_on_save(tiny_llama_dir, chat
     )
     assert torch.equal(merged["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
     AutoModelForCausalLM.from_pretrained(final)
+
+
+def test_lora_keeps_the_adapter_in_the_peft_format_with_a_manifest_naming_its_base(tiny_llama_dir, chat_data, tmp_path):
+    from peft import PeftModel
+
+    from engine.checkpoint.store import ADAPTER_METHOD, CheckpointError, read_manifest, resolve_checkpoint
+
+    cfg = _config(tiny_llama_dir, chat_data, tmp_path / "lora", lora=True, max_steps=2, lr=1e-2, warmup_ratio=0.0)
+    recipe = FinetuneRecipe(cfg)
+    result, final = recipe.run()
+    assert result.status == "completed"
+    assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
+    assert not (final / "model.safetensors").exists()
+    tensors = load_file(final / "adapter_model.safetensors")
+    assert all(".lora_A." in k or ".lora_B." in k for k in tensors) and all(
+        t.dtype == torch.float32 for t in tensors.values()
+    )
+    assert {k.split(".")[-3] for k in tensors} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (8, 64)
+    manifest = read_manifest(final)
+    assert manifest.method == ADAPTER_METHOD and manifest.parent == str(tiny_llama_dir.resolve())
+    assert manifest.config["base"]["hidden_size"] == 64 and manifest.config["base"]["vocab_size"] == 49152
+    assert manifest.config["lora_r"] == 8 and manifest.num_parameters == sum(t.numel() for t in tensors.values())
+    # PEFT loads it on its base and gives the trained model's logits
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    peft_model = PeftModel.from_pretrained(base, final).eval()
+    trained = recipe.export_model().eval()
+    ids = torch.tensor([[5, 17, 300, 4000, 12]])
+    with torch.no_grad():
+        assert torch.allclose(peft_model(ids).logits, trained(ids).logits, atol=1e-5)
+    with pytest.raises(CheckpointError, match="a LoRA adapter"):
+        resolve_checkpoint(final)
+
+
+def test_merge_needs_lora(tiny_llama_dir, chat_data, tmp_path):
+    with pytest.raises(ValueError, match="--merge without --lora"):
+        FinetuneRecipe(_config(tiny_llama_dir, chat_data, tmp_path / "run", merge=True))
 
 
 class _RunsCode:

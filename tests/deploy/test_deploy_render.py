@@ -110,12 +110,17 @@ def test_monitor_and_hpa_point_at_the_triton_pods(values):
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     monitor = by_kind["ServiceMonitor" if values.monitor == "servicemonitor" else "PodMonitor"]
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    selected = service["metadata"]["labels"] if monitor["kind"] == "ServiceMonitor" else pod_labels
+    metrics = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == f"{values.name}-metrics"]
+    selected = metrics[0]["metadata"]["labels"] if monitor["kind"] == "ServiceMonitor" else pod_labels
     assert monitor["spec"]["selector"]["matchLabels"].items() <= selected.items()
+    if monitor["kind"] == "ServiceMonitor":  # it scrapes the metrics Service, never the clients' one
+        assert not monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     endpoints = monitor["spec"].get("endpoints") or monitor["spec"]["podMetricsEndpoints"]
     assert endpoints[0]["port"] == "metrics" and endpoints[0]["path"] == "/metrics"
     assert service["spec"]["selector"].items() <= pod_labels.items()
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    # the clients' Service has the client ports only; the metrics port has its own Service (ServiceMonitor only)
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"http": 8000, "grpc": 8001}
+    assert len(metrics) == (values.monitor == "servicemonitor")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):  # the model's readiness, not the server's
         assert container[probe]["httpGet"]["path"] == f"/v2/models/{values.model_name}/ready"
@@ -167,14 +172,16 @@ def test_dockerfiles_build_on_triton_2_51_and_copy_existing_paths():
     files = render_files("docker", DeployValues())
     gpu, cpu = files["Dockerfile"], files["Dockerfile.cpu"]
     assert re.search(rf"^FROM {re.escape(TRITON_IMAGE)}$", gpu, re.M) and TRITON_IMAGE.endswith(":24.10-py3")
-    assert re.search(r"^FROM python:3\.11-slim", cpu, re.M)
+    # the CPU base is a build argument whose default is the public image
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim-bookworm$", cpu, re.M)
+    assert re.findall(r"^FROM (\S+)", cpu, re.M) == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
     for text in (gpu, cpu):
         assert (
-            "EXPOSE 8000 8001 8002" in text
+            "EXPOSE 8000 8001\n" in text  # the client ports (Prometheus reaches 8002 on the network)
             and "/v2/models/smollm2_135m/ready" in text
             and "--load-model=smollm2_135m" in text
         )
-        for source in re.findall(r"^COPY (?!\$)(.+) \S+$", text, re.M):
+        for source in re.findall(r"^COPY (?!\$|--from)(.+) \S+$", text, re.M):
             for item in source.split():
                 assert (ROOT / item).exists(), item
     assert "python_backend_stubs/3.11/triton_python_backend_stub" in gpu and "python_backend_stubs/3.11" in cpu
@@ -226,11 +233,17 @@ def test_custom_values_change_what_they_should_and_nothing_else():
         ("deployment.yaml", 0, 0, "spec", "template", "spec", "tolerations", 0, key)
         for key in ("key", "operator", "effect")
     }
+    # the CPU image runs as its non-root user (Dockerfile.cpu); the GPU one is NGC's
+    security = {
+        ("deployment.yaml", 0, 0, "spec", "template", "spec", "securityContext", key)
+        for key in ("runAsNonRoot", "runAsUser", "runAsGroup", "fsGroup")
+    }
     assert (
         gpu_off
         == {container + ("resources", kind, "nvidia.com/gpu") for kind in ("requests", "limits")}
         | {container + ("args", 7)}
         | tolerations
+        | security
     )
     docker = render_files("docker", DeployValues())
     changed = _changed_paths(docker, render_files("docker", DeployValues(locust_workers=16)))
@@ -280,3 +293,27 @@ def test_render_api_cli_and_errors(tmp_path, capsys):
         render_deploy("k8s", tmp_path / "x", model_repository="gs://x")
     with pytest.raises(ValueError, match="unknown deploy values"):
         render_deploy("docker", tmp_path / "x", replica=2)
+
+
+def test_api_key_secret_restricts_triton_and_reaches_locust():
+    values = DeployValues(api_key_secret="lmforge-api-key")
+    docs = _k8s_docs(render_files("k8s", values))
+    deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == values.name)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    restricted = [a for a in container["args"] if "restricted" in a]
+    assert [a.split("=", 1)[0] for a in restricted] == ["--http-restricted-api", "--grpc-restricted-protocol"]
+    assert all(a.endswith(":authorization=Bearer $(LMFORGE_API_KEY)") and "health" not in a for a in restricted)
+    assert all("inference" in a and "model-repository" in a for a in restricted)
+    [env] = container["env"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "lmforge-api-key", "key": "api-key"}
+    master = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("locust-master"))
+    assert "--api-key=$(LMFORGE_API_KEY)" in master["spec"]["template"]["spec"]["containers"][0]["args"]
+    compose = yaml.safe_load(render_files("docker", values)["compose.yaml"].split("\n", 1)[1])
+    triton = compose["services"]["triton-cpu"]
+    assert triton["ports"] == ["127.0.0.1:8000:8000", "127.0.0.1:8001:8001"]
+    assert any(a.startswith("--http-restricted-api=") and "${LMFORGE_API_KEY:?" in a for a in triton["command"])
+    open_docs = _k8s_docs(render_files("k8s", DeployValues()))
+    open_deployment = next(
+        d for d in open_docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "lmforge-triton"
+    )
+    assert not any("restricted" in a for a in open_deployment["spec"]["template"]["spec"]["containers"][0]["args"])

@@ -71,6 +71,7 @@ def test_built_configs_round_trip_through_the_proto():
         "output_token_ids",
         "logprobs",
         "num_cached_tokens",
+        "prompt_logprobs",
     ]
     onnx_config = builders[2]
     assert onnx_config.backend == "onnxruntime" and onnx_config.dynamic_batching.max_queue_delay_microseconds > 0
@@ -192,7 +193,9 @@ def test_parse_request_defaults_and_values():
         b'{"n": 2, "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_p": 0.1, '
         b'"logit_bias": {"7": -100}}'
     )
-    request = parse_request(None, None, np.array([fields], dtype=object), None, np.array([3, 4, 5], dtype=np.int64))
+    request = parse_request(
+        None, np.array([True]), np.array([fields], dtype=object), None, np.array([3, 4, 5], dtype=np.int64)
+    )
     assert request.prompt == {"prompt_token_ids": [3, 4, 5]} and request.prompt_text == ""
     p = request.sampling_params
     assert (p.n, p.min_tokens, p.presence_penalty, p.frequency_penalty, p.min_p, p.logit_bias) == (

@@ -414,20 +414,14 @@ def test_every_exported_config_parses_and_the_server_accepts_it(server, served_r
 # --------------------------------------------------------------------------------------------
 
 
-def test_second_server_on_busy_ports_gets_a_clear_error(server, served_repo, tmp_path):
+def test_second_server_on_busy_ports_gets_a_clear_error(server, served_repo, tmp_path, lmforge):
     start = time.monotonic()
     with pytest.raises(PortsBusyError, match=f"127.0.0.1:{server.ports['http']}"):
         TritonServer(
             served_repo, *server.ports.values(), write_pid_file=False, log_path=tmp_path / "second.log"
         ).start()
     assert time.monotonic() - start < 10
-    result = subprocess.run(
-        [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(tmp_path), *_port_flags(server.ports)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO_ROOT,
-    )
+    result = lmforge("serve", "--repo", tmp_path, *_port_flags(server.ports), timeout=60)
     assert result.returncode == 1 and "already in use" in result.stderr and "--http-port" in result.stderr
 
 
@@ -463,6 +457,10 @@ def _echo_repo(root: Path, names: list[str]) -> Path:
     return root
 
 
+def _free_ports() -> dict[str, int]:
+    return dict(zip(("http", "grpc", "metrics"), free_ports(3)))
+
+
 def _port_flags(ports: dict[str, int]) -> list[str]:
     return [
         "--http-port",
@@ -474,53 +472,29 @@ def _port_flags(ports: dict[str, int]) -> list[str]:
     ]
 
 
-def test_serve_reports_load_failure_reason_and_exits_nonzero(tmp_path):
+def test_serve_reports_load_failure_reason_and_exits_nonzero(tmp_path, lmforge):
     repo = _echo_repo(tmp_path / "repo", ["echo", "broken"])
-    ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lmforge_cli",
-            "serve",
-            "--repo",
-            str(repo),
-            *_port_flags(ports),
-            "--startup-timeout-s",
-            "120",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=REPO_ROOT,
-    )
+    ports = _free_ports()
+    result = lmforge("serve", "--repo", repo, *_port_flags(ports), "--startup-timeout-s", "120", timeout=180)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "broken: " in result.stderr and "weights missing: run lmforge export first" in result.stderr
     assert not (repo / "tritonserver.pid").exists()
 
 
-def test_serve_models_flag_refuses_a_missing_model(tmp_path):
+def test_serve_models_flag_refuses_a_missing_model(tmp_path, lmforge):
     repo = _echo_repo(tmp_path / "repo", ["echo"])
-    ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lmforge_cli",
-            "serve",
-            "--repo",
-            str(repo),
-            *_port_flags(ports),
-            "--models",
-            "echo",
-            "missing",
-            "--startup-timeout-s",
-            "120",
-        ],
-        capture_output=True,
-        text=True,
+    ports = _free_ports()
+    result = lmforge(
+        "serve",
+        "--repo",
+        repo,
+        *_port_flags(ports),
+        "--models",
+        "echo",
+        "missing",
+        "--startup-timeout-s",
+        "120",
         timeout=180,
-        cwd=REPO_ROOT,
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "ready in" not in result.stdout
@@ -528,9 +502,9 @@ def test_serve_models_flag_refuses_a_missing_model(tmp_path):
     assert not (repo / "tritonserver.pid").exists()
 
 
-def test_serve_foreground_then_stop(tmp_path):
+def test_serve_foreground_then_stop(tmp_path, lmforge):
     repo = _echo_repo(tmp_path / "repo", ["echo"])
-    ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
+    ports = _free_ports()
     process = subprocess.Popen(
         [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), *_port_flags(ports)],
         stdout=subprocess.PIPE,
@@ -554,29 +528,9 @@ def test_serve_foreground_then_stop(tmp_path):
                 timeout=30,
             )
         assert reply.json()["outputs"][0]["data"] == ["hi"]
-        again = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "lmforge_cli",
-                "serve",
-                "--repo",
-                str(repo),
-                *_port_flags(dict(zip(("http", "grpc", "metrics"), free_ports(3)))),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=REPO_ROOT,
-        )
+        again = lmforge("serve", "--repo", repo, *_port_flags(_free_ports()), timeout=60)
         assert again.returncode == 1 and "already serves" in again.stderr
-        stop = subprocess.run(
-            [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), "--stop"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=REPO_ROOT,
-        )
+        stop = lmforge("serve", "--repo", repo, "--stop", timeout=60)
         assert stop.returncode == 0 and "stopped tritonserver" in stop.stdout
         assert process.wait(timeout=60) == 0, process.stdout.read() + (repo / "tritonserver.log").read_text()[-1500:]
         assert not (repo / "tritonserver.pid").exists()

@@ -225,3 +225,39 @@ def test_a_send_refused_because_the_client_left_counts_as_an_abort(pb):
     asyncio.run(model._serve(request))
     assert request.sender.sent == [(None, FINAL)]  # no error response, only the closing flag
     assert model.metrics.aborted.value == 1 and model.metrics.errors.value == 0
+
+
+def test_a_queued_sse_client_that_left_is_found_by_a_heartbeat_and_aborted(pb):
+    """Triton's HTTP server flags a closed SSE connection only when it writes to it: a queued streaming request
+    sends heartbeats (empty responses), and the first write after the client left gets it aborted."""
+
+    class QueuedEngine(FakeEngine):
+        async def generate(self, prompt, params, request_id):
+            self.released = asyncio.Event()
+            await self.released.wait()  # waits for a batch slot until aborted
+            yield _n_outputs("length")[0]
+
+        async def abort(self, request_id):
+            await super().abort(request_id)
+            self.released.set()
+
+    class ClosingSender(FakeSender):
+        """Its client closed after the first response: Triton flags it once a write reached the connection."""
+
+        def is_cancelled(self):
+            return len(self.sent) >= 2
+
+    engine = QueuedEngine()
+    model = _model(pb, engine)
+    module = sys.modules["deploy.triton_llm"]
+    module.HEARTBEAT_INTERVAL_S, module.CANCEL_CHECK_INTERVAL_S = 0.05, 0.01
+    request = _request()
+    request.inputs["stream"] = np.array([True])
+    request.sender = ClosingSender()
+    asyncio.run(asyncio.wait_for(model._serve(request), 10))
+    heartbeats = [_tensors(r) for r, flags in request.sender.sent if r is not None]
+    assert len(heartbeats) >= 2
+    assert all(t["text_output"][0] == b"" and len(t["output_token_ids"]) == 0 for t in heartbeats)
+    assert all("finish_reason" not in t for t in heartbeats)
+    assert len(engine.aborted) == 1 and model.metrics.aborted.value == 1
+    assert request.sender.sent[-1] == (None, FINAL)

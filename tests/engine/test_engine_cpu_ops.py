@@ -7,16 +7,7 @@ import torch.nn.functional as F
 from engine import cpu_ops
 from engine.attention import CommonAttentionMetadata, TorchAttentionBackend
 
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    if cpu_ops.KERNELS.forbidden:
-        pytest.skip("--cpu-kernel-path=torch holds the engine's C++ kernels off")
-    cpu_ops.use_cpu_kernels(True)
-    if not cpu_ops.use_cpu_kernels():
-        pytest.fail(f"engine CPU kernels did not build: {cpu_ops.KERNELS.reason}")
-    yield
-    cpu_ops.use_cpu_kernels(True)
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def test_rms_norm_matches_torch_in_bf16_and_fp32():
@@ -185,35 +176,25 @@ def test_bad_arguments_name_the_tensor():
         cpu_ops.KERNELS.ops.paged_decode_attention(
             q, cache, torch.zeros(2, 3, dtype=torch.int32), torch.tensor([1, 2]), 0, 0.25, 0, None, None
         )
-    with pytest.raises(RuntimeError, match="dtypes differ"):
+    with pytest.raises(RuntimeError, match="kv_cache must be in q's dtype or int8"):
         cpu_ops.KERNELS.ops.paged_decode_attention(
             q.bfloat16(), cache, torch.zeros(2, 3, dtype=torch.long), torch.tensor([1, 2]), 0, 0.25, 0, None, None
         )
 
 
-def test_rope_and_cache_is_bit_identical_to_the_torch_ops():
-    from engine.model import swap_halves
-
-    torch.manual_seed(0)
-    n, num_heads, num_kv, hd, bs, num_blocks = 7, 9, 3, 64, 4, 6
-    qkv = torch.randn(n, (num_heads + 2 * num_kv) * hd).bfloat16()
-    angles = torch.rand(n, hd // 2) * 6
-    cos = torch.cat((angles.cos(), angles.cos()), -1).bfloat16()
-    sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16()
-    slots = torch.tensor([0, 5, 6, 13, 22, -1, 9])  # -1: padding, not stored
-    cache = torch.zeros(2, num_blocks, bs, num_kv, hd).bfloat16()
-    q = cpu_ops.rope_and_cache(qkv, cos, sin, cache, slots, num_heads, num_kv)
-    qk = qkv[:, : (num_heads + num_kv) * hd].view(n, num_heads + num_kv, hd)
-    ref = qk * cos[:, None] + swap_halves(qk) * sin[:, None]
-    assert torch.equal(q, ref[:, :num_heads])
-    flat = cache.view(2, -1, num_kv, hd)
-    stored = slots >= 0
-    assert torch.equal(flat[0, slots[stored]], ref[stored, num_heads:])
-    assert torch.equal(flat[1, slots[stored]], qkv[stored, (num_heads + num_kv) * hd :].view(-1, num_kv, hd))
+def test_rope_and_cache_is_bit_identical_to_the_torch_ops(rope_and_cache_step):
+    cache = torch.zeros(2, 6, 4, 3, 64).bfloat16()
+    r = rope_and_cache_step(cache)
+    assert torch.equal(r.q, r.rotated[:, : r.num_heads])
+    flat = cache.view(2, -1, r.num_kv, 64)
+    stored = r.slots >= 0
+    assert torch.equal(flat[0, r.slots[stored]], r.rotated[stored, r.num_heads :])
+    assert torch.equal(flat[1, r.slots[stored]], r.v[stored])
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
-    untouched[slots[stored]] = False
+    untouched[r.slots[stored]] = False
     assert not flat[:, untouched].any()
-    assert cpu_ops.rope_and_cache(qkv.float(), cos, sin, cache, slots, num_heads, num_kv) is None  # fp32: torch ops
+    fp32 = cpu_ops.rope_and_cache(r.qkv.float(), r.cos, r.sin, cache, r.slots, r.num_heads, r.num_kv)
+    assert fp32 is None  # fp32: torch ops
 
 
 def test_fp32_linear_uses_the_packed_weight_only_for_its_row_range():
@@ -234,3 +215,19 @@ def test_fp32_linear_uses_the_packed_weight_only_for_its_row_range():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         residual = torch.randn(rows, 96)
         torch.testing.assert_close(layer.add(x, residual), residual + expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_refined_float_logits_hold_the_exact_top_k(native):
+    """With ``top_k`` the float copy holds the exact sums of every entry that may be among the k largest, so the
+    top-k values and their order are the float32 GEMM's (no rounding ties among them)."""
+    h, w, exact, logits = _near_tie_logits()
+    cpu_ops.use_cpu_kernels(native)
+    try:
+        full = cpu_ops.refine_logits(logits.clone(), h, w, to_float=True, top_k=20)
+    finally:
+        cpu_ops.use_cpu_kernels(True)
+    got, want = full.topk(20, dim=-1), exact.topk(20, dim=-1)
+    assert torch.equal(got.indices, want.indices)
+    torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-5)
+    assert (got.values[:, :-1] > got.values[:, 1:]).all()

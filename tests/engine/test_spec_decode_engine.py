@@ -386,16 +386,17 @@ def test_int8_draft_keeps_a_reduced_int8_head(target_dir, noisy_draft_dir, promp
     check_all_freed(llm)
 
 
-def check_one_call_equals_op_by_op(int8_dir, monkeypatch) -> None:
+def check_one_call_equals_op_by_op(int8_dir, monkeypatch, kv_cache_dtype: str | None = None) -> None:
     """A bf16 INT8 draft's forward of 3 requests with 1, 2 and 3 new tokens (crossing a block, one request
     not sampling) through ``cpu_ops.int8_decode_layers`` gives the logits and KV writes of the op-by-op
-    forward bit for bit (float layers unpacked there, as the op runs them)."""
+    forward bit for bit (float layers unpacked there, as the op runs them), with a bf16 or an int8 KV cache."""
     from engine import cpu_ops
     from engine.scheduler import ScheduledSequence, SchedulerOutput
     from engine.sequence import Sequence
     from engine.spec_decode import DraftProposer
 
-    draft = DraftProposer(int8_dir, "bfloat16", "cpu", 4, 256, 64)
+    draft = DraftProposer(int8_dir, "bfloat16", "cpu", 4, 256, 64, kv_cache_dtype=kv_cache_dtype)
+    assert draft.runner.kv_cache.dtype == (torch.int8 if kv_cache_dtype == "int8" else torch.bfloat16)
     model = draft.runner.model
     assert cpu_ops.int8_decode_available(), "the C++ decode kernels did not build"
     assert model.int8_decode_weights() is not None
@@ -458,6 +459,7 @@ def test_one_call_draft_with_qkv_biases_and_every_linear_int8_and_its_switches(t
     parent = make_tiny_llama(tmp_path / "qwen2", seed=2, model_type="qwen2")
     int8 = quantize(parent, tmp_path / "int8", method="int8-weight-only", float_units=0)
     check_one_call_equals_op_by_op(int8, monkeypatch)
+    check_one_call_equals_op_by_op(int8, monkeypatch, kv_cache_dtype="int8")  # the int8 KV cache read and written
     model = Model(int8, torch.bfloat16, "cpu", 64)
     weights = model.int8_decode_weights()
     assert all(s is not None for s in weights[1]) and all(b is not None for b in weights[2][0::4])

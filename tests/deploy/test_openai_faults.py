@@ -1,0 +1,177 @@
+"""The OpenAI frontend when Triton or a client misbehaves, without a server: Triton's errors mapped to honest
+statuses (503 + Retry-After while a model or Triton recovers, 400 with ``param`` for refusals), a stream that
+goes silent (a dead instance) cancelled with a 503, heartbeats skipped, and clients that leave before their
+answer is ready noticed while the request still waits. The live paths are in tests/deploy/test_deploy_openai.py."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import grpc
+import pytest
+
+from deploy.openai.protocol import OpenAIError
+from deploy.openai.serving_common import ClientGone, unless_disconnected
+from deploy.openai.triton_client import Piece, TritonBackend, is_heartbeat, model_error, transport_error
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Request for unknown model: 'llm' has no available versions",
+        "Request for unknown model: 'llm' is not found",
+        "Failed to process the request(s) for model instance 'llm_0_0', message: Stub process 'llm_0_0' is not "
+        "healthy.",
+        "the engine of llm is dead (EngineDeadError: x); it is being reloaded, retry",
+    ],
+)
+def test_a_model_that_is_recovering_is_a_503_with_retry_after(message):
+    error = model_error(message)
+    assert error.status == 503 and error.type == "server_error" and error.headers == {"Retry-After": "5"}
+
+
+@pytest.mark.parametrize(
+    "message, param",
+    [
+        ("logit_bias has token ids [50000] outside the vocabulary [0, 49152); remove them", "logit_bias"),
+        ("stop_token_ids=[99999] are outside the vocabulary [0, 49152); remove them", "stop_token_ids"),
+        ("n=200 is over the limit of 128 completions per prompt", "n"),
+        ("text_input: empty prompt; send some text", "text_input"),
+        ("something else went wrong", None),
+    ],
+)
+def test_a_refusal_is_a_400_naming_the_field(message, param):
+    error = model_error(message)
+    assert error.status == 400 and error.param == param and error.headers == {}
+
+
+def test_a_grpc_failure_is_a_503():
+    class Unavailable(grpc.RpcError):
+        def details(self):
+            return "failed to connect to all addresses"
+
+    error = transport_error(Unavailable())
+    assert error.status == 503 and "failed to connect" in error.message
+
+
+def _piece(**changes) -> Piece:
+    values = dict(
+        prompt_index=0,
+        index=0,
+        text="",
+        token_ids=[],
+        logprobs=None,
+        finish_reason=None,
+        num_input_tokens=3,
+        num_output_tokens=0,
+    )
+    return Piece(**{**values, **changes})
+
+
+def test_heartbeats_are_told_from_output():
+    assert is_heartbeat(_piece())
+    assert not is_heartbeat(_piece(token_ids=[7]))  # a token whose text is not complete yet
+    assert not is_heartbeat(_piece(text="a"))
+    assert not is_heartbeat(_piece(finish_reason="stop"))
+
+
+class SilentCall:
+    """A gRPC stream that sends one heartbeat and then nothing (its model instance died)."""
+
+    def __init__(self, first):
+        self.items, self.cancelled = [first], False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop()
+        await asyncio.sleep(3600)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_request_on_a_dead_instance_fails_with_a_503_and_is_cancelled():
+    import numpy as np
+
+    def response(index=0):
+        names = ["text_output", "index", "num_input_tokens", "num_output_tokens", "output_token_ids"]
+        contents = [
+            (0).to_bytes(4, "little"),
+            index.to_bytes(4, "little"),
+            (3).to_bytes(4, "little"),
+            (0).to_bytes(4, "little"),
+            np.array([], dtype="<i8").tobytes(),
+        ]
+        proto = types.SimpleNamespace(
+            outputs=[types.SimpleNamespace(name=n) for n in names], raw_output_contents=contents
+        )
+        return types.SimpleNamespace(get_response=lambda: proto), None
+
+    call = SilentCall(response())
+    backend = TritonBackend("127.0.0.1:1", stall_timeout_s=0.2)
+    backend.client = types.SimpleNamespace(stream_infer=lambda requests, headers=None: call)
+
+    async def run():
+        return [piece async for piece in backend.generate("llm", [1, 2, 3], {"max_tokens": 4}, 0, 1)]
+
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(asyncio.wait_for(run(), 10))
+    assert info.value.status == 503 and "stopped answering" in info.value.message
+    assert call.cancelled
+
+
+def test_a_client_that_leaves_while_its_request_waits_is_noticed():
+    async def never():
+        await asyncio.sleep(3600)
+
+    polls = []
+
+    async def is_disconnected():
+        polls.append(1)
+        return len(polls) >= 2
+
+    with pytest.raises(ClientGone):
+        asyncio.run(asyncio.wait_for(unless_disconnected(never(), is_disconnected), 10))
+
+    async def quick():
+        return 42
+
+    assert asyncio.run(unless_disconnected(quick(), is_disconnected)) == 42
+
+
+def test_a_request_refused_for_a_dead_stub_is_sent_again_to_another_instance():
+    class Refused:
+        """An instance whose stub died: Triton refuses at once."""
+
+        def __init__(self):
+            self.done = False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.done:
+                raise StopAsyncIteration
+            self.done = True
+            message = (
+                "Failed to process the request(s) for model instance 'llm_0_0', message: Stub process is not healthy."
+            )
+            return None, types.SimpleNamespace(message=lambda: message)
+
+        def cancel(self):
+            pass
+
+    calls = []
+    backend = TritonBackend("127.0.0.1:1")
+    backend.client = types.SimpleNamespace(stream_infer=lambda requests, headers=None: calls.append(1) or Refused())
+
+    async def run():
+        return [piece async for piece in backend.generate("llm", [1, 2, 3], {"max_tokens": 4}, 0, 1)]
+
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(asyncio.wait_for(run(), 10))
+    assert info.value.status == 503 and len(calls) == 3  # the first try and two more, then the honest 503
