@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from deploy.render import TORCH_VERSION, cpu_image
 from engine.errors import LmforgeError, UsageError
 
@@ -447,9 +449,6 @@ class KubePlay:
 
 
 def _documents(files: list[Path]) -> list[dict]:
-    # heavy: imported only on the kube path
-    import yaml
-
     return [d for f in files for d in yaml.safe_load_all(f.read_text()) if d]
 
 
