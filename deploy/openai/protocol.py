@@ -156,13 +156,13 @@ class OpenAIError(Exception):
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else {}
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
 
 def unavailable(message: str) -> OpenAIError:
     """A 503 ``server_error`` (with ``Retry-After``): the model or the server is recovering; retry."""
     return OpenAIError(503, message, type_="server_error", code="model_unavailable")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def validation_error(exc: ValidationError) -> OpenAIError:
