@@ -30,7 +30,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summaries, summarize
@@ -95,6 +95,7 @@ class LoadTestConfig:
     bad_share: float = 0.0
     disconnect_share: float = 0.0
     keep_going: bool = False
+    lora_names: list[str] = field(default_factory=list)  # request i runs with adapter i mod N
 
     def __post_init__(self) -> None:
         if self.api == "openai" and self.endpoint == "generate_stream":
@@ -259,6 +260,12 @@ def _preflight_openai(config: LoadTestConfig, host: str) -> None:
             f"model {config.model!r} is not served at {host}; models there: "
             f"{', '.join(map(str, ids)) or 'none'}; fix --model"
         )
+    missing = [name for name in config.lora_names if name not in ids]
+    if missing:
+        raise LoadTestError(
+            f"LoRA adapter(s) {missing} are not served at {host}; models there: {', '.join(map(str, ids))}; load "
+            "them (POST /v1/load_lora_adapter) or fix --lora-names"
+        )
 
 
 def _models(host: str) -> str:
@@ -305,22 +312,26 @@ def warm_up(config: LoadTestConfig, prompts: list[str]) -> None:
     count = config.users if config.warmup_requests is None else config.warmup_requests
     if count == 0:
         return
+    count = max(count, len(config.lora_names))  # every adapter answers once (an unknown one fails here)
     with ThreadPoolExecutor(max_workers=max(1, min(config.users, count))) as pool:
-        errors = [e for e in pool.map(lambda i: _warm_up_one(config, prompts[i % len(prompts)]), range(count)) if e]
+        errors = [e for e in pool.map(lambda i: _warm_up_one(config, prompts[i % len(prompts)], i), range(count)) if e]
     if errors:
         raise LoadTestError(f"warm-up request to {config.model} failed: {errors[0]}")
 
 
-def _warm_up_one(config: LoadTestConfig, prompt: str) -> str | None:
-    """One blocking ``/generate`` request; the error text, or ``None`` on success."""
+def _warm_up_one(config: LoadTestConfig, prompt: str, index: int = 0) -> str | None:
+    """One blocking ``/generate`` request (adapter ``index`` mod N of ``lora_names``); the error text, or ``None``."""
     sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "top_p": config.top_p}
+    lora = config.lora_names[index % len(config.lora_names)] if config.lora_names else None
+    if lora is not None and config.api != "openai":
+        sampling["lora_name"] = lora
     if config.api == "openai":
         url = f"{check_host(config.host)}{OPENAI_PATHS[config.endpoint]}"
         body = json.dumps(
             openai_payload(
                 prompt,
                 sampling,
-                model=config.model,
+                model=lora or config.model,
                 endpoint=config.endpoint,
                 stream=False,
                 system=config.system_prompt if config.system_message else None,
@@ -388,6 +399,8 @@ def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
         command += ["--bad-share", str(config.bad_share), "--disconnect-share", str(config.disconnect_share)]
     if config.keep_going:
         command.append("--keep-going")
+    if config.lora_names:
+        command += ["--lora-names", ",".join(config.lora_names)]
     if config.shape == "steps":
         command += [
             "--shape-config",
@@ -580,6 +593,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="unmeasured requests sent first, up to --users at once (default: one per user)",
     )
+    parser.add_argument(
+        "--lora-names",
+        default=None,
+        help="comma-separated LoRA adapters the requests are spread over: request i runs with the (i mod N)-th "
+        "(openai: as the model field; triton: sampling_parameters lora_name)",
+    )
     parser.add_argument("--out", default="reports/loadtest", help="report directory (default reports/loadtest)")
 
 
@@ -610,6 +629,7 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         max_users=args.max_users,
         ttft_p90_bound_ms=args.ttft_p90_bound_ms,
         warmup_requests=args.warmup_requests,
+        lora_names=[n.strip() for n in (args.lora_names or "").split(",") if n.strip()],
     )
 
 

@@ -101,6 +101,12 @@ def add_options(parser) -> None:
     group.add_argument(
         "--keep-going", action="store_true", help="keep sending when the server stops answering (it is expected back)"
     )
+    group.add_argument(
+        "--lora-names",
+        default=None,
+        help="comma-separated LoRA adapters: request i runs with the (i mod N)-th (openai: as the model field; "
+        "triton: sampling_parameters lora_name)",
+    )
 
 
 #: Requests the model must refuse with HTTP 400 (sampling_parameters JSON; None = a top-level unknown field).
@@ -151,6 +157,7 @@ class LoadConfig:
     stream: bool = True
     api_key: str | None = None
     system_prompt: str | None = None  # openai chat: sent as a system message (elsewhere put before each prompt)
+    lora_names: list[str] = field(default_factory=list)  # request i runs with lora_names[i % N] (none: the base)
 
     def path(self, stream: bool | None = None) -> str:
         """The request path; for Triton ``stream`` picks generate_stream or generate (default: ``self.stream``)."""
@@ -168,18 +175,21 @@ class LoadConfig:
         """Body overrides the server must refuse with HTTP 400 (``BAD_REQUESTS`` or ``BAD_OPENAI_REQUESTS``)."""
         return BAD_OPENAI_REQUESTS if self.api == "openai" else BAD_REQUESTS
 
-    def payload(self, prompt: str, stream: bool | None = None) -> dict:
+    def payload(self, prompt: str, stream: bool | None = None, index: int = 0) -> dict:
+        """The request body; with ``lora_names``, request ``index`` names adapter ``index % N``."""
         stream = self.stream if stream is None else stream
+        lora = self.lora_names[index % len(self.lora_names)] if self.lora_names else None
         if self.api == "openai":
             return openai_payload(
                 prompt,
                 self.sampling_parameters,
-                model=self.model,
+                model=lora or self.model,
                 endpoint=self.endpoint,
                 stream=stream,
                 system=self.system_prompt,
             )
-        return request_payload(prompt, self.sampling_parameters, stream=stream)
+        sampling = self.sampling_parameters if lora is None else {**self.sampling_parameters, "lora_name": lora}
+        return request_payload(prompt, sampling, stream=stream)
 
     def reader(self):
         if self.api == "openai":
@@ -246,6 +256,7 @@ def config_from_options(options) -> LoadConfig:
         stream=stream,
         api_key=getattr(options, "api_key", None),
         system_prompt=options.system_prompt if system_message else None,
+        lora_names=[n.strip() for n in (getattr(options, "lora_names", None) or "").split(",") if n.strip()],
     )
 
 
@@ -307,7 +318,7 @@ class LLMUser(HttpUser):
             endpoint=config.endpoint if config.api == "openai" else path.rsplit("/", 1)[-1],
             fault=fault,
         )
-        payload = config.payload(prompt, stream)
+        payload = config.payload(prompt, stream, index)
         try:
             if fault == "bad":
                 bad = config.bad_requests

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -28,13 +29,32 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import requests
 
-from bench.reliability import ENGINE_CONFIG, read_metrics
 from deploy.export import export
 from deploy.triton import ModelSupervisor, TritonServer, free_ports, lmforge_source_root, stop_process
+
+#: The engine of the soak's model (a small KV pool, so preemption and limits are reached).
+ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 640}
+
+
+def read_metrics(server) -> dict[str, float]:
+    """The ``lmforge_*`` metrics of model ``llm`` summed over labels (``{}`` when unreachable)."""
+    try:
+        with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+            text = response.read().decode()
+    except (urllib.error.URLError, OSError):
+        return {}
+    values: dict[str, float] = {}
+    for name, labels, value in re.findall(r"^(lmforge_\w+)\{([^}]*)\} (\S+)$", text, re.M):
+        if 'model="llm"' in labels:
+            values[name] = values.get(name, 0.0) + float(value)
+    return values
+
 
 CASES = ("huge_n", "queued_disconnects", "nonstream_disconnects", "kill1", "kill2")
 GOOD_PROMPT = "Write a short story about a robot who learns to paint."

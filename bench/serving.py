@@ -10,6 +10,10 @@ exported with the same ``EngineConfig``. Both are loaded at once and measured in
 machine biases neither side. Printed side by side: output tokens per second (all
 tokens / wall time), TTFT p50 (ms, from the client's send to the first text), and Triton's
 throughput overhead ``1 - triton_tok_s / engine_tok_s`` (target: <= 10% at 16).
+
+``--lora NAME=DIR`` (repeatable) exports the adapters with the model and spreads the requests over
+them (request i runs with adapter i mod N: a ``LoRARequest`` in process, ``lora_name`` in
+``sampling_parameters`` through Triton).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deploy.export import export
+from deploy.export import export, parse_lora_flags
 from deploy.triton import TritonServer, free_ports
 from engine.checkpoint.outputs import check_output_file, write_output_file
 from engine.checkpoint.store import resolve_checkpoint
@@ -69,11 +73,13 @@ async def _bounded(coroutines, concurrency: int) -> list:
     return await asyncio.gather(*(run(c) for c in coroutines))
 
 
-async def _engine_level(engine, concurrency: int, prompts: list[str], params) -> LevelResult:
+async def _engine_level(engine, concurrency: int, prompts: list[str], params, loras: list | None = None) -> LevelResult:
     async def one(index: int, prompt: str):
         start = time.perf_counter()
         ttft, last = None, None
-        async for output in engine.generate(prompt, params, f"bench-{concurrency}-{index}-{time.monotonic_ns()}"):
+        lora = loras[index % len(loras)] if loras else None
+        request_id = f"bench-{concurrency}-{index}-{time.monotonic_ns()}"
+        async for output in engine.generate(prompt, params, request_id, lora_request=lora):
             if ttft is None and output.outputs[0].token_ids:
                 ttft = time.perf_counter() - start
             last = output
@@ -85,9 +91,12 @@ async def _engine_level(engine, concurrency: int, prompts: list[str], params) ->
     return _summarise("engine", concurrency, [r[0] for r in results], [r[1] for r in results], wall)
 
 
-async def _triton_level(session, url: str, concurrency: int, prompts: list[str], params: dict) -> LevelResult:
-    async def one(prompt: str):
-        body = {"text_input": prompt, "stream": True, "sampling_parameters": json.dumps(params)}
+async def _triton_level(
+    session, url: str, concurrency: int, prompts: list[str], params: dict, lora_names: list[str] | None = None
+) -> LevelResult:
+    async def one(index: int, prompt: str):
+        sampling = {**params, "lora_name": lora_names[index % len(lora_names)]} if lora_names else params
+        body = {"text_input": prompt, "stream": True, "sampling_parameters": json.dumps(sampling)}
         start = time.perf_counter()
         ttft, tokens = None, 0
         async with session.post(url, json=body) as response:
@@ -105,27 +114,36 @@ async def _triton_level(session, url: str, concurrency: int, prompts: list[str],
         return ttft, tokens
 
     start = time.perf_counter()
-    results = await _bounded([one(p) for p in prompts], concurrency)
+    results = await _bounded([one(i, p) for i, p in enumerate(prompts)], concurrency)
     wall = time.perf_counter() - start
     return _summarise("triton", concurrency, [r[0] for r in results], [r[1] for r in results], wall)
 
 
 async def _run_rounds(
-    engine, session, url: str, levels: list[int], prompts_per_level: dict[int, list[str]], params: dict, rounds: int
+    engine,
+    session,
+    url: str,
+    levels: list[int],
+    prompts_per_level: dict[int, list[str]],
+    params: dict,
+    rounds: int,
+    loras: dict[str, Path] | None = None,
 ):
     """Alternate engine and Triton at each level, ``rounds`` times; keep each one's best round."""
     # torch-heavy: imported on use, so importing this module stays light
-    from engine import SamplingParams
+    from engine import LoRARequest, SamplingParams
 
     engine_params = SamplingParams(**params)
-    await _engine_level(engine, 1, PROMPTS[:1], engine_params)  # warm-up both
-    await _triton_level(session, url, 1, PROMPTS[:1], params)
+    names = list(loras or {})
+    requests = [LoRARequest(name, i + 1, str(loras[name])) for i, name in enumerate(names)]
+    await _engine_level(engine, 1, PROMPTS[:1], engine_params, requests)  # warm-up both
+    await _triton_level(session, url, 1, PROMPTS[:1], params, names)
     best: dict[tuple[str, int], LevelResult] = {}
     for round_index in range(rounds):
         for c in levels:
             for result in (
-                await _engine_level(engine, c, prompts_per_level[c], engine_params),
-                await _triton_level(session, url, c, prompts_per_level[c], params),
+                await _engine_level(engine, c, prompts_per_level[c], engine_params, requests),
+                await _triton_level(session, url, c, prompts_per_level[c], params, names),
             ):
                 print(
                     f"  round {round_index + 1}: {result.backend:>6} c={c:<3} {result.output_tok_s:7.1f} tok/s "
@@ -147,9 +165,10 @@ def bench(
     *,
     ports: list[int],
     rounds: int,
+    loras: dict[str, Path] | None = None,
 ):
     """In-process ``AsyncLLMEngine`` and the same engine behind the real ``tritonserver``
-    (exported into a temporary repository), both loaded, measured in alternation."""
+    (exported into a temporary repository, with ``loras``), both loaded, measured in alternation."""
     # optional or heavy dependency: imported only on the path that needs it
     import aiohttp
 
@@ -157,7 +176,9 @@ def bench(
     from engine import AsyncLLMEngine, EngineConfig
 
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-serving-") as tmp:
-        export(model, Path(tmp), name="llm", engine=engine_config, kind="llm")
+        if loras:
+            engine_config = {"enable_lora": True, "max_loras": len(loras), **engine_config}
+        export(model, Path(tmp), name="llm", engine=engine_config, kind="llm", loras=loras)
         with TritonServer(tmp, *ports, models=["llm"], write_pid_file=False, startup_timeout_s=600) as server:
             url = f"{server.http_url}/v2/models/llm/generate_stream"
             engine = AsyncLLMEngine(EngineConfig(model=model, **engine_config))
@@ -166,7 +187,7 @@ def bench(
                 timeout = aiohttp.ClientTimeout(total=3600)
                 connector = aiohttp.TCPConnector(limit=max(levels))
                 async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-                    return await _run_rounds(engine, session, url, levels, prompts_per_level, params, rounds)
+                    return await _run_rounds(engine, session, url, levels, prompts_per_level, params, rounds, loras)
 
             try:
                 return asyncio.run(main())
@@ -202,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=2, help="alternating rounds; each backend's best is reported (default 2)"
     )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a LoRA adapter to spread the requests over (repeatable; request i runs with adapter i mod N)",
+    )
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if args.max_tokens < 1 or args.rounds < 1 or any(c < 1 for c in args.concurrency):
@@ -223,7 +251,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds"
     )
     engine, triton = bench(
-        model, engine_config, args.concurrency, prompts, params, ports=free_ports(3), rounds=args.rounds
+        model,
+        engine_config,
+        args.concurrency,
+        prompts,
+        params,
+        ports=free_ports(3),
+        rounds=args.rounds,
+        loras=parse_lora_flags(args.lora),
     )
     print(format_table(engine, triton))
     if args.out:

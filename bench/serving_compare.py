@@ -79,10 +79,11 @@ class Endpoint:
     model: str
     endpoint: str | None = None  # triton: generate_stream; openai: chat (default) or completions
     key: str | None = None
+    loras: str | None = None  # "a|b|c": LoRA adapters the requests are spread over (request i: adapter i mod N)
 
     @classmethod
     def parse(cls, spec: str) -> "Endpoint":
-        """``name=N,api=A,url=U,model=M[,endpoint=E][,key=K]``.
+        """``name=N,api=A,url=U,model=M[,endpoint=E][,key=K][,loras=A|B|C]``.
 
         Raises:
             ValueError: a malformed pair or a missing / unknown field (named).
@@ -417,7 +418,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help="name=N,api=triton|openai,url=http://127.0.0.1:PORT,model=M[,endpoint=E][,key=K] (repeat)",
+        help="name=N,api=triton|openai,url=http://127.0.0.1:PORT,model=M[,endpoint=E][,key=K][,loras=A|B] (repeat; "
+        "loras: LoRA adapters the requests are spread over)",
     )
     parser.add_argument(
         "--ours", action="store_true", help="start lmforge's stack (Triton + OpenAI frontend) on --checkpoint"
@@ -513,6 +515,7 @@ def _measure(args, endpoints: list[Endpoint], run_time_s: float, out: Path, syst
                 max_tokens=args.max_tokens,
                 ignore_eos=True,
                 request_timeout_s=args.request_timeout_s,
+                lora_names=[n for n in (ep.loras or "").split("|") if n],
             )
             run_dir = out / ep.name / f"u{users}"
             print(f"{ep.name}: {users} users for {run_time_s:g} s ...", flush=True)

@@ -7,6 +7,8 @@ instance::
     NAME/1/model.py          thin: imports deploy.triton_llm from the installed lmforge
     NAME/1/model.json        {"kind": "llm", "checkpoint": dir, "engine": {EngineConfig fields}}
     NAME/1/weights/          only with --copy-weights (then "checkpoint" is "weights")
+    NAME/1/loras/ADAPTER/    with --lora ADAPTER=DIR: the LoRA adapter, checked against the base and
+                             listed in model.json ("lora_adapters"; deploy.lora_adapters)
 
 An encoder (all-MiniLM-L6-v2, any BERT-like checkpoint, or an ONNX feature-extraction export
 from ``compress``) becomes ``NAME`` for the bundled server (Python backend running
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.encoder import prepare_encoder_onnx
+from deploy.lora_adapters import LORA_DIR, MODEL_INFO_KEY
 from deploy.model_config import (
     CONFIG_NAME,
     check_repository,
@@ -40,6 +43,7 @@ from deploy.model_config import (
     to_text,
     tokenizer_config,
 )
+from engine import EngineConfig
 from engine.checkpoint.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from engine.checkpoint.store import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
 from engine.errors import UsageError
@@ -71,9 +75,6 @@ MODEL_PY_CLASSES = {
 def engine_config_fields() -> dict[str, type]:
     """``EngineConfig`` fields a user may set on the command line: name -> scalar type (``json_object`` for a
     field that takes a mapping, such as ``limits``)."""
-    # torch-heavy: imported on use, so importing this module stays light
-    from engine import EngineConfig
-
     hints = typing.get_type_hints(EngineConfig)
     fields = {}
     for field in dataclasses.fields(EngineConfig):
@@ -119,6 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--check", action="store_true", help="parse every config.pbtxt in --repo against Triton's model-config proto"
     )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve a LoRA adapter (PEFT format) as model NAME on this base (repeatable); turns on --enable-lora "
+        "and, unless given, sets --max-loras to the number of adapters",
+    )
     group = parser.add_argument_group("engine (EngineConfig fields, written to model.json)")
     for name, kind in engine_config_fields().items():
         flag = "--" + name.replace("_", "-")
@@ -149,10 +158,35 @@ def run(args: argparse.Namespace) -> int:
             instances=args.instances,
             copy_weights=args.copy_weights,
             max_length=args.max_length,
+            loras=parse_lora_flags(args.lora),
         )
         for path in written:
             print(f"wrote {path}")
     return print_check(repo)
+
+
+def parse_lora_flags(values: list[str]) -> dict[str, Path]:
+    """``--lora NAME=DIR`` values -> ``{NAME: DIR}``.
+
+    Raises:
+        UsageError: a value without ``=``, a bad or repeated name.
+    """
+    # the adapter-name rule of the served model
+    from deploy.lora_adapters import check_adapter_name
+
+    loras: dict[str, Path] = {}
+    for value in values:
+        name, sep, directory = value.partition("=")
+        if not sep or not directory:
+            raise UsageError(f"--lora {value!r}: expected NAME=DIR", fix="e.g. --lora support=runs/ft-lora/final")
+        try:
+            check_adapter_name(name, "--lora NAME")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+        if name in loras:
+            raise UsageError(f"--lora {name}: given twice", fix="give each adapter its own name")
+        loras[name] = Path(directory)
+    return loras
 
 
 def print_check(repo: Path) -> int:
@@ -211,12 +245,16 @@ def export(
     instances: int = 1,
     copy_weights: bool = False,
     max_length: int = 256,
+    loras: dict[str, Path] | None = None,
 ) -> list[Path]:
     """Export a checkpoint into ``repo`` (see the module doc); returns the written config paths.
 
+    Args:
+        loras: LoRA adapters served on the LLM, ``{name: adapter directory}`` (copied into the model).
+
     Raises:
-        CheckpointError: missing/corrupt checkpoint. ValueError: a bad name, instance count or
-        ``EngineConfig`` field (names it).
+        CheckpointError: missing/corrupt checkpoint. ValueError: a bad name, instance count,
+        ``EngineConfig`` field or adapter (names it).
     """
     if instances < 1:
         raise UsageError(f"--instances {instances}: it must be >= 1")
@@ -236,7 +274,19 @@ def export(
     for model_name in [name] if kind == "llm" else encoder_model_names(name):
         check_output_dir(repo / model_name, kind=TRITON_MODEL, sources=(source,))
     if kind == "llm":
-        return [export_llm(checkpoint, repo, name, engine=engine or {}, instances=instances, copy_weights=copy_weights)]
+        return [
+            export_llm(
+                checkpoint,
+                repo,
+                name,
+                engine=engine or {},
+                instances=instances,
+                copy_weights=copy_weights,
+                loras=loras or {},
+            )
+        ]
+    if loras:
+        raise UsageError(f"--lora applies to LLMs only; {checkpoint} is an encoder")
     if engine:
         raise ValueError(f"engine flags {sorted(engine)} apply to LLMs only; {checkpoint} is an encoder")
     return export_encoder(checkpoint, repo, name, instances=instances, max_length=max_length)
@@ -256,14 +306,25 @@ def write_model_dir(repo: Path, name: str, config, kind: str | None) -> Path:
 
 
 def export_llm(
-    checkpoint: str | Path, repo: Path, name: str, *, engine: dict[str, Any], instances: int, copy_weights: bool
+    checkpoint: str | Path,
+    repo: Path,
+    name: str,
+    *,
+    engine: dict[str, Any],
+    instances: int,
+    copy_weights: bool,
+    loras: dict[str, Path] | None = None,
 ) -> Path:
-    """The decoupled LLM model; ``model.json`` holds the checkpoint and every EngineConfig field."""
-    # torch-heavy: imported on use, so importing this module stays light
-    from engine import EngineConfig
-
+    """The decoupled LLM model; ``model.json`` holds the checkpoint, every EngineConfig field and the LoRA
+    adapters (copied under ``loras/``, each checked against the base first)."""
     source = resolve_checkpoint(checkpoint)
+    loras = loras or {}
+    if loras:
+        if engine.get("enable_lora") is False:
+            raise UsageError("--lora with --no-enable-lora", fix="drop --no-enable-lora (adapters need LoRA on)")
+        engine = {"enable_lora": True, "max_loras": len(loras), **engine}
     config = EngineConfig(model=str(source), **engine)  # validates the fields (ValueError names them)
+    check_lora_adapters(loras, source, config.max_lora_rank)
     check_device(config.device, flag="--device")  # the server would fail on it at load time
     max_positions = json.loads((source / "config.json").read_text()).get("max_position_embeddings")
     if config.max_model_len is not None and isinstance(max_positions, int) and config.max_model_len > max_positions:
@@ -281,8 +342,36 @@ def export_llm(
         pointer = "weights"
     engine_fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
     info = {"kind": "llm", "source": str(checkpoint), "checkpoint": pointer, "engine": engine_fields}
+    lora_root = version_dir / LORA_DIR
+    shutil.rmtree(lora_root, ignore_errors=True)  # an earlier export's adapters
+    if loras:
+        for lora_name, directory in loras.items():
+            shutil.copytree(directory, lora_root / lora_name)
+        info[MODEL_INFO_KEY] = {lora_name: f"{LORA_DIR}/{lora_name}" for lora_name in loras}
     (version_dir / MODEL_INFO_NAME).write_text(json.dumps(info, indent=2) + "\n")
     return repo / name / CONFIG_NAME
+
+
+def check_lora_adapters(loras: dict[str, Path], base: Path, max_lora_rank: int) -> None:
+    """Read every adapter and check it against the base (``engine.lora.load_adapter``), before anything is written.
+
+    Raises:
+        UsageError: an adapter that is missing, corrupt or does not fit the base (``--lora NAME=DIR`` named).
+    """
+    if not loras:
+        return
+    # torch-heavy: imported on use, so importing this module stays light
+    import torch
+
+    from engine.checkpoint.model_spec import ModelSpec
+    from engine.lora import LoRARequest, load_adapter
+
+    spec = ModelSpec.from_checkpoint(base)
+    for i, (lora_name, directory) in enumerate(loras.items()):
+        try:
+            load_adapter(LoRARequest(lora_name, i + 1, str(directory)), spec, max_lora_rank, torch.float32)
+        except ValueError as exc:
+            raise UsageError(f"--lora {lora_name}={directory}: {exc}") from exc
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

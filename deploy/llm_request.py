@@ -9,6 +9,8 @@ The tensors are those of Triton's vLLM backend, so its clients work unchanged:
   e.g. ``{"temperature": 0, "max_tokens": 32}``; a constraint as
   ``{"structured_outputs": {"json": {...schema...}}}`` (or ``regex``, ``choice``, ``grammar``,
   ``json_object``), also under older vLLM's name ``guided_decoding``; ``{"prompt_logprobs": k}``;
+  ``{"lora_name": "NAME"}`` runs the request with that LoRA adapter (as Triton's vLLM backend; the
+  model serves the adapters of ``deploy.lora_adapters``);
 * ``exclude_input_in_output`` (BOOL, default false): for non-streaming requests, leave the
   prompt out of ``text_output`` (streamed responses never repeat it).
 
@@ -24,6 +26,7 @@ import dataclasses
 import json
 from typing import Any
 
+from deploy.lora_adapters import check_adapter_name
 from engine.errors import InvalidRequestError
 from engine.limits import RequestLimits
 
@@ -36,6 +39,7 @@ class LLMRequest:
     sampling_params: Any  # engine.SamplingParams
     stream: bool
     exclude_input_in_output: bool
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base)
 
     @property
     def prompt_text(self) -> str:
@@ -65,7 +69,7 @@ def decode_text(value: Any, field: str) -> str:
 
 
 def parse_sampling_parameters(text: str | None, limits: RequestLimits | None = None):
-    """JSON object -> ``engine.SamplingParams``.
+    """JSON object -> ``engine.SamplingParams`` (``parse_lora_parameters`` also takes ``lora_name``).
 
     Raises:
         ValueError: not JSON, not an object, an unknown field (lists the known ones), a size over
@@ -75,8 +79,34 @@ def parse_sampling_parameters(text: str | None, limits: RequestLimits | None = N
     # torch-heavy: imported on use, so importing this module stays light
     from engine import SamplingParams
 
-    if text is None or not text.strip():
+    fields = _json_object(text)
+    if fields is None:
         return SamplingParams()
+    return _sampling_params(fields, limits)
+
+
+def parse_lora_parameters(text: str | None, limits: RequestLimits | None = None):
+    """``sampling_parameters`` JSON -> ``(SamplingParams, lora_name or None)``.
+
+    Raises:
+        ValueError: as ``parse_sampling_parameters``; a ``lora_name`` that is not an adapter name (names it).
+    """
+    # torch-heavy: imported on use, so importing this module stays light
+    from engine import SamplingParams
+
+    fields = _json_object(text)
+    if fields is None:
+        return SamplingParams(), None
+    lora_name = fields.pop("lora_name", None)
+    if lora_name is not None:
+        check_adapter_name(lora_name, "sampling_parameters.lora_name")
+    return _sampling_params(fields, limits), lora_name
+
+
+def _json_object(text: str | None) -> dict | None:
+    """The ``sampling_parameters`` JSON object, ``None`` when empty (ValueError naming the problem)."""
+    if text is None or not text.strip():
+        return None
     try:
         fields = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -94,6 +124,13 @@ def parse_sampling_parameters(text: str | None, limits: RequestLimits | None = N
         ) from exc
     if not isinstance(fields, dict):
         raise ValueError(f"sampling_parameters: expected a JSON object, got {type(fields).__name__}")
+    return fields
+
+
+def _sampling_params(fields: dict, limits: RequestLimits | None):
+    # torch-heavy: imported on use, so importing this module stays light
+    from engine import SamplingParams
+
     if "guided_decoding" in fields:  # older vLLM's name of structured_outputs (Triton's vLLM backend clients)
         if "structured_outputs" in fields:
             raise InvalidRequestError(
@@ -154,7 +191,7 @@ def parse_request(
         if sampling_parameters is None
         else decode_text(_first(sampling_parameters, "sampling_parameters"), "sampling_parameters")
     )
-    sampling_params = parse_sampling_parameters(params_text, limits)
+    sampling_params, lora_name = parse_lora_parameters(params_text, limits)
     streaming = False if stream is None else bool(_first(stream, "stream"))
     if sampling_params.n > 1 and not streaming:
         raise InvalidRequestError(
@@ -165,6 +202,7 @@ def parse_request(
     return LLMRequest(
         prompt=prompt,
         sampling_params=sampling_params,
+        lora_name=lora_name,
         stream=streaming,
         exclude_input_in_output=False
         if exclude_input_in_output is None

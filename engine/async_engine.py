@@ -14,11 +14,13 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.llm_engine import EngineDeadError, LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -73,21 +75,29 @@ class AsyncLLMEngine:
     # ---------------------------------------------------------------- public API
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream ``RequestOutput``s of one request (cumulative text and tokens) until it finishes.
+
+        ``lora_request`` names the LoRA adapter it runs with (``None``: the base).
 
         A request whose step failed ends with ``finish_reason="error"`` (``outputs[0].error``
         says why); the engine serves the others on.
 
         Raises:
-            ValueError: a bad prompt or parameter, or a duplicate ``request_id`` (this request only).
+            ValueError: a bad prompt or parameter, a LoRA adapter the engine cannot serve, or a duplicate
+                ``request_id`` (this request only).
             EngineDeadError: the step loop crashed or was shut down.
 
         Closing the iterator early (e.g. the client went away) aborts the request.
         """
         self._raise_if_dead()
-        params, text, token_ids = self.engine.validate_request(prompt, params)  # ValueError for this request only
+        # ValueError for this request only
+        params, text, token_ids = self.engine.validate_request(prompt, params, lora_request)
         if params.structured_outputs is not None:  # compiled before the request joins: a bad grammar is its ValueError
             await self._compile_grammar(params)
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
@@ -99,7 +109,7 @@ class AsyncLLMEngine:
                     f"request_id={request_id!r} is already in use by an unfinished request; pick another id"
                 )
             self._queues[request_id] = (loop, queue)
-        self._submit(lambda: self._add(request_id, text, token_ids, params))
+        self._submit(lambda: self._add(request_id, text, token_ids, params, lora_request))
         finished = False
         try:
             while True:
@@ -125,12 +135,15 @@ class AsyncLLMEngine:
 
         Raises:
             GrammarError (a ValueError): the constraint is invalid, matches nothing, or took longer
-                than the compile timeout.
+                than the compile timeout (counted from when the grammar tokenizer is ready).
         """
         compiler = self.engine.grammar_compiler
+        submitted = time.monotonic()
         future = compiler.submit(params.structured_outputs)
+        await asyncio.wait([asyncio.wrap_future(compiler.tokenizer_future())])  # a failed build fails the compile
+        remaining = compiler.deadline(submitted) - time.monotonic()
         try:  # shielded: the compile is shared with other requests of the same constraint
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), compiler.compile_timeout_s)
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), max(remaining, 0.0))
         except asyncio.TimeoutError:
             raise compiler.timeout_error(params.structured_outputs.key) from None
 
@@ -148,6 +161,41 @@ class AsyncLLMEngine:
         self._submit(op)
         if self._thread.is_alive():
             await done
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (checked against the base) ahead of its requests; True once it is in memory.
+
+        Raises:
+            LoRAError: see ``engine.lora.load_adapter``; or the engine runs without LoRA.
+        """
+        self._raise_if_dead()
+        return self.engine.add_lora(lora_request)  # thread-safe: touches no slot
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Drop an adapter from memory and its slot between two steps (never under a running step);
+        True if it was there. Requests still queued with it reload it from disk or fail cleanly."""
+        return await self._on_loop(lambda: self.engine.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        """Ids of the adapters in memory."""
+        return self.engine.list_loras()
+
+    async def _on_loop(self, fn: Callable[[], object]):
+        """Run ``fn`` on the step-loop thread between steps; returns its result (raises its exception here)."""
+        self._raise_if_dead()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def op() -> None:
+            try:
+                result = fn()
+            except Exception as exc:  # noqa: BLE001 - re-raised in the caller's loop
+                loop.call_soon_threadsafe(_settle, done, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, done, result, None)
+
+        self._submit(op)
+        return await done
 
     def get_stats(self) -> EngineStats:
         """The snapshot taken after the latest step (cheap; never waits for a step)."""
@@ -192,9 +240,16 @@ class AsyncLLMEngine:
         with self._wake:
             self._wake.notify()
 
-    def _add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
+    def _add(
+        self,
+        request_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         try:
-            self.engine.add_validated_request(request_id, text, token_ids, params)
+            self.engine.add_validated_request(request_id, text, token_ids, params, None, lora_request)
         except Exception as exc:  # noqa: BLE001 - refuses this request, never the loop
             error = (
                 exc if isinstance(exc, ValueError) else ValueError(f"request not added: {type(exc).__name__}: {exc}")
@@ -259,3 +314,12 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -7,6 +7,10 @@ that block. A request that starts with a cached prefix shares those blocks (refc
 block whose refcount drops to 0 keeps its contents and hash in an LRU list and is only evicted
 when a free block is needed. Every block is in exactly one of three states: free (no valid
 contents), cached (refcount 0, hashed, in the LRU) or used (refcount >= 1).
+
+A sequence run with a LoRA adapter chains its hashes from the adapter's key (``Sequence.lora_hash``)
+instead of ``ROOT_HASH``, and a hit must match that key as well as the tokens: KV computed under
+one adapter is never reused by another adapter or the base, while requests of one adapter share.
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ class KVCacheInvariantError(RuntimeError):
 class Block:
     """One physical KV block: its refcount and, once full and computed, its hash and tokens."""
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "lora_hash")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
+        self.lora_hash: int | None = None  # the adapter key its K/V was computed under (None: the base)
 
 
 class BlockManager:
@@ -86,19 +91,21 @@ class BlockManager:
         return self.num_used_blocks / self.num_blocks
 
     def full_block_hashes(self, seq: Sequence) -> list[int]:
-        """Chained hashes of every full block of ``seq.token_ids`` (extends ``seq.block_hashes``)."""
+        """Chained hashes of every full block of ``seq.token_ids`` (extends ``seq.block_hashes``); the first
+        block's parent is ``ROOT_HASH``, or the LoRA adapter's key."""
         hashes = seq.block_hashes
         bs = self.block_size
+        root = ROOT_HASH if seq.lora_hash is None else seq.lora_hash
         for i in range(len(hashes), seq.num_tokens // bs):
-            parent = hashes[i - 1] if i else ROOT_HASH
+            parent = hashes[i - 1] if i else root
             hashes.append(self.hash_fn(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Physical blocks holding the longest cached prefix of ``seq`` (no state change).
 
-        Every hit is verified token by token (a hash collision is a miss). The prefix never
-        covers the last token, whose logits the next step needs.
+        Every hit is verified token by token and by LoRA adapter (a hash collision is a miss). The
+        prefix never covers the last token, whose logits the next step needs.
         """
         if not self.enable_prefix_caching:
             return []
@@ -108,6 +115,8 @@ class BlockManager:
         for i, h in enumerate(self.full_block_hashes(seq)[:max_blocks]):
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                break
+            if self.blocks[block_id].lora_hash != seq.lora_hash:
                 break
             hits.append(block_id)
         return hits
@@ -138,6 +147,8 @@ class BlockManager:
             available = min(limit, donor.num_computed_tokens - start)
             if donor is seq or available <= (best[1] if best else 0) or len(donor.block_table) <= len(cached_blocks):
                 continue
+            if donor.lora_hash != seq.lora_hash:
+                continue  # K/V of another adapter (or of the base)
             if donor.block_table[: len(cached_blocks)] != cached_blocks:
                 continue
             have = donor.token_ids[start : start + available]
@@ -193,6 +204,7 @@ class BlockManager:
                 continue
             block.block_hash = hashes[i]
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            block.lora_hash = seq.lora_hash
             self.hash_to_block.setdefault(hashes[i], block.block_id)
 
     def free(self, seq: Sequence) -> None:
@@ -265,6 +277,7 @@ class BlockManager:
     def _reset(block: Block) -> None:
         block.block_hash = None
         block.token_ids = None
+        block.lora_hash = None
 
     # ---------------------------------------------------------------- checks
 

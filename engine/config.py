@@ -139,6 +139,13 @@ class EngineConfig:
             quality: docs/engine.md).
         limits: the per-request limits every entry point enforces (``engine.limits.RequestLimits``, or a
             dict of its fields as ``model.json`` holds them); ``None`` takes the defaults.
+        enable_lora: serve LoRA adapters on the base (requests name theirs with a ``LoRARequest``;
+            ``engine.lora``); a batch mixes adapters and the base in one forward pass.
+        max_loras: adapters active in one step (the scheduler holds back requests of another adapter
+            while this many are running).
+        max_lora_rank: highest adapter rank accepted (the slots are sized by it).
+        max_cpu_loras: adapters kept loaded in memory (least recently used out; reloaded from disk when
+            needed again); ``None``: ``max_loras``. At least ``max_loras``.
 
     Raises:
         UsageError (a ValueError): a field out of range or an inconsistent combination (the message names
@@ -178,6 +185,10 @@ class EngineConfig:
     batch_invariant: bool = False
     kv_cache_dtype: str = "auto"
     limits: RequestLimits | dict | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -218,6 +229,19 @@ class EngineConfig:
         if self.max_model_len is not None:
             self.check_model_len(self.max_model_len)
         self._check_speculative()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        _require_positive("max_loras", self.max_loras)
+        _require_positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _require_positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise UsageError(
+                f"max_cpu_loras={self.max_cpu_loras} < max_loras={self.max_loras}: every active adapter is also kept "
+                "in memory; raise max_cpu_loras or lower max_loras"
+            )
 
     def _check_speculative(self) -> None:
         method = self.speculative_method

@@ -236,9 +236,10 @@ class StaticDecodeModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, float_logits: bool = True) -> torch.Tensor:
-        """Decode steps that fit a bucket run from the static buffers (float32 logits); the rest as
-        ``ModelRunner.execute``."""
-        batch = bucket_for(len(out.scheduled), self.sizes) if is_decode_step(out) else None
+        """Decode steps that fit a bucket run from the static buffers (float32 logits); the rest, and steps with
+        LoRA rows, as ``ModelRunner.execute``."""
+        base_only = all(item.seq.lora_request is None for item in out.scheduled)
+        batch = bucket_for(len(out.scheduled), self.sizes) if base_only and is_decode_step(out) else None
         if batch is None:
             return super().execute(out, float_logits)
         self.copy_kv_slots(out.kv_copies)

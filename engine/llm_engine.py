@@ -26,6 +26,7 @@ from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.inputs import check_prompt_token_ids
+from engine.lora import LoRAError, LoRARequest, adapter_cache_key
 from engine.model import read_model_spec
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -83,6 +84,11 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, config.device)
         config = config.replace(dtype=dtype, kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, dtype))
         self.runner = make_model_runner(config, self.path, max_model_len)
+        self.lora_manager = (
+            self.runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+            if config.enable_lora
+            else None
+        )
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(config, max_model_len)
         self.config = config = config.replace(
             max_model_len=max_model_len, num_kv_blocks=num_blocks, kv_cache_memory_bytes=None
@@ -132,6 +138,7 @@ class LLMEngine:
         prompt: str | list[int] | dict,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request (``params.n`` sequences); returns its id.
 
@@ -139,6 +146,7 @@ class LLMEngine:
             request_id: unique among unfinished requests; ``None`` picks one.
             prompt: text, token ids, ``{"prompt_token_ids": [...]}`` or ``{"prompt": text}``.
             params: ``SamplingParams`` (default: ``SamplingParams()``).
+            lora_request: the LoRA adapter it runs with (``enable_lora``); ``None``: the base.
 
         With ``n`` > 1 the completions are sequences ``{request_id}-{i}`` that share the
         prompt's full KV blocks through the prefix cache (the scheduler lets the first compute
@@ -146,7 +154,8 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, prompt too long for ``max_model_len``, token ids out of the
-                vocabulary, a bad sampling parameter, or a duplicate ``request_id``; nothing is queued.
+                vocabulary, a bad sampling parameter, a duplicate ``request_id``, or a LoRA adapter the
+                engine cannot serve (``engine.lora.LoRAError``); nothing is queued.
         """
         request_id = self.new_request_id() if request_id is None else str(request_id)
         if isinstance(params, SamplingParams):
@@ -154,8 +163,8 @@ class LLMEngine:
         self._sequence_ids(
             request_id, params.n if isinstance(params, SamplingParams) else 1
         )  # a duplicate fails before tokenizing
-        params, text, token_ids = self.validate_request(prompt, params)
-        return self.add_validated_request(request_id, text, token_ids, params, arrival_time)
+        params, text, token_ids = self.validate_request(prompt, params, lora_request)
+        return self.add_validated_request(request_id, text, token_ids, params, arrival_time, lora_request)
 
     def add_validated_request(
         self,
@@ -164,17 +173,20 @@ class LLMEngine:
         token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request that ``validate_request`` accepted (its prompt is not tokenized again); returns its id.
 
         ``params.n`` sequences, as in ``add_request``.
 
         Raises:
-            ValueError: a duplicate ``request_id``; nothing is queued.
+            ValueError: a duplicate ``request_id``, or a ``lora_request`` on an engine without LoRA; nothing is
+                queued.
         """
         request_id = self.new_request_id() if request_id is None else str(request_id)
         n = params.n
         seq_ids = self._sequence_ids(request_id, n)
+        lora_hash = None if lora_request is None else self._lora_key(lora_request)
         base_seed = params.seed
         if base_seed is None and not params.greedy:
             base_seed = self._seed_rng.getrandbits(62)
@@ -198,6 +210,7 @@ class LLMEngine:
                 arrival_time,
             )
             seq.group_id, seq.index = request_id, index
+            seq.lora_request, seq.lora_hash = lora_request, lora_hash
             if params.structured_outputs is not None:
                 seq.grammar = SequenceGrammar(self.grammar_compiler, params.structured_outputs)
                 if seq.waits_for_grammar:
@@ -218,7 +231,7 @@ class LLMEngine:
         return seq_ids
 
     def validate_request(
-        self, prompt: str | list[int] | dict, params: SamplingParams | None
+        self, prompt: str | list[int] | dict, params: SamplingParams | None, lora_request: LoRARequest | None = None
     ) -> tuple[SamplingParams, str | None, list[int]]:
         """Check a request against the limits and the model without queueing it (safe from any thread).
 
@@ -226,18 +239,64 @@ class LLMEngine:
         (``engine.limits.RequestLimits``), then the prompt is tokenized and its length and the
         model-dependent fields are checked (``SamplingParams.check_for_model``).
 
+        A ``lora_request``'s adapter is read and checked against the base here (and kept loaded).
+
         Returns:
             (a private copy of ``params``, the prompt text or ``None``, the prompt token ids).
 
         Raises:
-            InvalidRequestError (a ValueError): a bad prompt, a limit exceeded, or a sampling parameter
-                out of range for this model; the message names the field and the fix, ``param`` the field.
+            InvalidRequestError (a ValueError): a bad prompt, a limit exceeded, a sampling parameter out of
+                range for this model, or a LoRA adapter the engine cannot serve (``engine.lora.LoRAError``); the
+                message names the field and the fix, ``param`` the field.
         """
         params = self._check_params(params)
         self.config.limits.check_params(params)
+        self._check_lora(lora_request)
         text, token_ids = self._tokenize(prompt)
         params.check_for_model(self.runner.spec.vocab_size, self.config.max_model_len, len(token_ids))
         return params, text, token_ids
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> int | None:
+        """Load and check the adapter (``LoRAManager.check``); its prefix-cache key (``None`` for the base).
+
+        Raises:
+            LoRAError: a bad adapter, or the engine runs without LoRA.
+        """
+        if lora_request is None:
+            return None
+        self._lora_key(lora_request)
+        return self.lora_manager.check(lora_request)
+
+    def _lora_key(self, lora_request: LoRARequest) -> int:
+        """The adapter's prefix-cache key, without loading it (it was checked by ``validate_request``)."""
+        if self.lora_manager is None:
+            raise LoRAError(
+                f"lora_request={lora_request!r} but the engine runs without LoRA",
+                fix="start it with enable_lora=True (`--enable-lora`)",
+            )
+        if not isinstance(lora_request, LoRARequest):
+            raise LoRAError(f"lora_request={lora_request!r}", fix="pass an engine.lora.LoRARequest")
+        return adapter_cache_key(lora_request)
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its requests (vLLM's ``add_lora``); True once it is in memory.
+
+        Raises:
+            LoRAError: see ``engine.lora.load_adapter``; or the engine runs without LoRA.
+        """
+        self._check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop adapter ``lora_id`` from memory and its slot; True if it was there. Requests still queued
+        with it read it from disk again when they run (they fail, naming the file, if it is gone)."""
+        return self.lora_manager is not None and self.lora_manager.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters in memory."""
+        return set() if self.lora_manager is None else {r.lora_int_id for r in self.lora_manager.list_loras()}
 
     @staticmethod
     def _check_params(params: SamplingParams | None) -> SamplingParams:
@@ -316,6 +375,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, num_waiting=len(self.scheduler.waiting))
         out = self.scheduler.schedule()
+        self._activate_loras(out, touched)
         if out.is_empty:
             return self._group_outputs(touched)
         self.num_steps_total += 1
@@ -336,6 +396,37 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
             touched.setdefault(seq.group_id, self.groups[seq.group_id])
         return self._group_outputs(touched)
+
+    def _activate_loras(self, out, touched: dict[str, list[Sequence]]) -> None:
+        """Put the step's adapters into LoRA slots (reading one from disk again if it left memory).
+
+        A request whose adapter cannot be loaded (its files were removed or damaged since it was
+        queued) finishes with ``"error"`` naming the file and leaves the step (its group joins
+        ``touched``); the others run.
+        """
+        if self.lora_manager is None:
+            return
+        needed = {item.seq.lora_request for item in out.scheduled if item.seq.lora_request is not None}
+        failed: dict[LoRARequest, Exception] = {}
+        for lora in sorted(needed, key=lambda r: r.lora_int_id):
+            try:
+                self.lora_manager.activate(lora, needed)
+            except Exception as exc:  # noqa: BLE001 - fails this adapter's requests only
+                failed[lora] = exc
+        if not failed:
+            return
+        dropped = [item for item in out.scheduled if item.seq.lora_request in failed]
+        out.scheduled = [item for item in out.scheduled if item.seq.lora_request not in failed]
+        out.num_batched_tokens -= sum(item.num_new_tokens for item in dropped)
+        dropped_blocks = {block for item in dropped for block in item.seq.block_table}
+        out.kv_copies = [copy for copy in out.kv_copies if copy[1] not in dropped_blocks]
+        for item in dropped:
+            seq = item.seq
+            logger.error("request %s: its LoRA adapter cannot be loaded: %s", seq.request_id, failed[seq.lora_request])
+            if not seq.is_finished:
+                self._finish_with_error(seq, failed[seq.lora_request])
+            self.requests.pop(seq.request_id, None)
+            touched.setdefault(seq.group_id, self.groups[seq.group_id])
 
     def _poll_grammars(self) -> dict[str, list[Sequence]]:
         """Requests whose structured-output grammar finished compiling become schedulable; those whose
@@ -544,7 +635,14 @@ class LLMEngine:
         )
         prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
         return RequestOutput(
-            first.group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics, prompt_logprobs
+            first.group_id,
+            first.prompt,
+            first.prompt_token_ids,
+            completions,
+            finished,
+            metrics,
+            prompt_logprobs,
+            lora_request=first.lora_request,
         )
 
     # ---------------------------------------------------------------- introspection
@@ -661,6 +759,7 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         chat: bool = False,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None | list[LoRARequest | None] = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched by the engine.
 
@@ -670,6 +769,8 @@ class LLM:
             sampling_params: one for all, or one per prompt.
             chat: wrap text prompts as a user turn with the checkpoint's chat template.
             use_tqdm: show a progress bar of finished requests.
+            lora_request: the LoRA adapter of every prompt, or one per prompt (``None``: the base);
+                prompts of different adapters run in the same batches.
 
         Returns:
             Final ``RequestOutput`` per prompt, in input order.
@@ -683,10 +784,20 @@ class LLM:
             raise ValueError(
                 f"sampling_params has {len(params)} entries for {len(prompts)} prompts; give one or one per prompt"
             )
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(
+                f"lora_request has {len(loras)} entries for {len(prompts)} prompts; give one or one per prompt"
+            )
         engine = self.engine
         inputs = [self.apply_chat_template(p) if chat and not isinstance(p, dict) else p for p in prompts]
-        validated = [engine.validate_request(p, sp) for p, sp in zip(inputs, params)]  # all before running any
-        ids = [engine.add_validated_request(None, text, token_ids, sp) for sp, text, token_ids in validated]
+        validated = [
+            engine.validate_request(p, sp, lora) for p, sp, lora in zip(inputs, params, loras)
+        ]  # all before running any
+        ids = [
+            engine.add_validated_request(None, text, token_ids, sp, None, lora)
+            for (sp, text, token_ids), lora in zip(validated, loras)
+        ]
         finals: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:

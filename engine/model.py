@@ -7,7 +7,9 @@ checkpoint's ``rope_theta`` and ``linear`` / ``llama3`` scaling, grouped-query a
 
 ``Model.forward`` runs all scheduled tokens of a step as one flat batch of ``N`` tokens: linear
 layers see ``[N, hidden]``; attention is delegated to an ``engine.attention.AttentionBackend``
-with the step's metadata. INT8 checkpoints (``engine.quant.int8``: ``weight-only`` or
+with the step's metadata. With an ``engine.lora.LoRABatch`` the rows of LoRA requests get their
+adapters' deltas on top of the base layers' outputs (``Model.forward``'s ``lora``).
+INT8 checkpoints (``engine.quant.int8``: ``weight-only`` or
 ``w8a8``, named in the safetensors metadata) run their linear layers, the LM head included when it
 was quantized, with the INT8 kernels of ``engine.quant.int8`` on CPU; on CUDA their weights are
 dequantized to ``dtype``.
@@ -413,6 +415,9 @@ class LayerWeights:
     post_norm: torch.Tensor | None  # [hidden]; None when folded into gate_up
     gate_up: Linear  # hidden -> 2 * intermediate ([gate; up])
     down: Linear  # intermediate -> hidden
+    # the [hidden] RMSNorm weights folded into qkv / gate_up (else None): a LoRA adapter's A takes them too
+    folded_input_norm: torch.Tensor | None = None
+    folded_post_norm: torch.Tensor | None = None
 
 
 def load_layers(loader: WeightLoader, spec: ModelSpec) -> list[LayerWeights]:
@@ -434,6 +439,8 @@ def load_layers(loader: WeightLoader, spec: ModelSpec) -> list[LayerWeights]:
                 post_norm=None if gate_up.input_scaled else loader.tensor(post_norm),
                 gate_up=gate_up,
                 down=loader.linear([p + "mlp.down_proj"]),
+                folded_input_norm=loader.tensors[input_norm] if qkv.input_scaled else None,
+                folded_post_norm=loader.tensors[post_norm] if gate_up.input_scaled else None,
             )
         )
     return layers
@@ -498,13 +505,19 @@ class Model:
         self._int8_decode: tuple | bool | None = None  # int8_decode_weights(), collected on first use
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn, attn_metadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn, attn_metadata, lora=None
     ) -> torch.Tensor:
         """``[N]`` token ids at ``[N]`` positions -> ``[N, hidden]`` last hidden states (before the final norm).
 
         Args:
             kv_cache: ``[num_layers, ...]`` the per-layer caches in ``attn``'s layout.
             attn: the ``AttentionBackend``; ``attn_metadata`` what its ``build`` returned for this step.
+            lora: an ``engine.lora.LoRABatch`` when rows of this step run with LoRA adapters, else ``None``.
+                Each adapted layer adds its delta to the base output: qkv before rotary and the cache store,
+                o and down after their residual-add epilogue (the delta is linear, so adding it after the
+                fused add is exact), and gate/up before SwiGLU, where the fused ``silu_mul`` then gives way to
+                the plain GEMM + ``silu * up`` in the layers an adapter of the step changes. A base-only step
+                (``None``) runs the fused path unchanged.
         """
         s = self.spec
         eps = s.rms_norm_eps
@@ -518,6 +531,8 @@ class Model:
         for layer_idx, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)[:n]  # [N, q_size + 2 * kv_size]
+            if lora is not None:
+                qkv = lora.apply(layer_idx, "qkv", x, qkv)
             q = None
             if slot_mapping is not None and attn.stores_kv_separately:
                 # bf16 on CPU: rotary on q and k and the k, v store in one C++ pass (else None)
@@ -531,8 +546,19 @@ class Model:
                 v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, s.head_dim)
             out = attn.forward(q, k, v, kv_cache[layer_idx], attn_metadata)  # [N, q_size]
             h = layer.o.add(pad_rows(out, self.min_rows), h)  # [R, hidden]
+            if lora is not None:
+                h = lora.apply(layer_idx, "o", out, h)
             x = rms_norm(h, layer.post_norm, eps)
-            h = layer.down.add(layer.gate_up.silu_mul(x), h)  # [R, intermediate] -> [R, hidden]
+            if lora is not None and lora.has(layer_idx, "gate_up"):
+                gate_up = layer.gate_up(x)  # [R, 2 * intermediate]
+                gate_up = lora.apply(layer_idx, "gate_up", x, gate_up)
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            else:
+                act = layer.gate_up.silu_mul(x)  # [R, intermediate]
+            h = layer.down.add(act, h)  # [R, hidden]
+            if lora is not None:
+                h = lora.apply(layer_idx, "down", act, h)
         return h[:n]
 
     def int8_decode_weights(self) -> tuple[list, list, list, list] | None:

@@ -4,7 +4,8 @@ Owns the model (``engine.model``), the attention backend (``engine.attention``) 
 ``prepare`` flattens the step's tokens (decodes first, then prefill chunks) and builds the
 ``CommonAttentionMetadata`` (positions, slot mapping, block table) with tensor ops over the
 block table, not per token; ``execute`` runs the forward pass and the lm head on the rows
-that are sampled.
+that are sampled. With LoRA enabled (``enable_lora``) it also owns the ``engine.lora.LoRAManager``,
+and ``prepare`` maps each row to its adapter's slot.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from engine.attention import CommonAttentionMetadata, kv_bytes_per_token
 from engine.attention_backends import get_attention_backend
+from engine.lora import LoRABatch, LoRAManager
 from engine.model import DTYPES, Model
 from engine.scheduler import SchedulerOutput
 
@@ -34,12 +36,14 @@ class StepInputs:
         logits_index: ``[S + P]`` rows whose logits are computed: the ``S`` sampled ones (last token of
             finished chunks, in ``out.scheduled`` order), then the ``P`` prompt positions that score
             the next prompt token (``ScheduledSequence.prompt_logprob_positions``, same order).
+        lora: the rows' LoRA slots (``None``: every row runs the base).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: object
     logits_index: torch.Tensor
+    lora: LoRABatch | None = None
 
 
 class ModelRunner:
@@ -87,6 +91,20 @@ class ModelRunner:
             batch_invariant,
         )
         self.kv_cache: torch.Tensor | None = None
+        self.lora_manager: LoRAManager | None = None
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> LoRAManager:
+        """Create the model's ``LoRAManager`` (``EngineConfig`` limits); returns it."""
+        scales = {}
+        for i, layer in enumerate(self.model.layers):
+            if layer.folded_input_norm is not None:
+                scales[(i, "qkv")] = layer.folded_input_norm
+            if layer.folded_post_norm is not None:
+                scales[(i, "gate_up")] = layer.folded_post_norm
+        self.lora_manager = LoRAManager(
+            self.spec, self.dtype, self.device, max_loras, max_lora_rank, max_cpu_loras, input_scales=scales
+        )
+        return self.lora_manager
 
     @property
     def layers(self):
@@ -133,10 +151,14 @@ class ModelRunner:
         computed: list[int] = []
         tables: list[list[int]] = []
         logits_index: list[int] = []
+        row_slots: list[int] = []  # LoRA slot of each row (-1: the base)
+        lora = self.lora_manager
         prompt_rows: list[int] = []
         num_decodes = 0
         for item in out.scheduled:
             seq, n = item.seq, item.num_new_tokens
+            if lora is not None:
+                row_slots += [-1 if seq.lora_request is None else lora.slot_of(seq.lora_request)] * n
             start = seq.num_computed_tokens
             prompt_rows.extend(len(ids) + p - start for p in item.prompt_logprob_positions)
             ids.extend(seq.token_ids[start : start + n] + item.spec_token_ids)  # proposals follow the last token
@@ -173,7 +195,10 @@ class ModelRunner:
             block_size=bs,
         )
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        return StepInputs(as_long(ids), positions, self.attn.build(common), as_long(logits_index + prompt_rows))
+        lora_batch = None if lora is None else lora.batch(row_slots)
+        return StepInputs(
+            as_long(ids), positions, self.attn.build(common), as_long(logits_index + prompt_rows), lora_batch
+        )
 
     # ------------------------------------------------------------ forward
 
@@ -216,6 +241,6 @@ class ModelRunner:
         self.copy_kv_slots(out.kv_copies)
         inputs = self.prepare(out)
         hidden = self.model.forward(
-            inputs.input_ids, inputs.positions, self.kv_cache, self.attn, inputs.attn_metadata
+            inputs.input_ids, inputs.positions, self.kv_cache, self.attn, inputs.attn_metadata, inputs.lora
         )  # [N, hidden]
         return self.model.compute_logits(hidden[inputs.logits_index], float_logits)  # [S + P, vocab]

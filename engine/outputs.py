@@ -53,3 +53,4 @@ class RequestOutput:
     # with ``SamplingParams.prompt_logprobs``: per prompt token {token_id: logprob} (the token's own
     # first, then the top ``prompt_logprobs``), ``None`` for the first token (nothing precedes it)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    lora_request: object = None  # the ``engine.lora.LoRARequest`` it ran with (``None``: the base)

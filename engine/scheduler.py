@@ -316,12 +316,18 @@ class Scheduler:
         request waiting for a prefix a running request computes now is passed over this step (it
         hits the cache next step); the others keep their order. While ``share`` bounds large
         requests, regular requests go first and may take a large request's seat or blocks.
+
+        With LoRA, the running requests use at most ``max_loras`` adapters: a request of another
+        adapter waits (keeping its place) while that many are running, and so do the adapter requests
+        behind it (no adapter starves); base requests pass.
         """
         preempted = [] if preempted is None else preempted
         in_flight = self._in_flight_hashes()
         bm = self.block_manager
         # their computed K/V exists before this step (not that of the ones admitted in it)
         donors = [s for s in self.running if s.last_admitted_step != self._step]
+        active_loras = {s.lora_request for s in self.running if s.lora_request is not None}
+        lora_held = False  # an adapter request waits for a LoRA slot: the adapter requests behind it wait too
 
         def make_room(seq: Sequence) -> bool:
             """Preempt a large request's sequence for regular ``seq`` (while bounded); False if none can go."""
@@ -344,6 +350,12 @@ class Scheduler:
                 break
             if seq.waits_for_grammar:
                 continue  # its structured-output grammar is still compiling
+            lora = seq.lora_request
+            if lora is not None and (
+                lora_held or (lora not in active_loras and len(active_loras) >= self.config.max_loras)
+            ):
+                lora_held = True
+                continue  # keeps its place in the queue
             use_cache = not seq.skips_prefix_cache  # prompt logprobs need the logits of every prompt position
             cached = bm.find_cached_prefix(seq) if use_cache else []
             if bm.enable_prefix_caching and use_cache and self._prefix_in_flight(seq, len(cached), in_flight):
@@ -376,6 +388,8 @@ class Scheduler:
             self.running.append(seq)
             self._take(ScheduledSequence(seq, n), scheduled, share)
             budget -= n
+            if lora is not None:
+                active_loras.add(lora)
             if bm.enable_prefix_caching:
                 in_flight.update(bm.full_block_hashes(seq)[len(cached) :])
         return budget

@@ -79,6 +79,11 @@ class Sequence:
         # the target accepts them) and the [len, vocab] draft distributions they were drawn from.
         self.spec_token_ids: list[int] = []
         self.spec_probs = None
+        # LoRA: the adapter it runs with (an ``engine.lora.LoRARequest``, ``None`` for the base) and that
+        # adapter's 64-bit prefix-cache key, the parent hash of its first KV block (so no block is shared
+        # across adapters).
+        self.lora_request = None
+        self.lora_hash: int | None = None
         # Structured output: the request's grammar (engine.structured_output.SequenceGrammar), if any.
         self.grammar = None
         # Prompt logprobs (``params.prompt_logprobs``): one entry per prompt token scored so far, the

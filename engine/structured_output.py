@@ -86,8 +86,9 @@ class GrammarCompiler:
         cache_size: compiled grammars kept in the LRU.
         max_workers: compile threads.
 
-    The llguidance tokenizer (about a second to build) is built by the first compile, so an
-    engine that never sees a constraint never pays for it.
+    The llguidance tokenizer (one to a few seconds to build) is built on the pool when the first
+    constraint arrives, so an engine that never sees one never pays for it; a request's compile
+    time bound counts from when that tokenizer is ready (``deadline``).
     """
 
     def __init__(
@@ -108,7 +109,8 @@ class GrammarCompiler:
         self._cache: collections.OrderedDict[tuple[str, str], concurrent.futures.Future] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._ll_tokenizer = None
-        self._ll_tokenizer_lock = threading.Lock()
+        self._tokenizer_future: concurrent.futures.Future | None = None
+        self.tokenizer_ready_at: float | None = None  # time.monotonic() when the llguidance tokenizer was built
         self._executor = None
         self.num_compiles = 0
 
@@ -119,6 +121,7 @@ class GrammarCompiler:
         e.g. after a timeout caused by a busy machine). Thread-safe.
         """
         key = params.key
+        self.tokenizer_future()  # queued first: a compile waits for it, so it must never queue behind one
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
@@ -130,6 +133,20 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         future.add_done_callback(lambda f: self._forget_failed(key, f))
         return future
+
+    def tokenizer_future(self) -> concurrent.futures.Future:
+        """The build of the llguidance tokenizer (started on the pool by the first call)."""
+        with self._lock:
+            if self._tokenizer_future is None:
+                self._tokenizer_future = self._pool.submit(self._build_tokenizer)
+            return self._tokenizer_future
+
+    def deadline(self, submitted_at: float) -> float | None:
+        """When a compile asked for at ``submitted_at`` (``time.monotonic()``) times out: ``compile_timeout_s``
+        after the later of that and the tokenizer being ready; ``None`` while the tokenizer is being built."""
+        if self.tokenizer_ready_at is None:
+            return None
+        return max(submitted_at, self.tokenizer_ready_at) + self.compile_timeout_s
 
     def timeout_error(self, key: tuple[str, str]) -> GrammarError:
         return GrammarError(
@@ -144,16 +161,20 @@ class GrammarCompiler:
             if self._cache.get(key) is future:
                 del self._cache[key]
 
-    def _llg_tokenizer(self):
+    def _build_tokenizer(self):
         # optional dependency: imported on the path that needs it
         import llguidance
 
-        with self._ll_tokenizer_lock:
-            if self._ll_tokenizer is None:
-                self._ll_tokenizer = llguidance.LLTokenizer(
-                    byte_level_tokenizer_json(self.tokenizer), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-                )
-            return self._ll_tokenizer
+        try:
+            tokenizer = llguidance.LLTokenizer(
+                byte_level_tokenizer_json(self.tokenizer), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+            )
+        except Exception as exc:
+            raise GrammarError(
+                f"structured_outputs: this model's tokenizer cannot be read for grammar masks ({_short(str(exc))})"
+            ) from exc
+        self.tokenizer_ready_at = time.monotonic()
+        return tokenizer
 
     def _compile(self, key: tuple[str, str]) -> CompiledGrammar:
         """Build the matcher and its first mask (llguidance builds its lexer lazily, on the first mask).
@@ -179,7 +200,8 @@ class GrammarCompiler:
         except ValueError as exc:
             raise GrammarError(f"structured_outputs.{kind}: {_short(str(exc))}") from exc
         limits = llguidance.LLParserLimits(verbose_errors=False)
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0, limits=limits)
+        tokenizer = self.tokenizer_future().result()  # raises its GrammarError when the build failed
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         mask = b"" if matcher.is_error() else matcher.compute_bitmask()
         if matcher.is_error():
             raise GrammarError(f"structured_outputs.{kind}: {_short(matcher.get_error())}; fix the {_WHAT[kind]}")
@@ -230,8 +252,8 @@ class SequenceGrammar:
     def __init__(self, compiler: GrammarCompiler, params: StructuredOutputsParams) -> None:
         self.compiler = compiler
         self.key = params.key
+        self.submitted_at = time.monotonic()
         self.future = compiler.submit(params)
-        self.deadline = time.monotonic() + compiler.compile_timeout_s
         self.matcher = None
         self.error: str | None = None  # a failure while generating (the request finishes with it)
         self.poll()
@@ -239,6 +261,11 @@ class SequenceGrammar:
     @property
     def ready(self) -> bool:
         return self.matcher is not None
+
+    @property
+    def deadline(self) -> float | None:
+        """When its compile times out (``GrammarCompiler.deadline``)."""
+        return self.compiler.deadline(self.submitted_at)
 
     def poll(self) -> GrammarError | None:
         """Take the compiled grammar if it is ready; the error when the compile failed or timed out."""
@@ -250,7 +277,8 @@ class SequenceGrammar:
                 return exc if isinstance(exc, GrammarError) else GrammarError(f"structured_outputs: {exc!r}")
             self.matcher = self.future.result().new_matcher()
             return None
-        if time.monotonic() >= self.deadline:
+        deadline = self.deadline
+        if deadline is not None and time.monotonic() >= deadline:
             return self.compiler.timeout_error(self.key)
         return None
 
@@ -266,9 +294,14 @@ class SequenceGrammar:
 
 
 def wait_any(grammars: list[SequenceGrammar]) -> None:
-    """Block until one of ``grammars``' compiles is done or the earliest deadline passes."""
+    """Block until one of ``grammars``' compiles is done, the earliest deadline passes, or the tokenizer
+    they wait for is built (deadlines start then)."""
     futures = [g.future for g in grammars]
-    timeout = max(0.0, min(g.deadline for g in grammars) - time.monotonic())
+    tokenizer = grammars[0].compiler.tokenizer_future()
+    if not tokenizer.done():
+        futures.append(tokenizer)
+    deadlines = [d for d in (g.deadline for g in grammars) if d is not None]
+    timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
     concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
 

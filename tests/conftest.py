@@ -3,17 +3,41 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+if not torch.cuda.is_available():
+    # the Triton attention kernels run under Triton's interpreter on CPU tensors; it must be chosen before
+    # any test module (collected in folder order) imports engine.attention_triton and decorates them
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from compress.data.prepare import DataConfig, prepare
 from deploy.export import export
 from deploy.triton import TritonServer, free_ports
 from engine import LLM, SamplingParams
 from engine.checkpoint.store import make_tiny_llama, resolve_checkpoint
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
 #: Engine configuration of the LLM the session's Triton server serves (and the in-process reference).
 ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 256, "num_threads": 1}
+
+
+@pytest.fixture(scope="session")
+def lmforge():
+    """``lmforge(*args, timeout=600)``: ``python -m lmforge_cli ARGS`` run in the repository root, with its
+    stdout and stderr captured as text; returns the ``CompletedProcess``."""
+
+    def run(*args, timeout: float = 600.0) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "lmforge_cli", *map(str, args)]
+        return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+
+    return run
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +50,17 @@ def smollm2_dir() -> Path:
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A random 2-layer Llama with grouped-query attention (4 heads, 2 KV heads) and the SmolLM2 tokenizer."""
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory) -> Path:
+    """A small train/val split of the English chatterbot dialogs (48 train, 8 val dialogs)."""
+    out = tmp_path_factory.mktemp("chat-data")
+    prepare(DataConfig(), out, verbose=False)
+    for name, keep in (("train.jsonl", 48), ("val.jsonl", 8)):
+        lines = (out / name).read_text().splitlines()[:keep]
+        (out / name).write_text("\n".join(lines) + "\n")
+    return out
 
 
 @pytest.fixture(scope="session")

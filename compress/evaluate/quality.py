@@ -20,6 +20,14 @@ first checkpoint listed: put the parent first):
 * ``decode_ms_per_token``: batch 1, CPU, greedy, with the KV cache:
   ``(time(1 + n tokens) - time(1 token)) / n``, each time the fastest of the repeats.
 
+With ``lora`` (``--lora DIR``) one LoRA adapter (PEFT format, ``lmforge finetune --lora``) runs on
+every checkpoint, the reference included: adapter-on-INT8-base is then judged against
+adapter-on-fp32-base, i.e. what compressing the base costs the adapted model. The adapter is added
+as a forward hook on each adapted projection (``y + s B A x``, Hu et al. 2021, in the layer's input
+dtype), which works the same on float, INT8 and bitsandbytes layers; ONNX checkpoints cannot take
+it. Those metrics describe the adapted model, so they are not merged into the checkpoints'
+manifests.
+
 Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``int8``
 (``engine.quant.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8``
 (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
@@ -52,6 +60,7 @@ from compress.data import records as records_module
 from compress.data.records import default_split_records
 from compress.quantize.methods import load_int8_model, load_llm_int8_model
 from compress.quantize.onnx import onnx_num_parameters
+from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import check_output_file, write_output_file
 from engine.checkpoint.store import (
     MANIFEST_NAME,
@@ -61,6 +70,7 @@ from engine.checkpoint.store import (
     update_metrics,
 )
 from engine.errors import LmforgeError
+from engine.lora import LORA_TARGETS, LoRARequest, load_adapter
 from engine.quant.int8 import INT8_WEIGHT_SUFFIX
 from engine.records import encode_record
 
@@ -224,6 +234,7 @@ def load_for_eval(
     kv_cache_dtype: str | None = None,
     engine_dtype: str = "auto",
     max_model_len: int = 1024,
+    lora: str | Path | None = None,
 ) -> LoadedCheckpoint:
     """Load a causal-LM checkpoint of any kind for evaluation (CPU).
 
@@ -234,10 +245,13 @@ def load_for_eval(
         kv_cache_dtype: run it on the lmforge engine (kind ``engine``, ``EngineLM``) with this
             ``EngineConfig.kv_cache_dtype``; ``None``: with its own library.
         engine_dtype, max_model_len: the engine's ``dtype`` and ``max_model_len`` (with ``kv_cache_dtype``).
+        lora: a LoRA adapter directory to run on the checkpoint (``apply_lora``; not with ``kv_cache_dtype``).
 
     Raises:
         CheckpointError: missing/corrupt checkpoint or a non-causal model (names the file).
         UsageError: a ``kv_cache_dtype`` or ``engine_dtype`` the engine refuses (names the field).
+        LoRAError: the adapter does not fit the checkpoint.
+        EvaluationError: ``lora`` on an ONNX checkpoint or with ``kv_cache_dtype``.
     """
     # optional or heavy dependency: imported only on the path that needs it
     from transformers import AutoTokenizer
@@ -246,11 +260,50 @@ def load_for_eval(
     tokenizer = AutoTokenizer.from_pretrained(path)
     if num_threads:
         torch.set_num_threads(num_threads)
+    if lora is not None and kv_cache_dtype is not None:
+        raise EvaluationError("--lora with --kv-cache-dtype: the engine rows of evaluate run no adapter; drop one")
     if kv_cache_dtype is not None:
         model = EngineLM(path, engine_dtype, kv_cache_dtype, max_model_len)
         return LoadedCheckpoint(path, ENGINE_KIND, model, tokenizer, kv_cache_dtype)
     kind = checkpoint_kind(path)
-    return LoadedCheckpoint(path, kind, LOADERS[kind](path, num_threads), tokenizer)
+    if lora is not None and kind == "onnx":
+        raise EvaluationError(f"--lora {lora}: {path} is an ONNX checkpoint, which cannot take a LoRA adapter")
+    model = LOADERS[kind](path, num_threads)
+    if lora is not None:
+        apply_lora(model, lora, path)
+    return LoadedCheckpoint(path, kind, model, tokenizer)
+
+
+def apply_lora(model, adapter_dir: str | Path, checkpoint_dir: Path) -> int:
+    """Add a LoRA adapter to a loaded ``transformers`` model as forward hooks: each adapted projection's
+    output gains ``s B A x`` (computed in its input's dtype). Returns the number of hooked modules.
+
+    Raises:
+        LoRAError: the adapter's files, settings or shapes do not fit the checkpoint
+            (``engine.lora.load_adapter``, which names the field).
+        EvaluationError: an adapted module is not in the model.
+    """
+    spec = ModelSpec.from_checkpoint(checkpoint_dir)
+    adapter = load_adapter(LoRARequest("evaluate", 1, str(adapter_dir)), spec, 1 << 16, torch.float32)
+    modules = dict(model.named_modules())
+    for (layer, module), (a, b, scaling) in adapter.weights.items():
+        block = "mlp" if LORA_TARGETS[module][0] in ("gate_up", "down") else "self_attn"
+        name = f"model.layers.{layer}.{block}.{module}"
+        if name not in modules:
+            raise EvaluationError(f"--lora {adapter_dir}: {checkpoint_dir} has no module {name}")
+        modules[name].register_forward_hook(_lora_hook(a, b * scaling))
+    return len(adapter.weights)
+
+
+def _lora_hook(a: torch.Tensor, b: torch.Tensor):
+    """``output + (x A^T) B^T`` (``a [r, in]``, ``b [out, r]`` scaled) as a forward hook, in ``x``'s dtype."""
+
+    def hook(module, args, output):
+        x = args[0]
+        delta = (x @ a.to(x.dtype).t()) @ b.to(x.dtype).t()
+        return output + delta.to(output.dtype)
+
+    return hook
 
 
 # --------------------------------------------------------------------------------------------
@@ -586,6 +639,7 @@ def evaluate(
     log: Callable[[str], None] = print,
     kv_cache_dtypes: Sequence[str] | None = None,
     engine_dtype: str = "auto",
+    lora: str | Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate checkpoints against a reference and (optionally) write metrics into their manifests.
 
@@ -602,6 +656,8 @@ def evaluate(
             listed (module docstring); the reference is ``reference`` at the first one. ``None``: each
             checkpoint on its own library.
         engine_dtype: the engine's ``dtype`` for those rows.
+        lora: a LoRA adapter directory run on every checkpoint and the reference (``apply_lora``); its metrics
+            describe the adapted model and are never written into the manifests.
 
     Returns:
         ``{label: metrics}`` in the order given; the label is the resolved path (``PATH [kv DTYPE]`` for
@@ -611,6 +667,7 @@ def evaluate(
         CheckpointError: a missing, corrupt or non-causal checkpoint (checked for all before any
             is loaded, so a typo in the last one fails at once).
         EvaluationError: bad data, or a ``kv_cache_dtypes`` entry the engine does not know.
+        LoRAError: ``lora`` does not fit a checkpoint (names the field).
     """
     # engine.config is light next to torch, which this module imports anyway
     from engine.config import KV_CACHE_DTYPES
@@ -639,6 +696,7 @@ def evaluate(
             kv_cache_dtype=kv_cache_dtype,
             engine_dtype=engine_dtype,
             max_model_len=max_model_len,
+            lora=lora,
         )
 
     reference_entry = (reference_path, kv_list[0])
@@ -669,11 +727,12 @@ def evaluate(
                 "eval_data": data_name or "records",
                 "eval_records": len(records),
                 "num_threads": config.num_threads,
+                **({"lora": str(lora)} if lora is not None else {}),
             }
         )
         results[label] = metrics
         manifest = path / MANIFEST_NAME
-        if write and kv_cache_dtype is None and manifest.is_file() and os.access(manifest, os.W_OK):
+        if write and kv_cache_dtype is None and lora is None and manifest.is_file() and os.access(manifest, os.W_OK):
             update_metrics(path, metrics)
     return results
 
@@ -755,6 +814,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16"],
         help="the engine's dtype with --kv-cache-dtype (default auto: bfloat16 where the CPU has native bf16)",
     )
+    parser.add_argument(
+        "--lora",
+        default=None,
+        metavar="DIR",
+        help="a LoRA adapter (PEFT format) run on every checkpoint and the reference: judges adapter-on-compressed-"
+        "base against adapter-on-parent (metrics then go to --json and the table, not into the manifests)",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--no-write", action="store_true", help="do not write metrics into the manifests")
 
@@ -778,6 +844,7 @@ def run(args: argparse.Namespace) -> int:
         reference=args.reference,
         config=config,
         write=not args.no_write,
+        lora=args.lora,
         kv_cache_dtypes=[d.strip() for d in (args.kv_cache_dtype or "").split(",") if d.strip()] or None,
         engine_dtype=args.engine_dtype,
     )

@@ -21,7 +21,7 @@ Folding points in a Llama/Mistral/Qwen2 decoder layer:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -66,12 +66,25 @@ def activation_absmax(model, batches: Iterable[torch.Tensor], layer_names: set[s
         ``{name: [in_features]}`` float32.
     """
     stats: dict[str, torch.Tensor] = {}
+
+    def record(name: str, x: torch.Tensor) -> None:
+        x = x.abs().amax(dim=0).float()  # [in]
+        stats[name] = torch.maximum(stats[name], x) if name in stats else x
+
+    _run_with_input_hooks(model, batches, layer_names, record)
+    return stats
+
+
+def _run_with_input_hooks(
+    model, batches: Iterable[torch.Tensor], layer_names: set[str], record: Callable[[str, torch.Tensor], None]
+) -> None:
+    """Run ``model`` on each batch with ``record(name, x [tokens, in_features])`` called on the input of every
+    named layer; the hooks are removed afterwards, also when a forward pass raises."""
     hooks = []
     for name in layer_names:
 
         def hook(module, inputs, output, name=name):
-            x = inputs[0].detach().abs().reshape(-1, inputs[0].shape[-1]).amax(dim=0).float()  # [in]
-            stats[name] = torch.maximum(stats[name], x) if name in stats else x
+            record(name, inputs[0].detach().reshape(-1, inputs[0].shape[-1]))
 
         hooks.append(model.get_submodule(name).register_forward_hook(hook))
     try:
@@ -80,7 +93,6 @@ def activation_absmax(model, batches: Iterable[torch.Tensor], layer_names: set[s
     finally:
         for h in hooks:
             h.remove()
-    return stats
 
 
 def _smoothing_scale(x_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -112,21 +124,12 @@ def input_samples(
     batches = list(batches)
     per_batch = max(1, -(-max_rows // max(len(batches), 1)))
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in layer_names}
-    hooks = []
-    for name in layer_names:
 
-        def hook(module, inputs, output, name=name):
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()  # [T, in]
-            pick = torch.linspace(0, x.shape[0] - 1, min(per_batch, x.shape[0])).round().long()
-            rows[name].append(x[pick])
+    def record(name: str, x: torch.Tensor) -> None:
+        pick = torch.linspace(0, x.shape[0] - 1, min(per_batch, x.shape[0])).round().long()
+        rows[name].append(x[pick].float())
 
-        hooks.append(model.get_submodule(name).register_forward_hook(hook))
-    try:
-        for ids in batches:
-            model(input_ids=ids, attention_mask=torch.ones_like(ids))
-    finally:
-        for h in hooks:
-            h.remove()
+    _run_with_input_hooks(model, batches, layer_names, record)
     return {name: torch.cat(r)[:max_rows] for name, r in rows.items()}
 
 

@@ -369,45 +369,38 @@ def serving_options(
     ITL is ``compress.scale.comm_model.decode_step_time`` at ``max_model_len`` tokens of context, for one
     sequence and for as many full-length sequences as the KV cache holds (capped by ``max_num_seqs``).
     """
+    sizing = dict(
+        device_memory_bytes=device_memory_bytes,
+        memory_utilization=memory_utilization,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        weight_bytes=weight_bytes,
+        kv_dtype_bytes=kv_dtype_bytes,
+        max_num_seqs=max_num_seqs,
+    )
     options = []
     for t in divisors(cluster.devices_per_node):
         if model.num_key_value_heads % t or model.num_attention_heads % t:
             continue
         weights = math.ceil(total_params(model) * weight_bytes / t)
         try:
-            cap = inference_capacity(
-                model,
-                device_memory_bytes=device_memory_bytes,
-                memory_utilization=memory_utilization,
-                block_size=block_size,
-                max_model_len=max_model_len,
-                weight_bytes=weight_bytes,
-                kv_dtype_bytes=kv_dtype_bytes,
-                tensor_parallel=t,
-                max_num_seqs=max_num_seqs,
-            )
+            cap = inference_capacity(model, tensor_parallel=t, **sizing)
         except ValueError:
             cap = None
         if cap is None or cap.max_concurrent_sequences < 1:
             options.append(ServingOption(t, weights, cap, None, None, 0))
             continue
-        one = decode_step_time(
-            model,
-            cluster,
-            batch=1,
-            context_len=max_model_len,
-            tensor_parallel=t,
-            weight_bytes=weight_bytes,
-            kv_dtype_bytes=kv_dtype_bytes,
-        )
-        full = decode_step_time(
-            model,
-            cluster,
-            batch=cap.max_concurrent_sequences,
-            context_len=max_model_len,
-            tensor_parallel=t,
-            weight_bytes=weight_bytes,
-            kv_dtype_bytes=kv_dtype_bytes,
+        one, full = (
+            decode_step_time(
+                model,
+                cluster,
+                batch=batch,
+                context_len=max_model_len,
+                tensor_parallel=t,
+                weight_bytes=weight_bytes,
+                kv_dtype_bytes=kv_dtype_bytes,
+            )
+            for batch in (1, cap.max_concurrent_sequences)
         )
         options.append(ServingOption(t, weights, cap, one, full, cap.max_concurrent_sequences))
     return options

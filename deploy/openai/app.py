@@ -7,12 +7,13 @@ Each route parses what it needs from the HTTP request and hands it to its servin
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import secrets
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from deploy.openai.models import ServedModel, discover_models
 from deploy.openai.protocol import OpenAIError
@@ -114,6 +115,20 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
         return await serving_chat.create(await request.body(), request.is_disconnected)
+
+    lora_lock = asyncio.Lock()  # one load or unload at a time (each rewrites multi_lora.json)
+
+    @app.post("/v1/load_lora_adapter", dependencies=auth)
+    async def load_lora_adapter(request: Request):
+        body = await request.body()
+        async with lora_lock:  # the adapter is read and checked on a worker thread, off the event loop
+            return PlainTextResponse(await asyncio.to_thread(serving_models.load_lora_adapter, body))
+
+    @app.post("/v1/unload_lora_adapter", dependencies=auth)
+    async def unload_lora_adapter(request: Request):
+        body = await request.body()
+        async with lora_lock:
+            return PlainTextResponse(serving_models.unload_lora_adapter(body))
 
     return app
 

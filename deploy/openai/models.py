@@ -1,4 +1,5 @@
-"""The LLMs the frontend serves: those of the Triton model repository (``*/1/model.json`` of kind llm)."""
+"""The LLMs the frontend serves: those of the Triton model repository (``*/1/model.json`` of kind llm),
+and the LoRA adapters each one serves (``deploy.lora_adapters``: declared at export or loaded at run time)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+
+from deploy.lora_adapters import declared_adapters, runtime_adapters
 
 
 @dataclasses.dataclass
@@ -19,6 +22,15 @@ class ServedModel:
     created: int
     vocab_size: int = 0  # len(tokenizer), computed once (it is slow: it builds the whole vocabulary)
     limits: Any = None  # the engine's RequestLimits from model.json (engine.limits; None: the defaults)
+    version_dir: Path | None = None  # REPO/NAME/1 (its multi_lora.json holds the run-time adapters)
+    engine: dict = dataclasses.field(default_factory=dict)  # model.json's EngineConfig fields
+    declared_adapters: dict[str, Path] = dataclasses.field(default_factory=dict)  # lmforge export --lora
+    adapters: dict[str, Path] = dataclasses.field(default_factory=dict)  # every adapter served now (name -> dir)
+    adapter_created: dict[str, int] = dataclasses.field(default_factory=dict)  # name -> UNIX time loaded
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.engine.get("enable_lora"))
 
     def __post_init__(self) -> None:
         # torch-heavy package (engine/__init__): imported on use, so importing this module stays light
@@ -72,14 +84,21 @@ def discover_models(repo: str | Path, names: list[str] | None = None) -> dict[st
         max_model_len = (info.get("engine") or {}).get("max_model_len") or min(
             config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP), DEFAULT_MAX_MODEL_LEN_CAP
         )
-        found[name] = ServedModel(
+        version_dir = info_path.parent
+        declared = declared_adapters(info, version_dir)
+        model = found[name] = ServedModel(
             name,
             checkpoint,
             AutoTokenizer.from_pretrained(checkpoint),
             int(max_model_len),
             int(info_path.stat().st_mtime),
             limits=(info.get("engine") or {}).get("limits"),
+            version_dir=version_dir,
+            engine=info.get("engine") or {},
+            declared_adapters=declared,
+            adapters={**runtime_adapters(version_dir), **declared},
         )
+        model.adapter_created = {adapter: model.created for adapter in model.adapters}
     missing = sorted(set(names or []) - set(found))
     if missing:
         raise ValueError(

@@ -30,6 +30,12 @@ class Plan:
     echo: bool = False  # completions: the prompt text (and its logprobs) before each choice's text
     prompt_texts: list[str] | None = None  # with echo: each prompt as text
     structured_param: str | None = None  # the request field that set a structured-output constraint
+    lora_name: str | None = None  # the LoRA adapter the request's ``model`` named (``None``: the base)
+
+    @property
+    def served_name(self) -> str:
+        """The ``model`` the response names: the adapter, or the base."""
+        return self.lora_name or self.model.name
 
 
 def _prompt_error(exc) -> OpenAIError:
@@ -132,16 +138,23 @@ def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> list[int]
     return _check_prompt_ids(list(ids), model, "messages")
 
 
-def _find_model(request: CompletionRequest | ChatCompletionRequest, models: dict[str, ServedModel]) -> ServedModel:
+def _find_model(
+    request: CompletionRequest | ChatCompletionRequest, models: dict[str, ServedModel]
+) -> tuple[ServedModel, str | None]:
+    """The model the request names, and the LoRA adapter when ``model`` names one (its base serves it)."""
     model = models.get(request.model)
-    if model is None:
+    if model is not None:
+        return model, None
+    base = next((m for m in models.values() if request.model in m.adapters), None)
+    if base is None:
+        served = sorted([*models, *(a for m in models.values() for a in m.adapters)])
         raise OpenAIError(
             404,
-            f"the model `{request.model}` does not exist; GET /v1/models lists {sorted(models)}",
+            f"the model `{request.model}` does not exist; GET /v1/models lists {served}",
             param="model",
             code="model_not_found",
         )
-    return model
+    return base, request.model
 
 
 def _max_tokens(
@@ -294,13 +307,15 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
         OpenAIError: 404 unknown model; 400 a prompt or a parameter the engine refuses, or a
             prompt + ``max_tokens`` beyond the model's context.
     """
-    model = _find_model(request, models)
+    model, lora_name = _find_model(request, models)
     chat = isinstance(request, ChatCompletionRequest)
     prompts = [chat_prompt(request, model)] if chat else completion_prompts(request, model)
     max_tokens = _max_tokens(request, model, prompts)
     logprobs = _logprobs(request)
     constraint, structured_param = structured_outputs(request)
     sampling = _sampling(request, max_tokens, logprobs, model, max(len(p) for p in prompts), constraint)
+    if lora_name is not None:
+        sampling["lora_name"] = lora_name  # the Triton model's sampling_parameters field (deploy.llm_request)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     if request.stream_options is not None and not request.stream:
         raise OpenAIError(400, "stream_options: only allowed with stream=true", param="stream_options")
@@ -316,6 +331,7 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
         echo=echo,
         prompt_texts=_echo_texts(request, prompts, model) if echo else None,
         structured_param=structured_param,
+        lora_name=lora_name,
     )
 
 

@@ -186,3 +186,19 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 def _is_type_tag(part: str) -> bool:
     """Union members in pydantic locations (``str``, ``list[int]``...), not field names."""
     return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[")) or part in ("ContentPart",)
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """``POST /v1/load_lora_adapter`` (vLLM's body); ``base_model_name`` picks the base when several are served."""
+
+    lora_name: str
+    lora_path: str
+    base_model_name: str | None = None
+    load_inplace: bool = False  # replace an adapter of that name (vLLM's field)
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

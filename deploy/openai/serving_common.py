@@ -187,7 +187,7 @@ class StreamState:
     prompt_logprobs: dict[int, list] = dataclasses.field(default_factory=dict)  # per prompt, once Triton sent them
 
     def __post_init__(self) -> None:
-        head = {"id": self.ident, "object": self.kind, "created": self.created, "model": self.plan.model.name}
+        head = {"id": self.ident, "object": self.kind, "created": self.created, "model": self.plan.served_name}
         self._head = b"data: " + orjson.dumps(head)[:-1] + b',"choices":'  # encoded once per stream
         self._tail = b',"usage":null}\n\n' if self.plan.include_usage else b"}\n\n"
 
@@ -274,7 +274,7 @@ class OpenAIServing:
             "id": self.new_id(),
             "object": self.object_kind,
             "created": int(time.time()),
-            "model": plan.model.name,
+            "model": plan.served_name,
             "choices": choices,
             "usage": usage.body(),
         }

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -225,25 +223,11 @@ def test_workload_is_deterministic_and_shares_the_system_prompt(tiny_llama_dir):
         build_workload(tokenizer, num_requests=2, num_systems=3)
 
 
-def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path):
+def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path, lmforge):
     out = tmp_path / "bench.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "lmforge_cli",
-        "bench",
-        "engine",
-        "--model",
-        str(tiny_llama_dir),
-        "--smoke",
-        "--configs",
-        "hf_sequential,hf_static,engine_fp32",
-        "--rounds",
-        "2",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    configs = "hf_sequential,hf_static,engine_fp32"
+    smoke = ("--model", tiny_llama_dir, "--smoke", "--configs", configs, "--rounds", 2)
+    proc = lmforge("bench", "engine", *smoke, "--out", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     rows = {r["config"]: r for r in report["rows"]}

@@ -426,29 +426,16 @@ def test_every_row_runs_beside_busy_processes_and_a_failing_row_leaves_none(monk
 
 @pytest.mark.integration
 @pytest.mark.skipif(Peers.find().openvino_python is None, reason="OpenVINO GenAI not installed: `make peers-openvino`")
-def test_real_openvino_rows_beside_our_engine(tiny_llama_dir, tmp_path):
+def test_real_openvino_rows_beside_our_engine(tiny_llama_dir, tmp_path, lmforge):
     out = tmp_path / "bench.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "lmforge_cli",
+    configs = "hf_sequential,engine_fp32,openvino_fp32,openvino_int8"
+    proc = lmforge(
         "bench",
         "engine",
-        "--model",
-        str(tiny_llama_dir),
-        "--smoke",
-        "--configs",
-        "hf_sequential,engine_fp32,openvino_fp32,openvino_int8",
-        "--threads",
-        "1",
-        "--contention",
-        "1",
-        "--peer-model-dir",
-        str(tmp_path / "models"),
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        *("--model", tiny_llama_dir, "--smoke", "--configs", configs, "--threads", 1, "--contention", 1),
+        *("--peer-model-dir", tmp_path / "models", "--out", out),
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {r["config"]: r for r in report["rows"]}

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from compress.data.packing import IGNORE_INDEX
-from compress.data.prepare import DataConfig, prepare
 from compress.train.distill import (
     DistillConfig,
     DistillRecipe,
@@ -32,16 +31,6 @@ def teacher_dir(tmp_path_factory) -> Path:
     from engine.checkpoint.store import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("teacher"), seed=1, num_hidden_layers=4)
-
-
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("distill-data")
-    prepare(DataConfig(), out, verbose=False)
-    for name, keep in (("train.jsonl", 48), ("val.jsonl", 8)):
-        lines = (out / name).read_text().splitlines()[:keep]
-        (out / name).write_text("\n".join(lines) + "\n")
-    return out
 
 
 def test_select_layers():

@@ -167,3 +167,28 @@ def test_bad_inputs_name_the_file_or_field(tiny_llama_dir, tmp_path, capsys):
         evaluate(["minilm-l6"], records=[{"text": "hi"}])
     assert lmforge_cli.main(["evaluate", str(tmp_path / "nope")]) == 1
     assert "nope: checkpoint not found" in capsys.readouterr().err
+
+
+def test_evaluate_judges_an_adapter_on_the_int8_base_against_it_on_the_fp32_base(tmp_path):
+    """``--lora`` runs one adapter on every checkpoint: the reference's perplexity is ``PeftModel``'s on the fp32
+    base, the INT8 base gets KL / same top-1 against it, and no manifest takes the adapted metrics."""
+    from engine.checkpoint.store import make_tiny_llama
+    from tests.engine.test_engine_int8 import write_int8_checkpoint
+    from tests.engine.test_engine_lora import ALL_MODULES, make_peft_adapter, peft_model
+
+    base = make_tiny_llama(tmp_path / "fp32", seed=5, hidden_size=128, intermediate_size=256)
+    write_int8_checkpoint(base, tmp_path / "int8", "w8a8")
+    adapter = make_peft_adapter(base, tmp_path / "adapter", 8, ALL_MODULES, seed=4, b_std=0.05)
+    records = [DIALOG, {"text": TEXTS[0]}, {"text": TEXTS[1]}]
+    config = EvalConfig(agreement_tokens=6, measure_latency=False, num_threads=1)
+    results = evaluate([base, tmp_path / "int8"], records=records, config=config, log=lambda _: None, lora=adapter)
+    ref, int8 = results[str(base)], results[str(tmp_path / "int8")]
+    peft_ppl, _ = perplexity(peft_model(base, adapter), load_for_eval(base).tokenizer, records)
+    plain_ppl, _ = perplexity(peft_model(base, None), load_for_eval(base).tokenizer, records)
+    assert ref["perplexity"] == pytest.approx(peft_ppl, rel=1e-4) and abs(plain_ppl / peft_ppl - 1) > 1e-3
+    assert ref["kl_mean"] == 0 and ref["same_top1"] == 1.0 and ref["lora"] == str(adapter)
+    assert int8["kind"] == "int8" and 0 < int8["kl_mean"] < 0.5 and 0.5 <= int8["same_top1"] <= 1.0
+    assert "perplexity" not in read_manifest(base).metrics  # the adapted model's figures stay out of the manifests
+    other = make_tiny_llama(tmp_path / "wide", seed=1, hidden_size=64)
+    with pytest.raises(ValueError, match="the base.s intermediate_size is 128"):
+        evaluate([other], records=records, config=config, log=lambda _: None, lora=adapter)

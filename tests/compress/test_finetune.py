@@ -15,23 +15,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from compress.data.prepare import DataConfig, prepare
 from compress.train.finetune import FinetuneConfig, FinetuneRecipe, run_recipe
 from compress.train.loop import TrainConfig, TrainingError, clip_gradients, cosine_schedule
 from compress.train.monitor import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory) -> Path:
-    """A small train/val split of the English chatterbot dialogs (48 train, 8 val dialogs)."""
-    out = tmp_path_factory.mktemp("chat-data")
-    prepare(DataConfig(), out, verbose=False)
-    for name, keep in (("train.jsonl", 48), ("val.jsonl", 8)):
-        lines = (out / name).read_text().splitlines()[:keep]
-        (out / name).write_text("\n".join(lines) + "\n")
-    return out
 
 
 def _config(tiny_llama_dir, chat_data, run_dir, **overrides) -> FinetuneConfig:

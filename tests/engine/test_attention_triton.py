@@ -157,13 +157,9 @@ def case_on(*tensors):
     return [t.to(DEVICE) for t in tensors]
 
 
-def test_backend_equals_torch_backend_on_a_mixed_step():
-    """Decodes then prefill chunks in one step: the Triton backend's output equals the torch backend's."""
-    bs, h, kv, hd = 4, 4, 2, 16
-    torch_backend, triton_backend = TorchAttentionBackend(h, kv, hd), TritonAttentionBackend(h, kv, hd)
-    g = torch.Generator().manual_seed(3)
-    cache = torch.randn(2, 24, bs, kv, hd, generator=g)
-    # two decodes sharing blocks 0-1 (a prefix), a chunk of 6 after 5 cached tokens, a fresh prompt of 3
+def mixed_step(bs: int) -> tuple[CommonAttentionMetadata, CommonAttentionMetadata]:
+    """One step's metadata (on CPU, and on ``DEVICE``): two decodes sharing blocks 0-1 (a prefix), a chunk of 6
+    after 5 cached tokens, a fresh prompt of 3."""
     tables = [[0, 1, 2], [0, 1, 3, 4], [5, 6, 7], [8]]
     computed, qlens = [10, 13, 5, 0], [1, 1, 6, 3]
     width = max(len(t) for t in tables)
@@ -173,19 +169,27 @@ def test_backend_equals_torch_backend_on_a_mixed_step():
     slot_mapping = block_table[req, positions // bs] * bs + positions % bs
     qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist())
     seq_lens = [c + n for c, n in zip(computed, qlens)]
-    common = CommonAttentionMetadata(
-        qsl, torch.tensor(seq_lens), block_table, slot_mapping, positions, qlens, seq_lens, 2, bs
+    tensors = (qsl, torch.tensor(seq_lens), block_table, slot_mapping, positions)
+    return (
+        CommonAttentionMetadata(*tensors, qlens, seq_lens, 2, bs),
+        CommonAttentionMetadata(*case_on(*tensors), qlens, seq_lens, 2, bs),
     )
-    n = sum(qlens)
+
+
+def test_backend_equals_torch_backend_on_a_mixed_step():
+    """Decodes then prefill chunks in one step: the Triton backend's output equals the torch backend's."""
+    bs, h, kv, hd = 4, 4, 2, 16
+    torch_backend, triton_backend = TorchAttentionBackend(h, kv, hd), TritonAttentionBackend(h, kv, hd)
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 24, bs, kv, hd, generator=g)
+    common, dev = mixed_step(bs)
+    n = sum(common.query_lens_cpu)
     q, k, v = (
         torch.randn(n, h, hd, generator=g),
         torch.randn(n, kv, hd, generator=g),
         torch.randn(n, kv, hd, generator=g),
     )
     expected = torch_backend.forward(q, k, v, cache.clone(), torch_backend.build(common))
-    dev = CommonAttentionMetadata(
-        *case_on(qsl, torch.tensor(seq_lens), block_table, slot_mapping, positions), qlens, seq_lens, 2, bs
-    )
     cache_d = cache.clone().to(DEVICE)
     got = triton_backend.forward(*case_on(q, k, v), cache_d, triton_backend.build(dev)).cpu()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -205,30 +209,17 @@ def test_int8_cache_store_and_attention_match_the_torch_backend():
     g = torch.Generator().manual_seed(5)
     cache = quantize_kv(torch.randn(2, 24, bs, kv, hd, generator=g) * 2)
     assert cache.shape[-1] == hd + KV_SCALE_BYTES
-    tables = [[0, 1, 2], [0, 1, 3, 4], [5, 6, 7], [8]]
-    computed, qlens = [10, 13, 5, 0], [1, 1, 6, 3]
-    width = max(len(t) for t in tables)
-    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, qlens)])
-    req = torch.repeat_interleave(torch.arange(4), torch.tensor(qlens))
-    slot_mapping = block_table[req, positions // bs] * bs + positions % bs
-    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist())
-    seq_lens = [c + n for c, n in zip(computed, qlens)]
-    common = CommonAttentionMetadata(
-        qsl, torch.tensor(seq_lens), block_table, slot_mapping, positions, qlens, seq_lens, 2, bs
-    )
-    n = sum(qlens)
+    common, dev = mixed_step(bs)
+    n = sum(common.query_lens_cpu)
     q = torch.randn(n, h, hd, generator=g)
     kv_new = torch.randn(n, kv, 3 * hd, generator=g)  # k and v as strided views of one projection
     k, v = kv_new[..., :hd], kv_new[..., hd : 2 * hd]
     cache_t = cache.clone()
     expected = torch_backend.forward(q, k, v, cache_t, torch_backend.build(common))
-    dev = CommonAttentionMetadata(
-        *case_on(qsl, torch.tensor(seq_lens), block_table, slot_mapping, positions), qlens, seq_lens, 2, bs
-    )
     cache_d = cache.clone().to(DEVICE)
     got = triton_backend.forward(*case_on(q, k, v), cache_d, triton_backend.build(dev)).cpu()
     assert torch.equal(cache_d.cpu(), cache_t)  # same int8 values and float16 scales
     flat = cache_t.view(2, -1, kv, hd + KV_SCALE_BYTES)
-    assert torch.equal(flat[0, slot_mapping], quantize_kv(k)) and torch.equal(flat[1, slot_mapping], quantize_kv(v))
+    slots = common.slot_mapping
+    assert torch.equal(flat[0, slots], quantize_kv(k)) and torch.equal(flat[1, slots], quantize_kv(v))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

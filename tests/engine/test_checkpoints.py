@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -78,14 +77,9 @@ def test_truncated_safetensors_named(tiny_llama_dir, tmp_path):
         describe_weights(broken)
 
 
-def test_unsupported_architecture(tiny_llama_dir, tmp_path):
-    other = tmp_path / "other"
-    shutil.copytree(tiny_llama_dir, other)
-    config = json.loads((other / "config.json").read_text())
-    config["model_type"] = "gpt2"
-    (other / "config.json").write_text(json.dumps(config))
+def test_unsupported_architecture(gpt2_like_dir):
     with pytest.raises(CheckpointError, match="unsupported architecture.*llama, mistral, qwen2"):
-        resolve_checkpoint(other)
+        resolve_checkpoint(gpt2_like_dir)
 
 
 def test_corrupt_and_truncated_gguf(tmp_path):

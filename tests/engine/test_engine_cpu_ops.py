@@ -7,16 +7,7 @@ import torch.nn.functional as F
 from engine import cpu_ops
 from engine.attention import CommonAttentionMetadata, TorchAttentionBackend
 
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    if cpu_ops.KERNELS.forbidden:
-        pytest.skip("--cpu-kernel-path=torch holds the engine's C++ kernels off")
-    cpu_ops.use_cpu_kernels(True)
-    if not cpu_ops.use_cpu_kernels():
-        pytest.fail(f"engine CPU kernels did not build: {cpu_ops.KERNELS.reason}")
-    yield
-    cpu_ops.use_cpu_kernels(True)
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def test_rms_norm_matches_torch_in_bf16_and_fp32():
@@ -191,29 +182,19 @@ def test_bad_arguments_name_the_tensor():
         )
 
 
-def test_rope_and_cache_is_bit_identical_to_the_torch_ops():
-    from engine.model import swap_halves
-
-    torch.manual_seed(0)
-    n, num_heads, num_kv, hd, bs, num_blocks = 7, 9, 3, 64, 4, 6
-    qkv = torch.randn(n, (num_heads + 2 * num_kv) * hd).bfloat16()
-    angles = torch.rand(n, hd // 2) * 6
-    cos = torch.cat((angles.cos(), angles.cos()), -1).bfloat16()
-    sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16()
-    slots = torch.tensor([0, 5, 6, 13, 22, -1, 9])  # -1: padding, not stored
-    cache = torch.zeros(2, num_blocks, bs, num_kv, hd).bfloat16()
-    q = cpu_ops.rope_and_cache(qkv, cos, sin, cache, slots, num_heads, num_kv)
-    qk = qkv[:, : (num_heads + num_kv) * hd].view(n, num_heads + num_kv, hd)
-    ref = qk * cos[:, None] + swap_halves(qk) * sin[:, None]
-    assert torch.equal(q, ref[:, :num_heads])
-    flat = cache.view(2, -1, num_kv, hd)
-    stored = slots >= 0
-    assert torch.equal(flat[0, slots[stored]], ref[stored, num_heads:])
-    assert torch.equal(flat[1, slots[stored]], qkv[stored, (num_heads + num_kv) * hd :].view(-1, num_kv, hd))
+def test_rope_and_cache_is_bit_identical_to_the_torch_ops(rope_and_cache_step):
+    cache = torch.zeros(2, 6, 4, 3, 64).bfloat16()
+    r = rope_and_cache_step(cache)
+    assert torch.equal(r.q, r.rotated[:, : r.num_heads])
+    flat = cache.view(2, -1, r.num_kv, 64)
+    stored = r.slots >= 0
+    assert torch.equal(flat[0, r.slots[stored]], r.rotated[stored, r.num_heads :])
+    assert torch.equal(flat[1, r.slots[stored]], r.v[stored])
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
-    untouched[slots[stored]] = False
+    untouched[r.slots[stored]] = False
     assert not flat[:, untouched].any()
-    assert cpu_ops.rope_and_cache(qkv.float(), cos, sin, cache, slots, num_heads, num_kv) is None  # fp32: torch ops
+    fp32 = cpu_ops.rope_and_cache(r.qkv.float(), r.cos, r.sin, cache, r.slots, r.num_heads, r.num_kv)
+    assert fp32 is None  # fp32: torch ops
 
 
 def test_fp32_linear_uses_the_packed_weight_only_for_its_row_range():

@@ -18,19 +18,12 @@ CONFIG = dict(
 )
 VOCAB = 49152  # make_tiny_llama: the SmolLM2 vocabulary
 
+pytestmark = pytest.mark.usefixtures("engine_is_clean_after")
+
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
     return LLM(str(tiny_llama_dir), **CONFIG)
-
-
-@pytest.fixture(autouse=True)
-def engine_is_clean_after(request):
-    yield
-    if "llm" in request.fixturenames:
-        engine = request.getfixturevalue("llm").engine
-        engine.check_invariants()
-        assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0.0
 
 
 BAD_PARAMS = [

@@ -26,13 +26,7 @@ from engine.model_runner import ModelRunner
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    cpu_ops.use_cpu_kernels(True)
-    if not cpu_ops.use_cpu_kernels():
-        pytest.fail(f"engine CPU kernels did not build: {cpu_ops.KERNELS.reason}")
-    yield
-    cpu_ops.use_cpu_kernels(True)
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def test_quantize_kv_rows_scales_and_error_bound():
@@ -52,28 +46,16 @@ def test_quantize_kv_rows_scales_and_error_bound():
     assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
 
 
-def test_rope_and_cache_writes_the_bytes_of_quantize_kv():
-    from engine.model import swap_halves
-
-    torch.manual_seed(0)
-    n, num_heads, num_kv, hd, bs, num_blocks = 7, 9, 3, 64, 4, 6
-    qkv = torch.randn(n, (num_heads + 2 * num_kv) * hd).bfloat16()
-    angles = torch.rand(n, hd // 2) * 6
-    cos = torch.cat((angles.cos(), angles.cos()), -1).bfloat16()
-    sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16()
-    slots = torch.tensor([0, 5, 6, 13, 22, -1, 9])  # -1: padding, not stored
-    cache = torch.zeros(2, num_blocks, bs, num_kv, hd + KV_SCALE_BYTES, dtype=torch.int8)
-    q = cpu_ops.rope_and_cache(qkv, cos, sin, cache, slots, num_heads, num_kv)
-    qk = qkv[:, : (num_heads + num_kv) * hd].view(n, num_heads + num_kv, hd)
-    rotated = qk * cos[:, None] + swap_halves(qk) * sin[:, None]  # the torch path's roundings
-    assert torch.equal(q, rotated[:, :num_heads])
-    flat = cache.view(2, -1, num_kv, hd + KV_SCALE_BYTES)
-    stored = slots >= 0
-    assert torch.equal(flat[0, slots[stored]], quantize_kv(rotated[stored, num_heads:]))
-    v = qkv[stored, (num_heads + num_kv) * hd :].view(-1, num_kv, hd)
-    assert torch.equal(flat[1, slots[stored]], quantize_kv(v))
+def test_rope_and_cache_writes_the_bytes_of_quantize_kv(rope_and_cache_step):
+    cache = torch.zeros(2, 6, 4, 3, 64 + KV_SCALE_BYTES, dtype=torch.int8)
+    r = rope_and_cache_step(cache)
+    assert torch.equal(r.q, r.rotated[:, : r.num_heads])  # the torch path's roundings
+    flat = cache.view(2, -1, r.num_kv, 64 + KV_SCALE_BYTES)
+    stored = r.slots >= 0
+    assert torch.equal(flat[0, r.slots[stored]], quantize_kv(r.rotated[stored, r.num_heads :]))
+    assert torch.equal(flat[1, r.slots[stored]], quantize_kv(r.v[stored]))
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
-    untouched[slots[stored]] = False
+    untouched[r.slots[stored]] = False
     assert not flat[:, untouched].any()
 
 

@@ -13,6 +13,8 @@ from tests.engine.test_engine_greedy import hf_greedy, random_prompts
 
 CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=64, max_model_len=128, dtype="float32")
 
+pytestmark = pytest.mark.usefixtures("engine_is_clean_after")
+
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
@@ -24,15 +26,6 @@ def hf_model(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
-
-
-@pytest.fixture(autouse=True)
-def invariants_hold_after(request):
-    yield
-    if "llm" in request.fixturenames:
-        engine = request.getfixturevalue("llm").engine
-        engine.check_invariants()
-        assert not engine.has_unfinished_requests() and not engine.groups and not engine.requests
 
 
 def run_to_end(engine: LLMEngine, max_steps: int = 500) -> dict:
@@ -271,19 +264,11 @@ def test_detokenizer_window_decode_equals_tokenizer_decode(tiny_llama_dir, clean
         assert decode(window) == tok.decode(window, skip_special_tokens=True)
 
 
-def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path, tiny_llama_dir):
-    import json
-    import shutil
-
+def test_unsupported_architecture_is_named_with_the_supported_ones(gpt2_like_dir):
     from engine.checkpoint.store import CheckpointError
 
-    target = tmp_path / "gpt2-like"
-    shutil.copytree(tiny_llama_dir, target)
-    config = json.loads((target / "config.json").read_text())
-    config["model_type"] = "gpt2"
-    (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="gpt2.*llama"):
-        LLM(str(target), **CONFIG)
+        LLM(str(gpt2_like_dir), **CONFIG)
 
 
 def test_cli_generate_uses_the_engine(tiny_llama_dir, capsys):

@@ -87,8 +87,8 @@ def test_scoring_only_requests_with_max_tokens_0(tiny_llama_dir, hf_model, promp
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="prompt_logprobs=-1; it must be an integer >= 0, or None"):
         SamplingParams(prompt_logprobs=-1)
-    with pytest.raises(ValueError, match="prompt_logprobs=50000 > the vocabulary size 49152"):
-        llm.generate([prompts[0]], SamplingParams(max_tokens=0, prompt_logprobs=50000))
+    with pytest.raises(ValueError, match="prompt_logprobs=21 is over the limit of 20"):
+        llm.generate([prompts[0]], SamplingParams(max_tokens=0, prompt_logprobs=21))
     llm.engine.check_invariants()
     assert not llm.engine.has_unfinished_requests()
 

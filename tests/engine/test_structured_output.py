@@ -315,6 +315,30 @@ def test_a_compile_over_the_time_bound_fails_its_request_alone(llm, monkeypatch)
     assert plain.outputs[0].finish_reason == "length" and len(plain.outputs[0].token_ids) == 4
 
 
+def test_the_time_bound_counts_from_when_the_grammar_tokenizer_is_ready(llm, monkeypatch):
+    """Building llguidance's tokenizer (seconds, once per engine) is not the constraint's fault."""
+    engine = llm.engine
+    compiler = GrammarCompiler(engine.tokenizer, engine.runner.spec.vocab_size, engine.eos_token_ids, 0.2)
+    built = threading.Event()
+    real = compiler._build_tokenizer
+
+    def slow_build():
+        built.wait(60)  # released below, after several time bounds have passed
+        return real()
+
+    monkeypatch.setattr(compiler, "_build_tokenizer", slow_build)
+    monkeypatch.setattr(engine, "grammar_compiler", compiler)
+    timer = threading.Timer(1.0, built.set)
+    timer.start()
+    try:
+        out = llm.generate(["Mood:"], SamplingParams(**constrained(choice=CHOICES, temperature=0)))[0]
+    finally:
+        built.set()
+        timer.cancel()
+        compiler.shutdown()
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in CHOICES
+
+
 def test_speculative_decoding_skips_constrained_requests(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), **CONFIG, speculative_method="ngram", speculative_adaptive=False)
     repeat = "one two three four one two three four one two three four one two three"
