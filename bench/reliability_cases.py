@@ -272,10 +272,10 @@ def case_queued_disconnects(stack: Stack, log) -> dict:
     time.sleep(2.0)  # every seat taken
     baseline = _aborted(server)
     queued = _long_streams(server, 5)
-    waiting = read_metrics(server).get("lmforge_num_requests_waiting", 0)
     for client in queued:
         client.read_for(0.2)
-    time.sleep(0.6)
+    waiting = read_metrics(server).get("lmforge_num_requests_waiting", 0)  # they wait for a seat
+    time.sleep(0.4)
     for client in queued:
         client.close()
     queued_s = wait_for_aborts(server, baseline, len(queued), max(c.closed_at for c in queued))
