@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except (TritonError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code  # 2 for a flag the user must change, 1 for a server that would not start
     # SIGTERM behaves like Ctrl-C: stop the server cleanly.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     start = time.monotonic()
