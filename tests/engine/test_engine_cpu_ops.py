@@ -192,19 +192,19 @@ def test_bad_arguments_name_the_tensor():
 
 
 def test_rope_and_cache_is_bit_identical_to_the_torch_ops():
-    from engine.model import swap_halves
+    from engine.model import rotate
 
     torch.manual_seed(0)
     n, num_heads, num_kv, hd, bs, num_blocks = 7, 9, 3, 64, 4, 6
     qkv = torch.randn(n, (num_heads + 2 * num_kv) * hd).bfloat16()
     angles = torch.rand(n, hd // 2) * 6
-    cos = torch.cat((angles.cos(), angles.cos()), -1).bfloat16()
-    sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16()
+    cos = torch.cat((angles.cos(), angles.cos()), -1)  # float32 tables, as the model holds them
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)
     slots = torch.tensor([0, 5, 6, 13, 22, -1, 9])  # -1: padding, not stored
     cache = torch.zeros(2, num_blocks, bs, num_kv, hd).bfloat16()
     q = cpu_ops.rope_and_cache(qkv, cos, sin, cache, slots, num_heads, num_kv)
     qk = qkv[:, : (num_heads + num_kv) * hd].view(n, num_heads + num_kv, hd)
-    ref = qk * cos[:, None] + swap_halves(qk) * sin[:, None]
+    ref = rotate(qk, cos[:, None], sin[:, None])  # float32, one rounding to bf16
     assert torch.equal(q, ref[:, :num_heads])
     flat = cache.view(2, -1, num_kv, hd)
     stored = slots >= 0

@@ -53,19 +53,19 @@ def test_quantize_kv_rows_scales_and_error_bound():
 
 
 def test_rope_and_cache_writes_the_bytes_of_quantize_kv():
-    from engine.model import swap_halves
+    from engine.model import rotate
 
     torch.manual_seed(0)
     n, num_heads, num_kv, hd, bs, num_blocks = 7, 9, 3, 64, 4, 6
     qkv = torch.randn(n, (num_heads + 2 * num_kv) * hd).bfloat16()
     angles = torch.rand(n, hd // 2) * 6
-    cos = torch.cat((angles.cos(), angles.cos()), -1).bfloat16()
-    sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16()
+    cos = torch.cat((angles.cos(), angles.cos()), -1)  # float32 tables, as the model holds them
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)
     slots = torch.tensor([0, 5, 6, 13, 22, -1, 9])  # -1: padding, not stored
     cache = torch.zeros(2, num_blocks, bs, num_kv, hd + KV_SCALE_BYTES, dtype=torch.int8)
     q = cpu_ops.rope_and_cache(qkv, cos, sin, cache, slots, num_heads, num_kv)
     qk = qkv[:, : (num_heads + num_kv) * hd].view(n, num_heads + num_kv, hd)
-    rotated = qk * cos[:, None] + swap_halves(qk) * sin[:, None]  # the torch path's roundings
+    rotated = rotate(qk, cos[:, None], sin[:, None])  # the torch path's roundings
     assert torch.equal(q, rotated[:, :num_heads])
     flat = cache.view(2, -1, num_kv, hd + KV_SCALE_BYTES)
     stored = slots >= 0
