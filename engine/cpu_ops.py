@@ -9,9 +9,9 @@ in a bf16 / fp32 step on CPU:
 * ``paged_decode_attention``: one query token per sequence against its keys read in place
   through its block table, merged with a prior partial result (a shared prefix) by its
   log-sum-exp, so no ``index_select`` copy of the cache and no padded keys;
-* ``rope_and_cache`` (bf16): rotary embedding of q and k and the store of k and v at their
-  ``slot_mapping`` slots in one pass, with the roundings of the torch ops it replaces (quantized to
-  int8 rows for an int8 KV cache).
+* ``rope_and_cache`` (bf16): rotary embedding of q and k in float32 (one rounding to bf16) and the
+  store of k and v at their ``slot_mapping`` slots in one pass, bit for bit the torch ops it replaces
+  (quantized to int8 rows for an int8 KV cache).
 
 ``torch.ops.lmforge_decode.int8_decode_layers`` (``csrc/int8_decode_cpu.cpp``, bf16) runs every
 decoder layer of a weight-only INT8 model for a few tokens in one call, through those operators and
@@ -192,15 +192,16 @@ def rope_and_cache(
 
     Args:
         qkv: ``[N, (num_heads + 2 * num_kv_heads) * head_dim]`` the fused projection's output.
-        cos, signed_sin: ``[N, head_dim]`` rotary tables at each token's position (``engine.model``:
-            ``x * cos + swap_halves(x) * signed_sin`` is Hugging Face's rotary embedding).
+        cos, signed_sin: ``[N, head_dim]`` float32 rotary tables at each token's position (``engine.model``:
+            ``x * cos + swap_halves(x) * signed_sin`` is Hugging Face's rotary embedding), applied to float32
+            copies of q and k and rounded once to bf16 (``engine.model.rotate``).
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's bf16 cache (written), or an
             int8 one (``[..., head_dim + 2]``): the rotated k and the v rows are then quantized as
             ``engine.attention.quantize_kv`` does (the same bytes).
         slot_mapping: ``[N]`` int64 slot ``block * block_size + offset`` of each token (negative: not stored).
 
     Returns:
-        The rotated queries ``[N, num_heads, head_dim]``, bit-identical to the torch ops.
+        The rotated queries ``[N, num_heads, head_dim]``, bit-identical to ``engine.model.rotate``.
     """
     if qkv.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, torch.int8) or not _native(qkv):
         return None
@@ -247,7 +248,7 @@ def int8_decode_layers(
         norms: per layer the input and post-attention RMSNorm weights (``[hidden]`` bf16 or ``None``).
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` bf16, or int8 ``[...,
             head_dim + 2]`` (written).
-        cos, signed_sin: ``[N, head_dim]`` bf16 rotary tables at the tokens' positions.
+        cos, signed_sin: ``[N, head_dim]`` float32 rotary tables at the tokens' positions.
         slot_mapping: ``[N]`` int64 cache slot of each token.
         block_tables: ``[N, max_blocks]`` int64: the block table of each token's sequence.
         seq_lens: ``[N]`` int64: each token's position + 1 (it attends to the keys before it and itself).

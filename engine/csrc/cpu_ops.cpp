@@ -28,11 +28,12 @@
 //   num_blocks, block_size, Hkv, hd + 2]: each row's hd int8 values followed by its float16 scale (the int8 KV
 //   cache, engine/attention.py quantize_kv); a key's score is scale * (q . k_int8) and a value row enters the
 //   accumulator weighted by p * scale (the same products as dequantizing first, in another order).
-// lmforge_engine::rope_and_cache(qkv [N, (Hq + 2 Hkv) * hd] bf16, cos [N, hd], signed_sin [N, hd], kv_cache
-//     [2, num_blocks, block_size, Hkv, hd], slot_mapping [N] int64) -> q [N, Hq, hd]
-//   rotary embedding of the q and k heads, x * cos + swap_halves(x) * signed_sin with each product and the sum
-//   rounded to bf16 as the three torch ops do, and the rotated k and the v heads stored at each token's slot
-//   (a negative slot: padding, not stored). One pass instead of a dozen small ops per layer. An int8 kv_cache
+// lmforge_engine::rope_and_cache(qkv [N, (Hq + 2 Hkv) * hd] bf16, cos [N, hd] fp32, signed_sin [N, hd] fp32,
+//     kv_cache [2, num_blocks, block_size, Hkv, hd], slot_mapping [N] int64) -> q [N, Hq, hd]
+//   rotary embedding of the q and k heads, x * cos + swap_halves(x) * signed_sin in float32 (the products and the
+//   sum rounded to float32 apart, no fused multiply-add: the torch ops on float32 copies) and rounded once to bf16,
+//   and the rotated k and the v heads stored at each token's slot (a negative slot: padding, not stored). One pass
+//   instead of a dozen small ops per layer. An int8 kv_cache
 //   ([2, num_blocks, block_size, Hkv, hd + 2]) stores each rotated k row and each v row quantized from those bf16
 //   values: scale = float16(absmax / 127), q = clamp(round_half_even(x / scale), -127, 127), the scale's two
 //   bytes after the row (engine/attention.py quantize_kv computes the same bytes).
@@ -42,6 +43,10 @@
 #include <torch/library.h>
 
 #include "common.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -100,7 +105,11 @@ template <>
 inline float row_scale<int8_t>(const int8_t* row, int64_t hd) {
   uint16_t bits;
   std::memcpy(&bits, row + hd, sizeof(bits));
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // one instruction; the same value as the portable conversion
+#else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
 }
 
 // x [hd] (bf16 values) -> dst [hd + kScaleBytes]: symmetric int8 with one float16 scale (absmax / 127), rounded
@@ -765,6 +774,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 // ------------------------------------------------------------------------------------------------ rope + cache
 
+// No fused multiply-add in the rotation: the products and the sum round apart, as the torch ops do.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
                           const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 2 && qkv.stride(1) == 1,
@@ -777,18 +789,18 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   const int64_t n = qkv.size(0), row = kv_cache.size(4), hd = quantized ? row - kScaleBytes : row;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv) * hd, "rope_and_cache: qkv width is not (Hq + 2 Hkv) * hd");
   TORCH_CHECK(hd % 2 == 0 && hd <= kMaxHeadDim, "rope_and_cache: head_dim must be even and <= 256");
-  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.dim() == 2 &&
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
                   sin.dim() == 2 && cos.size(0) == n && sin.size(0) == n && cos.size(1) == hd && sin.size(1) == hd &&
                   cos.stride(1) == 1 && sin.stride(1) == 1,
-              "rope_and_cache: cos and signed_sin must be bf16 [N, hd]");
+              "rope_and_cache: cos and signed_sin must be float32 [N, hd]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
                   slot_mapping.is_contiguous(),
               "rope_and_cache: slot_mapping must be contiguous int64 [N]");
   at::Tensor q = at::empty({n, num_heads, hd}, qkv.options());
   using E = Elem<at::BFloat16>;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
-  const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
   // the cache in bytes (int8 rows, or bf16 rows of 2 bytes per value)
   const int64_t esize = quantized ? 1 : 2;
   char* kp = reinterpret_cast<char*>(kv_cache.data_ptr());
@@ -805,8 +817,8 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
     for (int64_t t = begin; t < end; ++t) {
       const uint16_t* x = xp + t * x_stride;
       for (int64_t d = 0; d < hd; ++d) {
-        c[d] = E::load(cp[t * c_stride + d]);
-        sn[d] = E::load(sp[t * s_stride + d]);
+        c[d] = cp[t * c_stride + d];
+        sn[d] = sp[t * s_stride + d];
       }
       const int64_t slot = slots[t];
       char* k_dst = slot >= 0 ? kp + (slot / block_size) * c_block + (slot % block_size) * c_tok : nullptr;
@@ -819,13 +831,13 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
         uint16_t* dst = !is_k ? qp + (t * num_heads + h) * hd
                               : (quantized ? rotated : reinterpret_cast<uint16_t*>(k_row));
         for (int64_t d = 0; d < half; ++d) {  // the two halves apart, so both loops vectorize
-          const float a = E::load(E::store(E::load(src[d]) * c[d]));
-          const float b = E::load(E::store(E::load(src[d + half]) * sn[d]));
+          const float a = E::load(src[d]) * c[d];
+          const float b = E::load(src[d + half]) * sn[d];
           dst[d] = E::store(a + b);
         }
         for (int64_t d = half; d < hd; ++d) {
-          const float a = E::load(E::store(E::load(src[d]) * c[d]));
-          const float b = E::load(E::store(E::load(src[d - half]) * sn[d]));
+          const float a = E::load(src[d]) * c[d];
+          const float b = E::load(src[d - half]) * sn[d];
           dst[d] = E::store(a + b);
         }
         if (is_k && quantized) {
@@ -847,6 +859,8 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   });
   return q;
 }
+
+#pragma GCC pop_options
 
 }  // namespace
 

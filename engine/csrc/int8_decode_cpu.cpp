@@ -2,7 +2,7 @@
 //
 // lmforge_decode::int8_decode_layers(h [N, H] bf16, weights, scales, biases, norms, kv_cache [L, 2, num_blocks,
 //     block_size, Hkv, hd] bf16 (or int8 [..., hd + 2]: the int8 KV cache, read and written by the two ops below),
-//     cos [N, hd], signed_sin [N, hd], slot_mapping [N], block_tables [N, max_blocks],
+//     cos [N, hd] fp32, signed_sin [N, hd] fp32, slot_mapping [N], block_tables [N, max_blocks],
 //     seq_lens [N], num_heads, num_kv, eps) -> [N, H]
 //   every decoder layer of a Llama-style model whose linears are weight-only INT8 (weights[4 l + j], j = qkv, o,
 //   [gate; up], down: int8 [out, in] with float32 scales [out] and optional float32 biases; a layer kept in float

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import cpu_ops
-from engine.model import swap_halves
+from engine.model import rotate
 
 
 @pytest.fixture
@@ -24,12 +24,12 @@ def rope_and_cache_step():
         n, num_heads, num_kv, hd = 7, 9, 3, 64
         qkv = torch.randn(n, (num_heads + 2 * num_kv) * hd).bfloat16()
         angles = torch.rand(n, hd // 2) * 6
-        cos = torch.cat((angles.cos(), angles.cos()), -1).bfloat16()
-        sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16()
+        cos = torch.cat((angles.cos(), angles.cos()), -1)  # float32 tables, as the model holds them
+        sin = torch.cat((-angles.sin(), angles.sin()), -1)
         slots = torch.tensor([0, 5, 6, 13, 22, -1, 9])  # -1: padding, not stored
         q = cpu_ops.rope_and_cache(qkv, cos, sin, cache, slots, num_heads, num_kv)
         qk = qkv[:, : (num_heads + num_kv) * hd].view(n, num_heads + num_kv, hd)
-        rotated = qk * cos[:, None] + swap_halves(qk) * sin[:, None]
+        rotated = rotate(qk, cos[:, None], sin[:, None])  # float32, one rounding to bf16
         v = qkv[:, (num_heads + num_kv) * hd :].view(n, num_kv, hd)
         return types.SimpleNamespace(
             qkv=qkv, cos=cos, sin=sin, slots=slots, q=q, rotated=rotated, v=v, num_heads=num_heads, num_kv=num_kv

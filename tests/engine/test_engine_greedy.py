@@ -136,6 +136,33 @@ def test_real_smollm2_greedy_equals_hf(smollm2_dir):
     llm.engine.check_invariants()
 
 
+#: Chat questions whose first-token logprobs (top 10) the bf16 tie test reads.
+TIE_PROMPTS = (
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Explain what a neural network is in one sentence.",
+    "How do I make a cup of tea?",
+    "What is 12 times 7?",
+    "What is your favourite book and why?",
+)
+
+
+@pytest.mark.integration
+def test_real_smollm2_bf16_top_logprobs_have_no_ties_where_fp32_has_none(smollm2_dir):
+    """bf16 logits from the lm head's GEMM are rounded to 8 bits (0.125 apart near 20): before the exact top
+    was recomputed, 5 of these 6 questions had tied values among their 10 top first-token logprobs (up to 4 ties)
+    and the France question chose "L" on a tie. The fp32 engine's top 10 hold no ties, nor may bf16's."""
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=10)
+    top = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(str(smollm2_dir), dtype=dtype, max_model_len=256, num_kv_blocks=64)
+        outs = llm.generate(list(TIE_PROMPTS), params, chat=True)
+        top[dtype] = [sorted(o.outputs[0].logprobs[0].values(), reverse=True)[:10] for o in outs]
+    for prompt, fp32, bf16 in zip(TIE_PROMPTS, top["float32"], top["bfloat16"]):
+        assert len(set(fp32)) == len(fp32) == 10, prompt
+        assert len(set(bf16)) == len(bf16) == 10, f"{prompt}: tied bf16 logprobs {bf16}"
+
+
 def test_bfloat16_tracks_hf_bfloat16(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
