@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 import warnings
 
+import torch
+
 from engine.checkpoint.model_spec import ModelSpec
 
 
@@ -77,9 +79,6 @@ def _matmul_kernels(dtype: str, size: int) -> list:
     Raises:
         ValueError: ``dtype`` is not one of :data:`MATMUL_DTYPES`.
     """
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-
     if dtype == "fp32" or dtype == "bf16":
         torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
         a, b = torch.randn(size, size, dtype=torch_dtype), torch.randn(size, size, dtype=torch_dtype)

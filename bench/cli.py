@@ -1,7 +1,7 @@
 """``lmforge bench TARGET``: the benchmarks, one module per target.
 
-Each target module implements ``add_arguments(parser)`` and ``run(args) -> int`` and keeps its
-heavy imports inside ``run``, so building the parser stays fast.
+Each target module implements ``add_arguments(parser)`` and ``run(args) -> int``, and runs on
+:mod:`bench.harness` (processes, peers, percentiles, reports).
 """
 
 from __future__ import annotations

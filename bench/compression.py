@@ -35,12 +35,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+import onnxruntime
+import torch
+from optimum.onnxruntime import ORTModelForFeatureExtraction
+from transformers import AutoModel, AutoTokenizer
+
 from bench.harness import write_json
 from bench.workload import build_workload
+from compress.evaluate.quality import (
+    EvalConfig,
+    default_heldout_records,
+    evaluate,
+    format_table,
+    read_records,
+)
+from compress.quantize.methods import METHODS, _copy_side_files_missing, quantize
 from compress.quantize.onnx import export_onnx, mean_pool, quantize_onnx_int8
+from engine import LLM, SamplingParams
 from engine.checkpoint.outputs import BENCH_COMPRESSION, check_output_dir
 from engine.checkpoint.store import Manifest, describe_weights, load_causal_lm, resolve_checkpoint, write_manifest
 from engine.errors import UsageError
+from engine.quant.int8 import format_microbench, gemm_microbench, model_linear_shapes
 
 TARGET_LINEAR_REDUCTION = 3.5
 TARGET_MINILM_COSINE = 0.99
@@ -88,12 +103,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def bf16_copy(parent: Path, out: Path) -> Path:
     """A bf16 safetensors copy of ``parent`` (for the quality columns of the bf16 row)."""
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-
-    # torch-heavy: imported on use, so importing this module stays light
-    from compress.quantize.methods import _copy_side_files_missing
-
     model, _, _ = load_causal_lm(parent, dtype="bfloat16")
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
@@ -126,9 +135,6 @@ def engine_speed(
         ``{name: {"one_seq_tok_s", "batch_tok_s"}}`` (greedy, EOS ignored; the one-sequence
         figure is the best of 2 runs of the workload's first request).
     """
-    # torch-heavy: imported on use, so importing this module stays light
-    from engine import LLM, SamplingParams
-
     figures = {}
     for name, (path, dtype) in models.items():
         llm = LLM(str(path), dtype=dtype, num_threads=threads)
@@ -156,19 +162,6 @@ def engine_speed(
 
 def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Quantize with each method, evaluate all against fp32; returns per-method figures."""
-    # torch-heavy: imported on use, so importing this module stays light
-    from compress.evaluate.quality import (
-        EvalConfig,
-        default_heldout_records,
-        evaluate,
-        format_table,
-        read_records,
-    )
-    from compress.quantize.methods import quantize
-
-    # torch-heavy: imported on use, so importing this module stays light
-    from engine.quant.int8 import format_microbench, gemm_microbench, model_linear_shapes
-
     parent = resolve_checkpoint(args.model)
     if args.data:
         records, data_name = read_records(args.data), args.data
@@ -259,9 +252,6 @@ def _targets(method: str, m: dict[str, Any]) -> str:
 
 
 def _sentences(limit: int = 64) -> list[str]:
-    # torch-heavy: imported on use, so importing this module stays light
-    from compress.evaluate.quality import default_heldout_records
-
     records, _ = default_heldout_records()
     texts = [m["content"] for r in records for m in r.get("messages", [])] + [r["text"] for r in records if "text" in r]
     return texts[:limit]
@@ -269,9 +259,6 @@ def _sentences(limit: int = 64) -> list[str]:
 
 def _embed_each(model, tokenizer, sentences: list[str]):
     """Mean-pooled embeddings ``[n, hidden]``, one sentence per call (batch 1), and seconds taken."""
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-
     rows, start = [], time.perf_counter()
     with torch.no_grad():
         for sentence in sentences:
@@ -282,12 +269,6 @@ def _embed_each(model, tokenizer, sentences: list[str]):
 
 def minilm_figures(out: Path, threads: int, repeats: int = 3) -> dict[str, Any]:
     """MiniLM: PyTorch fp32 vs ONNX fp32 vs ONNX Runtime INT8."""
-    # optional or heavy dependency: imported only on the path that needs it
-    import onnxruntime
-    import torch
-    from optimum.onnxruntime import ORTModelForFeatureExtraction
-    from transformers import AutoModel, AutoTokenizer
-
     torch.set_num_threads(threads)
     source = resolve_checkpoint("minilm-l6", causal_lm=False)
     print("export MiniLM to ONNX and quantize ...", flush=True)
@@ -398,9 +379,6 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    # torch-heavy: imported on use, so importing this module stays light
-    from compress.quantize.methods import METHODS
-
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         raise UsageError(f"--methods {unknown}: unknown", fix=f"use {', '.join(METHODS)}")

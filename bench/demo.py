@@ -40,10 +40,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from bench.compression import bf16_copy
 from bench.harness import fmt, write_json
 from bench.loadtest import LoadTestConfig, run_loadtest
 from compress.data.prepare import DEFAULT_INPUT, DataConfig, prepare
+from compress.evaluate import quality as evaluation
+from compress.quantize.methods import quantize as quantize_checkpoint
+from compress.train.distill import FULL_BUDGET, DistillConfig, DistillRecipe
+from compress.train.finetune import FinetuneConfig, FinetuneRecipe
 from deploy.export import export as export_model
 from deploy.triton import TritonServer, free_ports
 from engine.checkpoint.outputs import DEMO, check_output_dir
@@ -198,8 +205,6 @@ class Demo:
         inputs = [p for p in [self.config.model, *(self.config.data or [])] if Path(p).exists()]
         self.out = check_output_dir(self.out, kind=DEMO, sources=tuple(inputs))
         self.out.mkdir(parents=True, exist_ok=True)
-        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
-        import torch
 
         torch.set_num_threads(self.threads)
         self.log(
@@ -233,9 +238,6 @@ class Demo:
         return out
 
     def finetune(self) -> Path:
-        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
-        from compress.train.finetune import FinetuneConfig, FinetuneRecipe
-
         c = self.config
         config = FinetuneConfig(
             model=str(self.results["load"]),
@@ -256,9 +258,6 @@ class Demo:
         return Path(final)
 
     def distill(self) -> Path:
-        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
-        from compress.train.distill import FULL_BUDGET, DistillConfig, DistillRecipe
-
         c = self.config
         overrides = dict(FULL_BUDGET) if c.full else {}
         config = DistillConfig(
@@ -288,9 +287,6 @@ class Demo:
 
     def quantize(self) -> dict[str, Path]:
         """INT8 (``--int8-method``) of the teacher (``int8``) and of the student (``student_int8``)."""
-        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
-        from compress.quantize.methods import quantize as quantize_checkpoint
-
         method = self.config.int8_method
         out = {"int8": Path(quantize_checkpoint(self.tuned(), self.out / f"int8-{method}", method=method))}
         if self.results.get("distill"):
@@ -312,9 +308,6 @@ class Demo:
         return models
 
     def evaluate(self) -> dict:
-        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
-        from compress.evaluate import quality as evaluation
-
         models = self.models()
         models = {"fp32": models["fp32"], "bf16": bf16_copy(models["fp32"], self.out / "bf16"), **models}
         return evaluate_models(evaluation, models, self.results.get("data"), self.config, self.log)
@@ -384,10 +377,6 @@ class Demo:
         Same held-out chat prompts and output length as the load tests (greedy, EOS ignored).
         Returns ``{"requests", "output_tokens", "wall_s", "output_tok_s"}``.
         """
-        # torch-heavy: imported when the stage runs, so `lmforge demo --help` stays fast
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         path = self.results["load"]
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+from transformers import AutoTokenizer
+
 from bench import spec_bench
 from bench.bound import MATMUL_DTYPES, measure_matmul_gflops, ratio, target_result, workload_flops
 from bench.engine_backends import BACKENDS, RunSpec
@@ -47,9 +50,11 @@ from bench.harness import Peers, align_columns, fmt, percentiles, report_json
 from bench.peer_runs import BusyProcesses, busy_cores, not_installed, prepare_peer_model, run_config
 from bench.peers import vllm_env
 from bench.workload import WorkloadError, build_workload, single_prompt
+from compress.quantize.methods import quantize
 from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import check_output_file, write_output_file
 from engine.checkpoint.store import CheckpointError, resolve_checkpoint
+from engine.config import EngineConfig
 from engine.errors import UsageError
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
@@ -263,9 +268,6 @@ def parse_engine_args(items: list[str]) -> dict:
     Raises:
         UsageError: an item has no ``=`` or names no ``EngineConfig`` field.
     """
-    # torch-heavy (engine.config imports torch): imported when the flag is parsed, so --help stays fast
-    from engine.config import EngineConfig
-
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     parsed = {}
     for item in items:
@@ -304,7 +306,6 @@ def find_int8(given: str | None, model_dir: Path, work_dir: Path) -> tuple[str |
     """
     if given is not None:
         return given, f"given: {given}"
-    from compress.quantize.methods import quantize  # torch and transformers: imported only when needed
 
     out = work_dir / "int8-w8a8"
     try:
@@ -709,9 +710,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}")
         return 2
     if args.threads:
-        # torch-heavy: imported on use, so importing this module stays light
-        import torch
-
         torch.set_num_threads(args.threads)
     peers = Peers.find(args.vllm_python, args.llama_server, args.openvino_python)
     summary = inputs.workload.summary()
@@ -750,9 +748,6 @@ def _load_inputs(args: argparse.Namespace) -> _Inputs:
     Raises:
         ValueError: a flag out of range; CheckpointError, WorkloadError: from the checkpoint or workload.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import AutoTokenizer
-
     if args.smoke:
         args.num_requests, args.max_tokens = SMOKE["num_requests"], SMOKE["max_tokens"]
         args.single_prompt_tokens, args.single_max_tokens = SMOKE["single_prompt_tokens"], SMOKE["single_max_tokens"]
@@ -1057,9 +1052,6 @@ def _str(path: Path | None) -> str | None:
 
 
 def _threads() -> int:
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-
     return torch.get_num_threads()
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -47,6 +46,7 @@ from pathlib import Path
 import psutil
 
 from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
+from bench.reliability_cases import CASES, ENGINE_CONFIG, read_metrics, run_cases
 from bench.report import read_samples
 from deploy.export import export
 from deploy.triton import ModelSupervisor, TritonError, TritonServer, free_ports
@@ -54,7 +54,6 @@ from engine.checkpoint.store import CheckpointError, make_tiny_llama, resolve_ch
 from engine.errors import LmforgeError
 
 #: Engine of the served model: room for 16 users' prompts and outputs without preemption.
-ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 640}
 RSS_TARGET_GROWTH = 0.05
 PROBE_INTERVAL_S = 0.25
 RSS_INTERVAL_S = 1.0
@@ -115,7 +114,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # the cases import the export and frontend machinery: imported on use
-    from bench.reliability_cases import CASES, run_cases
 
     try:
         duration_s = parse_duration(args.duration)
@@ -318,20 +316,6 @@ class StubMonitor:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(PROBE_INTERVAL_S)
-
-
-def read_metrics(server) -> dict[str, float]:
-    """The ``lmforge_*`` metrics of model ``llm`` summed over labels (``{}`` when unreachable)."""
-    try:
-        with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
-            text = response.read().decode()
-    except (urllib.error.URLError, OSError):
-        return {}
-    values: dict[str, float] = {}
-    for name, labels, value in re.findall(r"^(lmforge_\w+)\{([^}]*)\} (\S+)$", text, re.M):
-        if 'model="llm"' in labels:
-            values[name] = values.get(name, 0.0) + float(value)
-    return values
 
 
 def _wait_idle(server, timeout_s: float = 30.0) -> dict[str, float]:

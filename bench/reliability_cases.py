@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -28,13 +29,32 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import requests
 
-from bench.reliability import ENGINE_CONFIG, read_metrics
 from deploy.export import export
 from deploy.triton import ModelSupervisor, TritonServer, free_ports, lmforge_source_root, stop_process
+
+#: The engine of the soak's model (a small KV pool, so preemption and limits are reached).
+ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 640}
+
+
+def read_metrics(server) -> dict[str, float]:
+    """The ``lmforge_*`` metrics of model ``llm`` summed over labels (``{}`` when unreachable)."""
+    try:
+        with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+            text = response.read().decode()
+    except (urllib.error.URLError, OSError):
+        return {}
+    values: dict[str, float] = {}
+    for name, labels, value in re.findall(r"^(lmforge_\w+)\{([^}]*)\} (\S+)$", text, re.M):
+        if 'model="llm"' in labels:
+            values[name] = values.get(name, 0.0) + float(value)
+    return values
+
 
 CASES = ("huge_n", "queued_disconnects", "nonstream_disconnects", "kill1", "kill2")
 GOOD_PROMPT = "Write a short story about a robot who learns to paint."
@@ -42,6 +62,8 @@ GOOD_PROMPT = "Write a short story about a robot who learns to paint."
 FAIRNESS_TARGET = 2.0
 ABORT_TARGET_S = 1.0
 RECOVERY_TARGET_S = 10.0
+#: Longest wait for a good answer after a stub kill (seconds).
+KILL_WINDOW_S = 120.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,10 +272,10 @@ def case_queued_disconnects(stack: Stack, log) -> dict:
     time.sleep(2.0)  # every seat taken
     baseline = _aborted(server)
     queued = _long_streams(server, 5)
-    waiting = read_metrics(server).get("lmforge_num_requests_waiting", 0)
     for client in queued:
         client.read_for(0.2)
-    time.sleep(0.6)
+    waiting = read_metrics(server).get("lmforge_num_requests_waiting", 0)  # they wait for a seat
+    time.sleep(0.4)
     for client in queued:
         client.close()
     queued_s = wait_for_aborts(server, baseline, len(queued), max(c.closed_at for c in queued))
@@ -374,7 +396,11 @@ def case_kill(stack: Stack, instances: int, max_tokens: int, log) -> dict:
         kill_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         log(f"kill{instances}: killed stub {victim} of {len(stubs)}")
-        time.sleep(30.0)
+        deadline = kill_at + KILL_WINDOW_S
+        while time.monotonic() < deadline:  # until a request sent after the kill succeeded, plus 10 s
+            time.sleep(0.5)
+            if any(r["start"] >= kill_at and r["ok"] for r in list(loop.records)):
+                deadline = min(deadline, time.monotonic() + 10.0)
     records = loop.records
     in_flight = [r for r in records if r["start"] < kill_at <= r["end"]]
     after = [r for r in records if r["start"] >= kill_at]

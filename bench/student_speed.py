@@ -15,6 +15,7 @@ import os
 import time
 
 from bench.workload import build_workload
+from engine import LLM, SamplingParams
 from engine.errors import UsageError
 
 
@@ -42,8 +43,6 @@ def measure(
     for name, value in (("rounds", rounds), ("requests", requests), ("tokens", tokens), ("threads", threads)):
         if value < 1:
             raise UsageError(f"{name}={value}: must be >= 1 (--{name})")
-    # torch-heavy: imported on use, so `lmforge bench --help` stays fast
-    from engine import LLM, SamplingParams
 
     llms = {p: LLM(p, dtype=dtype, num_threads=threads) for p in paths}
     workload = build_workload(llms[paths[0]].tokenizer, num_requests=requests, max_tokens=tokens)

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.render import TORCH_VERSION, cpu_image
+from deploy.render import TORCH_VERSION, TRITON_PORTS, DeployValues, cpu_image
 from engine.errors import LmforgeError, UsageError
 
 #: The tag ``make image`` gives the CPU image (what ``deploy/k8s/cpu`` and compose name).
@@ -348,10 +348,12 @@ def image_packages(tag: str) -> dict[str, str]:
 
 
 def image_config(tag: str) -> dict:
-    """The image's config (``User``, ``Healthcheck``, ``Volumes``, ``Entrypoint``...)."""
-    return json.loads(
-        run(podman("image", "inspect", "--format", "{{json .Config}}", tag), timeout_s=60, what="podman image inspect")
-    )
+    """The image's config (``User``, ``Volumes``, ``Entrypoint``...) with its ``Healthcheck``."""
+    info = json.loads(run(podman("image", "inspect", tag), timeout_s=60, what="podman image inspect"))[0]
+    return {
+        **info.get("Config", {}),
+        "Healthcheck": info.get("Healthcheck") or info.get("Config", {}).get("Healthcheck"),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,43 +377,73 @@ def check_readable(repo: Path) -> None:
             )
 
 
-def triton_command(model: str, ports: dict[str, int]) -> list[str]:
-    """tritonserver flags for a container on the host network: 127.0.0.1 only, the given ports."""
+def triton_command(model: str) -> list[str]:
+    """tritonserver flags after the image's entry point: the image's default command (``CMD``) when
+    ``model`` is the one it loads, else the same flags loading ``model``."""
+    if model == DeployValues().model_name:
+        return []
     return [
         "--model-repository=/models",
         "--model-control-mode=explicit",
         f"--load-model={model}",
-        "--strict-readiness=true",
-        "--exit-timeout-secs=30",
         "--allow-metrics=true",
         "--allow-gpu-metrics=false",
-        "--allow-cpu-metrics=true",
-        *[f"--{kind}-address=127.0.0.1" for kind in ("http", "grpc", "metrics")],
-        *[f"--{kind}-port={ports[kind]}" for kind in ("http", "grpc", "metrics")],
     ]
 
 
-def _run_detached(name: str, repo: Path, *args: str) -> None:
-    """``podman run -d`` as container ``name`` on the host network, ``repo`` mounted read-only at /models."""
+def run_triton(name: str, image: str, repo: Path, model: str, ports: dict[str, int]) -> None:
+    """Start the image's tritonserver detached as container ``name``: ``repo`` read-only at /models,
+    the image's ports (8000-8002, so its health check holds) published on ``ports`` of 127.0.0.1."""
+    published = [f"-p=127.0.0.1:{ports[kind]}:{TRITON_PORTS[kind]}" for kind in ("http", "grpc", "metrics")]
     run(
-        podman("run", "-d", "--name", name, "--network", "host", "-v", f"{repo}:/models:ro", *args),
+        podman(
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--shm-size",
+            "2g",
+            *published,
+            "-v",
+            f"{repo}:/models:ro",
+            image,
+            *triton_command(model),
+        ),
         timeout_s=120,
         what=f"podman run {name}",
     )
 
 
-def run_triton(name: str, image: str, repo: Path, model: str, ports: dict[str, int]) -> None:
-    """Start the image's tritonserver detached as container ``name``, ``repo`` mounted read-only at /models."""
-    _run_detached(name, repo, "--shm-size", "2g", image, *triton_command(model, ports))
-
-
 def run_openai(name: str, image: str, repo: Path, model: str, grpc_port: int, port: int) -> None:
     """Start the image's OpenAI frontend detached as container ``name``, forwarding to Triton's gRPC."""
-    _run_detached(
-        name,
-        repo,
-        *("--entrypoint", IMAGE_PYTHON, image, "-m", OPENAI_MODULE, "--repo", "/models"),
-        *("--grpc-url", f"127.0.0.1:{grpc_port}", "--host", "127.0.0.1", "--port", str(port), "--models", model),
+    run(
+        podman(
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--network",
+            "host",
+            "-v",
+            f"{repo}:/models:ro",
+            "--entrypoint",
+            IMAGE_PYTHON,
+            image,
+            "-m",
+            OPENAI_MODULE,
+            "--repo",
+            "/models",
+            "--grpc-url",
+            f"127.0.0.1:{grpc_port}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--models",
+            model,
+        ),
+        timeout_s=120,
+        what=f"podman run {name}",
     )
 
 
@@ -425,6 +457,15 @@ def container_running(name: str) -> bool:
 def logs(name: str, lines: int = 40) -> str:
     out = subprocess.run(podman("logs", "--tail", str(lines), name), capture_output=True, text=True, check=False)
     return (out.stdout + out.stderr).strip()
+
+
+def healthcheck(name: str, what: str) -> tuple[bool, str]:
+    """Run container ``name``'s health check once (podman schedules them with systemd timers; a
+    machine without systemd runs them only when asked): whether it passed, and a line saying so."""
+    done = subprocess.run(podman("healthcheck", "run", name), capture_output=True, text=True, check=False, timeout=60)
+    state = "healthy" if done.returncode == 0 else "unhealthy"
+    said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip() not in ("", state)]
+    return done.returncode == 0, f"{what}: {state}" + (f" ({said[-1].strip()})" if said else "")
 
 
 def remove_container(name: str, grace_s: int = 30) -> None:

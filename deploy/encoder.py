@@ -20,6 +20,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+from tokenizers import Tokenizer
 
 from compress.quantize.onnx import export_onnx
 from engine.checkpoint.store import resolve_checkpoint
@@ -80,10 +84,6 @@ def add_pooling_head(model, *, normalize: bool):
     Raises:
         ValueError: the graph lacks those tensors or uses an older opset.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < 13:
         raise ValueError(f"ONNX opset {opset} is too old for the pooling head; export with opset >= 13")
@@ -142,9 +142,6 @@ def prepare_encoder_onnx(checkpoint: str | Path, out_dir: Path, *, max_length: i
         CheckpointError: missing/corrupt checkpoint (from ``compress``). ValueError: see
         ``add_pooling_head``.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    import onnx
-
     source = resolve_checkpoint(checkpoint, causal_lm=False)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -176,9 +173,6 @@ def load_tokenizer(model_dir: Path, max_length: int, *, pad_to_length: int | Non
     Raises:
         ValueError: ``tokenizer.json`` is missing (names the file and the fix).
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from tokenizers import Tokenizer
-
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         raise ValueError(f"{path}: missing; re-run `lmforge export` for this encoder")
@@ -211,9 +205,6 @@ class OnnxEncoder:
     """
 
     def __init__(self, model_dir: str | Path, *, num_threads: int | None = None) -> None:
-        # optional or heavy dependency: imported only on the path that needs it
-        import onnxruntime as ort
-
         self.model_dir = Path(model_dir)
         self.info = EncoderInfo.read(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir, self.info.max_length)

@@ -43,6 +43,7 @@ from deploy.model_config import (
     to_text,
     tokenizer_config,
 )
+from engine import EngineConfig
 from engine.checkpoint.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from engine.checkpoint.store import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
 from engine.errors import UsageError
@@ -74,9 +75,6 @@ MODEL_PY_CLASSES = {
 def engine_config_fields() -> dict[str, type]:
     """``EngineConfig`` fields a user may set on the command line: name -> scalar type (``json_object`` for a
     field that takes a mapping, such as ``limits``)."""
-    # torch-heavy: imported on use, so importing this module stays light
-    from engine import EngineConfig
-
     hints = typing.get_type_hints(EngineConfig)
     fields = {}
     for field in dataclasses.fields(EngineConfig):
@@ -319,9 +317,6 @@ def export_llm(
 ) -> Path:
     """The decoupled LLM model; ``model.json`` holds the checkpoint, every EngineConfig field and the LoRA
     adapters (copied under ``loras/``, each checked against the base first)."""
-    # torch-heavy: imported on use, so importing this module stays light
-    from engine import EngineConfig
-
     source = resolve_checkpoint(checkpoint)
     loras = loras or {}
     if loras:

@@ -38,6 +38,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from deploy.openai.models import llm_names
 from deploy.triton import (
     DEFAULT_PORTS,
     ModelSupervisor,
@@ -178,9 +179,6 @@ def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: floa
     Raises:
         TritonError: no LLM model is loaded, or the frontend exited or did not get ready in time.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from deploy.openai.models import llm_names
-
     repo = Path(args.repo).resolve()
     names = llm_names(repo, server.models)
     if not names:

@@ -566,18 +566,23 @@ class TritonServer:
                 return entry.get("state"), entry.get("reason") or ""
         return None, ""
 
-    def reload(self, name: str, timeout_s: float = 600.0) -> None:
-        """Unload ``name`` (if loaded) and load it again: new stub processes, a new engine.
+    def reload(self, name: str, timeout_s: float = 600.0, swap: bool = False) -> None:
+        """Load ``name`` again: new stub processes, a new engine.
 
-        Triton 2.51 needs both steps: a plain load of a loaded model whose files did not change
-        is a no-op, even when its stub is dead; and the unload of a model whose stub was killed
-        never completes (it stays UNLOADING), but a load issued then brings up a fresh model.
+        Triton 2.51 does nothing on a plain load of a loaded model whose files did not change,
+        even when its stub is dead. By default the model is unloaded first (the unload of a model
+        whose stub was killed never completes, it stays UNLOADING, but a load issued then brings up
+        a fresh model): nothing serves it in between. With ``swap`` its ``config.pbtxt`` is touched
+        instead, so the load brings the new version up beside the old one, which keeps serving
+        (with several instances its live ones answer) until Triton swaps them.
 
         Raises:
             TritonError: the unload or the load failed (Triton's reason), or took over ``timeout_s``.
         """
         deadline = time.monotonic() + timeout_s
-        if self.model_state(name)[0] == "READY":
+        if swap:
+            os.utime(self.repo / name / "config.pbtxt")  # a newer timestamp: Triton loads the model anew
+        elif self.model_state(name)[0] == "READY":
             status, body = http_json(
                 f"{self.http_url}/v2/repository/models/{name}/unload",
                 method="POST",
@@ -691,13 +696,20 @@ class ModelSupervisor:
         return problems
 
     def check_once(self) -> dict[str, float]:
-        """Reload every broken model; returns name -> seconds the reload took."""
+        """Reload every broken model; returns name -> seconds the reload took.
+
+        A model that still has a live stub (one of several instances died) is reloaded beside
+        itself (``TritonServer.reload(swap=True)``): its live instances serve until the new
+        version is up. A model with no live stub, or not READY, is unloaded and loaded.
+        """
         took = {}
         for name, problem in self.problems().items():
-            self.report(f"model {name}: {problem}; loading it again")
+            alive = len(self.server.stub_pids(name)) if name in self.python_models else 0
+            swap = alive > 0 and self.server.model_state(name)[0] == "READY"
+            self.report(f"model {name}: {problem}; loading it again{' beside its live instances' if swap else ''}")
             start = time.monotonic()
             try:
-                self.server.reload(name)
+                self.server.reload(name, swap=swap)
             except (TritonError, OSError) as exc:
                 self.report(f"model {name}: {exc}")
                 continue

@@ -1,30 +1,34 @@
-"""lmforge inference engine: paged KV cache with prefix reuse, continuous batching (vLLM-shaped API)."""
+"""lmforge inference engine: paged KV cache with prefix reuse, continuous batching (vLLM-shaped API).
+
+The names below load on first use (PEP 562), so ``import engine.errors`` (what every ``lmforge``
+command imports first, ``--help`` included) does not import torch.
+"""
+
+import importlib
 
 import engine.library_noise  # noqa: F401  (first: its filters must be in place before torchao is imported)
-from engine.config import EngineConfig
-from engine.llm_engine import LLM, LLMEngine
-from engine.lora import LoRARequest
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
 
-__all__ = [
-    "LLM",
-    "LLMEngine",
-    "AsyncLLMEngine",
-    "EngineConfig",
-    "SamplingParams",
-    "LoRARequest",
-    "RequestOutput",
-    "CompletionOutput",
-    "RequestMetrics",
-    "EngineStats",
-]
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "LLM": "engine.llm_engine",
+    "LLMEngine": "engine.llm_engine",
+    "AsyncLLMEngine": "engine.async_engine",
+    "EngineConfig": "engine.config",
+    "SamplingParams": "engine.sampling_params",
+    "LoRARequest": "engine.lora",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "RequestMetrics": "engine.outputs",
+    "EngineStats": "engine.stats",
+}
+
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
-    if name == "AsyncLLMEngine":  # imports asyncio/threading only when used
-        from engine.async_engine import AsyncLLMEngine
-
-        return AsyncLLMEngine
-    raise AttributeError(name)
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -226,6 +226,10 @@ class EngineConfig:
                 f"batch_invariant=True with device={self.device!r}, attention_backend={self.attention_backend!r}: "
                 "batch-invariant kernels exist for the CPU torch backend only; turn it off or run on CPU"
             )
+        if self.batch_invariant and self.enable_lora:
+            raise UsageError(
+                "batch_invariant=True with enable_lora=True: the LoRA deltas are computed per batch; turn one off"
+            )
         if self.max_model_len is not None:
             self.check_model_len(self.max_model_len)
         self._check_speculative()

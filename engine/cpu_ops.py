@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from engine.native import CSRC, NativeKernels
 from engine.platform import vector_cflags
+from engine.quant.int8 import weight_only_cpu_kernel
 
 #: The C++ source of ``torch.ops.lmforge_engine``.
 KERNEL_SOURCE = CSRC / "cpu_ops.cpp"
@@ -209,9 +210,6 @@ def rope_and_cache(
 def int8_decode_available() -> bool:
     """Whether ``int8_decode_layers`` runs: the engine's kernels, the INT8 GEMV and this op are built and enabled
     (``use_cpu_kernels(False)`` or ``engine.quant.int8.weight_only_cpu_kernel(False)`` turn it off too)."""
-    # the GEMV lives with the INT8 layers; imported here to keep this module's imports light
-    from engine.quant.int8 import weight_only_cpu_kernel
-
     return KERNELS.available and weight_only_cpu_kernel() and DECODE_KERNELS.available
 
 

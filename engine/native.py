@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.cpp_extension import _get_build_directory, include_paths, load
 
 from engine.platform import cpu_flags
 
@@ -116,9 +117,6 @@ class NativeKernels:
             logger.info("%s: not built (%s); running the torch ops", self.namespace, self.reason)
             return False
         try:
-            # heavy: imported only on the path that builds or loads the kernels
-            from torch.utils.cpp_extension import include_paths, load
-
             key = "\n".join(
                 [
                     str(self.source),
@@ -163,8 +161,6 @@ def _first_cause(text: str) -> str:
 
 def _repair_build_dir(name: str) -> None:
     """Remove a truncated library and a stale lock from this build's own directory (see the module doc)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
     build_dir = Path(_get_build_directory(name, verbose=False))
     lock = build_dir / "lock"
     with contextlib.suppress(OSError):

@@ -14,6 +14,8 @@ import hashlib
 import re
 from collections.abc import Sequence
 
+from datasketch import MinHash, MinHashLSH
+
 from engine.errors import UsageError
 
 _WHITESPACE = re.compile(r"\s+")
@@ -64,9 +66,6 @@ class MinHashConfig:
 
 def minhash(text: str, config: MinHashConfig):
     """The ``datasketch.MinHash`` signature of ``text``'s shingles."""
-    # optional or heavy dependency: imported only on the path that needs it
-    from datasketch import MinHash
-
     m = MinHash(num_perm=config.num_perm, seed=config.seed)
     m.update_batch(list(shingles(text, config.shingle_size)))
     return m
@@ -81,9 +80,6 @@ def near_duplicates(texts: Sequence[str], config: MinHashConfig = MinHashConfig(
     Returns:
         ``{index of a removed text: index of the kept text it duplicates}``.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from datasketch import MinHashLSH
-
     lsh = MinHashLSH(threshold=config.threshold, num_perm=config.num_perm)
     kept: dict[int, object] = {}
     removed: dict[int, int] = {}
@@ -105,9 +101,6 @@ def cross_duplicates(
 
     Used to check that a validation split does not leak from its training split.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from datasketch import MinHashLSH
-
     lsh = MinHashLSH(threshold=config.threshold, num_perm=config.num_perm)
     signatures = {}
     for i, text in enumerate(texts_a):

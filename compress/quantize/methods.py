@@ -33,7 +33,11 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
+from optimum.onnxruntime import ORTModelForCausalLM
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers.modeling_utils import no_init_weights
 
 from compress.data.records import default_split_records
 from compress.quantize.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
@@ -305,9 +309,6 @@ def load_smoothed_model(
         UsageError: a rotation of a model that is not a Llama-style decoder, or a block that does not
             divide its intermediate size.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
     try:
         if rotation_block is not None:
@@ -531,9 +532,6 @@ class Int8Quantizer:
         Raises:
             CheckpointError: missing/corrupt checkpoint or a non-causal model (names the file).
         """
-        # optional or heavy dependency: imported only on the path that needs it
-        from safetensors.torch import save_file
-
         source_dir = _require_causal_lm(checkpoint, self.method)
         c = self.config
         model = load_smoothed_model(
@@ -546,8 +544,6 @@ class Int8Quantizer:
         )
         float_modules, outliers = [], {}
         if getattr(c, "float_units", 0) or getattr(c, "outlier_channels", 0):
-            from transformers import AutoTokenizer
-
             tokenizer = AutoTokenizer.from_pretrained(source_dir)  # calibration text of both choices
             if getattr(c, "float_units", 0):
                 float_modules = most_sensitive_units(model, tokenizer, c)
@@ -593,11 +589,6 @@ def load_int8_model(checkpoint_dir: str | Path):
         CheckpointError: missing files, a scale without its weight (or the reverse), or
             tensors the model does not have / lacks (names the file and the tensors).
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_utils import no_init_weights
-
     checkpoint_dir = Path(checkpoint_dir)
     weights = checkpoint_dir / WEIGHTS_NAME
     resolve_checkpoint(checkpoint_dir)  # checks config.json, architecture and safetensors headers
@@ -673,9 +664,6 @@ class LlmInt8Quantizer:
     method: ClassVar[str] = "llm-int8"
 
     def bnb_config(self):
-        # optional or heavy dependency: imported only on the path that needs it
-        from transformers import BitsAndBytesConfig
-
         return BitsAndBytesConfig(
             load_in_8bit=True,
             llm_int8_threshold=self.config.threshold,
@@ -693,9 +681,6 @@ class LlmInt8Quantizer:
             CheckpointError: missing/corrupt checkpoint or a non-causal model.
             UsageError: ``device`` is CUDA but no GPU is visible.
         """
-        # optional or heavy dependency: imported only on the path that needs it
-        from transformers import AutoModelForCausalLM
-
         source_dir = _require_causal_lm(checkpoint, self.method)
         check_device(self.config.device)
         model = AutoModelForCausalLM.from_pretrained(
@@ -736,9 +721,6 @@ def load_llm_int8_model(checkpoint_dir: str | Path, *, device: str = "cpu"):
         CheckpointError: missing/corrupt files, or ``config.json`` without the bitsandbytes
             ``quantization_config``.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import AutoModelForCausalLM
-
     checkpoint_dir = Path(checkpoint_dir)
     resolve_checkpoint(checkpoint_dir)
     quant = json.loads((checkpoint_dir / "config.json").read_text()).get("quantization_config", {})
@@ -789,9 +771,6 @@ class OnnxInt8Quantizer:
         return output_dir
 
     def load(self, checkpoint_dir: str | Path):
-        # optional or heavy dependency: imported only on the path that needs it
-        from optimum.onnxruntime import ORTModelForCausalLM
-
         return ORTModelForCausalLM.from_pretrained(checkpoint_dir)
 
 

@@ -22,6 +22,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import onnx
+import torch
+from onnxruntime.quantization import QuantType, quantize_dynamic
+from optimum.exporters.onnx import main_export
+
 from engine.checkpoint.outputs import CHECKPOINT, staged_output_dir
 from engine.checkpoint.store import (
     MANIFEST_NAME,
@@ -94,9 +99,6 @@ class OnnxInt8Config:
 
 def onnx_num_parameters(model_path: str | Path) -> int:
     """Number of elements over all initializers (weights) of an ONNX model, without loading data."""
-    # optional or heavy dependency: imported only on the path that needs it
-    import onnx
-
     model = onnx.load(str(model_path), load_external_data=False)
     total = 0
     for tensor in model.graph.initializer:
@@ -157,9 +159,6 @@ def export_onnx(checkpoint_dir: str | Path, output_dir: str | Path, *, task: str
         ValueError: unknown ``task`` or bad ``opset`` (names the field).
         CheckpointError: missing or corrupt source, or a non-causal model for a generation task.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from optimum.exporters.onnx import main_export
-
     config = OnnxExportConfig(task=task, opset=opset)
     source_dir = resolve_checkpoint(checkpoint_dir, causal_lm=EXPORT_TASKS[task])
     output_dir = Path(output_dir)
@@ -212,9 +211,6 @@ def quantize_onnx_int8(
     Raises:
         CheckpointError: ``onnx_dir`` has no ``model.onnx`` (names the file).
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
     config = config or OnnxInt8Config()
     onnx_dir = Path(onnx_dir)
     model_path = onnx_dir / ONNX_MODEL_NAME
@@ -270,9 +266,6 @@ def mean_pool(last_hidden_state, attention_mask):
     Returns:
         ``[batch, hidden]`` float32 tensor.
     """
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-
     hidden = torch.as_tensor(last_hidden_state).float()
     mask = torch.as_tensor(attention_mask).float().unsqueeze(-1)  # [batch, seq, 1]
     return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)

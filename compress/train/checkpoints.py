@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from engine.checkpoint.outputs import TRAINING_CHECKPOINT, replace_dir
 from engine.errors import LmforgeError
@@ -65,9 +66,6 @@ def load_state_file(path: Path) -> Any:
 
 
 def _state_options():
-    # optional or heavy dependency: imported only on the path that needs it
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
 
@@ -97,9 +95,6 @@ class TrainingCheckpoints:
 
     def save(self, model, optimizer, scheduler, scaler, state: TrainState) -> Path:
         """Write ``step_NNNNNN`` for ``state.step`` and drop all but the newest ``keep``; returns its path."""
-        # optional or heavy dependency: imported only on the path that needs it
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model_state, optim_state = get_state_dict(model, optimizer, options=_state_options())
         final = self.root / f"step_{state.step:06d}"
         tmp = self.root / f".tmp_step_{state.step:06d}"
@@ -145,9 +140,6 @@ class TrainingCheckpoints:
             TrainingError: a file is missing or not one lmforge wrote; a rank's RNG file is
                 missing (resumed with another number of processes).
         """
-        # optional or heavy dependency: imported only on the path that needs it
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         model_state = load_state_file(path / "model.pt")
         optim_state = load_state_file(path / "optimizer.pt")
         set_state_dict(

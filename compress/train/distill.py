@@ -53,11 +53,13 @@ import dataclasses
 import json
 import math
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 from compress.data.packing import IGNORE_INDEX, tokenize_and_pack, tokenize_record
 from compress.data.prepare import read_data_file
@@ -346,10 +348,6 @@ def write_token_frequencies(out_dir: Path, tokenizer, records: list[dict[str, An
     with their counts and the tokenizer's special ids. A draft model uses it to compute logits
     for the frequent tokens only (``engine.spec_decode.DraftProposer``).
     """
-    from collections import Counter
-
-    from compress.data.packing import IGNORE_INDEX, tokenize_record
-
     counts: Counter[int] = Counter()
     for record in records:
         _, labels = tokenize_record(tokenizer, record, 1 << 20)
@@ -382,9 +380,6 @@ def build_student(teacher, layers: list[int] | None = None, config_overrides: di
         ``(student, layer_map)``: the model (fp32) and, for each student layer, the teacher layer
         it corresponds to (copied from, or evenly spaced for a fresh config).
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import AutoModelForCausalLM
-
     config = teacher.config.__class__.from_dict(teacher.config.to_dict())
     n_teacher = teacher.config.num_hidden_layers
     if config_overrides is not None:
@@ -521,9 +516,6 @@ class DistillRecipe(TrainingRecipe):
         self.teacher = None
 
     def build_model(self, device: torch.device) -> torch.nn.Module:
-        # optional or heavy dependency: imported only on the path that needs it
-        from transformers import AutoModelForCausalLM
-
         cfg = self.config
         teacher = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         n_teacher = teacher.config.num_hidden_layers
@@ -593,8 +585,6 @@ class DistillRecipe(TrainingRecipe):
         """``final/`` as every recipe writes it, plus ``token_frequencies.json`` (``write_token_frequencies``)."""
         out = super().save()
         if self.is_main:
-            from compress.data.prepare import read_data_file
-
             records = getattr(self, "frequency_records", None) or read_data_file(Path(self.config.data) / "train.jsonl")
             write_token_frequencies(out, self.tokenizer, records)
         return out

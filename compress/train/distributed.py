@@ -12,6 +12,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -59,9 +60,6 @@ class ProcessGroup:
         if self.world_size == 1:
             return model
         if fsdp:
-            # optional or heavy dependency: imported only on the path that needs it
-            from torch.distributed.fsdp import fully_shard
-
             for layer in decoder_layers(model):
                 fully_shard(layer)
             return fully_shard(model)

@@ -46,7 +46,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
 from compress.data.packing import IGNORE_INDEX, PackedData, tokenize_and_pack
 from compress.data.prepare import read_data_file
@@ -196,9 +198,6 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig):
 
     Stepped once per optimizer step. Returns a ``torch.optim.lr_scheduler.LambdaLR``.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import get_cosine_schedule_with_warmup
-
     return get_cosine_schedule_with_warmup(
         optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=config.max_steps
     )
@@ -311,9 +310,6 @@ class TrainingRecipe:
         Raises:
             TrainingError: bad device/precision combination, missing data, nothing to resume.
         """
-        # optional or heavy dependency: imported only on the path that needs it
-        from transformers import AutoTokenizer
-
         cfg = self.config
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise TrainingError("device=cuda but CUDA is not available; use --device cpu")
@@ -586,9 +582,6 @@ class TrainingRecipe:
         out = self.run_dir / "final"
         full_state = None
         if self.config.fsdp and self.world_size > 1:
-            # optional or heavy dependency: imported only on the path that needs it
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
             full_state = get_model_state_dict(
                 self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
@@ -630,9 +623,6 @@ class TrainingRecipe:
         return dataclasses.asdict(self.config)
 
     def _model_from_state(self, state: dict[str, torch.Tensor]):
-        # optional or heavy dependency: imported only on the path that needs it
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_config(self._unwrapped().config)
         model.load_state_dict(state, strict=True)
         return model

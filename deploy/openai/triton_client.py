@@ -101,8 +101,9 @@ class TritonBackend:
     ) -> AsyncIterator[Piece]:
         """Stream the pieces of one prompt's ``n`` completions until every one has finished.
 
-        A request refused at once because the model instance Triton gave it has a dead stub is sent again
-        (at most ``DEAD_INSTANCE_RETRIES`` times): with several instances Triton gives it another one.
+        A request refused at once because the model instance Triton gave it has a dead stub, or that heard
+        nothing at all (not even a heartbeat) for ``stall_timeout_s``, is cancelled and sent again (at most
+        ``DEAD_INSTANCE_RETRIES`` times): with several instances Triton gives it another one.
 
         Raises:
             OpenAIError: Triton answered an error (400 for bad input, 503 while the model or Triton recovers,
@@ -148,17 +149,22 @@ class TritonBackend:
             raise transport_error(exc) from exc
         pending = set(range(n))
         stream = aiter(responses)
+        heard = False  # any response, a heartbeat included
         try:
             while True:
                 try:
                     result, error = await asyncio.wait_for(anext(stream), self.stall_timeout_s)
+                    heard = True
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
-                    raise unavailable(
+                    stalled = unavailable(
                         f"the model {model} stopped answering this request ({self.stall_timeout_s:.1f} s without a "
                         "response or heartbeat: its instance died or is stuck); it is being reloaded, retry"
-                    ) from None
+                    )
+                    # never answered at all: Triton gave it to a dead instance; it is cancelled, another may take it
+                    stalled.retry_elsewhere = not heard
+                    raise stalled from None
                 except OpenAIError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - grpc's AioRpcError and the like: Triton went away

@@ -29,6 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from gguf import GGUFReader
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+
 from engine.checkpoint.model_spec import ARCHITECTURES, check_architecture_supported
 from engine.checkpoint.outputs import (
     CHECKPOINT,
@@ -236,8 +240,6 @@ def check_gguf(path: str | Path) -> None:
         if f.read(4) != b"GGUF":
             raise CheckpointError(f"{path}: not a GGUF file (bad magic bytes); pass a .gguf model file")
     try:
-        from gguf import GGUFReader  # only GGUF checkpoints need it (it loads numpy's memmap reader)
-
         reader = GGUFReader(str(path))
         size = path.stat().st_size
         for tensor in reader.tensors:
@@ -349,10 +351,6 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
     check_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,))  # cheap, so first
     check_gguf(gguf_path)
 
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     with staged_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,)) as tmp:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -440,9 +438,6 @@ def check_device(device: str, *, flag: str = "--device") -> str:
     Raises:
         UsageError: not ``cpu`` / ``cuda`` / ``cuda:N``, CUDA not available, or ``N`` out of range.
     """
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-
     index = device.partition(":")[2]
     if device != "cpu" and not (device.split(":")[0] == "cuda" and (index == "" or index.isdigit())):
         raise UsageError(f"{flag} {device!r}: not a device", fix="use cpu, cuda or cuda:N")
@@ -468,10 +463,6 @@ def load_causal_lm(spec: str | Path, *, dtype: str = "float32"):
     Raises:
         CheckpointError: see ``resolve_checkpoint``.
     """
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = resolve_checkpoint(spec)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
@@ -490,9 +481,6 @@ def tiny_llama_config(**overrides: Any):
     Defaults: 2 layers, hidden 64, 4 attention heads, 2 KV heads (head_dim 16), intermediate
     128, the SmolLM2 vocabulary size (49152) so the real tokenizer can be reused.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import LlamaConfig
-
     values = dict(
         vocab_size=49152,
         hidden_size=64,
@@ -516,9 +504,6 @@ def default_tokenizer_dir() -> Path:
     """A directory holding only the SmolLM2 tokenizer (and chat template), extracted once from the GGUF."""
     target = cache_dir() / "tokenizers" / "smollm2"
     if not (target / "tokenizer.json").is_file():
-        # optional or heavy dependency: imported only on the path that needs it
-        from transformers import AutoTokenizer
-
         gguf_path = named_source_path(DEFAULT_MODEL)
         with staged_output_dir(target, kind=TOKENIZER) as tmp:
             AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
@@ -534,10 +519,6 @@ def make_tiny_llama(output_dir: str | Path, *, seed: int = 0, model_type: str = 
         model_type: ``llama``, ``mistral`` or ``qwen2`` (qwen2 has q/k/v biases).
         overrides: fields of ``tiny_llama_config``.
     """
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig, Qwen2Config
-
     config = tiny_llama_config(**overrides)
     if model_type == "mistral":
         config = MistralConfig(**{k: v for k, v in config.to_dict().items() if k != "model_type"})

@@ -811,7 +811,7 @@ def _bf16_linear(w: torch.Tensor):
 
 
 def _torchao_variants(w: torch.Tensor) -> dict:
-    # optional or heavy dependency: imported only on the path that needs it
+    # here, not at the top: every command loads this module and torchao takes seconds to import
     from torchao.quantization import (
         Int8DynamicActivationInt8WeightConfig,
         Int8WeightOnlyConfig,

@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from engine import cpu_ops
 from engine.block_manager import BlockManager
@@ -35,6 +36,7 @@ from engine.checkpoint.store import (
     read_manifest,
     resolve_checkpoint,
 )
+from engine.config import resolve_dtype
 from engine.model import Linear, packed_rows, read_model_spec, rms_norm
 from engine.model_runner import ModelRunner
 from engine.quant.int8 import WEIGHT_ONLY_MAX_ROWS
@@ -72,9 +74,6 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path, target_tokenizer, ta
     Raises:
         ValueError: different vocabulary sizes or token-to-id maps (both paths are named).
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import AutoTokenizer
-
     draft_vocab_size = read_model_spec(draft_dir).vocab_size
     if draft_vocab_size != target_vocab_size:
         raise ValueError(
@@ -207,7 +206,6 @@ class DraftProposer:
                     f"{target_dir} was found under {where}; set speculative_model or distill a student first"
                 )
         check_same_tokenizer(target_dir, draft_dir, target_tokenizer, target_vocab_size)
-        from engine.config import resolve_dtype
 
         dtype = resolve_dtype(config.speculative_draft_dtype, config.device)
         return cls(

@@ -458,7 +458,5 @@ def test_chat_streams_under_load_equal_the_engine_with_every_token_and_cached_to
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
         usage = chunks[-1].usage
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 24)
-        assert usage.prompt_tokens_details.cached_tokens >= common // 16 * 16 > 0
-        assert usage.prompt_tokens_details.cached_tokens % 16 == 0 and usage.prompt_tokens_details.cached_tokens < len(
-            ids
-        )
+        # the shared prefix's full blocks at least (a partial block may be copied too), never the last token
+        assert 0 < common // 16 * 16 <= usage.prompt_tokens_details.cached_tokens < len(ids)

@@ -175,3 +175,37 @@ def test_a_request_refused_for_a_dead_stub_is_sent_again_to_another_instance():
     with pytest.raises(OpenAIError) as info:
         asyncio.run(asyncio.wait_for(run(), 10))
     assert info.value.status == 503 and len(calls) == 3  # the first try and two more, then the honest 503
+
+
+def test_a_503_is_answered_in_openais_shape_with_retry_after():
+    from deploy.openai.app import error_response
+    from deploy.openai.protocol import unavailable
+
+    response = error_response(unavailable("the model llm is being reloaded; retry"))
+    assert response.status_code == 503 and response.headers["retry-after"] == "5"
+    assert response.headers["content-type"] == "application/json"
+    body = __import__("json").loads(response.body)
+    assert body["error"]["type"] == "server_error" and body["error"]["code"] == "model_unavailable"
+
+
+def test_a_request_that_never_heard_back_is_sent_again_then_answered_503():
+    calls = []
+
+    class Mute(SilentCall):
+        def __init__(self):
+            super().__init__(None)
+            self.items = []  # not even a heartbeat: Triton gave it to an instance whose stub is dead
+
+    def stream_infer(requests, headers=None):
+        calls.append(Mute())
+        return calls[-1]
+
+    backend = TritonBackend("127.0.0.1:1", stall_timeout_s=0.1)
+    backend.client = types.SimpleNamespace(stream_infer=stream_infer)
+
+    async def run():
+        return [piece async for piece in backend.generate("llm", [1, 2, 3], {"max_tokens": 4}, 0, 1)]
+
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(asyncio.wait_for(run(), 10))
+    assert info.value.status == 503 and len(calls) == 3 and all(call.cancelled for call in calls)

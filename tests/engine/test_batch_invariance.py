@@ -77,6 +77,8 @@ def test_batch_invariant_configurations_that_cannot_hold_are_refused():
         EngineConfig(batch_invariant=True, device="cuda")
     with pytest.raises(UsageError, match="batch_invariant"):
         EngineConfig(batch_invariant=True, attention_backend="triton")
+    with pytest.raises(UsageError, match="enable_lora"):
+        EngineConfig(batch_invariant=True, enable_lora=True)
 
 
 def test_batch_invariant_linear_rows_do_not_depend_on_the_row_count():

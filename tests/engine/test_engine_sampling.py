@@ -10,7 +10,9 @@ from engine import SamplingParams
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from tests.engine.test_engine_greedy import random_prompts
-from tests.engine.test_engine_requests import invariants_hold_after, llm  # noqa: F401 - fixtures
+from tests.engine.test_engine_requests import llm  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.usefixtures("engine_is_clean_after")
 
 VOCAB = 32
 
