@@ -531,8 +531,8 @@ class TritonPythonModel:
         request_id = uuid.uuid4().hex
         stream = None
         try:
-            lora = None if parsed.lora_name is None else await self._adapter(parsed.lora_name)
-            stream = self.engine.generate(parsed.prompt, parsed.sampling_params, request_id, lora_request=lora)
+            lora = {} if parsed.lora_name is None else {"lora_request": await self._adapter(parsed.lora_name)}
+            stream = self.engine.generate(parsed.prompt, parsed.sampling_params, request_id, **lora)
             final_sent, last = await self._stream(parsed, request_id, stream, sender)
         except ValueError as exc:  # the engine refused the request (e.g. prompt over max_model_len)
             self._send_error(sender, str(exc))

@@ -13,8 +13,9 @@ down) of the engine's base. Adapted layer ``W`` computes ``W x + s B A x`` (Hu e
 One forward pass serves a batch that mixes requests of several adapters and of the base
 (``LoRABatch``): each linear layer computes its base output once for every row, then the rows of
 each active slot are gathered into one group per slot (the segmented gather of Punica, Chen et al.
-2023), a batched matmul with the slots' stacked ``A`` and one per module with their ``B`` give the
-deltas, and ``index_add_`` puts them back. Each adapter's weights are read once per layer and step,
+2023), one batched matmul with the slots' stacked ``A`` and one with their (block-diagonal) ``B`` give
+the deltas of every module of a fused layer (q, k, v or gate, up), and one ``index_select`` and one
+add put them back on their rows. Each adapter's weights are read once per layer and step,
 whatever its number of rows, and the number of kernel calls does not grow with the number of
 adapters; the base output is whatever the layer computes (fp32, bf16, or an INT8 kernel); the
 delta runs in the activation dtype.
@@ -348,34 +349,32 @@ def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int, dtyp
 class SlotStack:
     """The active slots' weights of one fused layer, stacked for batched matmuls over slots.
 
-    ``A [slots, in, n * R]``: module ``j``'s ``A^T`` (times the RMSNorm weight the base folded into its
+    ``A [slots, in, n R]``: module ``j``'s ``A^T`` (times the RMSNorm weight the base folded into its
     own columns, ``Linear.input_scaled``) in rank columns ``[j R, j R + r_j)``, zeros past its rank
-    (``R = max_lora_rank``); ``B[j] [slots, R, out_j]``: module ``j``'s ``(s B)^T`` (scaling folded in),
-    zero rows past its rank. One batched matmul gives every module's ``x A^T`` of every slot; one per
-    module its ``B`` product, which reads only that module's weights.
+    (``R = max_lora_rank``, ``n`` modules: q, k, v or gate, up); ``B [slots, n R, out]``: module ``j``'s
+    ``(s B)^T`` (scaling folded in) in rank rows ``[j R, j R + r_j)`` and its own output columns, zeros
+    elsewhere (block-diagonal). One batched matmul gives every module's ``x A^T`` of every slot and one
+    more every module's delta, whatever the number of modules and slots.
     """
 
-    def __init__(self, capacity: int, in_features: int, outs: list[int], rank: int, dtype, device):
-        self.rank, self.outs = rank, outs
-        self.modules: set[int] = set()  # modules some adapter has held since the stack was made
-        self.A = torch.zeros(capacity, in_features, len(outs) * rank, dtype=dtype, device=device)
-        self.B = [torch.zeros(capacity, rank, out, dtype=dtype, device=device) for out in outs]
+    def __init__(self, capacity: int, in_features: int, out_features: int, rank_rows: int, dtype, device):
+        self.A = torch.zeros(capacity, in_features, rank_rows, dtype=dtype, device=device)
+        self.B = torch.zeros(capacity, rank_rows, out_features, dtype=dtype, device=device)
 
     def grow(self, capacity: int) -> None:
         """Hold ``capacity`` slots (the new ones zero)."""
         extra = capacity - self.A.shape[0]
         if extra > 0:
             self.A = torch.cat((self.A, self.A.new_zeros(extra, *self.A.shape[1:])))
-            self.B = [torch.cat((b, b.new_zeros(extra, *b.shape[1:]))) for b in self.B]
+            self.B = torch.cat((self.B, self.B.new_zeros(extra, *self.B.shape[1:])))
 
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
-        for b in self.B:
-            b[slot].zero_()
+        self.B[slot].zero_()
 
     @property
     def nbytes(self) -> int:
-        return self.A.nbytes + sum(b.nbytes for b in self.B)
+        return self.A.nbytes + self.B.nbytes
 
 
 class LoRAManager:
@@ -409,6 +408,7 @@ class LoRAManager:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.input_scales = input_scales or {}
         self.shapes = module_shapes(spec)
+        self.compute_dtype = dtype  # the deltas run in the activation dtype
         self._lock = threading.RLock()
         self.loaded: OrderedDict[LoRARequest, LoRAAdapter] = OrderedDict()  # least recently used first
         self.slots: list[LoRARequest | None] = [None] * max_loras  # the adapter each slot holds
@@ -537,9 +537,11 @@ class LoRAManager:
             scale = self.input_scales.get((layer, fused))
             if scale is not None:
                 a32 = a32 * scale.float().to(a32.device)
-            stack.A[slot, :, j * R : j * R + r] = a32.t().to(device=self.device, dtype=self.dtype)
-            stack.B[j][slot, :r] = (b.float() * scaling).t().to(device=self.device, dtype=self.dtype)
-            stack.modules.add(j)
+            first = sum(self.shapes[m][1] for m in FUSED_MODULES[fused][:j])  # the module's output columns
+            stack.A[slot, :, j * R : j * R + r] = a32.t().to(device=self.device, dtype=self.compute_dtype)
+            stack.B[slot, j * R : j * R + r, first : first + b.shape[0]] = (
+                (b.float() * scaling).t().to(device=self.device, dtype=self.compute_dtype)
+            )
             self.slot_targets[slot].add((layer, fused))
         self.slots[slot] = adapter.request
 
@@ -550,9 +552,9 @@ class LoRAManager:
             stack = SlotStack(
                 self.capacity,
                 self.shapes[modules[0]][0],
-                [self.shapes[m][1] for m in modules],
-                self.max_lora_rank,
-                self.dtype,
+                sum(self.shapes[m][1] for m in modules),
+                len(modules) * self.max_lora_rank,
+                self.compute_dtype,
                 self.device,
             )
             self.stacks[(layer, fused)] = stack
@@ -577,7 +579,7 @@ class LoRAManager:
         if not used:
             return None
         targets = set().union(*(self.slot_targets[s] for s in used))
-        return LoRABatch(row_slots, self.stacks, targets, self.device, self.dtype)
+        return LoRABatch(row_slots, self.stacks, targets, self.device, self.compute_dtype)
 
 
 class LoRABatch:
@@ -590,31 +592,39 @@ class LoRABatch:
         dtype: the activation dtype (of the deltas and the mask).
 
     Layout: ``G`` groups (slots ``0..G-1``, ``G`` = highest slot used + 1) of ``M`` rows each (the
-    largest group); ``gather [G * M]`` gives each group position its source row (padding: row 0),
-    ``mask [G, M, 1]`` zeroes the padding, and each module's deltas go back with one ``index_add_``
-    over the same positions (a padding position adds zeros to row 0). When every row of the step
+    largest group, plus one padding row so that a zero row always exists); ``gather [G M]`` gives each
+    group position its source row (padding: row 0) and ``mask [G, M, 1]`` zeroes the padding;
+    ``inverse [N]`` gives each row its group position (base rows: a padding position, whose delta is
+    0), so the deltas come back with one ``index_select`` and one add. When every row of the step
     belongs to one slot, the rows are used in place (no gather, and ``addmm_`` adds the deltas).
     """
 
-    def __init__(self, row_slots: list[int], stacks: dict, targets: set, device: str, dtype: torch.dtype):
-        self.stacks, self.targets = stacks, targets
+    def __init__(
+        self, row_slots: list[int], stacks: dict, targets: set, device: str, compute_dtype: torch.dtype
+    ) -> None:
+        self.stacks, self.targets, self.compute_dtype = stacks, targets, compute_dtype
         self.num_rows = len(row_slots)
         groups: dict[int, list[int]] = {}
         for row, slot in enumerate(row_slots):
             if slot >= 0:
                 groups.setdefault(slot, []).append(row)
         G = self.num_groups = max(groups) + 1
-        M = self.max_rows = max(len(rows) for rows in groups.values())
-        self.only_slot = next(iter(groups)) if len(groups) == 1 and M == self.num_rows else None
+        largest = max(len(rows) for rows in groups.values())
+        self.only_slot = next(iter(groups)) if len(groups) == 1 and largest == self.num_rows else None
         if self.only_slot is not None:
             return
+        M = self.max_rows = largest + 1
         gather = [0] * (G * M)
         mask = [0.0] * (G * M)
+        inverse = [M - 1] * self.num_rows  # the last position of group 0: always padding
         for slot, rows in groups.items():
             gather[slot * M : slot * M + len(rows)] = rows
             mask[slot * M : slot * M + len(rows)] = [1.0] * len(rows)
+            for k, row in enumerate(rows):
+                inverse[row] = slot * M + k
         self.gather = torch.tensor(gather, dtype=torch.long, device=device)
-        self.mask = torch.tensor(mask, dtype=dtype, device=device).view(G, M, 1)
+        self.inverse = torch.tensor(inverse, dtype=torch.long, device=device)
+        self.mask = torch.tensor(mask, dtype=compute_dtype, device=device).view(G, M, 1)
 
     def has(self, layer: int, fused: str) -> bool:
         """Whether some slot of this step changes ``fused`` of ``layer``."""
@@ -630,22 +640,19 @@ class LoRABatch:
         key = (layer, fused)
         if key not in self.targets:
             return y
-        stack = self.stacks[key]
-        R, n = stack.rank, self.num_rows
-        columns = [0]
-        for out in stack.outs:
-            columns.append(columns[-1] + out)
+        stack, n, dtype = self.stacks[key], self.num_rows, self.compute_dtype
         if self.only_slot is not None:
             s = self.only_slot
-            t = x[:n] @ stack.A[s]  # [N, n_mod * R]
-            for j in sorted(stack.modules):
-                y[:n, columns[j] : columns[j + 1]].addmm_(t[:, j * R : (j + 1) * R], stack.B[j][s])
+            t = x[:n].to(dtype) @ stack.A[s]  # [N, n_mod * R]
+            if dtype == y.dtype:
+                y[:n].addmm_(t, stack.B[s])
+            else:
+                y[:n] += (t @ stack.B[s]).to(y.dtype)
             return y
         G, M = self.num_groups, self.max_rows
-        xg = x.index_select(0, self.gather).view(G, M, -1)  # [G, M, in]
+        xg = x.index_select(0, self.gather).view(G, M, -1).to(dtype)  # [G, M, in]
         t = torch.bmm(xg, stack.A[:G])  # [G, M, n_mod * R]
         t.mul_(self.mask)
-        for j in sorted(stack.modules):
-            delta = torch.bmm(t[:, :, j * R : (j + 1) * R], stack.B[j][:G])  # [G, M, out_j]
-            y[:, columns[j] : columns[j + 1]].index_add_(0, self.gather, delta.view(G * M, -1))
+        delta = torch.bmm(t, stack.B[:G]).view(G * M, -1)  # [G M, out]
+        y[:n] += delta.index_select(0, self.inverse).to(y.dtype)  # base rows add a padding row's zeros
         return y
