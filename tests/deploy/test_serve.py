@@ -648,7 +648,7 @@ def test_api_key_restricts_every_triton_api_but_health(served_repo, tmp_path):
             with pytest.raises(InferenceServerException, match="restricted|authorization"):
                 client.get_model_repository_index()
             assert client.is_model_ready("minilm")  # health: open
-            assert len(client.get_model_repository_index(headers=secured.headers).models) >= 1
+            assert len(client.get_model_repository_index(headers=secured.grpc_headers).models) >= 1
         finally:
             client.close()
     with pytest.raises(UsageError, match="api-key"):
