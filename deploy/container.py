@@ -352,7 +352,7 @@ def image_config(tag: str) -> dict:
     info = json.loads(run(podman("image", "inspect", tag), timeout_s=60, what="podman image inspect"))[0]
     return {
         **info.get("Config", {}),
-        "Healthcheck": info.get("HealthCheck") or info.get("Config", {}).get("Healthcheck"),
+        "Healthcheck": info.get("Healthcheck") or info.get("Config", {}).get("Healthcheck"),
     }
 
 

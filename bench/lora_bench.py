@@ -1,0 +1,253 @@
+"""``lmforge bench lora``: many LoRA adapters on one base, against the base alone, in one process.
+
+    lmforge bench lora [--model smollm2-135m] [--adapters 8] [--rank 16] [--targets attn|all]
+                       [--requests 64] [--tokens 64] [--int8-method w8a8] [--rounds 3]
+
+The engine workload of ``lmforge bench engine`` (``bench.workload``: ``--requests`` chat requests with
+one shared system prompt, ``--tokens`` greedy tokens each, EOS ignored) runs on
+
+* the bf16 base alone (no adapter; LoRA enabled, so the same engine serves both rows),
+* the bf16 base with the requests spread over ``--adapters`` adapters (request i: adapter i mod N),
+* the INT8 base (``--int8-method``, quantized once into ``--work-dir``) with the same spread, and
+  the INT8 base alone,
+
+alternated round by round (``--rounds``), each row's best round kept, so load from other
+processes of a shared machine biases no row. Each row reports output tok/s over wall time and over
+the process's CPU time (``time.process_time``: steadier than wall time when other processes share
+the cores), and its ratio to the bf16 base alone. Targets (issue: docs/lora.md): 8 adapters on bf16
+>= 0.8x the base alone; the INT8 base's multi-adapter tok/s >= the bf16 base's.
+
+Memory: in a child process of its own (so no memory freed by the speed rows is reused), a bf16
+engine's resident set (``psutil``) before any adapter, with 1 and with all ``--adapters`` loaded
+and active, next to the engine's own count of adapter bytes (in memory and in the active slots)
+and the base's weight bytes: an adapter costs its own bytes, not a model copy.
+
+Adapters are ``--lora DIR`` (repeatable) or, by default, random PEFT-format adapters of ``--rank``
+on the ``--targets`` projections (``attn``: q/k/v/o, what ``lmforge finetune --lora`` trains;
+``all``: also gate/up/down), written into ``--work-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+from engine.checkpoint.outputs import cache_dir, check_output_file, write_output_file
+from engine.checkpoint.store import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, resolve_checkpoint
+from engine.errors import UsageError
+
+TARGETS = {
+    "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="the base (name, .gguf or directory)")
+    parser.add_argument("--adapters", type=int, default=8, help="adapters the requests are spread over (default 8)")
+    parser.add_argument("--rank", type=int, default=16, help="rank of the generated adapters (default 16)")
+    parser.add_argument("--targets", choices=sorted(TARGETS), default="attn", help="projections adapted")
+    parser.add_argument("--lora", action="append", default=[], metavar="DIR", help="use these adapters (repeatable)")
+    parser.add_argument("--requests", type=int, default=64, help="requests per row (default 64)")
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per request (default 64)")
+    parser.add_argument("--int8-method", choices=["w8a8", "int8-weight-only"], default="w8a8")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds; each row's best is kept")
+    parser.add_argument("--threads", type=int, default=None, help="EngineConfig.num_threads (default: torch's)")
+    parser.add_argument("--work-dir", default=None, help="where the INT8 base and the adapters go (default: cache)")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+
+
+def make_adapters(base: Path, out: Path, count: int, rank: int, targets: tuple[str, ...]) -> list[Path]:
+    """``count`` random PEFT-format adapters of ``base`` (A ~ N(0, 1/in), B ~ N(0, 0.01)), written once."""
+    # torch-heavy: imported on use, so importing this module stays light
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.checkpoint.model_spec import ModelSpec
+    from engine.lora import LORA_TARGETS, module_shapes
+
+    spec = ModelSpec.from_checkpoint(base)
+    shapes = module_shapes(spec)
+    paths = []
+    for i in range(count):
+        path = out / f"adapter-r{rank}-{'-'.join(t[0] for t in targets)}-{i}"
+        if not (path / ADAPTER_WEIGHTS_NAME).is_file():
+            path.mkdir(parents=True, exist_ok=True)
+            g = torch.Generator().manual_seed(1000 + i)
+            tensors = {}
+            for layer in range(spec.num_hidden_layers):
+                for module in targets:
+                    block = "mlp" if LORA_TARGETS[module][0] in ("gate_up", "down") else "self_attn"
+                    key = f"base_model.model.model.layers.{layer}.{block}.{module}"
+                    fan_in, fan_out = shapes[module]
+                    tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
+                    tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
+            save_file(tensors, str(path / ADAPTER_WEIGHTS_NAME))
+            config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets)}
+            (path / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        paths.append(path)
+    return paths
+
+
+def _int8_base(base: Path, work: Path, method: str) -> Path:
+    # optional or heavy dependency: imported only on the path that needs it
+    from compress.quantize.methods import quantize
+
+    out = work / f"{base.name}-{method}"
+    if not (out / "lmforge.json").is_file():
+        print(f"quantizing {base} with {method} into {out} (once) ...", flush=True)
+        quantize(base, out, method=method)
+    return out
+
+
+def _row(llm, prompts, params, loras) -> dict:
+    """One pass of the workload: tokens, wall seconds and CPU seconds of this process."""
+    llm.engine.block_manager.reset_prefix_cache()  # every row computes its own prefixes
+    wall, cpu = time.perf_counter(), time.process_time()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "tok_s": tokens / wall, "tok_cpu_s": tokens / cpu}
+
+
+def measure_speed(base: Path, int8: Path, adapters: list[Path], args) -> dict[str, dict]:
+    """The four rows, alternated ``args.rounds`` times; each row's best round (by CPU-time tok/s)."""
+    # torch-heavy: imported on use, so importing this module stays light
+    from transformers import AutoTokenizer
+
+    from bench.workload import build_workload
+    from engine import LLM, LoRARequest, SamplingParams
+
+    workload = build_workload(AutoTokenizer.from_pretrained(base), num_requests=args.requests, max_tokens=args.tokens)
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    spread = [loras[i % len(loras)] for i in range(args.requests)]
+    config = dict(
+        dtype="bfloat16", enable_lora=True, max_loras=len(loras), max_lora_rank=max(args.rank, 16), max_model_len=1024
+    )
+    if args.threads:
+        config["num_threads"] = args.threads
+    engines = {"bf16": LLM(str(base), **config), "int8": LLM(str(int8), **config)}
+    rows = {
+        "bf16 base alone": ("bf16", None),
+        f"bf16 + {len(loras)} adapters": ("bf16", spread),
+        f"int8 + {len(loras)} adapters": ("int8", spread),
+        "int8 base alone": ("int8", None),
+    }
+    for llm in engines.values():  # warm-up: kernels, adapters in memory and in their slots
+        llm.generate([{"prompt_token_ids": p} for p in workload.prompts[: len(loras)]], params, lora_request=loras)
+    best: dict[str, dict] = {}
+    for round_index in range(args.rounds):
+        for name, (engine, row_loras) in rows.items():
+            result = _row(engines[engine], workload.prompts, params, row_loras)
+            print(
+                f"  round {round_index + 1}: {name:<22} {result['tok_s']:7.1f} tok/s  {result['tok_cpu_s']:7.1f} "
+                "tok/CPU-s",
+                flush=True,
+            )
+            if name not in best or result["tok_cpu_s"] > best[name]["tok_cpu_s"]:
+                best[name] = result
+    return best
+
+
+def measure_memory(base: Path, adapters: list[Path], args) -> dict:
+    """Resident memory of a fresh bf16 engine with 0, 1 and all adapters loaded and active, measured in a
+    child process (``_memory_child``)."""
+    # the standard library's process pool: a fresh interpreter whose allocator holds nothing yet
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(_memory_child, (str(base), [str(p) for p in adapters], args.rank))
+
+
+def _memory_child(base: str, adapter_dirs: list[str], rank: int) -> dict:
+    # optional or heavy dependency: imported only on the path that needs it
+    import psutil
+
+    from engine import LLM, LoRARequest, SamplingParams
+    from engine.checkpoint.store import describe_weights
+
+    base, adapters = Path(base), [Path(p) for p in adapter_dirs]
+    process = psutil.Process()
+    config = dict(dtype="bfloat16", enable_lora=True, max_loras=len(adapters), max_lora_rank=max(rank, 16))
+    llm = LLM(str(base), max_model_len=256, num_kv_blocks=64, **config)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate([[1, 2, 3]], params)
+
+    def rss() -> int:
+        gc.collect()
+        return process.memory_info().rss
+
+    figures = {"rss_base_bytes": rss()}
+    loras = [LoRARequest(f"m{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    for count in (1, len(loras)):
+        llm.generate([[1, 2, 3]] * count, params, lora_request=loras[:count])  # loaded and in a slot
+        manager = llm.engine.lora_manager
+        figures[f"rss_{count}_adapters_bytes"] = rss()
+        figures[f"adapter_bytes_{count}"] = manager.loaded_bytes
+        figures[f"slot_bytes_{count}"] = manager.slot_bytes
+    figures["adapter_file_bytes"] = sum((p / ADAPTER_WEIGHTS_NAME).stat().st_size for p in adapters) // len(adapters)
+    figures["base_weight_bytes_bf16"] = describe_weights(base)[0] * 2
+    return figures
+
+
+def format_report(speed: dict[str, dict], memory: dict, adapters: int) -> str:
+    base = speed["bf16 base alone"]
+    lines = [
+        f"{'row':<24} {'tok/s':>8} {'x base':>7} {'tok/CPU-s':>10} {'x base':>7}",
+        "-" * 60,
+    ]
+    for name, r in speed.items():
+        lines.append(
+            f"{name:<24} {r['tok_s']:>8.1f} {r['tok_s'] / base['tok_s']:>6.2f}x {r['tok_cpu_s']:>10.1f} "
+            f"{r['tok_cpu_s'] / base['tok_cpu_s']:>6.2f}x"
+        )
+    multi_bf16 = speed[f"bf16 + {adapters} adapters"]
+    multi_int8 = speed[f"int8 + {adapters} adapters"]
+    lines.append(
+        f"int8 / bf16 with {adapters} adapters: {multi_int8['tok_s'] / multi_bf16['tok_s']:.2f}x (wall), "
+        f"{multi_int8['tok_cpu_s'] / multi_bf16['tok_cpu_s']:.2f}x (CPU time)"
+    )
+    mib = 2**20
+    lines += [
+        "",
+        f"process resident memory: no adapter {memory['rss_base_bytes'] / mib:.1f} MiB; "
+        f"1 adapter +{(memory['rss_1_adapters_bytes'] - memory['rss_base_bytes']) / mib:.1f} MiB; "
+        f"{adapters} adapters +{(memory[f'rss_{adapters}_adapters_bytes'] - memory['rss_base_bytes']) / mib:.1f} MiB",
+        f"engine's count: {adapters} adapters {memory[f'adapter_bytes_{adapters}'] / mib:.1f} MiB in memory + "
+        f"{memory[f'slot_bytes_{adapters}'] / mib:.1f} MiB in slots; one adapter file "
+        f"{memory['adapter_file_bytes'] / mib:.1f} MiB (fp32); the base's weights "
+        f"{memory['base_weight_bytes_bf16'] / mib:.1f} MiB in bf16",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.adapters < 1 or args.rank < 1 or args.requests < 1 or args.tokens < 1 or args.rounds < 1:
+        raise UsageError("--adapters, --rank, --requests, --tokens and --rounds must be >= 1")
+    if args.json:
+        check_output_file(args.json, flag="--json")
+    base = resolve_checkpoint(args.model)
+    work = Path(args.work_dir) if args.work_dir else cache_dir() / "bench-lora"
+    work.mkdir(parents=True, exist_ok=True)
+    if args.lora:
+        adapters = [Path(p) for p in args.lora]
+    else:
+        adapters = make_adapters(base, work, args.adapters, args.rank, TARGETS[args.targets])
+    int8 = _int8_base(base, work, args.int8_method)
+    print(
+        f"base {base}; {len(adapters)} adapters ({'given' if args.lora else f'rank {args.rank}, {args.targets}'}); "
+        f"{args.requests} requests x {args.tokens} tokens; INT8 {args.int8_method}; best of {args.rounds} rounds. "
+        "Other processes may share this machine: compare the ratios, measured side by side.",
+        flush=True,
+    )
+    memory = measure_memory(base, adapters, args)
+    speed = measure_speed(base, int8, adapters, args)
+    print(format_report(speed, memory, len(adapters)))
+    if args.json:
+        write_output_file(args.json, json.dumps({"speed": speed, "memory": memory}, indent=2) + "\n", flag="--json")
+    return 0
