@@ -301,13 +301,18 @@ RESTRICTED_APIS = (
     "logging",
     "shared-memory",
 )
-#: The header a restricted Triton API checks: the OpenAI API's own, so one header opens both.
+#: The header a restricted Triton API checks over HTTP: the OpenAI API's own, so one header opens both.
 API_KEY_HEADER = "authorization"
+#: The same over gRPC: Triton 2.51 prefixes a restricted protocol's metadata key with ``triton-grpc-protocol-``.
+GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
 
 
-def api_key_headers(api_key: str | None) -> dict[str, str]:
-    """``{"authorization": "Bearer KEY"}``, or ``{}`` without a key (HTTP headers and gRPC metadata alike)."""
-    return {API_KEY_HEADER: f"Bearer {api_key}"} if api_key else {}
+def api_key_headers(api_key: str | None, grpc: bool = False) -> dict[str, str]:
+    """``{"authorization": "Bearer KEY"}`` (HTTP) or ``{"triton-grpc-protocol-authorization": "Bearer KEY"}``
+    (gRPC metadata), or ``{}`` without a key."""
+    if not api_key:
+        return {}
+    return {GRPC_API_KEY_HEADER if grpc else API_KEY_HEADER: f"Bearer {api_key}"}
 
 
 def restricted_api_flags(api_key: str) -> list[str]:
@@ -346,7 +351,8 @@ class TritonServer:
         exit_timeout_s: Triton's own drain time for in-flight requests and open connections.
         log_verbose: Triton's ``--log-verbose`` level.
         api_key: restrict every API but health (``RESTRICTED_APIS``: inference, model control...) on HTTP
-            and gRPC to requests with ``Authorization: Bearer KEY`` (``api_key_headers``); this class sends it.
+            and gRPC to requests with ``Authorization: Bearer KEY`` (gRPC metadata
+            ``triton-grpc-protocol-authorization``; ``api_key_headers``); this class sends it.
             Triton takes it on its command line, which local users can read (``ps``).
 
     Raises (on ``start``):
@@ -374,7 +380,8 @@ class TritonServer:
         if api_key:
             restricted_api_flags(api_key)  # refuses a key the flags cannot carry, before anything starts
         self.api_key = api_key or None
-        self.headers = api_key_headers(self.api_key)
+        self.headers = api_key_headers(self.api_key)  # HTTP
+        self.grpc_headers = api_key_headers(self.api_key, grpc=True)
         self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
         for kind, port in self.ports.items():
             if not isinstance(port, int) or not 1 <= port <= 65535:

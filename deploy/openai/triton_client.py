@@ -30,6 +30,7 @@ import numpy as np
 
 from deploy.openai.prompts import Plan
 from deploy.openai.protocol import OpenAIError, unavailable
+from deploy.triton import api_key_headers
 
 #: Seconds without any response (a token or a heartbeat) after which a request's model instance is taken for
 #: dead (the model sends a heartbeat every 0.3 s while a streaming request is quiet).
@@ -70,14 +71,15 @@ class TritonBackend:
 
     Args:
         grpc_url: Triton's gRPC address.
-        api_key: sent as ``authorization: Bearer KEY`` (``lmforge serve --api-key`` restricts Triton's APIs).
+        api_key: sent as Triton's gRPC key metadata (``deploy.triton.api_key_headers``; ``lmforge serve --api-key``
+            restricts Triton's APIs with the same key).
         stall_timeout_s: see the module docstring.
     """
 
     def __init__(self, grpc_url: str, api_key: str | None = None, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.grpc_url = grpc_url
         self.client = None
-        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self.headers = api_key_headers(api_key, grpc=True) or None
         self.stall_timeout_s = stall_timeout_s
 
     async def start(self) -> None:

@@ -248,6 +248,14 @@ BAD_INPUTS = [
     ("/v1/completions", "{not json", 400, None),
     ("/v1/completions", {"model": "gpt-5", "prompt": PROMPT}, 404, "model"),
     ("/v1/completions", {"model": "llm", "prompt": PROMPT, "min_tokens": 40, "max_tokens": 4}, 400, "min_tokens"),
+    ("/v1/completions", {"model": "llm", "prompt": ""}, 400, "prompt"),  # the engine's blank-prompt rule
+    ("/v1/completions", {"model": "llm", "prompt": PROMPT, "logit_bias": {"\u00b2": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "llm", "prompt": PROMPT, "logit_bias": {"7": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "llm", "prompt": PROMPT, "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"model": "llm", "prompt": PROMPT, "n": 129}, 400, "n"),
+    ("/v1/completions", {"model": "llm", "prompt": [PROMPT] * 10_000, "n": 2}, 400, "prompt"),  # by count
+    ("/v1/completions", {"model": "llm", "prompt": [2**63]}, 400, "prompt"),
+    ("/v1/completions", "", 400, None),
 ]
 
 
@@ -267,6 +275,14 @@ BAD_INPUTS = [
         "invalid-json",
         "unknown-model",
         "min-tokens-over-max",
+        "empty-prompt",
+        "logit-bias-unicode-digit",
+        "logit-bias-101",
+        "stop-token-id-outside-vocabulary",
+        "n-over-limit",
+        "10000-prompts",
+        "token-id-beyond-int64",
+        "empty-body",
     ],
 )
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(frontend, client, route, body, status, param):
@@ -460,3 +476,31 @@ def test_chat_streams_under_load_equal_the_engine_with_every_token_and_cached_to
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 24)
         # the shared prefix's full blocks at least (a partial block may be copied too), never the last token
         assert 0 < common // 16 * 16 <= usage.prompt_tokens_details.cached_tokens < len(ids)
+
+
+_LEAVING_CLIENT = r"""
+import socket, sys, time
+host, port, body, key = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), sys.argv[4]
+sock = socket.create_connection((host, port), timeout=60)
+head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n")
+sock.sendall(head.encode() + body)
+time.sleep(1.0)  # the answer is not ready: the client goes away
+sock.close()
+"""
+
+
+def test_a_non_streaming_client_that_leaves_gets_its_request_aborted(frontend, server, client, tokenizer):
+    aborted_before = (
+        metric(server, "lmforge_requests_aborted_total")
+        if "lmforge_requests_aborted_total{" in requests.get(server.metrics_url, timeout=10).text
+        else 0.0
+    )
+    ids = tokenizer(PROMPT).input_ids
+    body = {"model": "llm", "prompt": PROMPT, "max_tokens": 512 - len(ids), "ignore_eos": True, "n": 4}
+    host, port = frontend.removeprefix("http://").split(":")
+    command = [sys.executable, "-c", _LEAVING_CLIENT, host, port, json.dumps(body), API_KEY]
+    subprocess.run(command, check=True, timeout=60)
+    assert wait_for(lambda: metric(server, "lmforge_requests_aborted_total") >= aborted_before + 1)
+    assert wait_for(lambda: metric(server, "lmforge_num_requests_running") == 0)
+    assert client.completions.create(model="llm", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1

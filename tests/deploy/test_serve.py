@@ -24,12 +24,14 @@ import requests
 import torch
 import tritonclient.grpc as grpcclient
 from transformers import AutoTokenizer
+from tritonclient.utils import InferenceServerException
 
 from compress.quantize.onnx import mean_pool
 from deploy.export import export
 from deploy.model_config import check_repository
 from deploy.triton import ModelSupervisor, PortsBusyError, TritonServer, free_ports
 from engine import LLM, SamplingParams
+from engine.errors import UsageError
 
 pytestmark = pytest.mark.integration
 
@@ -611,3 +613,43 @@ def test_streams_under_load_keep_every_token_and_report_cached_tokens(server, en
     assert wait_for(lambda: metric(server, "lmforge_responses_total") - responses_before >= sent)
     assert metric(server, "lmforge_generation_tokens_total") - tokens_before >= 16 * 40
     assert sent <= 16 * 40  # one response per step at most
+
+
+def test_api_key_restricts_every_triton_api_but_health(served_repo, tmp_path):
+    """``TritonServer(api_key=...)`` (``lmforge serve --api-key``): inference and model control answer 403 without
+    ``Authorization: Bearer KEY``, on HTTP and gRPC; health stays open; the server's own calls send the key."""
+    http, grpc, metrics = free_ports(3)
+    key = "test-key-42"
+    with TritonServer(
+        served_repo,
+        http,
+        grpc,
+        metrics,
+        models=["minilm"],
+        write_pid_file=False,
+        log_path=tmp_path / "triton.log",
+        api_key=key,
+        exit_timeout_s=3,
+    ) as secured:
+        url = secured.http_url
+        body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": ["hello"]}]}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            refused = requests.post(f"{url}/v2/models/minilm/infer", json=body, headers=headers, timeout=60)
+            assert refused.status_code == 403 and "restricted" in refused.json()["error"]
+        assert requests.post(f"{url}/v2/repository/models/minilm/unload", json={}, timeout=10).status_code == 403
+        assert requests.get(f"{url}/v2/models/minilm", timeout=10).status_code == 403
+        assert requests.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
+        assert requests.get(f"{url}/v2/models/minilm/ready", timeout=10).status_code == 200
+        ok = requests.post(f"{url}/v2/models/minilm/infer", json=body, headers=secured.headers, timeout=60)
+        assert ok.status_code == 200 and ok.json()["outputs"][0]["shape"] == [1, 384]
+        assert secured.model_state("minilm")[0] == "READY"  # the repository index, called with the key
+        client = grpcclient.InferenceServerClient(secured.grpc_url)
+        try:
+            with pytest.raises(InferenceServerException, match="restricted|authorization"):
+                client.get_model_repository_index()
+            assert client.is_model_ready("minilm")  # health: open
+            assert len(client.get_model_repository_index(headers=secured.grpc_headers).models) >= 1
+        finally:
+            client.close()
+    with pytest.raises(UsageError, match="api-key"):
+        TritonServer(served_repo, http, grpc, metrics, api_key="bad:key")
