@@ -18,7 +18,7 @@ import torch
 from engine import LLM, LoRARequest, SamplingParams
 from engine.checkpoint.store import Manifest, make_tiny_llama, write_manifest
 from engine.lora import LoRAError
-from tests.engine.test_engine_greedy import random_prompts
+from tests.engine.test_engine_greedy import model_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -64,22 +64,6 @@ def peft_model(base: Path, adapter: Path | None, state_dict: dict | None = None)
     return model.eval()
 
 
-def peft_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    results = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2
-            )
-            results.append(out[0, len(p) :].tolist())
-    return results
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 def lora_llm(model_dir, **overrides) -> LLM:
     config = dict(
         block_size=4,
@@ -116,7 +100,7 @@ def reference(tiny_llama_dir, adapters, prompts) -> dict[str | None, list[list[i
     out = {}
     for name in [None, *adapters]:
         model = peft_model(tiny_llama_dir, None if name is None else Path(adapters[name].lora_path))
-        out[name] = peft_greedy(model, prompts, GREEDY.max_tokens)
+        out[name] = model_greedy(model, prompts, GREEDY.max_tokens)
     return out
 
 
@@ -462,7 +446,7 @@ def test_smollm2_adapter_trained_by_lmforge_finetune_equals_peft_in_a_mixed_batc
     outs = llm.generate([p for p, _ in batch], params, lora_request=[loras.get(n) for _, n in batch])
     got = {(tuple(p), n): o.outputs[0].token_ids for (p, n), o in zip(batch, outs)}
     for name in names:
-        expected = peft_greedy(
+        expected = model_greedy(
             peft_model(smollm2_dir, None if name is None else Path(loras[name].lora_path)), prompts, 12
         )
         for prompt, want in zip(prompts, expected):
