@@ -116,8 +116,7 @@ def triton_generate(base: str, model: str, prompt: str, *, stream: bool, timeout
 
 def openai_chat(base: str, model: str, *, stream: bool) -> str:
     """The greedy text the OpenAI frontend answers ``CHAT`` with (streamed deltas joined)."""
-    # optional or heavy dependency: imported only on the path that needs it
-    from openai import OpenAI
+    from openai import OpenAI  # the bench extra
 
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120.0, max_retries=0)
     reply = client.chat.completions.create(

@@ -46,12 +46,17 @@ import tempfile
 import types
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from bench.harness import ManagedProcess, Peers, ProcessStartError, peers_dir
 from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
 from bench.peers import vllm_env
+from bench.prompts import load_prompts
 from bench.report import read_samples
 from bench.serving_profile import format_in_process, in_process_levels
 from bench.workload import system_prompt, user_turns
+from deploy.export import export
+from deploy.serve import start_openai, stop_openai
 from deploy.triton import TritonServer, free_ports
 from engine.checkpoint.outputs import SERVING_REPORT, check_output_dir
 from engine.checkpoint.store import resolve_checkpoint
@@ -148,11 +153,9 @@ def format_table(rows: list[dict], bound_ms: float) -> str:
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
     """``throughput_vs_users.png`` and ``ttft_p99_vs_users.png``, one line per endpoint."""
-    # optional or heavy dependency: imported only on the path that needs it
-    import matplotlib
+    import matplotlib  # the bench extra (pip install 'lmforge[bench]')
 
     matplotlib.use("Agg")
-    # optional or heavy dependency: imported only on the path that needs it
     import matplotlib.pyplot as plt
 
     paths = []
@@ -243,10 +246,6 @@ def start_peers(args, out: Path, notes: list[str], stack: contextlib.ExitStack) 
 @contextlib.contextmanager
 def our_stack(args, out: Path):
     """lmforge's stack (``tritonserver`` + the OpenAI frontend) on a temporary export; yields its endpoints."""
-    # optional or heavy dependency: imported only on the path that needs it
-    from deploy.export import export
-    from deploy.serve import start_openai, stop_openai
-
     engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": max(args.users)}
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-serving-") as repo:
         export(args.checkpoint, Path(repo), name="llm", engine=engine, kind="llm")
@@ -271,9 +270,6 @@ def our_stack(args, out: Path):
 
 def write_shared_system_prompts(args, out: Path) -> Path:
     """``OUT/prompts-shared-system.jsonl``: the distinct ~100-token user turns of ``--shared-system-prompt``."""
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_checkpoint(args.checkpoint)))
     path = out / "prompts-shared-system.jsonl"
     turns = user_turns(tokenizer, SHARED_SYSTEM_TURNS)
@@ -283,11 +279,6 @@ def write_shared_system_prompts(args, out: Path) -> Path:
 
 def in_process_rows(args, prompts_path: Path | None, system: str | None) -> list[dict]:
     """The in-process engine on the same prompts (chat template, after ``system``) at each user count."""
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import AutoTokenizer
-
-    from bench.prompts import load_prompts
-
     checkpoint = str(resolve_checkpoint(args.checkpoint))
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     texts = load_prompts(prompts_path, limit=args.num_prompts)
