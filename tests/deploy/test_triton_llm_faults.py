@@ -93,7 +93,7 @@ class FakeEngine:
     def is_dead(self):
         return self.dead_reason is not None
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, lora_request=None):
         for out in self.outputs:
             yield out
 
@@ -232,7 +232,7 @@ def test_a_queued_sse_client_that_left_is_found_by_a_heartbeat_and_aborted(pb):
     sends heartbeats (empty responses), and the first write after the client left gets it aborted."""
 
     class QueuedEngine(FakeEngine):
-        async def generate(self, prompt, params, request_id):
+        async def generate(self, prompt, params, request_id, lora_request=None):
             self.released = asyncio.Event()
             await self.released.wait()  # waits for a batch slot until aborted
             yield _n_outputs("length")[0]
