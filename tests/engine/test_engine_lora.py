@@ -19,6 +19,7 @@ from engine import LLM, LoRARequest, SamplingParams
 from engine.checkpoint.store import Manifest, make_tiny_llama, write_manifest
 from engine.lora import LoRAError
 from tests.engine.test_engine_greedy import model_greedy, random_prompts
+from tests.engine.test_engine_requests import run_to_end
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -176,13 +177,7 @@ def test_a_running_request_of_another_adapter_never_donates_its_kv(tiny_llama_di
         engine.step()
     engine.add_request("other", prompt, GREEDY, lora_request=adapters["a3"])
     engine.add_request("same", prompt, GREEDY, lora_request=adapters["a1"])
-    finals = {}
-    for _ in range(200):
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        if not engine.has_unfinished_requests():
-            break
+    finals = run_to_end(engine, 200)
     assert finals["other"].metrics.num_cached_tokens == 0
     assert finals["same"].metrics.num_cached_tokens == 29  # every token but the last, from a1's first request
     assert finals["other"].outputs[0].token_ids == reference["a3"][3]
@@ -229,13 +224,7 @@ def test_adapter_files_removed_while_queued_fail_only_its_requests(
     engine.add_request("good-1", prompts[2], GREEDY, lora_request=adapters["a1"])  # evicts the doomed one
     engine.add_request("base", prompts[3], GREEDY)
     shutil.rmtree(doomed_dir)
-    finals = {}
-    for _ in range(200):
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        if not engine.has_unfinished_requests():
-            break
+    finals = run_to_end(engine, 200)
     bad = finals["bad-0"].outputs[0]
     assert bad.finish_reason == "error" and "no such adapter directory" in bad.error and "doomed" in bad.error
     assert finals["good-0"].outputs[0].token_ids == reference["a1"][0]
