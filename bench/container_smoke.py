@@ -43,8 +43,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
+from bench.loadtest import LoadTestConfig, format_report, parse_duration, run_loadtest
+from bench.protocol import parse_sse_line, request_payload
 from deploy import container as ctr
+from deploy.export import default_name, export
 from deploy.render import COMMITTED, QUEUE_METRIC, SUCCESS_METRIC, DeployValues, model_ready_path, render_deploy
+from deploy.triton import TritonServer, free_ports
+from engine import LLM, SamplingParams
 from engine.errors import UsageError
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -97,9 +104,6 @@ def wait_ready(url: str, timeout_s: float, alive=lambda: True) -> float | None:
 
 def triton_generate(base: str, model: str, prompt: str, *, stream: bool, timeout_s: float = 120.0) -> str:
     """The greedy text Triton's generate (or generate_stream, events joined) answers ``prompt`` with."""
-    # heavy: imported only on the path that sends requests
-    from bench.protocol import parse_sse_line, request_payload
-
     body = request_payload(prompt, {"max_tokens": MAX_TOKENS, "temperature": 0.0}, stream=stream)
     status, data = http(f"{base}/v2/models/{model}/{'generate_stream' if stream else 'generate'}", body, timeout_s)
     if status != 200:
@@ -112,8 +116,7 @@ def triton_generate(base: str, model: str, prompt: str, *, stream: bool, timeout
 
 def openai_chat(base: str, model: str, *, stream: bool) -> str:
     """The greedy text the OpenAI frontend answers ``CHAT`` with (streamed deltas joined)."""
-    # optional or heavy dependency: imported only on the path that needs it
-    from openai import OpenAI
+    from openai import OpenAI  # the bench extra
 
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120.0, max_retries=0)
     reply = client.chat.completions.create(
@@ -137,9 +140,6 @@ def metric_value(text: str, name: str, model: str) -> float | None:
 
 def export_default(out: Path) -> tuple[Path, str]:
     """Export the default checkpoint into ``out/model_repository`` (weights copied, readable by all)."""
-    # torch-heavy: imported on use, so building the parser stays fast
-    from deploy.export import default_name, export
-
     repo = out / "model_repository"
     name = default_name("smollm2-135m")
     if not (repo / name / "1" / "model.json").is_file():
@@ -175,11 +175,6 @@ def llm_model(repo: Path, name: str | None) -> tuple[str, Path, dict]:
 def engine_answers(checkpoint: Path, engine: dict) -> dict[str, str]:
     """The in-process engine's greedy answers to ``CHAT``: from the rendered text (what Triton's
     generate gets) and from the template's token ids (what the OpenAI frontend sends)."""
-    # torch-heavy: imported on use
-    from transformers import AutoTokenizer
-
-    from engine import LLM, SamplingParams
-
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     ids = tokenizer.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
@@ -229,9 +224,6 @@ def check_image(image: str, check: Checks, model: str) -> None:
 
 def _loadtest(host: str, model: str, checkpoint: Path, args: argparse.Namespace, out: Path) -> dict:
     """One Locust run into ``out`` (the smoke test's own subdirectory: an earlier run's is replaced)."""
-    # heavy: imported only on the path that runs the load
-    from bench.loadtest import LoadTestConfig, format_report, run_loadtest
-
     shutil.rmtree(out, ignore_errors=True)
 
     config = LoadTestConfig(
@@ -257,9 +249,6 @@ def _load_line(summary: dict) -> str:
 
 
 def smoke(args: argparse.Namespace, out: Path, check: Checks) -> None:
-    # heavy: imported only here
-    from deploy.triton import free_ports
-
     repo, name = (Path(args.repo).resolve(), args.model) if args.repo else export_default(out)
     ctr.check_readable(repo)
     name, checkpoint, engine = llm_model(repo, name)
@@ -318,9 +307,6 @@ def compare_host(
     repo: Path, name: str, checkpoint: Path, engine_prompt: str, args: argparse.Namespace, out: Path, container: dict
 ) -> None:
     """The same load against the host's tritonserver (``lmforge serve``'s), after the container stopped."""
-    # heavy: imported only here
-    from deploy.triton import TritonServer, free_ports
-
     http_port, grpc_port, metrics_port = free_ports(3)
     base = f"http://127.0.0.1:{http_port}"
     with TritonServer(
@@ -449,9 +435,6 @@ def run(args: argparse.Namespace) -> int:
     if not ctr.image_exists(args.image):
         raise ctr.ContainerError(f"no image {args.image}", fix="build it with `make image`")
     if args.action == "smoke":
-        # heavy: imported only here
-        from bench.loadtest import parse_duration
-
         args.run_time_s = parse_duration(args.run_time)
     sys.stdout.reconfigure(line_buffering=True)  # check lines and load reports in order, also in a log
     out = Path(args.out).resolve()

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.harness import repo_root, run_process, url_ready
 from bench.metrics import LoadStep, goodput, latency_by_concurrency, step_summaries, summarize
 from bench.prompts import PromptError, load_prompts, render_chat, with_system_prompt
 from bench.protocol import OPENAI_PATHS, openai_payload, request_payload
@@ -193,10 +194,7 @@ def _get(url: str, timeout_s: float = CHECK_TIMEOUT_S) -> tuple[int, bytes]:
 
 def server_ready(host: str, api: str = "triton") -> bool:
     """Whether ``/v2/health/ready`` (``/health`` for the OpenAI API) answers 200 within a few seconds."""
-    try:
-        return _get(f"{host}/health" if api == "openai" else f"{host}/v2/health/ready")[0] == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    return url_ready(f"{host}/health" if api == "openai" else f"{host}/v2/health/ready", CHECK_TIMEOUT_S)
 
 
 def preflight(config: LoadTestConfig) -> None:
@@ -441,21 +439,14 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> d
     child_log = out / "locust.log"
     timeout_s = config.run_time_s + config.request_timeout_s + CHILD_GRACE_S
     note = None
-    repo_root = str(Path(__file__).resolve().parent.parent)
     with child_log.open("w", encoding="utf-8") as handle:
-        try:
-            child = subprocess.run(
-                _child_command(config, out),
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                timeout=timeout_s,
-                cwd=repo_root,
-                check=False,
-            )
-            if child.returncode != 0:
-                note = f"the load generator exited with status {child.returncode}; see {child_log}"
-        except subprocess.TimeoutExpired:
-            note = f"the load generator did not finish within {timeout_s:.0f} s and was killed; see {child_log}"
+        child = run_process(
+            _child_command(config, out), timeout_s, cwd=repo_root(), stdout=handle, stderr=subprocess.STDOUT
+        )
+    if child.timed_out:
+        note = f"the load generator did not finish within {timeout_s:.0f} s and was killed; see {child_log}"
+    elif child.returncode != 0:
+        note = f"the load generator exited with status {child.returncode}; see {child_log}"
     samples, records = read_samples(out / "samples.jsonl")
     if not samples and note is not None:
         raise LoadTestError(f"no requests were measured: {note}")

@@ -32,12 +32,23 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import time
 from pathlib import Path
 
+import psutil
+import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
+from bench.workload import build_workload
+from compress.quantize.methods import quantize
+from engine import LLM, LoRARequest, SamplingParams
+from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import cache_dir, check_output_file, write_output_file
-from engine.checkpoint.store import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, resolve_checkpoint
+from engine.checkpoint.store import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, describe_weights, resolve_checkpoint
 from engine.errors import UsageError
+from engine.lora import LORA_TARGETS, module_shapes
 
 TARGETS = {
     "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -62,13 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_adapters(base: Path, out: Path, count: int, rank: int, targets: tuple[str, ...]) -> list[Path]:
     """``count`` random PEFT-format adapters of ``base`` (A ~ N(0, 1/in), B ~ N(0, 0.01)), written once."""
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-    from safetensors.torch import save_file
-
-    from engine.checkpoint.model_spec import ModelSpec
-    from engine.lora import LORA_TARGETS, module_shapes
-
     spec = ModelSpec.from_checkpoint(base)
     shapes = module_shapes(spec)
     paths = []
@@ -93,9 +97,6 @@ def make_adapters(base: Path, out: Path, count: int, rank: int, targets: tuple[s
 
 
 def _int8_base(base: Path, work: Path, method: str) -> Path:
-    # optional or heavy dependency: imported only on the path that needs it
-    from compress.quantize.methods import quantize
-
     out = work / f"{base.name}-{method}"
     if not (out / "lmforge.json").is_file():
         print(f"quantizing {base} with {method} into {out} (once) ...", flush=True)
@@ -115,12 +116,6 @@ def _row(llm, prompts, params, loras) -> dict:
 
 def measure_speed(base: Path, int8: Path, adapters: list[Path], args) -> dict[str, dict]:
     """The four rows, alternated ``args.rounds`` times; each row's best round (by CPU-time tok/s)."""
-    # torch-heavy: imported on use, so importing this module stays light
-    from transformers import AutoTokenizer
-
-    from bench.workload import build_workload
-    from engine import LLM, LoRARequest, SamplingParams
-
     workload = build_workload(AutoTokenizer.from_pretrained(base), num_requests=args.requests, max_tokens=args.tokens)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
@@ -157,7 +152,6 @@ def measure_memory(base: Path, adapters: list[Path], args) -> dict:
     """Resident memory of a fresh bf16 engine with 0, 1 and all adapters loaded and active, measured in a
     child process (``_memory_child``)."""
     # the standard library's process pool: a fresh interpreter whose allocator holds nothing yet
-    import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
@@ -165,12 +159,6 @@ def measure_memory(base: Path, adapters: list[Path], args) -> dict:
 
 
 def _memory_child(base: str, adapter_dirs: list[str], rank: int) -> dict:
-    # optional or heavy dependency: imported only on the path that needs it
-    import psutil
-
-    from engine import LLM, LoRARequest, SamplingParams
-    from engine.checkpoint.store import describe_weights
-
     base, adapters = Path(base), [Path(p) for p in adapter_dirs]
     process = psutil.Process()
     config = dict(dtype="bfloat16", enable_lora=True, max_loras=len(adapters), max_lora_rank=max(rank, 16))

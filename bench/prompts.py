@@ -95,7 +95,7 @@ def render_chat(prompts: list[str], checkpoint: str, system_prompt: str | None =
     Raises:
         PromptError: the checkpoint cannot be resolved or its tokenizer has no chat template.
     """
-    # optional or heavy dependency: imported only on the path that needs it
+    # here, not at the top: the load generator's processes import this module and never render a template
     from transformers import AutoTokenizer
 
     try:

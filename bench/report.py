@@ -52,11 +52,9 @@ def _numbered(record: object, source: str, line: int) -> tuple[int, dict]:
 
 def plot_report(samples: Sequence[RequestSample], out_dir: Path, title: str) -> list[Path]:
     """Write the four PNGs of :data:`PLOT_FILES` into ``out_dir``; returns their paths."""
-    # optional or heavy dependency: imported only on the path that needs it
-    import matplotlib
+    import matplotlib  # the bench extra (pip install 'lmforge[bench]')
 
     matplotlib.use("Agg")
-    # optional or heavy dependency: imported only on the path that needs it
     import matplotlib.pyplot as plt
 
     ok = [s for s in samples if s.ok]

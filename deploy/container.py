@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from deploy.render import TORCH_VERSION, TRITON_PORTS, DeployValues, cpu_image
 from engine.errors import LmforgeError, UsageError
 
@@ -488,9 +490,6 @@ class KubePlay:
 
 
 def _documents(files: list[Path]) -> list[dict]:
-    # heavy: imported only on the kube path
-    import yaml
-
     return [d for f in files for d in yaml.safe_load_all(f.read_text()) if d]
 
 

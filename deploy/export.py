@@ -31,8 +31,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from deploy.encoder import prepare_encoder_onnx
-from deploy.lora_adapters import LORA_DIR, MODEL_INFO_KEY
+from deploy.lora_adapters import LORA_DIR, MODEL_INFO_KEY, check_adapter_name
 from deploy.model_config import (
     CONFIG_NAME,
     check_repository,
@@ -44,9 +46,11 @@ from deploy.model_config import (
     tokenizer_config,
 )
 from engine import EngineConfig
+from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from engine.checkpoint.store import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
 from engine.errors import UsageError
+from engine.lora import LoRARequest, load_adapter
 
 MODEL_INFO_NAME = "model.json"
 VERSION = "1"
@@ -172,7 +176,6 @@ def parse_lora_flags(values: list[str]) -> dict[str, Path]:
         UsageError: a value without ``=``, a bad or repeated name.
     """
     # the adapter-name rule of the served model
-    from deploy.lora_adapters import check_adapter_name
 
     loras: dict[str, Path] = {}
     for value in values:
@@ -360,11 +363,6 @@ def check_lora_adapters(loras: dict[str, Path], base: Path, max_lora_rank: int) 
     """
     if not loras:
         return
-    # torch-heavy: imported on use, so importing this module stays light
-    import torch
-
-    from engine.checkpoint.model_spec import ModelSpec
-    from engine.lora import LoRARequest, load_adapter
 
     spec = ModelSpec.from_checkpoint(base)
     for i, (lora_name, directory) in enumerate(loras.items()):

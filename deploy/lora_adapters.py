@@ -22,6 +22,7 @@ from pathlib import Path
 
 from engine.checkpoint.outputs import write_atomic
 from engine.errors import InvalidRequestError, UsageError
+from engine.lora import LoRARequest
 
 #: Run-time adapters of a model, ``{name: path}``, in its version directory (as Triton's vLLM backend).
 MULTI_LORA_NAME = "multi_lora.json"
@@ -126,9 +127,6 @@ class AdapterRegistry:
         Raises:
             InvalidRequestError: a bad name, or one this model does not serve (``param`` ``lora_name``).
         """
-        # torch-heavy: imported on use, so importing this module stays light
-        from engine.lora import LoRARequest
-
         check_adapter_name(name)
         self.refresh()
         path = self.served().get(name)

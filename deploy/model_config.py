@@ -26,8 +26,7 @@ class ConfigCheckError(LmforgeError, ValueError):
 
 
 def _pb():
-    # optional or heavy dependency: imported only on the path that needs it
-    from tritonclient.grpc import model_config_pb2
+    from tritonclient.grpc import model_config_pb2  # the serve extra
 
     return model_config_pb2
 
@@ -38,8 +37,7 @@ def parse_config_text(text: str, path: str | Path = "<config>"):
     Raises:
         ConfigCheckError: ``path: line:col : what is wrong``.
     """
-    # optional or heavy dependency: imported only on the path that needs it
-    from google.protobuf import text_format
+    from google.protobuf import text_format  # comes with tritonclient (the serve extra)
 
     config = _pb().ModelConfig()
     try:
@@ -111,8 +109,7 @@ def _check_semantics(config, path: Path) -> None:
 
 def to_text(config) -> str:
     """``ModelConfig`` -> ``config.pbtxt`` text."""
-    # optional or heavy dependency: imported only on the path that needs it
-    from google.protobuf import text_format
+    from google.protobuf import text_format  # comes with tritonclient (the serve extra)
 
     return text_format.MessageToString(config)
 

@@ -32,11 +32,9 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 #: ``num_speculative_tokens`` when speculation is on and it is not given.
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 3}
 
-#: Tokens whose logits a draft with ``token_frequencies.json`` computes (``speculative_draft_vocab_size``).
-#: Measured with the 600-step distilled SmolLM2 student in INT8 (docs/speculative-decoding.md): its greedy
-#: token agrees with the target's on 44.3% of 677 chat reply positions with 8192 or 2048 rows (grounded: 20.0%
-#: and 19.2%), and the 2048-row head reads 3.5 MB less per draft position (an INT8 head of 8192 rows took
-#: 0.64 ms of a 4.4 ms position); chat alone 1.29-1.37x vs 1.17-1.32x with 8192 in four A/B runs.
+#: Tokens whose logits a draft with ``token_frequencies.json`` computes (``speculative_draft_vocab_size``): 2048
+#: rows agree with the target as often as 8192 (44.3% of chat positions) and read 3.5 MB less per draft position
+#: (docs/speculative-decoding.md).
 DEFAULT_SPECULATIVE_DRAFT_VOCAB_SIZE = 2048
 
 #: A draft stops proposing for a request after a token it gave less than this probability

@@ -127,34 +127,20 @@ PACK_BATCH_HINT = 64
 
 def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
     """Whether float weights are pre-packed for oneDNN: bf16 on a CPU whose oneDNN has bf16 kernels
-    (``onednn_bf16_supported``).
-
-    Measured on SmolLM2-135M, 2 threads, AVX-512 BF16 + AMX (one run, packed vs plain): bf16
-    64-request workload 250 vs 168 tok/s, one request 32.0 vs 27.7 tok/s; fp32 161 vs 313 and
-    20.9 vs 32.0 tok/s. fp32 therefore keeps ``F.linear`` on the plain weight.
+    (``onednn_bf16_supported``). Packed at every size, fp32 ran at half the speed of ``F.linear``
+    (161 vs 313 tok/s, docs/engine.md), so fp32 packs only ``FP32_PACKED_ROWS``.
     """
     return device == "cpu" and dtype == torch.bfloat16 and onednn_bf16_supported()
 
 
-#: Rows (tokens) of an fp32 CPU linear that run on a oneDNN-packed copy of the weight: from 1 to 64 (decode,
+#: Rows (tokens) of an fp32 CPU linear that run on a oneDNN-packed copy of the weight: 1 to 64 (decode,
 #: speculative verification); prefill keeps MKL's ``F.linear`` on the plain weight. MKL's fp32 GEMM re-packs the
-#: weight on every call past 3 rows: measured at 1 thread on an AVX-512 + AMX CPU (SmolLM2-135M shapes, ms per
-#: call, ``F.linear`` vs packed): ``[3072, 576]`` 0.85 vs 0.89 at 1 row, 1.63 vs 0.83 at 5, 2.03 vs 1.29 at 16;
-#: the ``[49152, 576]`` head 11.1 vs 11.7 at 1 row, 26.8 vs 14.1 at 5 (a verification of 1 + 4 tokens took
-#: 142 ms against a 76 ms one-token step). On an AMD EPYC with AVX-512 (no AMX), 2 threads, MKL is slow from
-#: 1 row on: the head 11.2 vs 5.6 ms at 1 row, 26.4 vs 6.9 at 2; one sequence decoded at 14.5 tok/s with
-#: MKL below 4 rows and 20.5-21.6 with every decode row packed (same greedy tokens), while the Intel CPU's 1-row
-#: figures are even. Past 64 rows the plain weight is kept, as measured before packing fp32 weights at every
-#: size (``can_pack_weights``).
+#: weight on every call past 3 rows (the LM head: 26.8 ms vs 14.1 packed at 5 rows; docs/engine.md).
 FP32_PACKED_ROWS = (1, 64)
 
 
 #: Fewest rows a step runs its oneDNN-packed float linears with: a decode of 1 to 3 tokens is padded with zero rows
-#: to 4. oneDNN picks slower kernels below 4 rows (the weights are read once either way). Measured on an AMD EPYC
-#: with AVX-512 BF16 (no AMX), 1 thread, SmolLM2-135M shapes, ms for the 120 layer linears of one step (30 x qkv,
-#: o, gate/up, down): bf16 15.7 at 1 row, 16.7 at 2, 13.8 at 3, 13.2 at 4, 13.0 at 6, 15.7 at 8 (the lm head 4.42,
-#: 4.67, 3.86, 3.75 ms at 1-4 rows); fp32 24.4, 27.9, 20.2, 19.0, 19.4, 25.0. A verification of 1 + 1 tokens cost
-#: 6-13% more than a one-token decode.
+#: to 4, where oneDNN picks faster kernels (a step's bf16 layer linears: 15.7 ms at 1 row, 13.2 at 4; docs/engine.md).
 PACKED_MIN_ROWS = 4
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ if not torch.cuda.is_available():
     # any test module (collected in folder order) imports engine.attention_triton and decorates them
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from bench.harness import ManagedProcess, ProcessStartError
 from compress.data.prepare import DataConfig, prepare
 from deploy.export import export
 from deploy.triton import TritonServer, free_ports
@@ -38,6 +41,39 @@ def lmforge():
         return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def start_frontend():
+    """``start_frontend(repo, grpc_url, log_path, *flags)``: a context manager running ``python -m deploy.openai``
+    for ``repo`` on a free port of 127.0.0.1 (ready once ``/health`` answers, within 300 s: a shared machine can take
+    minutes to import torch), stopped at its end; yields the base URL."""
+
+    @contextlib.contextmanager
+    def start(repo: Path, grpc_url: str, log_path: Path, *flags: str):
+        url = f"http://127.0.0.1:{free_ports(1)[0]}"
+        command = [sys.executable, "-m", "deploy.openai", "--repo", repo, "--grpc-url", grpc_url]
+        command += ["--port", url.rsplit(":", 1)[1], *flags]
+        process = ManagedProcess(
+            command,
+            name="the OpenAI frontend",
+            log_path=log_path,
+            cwd=REPO_ROOT,
+            ready_url=f"{url}/health",
+            ready_timeout_s=300,
+            stop_timeout_s=15,
+            stop_signal=signal.SIGINT,
+        )
+        try:
+            process.__enter__()
+        except ProcessStartError as exc:
+            pytest.fail(f"{exc}\n{Path(log_path).read_text()[-3000:]}")
+        try:
+            yield url
+        finally:
+            process.stop()
+
+    return start
 
 
 @pytest.fixture(scope="session")

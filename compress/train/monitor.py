@@ -85,11 +85,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def plot_metrics(run_dir: str | Path) -> list[Path]:
     """Write the four PNG plots of a run's metrics; returns their paths (none without metrics)."""
-    # optional or heavy dependency: imported only on the path that needs it
-    import matplotlib
+    import matplotlib  # the bench extra (pip install 'lmforge[bench]')
 
     matplotlib.use("Agg")
-    # optional or heavy dependency: imported only on the path that needs it
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)

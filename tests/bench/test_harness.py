@@ -141,3 +141,41 @@ def test_percentiles_are_exact_and_reports_are_written(tmp_path):
         "vllm_bf16    not installed",
         "hf            bf16    9.0",
     ]
+
+
+def test_bench_serving_starts_the_installed_peers_and_stops_them(tmp_path, monkeypatch, tiny_llama_dir):
+    """``lmforge bench serving --peers``: llama-server from the peers directory (here the fake one) becomes an
+    endpoint once ready, a missing vLLM is a note, and the stack ends the server."""
+    import argparse
+    import contextlib
+
+    from bench.serving_compare import start_peers
+
+    peers = tmp_path / "peers"
+    (peers / "bin").mkdir(parents=True)
+    (peers / "bin" / "llama-server").symlink_to(Path(__file__).resolve().parents[1] / "fakes" / "fake_llama_server.py")
+    (peers / "model-f32.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("LMFORGE_PEERS", str(peers))
+    args = argparse.Namespace(
+        checkpoint=str(tiny_llama_dir),
+        peer_model_name="tiny",
+        dtype="float32",
+        gguf=None,
+        users=[1, 2],
+        max_model_len=64,
+        shared_system_prompt=False,
+        peer_endpoint="completions",
+    )
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        (endpoint,) = start_peers(args, tmp_path, notes, stack)
+        assert (endpoint.name, endpoint.api, endpoint.model, endpoint.endpoint) == (
+            "llama-server",
+            "openai",
+            "tiny",
+            "completions",
+        )
+        assert wait_for_url(f"{endpoint.url}/health", 5.0) is not None
+        pids = [p.pid for p in psutil.Process().children() if str(peers) in " ".join(p.cmdline())]
+    assert notes == [f"vllm skipped: no vllm venv under {peers} (install it with `make peers`)"]
+    assert len(pids) == 1 and _gone(pids[0])

@@ -22,7 +22,6 @@ from transformers import AutoTokenizer
 
 from bench.loadtest import LoadTestConfig, run_loadtest
 from bench.report import read_samples
-from deploy.triton import free_ports, stop_process
 from lmforge_cli import main
 
 pytestmark = pytest.mark.integration
@@ -34,46 +33,11 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 
 @pytest.fixture(scope="session")
-def frontend(server, served_repo, tmp_path_factory):
+def frontend(server, served_repo, tmp_path_factory, start_frontend):
     """``python -m deploy.openai`` on a free port; yields its base URL."""
-    port = free_ports(1)[0]
     log_path = tmp_path_factory.mktemp("openai") / "frontend.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "deploy.openai",
-                "--repo",
-                str(served_repo),
-                "--models",
-                "llm",
-                "--grpc-url",
-                server.grpc_url,
-                "--port",
-                str(port),
-                "--api-key",
-                API_KEY,
-            ],
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300  # a shared machine can take minutes to import torch
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"the frontend did not start:\n{log_path.read_text()[-3000:]}")
+    with start_frontend(served_repo, server.grpc_url, log_path, "--models", "llm", "--api-key", API_KEY) as url:
         yield url
-    finally:
-        stop_process(process.pid, grace_s=15, wait=process.wait)
 
 
 @pytest.fixture(scope="session")

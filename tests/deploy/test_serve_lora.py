@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import openai
@@ -20,7 +17,7 @@ import pytest
 import requests
 
 from deploy.export import export
-from deploy.triton import TritonServer, free_ports, stop_process
+from deploy.triton import TritonServer, free_ports
 from engine import LLM, LoRARequest, SamplingParams
 from tests.conftest import ENGINE_CONFIG
 from tests.engine.test_engine_lora import make_peft_adapter
@@ -59,32 +56,10 @@ def lora_server(lora_repo):
 
 
 @pytest.fixture(scope="module")
-def lora_frontend(lora_server, lora_repo, tmp_path_factory):
-    port = free_ports(1)[0]
+def lora_frontend(lora_server, lora_repo, tmp_path_factory, start_frontend):
     log_path = tmp_path_factory.mktemp("lora-openai") / "frontend.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "deploy.openai", "--repo", str(lora_repo), "--models", "llm"]
-            + ["--grpc-url", lora_server.grpc_url, "--port", str(port), "--api-key", API_KEY],
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"the frontend did not start:\n{log_path.read_text()[-3000:]}")
+    with start_frontend(lora_repo, lora_server.grpc_url, log_path, "--models", "llm", "--api-key", API_KEY) as url:
         yield url
-    finally:
-        stop_process(process.pid, grace_s=15, wait=process.wait)
 
 
 @pytest.fixture(scope="module")

@@ -72,3 +72,22 @@ def cpu_kernels():
         pytest.fail(f"engine CPU kernels did not build: {cpu_ops.KERNELS.reason}")
     yield
     cpu_ops.use_cpu_kernels(True)
+
+
+@pytest.fixture
+def shared_prefix_block_table():
+    """``table(lens, block_size)``: a ``[B, max_blocks]`` block table in which every request starts with the
+    shared prefix blocks 1, 2, 3 and then has its own blocks (numbered on from 4, padded with 0); returns
+    ``(block_table, number of blocks used)``."""
+
+    def table(lens: list[int], block_size: int) -> tuple[torch.Tensor, int]:
+        prefix = [1, 2, 3]
+        tables, nxt = [], 4
+        for n in lens:
+            own = -(-n // block_size) - len(prefix)
+            tables.append(prefix + list(range(nxt, nxt + own)))
+            nxt += own
+        width = max(map(len, tables))
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables]), nxt
+
+    return table

@@ -128,19 +128,12 @@ def test_paged_decode_attention_matches_direct_attention(dtype, num_heads, num_k
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_backend_with_shared_prefix_equals_the_torch_path(dtype):
+def test_decode_backend_with_shared_prefix_equals_the_torch_path(dtype, shared_prefix_block_table):
     """Cascade decode (shared prefix read once, own blocks in place) against the gather + flash path."""
     torch.manual_seed(0)
     num_heads, num_kv, head_dim, bs = 9, 3, 64, 16
-    prefix = [1, 2, 3]  # 48 shared tokens
     lens = [50, 63, 64, 65, 90]
-    tables, nxt = [], 4
-    for n in lens:
-        own = -(-n // bs) - len(prefix)
-        tables.append(prefix + list(range(nxt, nxt + own)))
-        nxt += own
-    width = max(map(len, tables))
-    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    block_table, nxt = shared_prefix_block_table(lens, bs)  # 48 shared tokens
     cache = torch.randn(2, nxt, bs, num_kv, head_dim).to(dtype)
     q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
     seq_lens = torch.tensor(lens)
@@ -166,7 +159,7 @@ def test_decode_backend_with_shared_prefix_equals_the_torch_path(dtype):
         cpu_ops.use_cpu_kernels(True)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(native.float(), torch_path.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(native.float(), _reference(cache, tables, q, lens, bs), rtol=tol, atol=tol)
+    torch.testing.assert_close(native.float(), _reference(cache, block_table.tolist(), q, lens, bs), rtol=tol, atol=tol)
 
 
 def test_bad_arguments_name_the_tensor():

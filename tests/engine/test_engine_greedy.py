@@ -27,7 +27,11 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
     """Reference tokens: HF generate per prompt (no padding)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    return model_greedy(AutoModelForCausalLM.from_pretrained(model_dir).eval(), prompts, max_new_tokens)
+
+
+def model_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of a transformers (or PEFT) model's ``generate``, one prompt at a time (no padding)."""
     results = []
     with torch.inference_mode():
         for p in prompts:

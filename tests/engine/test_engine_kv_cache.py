@@ -97,22 +97,15 @@ def test_decode_kernel_on_int8_rows_equals_attention_over_the_dequantized_cache(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_paths_on_an_int8_cache_agree(dtype):
+def test_backend_paths_on_an_int8_cache_agree(dtype, shared_prefix_block_table):
     """A step of decodes behind a shared prefix and of prefill chunks, on an int8 cache: the C++ kernels
     (cascade decode, prefill rows) equal the torch paths (dequantized gather + flash) within the dtype's
     rounding, and the torch store writes ``quantize_kv``'s bytes."""
     torch.manual_seed(0)
     num_heads, num_kv, hd, bs = 9, 3, 64, 16
-    prefix = [1, 2, 3]
     decode_lens, chunks = [50, 63, 65], [(48, 5), (49, 12)]  # (computed, new) of the prefill chunks
     lens = decode_lens + [c + n for c, n in chunks]
-    tables, nxt = [], 4
-    for n in lens:
-        own = -(-n // bs) - len(prefix)
-        tables.append(prefix + list(range(nxt, nxt + own)))
-        nxt += own
-    width = max(map(len, tables))
-    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    block_table, nxt = shared_prefix_block_table(lens, bs)
     qlens = [1] * len(decode_lens) + [n for _, n in chunks]
     computed = [n - 1 for n in decode_lens] + [c for c, _ in chunks]
     positions = torch.cat([torch.arange(c, c + q) for c, q in zip(computed, qlens)])

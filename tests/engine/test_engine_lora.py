@@ -18,7 +18,8 @@ import torch
 from engine import LLM, LoRARequest, SamplingParams
 from engine.checkpoint.store import Manifest, make_tiny_llama, write_manifest
 from engine.lora import LoRAError
-from tests.engine.test_engine_greedy import random_prompts
+from tests.engine.test_engine_greedy import model_greedy, random_prompts
+from tests.engine.test_engine_requests import run_to_end
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -64,22 +65,6 @@ def peft_model(base: Path, adapter: Path | None, state_dict: dict | None = None)
     return model.eval()
 
 
-def peft_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    results = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2
-            )
-            results.append(out[0, len(p) :].tolist())
-    return results
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 def lora_llm(model_dir, **overrides) -> LLM:
     config = dict(
         block_size=4,
@@ -116,7 +101,7 @@ def reference(tiny_llama_dir, adapters, prompts) -> dict[str | None, list[list[i
     out = {}
     for name in [None, *adapters]:
         model = peft_model(tiny_llama_dir, None if name is None else Path(adapters[name].lora_path))
-        out[name] = peft_greedy(model, prompts, GREEDY.max_tokens)
+        out[name] = model_greedy(model, prompts, GREEDY.max_tokens)
     return out
 
 
@@ -192,13 +177,7 @@ def test_a_running_request_of_another_adapter_never_donates_its_kv(tiny_llama_di
         engine.step()
     engine.add_request("other", prompt, GREEDY, lora_request=adapters["a3"])
     engine.add_request("same", prompt, GREEDY, lora_request=adapters["a1"])
-    finals = {}
-    for _ in range(200):
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        if not engine.has_unfinished_requests():
-            break
+    finals = run_to_end(engine, 200)
     assert finals["other"].metrics.num_cached_tokens == 0
     assert finals["same"].metrics.num_cached_tokens == 29  # every token but the last, from a1's first request
     assert finals["other"].outputs[0].token_ids == reference["a3"][3]
@@ -245,13 +224,7 @@ def test_adapter_files_removed_while_queued_fail_only_its_requests(
     engine.add_request("good-1", prompts[2], GREEDY, lora_request=adapters["a1"])  # evicts the doomed one
     engine.add_request("base", prompts[3], GREEDY)
     shutil.rmtree(doomed_dir)
-    finals = {}
-    for _ in range(200):
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        if not engine.has_unfinished_requests():
-            break
+    finals = run_to_end(engine, 200)
     bad = finals["bad-0"].outputs[0]
     assert bad.finish_reason == "error" and "no such adapter directory" in bad.error and "doomed" in bad.error
     assert finals["good-0"].outputs[0].token_ids == reference["a1"][0]
@@ -462,7 +435,7 @@ def test_smollm2_adapter_trained_by_lmforge_finetune_equals_peft_in_a_mixed_batc
     outs = llm.generate([p for p, _ in batch], params, lora_request=[loras.get(n) for _, n in batch])
     got = {(tuple(p), n): o.outputs[0].token_ids for (p, n), o in zip(batch, outs)}
     for name in names:
-        expected = peft_greedy(
+        expected = model_greedy(
             peft_model(smollm2_dir, None if name is None else Path(loras[name].lora_path)), prompts, 12
         )
         for prompt, want in zip(prompts, expected):
