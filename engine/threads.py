@@ -33,11 +33,16 @@ AGREEING_LOOKS = 2
 MIN_DWELL_S = 2.0
 
 
-def machine_busy_s(stat: str = "/proc/stat") -> float | None:
+def machine_busy_s(stat: str = "/proc/stat", count_niced: bool | None = None) -> float | None:
     """Seconds of CPU time all processes have used (every core summed), or ``None`` where unreadable.
 
-    From the first ``cpu`` line of ``/proc/stat``: user, nice, system, irq, softirq and steal ticks.
+    From the first ``cpu`` line of ``/proc/stat``: user, system, irq, softirq and steal ticks, and nice
+    ticks when ``count_niced`` (default: when this process itself runs at a nice value above 0). Niced
+    work yields its core to a normal-priority process (the kernel weighs nice 19 at about 1.5% of nice 0),
+    so a core busy with it is still free for our threads; a niced engine competes with it and counts it.
     """
+    if count_niced is None:
+        count_niced = os.getpriority(os.PRIO_PROCESS, 0) > 0
     try:
         with open(stat, encoding="ascii") as f:
             fields = f.readline().split()
@@ -46,7 +51,7 @@ def machine_busy_s(stat: str = "/proc/stat") -> float | None:
     if not fields or fields[0] != "cpu" or len(fields) < 9:
         return None
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return (user + (nice if count_niced else 0) + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_s() -> float:

@@ -92,6 +92,10 @@ def test_the_machine_busy_time_is_read_from_proc_stat(tmp_path):
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 0 50 1000 5 0 0 10 0 0\ncpu0 1 2 3 4 5 6 7 8\n")
     assert machine_busy_s(str(stat)) == pytest.approx(160 / os.sysconf("SC_CLK_TCK"))
+    stat.write_text("cpu  100 40 50 1000 5 0 0 10 0 0\n")  # 40 ticks of niced work
+    tick_s = 1 / os.sysconf("SC_CLK_TCK")
+    assert machine_busy_s(str(stat), count_niced=False) == pytest.approx(160 * tick_s)  # it yields to us
+    assert machine_busy_s(str(stat), count_niced=True) == pytest.approx(200 * tick_s)  # we are niced too
     assert machine_busy_s(str(tmp_path / "missing")) is None
     stat.write_text("intr 1 2 3\n")
     assert machine_busy_s(str(stat)) is None
