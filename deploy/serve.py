@@ -202,6 +202,7 @@ def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: floa
         str(args.openai_port),
         "--models",
         *names,
+        *llm_names(repo, server.models, kind="encoder"),  # /v1/embeddings
     ]
     log = open(repo / OPENAI_LOG_FILE, "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
