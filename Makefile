@@ -117,15 +117,18 @@ $(PEERS)/openvino/.installed:
 
 # lm-evaluation-harness in a venv of its own, $(LMEVAL_VENV) (its pins must not move the project's):
 # `lm-eval --model local-completions` scores the served /v1/completions (docs/serving.md). The API
-# extra only: no torch, the tokenizer comes from transformers. tests/deploy/test_lmeval_served.py
-# builds it through this target when it is missing (a few minutes, from the package registry).
+# extra only: no torch, the tokenizer comes from transformers (the project's version); datasets 3.6,
+# the last before 4.0 dropped the dataset scripts some lm-eval tasks still load. `make test` runs
+# tests/deploy/test_lmeval_served.py, which calls this target first (a few minutes from the package
+# registry when the venv is missing; nothing when its stamp is newer than this Makefile). Worktrees
+# can share one copy: a symlink .venv-lmeval -> the built one.
 LMEVAL_VENV := .venv-lmeval
 LMEVAL_PY   := $(LMEVAL_VENV)/bin/python
 LMEVAL_PKGS := lm-eval[api]==0.4.13 transformers==4.57.6 datasets==3.6.0
 
 lmeval-venv: $(LMEVAL_VENV)/.installed
 
-$(LMEVAL_VENV)/.installed:
+$(LMEVAL_VENV)/.installed: Makefile
 	test -x $(LMEVAL_PY) || $(PYTHON) -m venv $(LMEVAL_VENV)
 	$(LMEVAL_PY) -m pip install --quiet --upgrade pip
 	nice -n 15 $(LMEVAL_PY) -m pip install --quiet $(LMEVAL_PKGS)
