@@ -137,6 +137,10 @@ def create_app(
     async def detokenize(request: Request):
         return serving_tokenization.detokenize(await request.body())
 
+    @app.get("/tokenizer_info", dependencies=auth)
+    async def tokenizer_info(model: str | None = None):
+        return serving_tokenization.tokenizer_info(model)
+
     lora_lock = asyncio.Lock()  # one load or unload at a time (each rewrites multi_lora.json)
 
     @app.post("/v1/load_lora_adapter", dependencies=auth)

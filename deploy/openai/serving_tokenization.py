@@ -5,7 +5,9 @@ frontend itself uses for the served LLM (so the ids are those ``/v1/completions`
 * ``{"model", "prompt", "add_special_tokens"}`` -> ``{"count", "max_model_len", "tokens", "token_strs"}``;
 * ``{"model", "messages", "add_generation_prompt", ...}``: the messages through the model's chat
   template first (as the chat endpoint renders them);
-* ``{"model", "tokens"}`` -> ``{"prompt"}``.
+* ``{"model", "tokens"}`` -> ``{"prompt"}``;
+* ``GET /tokenizer_info``: the tokenizer's special tokens, chat template and ``model_max_length``
+  (what lm-evaluation-harness' remote tokenizer reads before it tokenizes through ``/tokenize``).
 
 ``model`` may be left out when one LLM is served (lm-evaluation-harness probes ``/tokenize`` so);
 a LoRA adapter's name gives its base's tokenizer.
@@ -70,6 +72,20 @@ class OpenAIServingTokenization:
                 message = f"{param}: token id {token} is outside the vocabulary [0, {model.vocab_size})"
                 raise OpenAIError(400, message, param=param)
         return {"prompt": model.tokenizer.decode(request.tokens)}
+
+    def tokenizer_info(self, name: str | None) -> dict:
+        """Raises: OpenAIError: 400 no ``model`` while several are served; 404 an unknown model."""
+        model = self._find(name)
+        tokenizer = model.tokenizer
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token,
+            "pad_token": tokenizer.pad_token,
+            "unk_token": tokenizer.unk_token,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": model.max_model_len,
+        }
 
     def _find(self, name: str | None) -> ServedModel:
         if name is None:

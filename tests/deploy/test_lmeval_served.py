@@ -12,7 +12,9 @@ frontend of its own, so its scores compare tightly with two oracles:
 The tasks are local files (``dataset_path: json`` + ``data_files``; nothing from a hub, datasets offline):
 a multiple-choice task (``loglikelihood`` requests: ``echo``, ``logprobs: 1``, ``max_tokens: 1`` and token-id
 prompts) and a generation task (``generate_until``: greedy, stop strings), whose texts must equal the
-engine's greedy completions.
+engine's greedy completions. lm-eval tokenizes through the server (``tokenizer_backend=remote``:
+``/tokenizer_info``, ``/tokenize``, ``/detokenize``); the oracles split the texts with the Hugging Face
+tokenizer, so the served tokenizer is checked too.
 """
 
 from __future__ import annotations
@@ -162,8 +164,8 @@ def test_lm_eval_local_completions_scores_equal_the_engine_and_hf_float32(
     tasks = write_tasks(tmp_path)
     out = tmp_path / "results"
     model_args = (
-        f"model={MODEL},base_url={f32_frontend}/v1/completions,tokenizer={tiny_llama_dir},"
-        "tokenizer_backend=huggingface,max_length=512,max_retries=1,timeout=120"
+        f"model={MODEL},base_url={f32_frontend}/v1/completions,tokenizer_backend=remote,"
+        "max_length=512,max_retries=1,timeout=120"
     )
     command = [str(lmeval_python), "-m", "lm_eval", "run", "--model", "local-completions"]
     command += ["--model_args", model_args, "--tasks", "lmforge_mc,lmforge_gen", "--include_path", str(tasks)]

@@ -161,6 +161,17 @@ def test_tokenize_prompt_and_detokenize_round_trip(openai_frontend, llm_tokenize
     assert strs["tokens"] == expected and strs["token_strs"] == llm_tokenizer.convert_ids_to_tokens(expected)
 
 
+def test_tokenizer_info_names_the_special_tokens_and_the_template(openai_frontend, llm_tokenizer):
+    info = requests.get(f"{openai_frontend}/tokenizer_info", timeout=60).json()
+    assert (info["eos_token"], info["bos_token"], info["chat_template"], info["model_max_length"]) == (
+        llm_tokenizer.eos_token,
+        llm_tokenizer.bos_token,
+        llm_tokenizer.chat_template,
+        512,
+    )
+    assert requests.get(f"{openai_frontend}/tokenizer_info", params={"model": "nope"}, timeout=60).status_code == 404
+
+
 def test_tokenize_messages_follow_the_chat_template(openai_frontend, client, llm_tokenizer):
     for add_generation_prompt in (True, False):
         body = {"model": "llm", "messages": MESSAGES, "add_generation_prompt": add_generation_prompt}
