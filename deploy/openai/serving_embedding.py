@@ -9,9 +9,10 @@ inputs with the encoder's own tokenizer, sends them in Triton requests of at mos
 ``encoding_format=base64``, as the base64 of its little-endian float32 bytes (what OpenAI sends and
 its SDK decodes).
 
-Token-id inputs are embedded through the model's text input: they are decoded with the encoder's
-vocabulary, and refused unless the decoded text tokenizes back to exactly those ids, so the vector is
-always that of the ids sent. Inputs longer than the model's ``max_length`` tokens are refused (not cut).
+Token-id inputs are embedded through the model's text input: leading and trailing special tokens
+(``[CLS]``, ``[SEP]``) aside, which the model adds as for any text, they are decoded with the
+encoder's vocabulary and refused unless the text tokenizes back to exactly those ids, so the vector
+is always that of the ids sent. Inputs longer than the model's ``max_length`` tokens are refused (not cut).
 """
 
 from __future__ import annotations
@@ -164,10 +165,23 @@ class OpenAIServingEmbedding:
         if not ids or bad is not None:
             problem = "no token ids" if not ids else f"token id {bad} is outside the vocabulary [0, {vocab_size})"
             raise OpenAIError(400, f"{param}: {problem}", param=param)
-        text = encoder.tokenizer.decode(ids, skip_special_tokens=True)
-        wanted = [i for i in ids if encoder.tokenizer.id_to_token(i) not in _special_tokens(encoder)]
-        again = [i for i in encoder.tokenizer.encode(text, add_special_tokens=False).ids]
-        if not text.strip() or again != wanted:
+        special = _special_ids(encoder)
+        start, end = 0, len(ids)
+        while start < end and ids[start] in special:  # [CLS] ... [SEP]: the model adds them as for text
+            start += 1
+        while end > start and ids[end - 1] in special:
+            end -= 1
+        inner = ids[start:end]
+        if any(i in special for i in inner):
+            token = encoder.tokenizer.id_to_token(next(i for i in inner if i in special))
+            raise OpenAIError(
+                400,
+                f"{param}: special token {token} inside the ids (the model takes text: only leading and trailing "
+                "special tokens are accepted, and added again as for text); send the text instead",
+                param=param,
+            )
+        text = encoder.tokenizer.decode(inner, skip_special_tokens=False)
+        if not text.strip() or encoder.tokenizer.encode(text, add_special_tokens=False).ids != inner:
             raise OpenAIError(
                 400,
                 f"{param}: these token ids do not read back as text that {encoder.name}'s tokenizer splits into the "
@@ -207,9 +221,9 @@ class OpenAIServingEmbedding:
         return vectors.astype(np.float32, copy=False)
 
 
-def _special_tokens(encoder: EncoderModel) -> set[str]:
-    """The tokenizer's special tokens ([CLS], [SEP], [PAD]...), which decoding drops."""
-    return {token.content for token in encoder.tokenizer.get_added_tokens_decoder().values() if token.special}
+def _special_ids(encoder: EncoderModel) -> set[int]:
+    """The ids of the tokenizer's special tokens ([CLS], [SEP], [PAD], [UNK]...)."""
+    return {i for i, token in encoder.tokenizer.get_added_tokens_decoder().items() if token.special}
 
 
 def _encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:

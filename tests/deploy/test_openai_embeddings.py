@@ -111,6 +111,7 @@ def test_embeddings_equal_the_encoder_in_process(openai_frontend, client, minilm
         ({"input": "fine", "encoding_format": "hex"}, 400, "encoding_format", "float"),
         ({"input": "word " * 300}, 400, "input", "limit of 256"),
         ({"input": [[101, 99999, 102]]}, 400, "input.0", "outside the vocabulary"),
+        ({"input": [[101, 7592, 102, 2088, 102]]}, 400, "input.0", "special token [SEP] inside"),
         ({"input": []}, 400, "input", "empty list"),
         ({"input": "fine", "temperature": 0.5}, 400, "temperature", "unrecognized"),
         ({"input": "fine", "model": "llm"}, 400, "model", "generative model"),
