@@ -1,7 +1,7 @@
 """``/v1/embeddings``, ``/tokenize`` and ``/detokenize`` of the OpenAI frontend against the real tritonserver.
 
 The session's Triton server serves the tiny random Llama (``llm``) and all-MiniLM-L6-v2 (``minilm``, the
-ONNX graph with the sentence-transformers head); one frontend serves both (``openai_frontend``). The
+ONNX graph with the sentence-transformers head); one frontend of this module serves both. The
 embeddings are checked against the checkpoint run in process with Hugging Face ``transformers`` in
 fp32 (mean pooling over the attention mask, then L2 normalisation: the checkpoint's ``modules.json``),
 the token ids against the Hugging Face tokenizer and chat template.
@@ -29,6 +29,15 @@ TEXTS = [
     "Triton serves the encoder; the frontend speaks OpenAI's API.",
 ]
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def openai_frontend(server, served_repo, tmp_path_factory, start_frontend):
+    """``python -m deploy.openai`` serving the session's LLM (``llm``) and encoder (``minilm``), without an API
+    key; yields its base URL."""
+    log_path = tmp_path_factory.mktemp("openai-embed") / "frontend.log"
+    with start_frontend(served_repo, server.grpc_url, log_path, "--models", "llm", "minilm") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
