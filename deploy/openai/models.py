@@ -27,6 +27,7 @@ class ServedModel:
     declared_adapters: dict[str, Path] = dataclasses.field(default_factory=dict)  # lmforge export --lora
     adapters: dict[str, Path] = dataclasses.field(default_factory=dict)  # every adapter served now (name -> dir)
     adapter_created: dict[str, int] = dataclasses.field(default_factory=dict)  # name -> UNIX time loaded
+    tool_call_parser: str = "hermes"  # the format its tool calls are read in (--tool-call-parser)
 
     @property
     def lora_enabled(self) -> bool:
