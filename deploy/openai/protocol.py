@@ -114,14 +114,16 @@ class ContentPart(BaseModel):
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # the SDK's parse() adds parsed_arguments
     name: str
     arguments: str  # JSON text, as the model wrote it
 
 
-class MessageToolCall(_Strict):
+class MessageToolCall(BaseModel):
     """An earlier assistant message's tool call, sent back with the conversation."""
 
+    model_config = ConfigDict(extra="ignore", strict=True)
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall

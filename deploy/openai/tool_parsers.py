@@ -345,6 +345,12 @@ class ToolParser:
             self._open_call(i)
 
 
+def _listed(tools: list[dict]) -> str:
+    """The tools' functions, one JSON line each (``strict`` left out: it is for the server, not the model)."""
+    functions = [{k: v for k, v in tool["function"].items() if k != "strict"} for tool in tools]
+    return "\n".join(json.dumps(function, ensure_ascii=False) for function in functions)
+
+
 def _proper_prefix_at_end(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -407,7 +413,7 @@ class HermesToolParser(ToolParser):
 
     @classmethod
     def prompt(cls, tools: list[dict]) -> str:
-        listed = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
+        listed = _listed(tools)
         return (
             "You can call functions to help answer. These are the functions, each as a JSON schema:\n"
             f"<tools>\n{listed}\n</tools>\n"
@@ -473,7 +479,7 @@ class Llama3JsonToolParser(ToolParser):
 
     @classmethod
     def prompt(cls, tools: list[dict]) -> str:
-        listed = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
+        listed = _listed(tools)
         return (
             "You can call functions to help answer. These are the functions, each as a JSON schema:\n"
             f"{listed}\n"

@@ -189,7 +189,9 @@ def template_messages(
         for message in messages:
             calls = message.pop("tool_calls", None)
             if calls:
-                written = parser.format_calls([c["function"] for c in calls])
+                written = parser.format_calls(
+                    [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+                )
                 message["content"] = ((message.get("content") or "") + "\n" + written).lstrip("\n")
     show = tools is not None and tools.mode != "none"
     if show and "tools" in template:
