@@ -6,22 +6,27 @@ tokenizer and chat template, which ignores tools: the frontend writes them into 
 Its near-uniform logits make every valid call the grammar's doing (``tool_choice`` ``required``
 or named); ``auto`` is driven by a ``guided_regex`` that makes the model write a call in the
 parser's format, so the parser, not a grammar, finds it. Plain answers are compared with the
-in-process engine's greedy text for the same prompt.
+in-process engine's greedy text for the same prompt. The real SmolLM2-135M-Instruct, loaded for the
+last test, shows the forced call's function and arguments follow the question.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Annotated, Literal
 
 import openai
 import pytest
 import requests
 from pydantic import BaseModel, Field
+from transformers import AutoTokenizer
 
+from deploy.export import export
 from deploy.openai.protocol import ChatCompletionRequest
 from deploy.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser
 from deploy.openai.tools import template_messages, tool_plan
+from engine import LLM, SamplingParams
 from tests.deploy.test_deploy_openai import API_KEY, PROMPT, client, frontend, tokenizer  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
@@ -264,3 +269,59 @@ def test_bad_tools_get_a_400_naming_the_field_and_the_server_keeps_serving(front
     )
     assert GetWeather.model_validate_json(good.choices[0].message.tool_calls[0].function.arguments)
     assert client.completions.create(model="llm", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+
+
+SMOLLM2_ENGINE = {"max_model_len": 1024, "num_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def smollm2_client(server, served_repo, smollm2_dir, start_frontend, tmp_path_factory):
+    """The real SmolLM2-135M-Instruct loaded into the session's Triton as ``smollm2_tools``, behind its own frontend."""
+    export(smollm2_dir, served_repo, name="smollm2_tools", engine=SMOLLM2_ENGINE)
+    loaded = requests.post(f"{server.http_url}/v2/repository/models/smollm2_tools/load", json={}, timeout=600)
+    assert loaded.status_code == 200, loaded.text
+    try:
+        log_path = tmp_path_factory.mktemp("openai-smollm2") / "frontend.log"
+        with start_frontend(served_repo, server.grpc_url, log_path, "--models", "smollm2_tools") as url:
+            yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    finally:
+        requests.post(f"{server.http_url}/v2/repository/models/smollm2_tools/unload", json={}, timeout=120)
+
+
+def test_real_smollm2_calls_the_right_function_and_answers_with_its_result(smollm2_client, smollm2_dir):
+    """Forced (``required``, parallel calls allowed) the model picks the function and its arguments from the
+    question; the result goes back and its answer is the in-process engine's greedy text for that prompt."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    expected = {"What is the weather in Paris?": ("get_weather", {"city": "Paris", "unit": "celsius"}),
+                "What time is it in UTC?": ("get_time", {"zone": "UTC"})}  # fmt: skip
+    answers = {}
+    for question, (name, arguments) in expected.items():
+        messages = [{"role": "user", "content": question}]
+        request = {"model": "smollm2_tools", "messages": messages, "tools": [WEATHER, TIME], "max_tokens": 100}
+        whole = answers[question] = smollm2_client.chat.completions.create(
+            **request, tool_choice="required", temperature=0
+        )
+        [call] = whole.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (name, arguments)
+        chunks = smollm2_client.chat.completions.create(**request, tool_choice="required", temperature=0, stream=True)
+        content, calls, reasons = streamed_calls(chunks)
+        assert [(c["name"], c["arguments"]) for c in calls] == [(name, call.function.arguments)]
+        assert content == "" and reasons == ["tool_calls"]
+    question = "What is the weather in Paris?"
+    weather = answers[question].choices[0].message
+    history = [
+        {"role": "user", "content": question},
+        weather.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": weather.tool_calls[0].id, "content": "Paris: sunny, 21 celsius"},
+    ]
+    answer = smollm2_client.chat.completions.create(
+        model="smollm2_tools", messages=history, tools=[WEATHER, TIME], max_tokens=40, temperature=0
+    )
+    ids = prompt_ids(tokenizer, history, [WEATHER, TIME])
+    reference = LLM(str(smollm2_dir), **SMOLLM2_ENGINE).generate(
+        [{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=40)
+    )[0]
+    assert answer.usage.prompt_tokens == len(ids)
+    assert (
+        answer.choices[0].message.content == reference.outputs[0].text and answer.choices[0].message.tool_calls is None
+    )
