@@ -282,7 +282,9 @@ def smollm2_client(server, served_repo, smollm2_dir, start_frontend, tmp_path_fa
     assert loaded.status_code == 200, loaded.text
     try:
         log_path = tmp_path_factory.mktemp("openai-smollm2") / "frontend.log"
-        with start_frontend(served_repo, server.grpc_url, log_path, "--models", "smollm2_tools") as url:
+        # a shared machine can starve the model's heartbeats past the 1 s default while its first grammar builds
+        flags = ("--models", "smollm2_tools", "--stall-timeout-s", "30")
+        with start_frontend(served_repo, server.grpc_url, log_path, *flags) as url:
             yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     finally:
         requests.post(f"{server.http_url}/v2/repository/models/smollm2_tools/unload", json={}, timeout=120)
