@@ -27,6 +27,7 @@ The modules, one room each (importing this package imports none of them):
 * ``protocol``: request bodies (pydantic) and the OpenAI error type and shape;
 * ``models``: the LLMs of the model repository (``ServedModel``, ``discover_models``);
 * ``prompts``: prompts built and checked, the ``Plan`` sent to Triton;
+* ``tools``, ``tool_parsers``: tool calling (``tools``, ``tool_choice``; ``--tool-call-parser``);
 * ``triton_client``: the gRPC client (``TritonBackend``) and the merging of its streams;
 * ``serving_common``, ``serving_completions``, ``serving_chat``, ``serving_models``: one serving
   class per endpoint (whole responses, server-sent events, usage, logprobs);
