@@ -179,6 +179,44 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
 
 
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings``: ``input`` is a text, a list of texts, token ids or lists of them."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # only the model's own width: it has no shorter embeddings
+    user: str | None = None
+
+
+class TokenizeCompletionRequest(_Strict):
+    """``POST /tokenize`` of a prompt (vLLM's body); ``model`` may be left out when one LLM is served."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """``POST /tokenize`` of chat messages through the model's chat template (vLLM's body)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's body)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # --------------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------------
