@@ -29,6 +29,7 @@ The modules, one room each (importing this package imports none of them):
 * ``models``: the LLMs and encoders of the model repository (``ServedModel``, ``discover_models``,
   ``EncoderModel``, ``discover_encoders``);
 * ``prompts``: prompts built and checked, the ``Plan`` sent to Triton;
+* ``tools``, ``tool_parsers``: tool calling (``tools``, ``tool_choice``; ``--tool-call-parser``);
 * ``triton_client``: the gRPC client (``TritonBackend``) and the merging of its streams;
 * ``serving_common``, ``serving_completions``, ``serving_chat``, ``serving_models``,
   ``serving_embedding``, ``serving_tokenization``: one serving class per endpoint (whole responses,

@@ -22,6 +22,7 @@ from deploy.openai.serving_completions import OpenAIServingCompletion
 from deploy.openai.serving_embedding import OpenAIServingEmbedding
 from deploy.openai.serving_models import OpenAIServingModels
 from deploy.openai.serving_tokenization import OpenAIServingTokenization
+from deploy.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from deploy.openai.triton_client import STALL_TIMEOUT_S, TritonBackend
 
 
@@ -77,10 +78,14 @@ def create_app(
     api_key: str | None = None,
     stall_timeout_s: float = STALL_TIMEOUT_S,
     encoders: dict[str, EncoderModel] | None = None,
+    tool_call_parser: str = DEFAULT_TOOL_PARSER,
 ) -> FastAPI:
     """The FastAPI application (uvicorn runs it; see ``main``). ``api_key`` guards ``/v1`` and is sent to
     Triton (whose APIs ``lmforge serve --api-key`` restricts with the same key). ``encoders``: the sentence
-    encoders ``/v1/embeddings`` serves (``discover_encoders``)."""
+    encoders ``/v1/embeddings`` serves (``discover_encoders``). ``tool_call_parser``: the format the
+    models' tool calls are read in (``deploy.openai.tool_parsers``)."""
+    for model in models.values():
+        model.tool_call_parser = tool_call_parser
     backend = TritonBackend(grpc_url, api_key, stall_timeout_s)
     serving_models = OpenAIServingModels(models, backend)
     serving_completion = OpenAIServingCompletion(models, backend)
@@ -178,6 +183,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a request that hears nothing from Triton (no token, no heartbeat) this long gets a 503 "
         f"(its model instance died; default {STALL_TIMEOUT_S})",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=DEFAULT_TOOL_PARSER,
+        help="the format the models write tool calls in: hermes (<tool_call> blocks: SmolLM2, Hermes, Qwen) or "
+        f"llama3_json (Llama 3.x JSON calls); default {DEFAULT_TOOL_PARSER}",
+    )
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
@@ -196,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", flush=True)
         return 1
     api_key = args.api_key or os.environ.get("LMFORGE_API_KEY")
-    app = create_app(models, args.grpc_url, api_key, args.stall_timeout_s, encoders)
+    app = create_app(models, args.grpc_url, api_key, args.stall_timeout_s, encoders, args.tool_call_parser)
     print(
         f"OpenAI API on http://{args.host}:{args.port}/v1 for {', '.join([*models, *encoders])} -> Triton gRPC "
         f"{args.grpc_url}",

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.lora_adapters import declared_adapters, runtime_adapters
+from deploy.openai.tool_parsers import DEFAULT_TOOL_PARSER
 
 
 @dataclasses.dataclass
@@ -29,6 +30,7 @@ class ServedModel:
     declared_adapters: dict[str, Path] = dataclasses.field(default_factory=dict)  # lmforge export --lora
     adapters: dict[str, Path] = dataclasses.field(default_factory=dict)  # every adapter served now (name -> dir)
     adapter_created: dict[str, int] = dataclasses.field(default_factory=dict)  # name -> UNIX time loaded
+    tool_call_parser: str = DEFAULT_TOOL_PARSER  # the format its tool calls are read in (--tool-call-parser)
 
     @property
     def lora_enabled(self) -> bool:
