@@ -97,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--systems", type=int, default=1, help="distinct system prompts, assigned round-robin (default 1)"
     )
     parser.add_argument(
+        "--user-tokens",
+        type=int,
+        default=None,
+        help="user turns of about N tokens of distinct questions instead of one question each (long prompts: "
+        "870 gives ~1,024-token prompts)",
+    )
+    parser.add_argument(
         "--configs", default=",".join(BACKENDS), help=f"comma-separated subset of: {', '.join(BACKENDS)}"
     )
     parser.add_argument(
@@ -763,7 +770,11 @@ def _load_inputs(args: argparse.Namespace) -> _Inputs:
     model_dir = resolve_checkpoint(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     workload = build_workload(
-        tokenizer, num_requests=args.num_requests, max_tokens=args.max_tokens, num_systems=args.systems
+        tokenizer,
+        num_requests=args.num_requests,
+        max_tokens=args.max_tokens,
+        num_systems=args.systems,
+        user_tokens=args.user_tokens,
     )
     single = None if args.no_single else single_prompt(tokenizer, args.single_prompt_tokens)
     shape = ModelSpec.from_config(json.loads((model_dir / "config.json").read_text()))

@@ -148,7 +148,9 @@ def common_prefix_len(sequences: list[list[int]]) -> int:
     return n
 
 
-def build_workload(tokenizer, *, num_requests: int = 64, max_tokens: int = 64, num_systems: int = 1) -> Workload:
+def build_workload(
+    tokenizer, *, num_requests: int = 64, max_tokens: int = 64, num_systems: int = 1, user_tokens: int | None = None
+) -> Workload:
     """Render and tokenize the benchmark requests.
 
     Args:
@@ -156,6 +158,8 @@ def build_workload(tokenizer, *, num_requests: int = 64, max_tokens: int = 64, n
         num_requests: number of requests (>= 1; questions repeat only if the corpus runs out).
         max_tokens: new tokens per request (>= 1).
         num_systems: distinct system prompts, assigned round-robin (1 <= num_systems <= num_requests).
+        user_tokens: each user turn about this many tokens of distinct questions (``user_turns``) instead of
+            one corpus question: long prompts, e.g. 870 for ~1,024-token prompts behind the system prompt.
 
     Raises:
         WorkloadError: a count is out of range.
@@ -166,8 +170,11 @@ def build_workload(tokenizer, *, num_requests: int = 64, max_tokens: int = 64, n
         raise WorkloadError(f"max_tokens={max_tokens}; it must be >= 1")
     if not 1 <= num_systems <= num_requests:
         raise WorkloadError(f"num_systems={num_systems}; it must be between 1 and num_requests={num_requests}")
-    pool = load_questions()
-    questions = [pool[i % len(pool)] for i in range(num_requests)]
+    if user_tokens is not None:
+        questions = user_turns(tokenizer, num_requests, user_tokens)
+    else:
+        pool = load_questions()
+        questions = [pool[i % len(pool)] for i in range(num_requests)]
     system_of = [i % num_systems for i in range(num_requests)]
     texts, prompts = [], []
     for question, system in zip(questions, system_of):

@@ -221,6 +221,9 @@ def test_workload_is_deterministic_and_shares_the_system_prompt(tiny_llama_dir):
     assert all(130 <= n < min(a.prompt_lens) for n in a.shared_prefix_lens)
     with pytest.raises(WorkloadError, match="num_systems"):
         build_workload(tokenizer, num_requests=2, num_systems=3)
+    long = build_workload(tokenizer, num_requests=4, max_tokens=4, user_tokens=870)  # ~1,024-token prompts
+    assert all(1000 <= n <= 1150 for n in long.prompt_lens), long.prompt_lens
+    assert len(set(map(tuple, long.prompts))) == 4 and long.shared_prefix_lens[0] >= 130
 
 
 def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path, lmforge):
