@@ -137,11 +137,8 @@ class W8A8Config:
 
     Attributes:
         skip_modules: as in ``Int8WeightOnlyConfig``, but the LM head stays float by default:
-            with per-token INT8 activations it adds the most KL of any layer (SmolLM2, 44
-            held-out dialogs, SmoothQuant 0.5: mean KL 0.0179 -> 0.0237 with the head INT8), and
-            where an INT8 head is not faster than the bf16 one at decode batch sizes (measured:
-            49152 x 576 at 64 rows, 1 thread, 16.2 ms against 14.8 ms on one AMX machine, 1.7x
-            faster on another) it buys nothing; ``()`` quantizes it too.
+            with per-token INT8 activations it adds the most KL of any layer, and it is not reliably
+            faster than the bf16 head at decode batch sizes (docs/quantization.md); ``()`` quantizes it too.
         outlier_channels: for each INT8 layer of ``outlier_modules``, this many input channels
             (the largest max |x| on the calibration records) get a per-token activation scale of
             their own (``W8A8Linear``); 0 (default): none. For an INT8 head: a few channels of

@@ -8,8 +8,8 @@
 //   in x's dtype: quantize_per_token, onednn::qlinear_pointwise (int8 x int8 -> float32 acc * w_scale), then
 //   acc * x_scale (+ bias) rounded once to x's dtype, as the ATen path does (built with -ffp-contract=off so no
 //   fused multiply-add changes the rounding). The activations go to oneDNN as uint8 q + 128 with zero point 128
-//   (the same integer sums): VNNI's dot product is u8 x s8, and oneDNN 3.12 on an AVX-512 VNNI CPU without AMX
-//   ran signed int8 activations on its reference kernel (`ref_int8`), ~4000x slower than its u8 kernel.
+//   (the same integer sums): VNNI's dot product is u8 x s8, and on a VNNI CPU without AMX oneDNN runs signed
+//   int8 activations on its slow reference kernel (`ref_int8`; docs/quantization.md).
 // lmforge_int8::w8a8_linear_epilogue(x, w_packed, w_scale, w_zero_point, bias?, residual [M, N]?, silu_mul) -> y
 //   the same GEMM with the layer's element-wise work done on the float32 accumulators before the one rounding:
 //   residual: y [M, N] = acc * x_scale (+ bias) + residual; silu_mul (a [gate; up] layer, N even):
