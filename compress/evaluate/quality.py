@@ -69,6 +69,7 @@ from engine.checkpoint.store import (
     resolve_checkpoint,
     update_metrics,
 )
+from engine.cli_options import add_config_option
 from engine.errors import LmforgeError
 from engine.lora import LORA_TARGETS, LoRARequest, load_adapter
 from engine.quant.int8 import INT8_WEIGHT_SUFFIX
@@ -781,21 +782,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model whose distributions define KL / same top-1 and whose greedy outputs define agreement (default: "
         "the first checkpoint)",
     )
-    parser.add_argument(
-        "--max-records", type=int, default=d.max_records, help=f"records scored (default {d.max_records})"
-    )
-    parser.add_argument(
-        "--max-length", type=int, default=d.max_length, help=f"tokens per record (default {d.max_length})"
-    )
-    parser.add_argument(
-        "--agreement-tokens",
-        type=int,
-        default=d.agreement_tokens,
-        help=f"greedy tokens per prompt (default {d.agreement_tokens})",
-    )
-    parser.add_argument(
-        "--latency-tokens", type=int, default=d.latency_tokens, help=f"decode tokens timed (default {d.latency_tokens})"
-    )
+    add_config_option(parser, d, "max_records", "records scored (default %(default)s)")
+    add_config_option(parser, d, "max_length", "tokens per record (default %(default)s)")
+    add_config_option(parser, d, "agreement_tokens", "greedy tokens per prompt (default %(default)s)")
+    add_config_option(parser, d, "latency_tokens", "decode tokens timed (default %(default)s)")
     parser.add_argument("--no-latency", action="store_true", help="skip the decode latency measurement")
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for every checkpoint (default: library defaults)"
