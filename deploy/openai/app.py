@@ -15,11 +15,14 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from deploy.openai.models import ServedModel, discover_models
+from deploy.openai.models import EncoderModel, ServedModel, discover_encoders, discover_models
 from deploy.openai.protocol import OpenAIError
 from deploy.openai.serving_chat import OpenAIServingChat
 from deploy.openai.serving_completions import OpenAIServingCompletion
+from deploy.openai.serving_embedding import OpenAIServingEmbedding
 from deploy.openai.serving_models import OpenAIServingModels
+from deploy.openai.serving_tokenization import OpenAIServingTokenization
+from deploy.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from deploy.openai.triton_client import STALL_TIMEOUT_S, TritonBackend
 
 
@@ -74,13 +77,21 @@ def create_app(
     grpc_url: str,
     api_key: str | None = None,
     stall_timeout_s: float = STALL_TIMEOUT_S,
+    encoders: dict[str, EncoderModel] | None = None,
+    tool_call_parser: str = DEFAULT_TOOL_PARSER,
 ) -> FastAPI:
     """The FastAPI application (uvicorn runs it; see ``main``). ``api_key`` guards ``/v1`` and is sent to
-    Triton (whose APIs ``lmforge serve --api-key`` restricts with the same key)."""
+    Triton (whose APIs ``lmforge serve --api-key`` restricts with the same key). ``encoders``: the sentence
+    encoders ``/v1/embeddings`` serves (``discover_encoders``). ``tool_call_parser``: the format the
+    models' tool calls are read in (``deploy.openai.tool_parsers``)."""
+    for model in models.values():
+        model.tool_call_parser = tool_call_parser
     backend = TritonBackend(grpc_url, api_key, stall_timeout_s)
     serving_models = OpenAIServingModels(models, backend)
     serving_completion = OpenAIServingCompletion(models, backend)
     serving_chat = OpenAIServingChat(models, backend)
+    serving_embedding = OpenAIServingEmbedding(encoders or {}, backend, models)
+    serving_tokenization = OpenAIServingTokenization(models)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -98,15 +109,18 @@ def create_app(
     @app.get("/health")
     async def health():
         await serving_models.check_ready()
+        await serving_embedding.check_ready()
         return Response(status_code=200)
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models():
-        return serving_models.list()
+        listed = serving_models.list()
+        listed["data"] += serving_embedding.cards()
+        return listed
 
     @app.get("/v1/models/{name}", dependencies=auth)
     async def get_model(name: str):
-        return serving_models.get(name)
+        return serving_embedding.card(name) if name in serving_embedding.encoders else serving_models.get(name)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
@@ -115,6 +129,22 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
         return await serving_chat.create(await request.body(), request.is_disconnected)
+
+    @app.post("/v1/embeddings", dependencies=auth)
+    async def embeddings(request: Request):
+        return await serving_embedding.create(await request.body())
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request):
+        return serving_tokenization.tokenize(await request.body())
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request):
+        return serving_tokenization.detokenize(await request.body())
+
+    @app.get("/tokenizer_info", dependencies=auth)
+    async def tokenizer_info(model: str | None = None):
+        return serving_tokenization.tokenizer_info(model)
 
     lora_lock = asyncio.Lock()  # one load or unload at a time (each rewrites multi_lora.json)
 
@@ -138,7 +168,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repo", default="model_repository", help="Triton model repository (its LLMs' model.json name the checkpoints)"
     )
     parser.add_argument("--grpc-url", default="127.0.0.1:8001", help="Triton's gRPC address (default 127.0.0.1:8001)")
-    parser.add_argument("--models", nargs="+", help="LLM models to serve (default: every LLM of the repository)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        help="models to serve: LLMs and sentence encoders (/v1/embeddings) (default: every one of the repository)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=9000, help="HTTP port (default 9000)")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes (also $LMFORGE_API_KEY)")
@@ -148,6 +182,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=STALL_TIMEOUT_S,
         help="a request that hears nothing from Triton (no token, no heartbeat) this long gets a 503 "
         f"(its model instance died; default {STALL_TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=DEFAULT_TOOL_PARSER,
+        help="the format the models write tool calls in: hermes (<tool_call> blocks: SmolLM2, Hermes, Qwen) or "
+        f"llama3_json (Llama 3.x JSON calls); default {DEFAULT_TOOL_PARSER}",
     )
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
@@ -160,14 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        models = discover_models(args.repo, args.models)
+        encoders = discover_encoders(args.repo, args.models)
+        llms = None if args.models is None else [name for name in args.models if name not in encoders]
+        models = discover_models(args.repo, llms)
     except ValueError as exc:
         print(f"error: {exc}", flush=True)
         return 1
     api_key = args.api_key or os.environ.get("LMFORGE_API_KEY")
-    app = create_app(models, args.grpc_url, api_key, args.stall_timeout_s)
+    app = create_app(models, args.grpc_url, api_key, args.stall_timeout_s, encoders, args.tool_call_parser)
     print(
-        f"OpenAI API on http://{args.host}:{args.port}/v1 for {', '.join(models)} -> Triton gRPC {args.grpc_url}",
+        f"OpenAI API on http://{args.host}:{args.port}/v1 for {', '.join([*models, *encoders])} -> Triton gRPC "
+        f"{args.grpc_url}",
         flush=True,
     )
     # uvloop and httptools: the event loop and HTTP parser built for many small writes (SSE)

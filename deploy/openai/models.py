@@ -1,14 +1,17 @@
-"""The LLMs the frontend serves: those of the Triton model repository (``*/1/model.json`` of kind llm),
-and the LoRA adapters each one serves (``deploy.lora_adapters``: declared at export or loaded at run time)."""
+"""The models the frontend serves: the LLMs of the Triton model repository (``*/1/model.json`` of kind llm),
+the LoRA adapters each one serves (``deploy.lora_adapters``: declared at export or loaded at run time), and
+the sentence encoders (kind encoder) behind ``/v1/embeddings``."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from deploy.lora_adapters import declared_adapters, runtime_adapters
+from deploy.openai.tool_parsers import DEFAULT_TOOL_PARSER
 
 
 @dataclasses.dataclass
@@ -27,6 +30,7 @@ class ServedModel:
     declared_adapters: dict[str, Path] = dataclasses.field(default_factory=dict)  # lmforge export --lora
     adapters: dict[str, Path] = dataclasses.field(default_factory=dict)  # every adapter served now (name -> dir)
     adapter_created: dict[str, int] = dataclasses.field(default_factory=dict)  # name -> UNIX time loaded
+    tool_call_parser: str = DEFAULT_TOOL_PARSER  # the format its tool calls are read in (--tool-call-parser)
 
     @property
     def lora_enabled(self) -> bool:
@@ -41,12 +45,12 @@ class ServedModel:
         self.limits = RequestLimits.from_value(self.limits)
 
 
-def llm_names(repo: str | Path, names: list[str]) -> list[str]:
-    """Those of ``names`` that are LLM models of ``repo`` (``1/model.json`` of kind ``llm``)."""
+def llm_names(repo: str | Path, names: list[str], kind: str = "llm") -> list[str]:
+    """Those of ``names`` that are LLM models of ``repo`` (``1/model.json`` of kind ``llm``), or of ``kind``."""
     found = []
     for name in names:
         try:
-            if json.loads((Path(repo) / name / "1" / "model.json").read_text()).get("kind") == "llm":
+            if json.loads((Path(repo) / name / "1" / "model.json").read_text()).get("kind") == kind:
                 found.append(name)
         except (OSError, json.JSONDecodeError):
             continue
@@ -107,4 +111,65 @@ def discover_models(repo: str | Path, names: list[str] | None = None) -> dict[st
         )
     if not found:
         raise ValueError(f"{repo}: no LLM model; export one with `lmforge export --model CKPT --repo {repo}`")
+    return found
+
+
+@dataclasses.dataclass
+class EncoderModel:
+    """A sentence encoder of the model repository (``lmforge export`` of an encoder: ``deploy.triton_encoder``).
+
+    Attributes:
+        tokenizer: its ``tokenizers.Tokenizer`` without truncation or padding (the frontend counts tokens;
+            the Triton model tokenizes again).
+        hidden_size: embedding width (``encoder.json``).
+        max_length: tokens per text the model takes (``encoder.json``; longer texts are refused here).
+        max_batch_size: texts per Triton request (``config.pbtxt``).
+    """
+
+    name: str
+    version_dir: Path
+    tokenizer: Any
+    hidden_size: int
+    max_length: int
+    max_batch_size: int
+    created: int
+
+
+def discover_encoders(repo: str | Path, names: list[str] | None = None) -> dict[str, EncoderModel]:
+    """The encoder models of ``repo`` (``*/1/model.json`` with ``kind: encoder``), optionally only those in ``names``.
+
+    Raises:
+        ValueError: an encoder's ``encoder.json`` or ``tokenizer.json`` is missing or unreadable.
+    """
+    # light on purpose (tokenizers alone, no onnx): deploy.encoder writes these files
+    from tokenizers import Tokenizer
+
+    found: dict[str, EncoderModel] = {}
+    for info_path in sorted(Path(repo).glob("*/1/model.json")):
+        name = info_path.parent.parent.name
+        if names is not None and name not in names:
+            continue
+        try:
+            if json.loads(info_path.read_text()).get("kind") != "encoder":
+                continue
+            version_dir = info_path.parent
+            info = json.loads((version_dir / "encoder.json").read_text())
+            tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001 - OSError, JSONDecodeError, and tokenizers' own exception
+            raise ValueError(
+                f"{info_path.parent}: not a readable encoder ({exc}); re-export it with `lmforge export`"
+            ) from exc
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        config = (version_dir.parent / "config.pbtxt").read_text()
+        batch = re.search(r"^max_batch_size:\s*(\d+)", config, re.M)
+        found[name] = EncoderModel(
+            name,
+            version_dir,
+            tokenizer,
+            int(info["hidden_size"]),
+            int(info.get("max_length", 256)),
+            int(batch.group(1)) if batch and int(batch.group(1)) > 0 else 1,
+            int(info_path.stat().st_mtime),
+        )
     return found

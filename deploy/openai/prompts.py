@@ -11,9 +11,12 @@ Every refusal is a 400 whose ``param`` names the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from deploy.openai.models import ServedModel
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from deploy.openai.tool_parsers import TOOL_PARSERS
+from deploy.openai.tools import ToolPlan, template_messages, tool_plan
 
 
 @dataclasses.dataclass
@@ -31,6 +34,7 @@ class Plan:
     prompt_texts: list[str] | None = None  # with echo: each prompt as text
     structured_param: str | None = None  # the request field that set a structured-output constraint
     lora_name: str | None = None  # the LoRA adapter the request's ``model`` named (``None``: the base)
+    tools: ToolPlan | None = None  # chat: the request's tool calling (deploy.openai.tools)
 
     @property
     def served_name(self) -> str:
@@ -111,7 +115,7 @@ def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[l
     return [_token_prompt(list(p), model, f"prompt.{i}") for i, p in enumerate(prompt)]
 
 
-def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
+def chat_prompt(request: ChatCompletionRequest, model: ServedModel, tools: ToolPlan | None = None) -> list[int]:
     messages = []
     for m in request.messages:
         message = m.model_dump(exclude_none=True)
@@ -129,8 +133,17 @@ def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> list[int]
         )
     if model.tokenizer.chat_template is None:
         raise OpenAIError(400, f"model {model.name} has no chat template; use /v1/completions", param="messages")
+    template = model.tokenizer.chat_template
+    messages, template_tools = template_messages(
+        messages,
+        tools,
+        template if isinstance(template, str) else json.dumps(template),
+        TOOL_PARSERS[model.tool_call_parser],
+    )
     try:
-        ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = model.tokenizer.apply_chat_template(
+            messages, tools=template_tools, add_generation_prompt=True, tokenize=True
+        )
     except Exception as exc:  # noqa: BLE001 - a template that refuses these messages (e.g. role order)
         raise OpenAIError(400, f"messages: the chat template refused them ({exc})", param="messages") from exc
     if isinstance(ids, dict):  # BatchEncoding in some transformers versions
@@ -309,10 +322,16 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
     """
     model, lora_name = _find_model(request, models)
     chat = isinstance(request, ChatCompletionRequest)
-    prompts = [chat_prompt(request, model)] if chat else completion_prompts(request, model)
+    tools = tool_plan(request, model.tool_call_parser) if chat else None
+    prompts = [chat_prompt(request, model, tools)] if chat else completion_prompts(request, model)
     max_tokens = _max_tokens(request, model, prompts)
     logprobs = _logprobs(request)
     constraint, structured_param = structured_outputs(request)
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            message = f"{structured_param} and tool_choice={tools.mode} both constrain the output; send one of them"
+            raise OpenAIError(400, message, param=structured_param)
+        constraint, structured_param = tools.constraint, tools.param
     sampling = _sampling(request, max_tokens, logprobs, model, max(len(p) for p in prompts), constraint)
     if lora_name is not None:
         sampling["lora_name"] = lora_name  # the Triton model's sampling_parameters field (deploy.llm_request)
@@ -332,6 +351,7 @@ def make_plan(request: CompletionRequest | ChatCompletionRequest, models: dict[s
         prompt_texts=_echo_texts(request, prompts, model) if echo else None,
         structured_param=structured_param,
         lora_name=lora_name,
+        tools=tools,
     )
 
 

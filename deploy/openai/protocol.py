@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 #: Seconds a client should wait before retrying a 503 (a model or the server recovering).
 RETRY_AFTER_S = 5
@@ -114,21 +114,107 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # the SDK's parse() adds parsed_arguments
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """An earlier assistant message's tool call, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     """A chat message; fields beyond ``role`` and ``content`` go to the chat template as given."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (an object)
+    strict: bool | None = None  # the schema is enforced when the grammar forces a call, strict or not
+
+
+class ChatCompletionTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``; ``tools`` and ``tool_choice`` are checked in ``deploy.openai.tools``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+    tools: list[ChatCompletionTool] | None = None
+    # none, auto, required (checked with the tools) or a function: a dict is read as the function form only
+    tool_choice: (
+        Annotated[
+            Annotated[str, Tag("str")] | Annotated[NamedToolChoice, Tag("NamedToolChoice")],
+            Discriminator(lambda v: "str" if isinstance(v, str) else "NamedToolChoice"),
+        ]
+        | None
+    ) = None
+    parallel_tool_calls: bool = True
+
+
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings``: ``input`` is a text, a list of texts, token ids or lists of them."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # only the model's own width: it has no shorter embeddings
+    user: str | None = None
+
+
+class TokenizeCompletionRequest(_Strict):
+    """``POST /tokenize`` of a prompt (vLLM's body); ``model`` may be left out when one LLM is served."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """``POST /tokenize`` of chat messages through the model's chat template (vLLM's body)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's body)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,7 +271,11 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 
 def _is_type_tag(part: str) -> bool:
     """Union members in pydantic locations (``str``, ``list[int]``...), not field names."""
-    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[")) or part in ("ContentPart",)
+    return (
+        part in ("str", "int", "float", "bool")
+        or part.startswith(("list[", "dict["))
+        or part in ("ContentPart", "NamedToolChoice")
+    )
 
 
 class LoadLoRAAdapterRequest(_Strict):

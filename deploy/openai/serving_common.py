@@ -185,6 +185,7 @@ class StreamState:
     offsets: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # characters sent per choice
     started: set[int] = dataclasses.field(default_factory=set)  # choices whose first chunk is sent
     prompt_logprobs: dict[int, list] = dataclasses.field(default_factory=dict)  # per prompt, once Triton sent them
+    tool_parsers: dict[int, object] = dataclasses.field(default_factory=dict)  # chat with tools: per choice
 
     def __post_init__(self) -> None:
         head = {"id": self.ident, "object": self.kind, "created": self.created, "model": self.plan.served_name}

@@ -355,7 +355,7 @@ request = urllib.request.Request(url, data=body.encode(), method="POST",
 with urllib.request.urlopen(request, timeout=60) as response:
     events = 0
     for line in response:
-        events += line.startswith(b"data: ")
+        events += line.startswith(b"data: ") and b'"top_logprobs"' in line  # token events: the engine runs it
         if events == 3:
             break
 """

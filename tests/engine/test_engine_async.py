@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
-from engine import AsyncLLMEngine, EngineConfig, SamplingParams
+from engine import AsyncLLMEngine, EngineConfig, SamplingParams, async_engine
+from engine.errors import CheckpointError
 from tests.engine.test_engine_greedy import hf_greedy, random_prompts
 
 
@@ -91,3 +93,25 @@ def test_a_reader_that_falls_behind_gets_the_newest_output_with_every_token(tiny
     outs = asyncio.run(main())
     assert len(outs) == 2 and len(outs[0].outputs[0].token_ids) == 1
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == reference
+
+
+def test_the_engine_loads_on_its_step_thread_and_a_failed_load_raises_in_the_caller(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """The model is built on the step-loop thread (the caller's thread opens no OpenMP team); a load error
+    reaches the constructor's caller and leaves no thread behind."""
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(CheckpointError):
+        AsyncLLMEngine(EngineConfig(model=str(tmp_path / "missing"), dtype="float32"))
+    assert "lmforge-engine" not in {t.name for t in threading.enumerate()} - before
+    built_on = []
+
+    class Recording(async_engine.LLMEngine):
+        def __init__(self, config):
+            built_on.append(threading.current_thread().name)
+            super().__init__(config)
+
+    monkeypatch.setattr(async_engine, "LLMEngine", Recording)
+    with AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=64)):
+        pass
+    assert built_on == ["lmforge-engine"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import bench.loadtest as loadtest
 import lmforge_cli
+from bench.harness import Finished
 from compress.quantize.onnx import export_onnx
 from engine.checkpoint.outputs import (
     CHECKPOINT,
@@ -210,15 +210,15 @@ def test_loadtest_relative_out_gets_the_child_files(tmp_path, monkeypatch):
     """The load generator runs in the repository root: every path it gets must be absolute."""
     seen = {}
 
-    def fake_child(command, *, cwd, **kwargs):
+    def fake_child(command, timeout_s, *, cwd, **kwargs):
         seen["command"], seen["cwd"] = command, cwd
         samples = Path(cwd) / command[command.index("--samples-out") + 1]  # as the child resolves it
         samples.write_text("")
-        return subprocess.CompletedProcess(command, 1)
+        return Finished(1, "", "", False)
 
     monkeypatch.setattr(loadtest, "preflight", lambda config: None)
     monkeypatch.setattr(loadtest, "warm_up", lambda config, prompts: None)
-    monkeypatch.setattr(loadtest.subprocess, "run", fake_child)
+    monkeypatch.setattr(loadtest, "run_process", fake_child)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(loadtest.LoadTestError, match="no requests were measured"):
         loadtest.run_loadtest(loadtest.LoadTestConfig(host="http://127.0.0.1:9", model="m"), "reports/rel")
