@@ -47,6 +47,7 @@ from pathlib import Path
 
 from bench.metrics import RequestSample, summarize
 from bench.workload import system_prompt, user_turns
+from deploy.serve import start_openai, stop_openai
 from deploy.triton import TritonServer, free_ports
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -514,7 +515,6 @@ def profile(args) -> dict:
     from transformers import AutoTokenizer
 
     from deploy.export import export
-    from deploy.serve import start_openai, stop_openai
     from engine.checkpoint.store import resolve_checkpoint
 
     checkpoint = str(resolve_checkpoint(args.checkpoint))

@@ -61,6 +61,7 @@ from compress.data import records as records_module
 from compress.data.records import default_split_records
 from compress.quantize.methods import load_int8_model, load_llm_int8_model
 from compress.quantize.onnx import onnx_num_parameters
+from engine import LLM
 from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import check_output_file, write_output_file
 from engine.checkpoint.store import (
@@ -74,8 +75,11 @@ from engine.cli_options import add_config_option
 from engine.config import KV_CACHE_DTYPES
 from engine.errors import LmforgeError
 from engine.lora import LORA_TARGETS, LoRARequest, load_adapter
+from engine.model import read_model_spec
 from engine.quant.int8 import INT8_WEIGHT_SUFFIX
 from engine.records import encode_record
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence as EngineSequence
 
 #: Fixed prompts of the greedy-agreement metric (chat-formatted).
 AGREEMENT_PROMPTS: tuple[str, ...] = (
@@ -187,22 +191,15 @@ class EngineLM:
     """
 
     def __init__(self, path: Path, dtype: str, kv_cache_dtype: str, max_model_len: int):
-        # the engine (and its C++ kernels) load only on this path
-        from engine import LLM
-        from engine.model import read_model_spec
-
         max_model_len = min(max_model_len, read_model_spec(path).max_position_embeddings)
         self.llm = LLM(
             path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False, max_model_len=max_model_len
         )
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        from engine.sampling_params import SamplingParams
-        from engine.sequence import Sequence
-
         ids = input_ids[0].tolist()
         engine = self.llm.engine
-        seq = Sequence("teacher-forced", None, ids, SamplingParams(max_tokens=1), None, None)
+        seq = EngineSequence("teacher-forced", None, ids, SamplingParams(max_tokens=1), None, None)
         if not engine.block_manager.allocate_slots(seq, len(ids)):
             raise EvaluationError(f"{len(ids)} tokens do not fit the engine's KV cache; decrease --max-length")
         try:
@@ -220,8 +217,6 @@ class EngineLM:
         do_sample: bool = False,
         pad_token_id: int | None = None,
     ) -> torch.Tensor:
-        from engine.sampling_params import SamplingParams
-
         if do_sample:
             raise EvaluationError("the engine rows of `lmforge evaluate` decode greedily (do_sample=False)")
         prompt = input_ids[0].tolist()
