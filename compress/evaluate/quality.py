@@ -709,6 +709,7 @@ def evaluate(
     load = functools.partial(
         load_for_eval, num_threads=config.num_threads, engine_dtype=engine_dtype, max_model_len=max_model_len, lora=lora
     )
+    reference_entry = (reference_path, kv_list[0])
     loaded_reference = load(reference_path, kv_cache_dtype=kv_list[0])
     reference_tokens, reference_scores = _reference_outputs(loaded_reference, records, config)
     run_fields = {  # what every row was judged against, and how
@@ -720,18 +721,13 @@ def evaluate(
     }
     results: dict[str, dict[str, Any]] = {}
     for path, kv_cache_dtype in [(p, kv) for p in paths for kv in kv_list]:
-        if (path, kv_cache_dtype) == (
-            reference_path,
-            kv_list[0],
-        ) and loaded_reference is not None:  # loaded once, tokens reused
+        if (path, kv_cache_dtype) == reference_entry and loaded_reference is not None:  # loaded once, reused
             loaded, loaded_reference = loaded_reference, None
         else:
             loaded_reference = None
             loaded = load(path, kv_cache_dtype=kv_cache_dtype)
         log(f"evaluating {loaded.label} ...")
-        metrics = evaluate_checkpoint(
-            loaded, records, reference_tokens, config, reference_scores, reference_path, kv_list[0]
-        )
+        metrics = evaluate_checkpoint(loaded, records, reference_tokens, config, reference_scores, *reference_entry)
         results[loaded.label] = metrics = {**metrics, **run_fields}
         del loaded  # released before the next checkpoint loads
         if write and kv_cache_dtype is None and lora is None and _manifest_writable(path):
