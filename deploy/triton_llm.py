@@ -122,14 +122,7 @@ class LLMMetrics:
             pb_utils.MetricFamily.HISTOGRAM,
         )
         self.families = {}  # kept alive as long as their metrics (Triton's rule)
-
-        def family(name: str, description: str, kind):
-            self.families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
-            return self.families[name]
-
-        def metric(name: str, description: str, kind, **kwargs):
-            """The labelled metric of a new family (``kwargs``: a histogram's ``buckets``)."""
-            return family(name, description, kind).Metric(labels=labels, **kwargs)
+        family, metric = self._family, self._metric
 
         self.running = metric("lmforge_num_requests_running", "Requests running in the engine", gauge)
         self.waiting = metric("lmforge_num_requests_waiting", "Requests waiting for KV blocks or a batch slot", gauge)
@@ -178,10 +171,28 @@ class LLMMetrics:
         )
         self._lora: dict[str, tuple[object, object]] = {}  # adapter name -> (requests, tokens) metrics
         #: EngineStats counter field -> (Prometheus counter, value already added).
-        self._counters = {
+        self._counters = self._engine_counters(counter)
+        self._running_max_seen = 0
+        self.responses = metric("lmforge_responses_total", "Responses sent (streamed pieces and finals)", counter)
+        #: Responses sent, counted by the sending thread; ``update_stats`` exports them.
+        self.num_responses = 0
+        self._responses_exported = 0
+        self._gauge_values: dict[int, float] = {}
+
+    def _family(self, name: str, description: str, kind):
+        self.families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+        return self.families[name]
+
+    def _metric(self, name: str, description: str, kind, **kwargs):
+        """The labelled metric of a new family (``kwargs``: a histogram's ``buckets``)."""
+        return self._family(name, description, kind).Metric(labels=self.labels, **kwargs)
+
+    def _engine_counters(self, counter) -> dict[str, list]:
+        """The Prometheus counter of each cumulative ``EngineStats`` field, with the value already added (0)."""
+        return {
             "num_preemptions_total": [self.preemptions, 0],
             **{
-                field: [metric(name, help_text, counter), 0]
+                field: [self._metric(name, help_text, counter), 0]
                 for field, name, help_text in (
                     ("num_prompt_tokens_total", "lmforge_prompt_tokens_total", "Prompt tokens of admitted requests"),
                     ("num_generation_tokens_total", "lmforge_generation_tokens_total", "Tokens generated"),
@@ -190,7 +201,7 @@ class LLMMetrics:
             },
             **{
                 f"spec_decode_{name}_total": [
-                    metric(f"lmforge_spec_decode_{name}_total", help_text, counter),
+                    self._metric(f"lmforge_spec_decode_{name}_total", help_text, counter),
                     0,
                 ]
                 for name, help_text in (
@@ -200,12 +211,6 @@ class LLMMetrics:
                 )
             },
         }
-        self._running_max_seen = 0
-        self.responses = metric("lmforge_responses_total", "Responses sent (streamed pieces and finals)", counter)
-        #: Responses sent, counted by the sending thread; ``update_stats`` exports them.
-        self.num_responses = 0
-        self._responses_exported = 0
-        self._gauge_values: dict[int, float] = {}
 
     def _set(self, gauge, value: float) -> None:
         """Set a gauge only when its value changed: each set is a round trip to Triton."""
