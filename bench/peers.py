@@ -29,7 +29,6 @@ from bench.harness import (
     run_process,
 )
 from bench.protocol import parse_sse_line
-from deploy.triton import free_ports
 
 
 class PeerError(RuntimeError):
@@ -353,6 +352,9 @@ class LlamaServer(ManagedProcess):
 
     def __enter__(self) -> "LlamaServer":
         if self.port is None:
+            # imported here: the peers' own interpreters import this module without lmforge's dependencies
+            from deploy.triton import free_ports
+
             self.port = free_ports(1)[0]
         self.command, self.ready_url = self.arguments(), f"{self.base_url}/health"
         try:

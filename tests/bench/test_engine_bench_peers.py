@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from bench import peers
 from bench.bound import MATMUL_DTYPES, measure_matmul_gflops
 from bench.engine_backends import RunSpec, run_spec
-from bench.harness import Peers
+from bench.harness import Peers, repo_root
 from bench.peer_runs import not_installed, prepare_peer_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,3 +172,14 @@ def test_spec_bench_peer_rows_and_the_vllm_target(tiny_llama_dir, tmp_path, monk
     missing = SimpleNamespace(vllm_python=str(tmp_path / "no-python"), max_tokens=4, spec_repeats=1, threads=1)
     rows, note = peer_rows("bfloat16", tiny_llama_dir, missing, [[5]], [[7]], tmp_path)
     assert rows == [] and "not installed" in note
+
+
+def test_the_peer_runners_import_without_lmforges_own_dependencies():
+    """The vLLM and OpenVINO venvs import ``bench.engine_backends`` and ``bench.peers`` with their own packages
+    only: neither may pull in the engine's checkpoint readers (gguf, safetensors, transformers) at import."""
+    code = (
+        "import sys, bench.engine_backends, bench.peers; "
+        "print(sorted(m for m in ('gguf', 'transformers', 'engine.checkpoint.store') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo_root())
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
