@@ -55,6 +55,7 @@ from deploy.export import export as export_model
 from deploy.triton import TritonServer, free_ports
 from engine.checkpoint.outputs import DEMO, check_output_dir
 from engine.checkpoint.store import DEFAULT_MODEL, make_tiny_llama, resolve_checkpoint
+from engine.cli_options import add_config_option
 from engine.errors import LmforgeError, UsageError
 from engine.records import read_records
 
@@ -651,70 +652,47 @@ def format_final_table(report: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoConfig()
-    parser.add_argument(
-        "--model", default=d.model, help="checkpoint: name, .gguf file or directory (default smollm2-135m)"
-    )
+    add_config_option(parser, d, "model", "checkpoint: name, .gguf file or directory (default smollm2-135m)")
     parser.add_argument(
         "--data",
         action="append",
         default=None,
         help="data input for compress.data.prepare (chatterbot:LANG, .yml, .jsonl, .txt); repeatable",
     )
-    parser.add_argument("--out", default=d.out, help="report directory (default reports/demo)")
-    parser.add_argument("--finetune-steps", type=int, default=d.finetune_steps, help="optimizer steps of the fine-tune")
-    parser.add_argument(
-        "--distill-steps",
-        type=int,
-        default=d.distill_steps,
-        help=f"optimizer steps of the distillation (default {d.distill_steps})",
+    add_config_option(parser, d, "out", "report directory (default reports/demo)")
+    add_config_option(parser, d, "finetune_steps", "optimizer steps of the fine-tune")
+    add_config_option(parser, d, "distill_steps", "optimizer steps of the distillation (default %(default)s)")
+    add_config_option(parser, d, "student_layers", "student of the distillation (default %(default)s)")
+    add_config_option(
+        parser, d, "generate_records", "teacher replies generated with the engine as KD data (default %(default)s)"
     )
-    parser.add_argument(
-        "--student-layers", default=d.student_layers, help=f"student of the distillation (default {d.student_layers})"
-    )
-    parser.add_argument(
-        "--generate-records",
-        type=int,
-        default=d.generate_records,
-        help=f"teacher replies generated with the engine as KD data (default {d.generate_records})",
-    )
-    parser.add_argument(
-        "--int8-method",
-        choices=("int8-weight-only", "w8a8"),
-        default=d.int8_method,
-        help=f"INT8 method (default {d.int8_method})",
+    add_config_option(
+        parser, d, "int8_method", "INT8 method (default %(default)s)", choices=("int8-weight-only", "w8a8")
     )
     parser.add_argument(
         "--full", action="store_true", help="the longer distillation budget (compress.train.distill.FULL_BUDGET)"
     )
-    parser.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
-    parser.add_argument("--max-length", type=int, default=d.max_length, help="tokens per training row")
-    parser.add_argument(
-        "--precision",
+    add_config_option(parser, d, "micro_batch_size")
+    add_config_option(parser, d, "max_length", "tokens per training row")
+    add_config_option(
+        parser,
+        d,
+        "precision",
+        "fine-tune precision (fp32 default: CPUs without bf16 units emulate it slowly)",
         choices=("fp32", "bf16"),
-        default=d.precision,
-        help="fine-tune precision (fp32 default: CPUs without bf16 units emulate it slowly)",
     )
-    parser.add_argument(
-        "--eval-records", type=int, default=d.eval_records, help="held-out records scored for perplexity"
+    add_config_option(parser, d, "eval_records", "held-out records scored for perplexity")
+    add_config_option(parser, d, "loadtest_s", "seconds of load per model")
+    add_config_option(parser, d, "users", "Locust users per fp32/INT8 load test")
+    add_config_option(parser, d, "max_tokens", "output tokens per request")
+    add_config_option(parser, d, "batching_users", "users of the batching on/off comparison")
+    add_config_option(
+        parser,
+        d,
+        "stack_users",
+        "users of the whole-stack run (student + INT8, batching, prefix caching; default %(default)s)",
     )
-    parser.add_argument("--loadtest-s", type=float, default=d.loadtest_s, help="seconds of load per model")
-    parser.add_argument("--users", type=int, default=d.users, help="Locust users per fp32/INT8 load test")
-    parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
-    parser.add_argument(
-        "--batching-users", type=int, default=d.batching_users, help="users of the batching on/off comparison"
-    )
-    parser.add_argument(
-        "--stack-users",
-        type=int,
-        default=d.stack_users,
-        help=f"users of the whole-stack run (student + INT8, batching, prefix caching; default {d.stack_users})",
-    )
-    parser.add_argument(
-        "--baseline-requests",
-        type=int,
-        default=d.baseline_requests,
-        help="prompts for the HF generate (one at a time) baseline",
-    )
+    add_config_option(parser, d, "baseline_requests", "prompts for the HF generate (one at a time) baseline")
     parser.add_argument("--no-batching-compare", action="store_true", help="skip the max_num_seqs=1 comparison")
     parser.add_argument(
         "--threads",

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from bench.metrics import RequestSample, summarize
 from bench.workload import system_prompt, user_turns
+from deploy.serve import start_openai, stop_openai
 from deploy.triton import TritonServer, free_ports
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -169,6 +170,22 @@ class StreamCount:
     texts: list[str] = field(default_factory=list)
 
 
+async def _stream_events(session, url: str, body: dict, sample: RequestSample, count: StreamCount):
+    """Yield the JSON events of one streamed POST; an HTTP or in-stream error goes to ``sample.error``."""
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            sample.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[6:])
+            count.events += 1
+            if "error" in event:
+                sample.error = str(event["error"])[:200]
+                continue
+            yield event
+
+
 async def _openai_request(session, url: str, model: str, conversation: list[dict], max_tokens: int, count):
     body = {
         "model": model,
@@ -182,31 +199,21 @@ async def _openai_request(session, url: str, model: str, conversation: list[dict
     start_wall, start = time.time(), time.perf_counter()
     sample = RequestSample(start_s=start_wall, e2e_s=0.0, endpoint="chat")
     times = []
-    async with session.post(url, json=body) as response:
-        if response.status != 200:
-            sample.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            count.events += 1
-            if "error" in event:
-                sample.error = str(event["error"])[:200]
-                continue
-            for choice in event.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    count.text_events += 1
-                    times.append(time.perf_counter())
-                if choice.get("finish_reason"):
-                    sample.finish_reason = choice["finish_reason"]
-            usage = event.get("usage")
-            if usage:
-                sample.input_tokens = usage.get("prompt_tokens")
-                sample.output_tokens = usage.get("completion_tokens") or 0
-                details = usage.get("prompt_tokens_details") or {}
-                if details.get("cached_tokens") is not None:
-                    count.cached_tokens = (count.cached_tokens or 0) + details["cached_tokens"]
+    async for event in _stream_events(session, url, body, sample, count):
+        for choice in event.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                count.text_events += 1
+                times.append(time.perf_counter())
+            if choice.get("finish_reason"):
+                sample.finish_reason = choice["finish_reason"]
+        usage = event.get("usage")
+        if usage:
+            sample.input_tokens = usage.get("prompt_tokens")
+            sample.output_tokens = usage.get("completion_tokens") or 0
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                count.cached_tokens = (count.cached_tokens or 0) + details["cached_tokens"]
     return _finish(sample, start, times)
 
 
@@ -216,26 +223,16 @@ async def _triton_request(session, url: str, prompt: str, max_tokens: int, count
     start_wall, start = time.time(), time.perf_counter()
     sample = RequestSample(start_s=start_wall, e2e_s=0.0, endpoint="generate_stream")
     times = []
-    async with session.post(url, json=body) as response:
-        if response.status != 200:
-            sample.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-        async for line in response.content:
-            if not line.startswith(b"data: "):
-                continue
-            event = json.loads(line[6:])
-            count.events += 1
-            if "error" in event:
-                sample.error = str(event["error"])[:200]
-                continue
-            if event.get("text_output"):
-                count.text_events += 1
-                times.append(time.perf_counter())
-            sample.output_tokens = event.get("num_output_tokens", sample.output_tokens)
-            sample.input_tokens = event.get("num_input_tokens", sample.input_tokens)
-            if event.get("num_cached_tokens") is not None and event.get("finish_reason"):
-                count.cached_tokens = (count.cached_tokens or 0) + int(event["num_cached_tokens"])
-            if event.get("finish_reason"):
-                sample.finish_reason = event["finish_reason"]
+    async for event in _stream_events(session, url, body, sample, count):
+        if event.get("text_output"):
+            count.text_events += 1
+            times.append(time.perf_counter())
+        sample.output_tokens = event.get("num_output_tokens", sample.output_tokens)
+        sample.input_tokens = event.get("num_input_tokens", sample.input_tokens)
+        if event.get("num_cached_tokens") is not None and event.get("finish_reason"):
+            count.cached_tokens = (count.cached_tokens or 0) + int(event["num_cached_tokens"])
+        if event.get("finish_reason"):
+            sample.finish_reason = event["finish_reason"]
     return _finish(sample, start, times)
 
 
@@ -518,7 +515,6 @@ def profile(args) -> dict:
     from transformers import AutoTokenizer
 
     from deploy.export import export
-    from deploy.serve import start_openai, stop_openai
     from engine.checkpoint.store import resolve_checkpoint
 
     checkpoint = str(resolve_checkpoint(args.checkpoint))

@@ -393,59 +393,42 @@ def triton_command(model: str) -> list[str]:
     ]
 
 
+def run_detached(name: str, repo: Path, *args: str) -> None:
+    """``podman run -d --name NAME -v REPO:/models:ro ARGS...`` (``args``: more options, the image, its command)."""
+    run(
+        podman("run", "-d", "--name", name, "-v", f"{repo}:/models:ro", *args), timeout_s=120, what=f"podman run {name}"
+    )
+
+
 def run_triton(name: str, image: str, repo: Path, model: str, ports: dict[str, int]) -> None:
     """Start the image's tritonserver detached as container ``name``: ``repo`` read-only at /models,
     the image's ports (8000-8002, so its health check holds) published on ``ports`` of 127.0.0.1."""
     published = [f"-p=127.0.0.1:{ports[kind]}:{TRITON_PORTS[kind]}" for kind in ("http", "grpc", "metrics")]
-    run(
-        podman(
-            "run",
-            "-d",
-            "--name",
-            name,
-            "--shm-size",
-            "2g",
-            *published,
-            "-v",
-            f"{repo}:/models:ro",
-            image,
-            *triton_command(model),
-        ),
-        timeout_s=120,
-        what=f"podman run {name}",
-    )
+    run_detached(name, repo, "--shm-size", "2g", *published, image, *triton_command(model))
 
 
 def run_openai(name: str, image: str, repo: Path, model: str, grpc_port: int, port: int) -> None:
     """Start the image's OpenAI frontend detached as container ``name``, forwarding to Triton's gRPC."""
-    run(
-        podman(
-            "run",
-            "-d",
-            "--name",
-            name,
-            "--network",
-            "host",
-            "-v",
-            f"{repo}:/models:ro",
-            "--entrypoint",
-            IMAGE_PYTHON,
-            image,
-            "-m",
-            OPENAI_MODULE,
-            "--repo",
-            "/models",
-            "--grpc-url",
-            f"127.0.0.1:{grpc_port}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--models",
-            model,
-        ),
-        timeout_s=120,
-        what=f"podman run {name}",
+    run_detached(
+        name,
+        repo,
+        "--network",
+        "host",
+        "--entrypoint",
+        IMAGE_PYTHON,
+        image,
+        "-m",
+        OPENAI_MODULE,
+        "--repo",
+        "/models",
+        "--grpc-url",
+        f"127.0.0.1:{grpc_port}",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--models",
+        model,
     )
 
 

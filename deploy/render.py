@@ -214,6 +214,11 @@ def _meta(v: DeployValues, name: str, component: str, **extra_labels: str) -> di
     return {"name": name, "namespace": v.namespace, "labels": {**_labels(v, component), **extra_labels}}
 
 
+def _resource(api_version: str, kind: str, metadata: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """A Kubernetes object: ``apiVersion``, ``kind``, ``metadata`` (``_meta``) and ``spec``."""
+    return {"apiVersion": api_version, "kind": kind, "metadata": metadata, "spec": spec}
+
+
 #: The environment variable the API key reaches Triton and Locust in (from ``api_key_secret``).
 API_KEY_ENV = "LMFORGE_API_KEY"
 
@@ -302,69 +307,54 @@ def triton_deployment(v: DeployValues) -> dict[str, Any]:
         }
     if v.gpus:
         pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(v, v.name, "server"),
-        "spec": {
+    return _resource(
+        "apps/v1",
+        "Deployment",
+        _meta(v, v.name, "server"),
+        {
             "replicas": v.replicas,
             "selector": {"matchLabels": _labels(v, "server")},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {"metadata": {"labels": _labels(v, "server")}, "spec": pod_spec},
         },
-    }
+    )
 
 
 #: The Triton ports a client needs (the Service's); ``metrics`` is only Prometheus' (its own Service).
 CLIENT_PORTS = ("http", "grpc")
 
 
+def _triton_pods_service(
+    metadata: dict[str, Any], selector: dict[str, str], port_names: tuple[str, ...]
+) -> dict[str, Any]:
+    """A ClusterIP Service of the Triton pods' ``port_names`` (keys of ``TRITON_PORTS``), over TCP."""
+    ports = [{"name": n, "port": TRITON_PORTS[n], "targetPort": n, "protocol": "TCP"} for n in port_names]
+    return _resource("v1", "Service", metadata, {"type": "ClusterIP", "selector": selector, "ports": ports})
+
+
 def triton_service(v: DeployValues) -> dict[str, Any]:
     """The clients' Service: HTTP and gRPC only."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(v, v.name, "server"),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": _labels(v, "server"),
-            "ports": [{"name": n, "port": TRITON_PORTS[n], "targetPort": n, "protocol": "TCP"} for n in CLIENT_PORTS],
-        },
-    }
+    return _triton_pods_service(_meta(v, v.name, "server"), _labels(v, "server"), CLIENT_PORTS)
 
 
 def metrics_service(v: DeployValues) -> dict[str, Any]:
     """The metrics port of the Triton pods, for the ServiceMonitor only."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(v, f"{v.name}-metrics", "metrics"),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": _labels(v, "server"),
-            "ports": [{"name": "metrics", "port": TRITON_PORTS["metrics"], "targetPort": "metrics", "protocol": "TCP"}],
-        },
-    }
+    return _triton_pods_service(_meta(v, f"{v.name}-metrics", "metrics"), _labels(v, "server"), ("metrics",))
 
 
 def model_repository_pvc(v: DeployValues) -> dict[str, Any]:
     spec: dict[str, Any] = {"accessModes": [v.pvc_access_mode], "resources": {"requests": {"storage": v.pvc_size}}}
     if v.storage_class:
         spec["storageClassName"] = v.storage_class
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": _meta(v, f"{v.name}-models", "server"),
-        "spec": spec,
-    }
+    return _resource("v1", "PersistentVolumeClaim", _meta(v, f"{v.name}-models", "server"), spec)
 
 
 def horizontal_pod_autoscaler(v: DeployValues) -> dict[str, Any]:
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": _meta(v, v.name, "server"),
-        "spec": {
+    return _resource(
+        "autoscaling/v2",
+        "HorizontalPodAutoscaler",
+        _meta(v, v.name, "server"),
+        {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": v.name},
             "minReplicas": v.replicas,
             "maxReplicas": v.max_replicas,
@@ -388,7 +378,7 @@ def horizontal_pod_autoscaler(v: DeployValues) -> dict[str, Any]:
                 },
             },
         },
-    }
+    )
 
 
 def adapter_query(v: DeployValues, window: str = "1m") -> str:
@@ -433,12 +423,7 @@ def monitor(v: DeployValues) -> dict[str, Any]:
             {"selector": {"matchLabels": _labels(v, "server")}, "podMetricsEndpoints": [endpoint]},
         )
     spec["namespaceSelector"] = {"matchNames": [v.namespace]}
-    return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": kind,
-        "metadata": _meta(v, v.name, "server", release=v.prometheus_release),
-        "spec": spec,
-    }
+    return _resource("monitoring.coreos.com/v1", kind, _meta(v, v.name, "server", release=v.prometheus_release), spec)
 
 
 def _locust_container(v: DeployValues, args: list[str], ports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -469,11 +454,11 @@ def locust_master(v: DeployValues) -> list[dict[str, Any]]:
         {"name": "web", "containerPort": LOCUST_PORTS["web"]},
         {"name": "master", "containerPort": LOCUST_PORTS["master"]},
     ]
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(v, name, "locust-master"),
-        "spec": {
+    deployment = _resource(
+        "apps/v1",
+        "Deployment",
+        _meta(v, name, "locust-master"),
+        {
             "replicas": 1,
             "selector": {"matchLabels": _labels(v, "locust-master")},
             "template": {
@@ -481,16 +466,16 @@ def locust_master(v: DeployValues) -> list[dict[str, Any]]:
                 "spec": {"containers": [_locust_container(v, args, ports)]},
             },
         },
-    }
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(v, name, "locust-master"),
-        "spec": {
+    )
+    service = _resource(
+        "v1",
+        "Service",
+        _meta(v, name, "locust-master"),
+        {
             "selector": _labels(v, "locust-master"),
             "ports": [{"name": n, "port": p, "targetPort": n} for n, p in LOCUST_PORTS.items()],
         },
-    }
+    )
     return [deployment, service]
 
 
@@ -502,11 +487,11 @@ def locust_workers(v: DeployValues) -> dict[str, Any]:
         f"--master-host={v.name}-locust-master",
         f"--master-port={LOCUST_PORTS['master']}",
     ]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(v, f"{v.name}-locust-worker", "locust-worker"),
-        "spec": {
+    return _resource(
+        "apps/v1",
+        "Deployment",
+        _meta(v, f"{v.name}-locust-worker", "locust-worker"),
+        {
             "replicas": v.locust_workers,
             "selector": {"matchLabels": _labels(v, "locust-worker")},
             "template": {
@@ -514,7 +499,7 @@ def locust_workers(v: DeployValues) -> dict[str, Any]:
                 "spec": {"containers": [_locust_container(v, args, [])]},
             },
         },
-    }
+    )
 
 
 def k8s_documents(v: DeployValues) -> dict[str, list[dict[str, Any]]]:

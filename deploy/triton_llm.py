@@ -122,55 +122,47 @@ class LLMMetrics:
             pb_utils.MetricFamily.HISTOGRAM,
         )
         self.families = {}  # kept alive as long as their metrics (Triton's rule)
+        family, metric = self._family, self._metric
 
-        def family(name: str, description: str, kind):
-            self.families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
-            return self.families[name]
-
-        self.running = family("lmforge_num_requests_running", "Requests running in the engine", gauge).Metric(
-            labels=labels
-        )
-        self.waiting = family(
-            "lmforge_num_requests_waiting", "Requests waiting for KV blocks or a batch slot", gauge
-        ).Metric(labels=labels)
-        self.running_max = family(
+        self.running = metric("lmforge_num_requests_running", "Requests running in the engine", gauge)
+        self.waiting = metric("lmforge_num_requests_waiting", "Requests waiting for KV blocks or a batch slot", gauge)
+        self.running_max = metric(
             "lmforge_num_requests_running_max",
             "Most requests running in one engine batch since the model loaded",
             gauge,
-        ).Metric(labels=labels)
-        self.kv_usage = family("lmforge_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", gauge).Metric(
-            labels=labels
         )
-        self.hit_rate = family(
+        self.kv_usage = metric("lmforge_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", gauge)
+        self.hit_rate = metric(
             "lmforge_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens queried", gauge
-        ).Metric(labels=labels)
-        self.preemptions = family(
+        )
+        self.preemptions = metric(
             "lmforge_num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks", counter
-        ).Metric(labels=labels)
+        )
         self._finished_family = family(
             "lmforge_requests_finished_total", "Requests finished, by finish reason", counter
         )
         self._finished: dict[str, object] = {}
-        self.aborted = family(
+        self.aborted = metric(
             "lmforge_requests_aborted_total", "Requests aborted because the client cancelled or disconnected", counter
-        ).Metric(labels=labels)
-        self.errors = family("lmforge_request_errors_total", "Requests answered with an error", counter).Metric(
-            labels=labels
         )
-        self.ttft = family("lmforge_time_to_first_token_seconds", "Time to first token (s)", histogram).Metric(
-            labels=labels, buckets=TTFT_BUCKETS_S
+        self.errors = metric("lmforge_request_errors_total", "Requests answered with an error", counter)
+        self.ttft = metric(
+            "lmforge_time_to_first_token_seconds", "Time to first token (s)", histogram, buckets=TTFT_BUCKETS_S
         )
-        self.tpot = family(
-            "lmforge_time_per_output_token_seconds", "Time per output token after the first (s)", histogram
-        ).Metric(labels=labels, buckets=TPOT_BUCKETS_S)
-        self.acceptance_rate = family(
+        self.tpot = metric(
+            "lmforge_time_per_output_token_seconds",
+            "Time per output token after the first (s)",
+            histogram,
+            buckets=TPOT_BUCKETS_S,
+        )
+        self.acceptance_rate = metric(
             "lmforge_spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed tokens", gauge
-        ).Metric(labels=labels)
-        self.mean_accepted_length = family(
+        )
+        self.mean_accepted_length = metric(
             "lmforge_spec_decode_mean_accepted_length",
             "Speculative decoding: tokens emitted per request-step that verified proposals",
             gauge,
-        ).Metric(labels=labels)
+        )
         self._lora_requests_family = family(
             "lmforge_lora_requests_finished_total", "Requests finished, by LoRA adapter", counter
         )
@@ -179,10 +171,28 @@ class LLMMetrics:
         )
         self._lora: dict[str, tuple[object, object]] = {}  # adapter name -> (requests, tokens) metrics
         #: EngineStats counter field -> (Prometheus counter, value already added).
-        self._counters = {
+        self._counters = self._engine_counters(counter)
+        self._running_max_seen = 0
+        self.responses = metric("lmforge_responses_total", "Responses sent (streamed pieces and finals)", counter)
+        #: Responses sent, counted by the sending thread; ``update_stats`` exports them.
+        self.num_responses = 0
+        self._responses_exported = 0
+        self._gauge_values: dict[int, float] = {}
+
+    def _family(self, name: str, description: str, kind):
+        self.families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+        return self.families[name]
+
+    def _metric(self, name: str, description: str, kind, **kwargs):
+        """The labelled metric of a new family (``kwargs``: a histogram's ``buckets``)."""
+        return self._family(name, description, kind).Metric(labels=self.labels, **kwargs)
+
+    def _engine_counters(self, counter) -> dict[str, list]:
+        """The Prometheus counter of each cumulative ``EngineStats`` field, with the value already added (0)."""
+        return {
             "num_preemptions_total": [self.preemptions, 0],
             **{
-                field: [family(name, help_text, counter).Metric(labels=labels), 0]
+                field: [self._metric(name, help_text, counter), 0]
                 for field, name, help_text in (
                     ("num_prompt_tokens_total", "lmforge_prompt_tokens_total", "Prompt tokens of admitted requests"),
                     ("num_generation_tokens_total", "lmforge_generation_tokens_total", "Tokens generated"),
@@ -191,7 +201,7 @@ class LLMMetrics:
             },
             **{
                 f"spec_decode_{name}_total": [
-                    family(f"lmforge_spec_decode_{name}_total", help_text, counter).Metric(labels=labels),
+                    self._metric(f"lmforge_spec_decode_{name}_total", help_text, counter),
                     0,
                 ]
                 for name, help_text in (
@@ -201,14 +211,6 @@ class LLMMetrics:
                 )
             },
         }
-        self._running_max_seen = 0
-        self.responses = family(
-            "lmforge_responses_total", "Responses sent (streamed pieces and finals)", counter
-        ).Metric(labels=labels)
-        #: Responses sent, counted by the sending thread; ``update_stats`` exports them.
-        self.num_responses = 0
-        self._responses_exported = 0
-        self._gauge_values: dict[int, float] = {}
 
     def _set(self, gauge, value: float) -> None:
         """Set a gauge only when its value changed: each set is a round trip to Triton."""

@@ -121,6 +121,51 @@ def _store_kv_int8_kernel(
 
 
 @triton.jit
+def _attend_keys(
+    q,
+    acc,
+    m_i,
+    l_i,
+    row,
+    tm,
+    allowed,
+    d,
+    dm,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale,
+    ROW: tl.constexpr,
+    SCALE_ROW: tl.constexpr,
+    QUANT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One online-softmax step of ``q [R, D]`` over the ``BLOCK_N`` keys at cache rows ``row [N]``.
+
+    ``tm [N]`` marks keys that exist, ``allowed [R, N]`` the scores kept. Returns the updated running
+    output ``acc [R, D]``, max ``m_i [R]`` and normalizer ``l_i [R]`` (all float32).
+    """
+    kv_mask = tm[:, None] & dm[None, :]
+    k = tl.load(k_cache_ptr + row[:, None] * ROW + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, N] float32
+    if QUANT:
+        s = s * tl.load(k_scale_ptr + row * SCALE_ROW, mask=tm, other=0.0).to(tl.float32)[None, :]
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    v = tl.load(v_cache_ptr + row[:, None] * ROW + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
+    pv = p
+    if QUANT:
+        pv = p * tl.load(v_scale_ptr + row * SCALE_ROW, mask=tm, other=0.0).to(tl.float32)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,
     q_ptr,
@@ -178,23 +223,10 @@ def _paged_decode_kernel(
             tm = tm & (toks >= seq_len - WINDOW)
         blk = tl.load(block_table_ptr + req * stride_bt + toks // PAGE, mask=tm, other=0)
         row = (blk.to(tl.int64) * PAGE + toks % PAGE) * NUM_KV_HEADS + kvh  # [N] row of [slots * kv_heads, D]
-        kv_mask = tm[:, None] & dm[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] * ROW + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
-        if QUANT:
-            s = s * tl.load(k_scale_ptr + row * SCALE_ROW, mask=tm, other=0.0).to(tl.float32)[None, :]
-        s = tl.where(tm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        v = tl.load(v_cache_ptr + row[:, None] * ROW + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
-        pv = p
-        if QUANT:
-            pv = p * tl.load(v_scale_ptr + row * SCALE_ROW, mask=tm, other=0.0).to(tl.float32)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        acc, m_i, l_i = _attend_keys(
+            q, acc, m_i, l_i, row, tm, tm[None, :], d, dm, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale,
+            ROW, SCALE_ROW, QUANT, PRECISION,
+        )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + req * stride_o_tok + heads[:, None] * HEAD_DIM + d[None, :],
@@ -267,26 +299,13 @@ def _paged_prefill_kernel(
             tm = toks < seq_len
             blk = tl.load(block_table_ptr + req * stride_bt + toks // PAGE, mask=tm, other=0)
             row = (blk.to(tl.int64) * PAGE + toks % PAGE) * NUM_KV_HEADS + kvh  # [N]
-            kv_mask = tm[:, None] & dm[None, :]
-            k = tl.load(k_cache_ptr + row[:, None] * ROW + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
-            if QUANT:
-                s = s * tl.load(k_scale_ptr + row * SCALE_ROW, mask=tm, other=0.0).to(tl.float32)[None, :]
             allowed = tm[None, :] & (toks[None, :] <= q_pos[:, None])
             if WINDOW > 0:
                 allowed = allowed & (toks[None, :] > q_pos[:, None] - WINDOW)
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            v = tl.load(v_cache_ptr + row[:, None] * ROW + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            pv = p
-            if QUANT:
-                pv = p * tl.load(v_scale_ptr + row * SCALE_ROW, mask=tm, other=0.0).to(tl.float32)[None, :]
-            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            acc, m_i, l_i = _attend_keys(
+                q, acc, m_i, l_i, row, tm, allowed, d, dm, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale,
+                ROW, SCALE_ROW, QUANT, PRECISION,
+            )  # fmt: skip
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + (q_start + m)[:, None] * stride_o_tok + head * HEAD_DIM + d[None, :],

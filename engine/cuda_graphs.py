@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -155,42 +155,23 @@ class StaticDecodeModelRunner(ModelRunner):
     Needs an attention backend with ``decode_metadata`` (``engine.attention_triton``).
 
     Args:
-        path, dtype, device, block_size, max_model_len, attention_backend, kv_cache_dtype: as ``ModelRunner``.
+        args, kwargs: as ``ModelRunner`` (path, dtype, device, block_size, max_model_len, attention_backend,
+            kv_cache_dtype).
         max_num_seqs: largest decode batch (sizes the buckets, ``capture_sizes``).
         enforce_eager: never capture graphs (the static buffers are still used).
     """
 
-    def __init__(
-        self,
-        path: Path,
-        dtype: str,
-        device: str,
-        block_size: int,
-        max_model_len: int,
-        *,
-        max_num_seqs: int,
-        enforce_eager: bool = False,
-        attention_backend: str | None = None,
-        kv_cache_dtype: str | None = None,
-    ):
-        super().__init__(
-            path,
-            dtype,
-            device,
-            block_size,
-            max_model_len,
-            attention_backend=attention_backend,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+    def __init__(self, *args: Any, max_num_seqs: int, enforce_eager: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         if not hasattr(self.attn, "decode_metadata"):
             raise ValueError(
                 f"{type(self.attn).__name__} has no decode_metadata; static decode batches need "
                 "attention_backend='triton'"
             )
         self.sizes = capture_sizes(max_num_seqs)
-        max_blocks = -(-max_model_len // block_size)
-        self.staging = DecodeStaging(self.sizes[-1], max_blocks, block_size, device)
-        self.use_graphs = not enforce_eager and torch.device(device).type == "cuda" and torch.cuda.is_available()
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.staging = DecodeStaging(self.sizes[-1], max_blocks, self.block_size, self.device)
+        self.use_graphs = not enforce_eager and torch.device(self.device).type == "cuda" and torch.cuda.is_available()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -693,27 +693,16 @@ def make_model_runner(config: EngineConfig, path: Path, max_model_len: int) -> M
     """``StaticDecodeModelRunner`` (bucket-padded decode batches, CUDA graphs on CUDA) for the
     ``triton`` attention backend, ``ModelRunner`` otherwise."""
     backend = config.attention_backend or ("triton" if config.device.startswith("cuda") else "torch")
+    args = (path, config.dtype, config.device, config.block_size, max_model_len)
     if backend == "triton":
         return StaticDecodeModelRunner(
-            path,
-            config.dtype,
-            config.device,
-            config.block_size,
-            max_model_len,
+            *args,
             max_num_seqs=config.max_num_seqs,
             enforce_eager=config.enforce_eager,
             attention_backend=backend,
             kv_cache_dtype=config.kv_cache_dtype,
         )
-    return ModelRunner(
-        path,
-        config.dtype,
-        config.device,
-        config.block_size,
-        max_model_len,
-        kv_cache_dtype=config.kv_cache_dtype,
-        batch_invariant=config.batch_invariant,
-    )
+    return ModelRunner(*args, kv_cache_dtype=config.kv_cache_dtype, batch_invariant=config.batch_invariant)
 
 
 def read_eos_token_ids(path: Path, tokenizer) -> set[int]:

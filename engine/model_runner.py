@@ -79,6 +79,7 @@ class ModelRunner:
         self.kv_cache_dtype = self.dtype if kv_cache_dtype in (None, "auto") else KV_DTYPES[kv_cache_dtype]
         self.device = device
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.model = Model(path, self.dtype, device, max_model_len, batch_invariant)
         self.spec = s = self.model.spec
         self.attn = get_attention_backend(

@@ -250,87 +250,34 @@ def test_non_utf8_inputs_name_the_file(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_flags_out_of_range_are_usage_errors(tiny_llama_dir, tmp_path, capsys):
-    _fails(
-        ["serve", "--repo", str(tmp_path), "--http-port", "70000"],
-        2,
-        "--http-port 70000: not a TCP port",
-        capsys=capsys,
-    )
-    _fails(
-        ["serve", "--repo", str(tmp_path), "--grpc-port", "8000", "--http-port", "8000"],
-        2,
-        "three different ports",
-        capsys=capsys,
-    )
-    _fails(
-        ["loadtest", "--host", "http://127.0.0.1:99999", "--model", "m", "--out", str(tmp_path / "lt")],
-        2,
-        "the port is not a number in 1-65535",
-        capsys=capsys,
-    )
-    distill = ["distill", "--model", str(tiny_llama_dir), "--data", str(tmp_path), "--run-dir", str(tmp_path / "r")]
-    _fails(
-        [*distill, "--student-config", '{"num_hidden_layers": -1}'],
-        2,
-        "--student-config num_hidden_layers=-1: must be an integer >= 1",
-        capsys=capsys,
-    )
-    _fails(
-        [*distill, "--student-config", "[4]"],
-        2,
-        "expected a JSON object",
-        capsys=capsys,
-    )
-    _fails(
-        ["plan", "--model", str(tiny_llama_dir), "--dp", "1", "--tp", "0", "--pp", "1"],
-        2,
-        "--tp 0: a parallel degree must be >= 1",
-        capsys=capsys,
-    )
-    _fails(
-        [
-            "quantize",
-            "--model",
-            str(tiny_llama_dir),
-            "--method",
-            "llm-int8",
-            "--device",
-            "tpu",
-            "--out",
-            str(tmp_path / "q"),
-        ],
-        2,
-        "device='tpu'",
-        capsys=capsys,
-    )
-    _fails(
-        ["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", "--device", "tpu"],
-        2,
-        "--device 'tpu': not a device",
-        capsys=capsys,
-    )
-    _fails(
-        [
-            "finetune",
-            "--model",
-            str(tiny_llama_dir),
-            "--data",
-            str(tmp_path),
-            "--run-dir",
-            str(tmp_path / "r"),
-            "--lr",
-            "-1",
-        ],
-        2,
-        "lr=-1.0: must be > 0",
-        capsys=capsys,
-    )
-    _fails(
-        ["data", "--val-fraction", "2", "--out", str(tmp_path / "d")],
-        2,
-        "val_fraction=2.0: must be in (0, 1)",
-        capsys=capsys,
-    )
+    model, tmp = str(tiny_llama_dir), str(tmp_path)
+
+    def train(command: str) -> list[str]:
+        return [command, "--model", model, "--data", tmp, "--run-dir", str(tmp_path / "r")]
+
+    cases = [  # (argv, what stderr says); each exits 2
+        (["serve", "--repo", tmp, "--http-port", "70000"], "--http-port 70000: not a TCP port"),
+        (["serve", "--repo", tmp, "--grpc-port", "8000", "--http-port", "8000"], "three different ports"),
+        (
+            ["loadtest", "--host", "http://127.0.0.1:99999", "--model", "m", "--out", str(tmp_path / "lt")],
+            "the port is not a number in 1-65535",
+        ),
+        (
+            [*train("distill"), "--student-config", '{"num_hidden_layers": -1}'],
+            "--student-config num_hidden_layers=-1: must be an integer >= 1",
+        ),
+        ([*train("distill"), "--student-config", "[4]"], "expected a JSON object"),
+        (["plan", "--model", model, "--dp", "1", "--tp", "0", "--pp", "1"], "--tp 0: a parallel degree must be >= 1"),
+        (
+            ["quantize", "--model", model, "--method", "llm-int8", "--device", "tpu", "--out", str(tmp_path / "q")],
+            "device='tpu'",
+        ),
+        (["generate", "--model", model, "--prompt", "hi", "--device", "tpu"], "--device 'tpu': not a device"),
+        ([*train("finetune"), "--lr", "-1"], "lr=-1.0: must be > 0"),
+        (["data", "--val-fraction", "2", "--out", str(tmp_path / "d")], "val_fraction=2.0: must be in (0, 1)"),
+    ]
+    for argv, message in cases:
+        _fails(argv, 2, message, capsys=capsys)
     assert not (tmp_path / "q").exists() and not (tmp_path / "r").exists() and not (tmp_path / "d").exists()
 
 

@@ -164,20 +164,6 @@ def hf_model(path: Path, dtype, device: str):
     return model.to(device=device, dtype=dtype).eval()
 
 
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, device: str) -> list[list[int]]:
-    import torch
-
-    results = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=device)
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2
-            )
-            results.append(out[0, len(p) :].tolist())
-    return results
-
-
 def engine_tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -191,6 +177,7 @@ def run_checks(work: Path, device: str, dry_run: bool) -> list[dict]:
     import torch
 
     from engine import LLM, SamplingParams
+    from engine.checkpoint.store import hf_greedy_tokens
 
     path = write_random_checkpoint(work / "tiny", TINY, torch.float32, device, seed=0, max_position_embeddings=256)
     lengths = [1, 5, 17, 33] if dry_run else [1, 5, 17, 33, 64, 100]
@@ -201,7 +188,7 @@ def run_checks(work: Path, device: str, dry_run: bool) -> list[dict]:
     max_new = 3 if dry_run else 12
     greedy = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     model = hf_model(path, torch.float32, device)
-    reference = hf_greedy(model, prompts, max_new, device)
+    reference = hf_greedy_tokens(model, prompts, max_new)
     engine_args = dict(
         device=device,
         dtype="float32",
@@ -241,7 +228,7 @@ def run_checks(work: Path, device: str, dry_run: bool) -> list[dict]:
     # 16 prompts of 2 blocks fill a pool of 32 blocks of 4 tokens: the first decode step needs a
     # third block per request, so the newest requests are preempted and recomputed
     packed = random_prompts(16, 8, 0, TINY["vocab_size"], seed=5)
-    packed_reference = hf_greedy(model, packed, max_new, device)
+    packed_reference = hf_greedy_tokens(model, packed, max_new)
     small = LLM(str(path), num_kv_blocks=32, enable_prefix_caching=False, **{**engine_args, "block_size": 4})
     preempted = engine_tokens(small.generate(packed, greedy))
     n_pre = small.engine.get_stats().num_preemptions_total

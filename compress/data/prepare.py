@@ -44,6 +44,7 @@ import yaml
 
 from compress.data.dedup import MinHashConfig, exact_key, near_duplicates, normalize
 from engine.checkpoint.outputs import DATA, check_output_dir, staged_output_dir
+from engine.cli_options import add_config_option
 from engine.errors import UsageError
 from engine.records import DataError, iter_jsonl, read_utf8, validate_record
 
@@ -586,27 +587,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", default="runs/data", help="output directory (train.jsonl, val.jsonl, data_report.json)"
     )
-    parser.add_argument("--val-fraction", type=float, default=d.val_fraction)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument(
-        "--split-by",
-        default=d.split_by,
+    add_config_option(parser, d, "val_fraction")
+    add_config_option(parser, d, "seed")
+    add_config_option(
+        parser,
+        d,
+        "split_by",
+        "'prompt': dialogs with the same first user turn stay on one side of the split; 'record': each record on "
+        "its own (default %(default)s)",
         choices=SPLIT_BY,
-        help="'prompt': dialogs with the same first user turn stay on one side of the split; 'record': each "
-        f"record on its own (default {d.split_by})",
     )
-    parser.add_argument("--min-chars", type=int, default=d.min_chars)
-    parser.add_argument("--max-chars", type=int, default=d.max_chars)
-    parser.add_argument("--max-symbol-ratio", type=float, default=d.max_symbol_ratio)
-    parser.add_argument("--max-non-alpha-ratio", type=float, default=d.max_non_alpha_ratio)
-    parser.add_argument("--max-duplicate-line-fraction", type=float, default=d.max_duplicate_line_fraction)
-    parser.add_argument("--blocklist", default=d.blocklist, help="toxicity word list file, or 'none' to disable")
-    parser.add_argument("--dedup-threshold", type=float, default=d.dedup_threshold, help="MinHash Jaccard threshold")
-    parser.add_argument("--num-perm", type=int, default=d.num_perm, help="MinHash permutations")
-    parser.add_argument("--shingle-size", type=int, default=d.shingle_size, help="characters per shingle")
-    parser.add_argument(
-        "--noise-ratio", type=float, default=d.noise_ratio, help="share of training dialogs given swapped replies"
-    )
+    add_config_option(parser, d, "min_chars")
+    add_config_option(parser, d, "max_chars")
+    add_config_option(parser, d, "max_symbol_ratio")
+    add_config_option(parser, d, "max_non_alpha_ratio")
+    add_config_option(parser, d, "max_duplicate_line_fraction")
+    add_config_option(parser, d, "blocklist", "toxicity word list file, or 'none' to disable")
+    add_config_option(parser, d, "dedup_threshold", "MinHash Jaccard threshold")
+    add_config_option(parser, d, "num_perm", "MinHash permutations")
+    add_config_option(parser, d, "shingle_size", "characters per shingle")
+    add_config_option(parser, d, "noise_ratio", "share of training dialogs given swapped replies")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -60,6 +61,7 @@ from compress.data import records as records_module
 from compress.data.records import default_split_records
 from compress.quantize.methods import load_int8_model, load_llm_int8_model
 from compress.quantize.onnx import onnx_num_parameters
+from engine import LLM
 from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import check_output_file, write_output_file
 from engine.checkpoint.store import (
@@ -69,10 +71,15 @@ from engine.checkpoint.store import (
     resolve_checkpoint,
     update_metrics,
 )
+from engine.cli_options import add_config_option
+from engine.config import KV_CACHE_DTYPES
 from engine.errors import LmforgeError
 from engine.lora import LORA_TARGETS, LoRARequest, load_adapter
+from engine.model import read_model_spec
 from engine.quant.int8 import INT8_WEIGHT_SUFFIX
 from engine.records import encode_record
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence as EngineSequence
 
 #: Fixed prompts of the greedy-agreement metric (chat-formatted).
 AGREEMENT_PROMPTS: tuple[str, ...] = (
@@ -184,22 +191,15 @@ class EngineLM:
     """
 
     def __init__(self, path: Path, dtype: str, kv_cache_dtype: str, max_model_len: int):
-        # the engine (and its C++ kernels) load only on this path
-        from engine import LLM
-        from engine.model import read_model_spec
-
         max_model_len = min(max_model_len, read_model_spec(path).max_position_embeddings)
         self.llm = LLM(
             path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False, max_model_len=max_model_len
         )
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        from engine.sampling_params import SamplingParams
-        from engine.sequence import Sequence
-
         ids = input_ids[0].tolist()
         engine = self.llm.engine
-        seq = Sequence("teacher-forced", None, ids, SamplingParams(max_tokens=1), None, None)
+        seq = EngineSequence("teacher-forced", None, ids, SamplingParams(max_tokens=1), None, None)
         if not engine.block_manager.allocate_slots(seq, len(ids)):
             raise EvaluationError(f"{len(ids)} tokens do not fit the engine's KV cache; decrease --max-length")
         try:
@@ -217,8 +217,6 @@ class EngineLM:
         do_sample: bool = False,
         pad_token_id: int | None = None,
     ) -> torch.Tensor:
-        from engine.sampling_params import SamplingParams
-
         if do_sample:
             raise EvaluationError("the engine rows of `lmforge evaluate` decode greedily (do_sample=False)")
         prompt = input_ids[0].tolist()
@@ -628,6 +626,34 @@ def evaluate_checkpoint(
     return metrics
 
 
+def _reference_outputs(reference: LoadedCheckpoint, records: list[dict[str, Any]], config: EvalConfig) -> tuple:
+    """The reference's greedy tokens on ``AGREEMENT_PROMPTS`` and its log-probabilities on ``records``."""
+    tokens = greedy_tokens(
+        reference.model, reference.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens
+    )
+    return tokens, reference_logprobs(reference.model, reference.tokenizer, records, max_length=config.max_length)
+
+
+def _manifest_writable(path: Path) -> bool:
+    manifest = path / MANIFEST_NAME
+    return manifest.is_file() and os.access(manifest, os.W_OK)
+
+
+def _kv_cache_dtype_list(kv_cache_dtypes: Sequence[str] | None) -> list[str | None]:
+    """``evaluate``'s engine rows: each KV cache dtype given, or ``[None]`` (each checkpoint on its own library).
+
+    Raises:
+        EvaluationError: a name ``EngineConfig.kv_cache_dtype`` does not know.
+    """
+    kv_list: list[str | None] = list(kv_cache_dtypes) if kv_cache_dtypes else [None]
+    unknown = [kv for kv in kv_list if kv is not None and kv not in KV_CACHE_DTYPES]
+    if unknown:
+        raise EvaluationError(
+            f"--kv-cache-dtype: unknown {', '.join(unknown)}; choose from {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return kv_list
+
+
 def evaluate(
     checkpoints: Sequence[str | Path],
     *,
@@ -669,18 +695,10 @@ def evaluate(
         EvaluationError: bad data, or a ``kv_cache_dtypes`` entry the engine does not know.
         LoRAError: ``lora`` does not fit a checkpoint (names the field).
     """
-    # engine.config is light next to torch, which this module imports anyway
-    from engine.config import KV_CACHE_DTYPES
-
     config = config or EvalConfig()
     if not checkpoints:
         raise EvaluationError("checkpoints: pass at least one checkpoint to evaluate")
-    kv_list: list[str | None] = list(kv_cache_dtypes) if kv_cache_dtypes else [None]
-    unknown = [kv for kv in kv_list if kv is not None and kv not in KV_CACHE_DTYPES]
-    if unknown:
-        raise EvaluationError(
-            f"--kv-cache-dtype: unknown {', '.join(unknown)}; choose from {', '.join(KV_CACHE_DTYPES)}"
-        )
+    kv_list = _kv_cache_dtype_list(kv_cache_dtypes)
     paths = [resolve_checkpoint(c) for c in checkpoints]
     reference_path = resolve_checkpoint(reference) if reference is not None else paths[0]
     if records is None:
@@ -688,51 +706,31 @@ def evaluate(
     records = list(records)[: config.max_records]
     # the engine's context holds a record and the longest generation (agreement prompts are short)
     max_model_len = max(config.max_length, 128) + max(config.agreement_tokens, config.latency_tokens + 1)
-
-    def load(path: Path, kv_cache_dtype: str | None) -> LoadedCheckpoint:
-        return load_for_eval(
-            path,
-            num_threads=config.num_threads,
-            kv_cache_dtype=kv_cache_dtype,
-            engine_dtype=engine_dtype,
-            max_model_len=max_model_len,
-            lora=lora,
-        )
-
+    load = functools.partial(
+        load_for_eval, num_threads=config.num_threads, engine_dtype=engine_dtype, max_model_len=max_model_len, lora=lora
+    )
     reference_entry = (reference_path, kv_list[0])
-    loaded_reference = load(*reference_entry)
-    reference_tokens = greedy_tokens(
-        loaded_reference.model, loaded_reference.tokenizer, AGREEMENT_PROMPTS, max_new_tokens=config.agreement_tokens
-    )
-    reference_scores = reference_logprobs(
-        loaded_reference.model, loaded_reference.tokenizer, records, max_length=config.max_length
-    )
-    reference_label = loaded_reference.label
+    loaded_reference = load(reference_path, kv_cache_dtype=kv_list[0])
+    reference_tokens, reference_scores = _reference_outputs(loaded_reference, records, config)
+    run_fields = {  # what every row was judged against, and how
+        "reference": loaded_reference.label,
+        "eval_data": data_name or "records",
+        "eval_records": len(records),
+        "num_threads": config.num_threads,
+        **({"lora": str(lora)} if lora is not None else {}),
+    }
     results: dict[str, dict[str, Any]] = {}
     for path, kv_cache_dtype in [(p, kv) for p in paths for kv in kv_list]:
-        if (path, kv_cache_dtype) == reference_entry and loaded_reference is not None:  # loaded once, tokens reused
+        if (path, kv_cache_dtype) == reference_entry and loaded_reference is not None:  # loaded once, reused
             loaded, loaded_reference = loaded_reference, None
         else:
             loaded_reference = None
-            loaded = load(path, kv_cache_dtype)
+            loaded = load(path, kv_cache_dtype=kv_cache_dtype)
         log(f"evaluating {loaded.label} ...")
-        metrics = evaluate_checkpoint(
-            loaded, records, reference_tokens, config, reference_scores, reference_path, reference_entry[1]
-        )
-        label = loaded.label
-        del loaded
-        metrics.update(
-            {
-                "reference": reference_label,
-                "eval_data": data_name or "records",
-                "eval_records": len(records),
-                "num_threads": config.num_threads,
-                **({"lora": str(lora)} if lora is not None else {}),
-            }
-        )
-        results[label] = metrics
-        manifest = path / MANIFEST_NAME
-        if write and kv_cache_dtype is None and lora is None and manifest.is_file() and os.access(manifest, os.W_OK):
+        metrics = evaluate_checkpoint(loaded, records, reference_tokens, config, reference_scores, *reference_entry)
+        results[loaded.label] = metrics = {**metrics, **run_fields}
+        del loaded  # released before the next checkpoint loads
+        if write and kv_cache_dtype is None and lora is None and _manifest_writable(path):
             update_metrics(path, metrics)
     return results
 
@@ -781,21 +779,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model whose distributions define KL / same top-1 and whose greedy outputs define agreement (default: "
         "the first checkpoint)",
     )
-    parser.add_argument(
-        "--max-records", type=int, default=d.max_records, help=f"records scored (default {d.max_records})"
-    )
-    parser.add_argument(
-        "--max-length", type=int, default=d.max_length, help=f"tokens per record (default {d.max_length})"
-    )
-    parser.add_argument(
-        "--agreement-tokens",
-        type=int,
-        default=d.agreement_tokens,
-        help=f"greedy tokens per prompt (default {d.agreement_tokens})",
-    )
-    parser.add_argument(
-        "--latency-tokens", type=int, default=d.latency_tokens, help=f"decode tokens timed (default {d.latency_tokens})"
-    )
+    add_config_option(parser, d, "max_records", "records scored (default %(default)s)")
+    add_config_option(parser, d, "max_length", "tokens per record (default %(default)s)")
+    add_config_option(parser, d, "agreement_tokens", "greedy tokens per prompt (default %(default)s)")
+    add_config_option(parser, d, "latency_tokens", "decode tokens timed (default %(default)s)")
     parser.add_argument("--no-latency", action="store_true", help="skip the decode latency measurement")
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for every checkpoint (default: library defaults)"

@@ -39,11 +39,14 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from transformers.modeling_utils import no_init_weights
 
-from compress.data.records import default_split_records
+from compress.quantize.calibration import (
+    is_skipped,
+    load_smoothed_model,
+    most_sensitive_units,
+    outlier_input_channels,
+)
 from compress.quantize.onnx import OnnxExportConfig, OnnxInt8Config, export_onnx, quantize_onnx_int8
-from compress.quantize.rotate import rotate_down_proj_inputs, rotate_residual_stream, rotated_inputs
-from compress.quantize.sensitivity import quantization_units, unit_sensitivity
-from compress.quantize.smooth import activation_absmax, calibrate_alpha, smooth_model
+from compress.quantize.rotate import rotated_inputs
 from engine.checkpoint.outputs import CHECKPOINT, check_output_dir, replace_dir, temp_sibling
 from engine.checkpoint.store import (
     MANIFEST_NAME,
@@ -70,7 +73,6 @@ from engine.quant.int8 import (
     read_scheme,
     scheme_metadata,
 )
-from engine.records import encode_record, read_records
 
 WEIGHTS_NAME = "model.safetensors"
 #: Float vocabulary tables that a rotated ``w8a8`` checkpoint stores in bfloat16: SmolLM2-135M, 44 held-out dialogs,
@@ -137,11 +139,8 @@ class W8A8Config:
 
     Attributes:
         skip_modules: as in ``Int8WeightOnlyConfig``, but the LM head stays float by default:
-            with per-token INT8 activations it adds the most KL of any layer (SmolLM2, 44
-            held-out dialogs, SmoothQuant 0.5: mean KL 0.0179 -> 0.0237 with the head INT8), and
-            where an INT8 head is not faster than the bf16 one at decode batch sizes (measured:
-            49152 x 576 at 64 rows, 1 thread, 16.2 ms against 14.8 ms on one AMX machine, 1.7x
-            faster on another) it buys nothing; ``()`` quantizes it too.
+            with per-token INT8 activations it adds the most KL of any layer, and it is not reliably
+            faster than the bf16 head at decode batch sizes (docs/quantization.md); ``()`` quantizes it too.
         outlier_channels: for each INT8 layer of ``outlier_modules``, this many input channels
             (the largest max |x| on the calibration records) get a per-token activation scale of
             their own (``W8A8Linear``); 0 (default): none. For an INT8 head: a few channels of
@@ -278,124 +277,6 @@ def _check_smoothing(alpha: float | None, calibration_records: int) -> None:
         )
     if calibration_records < 1:
         raise UsageError(f"calibration_records={calibration_records}: it must be >= 1")
-
-
-def calibration_batches(tokenizer, *, data: str | None, num_records: int, max_length: int = 256):
-    """Token id tensors ``[1, T]`` of the first ``num_records`` calibration records.
-
-    Raises:
-        DataError: a bad calibration file (names file:line).
-    """
-    records = read_records(data) if data else default_split_records("train")[0]
-    return [torch.tensor([encode_record(tokenizer, r, max_length=max_length)[0]]) for r in records[:num_records]]
-
-
-def load_smoothed_model(
-    source_dir: Path,
-    *,
-    alpha: float | None,
-    data: str | None,
-    num_records: int,
-    alpha_grid: tuple[float, ...] | None = None,
-    rotation_block: int | None = None,
-):
-    """The fp32 causal LM of ``source_dir``, with SmoothQuant applied when ``alpha`` or ``alpha_grid`` is set.
-
-    With ``alpha_grid``, every group's alpha is calibrated (``calibrate_alpha``) on the same records.
-    With ``rotation_block``, the residual stream is rotated before SmoothQuant and the ``down_proj``
-    inputs after it (``compress.quantize.rotate``); those layers become ``RotatedInputLinear``.
-
-    Raises:
-        UsageError: a rotation of a model that is not a Llama-style decoder, or a block that does not
-            divide its intermediate size.
-    """
-    model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
-    try:
-        if rotation_block is not None:
-            rotate_residual_stream(model)
-        if alpha is not None or alpha_grid:
-            tokenizer = AutoTokenizer.from_pretrained(source_dir)
-            batches = calibration_batches(tokenizer, data=data, num_records=num_records)
-            smooth_model(model, batches, alpha=calibrate_alpha(model, batches, alpha_grid) if alpha_grid else alpha)
-        if rotation_block is not None:
-            rotate_down_proj_inputs(model, rotation_block)
-    except ValueError as exc:
-        if rotation_block is None:
-            raise
-        raise UsageError(f"--rotation hadamard: {exc}") from exc
-    return model
-
-
-def most_sensitive_units(model, tokenizer, config: Int8WeightOnlyConfig | W8A8Config) -> list[str]:
-    """Module names of the ``config.float_units`` fused groups whose INT8 (``config.scheme``) adds the most KL
-    per weight (kept float): float weights cost bytes, so a group is ranked by the KL it adds divided
-    by its parameter count."""
-
-    def quantized(linear):
-        weight_int8, scale = quantize_weight_per_channel(linear.weight)
-        bias = None if linear.bias is None else linear.bias.detach()
-        rotation = getattr(linear, "input_hadamard", None)  # a RotatedInputLinear's block
-        return int8_linear(config.scheme, weight_int8, scale, bias, input_hadamard=rotation)
-
-    units = [u for u in quantization_units(model) if not any(is_skipped(n, config.skip_modules) for n in u)]
-    batches = calibration_batches(
-        tokenizer, data=config.calibration_data, num_records=config.sensitivity_records, max_length=128
-    )
-    sensitivity = unit_sensitivity(model, batches, quantized, units)
-
-    def kl_per_weight(unit: tuple[str, ...]) -> float:
-        # per weight kept float: the LM head (21% of SmolLM2's weights) must add 20x a layer's KL to be chosen
-        return sensitivity[unit] / sum(model.get_submodule(name).weight.numel() for name in unit)
-
-    ranked = sorted(units, key=kl_per_weight, reverse=True)[: config.float_units]
-    return [name for unit in ranked for name in unit]
-
-
-def outlier_input_channels(model, tokenizer, config: W8A8Config, float_modules=()) -> dict[str, torch.Tensor]:
-    """``{module name: int64 [config.outlier_channels]}``: for every INT8 linear layer matching
-    ``config.outlier_modules``, the input channels with the largest max |x| over the first
-    ``calibration_records`` calibration records (sorted ascending).
-
-    Raises:
-        UsageError: ``outlier_modules`` names no INT8 linear layer, or a layer has no more input
-            channels than ``outlier_channels``.
-    """
-    names = {
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-        and is_skipped(name, config.outlier_modules)
-        and not is_skipped(name, config.skip_modules)
-        and name not in float_modules
-    }
-    if not names:
-        raise UsageError(
-            f"outlier_modules={config.outlier_modules!r} names no INT8 linear layer",
-            fix="name a quantized layer (e.g. lm_head), or pass --outlier-channels 0",
-        )
-    both = sorted(names & set(rotated_inputs(model)))
-    if both:
-        raise UsageError(
-            f"outlier_modules={config.outlier_modules!r} includes {both[0]}, whose input is rotated (--rotation "
-            "hadamard spreads its outliers already)",
-            fix="leave down_proj out of --outlier-modules, or pass --rotation none",
-        )
-    batches = calibration_batches(tokenizer, data=config.calibration_data, num_records=config.calibration_records)
-    absmax = activation_absmax(model, batches, names)
-    out = {}
-    for name, x_max in absmax.items():
-        if x_max.numel() <= config.outlier_channels:
-            raise UsageError(
-                f"outlier_channels={config.outlier_channels}: {name} has only {x_max.numel()} input channels",
-                fix="pass a smaller --outlier-channels",
-            )
-        out[name] = x_max.topk(config.outlier_channels).indices.sort().values
-    return out
-
-
-def is_skipped(name: str, skip_modules: tuple[str, ...]) -> bool:
-    """Whether module ``name`` matches an entry of ``skip_modules`` (whole name or dotted suffix)."""
-    return any(name == s or name.endswith("." + s) for s in skip_modules)
 
 
 def _require_causal_lm(checkpoint: str | Path, method: str) -> Path:
@@ -857,6 +738,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="linear layers kept in float (default: none for int8-weight-only, lm_head for w8a8 and llm-int8; "
         "the flag alone, with no name, quantizes every linear layer)",
     )
+    _add_method_arguments(parser)
+
+
+def _add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    """Each method's own knobs (the help names the methods a flag applies to); unset flags keep its defaults."""
     parser.add_argument("--threshold", type=float, default=None, help="llm-int8: outlier threshold (default 6.0)")
     parser.add_argument("--device", default=None, help="llm-int8: cpu or cuda (default cpu)")
     parser.add_argument(

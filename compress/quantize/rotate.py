@@ -20,7 +20,7 @@ Llama-style decoder before SmoothQuant and INT8 quantization:
   ``X.input_hadamard``); random signs ``D`` are folded into ``up_proj``'s output rows and
   ``D H / block`` into ``down_proj``'s weight.
 
-``load_smoothed_model`` (``compress.quantize.methods``) rotates the residual stream, applies
+``load_smoothed_model`` (``compress.quantize.calibration``) rotates the residual stream, applies
 SmoothQuant in that basis (the ``down_proj`` group's factors fold into ``up_proj`` as before), then
 rotates the ``down_proj`` inputs, so calibration passes always run a model of the same function.
 

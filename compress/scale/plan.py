@@ -272,36 +272,43 @@ def plan_training(model: ModelSpec, setup: TrainingSetup, splits: list[Split] | 
     return entries
 
 
-def inference_capacity(
-    model: ModelSpec,
-    *,
-    device_memory_bytes: int,
-    memory_utilization: float,
-    block_size: int,
-    max_model_len: int,
-    weight_bytes: int,
-    kv_dtype_bytes: int,
-    tensor_parallel: int = 1,
-    max_num_seqs: int | None = None,
-) -> KVCapacity:
+@dataclass(frozen=True)
+class ServingSetup:
+    """What a model is served with: device memory and the share the engine may use, the KV cache's
+    ``block_size``, ``max_model_len`` and ``max_num_seqs`` (None: no cap), bytes per weight and per KV value."""
+
+    device_memory_bytes: int
+    memory_utilization: float
+    block_size: int
+    max_model_len: int
+    weight_bytes: int
+    kv_dtype_bytes: int
+    max_num_seqs: int | None = None
+
+    def weights_per_device(self, model: ModelSpec, tensor_parallel: int) -> int:
+        return math.ceil(total_params(model) * self.weight_bytes / tensor_parallel)
+
+
+def inference_capacity(model: ModelSpec, setup: ServingSetup, tensor_parallel: int = 1) -> KVCapacity:
     """KV capacity of one device after the weights: budget = memory x utilization - weights / t.
 
     Raises:
         ValueError: utilization outside (0, 1], non-positive sizes, KV heads not divisible by t, or
             weights larger than the budget.
     """
-    if not 0 < memory_utilization <= 1:
-        raise ValueError(f"memory_utilization={memory_utilization}: must be in (0, 1]")
-    weights = math.ceil(total_params(model) * weight_bytes / tensor_parallel)
-    budget = int(device_memory_bytes * memory_utilization) - weights
+    if not 0 < setup.memory_utilization <= 1:
+        raise ValueError(f"memory_utilization={setup.memory_utilization}: must be in (0, 1]")
+    budget = int(setup.device_memory_bytes * setup.memory_utilization) - setup.weights_per_device(
+        model, tensor_parallel
+    )
     return kv_capacity(
         model,
         budget_bytes=budget,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        dtype_bytes=kv_dtype_bytes,
+        block_size=setup.block_size,
+        max_model_len=setup.max_model_len,
+        dtype_bytes=setup.kv_dtype_bytes,
         tensor_parallel=tensor_parallel,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=setup.max_num_seqs,
     )
 
 
@@ -352,39 +359,19 @@ class ServingOption:
     full_batch: int
 
 
-def serving_options(
-    model: ModelSpec,
-    cluster: Cluster,
-    *,
-    device_memory_bytes: int,
-    memory_utilization: float,
-    block_size: int,
-    max_model_len: int,
-    weight_bytes: int,
-    kv_dtype_bytes: int,
-    max_num_seqs: int | None = None,
-) -> list[ServingOption]:
+def serving_options(model: ModelSpec, cluster: Cluster, setup: ServingSetup) -> list[ServingOption]:
     """For each tensor-parallel size inside one node that divides the KV heads: what fits and the ITL.
 
     ITL is ``compress.scale.comm_model.decode_step_time`` at ``max_model_len`` tokens of context, for one
     sequence and for as many full-length sequences as the KV cache holds (capped by ``max_num_seqs``).
     """
-    sizing = dict(
-        device_memory_bytes=device_memory_bytes,
-        memory_utilization=memory_utilization,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        weight_bytes=weight_bytes,
-        kv_dtype_bytes=kv_dtype_bytes,
-        max_num_seqs=max_num_seqs,
-    )
     options = []
     for t in divisors(cluster.devices_per_node):
         if model.num_key_value_heads % t or model.num_attention_heads % t:
             continue
-        weights = math.ceil(total_params(model) * weight_bytes / t)
+        weights = setup.weights_per_device(model, t)
         try:
-            cap = inference_capacity(model, tensor_parallel=t, **sizing)
+            cap = inference_capacity(model, setup, t)
         except ValueError:
             cap = None
         if cap is None or cap.max_concurrent_sequences < 1:
@@ -395,10 +382,10 @@ def serving_options(
                 model,
                 cluster,
                 batch=batch,
-                context_len=max_model_len,
+                context_len=setup.max_model_len,
                 tensor_parallel=t,
-                weight_bytes=weight_bytes,
-                kv_dtype_bytes=kv_dtype_bytes,
+                weight_bytes=setup.weight_bytes,
+                kv_dtype_bytes=setup.kv_dtype_bytes,
             )
             for batch in (1, cap.max_concurrent_sequences)
         )
@@ -637,17 +624,17 @@ def run_inference(args: argparse.Namespace, model: ModelSpec) -> dict:
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1 (or left out)")
     cluster = cluster_from_args(args)
-    sizing = {  # the flags both the chosen size and every option are sized with
-        "device_memory_bytes": int(args.device_memory_gib * GIB),
-        "memory_utilization": args.gpu_memory_utilization,
-        "block_size": args.block_size,
-        "max_model_len": args.max_model_len,
-        "weight_bytes": DTYPE_BYTES[args.weight_dtype],
-        "kv_dtype_bytes": DTYPE_BYTES[args.kv_dtype],
-        "max_num_seqs": args.max_num_seqs,
-    }
-    cap = inference_capacity(model, tensor_parallel=args.tp, **sizing) if args.tp else None
-    options = serving_options(model, cluster, **sizing)
+    setup = ServingSetup(  # both the chosen size and every option are sized with it
+        device_memory_bytes=int(args.device_memory_gib * GIB),
+        memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        weight_bytes=DTYPE_BYTES[args.weight_dtype],
+        kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
+        max_num_seqs=args.max_num_seqs,
+    )
+    cap = inference_capacity(model, setup, args.tp) if args.tp else None
+    options = serving_options(model, cluster, setup)
     if cap is None:
         fitting = [o for o in options if o.capacity is not None and o.full_batch >= 1]
         if not fitting:

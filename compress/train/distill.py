@@ -67,6 +67,7 @@ from compress.train.finetune import add_train_arguments, run_recipe, train_confi
 from compress.train.loop import TrainConfig, TrainingError, TrainingRecipe
 from engine import LLM, SamplingParams
 from engine.checkpoint.store import TOKEN_FREQUENCIES_NAME
+from engine.cli_options import add_config_option
 from engine.errors import UsageError
 from engine.records import read_jsonl
 
@@ -666,69 +667,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"longer budget: {', '.join(f'{k}={v}' for k, v in FULL_BUDGET.items())} (flags given explicitly still "
         "win)",
     )
-    parser.add_argument(
-        "--student-layers",
-        default=d.student_layers,
-        help="'drop:N' (the N least important layers), 'every-other' or teacher layer indices '0,2,4' (default "
-        f"{d.student_layers})",
+    add_config_option(
+        parser,
+        d,
+        "student_layers",
+        "'drop:N' (the N least important layers), 'every-other' or teacher layer indices '0,2,4' (default %(default)s)",
     )
-    parser.add_argument(
-        "--layer-importance",
-        default=d.layer_importance,
-        choices=sorted(IMPORTANCE),
-        help=f"how drop:N ranks layers (default {d.layer_importance})",
+    add_config_option(
+        parser, d, "layer_importance", "how drop:N ranks layers (default %(default)s)", choices=sorted(IMPORTANCE)
     )
-    parser.add_argument(
-        "--calibration-records",
-        type=int,
-        default=d.calibration_records,
-        help=f"records that rank layers (default {d.calibration_records})",
-    )
-    parser.add_argument(
-        "--calibration-select",
-        default=d.calibration_select,
+    add_config_option(parser, d, "calibration_records", "records that rank layers (default %(default)s)")
+    add_config_option(
+        parser,
+        d,
+        "calibration_select",
+        "which training records rank layers: the first ones or those with the longest replies (default %(default)s)",
         choices=CALIBRATION_SELECT,
-        help="which training records rank layers: the first ones or those with the longest replies (default "
-        f"{d.calibration_select})",
     )
-    parser.add_argument(
-        "--generate-records",
-        type=int,
-        default=d.generate_records,
-        help="training prompts the teacher answers with the engine, added as KD data (default "
-        f"{d.generate_records}; 0: none)",
+    add_config_option(
+        parser,
+        d,
+        "generate_records",
+        "training prompts the teacher answers with the engine, added as KD data (default %(default)s; 0: none)",
     )
-    parser.add_argument(
-        "--generate-tokens",
-        type=int,
-        default=d.generate_tokens,
-        help=f"tokens per teacher reply (default {d.generate_tokens})",
-    )
+    add_config_option(parser, d, "generate_tokens", "tokens per teacher reply (default %(default)s)")
     parser.add_argument(
         "--student-config",
         default=None,
         help="JSON config overrides for a fresh student, e.g. '{\"num_hidden_layers\": 4}'",
     )
-    parser.add_argument(
-        "--kd-positions",
-        default=d.kd_positions,
+    add_config_option(
+        parser,
+        d,
+        "kd_positions",
+        "where the KL is taken: before assistant tokens (what evaluate scores) or all (default %(default)s)",
         choices=KD_POSITIONS,
-        help=f"where the KL is taken: before assistant tokens (what evaluate scores) or all (default {d.kd_positions})",
     )
     parser.add_argument(
         "--train-embeddings",
         action="store_true",
         help="also train the token embeddings / LM head (default: kept as the teacher's)",
     )
-    parser.add_argument("--alpha", type=float, default=d.alpha, help="weight of T^2 * KL(teacher || student)")
-    parser.add_argument(
-        "--beta",
-        type=float,
-        default=d.beta,
-        help=f"weight of the cross-entropy on the assistant tokens (default {d.beta}; 0: pure KD)",
+    add_config_option(parser, d, "alpha", "weight of T^2 * KL(teacher || student)")
+    add_config_option(
+        parser, d, "beta", "weight of the cross-entropy on the assistant tokens (default %(default)s; 0: pure KD)"
     )
-    parser.add_argument("--gamma", type=float, default=d.gamma, help="weight of the hidden-state cosine loss")
-    parser.add_argument("--temperature", type=float, default=d.temperature)
+    add_config_option(parser, d, "gamma", "weight of the hidden-state cosine loss")
+    add_config_option(parser, d, "temperature")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ import torch
 
 from compress.train.loop import PRECISIONS, TrainConfig, TrainingRecipe, token_losses
 from engine.checkpoint.store import ADAPTER_BASE_FIELDS, ADAPTER_METHOD
+from engine.cli_options import add_config_option
 from engine.errors import UsageError
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -144,33 +145,27 @@ class FinetuneRecipe(TrainingRecipe):
 def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     """Flags of every ``TrainConfig`` field (``--max-steps``...), defaults from ``defaults``."""
     d = defaults
-    parser.add_argument("--model", default=d.model, help="input checkpoint: name, .gguf or directory")
-    parser.add_argument("--data", default=d.data, help="directory with train.jsonl and val.jsonl (lmforge data)")
-    parser.add_argument("--run-dir", default=d.run_dir, help="output: metrics.jsonl, plots/, checkpoints/, final/")
-    parser.add_argument("--max-steps", type=int, default=d.max_steps, help="optimizer steps")
-    parser.add_argument(
-        "--micro-batch-size", type=int, default=d.micro_batch_size, help="packed rows per forward, per process"
-    )
-    parser.add_argument("--grad-accum-steps", type=int, default=d.grad_accum_steps)
-    parser.add_argument("--max-length", type=int, default=d.max_length, help="tokens per packed row")
-    parser.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    parser.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio, help="share of steps in linear warmup")
-    parser.add_argument(
-        "--max-grad-norm", type=float, default=d.max_grad_norm, help="clip the global gradient norm (0 disables)"
-    )
-    parser.add_argument("--precision", choices=PRECISIONS, default=d.precision)
+    add_config_option(parser, d, "model", "input checkpoint: name, .gguf or directory")
+    add_config_option(parser, d, "data", "directory with train.jsonl and val.jsonl (lmforge data)")
+    add_config_option(parser, d, "run_dir", "output: metrics.jsonl, plots/, checkpoints/, final/")
+    add_config_option(parser, d, "max_steps", "optimizer steps")
+    add_config_option(parser, d, "micro_batch_size", "packed rows per forward, per process")
+    add_config_option(parser, d, "grad_accum_steps")
+    add_config_option(parser, d, "max_length", "tokens per packed row")
+    add_config_option(parser, d, "lr", "peak learning rate")
+    add_config_option(parser, d, "weight_decay")
+    add_config_option(parser, d, "warmup_ratio", "share of steps in linear warmup")
+    add_config_option(parser, d, "max_grad_norm", "clip the global gradient norm (0 disables)")
+    add_config_option(parser, d, "precision", choices=PRECISIONS)
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--eval-every", type=int, default=d.eval_every)
-    parser.add_argument("--max-val-batches", type=int, default=d.max_val_batches)
-    parser.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: none)")
-    parser.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    parser.add_argument(
-        "--stop-after", type=int, default=d.stop_after, help="stop after step N with a checkpoint (resume later)"
-    )
+    add_config_option(parser, d, "eval_every")
+    add_config_option(parser, d, "max_val_batches", type=int)
+    add_config_option(parser, d, "save_every", "checkpoint every N steps (0: none)")
+    add_config_option(parser, d, "keep_checkpoints")
+    add_config_option(parser, d, "stop_after", "stop after step N with a checkpoint (resume later)", type=int)
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
+    add_config_option(parser, d, "seed")
+    add_config_option(parser, d, "device", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP under torchrun")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -212,9 +207,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lora", action="store_true", help="train LoRA adapters; final/ is the adapter (PEFT format) for its base"
     )
     parser.add_argument("--merge", action="store_true", help="with --lora: merge the adapters into a full checkpoint")
-    parser.add_argument("--lora-r", type=int, default=d.lora_r)
-    parser.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
-    parser.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
+    add_config_option(parser, d, "lora_r")
+    add_config_option(parser, d, "lora_alpha")
+    add_config_option(parser, d, "lora_dropout")
     parser.add_argument("--lora-target-modules", default=",".join(d.lora_target_modules))
 
 

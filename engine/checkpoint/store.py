@@ -470,6 +470,28 @@ def load_causal_lm(spec: str | Path, *, dtype: str = "float32"):
     return model, tokenizer, path
 
 
+def hf_greedy_tokens(model, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs: Any) -> list[list[int]]:
+    """New tokens of ``model.generate`` (transformers or PEFT), greedy, one prompt at a time without padding.
+
+    The reference the engine's greedy tokens are checked against; ``generate_kwargs`` go to ``generate``
+    (e.g. ``repetition_penalty``). Pad id 2 (the tiny test models' EOS) keeps ``generate`` from warning.
+    """
+    results = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=model.device)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=2,
+                **generate_kwargs,
+            )
+            results.append(out[0, len(p) :].tolist())
+    return results
+
+
 # --------------------------------------------------------------------------------------------
 # Tiny random models for tests
 # --------------------------------------------------------------------------------------------

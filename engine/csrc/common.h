@@ -1,6 +1,6 @@
-// Helpers shared by every CPU kernel source: bf16 <-> float32 conversion (round to nearest even, as torch does)
-// and, with AVX-512F, e^x for x <= 0 and SiLU in float32 vectors. NativeKernels hashes the headers of csrc/ into
-// each build's key, so a change here rebuilds every kernel.
+// Helpers shared by every CPU kernel source: float32 bit casts, bf16 <-> float32 conversion (round to nearest
+// even, as torch does) and, with AVX-512F, e^x for x <= 0 and SiLU in float32 vectors. NativeKernels hashes the
+// headers of csrc/ into each build's key, so a change here rebuilds every kernel.
 #pragma once
 
 #include <cstdint>
@@ -8,17 +8,23 @@
 
 namespace lmforge_bf16 {
 
-inline float bf16_to_float(uint16_t r) {
-  const uint32_t u = static_cast<uint32_t>(r) << 16;
+inline float bits_to_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
 
-inline uint16_t float_to_bf16(float f) {
+inline uint32_t float_to_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+inline float bf16_to_float(uint16_t r) { return bits_to_float(static_cast<uint32_t>(r) << 16); }
+
+inline uint16_t float_to_bf16(float f) {
   if (f != f) return 0x7fc0u;
+  const uint32_t u = float_to_bits(f);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
 }
 

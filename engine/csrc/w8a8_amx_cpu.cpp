@@ -387,6 +387,21 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x) {
   return {q, scale};
 }
 
+// The A side of a linear: x quantized per token and its outlier segment (``seg`` null without one). Filled in
+// place: ``seg`` points into ``outliers``.
+struct LinearInput {
+  OutlierInput outliers;
+  const Segment* seg = nullptr;
+  Activations a{};
+};
+
+void linear_input(const at::Tensor& xc, const at::Tensor& packed, const c10::optional<at::Tensor>& x_outlier,
+                  const c10::optional<at::Tensor>& packed_outlier, const char* op, LinearInput& in) {
+  outlier_input(x_outlier, packed_outlier, xc, packed.size(0), op, in.outliers);
+  in.seg = in.outliers.present ? &in.outliers.segment : nullptr;
+  in.a = quantize_activations(xc, packed.size(1), tls_activations);
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
                   const c10::optional<at::Tensor>& bias, int64_t n, const c10::optional<at::Tensor>& residual,
                   const c10::optional<at::Tensor>& x_outlier, const c10::optional<at::Tensor>& packed_outlier) {
@@ -407,18 +422,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   }
   at::Tensor y = at::empty({m, n}, xc.options());
   if (m == 0) return y;
-  OutlierInput outliers;
-  outlier_input(x_outlier, packed_outlier, xc, packed.size(0), "linear", outliers);
-  const Segment* seg = outliers.present ? &outliers.segment : nullptr;
-  const Activations a = quantize_activations(xc, kb, tls_activations);
+  LinearInput in;
+  linear_input(xc, packed, x_outlier, packed_outlier, "linear", in);
   const int8_t* pp = packed.const_data_ptr<int8_t>();
   if (xc.scalar_type() == at::kBFloat16)
-    linear_epilogue<BF16Out>(a, m, pp, kb, seg, n, ws, bp,
+    linear_epilogue<BF16Out>(in.a, m, pp, kb, in.seg, n, ws, bp,
                              res.defined() ? static_cast<const uint16_t*>(res.const_data_ptr()) : nullptr,
                              static_cast<uint16_t*>(y.data_ptr()));
   else
-    linear_epilogue<F32Out>(a, m, pp, kb, seg, n, ws, bp, res.defined() ? res.const_data_ptr<float>() : nullptr,
-                            y.data_ptr<float>());
+    linear_epilogue<F32Out>(in.a, m, pp, kb, in.seg, n, ws, bp,
+                            res.defined() ? res.const_data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y;
 }
 
@@ -435,15 +448,13 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const 
   const float* bp = float_vector(bias, 2 * half, "linear_silu_mul: bias");
   at::Tensor y = at::empty({m, half}, xc.options());
   if (m == 0) return y;
-  OutlierInput outliers;
-  outlier_input(x_outlier, packed_outlier, xc, packed.size(0), "linear_silu_mul", outliers);
-  const Segment* seg = outliers.present ? &outliers.segment : nullptr;
-  const Activations a = quantize_activations(xc, kb, tls_activations);
+  LinearInput in;
+  linear_input(xc, packed, x_outlier, packed_outlier, "linear_silu_mul", in);
   const int8_t* pp = packed.const_data_ptr<int8_t>();
   if (xc.scalar_type() == at::kBFloat16)
-    silu_mul_epilogue<BF16Out>(a, m, pp, kb, seg, half, ws, bp, static_cast<uint16_t*>(y.data_ptr()));
+    silu_mul_epilogue<BF16Out>(in.a, m, pp, kb, in.seg, half, ws, bp, static_cast<uint16_t*>(y.data_ptr()));
   else
-    silu_mul_epilogue<F32Out>(a, m, pp, kb, seg, half, ws, bp, y.data_ptr<float>());
+    silu_mul_epilogue<F32Out>(in.a, m, pp, kb, in.seg, half, ws, bp, y.data_ptr<float>());
   return y;
 }
 

@@ -8,8 +8,8 @@
 //   in x's dtype: quantize_per_token, onednn::qlinear_pointwise (int8 x int8 -> float32 acc * w_scale), then
 //   acc * x_scale (+ bias) rounded once to x's dtype, as the ATen path does (built with -ffp-contract=off so no
 //   fused multiply-add changes the rounding). The activations go to oneDNN as uint8 q + 128 with zero point 128
-//   (the same integer sums): VNNI's dot product is u8 x s8, and oneDNN 3.12 on an AVX-512 VNNI CPU without AMX
-//   ran signed int8 activations on its reference kernel (`ref_int8`), ~4000x slower than its u8 kernel.
+//   (the same integer sums): VNNI's dot product is u8 x s8, and on a VNNI CPU without AMX oneDNN runs signed
+//   int8 activations on its slow reference kernel (`ref_int8`; docs/quantization.md).
 // lmforge_int8::w8a8_linear_epilogue(x, w_packed, w_scale, w_zero_point, bias?, residual [M, N]?, silu_mul) -> y
 //   the same GEMM with the layer's element-wise work done on the float32 accumulators before the one rounding:
 //   residual: y [M, N] = acc * x_scale (+ bias) + residual; silu_mul (a [gate; up] layer, N even):
@@ -33,10 +33,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "common.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-#include "common.h"
 #define LMFORGE_W8A8_AVX512 1
 #endif
 
@@ -44,29 +45,18 @@ namespace {
 
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: (v + magic) - magic == round-half-even(v) for |v| < 2^22
 
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
+using lmforge_bf16::bf16_to_float;
+using lmforge_bf16::bits_to_float;
+using lmforge_bf16::float_to_bf16;
+using lmforge_bf16::float_to_bits;
 
 // Element loads as float and |x| bit patterns (monotonic in |x| for non-NaN values).
 struct BF16Row {
   using raw_t = uint16_t;
   static inline uint32_t abs_bits(raw_t r) { return static_cast<uint32_t>(r & 0x7fffu); }
   static inline float abs_value(uint32_t bits) { return bits_to_float(bits << 16); }
-  static inline float load(raw_t r) { return bits_to_float(static_cast<uint32_t>(r) << 16); }
-  static inline raw_t store(float f) {
-    const uint32_t u = float_to_bits(f);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
-    return static_cast<raw_t>(f != f ? 0x7fc0u : rounded);
-  }
+  static inline float load(raw_t r) { return bf16_to_float(r); }
+  static inline raw_t store(float f) { return float_to_bf16(f); }
 };
 
 struct F32Row {

@@ -33,12 +33,9 @@ for ``w8a8`` on CPU, one C++ op of our own, ``fused_cpu_kernels``):
   GEMM call and the scaling run as one op (``csrc/w8a8_cpu.cpp``, bit-identical to the ATen
   ops, which remain the fallback), and ``add`` / ``silu_mul`` as one op with the residual add or
   SwiGLU applied to the float32 accumulators before the one rounding (``w8a8_linear_epilogue``);
-  with AVX-512 its row passes run 16 lanes wide. Measured on an AVX-512 VNNI CPU without AMX
-  (2 threads, 64 rows, SmolLM2's MLP: ``down.add(gate_up.silu_mul(x), h)``): 568-600 us against
-  852-932 us for packed bf16 with oneDNN post-ops; the engine (64 requests x 64 tokens) at 1.28x
-  bf16 (``lmforge bench engine --configs engine_bf16,engine_int8``). The AMX
-  kernels give the oneDNN path's outputs bit for bit (same integers, products in the same order)
-  and run SmolLM2's decoder linears at 64 rows ~2x faster than it.
+  with AVX-512 its row passes run 16 lanes wide (the fused MLP beats packed bf16 with oneDNN post-ops;
+  figures in docs/quantization.md). The AMX kernels give the oneDNN path's outputs bit for bit (same
+  integers, products in the same order), about twice as fast.
 
 ``gemm_microbench`` times these against fp32 and bf16 on given shapes, so ``lmforge quantize``
 and the benchmarks can say which variant is fastest on the CPU at hand instead of assuming
@@ -78,8 +75,7 @@ SCHEMES = ("weight-only", "w8a8")
 LEGACY_SCHEME = "w8a8"
 #: Row count up to which weight-only layers use the int8 kernel (decode); above it, a float GEMM
 #: on the int8 weights converted to the activation dtype (exact: |w8| <= 127), scales applied to
-#: the output. Measured (1 thread, SmolLM2 shapes): the int8 kernel is ~2.5x faster than bf16 at
-#: 1 row, on a par with the conversion at 16 rows and 20-100x slower at 64 rows.
+#: the output: the int8 kernel wins at decode's few rows and loses past ~16 (docs/quantization.md).
 WEIGHT_ONLY_MAX_ROWS = 8
 
 #: ``w8a8`` inputs of at most this many rows run the weight-only kernel on CPUs without AMX-INT8 (see

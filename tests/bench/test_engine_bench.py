@@ -9,11 +9,10 @@ import pytest
 
 from bench.bound import ratio, workload_flops
 from bench.engine_backends import BACKENDS, left_pad
-from bench.engine_bench import (
+from bench.engine_bench import parse_configs, parse_engine_args
+from bench.engine_bench_report import (
     engine_targets,
     median_results,
-    parse_configs,
-    parse_engine_args,
     round_order,
     round_targets,
     summarize,

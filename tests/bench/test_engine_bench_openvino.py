@@ -28,14 +28,13 @@ from bench.engine_backends import (
     openvino_properties,
     openvino_scheduler_fields,
 )
-from bench.engine_bench import (
-    check_contention,
+from bench.engine_bench import check_contention, parse_configs
+from bench.engine_bench_report import (
     engine_targets,
     format_agreement_table,
     format_single_table,
     format_table,
     greedy_agreement,
-    parse_configs,
     summarize,
     summarize_single,
 )

@@ -23,6 +23,7 @@ from compress.train.distill import (
     select_layers,
 )
 from compress.train.monitor import read_metrics
+from tests.compress.test_finetune import tiny_run_fields
 
 
 @pytest.fixture(scope="module")
@@ -158,15 +159,7 @@ def test_distill_run_halves_layers_lowers_loss_resumes_and_loads(teacher_dir, ch
     from transformers import AutoModelForCausalLM
 
     cfg = DistillConfig(
-        model=str(teacher_dir),
-        data=str(chat_data),
-        run_dir=str(tmp_path / "run"),
-        max_steps=6,
-        micro_batch_size=2,
-        max_length=48,
-        lr=3e-3,
-        eval_every=0,
-        progress=False,
+        **tiny_run_fields(teacher_dir, chat_data, tmp_path / "run"),
         stop_after=3,
         student_layers="drop:2",
         calibration_records=4,

@@ -22,9 +22,10 @@ from compress.train.monitor import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _config(tiny_llama_dir, chat_data, run_dir, **overrides) -> FinetuneConfig:
-    values = dict(
-        model=str(tiny_llama_dir),
+def tiny_run_fields(model_dir, chat_data, run_dir) -> dict:
+    """``TrainConfig`` fields of a six-step run on the tiny chat data (fine-tuning and distillation tests)."""
+    return dict(
+        model=str(model_dir),
         data=str(chat_data),
         run_dir=str(run_dir),
         max_steps=6,
@@ -34,8 +35,10 @@ def _config(tiny_llama_dir, chat_data, run_dir, **overrides) -> FinetuneConfig:
         eval_every=0,
         progress=False,
     )
-    values.update(overrides)
-    return FinetuneConfig(**values)
+
+
+def _config(tiny_llama_dir, chat_data, run_dir, **overrides) -> FinetuneConfig:
+    return FinetuneConfig(**{**tiny_run_fields(tiny_llama_dir, chat_data, run_dir), **overrides})
 
 
 def test_warmup_cosine_schedule_values():

@@ -36,7 +36,7 @@ from compress.scale.memory_model import (
     total_params,
 )
 from compress.scale.pipeline_schedule import bubble_fraction, simulate_1f1b
-from compress.scale.plan import Split, TrainingSetup, check_split, plan_training, serving_options
+from compress.scale.plan import ServingSetup, Split, TrainingSetup, check_split, plan_training, serving_options
 from engine.checkpoint.store import tiny_llama_config
 from lmforge_cli import main
 
@@ -525,9 +525,7 @@ def test_overlap_assumption_and_zero_traffic_show_in_the_step():
 def test_serving_needs_tensor_parallelism_when_weights_do_not_fit_and_pays_all_reduce():
     llama70b = ModelSpec(80, 8192, 64, 8, 128256, 28672)
     h100 = CLUSTER_PRESETS["h100-sxm"]
-    options = serving_options(
-        llama70b,
-        h100,
+    setup = ServingSetup(
         device_memory_bytes=80 * 2**30,
         memory_utilization=0.9,
         block_size=16,
@@ -535,6 +533,7 @@ def test_serving_needs_tensor_parallelism_when_weights_do_not_fit_and_pays_all_r
         weight_bytes=2,
         kv_dtype_bytes=2,
     )
+    options = serving_options(llama70b, h100, setup)
     by_tp = {o.tensor_parallel: o for o in options}
     assert by_tp[1].itl_batch1 is None and by_tp[2].itl_batch1 is not None  # 131 GiB of weights need tp >= 2
     assert by_tp[8].itl_batch1.tp_comm_s > by_tp[4].itl_batch1.tp_comm_s > by_tp[2].itl_batch1.tp_comm_s > 0

@@ -309,7 +309,7 @@ def test_quantizing_a_quantized_checkpoint_is_refused(tiny_llama_dir, tmp_path):
 def test_w8a8_calibrated_alpha_and_float_units_load_everywhere(tiny_llama_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from compress.quantize.methods import calibration_batches
+    from compress.quantize.calibration import calibration_batches
     from compress.quantize.sensitivity import quantization_units, unit_sensitivity
     from compress.quantize.smooth import calibrate_alpha, smooth_groups, smooth_model
     from engine import LLM, SamplingParams
@@ -420,7 +420,7 @@ def test_w8a8_outlier_channels_are_stored_and_load_everywhere(tiny_llama_dir, tm
 def test_rotations_keep_the_fp32_function(model_type, tmp_path):
     """QuaRot-style rotations (compress.quantize.rotate): the residual stream, then SmoothQuant, then down_proj's
     online input rotation; the float model computes the same logits, the head is untied, the norms are ones."""
-    from compress.quantize.methods import load_smoothed_model
+    from compress.quantize.calibration import load_smoothed_model
     from compress.quantize.rotate import RotatedInputLinear, orthogonal_rotation, rotated_inputs
 
     parent = make_tiny_llama(tmp_path / model_type, seed=4, model_type=model_type)

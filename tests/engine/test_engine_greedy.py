@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.checkpoint.store import hf_greedy_tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 PROMPT_LENGTHS = [1, 2, 3, 4, 5, 8, 9, 13, 16, 17, 30, 33, 47, 64]
@@ -27,20 +28,7 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
     """Reference tokens: HF generate per prompt (no padding)."""
     from transformers import AutoModelForCausalLM
 
-    return model_greedy(AutoModelForCausalLM.from_pretrained(model_dir).eval(), prompts, max_new_tokens)
-
-
-def model_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy tokens of a transformers (or PEFT) model's ``generate``, one prompt at a time (no padding)."""
-    results = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2
-            )
-            results.append(out[0, len(p) :].tolist())
-    return results
+    return hf_greedy_tokens(AutoModelForCausalLM.from_pretrained(model_dir).eval(), prompts, max_new_tokens)
 
 
 def tokens(outputs) -> list[list[int]]:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.checkpoint.store import Manifest, make_tiny_llama, write_manifest
+from engine.checkpoint.store import Manifest, hf_greedy_tokens, make_tiny_llama, write_manifest
 from engine.lora import LoRAError
-from tests.engine.test_engine_greedy import model_greedy, random_prompts
+from tests.engine.test_engine_greedy import random_prompts
 from tests.engine.test_engine_requests import run_to_end
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -101,7 +101,7 @@ def reference(tiny_llama_dir, adapters, prompts) -> dict[str | None, list[list[i
     out = {}
     for name in [None, *adapters]:
         model = peft_model(tiny_llama_dir, None if name is None else Path(adapters[name].lora_path))
-        out[name] = model_greedy(model, prompts, GREEDY.max_tokens)
+        out[name] = hf_greedy_tokens(model, prompts, GREEDY.max_tokens)
     return out
 
 
@@ -435,7 +435,7 @@ def test_smollm2_adapter_trained_by_lmforge_finetune_equals_peft_in_a_mixed_batc
     outs = llm.generate([p for p, _ in batch], params, lora_request=[loras.get(n) for _, n in batch])
     got = {(tuple(p), n): o.outputs[0].token_ids for (p, n), o in zip(batch, outs)}
     for name in names:
-        expected = model_greedy(
+        expected = hf_greedy_tokens(
             peft_model(smollm2_dir, None if name is None else Path(loras[name].lora_path)), prompts, 12
         )
         for prompt, want in zip(prompts, expected):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.checkpoint.store import hf_greedy_tokens
 from engine.detokenizer import IncrementalDetokenizer
 from tests.engine.test_engine_greedy import hf_greedy, random_prompts
 
@@ -84,16 +85,7 @@ def test_seeded_sampling_is_reproducible_alone_or_in_batch(llm):
 def test_repetition_penalty_equals_hf(llm, tiny_llama_dir, hf_model):
     prompt = random_prompts([7], seed=14)[0]
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5))[0].outputs[0]
-    ids = torch.tensor([prompt])
-    ref = hf_model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=10,
-        do_sample=False,
-        repetition_penalty=1.5,
-        pad_token_id=2,
-    )
-    assert out.token_ids == ref[0, len(prompt) :].tolist()
+    assert out.token_ids == hf_greedy_tokens(hf_model, [prompt], 10, repetition_penalty=1.5)[0]
 
 
 def test_logprobs_match_hf_scores(llm, hf_model):
