@@ -449,7 +449,7 @@ sock = socket.create_connection((host, port), timeout=60)
 head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n")
 sock.sendall(head.encode() + body)
-time.sleep(1.0)  # the answer is not ready: the client goes away
+sys.stdin.readline()  # the test says when: the request runs in the engine, its answer is not ready
 sock.close()
 """
 
@@ -464,7 +464,10 @@ def test_a_non_streaming_client_that_leaves_gets_its_request_aborted(frontend, s
     body = {"model": "llm", "prompt": PROMPT, "max_tokens": 512 - len(ids), "ignore_eos": True, "n": 4}
     host, port = frontend.removeprefix("http://").split(":")
     command = [sys.executable, "-c", _LEAVING_CLIENT, host, port, json.dumps(body), API_KEY]
-    subprocess.run(command, check=True, timeout=60)
+    with subprocess.Popen(command, stdin=subprocess.PIPE, text=True) as leaving:
+        running = wait_for(lambda: metric(server, "lmforge_num_requests_running") >= 1)
+        leaving.communicate("\n", timeout=60)  # the client closes its socket
+    assert running and leaving.returncode == 0
     assert wait_for(lambda: metric(server, "lmforge_requests_aborted_total") >= aborted_before + 1)
     assert wait_for(lambda: metric(server, "lmforge_num_requests_running") == 0)
     assert client.completions.create(model="llm", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1

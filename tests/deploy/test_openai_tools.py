@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
+import time
 from typing import Annotated, Literal
 
 import openai
@@ -287,7 +289,14 @@ def smollm2_client(server, served_repo, smollm2_dir, start_frontend, tmp_path_fa
         with start_frontend(served_repo, server.grpc_url, log_path, *flags) as url:
             yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     finally:
+        # unloaded and removed from the repository: later tests list every model and check server readiness
         requests.post(f"{server.http_url}/v2/repository/models/smollm2_tools/unload", json={}, timeout=120)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(
+            e["name"] == "smollm2_tools" and e.get("state") in ("READY", "UNLOADING") for e in server.repository_index()
+        ):
+            time.sleep(0.5)
+        shutil.rmtree(served_repo / "smollm2_tools", ignore_errors=True)
 
 
 def test_real_smollm2_calls_the_right_function_and_answers_with_its_result(smollm2_client, smollm2_dir):
