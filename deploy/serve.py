@@ -81,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address the OpenAI API binds (default 127.0.0.1)")
     parser.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        help="with --openai-port: the format the models write tool calls in (default: the frontend's, hermes)",
+    )
+    parser.add_argument(
         "--api-key",
         help="require `Authorization: Bearer KEY` on the OpenAI API's /v1 routes and on every Triton API but health "
         "(inference, model control, metadata...) over HTTP and gRPC (or $LMFORGE_API_KEY)",
@@ -204,6 +209,8 @@ def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: floa
         *names,
         *llm_names(repo, server.models, kind="encoder"),  # /v1/embeddings
     ]
+    if getattr(args, "tool_call_parser", None):
+        command += ["--tool-call-parser", args.tool_call_parser]
     log = open(repo / OPENAI_LOG_FILE, "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()

@@ -7,14 +7,17 @@ and calls, each call opens with its id, type and name before any argument text.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 
 import pytest
 from transformers import AutoTokenizer
 
+from deploy import serve
 from deploy.openai.protocol import ChatCompletionRequest, OpenAIError
 from deploy.openai.tool_parsers import (
+    TOOL_PARSERS,
     HermesToolParser,
     JsonArrayToolParser,
     Llama3JsonToolParser,
@@ -257,3 +260,10 @@ def test_a_template_without_tools_gets_them_in_a_system_prompt(smollm2_dir):
     aware = "{% for t in tools %}{{ t.function.name }}{% endfor %}{% for m in messages %}{{ m.tool_calls }}{% endfor %}"
     messages, tools_kwarg = template_messages(copy.deepcopy(history), plan, aware, HermesToolParser)
     assert tools_kwarg == [TOOL] and messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+def test_lmforge_serve_offers_every_parser_to_the_frontend_it_starts():
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    action = next(a for a in parser._actions if a.dest == "tool_call_parser")
+    assert sorted(action.choices) == sorted(TOOL_PARSERS) and action.default is None
