@@ -469,17 +469,14 @@ class TritonPythonModel:
         self.stats_thread.start()
 
     def _prepare_grammar_tokenizer(self) -> None:
-        """Start building the grammar library's view of the vocabulary now, in the background (it does not delay
-        readiness): built on the first structured request instead, it holds the interpreter long enough (0.5 s
-        for SmolLM2's 49k tokens on a shared core) to miss the heartbeats the frontend waits for. A tokenizer it
-        cannot read is logged here and reported to the structured requests themselves."""
-
-        def report(future) -> None:
-            error = future.exception()
-            if error is not None:
-                self.logger.log_warn(f"lmforge: {self.model_name}: structured outputs unavailable: {error}")
-
-        self.engine.engine.grammar_compiler.tokenizer_future().add_done_callback(report)
+        """Build the grammar library's view of the vocabulary now, before the instance is ready: built on the
+        first structured request instead, it holds the interpreter long enough (0.5 s for SmolLM2's 49k tokens on
+        a shared core) to miss the heartbeats the frontend waits for. A tokenizer it cannot read is reported to
+        the structured requests themselves, as before."""
+        try:
+            self.engine.engine.grammar_compiler.tokenizer_future().result(timeout=120)
+        except Exception as exc:  # noqa: BLE001 - optional feature; each structured request gets the error
+            self.logger.log_warn(f"lmforge: {self.model_name}: structured outputs unavailable: {exc}")
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
