@@ -115,13 +115,19 @@ def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[l
     return [_token_prompt(list(p), model, f"prompt.{i}") for i, p in enumerate(prompt)]
 
 
-def chat_prompt(request: ChatCompletionRequest, model: ServedModel, tools: ToolPlan | None = None) -> list[int]:
-    messages = []
-    for m in request.messages:
+def template_dicts(messages) -> list[dict]:
+    """The chat messages as the chat template takes them: plain dicts, a list of text parts joined into one string."""
+    out = []
+    for m in messages:
         message = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             message["content"] = "".join(part.text for part in m.content)
-        messages.append(message)
+        out.append(message)
+    return out
+
+
+def chat_prompt(request: ChatCompletionRequest, model: ServedModel, tools: ToolPlan | None = None) -> list[int]:
+    messages = template_dicts(request.messages)
     _limited(model.limits.check_choices, 1, request.n)
     num_chars = sum(len(m.get("content") or "") for m in messages)
     if num_chars > model.limits.max_prompt_chars:

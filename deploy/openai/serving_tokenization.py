@@ -19,6 +19,7 @@ import orjson
 from pydantic import ValidationError
 
 from deploy.openai.models import ServedModel
+from deploy.openai.prompts import template_dicts
 from deploy.openai.protocol import (
     DetokenizeRequest,
     OpenAIError,
@@ -111,12 +112,7 @@ class OpenAIServingTokenization:
                 "continue_final_message: set add_generation_prompt=false with it (both cannot hold)",
                 param="continue_final_message",
             )
-        messages = []
-        for m in request.messages:
-            message = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                message["content"] = "".join(part.text for part in m.content)
-            messages.append(message)
+        messages = template_dicts(request.messages)
         try:
             return model.tokenizer.apply_chat_template(
                 messages,
