@@ -8,9 +8,12 @@ include paths, flags and CPU flag set, so a build made for another checkout, env
 rebuilt over. Every caller keeps a pure-torch path: without a compiler, or when a build fails,
 ``NativeKernels.available`` is False, the reason is logged once and kept in ``NativeKernels.reason``.
 
-Before loading, a cached library that is not a whole ELF file (a build killed while linking, a full disk)
-is removed so it is linked again (loading it would end the process with a bus error), and a build lock
-older than ``STALE_LOCK_S`` (left by a killed build) is removed rather than waited on forever; both are
+A build runs holding an exclusive ``flock`` on ``BUILD_LOCK_NAME`` in its build directory (``build_guard``),
+which the kernel releases when its holder dies. Holding it, a torch build lock (``lock``, which torch's loader
+waits on for as long as it exists) can only be one left by a build that was killed (a ``kill -9`` of a model
+server's process during its first request): it is removed, and the build runs again instead of every later
+process waiting on it forever. A cached library that is not a whole ELF file (a build killed while linking, a
+full disk) is removed so it is linked again (loading it would end the process with a bus error); both are
 logged with their paths. ninja, which ``torch.utils.cpp_extension`` drives, comes from the ``ninja``
 package where the system has none.
 """
@@ -18,13 +21,13 @@ package where the system has none.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import struct
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -37,8 +40,8 @@ logger = logging.getLogger(__name__)
 #: The C++ sources of every kernel (one folder, one shared header).
 CSRC = Path(__file__).with_name("csrc")
 
-#: A build takes well under a minute; a lock file older than this was left by a killed build.
-STALE_LOCK_S = 600.0
+#: The file whose ``flock`` a build holds (``build_guard``), next to torch's own ``lock`` in the build directory.
+BUILD_LOCK_NAME = "lmforge-build.flock"
 
 
 class NativeKernels:
@@ -130,8 +133,7 @@ class NativeKernels:
                 ]
             )
             name = f"lmforge_{self.namespace}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-            _repair_build_dir(name)
-            with _ninja_on_path():
+            with build_guard(name), _ninja_on_path():
                 load(
                     name=name,
                     sources=[str(self.source)],
@@ -159,13 +161,28 @@ def _first_cause(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+@contextlib.contextmanager
+def build_guard(name: str):
+    """Hold the build directory of ``name`` alone (an exclusive ``flock``: another process building it is waited
+    for, one that died is not), and repair what a killed build left there (``_repair_build_dir``)."""
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with open(build_dir / BUILD_LOCK_NAME, "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel when this process ends, however it ends
+        try:
+            _repair_build_dir(name)
+            yield build_dir
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def _repair_build_dir(name: str) -> None:
-    """Remove a truncated library and a stale lock from this build's own directory (see the module doc)."""
+    """Remove a truncated library and a dead build's torch lock from this build's directory (``build_guard`` held:
+    no live process is building it)."""
     build_dir = Path(_get_build_directory(name, verbose=False))
     lock = build_dir / "lock"
     with contextlib.suppress(OSError):
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            logger.warning("%s: removing a build lock left by a killed build", lock)
+        if lock.exists():
+            logger.warning("%s: removing the build lock of a build that was killed", lock)
             lock.unlink()
     library = build_dir / f"{name}.so"
     with contextlib.suppress(OSError):

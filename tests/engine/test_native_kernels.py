@@ -1,10 +1,13 @@
 """The builder of the C++ CPU kernels: cached builds that a killed build left broken are repaired, not fatal."""
 
+import fcntl
 import os
 import shutil
-import time
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine import native
@@ -14,7 +17,7 @@ def _a_real_library() -> Path:
     return next(Path(torch.__file__).parent.joinpath("lib").glob("libc10.so*"))
 
 
-def test_truncated_library_and_stale_lock_are_removed(tmp_path, monkeypatch):
+def test_truncated_library_is_removed(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     name = "lmforge_test_abc"
     build_dir = tmp_path / name
@@ -22,16 +25,48 @@ def test_truncated_library_and_stale_lock_are_removed(tmp_path, monkeypatch):
     library = build_dir / f"{name}.so"
     shutil.copy(_a_real_library(), library)
     assert native._is_whole_elf(library)
-    lock = build_dir / "lock"
-    lock.write_text("")
     native._repair_build_dir(name)
-    assert library.exists() and lock.exists()  # a whole library and a fresh lock (a build running now) stay
+    assert library.exists()  # a whole library stays
     with library.open("r+b") as f:
         f.truncate(1000)
-    old = time.time() - native.STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
     native._repair_build_dir(name)
-    assert not library.exists() and not lock.exists()
+    assert not library.exists()
+
+
+#: Takes the build guard of ``argv[2]`` (extensions in ``argv[1]``), leaves torch's lock as a build does, says so
+#: and waits to be killed.
+_BUILDER = """
+import os, sys, time
+os.environ["TORCH_EXTENSIONS_DIR"] = sys.argv[1]
+from engine import native
+with native.build_guard(sys.argv[2]) as build_dir:
+    (build_dir / "lock").write_text("")
+    print("building", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path, monkeypatch):
+    """torch waits on its ``lock`` for as long as the file exists: the lock a killed build left must go."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = "lmforge_test_killed"
+    builder = subprocess.Popen(
+        [sys.executable, "-c", _BUILDER, str(tmp_path), name],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(native.__file__).parent.parent)},
+    )
+    try:
+        assert builder.stdout.readline() == "building\n"
+        with open(tmp_path / name / native.BUILD_LOCK_NAME) as guard:  # a live builder holds the guard
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        builder.kill()
+        builder.wait(timeout=60)
+    assert (tmp_path / name / "lock").exists()
+    with native.build_guard(name) as build_dir:  # the dead builder's guard is free at once, its lock removed
+        assert not (build_dir / "lock").exists()
 
 
 def test_random_bytes_are_not_a_library(tmp_path):
