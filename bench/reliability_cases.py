@@ -9,10 +9,14 @@
   streams close mid-stream (same measure).
 * ``nonstream_disconnects``: 8 non-streaming ``/v1/completions`` clients close after 1 s, and one streaming request
   with ``n`` = ``max_n`` closes after 2 s (through the frontend); seconds until they are aborted / the engine is idle.
-* ``kill1`` / ``kill2``: 4 clients loop on streaming chat completions through the frontend; the model's stub (one
-  of its 2 instances for ``kill2``) is killed with SIGKILL. Reported: how the requests in flight at the kill ended
-  and how long after it (target: 503 within 1 s), failures of requests sent after the kill (target 0 with 2
-  instances), and the first good answer after the kill (target <= 10 s).
+* ``kill1`` / ``kill2``: 4 clients loop on streaming chat completions through the frontend; once they got
+  ``GOOD_BEFORE_KILL`` good answers, the model's stub (one of its 2 instances for ``kill2``) is killed with SIGKILL.
+  Reported: how the requests in flight at the kill ended and how long after it (target: 503 within 1 s), failures
+  of requests sent after the kill (target 0 with 2 instances), and the first good answer after the kill (target
+  <= 10 s).
+
+Each case runs on a warm ``Stack`` (every instance answered once): whichever cases run, alone or together, none
+measures a model's first request (on a new checkout, the build of the C++ kernels).
 
 Every figure comes from timestamps on this side (``time.monotonic``) and Triton's metrics port.
 """
@@ -31,6 +35,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
@@ -64,6 +69,11 @@ ABORT_TARGET_S = 1.0
 RECOVERY_TARGET_S = 10.0
 #: Longest wait for a good answer after a stub kill (seconds).
 KILL_WINDOW_S = 120.0
+#: Longest wait for the warm-up answers of a new stack: a checkout's first request builds the C++ kernels (minutes on
+#: a busy machine).
+WARMUP_TIMEOUT_S = 900.0
+#: Good answers the kill cases' clients get before the stub is killed.
+GOOD_BEFORE_KILL = 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,22 +168,27 @@ def wait_idle(server: TritonServer, since: float, timeout_s: float = 120.0):
 
 
 class Stack:
-    """tritonserver (supervised) + the OpenAI frontend on free ports, for one exported repository."""
+    """tritonserver (supervised) + the OpenAI frontend on free ports, for one exported repository.
 
-    def __init__(self, repo: Path, out: Path, log) -> None:
+    On entry every one of the model's ``instances`` has answered a good request (``warm_up``), so a case measures
+    a served model, not a first request (the kernels' build or load, thread pools starting): a stub killed during
+    its first request is another fault than the one a case sets up.
+    """
+
+    def __init__(self, repo: Path, out: Path, log, instances: int = 1) -> None:
         http, grpc, metrics, openai_port = free_ports(4)
         self.server = TritonServer(
             repo, http, grpc, metrics, models=["llm"], log_path=out / "tritonserver.log", write_pid_file=False
         )
         self.openai_url = f"http://127.0.0.1:{openai_port}"
         self.openai_port = openai_port
-        self.out, self.log = out, log
+        self.out, self.log, self.instances = out, log, instances
         self.supervisor: ModelSupervisor | None = None
         self.frontend: subprocess.Popen | None = None
 
     def __enter__(self) -> "Stack":
         self.server.start()
-        self.supervisor = ModelSupervisor(self.server, interval_s=0.25, report=self.log).start()
+        self.supervisor = ModelSupervisor(self.server, report=self.log).start()
         env = dict(os.environ, PYTHONPATH=str(lmforge_source_root()))
         log = open(self.out / "openai.log", "w")
         self.frontend = subprocess.Popen(
@@ -185,6 +200,11 @@ class Stack:
             start_new_session=True,
         )
         log.close()
+        try:
+            self.log(f"stack: warm-up answered in {self.warm_up():.1f} s")
+        except Exception:
+            self.__exit__()
+            raise
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             try:
@@ -195,6 +215,15 @@ class Stack:
             time.sleep(0.25)
         self.__exit__()
         raise RuntimeError(f"the OpenAI frontend did not start; see {self.out / 'openai.log'}")
+
+    def warm_up(self) -> float:
+        """``instances`` good requests at once, twice (Triton gives concurrent requests to different instances);
+        returns the seconds they took."""
+        start = time.monotonic()
+        with ThreadPoolExecutor(self.instances) as pool:
+            for _ in range(2):
+                list(pool.map(lambda _: good_request(self.server, 8, WARMUP_TIMEOUT_S), range(self.instances)))
+        return time.monotonic() - start
 
     def __exit__(self, *exc) -> None:
         if self.frontend is not None:
@@ -354,6 +383,15 @@ class ChatLoop:
         for thread in self.threads:
             thread.join(timeout=120)
 
+    def wait_good(self, count: int, timeout_s: float) -> bool:
+        """Wait until ``count`` requests succeeded (False: not within ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sum(r["ok"] for r in list(self.records)) >= count:
+                return True
+            time.sleep(0.1)
+        return False
+
     def _run(self) -> None:
         body = {
             "model": "llm",
@@ -390,7 +428,8 @@ class ChatLoop:
 def case_kill(stack: Stack, instances: int, max_tokens: int, log) -> dict:
     server = stack.server
     with ChatLoop(stack.openai_url, 4, max_tokens) as loop:
-        time.sleep(6.0)
+        loop.wait_good(GOOD_BEFORE_KILL, KILL_WINDOW_S)
+        time.sleep(1.0)  # the clients are mid-request
         stubs = server.stub_pids("llm")
         victim = stubs[0]
         kill_at = time.monotonic()
@@ -446,7 +485,7 @@ def run_cases(cases: list[str], checkpoint: Path, out: Path, max_tokens: int, nu
                     results[case] = case_kill(stack, 1, max_tokens, log)
     if "kill2" in cases:
         repo = export_repo(checkpoint, out, 2, num_threads)
-        with Stack(repo, out, log) as stack:
+        with Stack(repo, out, log, instances=2) as stack:
             results["kill2"] = case_kill(stack, 2, max_tokens, log)
     results["targets"] = case_targets(results)
     return results

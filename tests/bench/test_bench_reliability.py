@@ -4,7 +4,9 @@ real server for minutes and is not part of the test suite)."""
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
+import threading
 import types
 
 import pytest
@@ -113,3 +115,44 @@ def test_unknown_case_is_refused(capsys):
 
     assert run(_args("--cases", "huge_n,nope", "--no-soak")) == 2
     assert "unknown ['nope']" in capsys.readouterr().err
+
+
+class _StandInTriton(http.server.BaseHTTPRequestHandler):
+    """``generate_stream`` answering one SSE event once ``barrier``'s parties are all in (concurrent requests)."""
+
+    barrier: threading.Barrier
+    bodies: list
+
+    def do_POST(self):
+        self.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            self.send_error(500, "the warm-up requests were not concurrent")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b'data: {"text_output": "x", "finish_reason": "length"}\n\n')
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_stack_is_warm_on_every_instance_before_a_case_starts():
+    """A kill case on a cold stack killed the stub in its first request (the C++ kernels building): every
+    instance answers first, concurrent requests going to different instances."""
+    from bench.reliability_cases import Stack
+
+    handler = type("Handler", (_StandInTriton,), {"barrier": threading.Barrier(2, timeout=60), "bodies": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        stack = Stack.__new__(Stack)
+        stack.server = types.SimpleNamespace(http_url=f"http://127.0.0.1:{server.server_address[1]}")
+        stack.instances = 2
+        assert stack.warm_up() >= 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(handler.bodies) == 4 and all(b["stream"] for b in handler.bodies)
