@@ -198,7 +198,7 @@ def soak(args: argparse.Namespace, duration_s: float) -> dict:
     except TritonError as exc:
         raise ReliabilityError(str(exc)) from exc
     try:
-        supervisor = ModelSupervisor(server, interval_s=0.5, report=log).start()
+        supervisor = ModelSupervisor(server, report=log).start()
         kill_after_s = args.kill_at * duration_s if args.kill_at > 0 else None
         monitor = StubMonitor(server, kill_after_s, args.warmup_fraction, log)
         config = LoadTestConfig(

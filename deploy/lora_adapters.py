@@ -22,7 +22,6 @@ from pathlib import Path
 
 from engine.checkpoint.outputs import write_atomic
 from engine.errors import InvalidRequestError, UsageError
-from engine.lora import LoRARequest
 
 #: Run-time adapters of a model, ``{name: path}``, in its version directory (as Triton's vLLM backend).
 MULTI_LORA_NAME = "multi_lora.json"
@@ -141,4 +140,7 @@ class AdapterRegistry:
         if key not in self._ids:
             self._ids[key] = self._next_id
             self._next_id += 1
+        # torch-heavy: imported on use, so the Triton model's module (which imports this one) stays light
+        from engine.lora import LoRARequest
+
         return LoRARequest(name, self._ids[key], str(path))

@@ -647,6 +647,11 @@ class TritonServer:
         self.stop()
 
 
+#: Seconds between two checks of ``ModelSupervisor``: a check is one repository-index request and a scan of the
+#: server's child processes (milliseconds), and a killed stub's recovery starts at the next one.
+SUPERVISOR_INTERVAL_S = 0.25
+
+
 class ModelSupervisor:
     """Keeps a started server's models served, on a background thread.
 
@@ -668,7 +673,9 @@ class ModelSupervisor:
         max_restarts: server restarts allowed.
     """
 
-    def __init__(self, server: TritonServer, interval_s: float = 1.0, report=print, max_restarts: int = 5) -> None:
+    def __init__(
+        self, server: TritonServer, interval_s: float = SUPERVISOR_INTERVAL_S, report=print, max_restarts: int = 5
+    ) -> None:
         self.server = server
         self.interval_s = interval_s
         self.report = report

@@ -52,7 +52,7 @@ import triton_python_backend_utils as pb_utils
 
 from deploy.llm_request import LLMRequest, parse_request
 from deploy.lora_adapters import AdapterRegistry
-from engine.async_engine import EngineDeadError
+from engine.errors import EngineDeadError
 
 STATS_INTERVAL_S = 0.05
 #: How often a request asks Triton whether its client cancelled (an IPC round trip), at most...

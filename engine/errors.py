@@ -54,3 +54,9 @@ class InvalidRequestError(UsageError):
     def __init__(self, message: str = "", *args: object, param: str | None = None, fix: str | None = None) -> None:
         super().__init__(message, *args, fix=fix)
         self.param = param
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (broken KV bookkeeping, every step failing); the cause is chained.
+
+    Defined here, apart from the engine, so a server can catch it without importing torch."""

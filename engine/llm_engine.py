@@ -24,7 +24,7 @@ from engine.checkpoint.store import resolve_checkpoint
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from engine.cuda_graphs import StaticDecodeModelRunner
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.inputs import check_prompt_token_ids
 from engine.lora import LoRAError, LoRARequest, adapter_cache_key
 from engine.model import read_model_spec
@@ -45,10 +45,6 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 MAX_CONSECUTIVE_FAILED_STEPS = 8
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot go on (broken KV bookkeeping, every step failing); the cause is chained."""
 
 
 class LLMEngine:

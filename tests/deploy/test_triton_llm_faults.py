@@ -8,9 +8,12 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
+import subprocess
 import sys
 import threading
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -261,3 +264,21 @@ def test_a_queued_sse_client_that_left_is_found_by_a_heartbeat_and_aborted(pb):
     assert all("finish_reason" not in t for t in heartbeats)
     assert len(engine.aborted) == 1 and model.metrics.aborted.value == 1
     assert request.sender.sent[-1] == (None, FINAL)
+
+
+def test_the_model_module_imports_without_torch():
+    """Triton imports ``model.py`` in a stub of its own first (the config auto-complete), then in the instance's stub;
+    a stub killed by ``kill -9`` is reloaded through both, so importing the module must stay light: torch, the
+    engine and transformers load in ``initialize`` only."""
+    code = (
+        "import sys, types\n"
+        "sys.modules['triton_python_backend_utils'] = types.ModuleType('triton_python_backend_utils')\n"
+        "import deploy.triton_llm\n"
+        "heavy = ('torch', 'transformers', 'engine.async_engine', 'engine.lora')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
