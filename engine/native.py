@@ -5,8 +5,9 @@ the fused W8A8 linear) and ``engine/csrc/cpu_ops.cpp`` (``torch.ops.lmforge_engi
 decode attention). ``torch.utils.cpp_extension.load`` compiles one with ``-O3 -march=native`` (15-25 s once)
 into ``~/.cache/torch_extensions``, one build per source path and content (with the headers beside it), torch
 include paths, flags and CPU flag set, so a build made for another checkout, environment or CPU is never reused or
-rebuilt over. Every caller keeps a pure-torch path: without a compiler, or when a build fails,
-``NativeKernels.available`` is False, the reason is logged once and kept in ``NativeKernels.reason``.
+rebuilt over; a process finding the library of its key built loads it without running the build tools. Every
+caller keeps a pure-torch path: without a compiler, or when a build fails, ``NativeKernels.available`` is False,
+the reason is logged once and kept in ``NativeKernels.reason``.
 
 A build runs holding an exclusive ``flock`` on ``BUILD_LOCK_NAME`` in its build directory (``build_guard``),
 which the kernel releases when its holder dies. Holding it, a torch build lock (``lock``, which torch's loader
@@ -25,7 +26,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import shutil
 import struct
 import threading
 from pathlib import Path
@@ -111,6 +111,23 @@ class NativeKernels:
         """``torch.ops.<namespace>``."""
         return getattr(torch.ops, self.namespace)
 
+    def build_name(self) -> str:
+        """The name of this source's build (and of its directory): its namespace and a hash of the source, the
+        headers beside it, torch's version and include paths, the flags and this CPU's flags."""
+        key = "\n".join(
+            [
+                str(self.source),
+                self.source.read_text(),
+                *(h.read_text() for h in sorted(self.source.parent.glob("*.h"))),  # headers it may include
+                torch.__version__,
+                *include_paths(),
+                *self.cflags,
+                "-fopenmp",
+                *sorted(cpu_flags()),
+            ]
+        )
+        return f"lmforge_{self.namespace}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
     def _load(self) -> bool:
         if hasattr(torch.ops, self.namespace) and hasattr(self.ops, self.probe):
             return True  # already loaded in this process
@@ -120,30 +137,23 @@ class NativeKernels:
             logger.info("%s: not built (%s); running the torch ops", self.namespace, self.reason)
             return False
         try:
-            key = "\n".join(
-                [
-                    str(self.source),
-                    self.source.read_text(),
-                    *(h.read_text() for h in sorted(self.source.parent.glob("*.h"))),  # headers it may include
-                    torch.__version__,
-                    *include_paths(),
-                    *self.cflags,
-                    "-fopenmp",
-                    *sorted(cpu_flags()),
-                ]
-            )
-            name = f"lmforge_{self.namespace}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-            with build_guard(name), _ninja_on_path():
-                load(
-                    name=name,
-                    sources=[str(self.source)],
-                    # -fopenmp: at::parallel_for is an OpenMP region only when _OPENMP is defined; without it
-                    # every kernel would run on the calling thread alone
-                    extra_cflags=[*self.cflags, "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False,
-                    verbose=False,
-                )
+            name = self.build_name()
+            with build_guard(name) as build_dir:
+                library = build_dir / f"{name}.so"
+                if library.exists():  # whole (``build_guard`` removed a truncated one) and built for this very key
+                    torch.ops.load_library(str(library))
+                    return True
+                with _ninja_on_path():
+                    load(
+                        name=name,
+                        sources=[str(self.source)],
+                        # -fopenmp: at::parallel_for is an OpenMP region only when _OPENMP is defined; without it
+                        # every kernel would run on the calling thread alone
+                        extra_cflags=[*self.cflags, "-fopenmp"],
+                        extra_ldflags=["-fopenmp"],
+                        is_python_module=False,
+                        verbose=False,
+                    )
             return True
         except Exception as exc:  # no compiler, a failed build or link: every cause means the torch path
             self.reason = f"{type(exc).__name__}: {_first_cause(str(exc))}"
@@ -204,10 +214,11 @@ def _is_whole_elf(path: Path) -> bool:
 
 @contextlib.contextmanager
 def _ninja_on_path():
-    """``ninja`` on ``PATH`` for the build: the system's, else the ``ninja`` package's binary."""
-    if shutil.which("ninja") is not None:
-        yield
-        return
+    """First on ``PATH`` for the build: the ``ninja`` package's binary (pinned), else the system's.
+
+    Always the same one, whatever the caller's ``PATH``: ninja 1.11 and 1.13 keep incompatible build logs, so a
+    build made by one was compiled again from scratch by the other (a model server's stub, with the environment's
+    ``bin`` first on its ``PATH``, rebuilt in its first request what a shell without it had built)."""
     try:
         import ninja  # the pip package: its BIN_DIR holds the binary
     except ImportError:

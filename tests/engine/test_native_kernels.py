@@ -88,3 +88,21 @@ def test_kernels_needing_a_missing_cpu_flag_are_not_built(tmp_path):
     kernels = native.NativeKernels("lmforge_never_built", source, "op", requires=("no_such_cpu_flag",))
     assert not kernels.enable() and not kernels.available
     assert kernels.reason == "this CPU lacks no_such_cpu_flag"
+
+
+def test_a_built_library_is_loaded_without_the_build_tools(tmp_path, monkeypatch):
+    """A build's library is keyed by its inputs: found whole, it is loaded as is (running ninja again redid whole
+    builds when another ninja had made them)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    source = tmp_path / "kernels.cpp"
+    source.write_text("// operators\n")
+    kernels = native.NativeKernels("lmforge_test_cached", source, "op")
+    name = kernels.build_name()
+    (tmp_path / name).mkdir()
+    library = tmp_path / name / f"{name}.so"
+    shutil.copy(_a_real_library(), library)
+    loaded = []
+    monkeypatch.setattr(native, "load", lambda **kwargs: pytest.fail(f"ran the build tools: {kwargs}"))
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    assert kernels.enable() is True
+    assert loaded == [str(library)]
