@@ -44,7 +44,7 @@
 
 #include "common.h"
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -511,11 +511,26 @@ inline vf16 load16<float>(const float* src) {
 
 typedef int8_t vb16 __attribute__((vector_size(16)));
 
+// Sign extension and one vector conversion (GCC turns a generic int8 -> float vector conversion into one
+// scalar conversion per lane).
 template <>
 inline vf16 load16<int8_t>(const int8_t* src) {
+  vf16 f;
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  std::memcpy(&f, &v, sizeof(f));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
+  std::memcpy(&f, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&f) + sizeof(lo), &hi, sizeof(hi));
+#else
   vb16 b;
   std::memcpy(&b, src, sizeof(b));
-  return __builtin_convertvector(b, vf16);
+  f = __builtin_convertvector(b, vf16);
+#endif
+  return f;
 }
 
 inline float hsum(vf16 v) {
