@@ -388,18 +388,35 @@ constexpr int kMaxGroup = 16;
 
 // The keys lo .. seq_len - 1 of one sequence's KV head, walked block by block through its block table:
 // each(base, f) calls f(row, t) with the row of key lo + t in the K or V half starting at base.
+constexpr int64_t kPrefetchBlocks = 2;  // blocks of rows asked for ahead of the one being read
+
 struct KeyWalk {
   const int64_t* table;
-  int64_t max_blocks, lo, seq_len, block_size, c_block, c_tok, head_off;
+  int64_t max_blocks, lo, seq_len, block_size, c_block, c_tok, head_off, row_elems;
+
+  // Asks for the next block's rows of this head while the current block is read: the rows of one head are a
+  // strided third (or less) of each token's row, which the hardware prefetchers follow late.
+  template <typename raw_t>
+  inline void prefetch_block(const raw_t* first) const {
+    const int64_t bytes = static_cast<int64_t>(sizeof(raw_t)) * row_elems;
+    const char* r = reinterpret_cast<const char*>(first);
+    for (int64_t k = 0; k < block_size; ++k, r += c_tok * static_cast<int64_t>(sizeof(raw_t)))
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 3);
+  }
 
   template <typename raw_t, typename F>
   inline void each(const raw_t* base, F&& f) const {
     int64_t t = 0;
+    const int64_t last = (seq_len - 1) / block_size;
+    for (int64_t b = lo / block_size; b <= std::min(last, lo / block_size + kPrefetchBlocks - 1); ++b)
+      prefetch_block(base + table[std::min(b, max_blocks - 1)] * c_block + head_off);
     for (int64_t p = lo; p < seq_len;) {
       const int64_t logical = p / block_size;
       const int64_t block = table[std::min(logical, max_blocks - 1)];
       const int64_t stop = std::min(seq_len, (logical + 1) * block_size);
       const raw_t* row = base + block * c_block + (p % block_size) * c_tok + head_off;
+      if (logical + kPrefetchBlocks <= last)
+        prefetch_block(base + table[std::min(logical + kPrefetchBlocks, max_blocks - 1)] * c_block + head_off);
       for (; p < stop; ++p, ++t, row += c_tok) f(row, t);
     }
   }
@@ -676,7 +693,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
           l[j] = 0.f;
         }
       }
-      const KeyWalk keys{btp + i * bt_s0, max_blocks, lo, seq_len, block_size, c_block, c_tok, h * c_head};
+      const KeyWalk keys{btp + i * bt_s0, max_blocks, lo, seq_len, block_size, c_block, c_tok, h * c_head, kv_cache.size(4)};
       DecodeItemFor<CacheT, HD, G>::run(kp, vp, keys, g, hd, qf, acc, m, l, scores);
       for (int64_t j = 0; j < g; ++j) {
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
