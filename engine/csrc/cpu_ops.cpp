@@ -315,6 +315,37 @@ inline float top_k_floor(const uint16_t* row, int64_t n, float m, int64_t k) {
   return -std::numeric_limits<float>::infinity();
 }
 
+// The largest value of row[0 .. n) (NaNs ignored; -inf for none): per-lane maxima over 32-wide chunks, which
+// vectorize where one running maximum does not.
+inline float row_max(const uint16_t* row, int64_t n) {
+  constexpr int W = 32;
+  float lanes[W];
+  for (int l = 0; l < W; ++l) lanes[l] = -std::numeric_limits<float>::infinity();
+  int64_t c = 0;
+  for (; c + W <= n; c += W)
+    for (int l = 0; l < W; ++l) {
+      const float v = bf16_to_float(row[c + l]);
+      lanes[l] = v > lanes[l] ? v : lanes[l];
+    }
+  float m = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < W; ++l) m = lanes[l] > m ? lanes[l] : m;
+  for (; c < n; ++c) {
+    const float v = bf16_to_float(row[c]);
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
+// Entries refine_logits tests at once before looking at any one of them.
+constexpr int64_t kRefineChunk = 64;
+
+// Whether any of row[0 .. kRefineChunk) is >= t (a branch-free loop that vectorizes; NaN entries compare false).
+inline bool any_at_least(const uint16_t* row, float t) {
+  int32_t hits = 0;
+  for (int64_t c = 0; c < kRefineChunk; ++c) hits |= static_cast<int32_t>(bf16_to_float(row[c]) >= t);
+  return hits != 0;
+}
+
 at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, bool to_float,
                          int64_t top_k) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1 &&
@@ -335,20 +366,11 @@ at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at:
   at::parallel_for(0, rows, grain(cols, 1 << 17), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       uint16_t* row = lp + r * stride;
-      float m = -std::numeric_limits<float>::infinity();
       if (op) {
         float* orow = op + r * cols;
-        for (int64_t c = 0; c < cols; ++c) {
-          const float v = bf16_to_float(row[c]);
-          orow[c] = v;
-          m = v > m ? v : m;
-        }
-      } else {
-        for (int64_t c = 0; c < cols; ++c) {
-          const float v = bf16_to_float(row[c]);
-          m = v > m ? v : m;
-        }
+        for (int64_t c = 0; c < cols; ++c) orow[c] = bf16_to_float(row[c]);
       }
+      const float m = row_max(row, cols);
       if (!std::isfinite(m)) continue;  // NaN / inf rows: nothing to refine
       // true values round to within half a bf16 step each, so the true maximum lies within two steps of m
       float threshold = m - 2.0f * bf16_step(m);
@@ -361,6 +383,10 @@ at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at:
       float best = -std::numeric_limits<float>::infinity();
       int64_t best_index = -1, first_max = -1;
       for (int64_t c = 0; c < cols; ++c) {
+        if ((c & (kRefineChunk - 1)) == 0 && c + kRefineChunk <= cols && !any_at_least(row + c, threshold)) {
+          c += kRefineChunk - 1;  // no candidate in this chunk (the common case: one vectorized test)
+          continue;
+        }
         const float v = bf16_to_float(row[c]);
         if (v < threshold) continue;
         if (first_max < 0 && v == m) first_max = c;
