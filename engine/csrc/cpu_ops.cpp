@@ -576,10 +576,34 @@ inline vf16 load16<int8_t>(const int8_t* src) {
   return f;
 }
 
-inline float hsum(vf16 v) {
-  float s = 0.f;
-  for (int e = 0; e < 16; ++e) s += v[e];
-  return s;
+// r[i] = the sum of the lanes of p[i], for 16 vectors at once: four rounds that each add two shuffles of pairs
+// of vectors, halving the lanes every vector's partial sums take (16 -> 8 -> 4 -> 2 -> 1).
+inline vf16 reduce16(const vf16* p) {
+  vf16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// The largest of x[0 .. n) (NaNs ignored; -inf for none), per lane over 16-wide chunks so that it vectorizes.
+inline float lane_max(const float* x, int64_t n) {
+  float lanes[16];
+  for (int e = 0; e < 16; ++e) lanes[e] = -std::numeric_limits<float>::infinity();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16)
+    for (int e = 0; e < 16; ++e) lanes[e] = x[k + e] > lanes[e] ? x[k + e] : lanes[e];
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int e = 0; e < 16; ++e) mx = lanes[e] > mx ? lanes[e] : mx;
+  for (; k < n; ++k) mx = x[k] > mx ? x[k] : mx;
+  return mx;
 }
 
 template <typename T, int HD, int G>
@@ -601,21 +625,41 @@ struct DecodeItemVec {
     for (int64_t j = 0; j < g; ++j)
       for (int c = 0; c < C; ++c) std::memcpy(&qv[j][c], &qf[j][c * 16], sizeof(vf16));
     // Pass 1: scores q . k (head j's scores contiguous: scores[j * n + t]).
-    keys.each(kp, [&](const raw_t* krow, int64_t t) {
+    // Each key's products stay a 16-lane vector until 16 keys are in; reduce16 then sums the 16 vectors at once
+    // (a quarter of the shuffles of one horizontal sum per key).
+    vf16 part[GM][16];
+    int filled = 0;
+    int64_t first = 0;
+    auto store = [&](int count) {
+      for (int64_t j = 0; j < g; ++j) {
+        const vf16 r = reduce16(part[j]);
+        std::memcpy(scores.data() + j * n + first, &r, sizeof(float) * count);
+      }
+    };
+    keys.each(kp, [&](const raw_t* krow, int64_t /*t*/) {
       vf16 k[C];
       for (int c = 0; c < C; ++c) k[c] = load16<T>(krow + c * 16);
       const float ks = row_scale<T>(krow, HD);
       for (int64_t j = 0; j < g; ++j) {
         vf16 s = qv[j][0] * k[0];
         for (int c = 1; c < C; ++c) s += qv[j][c] * k[c];
-        scores[j * n + t] = hsum(s) * ks;
+        part[j][filled] = s * ks;
+      }
+      if (++filled == 16) {
+        store(16);
+        first += 16;
+        filled = 0;
       }
     });
+    if (filled > 0) {
+      for (int64_t j = 0; j < g; ++j)
+        for (int e = filled; e < 16; ++e) part[j][e] = vf16{};
+      store(filled);
+    }
     float corr[GM];
     for (int64_t j = 0; j < g; ++j) {
       float* sj = scores.data() + j * n;
-      float mx = m[j];
-      for (int64_t k = 0; k < n; ++k) mx = sj[k] > mx ? sj[k] : mx;
+      const float mx = std::max(m[j], lane_max(sj, n));
       corr[j] = l[j] > 0.f ? std::exp(m[j] - mx) : 0.f;
       float sum = 0.f;
       for (int64_t k = 0; k < n; ++k) sj[k] = exp_nonpositive(sj[k] - mx);
