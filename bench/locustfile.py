@@ -341,19 +341,34 @@ class LLMUser(HttpUser):
         state.samples.append(sample)
         state.record("request", sample.to_json())
 
-    def _send(self, state: RunState, path: str, payload: dict, stream: bool, sample: RequestSample) -> None:
-        result = StreamResult()
-        t0 = time.perf_counter()
-        name = path.rsplit("/", 1)[-1]
-        headers = _auth(state.config)
-        with self.client.post(
+    def _post(
+        self,
+        state: RunState,
+        path: str,
+        payload: dict,
+        name: str,
+        *,
+        stream: bool = False,
+        read_timeout_s: float = 60.0,
+    ):
+        """POST ``payload`` as the Locust request ``name`` with the run's API key; the caller marks the response a
+        success or a failure (``catch_response``)."""
+        return self.client.post(
             path,
             json=payload,
             stream=stream,
             name=name,
             catch_response=True,
-            headers=headers,
-            timeout=(CONNECT_TIMEOUT_S, state.config.request_timeout_s),
+            headers=_auth(state.config),
+            timeout=(CONNECT_TIMEOUT_S, read_timeout_s),
+        )
+
+    def _send(self, state: RunState, path: str, payload: dict, stream: bool, sample: RequestSample) -> None:
+        result = StreamResult()
+        t0 = time.perf_counter()
+        name = path.rsplit("/", 1)[-1]
+        with self._post(
+            state, path, payload, name, stream=stream, read_timeout_s=state.config.request_timeout_s
         ) as response:
             error = None
             try:
@@ -389,14 +404,7 @@ class LLMUser(HttpUser):
     def _send_bad(self, state: RunState, path: str, payload: dict, sample: RequestSample) -> None:
         """A request the server must refuse: HTTP 400 with an error message is the success."""
         t0 = time.perf_counter()
-        with self.client.post(
-            path,
-            json=payload,
-            name="bad",
-            catch_response=True,
-            headers=_auth(state.config),
-            timeout=(CONNECT_TIMEOUT_S, 60.0),
-        ) as response:
+        with self._post(state, path, payload, "bad") as response:
             error = _http_error(response)
             sample.e2e_s = time.perf_counter() - t0
             if response.status_code == 400 and error:
@@ -408,15 +416,7 @@ class LLMUser(HttpUser):
     def _send_disconnect(self, state: RunState, path: str, payload: dict, sample: RequestSample) -> None:
         """A stream the client closes after its first event (the server must abort it)."""
         t0 = time.perf_counter()
-        with self.client.post(
-            path,
-            json=payload,
-            stream=True,
-            name="disconnect",
-            catch_response=True,
-            headers=_auth(state.config),
-            timeout=(CONNECT_TIMEOUT_S, 60.0),
-        ) as response:
+        with self._post(state, path, payload, "disconnect", stream=True) as response:
             error = _http_error(response)
             if error is None:
                 try:
