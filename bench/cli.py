@@ -23,6 +23,10 @@ TARGETS: dict[str, tuple[str, str]] = {
         "bench.serving_profile",
         "Where a streamed token's CPU goes on the served path: CPU s per 1k tokens per process and thread, py-spy.",
     ),
+    "structured": (
+        "bench.structured_bench",
+        "Structured-output (json_schema) vs plain chat requests on the same served load; grammar compile/mask ms.",
+    ),
     "compression": (
         "bench.compression",
         "INT8 methods vs fp32 (size, perplexity, agreement, decode speed); MiniLM ONNX INT8.",

@@ -97,6 +97,8 @@ class LoadTestConfig:
     disconnect_share: float = 0.0
     keep_going: bool = False
     lora_names: list[str] = field(default_factory=list)  # request i runs with adapter i mod N
+    response_format: dict | None = None  # api "openai": every request's response_format (structured output)
+    record_text: bool = False  # keep each request's output text in samples.jsonl
 
     def __post_init__(self) -> None:
         if self.api == "openai" and self.endpoint == "generate_stream":
@@ -136,6 +138,10 @@ class LoadTestConfig:
             ),
             (self.shape in ("constant", "steps"), f"shape={self.shape!r}; use constant or steps (--shape)"),
             (bool(self.model), "model is empty; pass the Triton model name (--model)"),
+            (
+                self.response_format is None or self.api == "openai",
+                "response_format is an OpenAI API field; use api openai or drop it",
+            ),
         ]
         if self.shape == "steps":
             checks += [
@@ -320,6 +326,8 @@ def warm_up(config: LoadTestConfig, prompts: list[str]) -> None:
 def _warm_up_one(config: LoadTestConfig, prompt: str, index: int = 0) -> str | None:
     """One blocking ``/generate`` request (adapter ``index`` mod N of ``lora_names``); the error text, or ``None``."""
     sampling = {"max_tokens": config.max_tokens, "temperature": config.temperature, "top_p": config.top_p}
+    if config.response_format is not None:
+        sampling["response_format"] = config.response_format
     lora = config.lora_names[index % len(config.lora_names)] if config.lora_names else None
     if lora is not None and config.api != "openai":
         sampling["lora_name"] = lora
@@ -399,6 +407,10 @@ def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
         command.append("--keep-going")
     if config.lora_names:
         command += ["--lora-names", ",".join(config.lora_names)]
+    if config.response_format is not None:
+        command += ["--response-format", json.dumps(config.response_format)]
+    if config.record_text:
+        command.append("--record-text")
     if config.shape == "steps":
         command += [
             "--shape-config",

@@ -107,6 +107,8 @@ def add_options(parser) -> None:
         help="comma-separated LoRA adapters: request i runs with the (i mod N)-th (openai: as the model field; "
         "triton: sampling_parameters lora_name)",
     )
+    group.add_argument("--response-format", default=None, help="openai: the response_format of every request (JSON)")
+    group.add_argument("--record-text", action="store_true", help="keep each request's output text in its sample")
 
 
 #: Requests the model must refuse with HTTP 400 (sampling_parameters JSON; None = a top-level unknown field).
@@ -158,6 +160,7 @@ class LoadConfig:
     api_key: str | None = None
     system_prompt: str | None = None  # openai chat: sent as a system message (elsewhere put before each prompt)
     lora_names: list[str] = field(default_factory=list)  # request i runs with lora_names[i % N] (none: the base)
+    record_text: bool = False  # keep the output text in each sample
 
     def path(self, stream: bool | None = None) -> str:
         """The request path; for Triton ``stream`` picks generate_stream or generate (default: ``self.stream``)."""
@@ -242,6 +245,11 @@ def config_from_options(options) -> LoadConfig:
     sampling = {"max_tokens": options.max_tokens, "temperature": options.temperature, "top_p": options.top_p}
     if options.ignore_eos:
         sampling["ignore_eos"] = True
+    response_format = getattr(options, "response_format", None)
+    if response_format:
+        if api != "openai":
+            raise ValueError("--response-format belongs to --api openai; drop it or use --api openai")
+        sampling["response_format"] = json.loads(response_format)
     stream = endpoint == "generate_stream" if api == "triton" else not getattr(options, "no_stream", False)
     return LoadConfig(
         options.model,
@@ -257,6 +265,7 @@ def config_from_options(options) -> LoadConfig:
         api_key=getattr(options, "api_key", None),
         system_prompt=options.system_prompt if system_message else None,
         lora_names=[n.strip() for n in (getattr(options, "lora_names", None) or "").split(",") if n.strip()],
+        record_text=getattr(options, "record_text", False),
     )
 
 
@@ -332,19 +341,34 @@ class LLMUser(HttpUser):
         state.samples.append(sample)
         state.record("request", sample.to_json())
 
-    def _send(self, state: RunState, path: str, payload: dict, stream: bool, sample: RequestSample) -> None:
-        result = StreamResult()
-        t0 = time.perf_counter()
-        name = path.rsplit("/", 1)[-1]
-        headers = _auth(state.config)
-        with self.client.post(
+    def _post(
+        self,
+        state: RunState,
+        path: str,
+        payload: dict,
+        name: str,
+        *,
+        stream: bool = False,
+        read_timeout_s: float = 60.0,
+    ):
+        """POST ``payload`` as the Locust request ``name`` with the run's API key; the caller marks the response a
+        success or a failure (``catch_response``)."""
+        return self.client.post(
             path,
             json=payload,
             stream=stream,
             name=name,
             catch_response=True,
-            headers=headers,
-            timeout=(CONNECT_TIMEOUT_S, state.config.request_timeout_s),
+            headers=_auth(state.config),
+            timeout=(CONNECT_TIMEOUT_S, read_timeout_s),
+        )
+
+    def _send(self, state: RunState, path: str, payload: dict, stream: bool, sample: RequestSample) -> None:
+        result = StreamResult()
+        t0 = time.perf_counter()
+        name = path.rsplit("/", 1)[-1]
+        with self._post(
+            state, path, payload, name, stream=stream, read_timeout_s=state.config.request_timeout_s
         ) as response:
             error = None
             try:
@@ -357,6 +381,8 @@ class LLMUser(HttpUser):
                 error = f"{type(exc).__name__}: {exc}"
             end = time.perf_counter()
             _fill_sample(sample, result, t0, end, error)
+            if state.config.record_text:
+                sample.text = result.text
             response.request_meta["response_time"] = (end - t0) * 1000.0
             response.request_meta["response_length"] = len(result.text.encode("utf-8"))
             if error is None:
@@ -378,14 +404,7 @@ class LLMUser(HttpUser):
     def _send_bad(self, state: RunState, path: str, payload: dict, sample: RequestSample) -> None:
         """A request the server must refuse: HTTP 400 with an error message is the success."""
         t0 = time.perf_counter()
-        with self.client.post(
-            path,
-            json=payload,
-            name="bad",
-            catch_response=True,
-            headers=_auth(state.config),
-            timeout=(CONNECT_TIMEOUT_S, 60.0),
-        ) as response:
+        with self._post(state, path, payload, "bad") as response:
             error = _http_error(response)
             sample.e2e_s = time.perf_counter() - t0
             if response.status_code == 400 and error:
@@ -397,15 +416,7 @@ class LLMUser(HttpUser):
     def _send_disconnect(self, state: RunState, path: str, payload: dict, sample: RequestSample) -> None:
         """A stream the client closes after its first event (the server must abort it)."""
         t0 = time.perf_counter()
-        with self.client.post(
-            path,
-            json=payload,
-            stream=True,
-            name="disconnect",
-            catch_response=True,
-            headers=_auth(state.config),
-            timeout=(CONNECT_TIMEOUT_S, 60.0),
-        ) as response:
+        with self._post(state, path, payload, "disconnect", stream=True) as response:
             error = _http_error(response)
             if error is None:
                 try:

@@ -51,6 +51,7 @@ class RequestSample:
         fault: ``None`` for a normal request; with a fault mix (``lmforge bench reliability``)
             ``"bad"`` (a request the server must refuse with HTTP 400) or ``"disconnect"`` (a
             stream the client closes after its first event).
+        text: the output text, kept only when the load test records it (``record_text``).
     """
 
     start_s: float
@@ -65,6 +66,7 @@ class RequestSample:
     users: int = 1
     endpoint: str = "generate_stream"
     fault: str | None = None
+    text: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -129,7 +129,7 @@ def openai_payload(
 ) -> dict:
     """The JSON body of an OpenAI ``/v1/chat/completions`` (prompt as one user message, after
     ``system`` as a system message when given) or ``/v1/completions`` request with the same
-    sampling fields; streamed with usage."""
+    sampling fields (and ``response_format`` when ``sampling_parameters`` has one); streamed with usage."""
     body: dict = {
         "model": model,
         "max_tokens": sampling_parameters["max_tokens"],
@@ -144,6 +144,8 @@ def openai_payload(
         body["prompt"] = prompt
     if sampling_parameters.get("ignore_eos"):
         body["ignore_eos"] = True  # an extension our server, vLLM and llama-server accept
+    if sampling_parameters.get("response_format"):
+        body["response_format"] = sampling_parameters["response_format"]  # structured output
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

@@ -244,28 +244,40 @@ def start_peers(args, out: Path, notes: list[str], stack: contextlib.ExitStack) 
 
 
 @contextlib.contextmanager
-def our_stack(args, out: Path):
-    """lmforge's stack (``tritonserver`` + the OpenAI frontend) on a temporary export; yields its endpoints."""
-    engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": max(args.users)}
+def lmforge_stack(checkpoint: str, engine: dict, out: Path, stall_timeout_s: float | None = None):
+    """``tritonserver`` + the OpenAI frontend, as ``lmforge serve --openai-port`` starts them, on a temporary
+    export of ``checkpoint`` (model ``llm``, ``EngineConfig`` fields ``engine``; the server log in ``out``;
+    ``stall_timeout_s``: the frontend's ``--stall-timeout-s``, ``None`` for its default).
+
+    Yields:
+        ``(server, openai_url)``: the running :class:`deploy.triton.TritonServer` (its ``http_url``,
+        ``metrics_url``) and ``http://127.0.0.1:PORT`` of the OpenAI frontend.
+    """
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-serving-") as repo:
-        export(args.checkpoint, Path(repo), name="llm", engine=engine, kind="llm")
+        export(checkpoint, Path(repo), name="llm", engine=engine, kind="llm")
         http, grpc, metrics = free_ports(3)
         log = out / "tritonserver.log"
         with TritonServer(
             repo, http, grpc, metrics, models=["llm"], log_path=log, write_pid_file=False, startup_timeout_s=900
         ) as server:
             port = free_ports(1)[0]
-            frontend = start_openai(
-                types.SimpleNamespace(repo=repo, host="127.0.0.1", openai_port=port, api_key=None, grace_s=10.0),
-                server,
-            )
+            options = dict(repo=repo, host="127.0.0.1", openai_port=port, api_key=None, grace_s=10.0)
+            frontend = start_openai(types.SimpleNamespace(**options, stall_timeout_s=stall_timeout_s), server)
             try:
-                yield [
-                    Endpoint("lmforge-openai", "openai", f"http://127.0.0.1:{port}", "llm", "chat"),
-                    Endpoint("lmforge-triton", "triton", server.http_url, "llm", "generate_stream"),
-                ]
+                yield server, f"http://127.0.0.1:{port}"
             finally:
                 stop_openai(frontend, types.SimpleNamespace(repo=repo, grace_s=10.0))
+
+
+@contextlib.contextmanager
+def our_stack(args, out: Path):
+    """lmforge's stack (``tritonserver`` + the OpenAI frontend) on a temporary export; yields its endpoints."""
+    engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": max(args.users)}
+    with lmforge_stack(args.checkpoint, engine, out) as (server, openai_url):
+        yield [
+            Endpoint("lmforge-openai", "openai", openai_url, "llm", "chat"),
+            Endpoint("lmforge-triton", "triton", server.http_url, "llm", "generate_stream"),
+        ]
 
 
 def write_shared_system_prompts(args, out: Path) -> Path:

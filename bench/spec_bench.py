@@ -581,6 +581,12 @@ def run(args) -> int:
                 rows += found
             rows += run_dtype(dtype, model_dir, draft, args, chat, grounded_main, grounded, workload)
             _print_sweep_end([r for r in rows if r.dtype == dtype])
+    _report(args, rows, str(model_dir), draft_note, corpus_note)
+    return 0
+
+
+def _report(args, rows: list[SpecRow], model_dir: str, draft_note: str, corpus_note: str) -> None:
+    """Print the targets, write the JSON report to ``args.out`` and warn about rows whose tokens differ from 'off'."""
     found = targets(rows)
     print(
         "\ntargets (speed-up in tokens per CPU-second vs the same engine without speculation, same dtype; "
@@ -589,7 +595,7 @@ def run(args) -> int:
     for what, value, target in found:
         print(f"  {what}: {fmt(value, '.2f')} (target {target}) {target_result(value, target)}")
     report = {
-        "model": str(model_dir),
+        "model": model_dir,
         "draft": draft_note,
         "ngram_corpus": corpus_note,
         "draft_dtype": args.spec_draft_dtype,
@@ -607,7 +613,6 @@ def run(args) -> int:
             f"warning: {r.dtype} {r.prompts} x{r.concurrency} {r.method}: {r.same_tokens:.0%} of requests have "
             "the tokens of 'off'"
         )
-    return 0
 
 
 def _print_sweep_end(rows: list[SpecRow]) -> None:

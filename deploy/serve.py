@@ -211,6 +211,8 @@ def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: floa
     ]
     if getattr(args, "tool_call_parser", None):
         command += ["--tool-call-parser", args.tool_call_parser]
+    if getattr(args, "stall_timeout_s", None):
+        command += ["--stall-timeout-s", str(args.stall_timeout_s)]
     log = open(repo / OPENAI_LOG_FILE, "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()

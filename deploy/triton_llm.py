@@ -111,7 +111,10 @@ class LLMMetrics:
       ``lmforge_spec_decode_acceptance_rate`` (accepted / proposed) and
       ``lmforge_spec_decode_mean_accepted_length`` (tokens per speculative request-step) (gauges);
     * LoRA adapters (label ``lora_name``): ``lmforge_lora_requests_finished_total`` and
-      ``lmforge_lora_generation_tokens_total`` (tokens of those requests) (counters).
+      ``lmforge_lora_generation_tokens_total`` (tokens of those requests) (counters);
+    * structured output (counters): ``lmforge_structured_output_compiles_total`` and
+      ``_compile_seconds_total`` (grammar compiles), ``_mask_seconds_total``, ``_mask_steps_total``
+      and ``_masked_tokens_total`` (logit masking: mean ms per step or per token from their ratios).
     """
 
     def __init__(self, labels: dict[str, str]) -> None:
@@ -208,6 +211,19 @@ class LLMMetrics:
                     ("num_drafts", "Speculative decoding: request-steps that verified proposed tokens"),
                     ("num_draft_tokens", "Speculative decoding: proposed tokens verified by the model"),
                     ("num_accepted_tokens", "Speculative decoding: proposed tokens accepted"),
+                )
+            },
+            **{
+                f"structured_output_{field}_total": [
+                    self._metric(f"lmforge_structured_output_{name}_total", help_text, counter),
+                    0,
+                ]
+                for field, name, help_text in (
+                    ("num_compiles", "compiles", "Structured output: grammars compiled"),
+                    ("compile_seconds", "compile_seconds", "Structured output: seconds spent compiling grammars"),
+                    ("mask_seconds", "mask_seconds", "Structured output: seconds spent masking logits to grammars"),
+                    ("num_mask_steps", "mask_steps", "Structured output: engine steps that masked logits"),
+                    ("num_masked_tokens", "masked_tokens", "Structured output: logit rows masked (tokens)"),
                 )
             },
         }

@@ -660,6 +660,7 @@ class LLMEngine:
             num_free_kv_blocks=len(bm.free_block_ids),
             num_cached_kv_blocks=len(bm.cached_lru),
             **self._spec_stats(),
+            **self.grammar_compiler.stats(),
         )
 
     def _spec_stats(self) -> dict[str, int]:

@@ -241,29 +241,12 @@ def _pattern_value(patterns: dict, module_key: str, default):
     return default
 
 
-def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int, dtype: torch.dtype) -> LoRAAdapter:
-    """Read and check an adapter directory against the base ``spec``.
-
-    Args:
-        request: names the directory (``lora_path``).
-        spec: the base model's shape.
-        max_lora_rank: the engine's limit.
-        dtype: the engine's activation dtype (the tensors are converted to it).
-
-    Raises:
-        LoRAError: a missing or corrupt file, a PEFT setting the engine does not run, a module it does
-            not adapt, a shape or layer that does not fit the base (``hidden_size``,
-            ``intermediate_size``, ``num_hidden_layers``...), a base of another vocabulary
-            (``vocab_size``), or a rank above ``max_lora_rank``.
-    """
+def _load_adapter_tensors(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The adapter's ``adapter_model.safetensors`` (its path and tensors); pickled ``.bin`` files are refused."""
     # optional or heavy dependency: imported only on the path that needs it
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(request.lora_path).expanduser()
-    config = _read_adapter_config(path)
-    _check_adapter_config(config, path / ADAPTER_CONFIG_NAME)
-    _check_base(path, spec)
     weights_path = path / ADAPTER_WEIGHTS_NAME
     if not weights_path.is_file():
         pickled = [p.name for p in path.glob("*.bin")]
@@ -273,10 +256,15 @@ def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int, dtyp
             fix="save the adapter with safe_serialization=True (the engine never loads pickled files)",
         )
     try:
-        tensors = load_file(str(weights_path))
+        return weights_path, load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise LoRAError(f"{weights_path}: corrupt or truncated safetensors ({exc})", fix="re-save the adapter") from exc
-    shapes = module_shapes(spec)
+
+
+def _group_lora_pairs(
+    tensors: dict[str, torch.Tensor], spec: ModelSpec, weights_path: Path
+) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """``(layer, module) -> {"A": lora_A, "B": lora_B}`` of the tensors, each name, module and layer checked."""
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _TENSOR_NAME.search(name)
@@ -301,6 +289,60 @@ def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int, dtyp
         pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:
         raise LoRAError(f"{weights_path}: no LoRA weights", fix="re-save the adapter")
+    return pairs
+
+
+def _check_pair_shapes(
+    pair: dict[str, torch.Tensor], module: str, key: str, shape: tuple[int, int], weights_path: Path
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Module ``key``'s ``(A [r, in], B [out, r])``, both present and fitting the base's ``(in, out)`` ``shape``."""
+    if set(pair) != {"A", "B"}:
+        missing = "lora_B" if "A" in pair else "lora_A"
+        raise LoRAError(f"{weights_path}: {key}.{missing}.weight is missing", fix="re-save the adapter")
+    a, b = pair["A"], pair["B"]
+    r = a.shape[0]
+    in_features, out_features = shape
+    if a.shape[1] != in_features:
+        field = {"o_proj": "num_attention_heads * head_dim", "down_proj": "intermediate_size"}.get(
+            module, "hidden_size"
+        )
+        raise LoRAError(
+            f"{weights_path}: {key}.lora_A takes {a.shape[1]} inputs, the base's {field} is {in_features}",
+            fix="serve the adapter on the base it was trained on",
+        )
+    if b.shape != (out_features, r):
+        field = {"q_proj": "num_attention_heads * head_dim", "k_proj": "num_key_value_heads * head_dim"}
+        field |= {"v_proj": field["k_proj"], "gate_proj": "intermediate_size", "up_proj": "intermediate_size"}
+        raise LoRAError(
+            f"{weights_path}: {key}.lora_B has shape {tuple(b.shape)}, the base needs ({out_features}, {r}) "
+            f"({field.get(module, 'hidden_size')} = {out_features}, rank {r})",
+            fix="serve the adapter on the base it was trained on",
+        )
+    return a, b
+
+
+def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+    """Read and check an adapter directory against the base ``spec``.
+
+    Args:
+        request: names the directory (``lora_path``).
+        spec: the base model's shape.
+        max_lora_rank: the engine's limit.
+        dtype: the engine's activation dtype (the tensors are converted to it).
+
+    Raises:
+        LoRAError: a missing or corrupt file, a PEFT setting the engine does not run, a module it does
+            not adapt, a shape or layer that does not fit the base (``hidden_size``,
+            ``intermediate_size``, ``num_hidden_layers``...), a base of another vocabulary
+            (``vocab_size``), or a rank above ``max_lora_rank``.
+    """
+    path = Path(request.lora_path).expanduser()
+    config = _read_adapter_config(path)
+    _check_adapter_config(config, path / ADAPTER_CONFIG_NAME)
+    _check_base(path, spec)
+    weights_path, tensors = _load_adapter_tensors(path)
+    shapes = module_shapes(spec)
+    pairs = _group_lora_pairs(tensors, spec, weights_path)
     alpha = config.get("lora_alpha", config.get("r", 8))
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
@@ -308,28 +350,8 @@ def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int, dtyp
     for (layer, module), pair in sorted(pairs.items()):
         block = "mlp" if LORA_TARGETS[module][0] in ("gate_up", "down") else "self_attn"
         key = f"model.layers.{layer}.{block}.{module}"
-        if set(pair) != {"A", "B"}:
-            missing = "lora_B" if "A" in pair else "lora_A"
-            raise LoRAError(f"{weights_path}: {key}.{missing}.weight is missing", fix="re-save the adapter")
-        a, b = pair["A"], pair["B"]
+        a, b = _check_pair_shapes(pair, module, key, shapes[module], weights_path)
         r = a.shape[0]
-        in_features, out_features = shapes[module]
-        if a.shape[1] != in_features:
-            field = {"o_proj": "num_attention_heads * head_dim", "down_proj": "intermediate_size"}.get(
-                module, "hidden_size"
-            )
-            raise LoRAError(
-                f"{weights_path}: {key}.lora_A takes {a.shape[1]} inputs, the base's {field} is {in_features}",
-                fix="serve the adapter on the base it was trained on",
-            )
-        if b.shape != (out_features, r):
-            field = {"q_proj": "num_attention_heads * head_dim", "k_proj": "num_key_value_heads * head_dim"}
-            field |= {"v_proj": field["k_proj"], "gate_proj": "intermediate_size", "up_proj": "intermediate_size"}
-            raise LoRAError(
-                f"{weights_path}: {key}.lora_B has shape {tuple(b.shape)}, the base needs ({out_features}, {r}) "
-                f"({field.get(module, 'hidden_size')} = {out_features}, rank {r})",
-                fix="serve the adapter on the base it was trained on",
-            )
         if r > max_lora_rank:
             raise LoRAError(
                 f"lora_path={str(path)!r}: rank {r} ({key}) > max_lora_rank={max_lora_rank}",

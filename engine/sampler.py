@@ -9,7 +9,6 @@ import torch
 
 from engine import cpu_ops
 from engine.sequence import Sequence
-from engine.structured_output import apply_bitmask, bitmask_words
 
 
 @dataclasses.dataclass
@@ -52,12 +51,15 @@ class Sampler:
             return SampleResult(cpu_ops.argmax(logits).tolist(), [None] * len(seqs))
         logits = self.process_logits(logits, seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        # every greedy row's argmax in one pass (one torch call per row cost ~0.1 ms each)
+        picked = dict(zip(greedy, cpu_ops.argmax(logits[greedy]).tolist())) if greedy else {}
         tokens: list[int] = []
         for i, seq in enumerate(seqs):
             p = seq.params
             row = logits[i]
             if p.greedy:
-                tokens.append(int(row.argmax()))
+                tokens.append(picked[i])
             else:
                 probs = self._probs(row, p.temperature, p.top_k, p.top_p, p.min_p)
                 tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
@@ -71,7 +73,8 @@ class Sampler:
         vocab = logits.shape[-1]
         constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if constrained:
-            self._apply_grammars(logits, [seqs[i].grammar for i in constrained], constrained)
+            grammars = [seqs[i].grammar for i in constrained]
+            grammars[0].compiler.mask_logits(logits, grammars, constrained)
         for i, seq in enumerate(seqs):
             p = seq.params
             if not p.changes_logits:
@@ -94,13 +97,6 @@ class Sampler:
                 ids = ids.to(row.device)
                 row[ids] -= p.frequency_penalty * counts.to(row.device, row.dtype) + p.presence_penalty
         return logits
-
-    @staticmethod
-    def _apply_grammars(logits: torch.Tensor, grammars: list, rows: list[int]) -> None:
-        """Mask ``logits[rows[j]]`` (in place) to the tokens ``grammars[j]`` allows next (other rows: all allowed)."""
-        bitmask = torch.full((logits.shape[0], bitmask_words(logits.shape[-1])), -1, dtype=torch.int32)  # [S, words]
-        grammars[0].compiler.fill_bitmask(grammars, rows, bitmask)
-        apply_bitmask(logits, bitmask)
 
     @staticmethod
     def _probs(

@@ -330,17 +330,7 @@ class Scheduler:
         lora_held = False  # an adapter request waits for a LoRA slot: the adapter requests behind it wait too
 
         def make_room(seq: Sequence) -> bool:
-            """Preempt a large request's sequence for regular ``seq`` (while bounded); False if none can go."""
-            if share is None or seq.group_id in share.large:
-                return False
-            victim = self._victim(scheduled, share, large_only=True)
-            if victim is None:
-                return False
-            self._preempt(victim)
-            preempted.append(victim)
-            if victim in donors:
-                donors.remove(victim)
-            return True
+            return self._make_room(seq, scheduled, share, preempted, donors)
 
         for seq in queue:
             if budget <= 0:
@@ -376,23 +366,62 @@ class Scheduler:
                 admitted = bm.allocate_slots(seq, n, cached)
             if not admitted:
                 break
-            if partial:
-                kv_copies.append((partial[0], seq.block_table[len(cached)], copied))
-                seq.num_computed_tokens += copied
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = len(cached) * bm.block_size + copied
-            bm.record_prefix_query(seq, cached, copied)
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            seq.last_admitted_step = self._step
-            self.running.append(seq)
-            self._take(ScheduledSequence(seq, n), scheduled, share)
+            self._start_running(seq, n, cached, partial, kv_copies, scheduled, share)
             budget -= n
             if lora is not None:
                 active_loras.add(lora)
             if bm.enable_prefix_caching:
                 in_flight.update(bm.full_block_hashes(seq)[len(cached) :])
         return budget
+
+    def _make_room(
+        self,
+        seq: Sequence,
+        scheduled: list[ScheduledSequence],
+        share: "FairShare | None",
+        preempted: list[Sequence],
+        donors: list[Sequence],
+    ) -> bool:
+        """Preempt a large request's sequence for regular ``seq`` (while bounded); False if none can go."""
+        if share is None or seq.group_id in share.large:
+            return False
+        victim = self._victim(scheduled, share, large_only=True)
+        if victim is None:
+            return False
+        self._preempt(victim)
+        preempted.append(victim)
+        if victim in donors:
+            donors.remove(victim)
+        return True
+
+    def _start_running(
+        self,
+        seq: Sequence,
+        n: int,
+        cached: list,
+        partial: tuple[int, int] | None,
+        kv_copies: list[tuple[int, int, int]],
+        scheduled: list[ScheduledSequence],
+        share: "FairShare | None",
+    ) -> None:
+        """Move admitted ``seq`` from waiting to running with ``n`` tokens to compute this step.
+
+        ``partial`` is ``(donor block, tokens)`` of a running request's K/V slots copied into the
+        sequence's first uncached block (``kv_copies``) instead of recomputing them.
+        """
+        bm = self.block_manager
+        copied = partial[1] if partial else 0
+        if partial:
+            kv_copies.append((partial[0], seq.block_table[len(cached)], copied))
+            seq.num_computed_tokens += copied
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = len(cached) * bm.block_size + copied
+        bm.record_prefix_query(seq, cached, copied)
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.last_admitted_step = self._step
+        self.running.append(seq)
+        self._take(ScheduledSequence(seq, n), scheduled, share)
 
     def _in_flight_hashes(self) -> set[int]:
         """Hashes of full prompt blocks that running requests have not finished computing."""

@@ -25,6 +25,11 @@ class EngineStats:
         spec_decode_num_drafts_total: request-steps that verified at least one proposed token.
         spec_decode_num_draft_tokens_total: proposed tokens verified by the target.
         spec_decode_num_accepted_tokens_total: of those, tokens the target accepted.
+        structured_output_num_compiles_total / _compile_seconds_total: grammars compiled and the
+            seconds spent compiling them (each constraint compiles once, then comes from the cache).
+        structured_output_mask_seconds_total: seconds spent masking logits to the grammars (bitmask
+            fill and apply, on the engine thread); ``_num_mask_steps_total``: engine steps that masked;
+            ``_num_masked_tokens_total``: rows masked (one per constrained sequence per step).
     """
 
     num_running: int
@@ -43,6 +48,11 @@ class EngineStats:
     spec_decode_num_drafts_total: int = 0
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
+    structured_output_num_compiles_total: int = 0
+    structured_output_compile_seconds_total: float = 0.0
+    structured_output_mask_seconds_total: float = 0.0
+    structured_output_num_mask_steps_total: int = 0
+    structured_output_num_masked_tokens_total: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -136,7 +136,13 @@ class GrammarCompiler:
         self._tokenizer_future: concurrent.futures.Future | None = None
         self.tokenizer_ready_at: float | None = None  # time.monotonic() when the llguidance tokenizer was built
         self._executor = None
+        #: Cost counters (``EngineStats.structured_output_*``): compiles done and their seconds, and
+        #: the masking of logits: seconds, steps (``mask_logits`` calls) and rows masked (tokens).
         self.num_compiles = 0
+        self.compile_s_total = 0.0
+        self.mask_s_total = 0.0
+        self.num_mask_steps = 0
+        self.num_masked_tokens = 0
 
     def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
         """The future ``CompiledGrammar`` of ``params``: cached, or compiling now on the pool.
@@ -231,10 +237,35 @@ class GrammarCompiler:
             raise GrammarError(f"structured_outputs.{kind}: {_short(matcher.get_error())}; fix the {_WHAT[kind]}")
         if not any(mask):
             raise GrammarError(f"structured_outputs.{kind}: the {_WHAT[kind]} matches no text; fix it")
-        self.num_compiles += 1
-        return CompiledGrammar(key, matcher, time.perf_counter() - start)
+        compile_s = time.perf_counter() - start
+        with self._lock:  # compiles finish on several pool threads
+            self.num_compiles += 1
+            self.compile_s_total += compile_s
+        return CompiledGrammar(key, matcher, compile_s)
 
     # ---------------------------------------------------------------- masks (engine thread)
+
+    def mask_logits(self, logits: torch.Tensor, grammars: list[SequenceGrammar], rows: list[int]) -> None:
+        """Set ``logits[rows[j]]`` (``[S, vocab]``, in place) to -inf where ``grammars[j]`` disallows the token
+        (other rows: untouched); its wall time and rows go to the cost counters (one ``perf_counter`` pair a step).
+        """
+        start = time.perf_counter()
+        bitmask = torch.full((logits.shape[0], bitmask_words(logits.shape[-1])), -1, dtype=torch.int32)  # [S, words]
+        self.fill_bitmask(grammars, rows, bitmask)
+        apply_bitmask(logits, bitmask)
+        self.mask_s_total += time.perf_counter() - start
+        self.num_mask_steps += 1
+        self.num_masked_tokens += len(rows)
+
+    def stats(self) -> dict[str, float]:
+        """The cost counters as ``EngineStats`` fields."""
+        return dict(
+            structured_output_num_compiles_total=self.num_compiles,
+            structured_output_compile_seconds_total=self.compile_s_total,
+            structured_output_mask_seconds_total=self.mask_s_total,
+            structured_output_num_mask_steps_total=self.num_mask_steps,
+            structured_output_num_masked_tokens_total=self.num_masked_tokens,
+        )
 
     def fill_bitmask(self, grammars: list[SequenceGrammar], rows: list[int], bitmask: torch.Tensor) -> None:
         """Write row ``rows[i]`` of ``bitmask`` (``[S, ceil(vocab / 32)]`` int32, CPU, contiguous) from

@@ -286,7 +286,7 @@ def check_bf16_logprobs(path: Path, prompts: list[list[int]], device: str, engin
 def run_workload(work: Path, device: str, shape: dict, w: Workload) -> dict:
     import torch
 
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
     t = time.perf_counter()
     path = write_random_checkpoint(
@@ -294,17 +294,7 @@ def run_workload(work: Path, device: str, shape: dict, w: Workload) -> dict:
     )
     write_s = time.perf_counter() - t
     t = time.perf_counter()
-    llm = LLM(
-        str(path),
-        device=device,
-        dtype="bfloat16",
-        attention_backend="triton",
-        block_size=16,
-        max_num_seqs=w.num_requests,
-        max_num_batched_tokens=8192,
-        max_model_len=w.prompt_len + w.max_tokens,
-        kv_cache_memory_bytes=16 << 30 if device != "cpu" else 64 << 20,
-    )
+    llm = _workload_llm(path, device, w)
     load_s = time.perf_counter() - t
     vocab = shape["vocab_size"]
     prompts = random_prompts(w.num_requests, w.prompt_len, w.shared_prefix_len, vocab, seed=3)
@@ -364,6 +354,23 @@ def run_workload(work: Path, device: str, shape: dict, w: Workload) -> dict:
         flush=True,
     )
     return result
+
+
+def _workload_llm(path: Path, device: str, w: Workload):
+    """The engine the workload runs on: bf16, Triton attention, every request in one batch."""
+    from engine import LLM
+
+    return LLM(
+        str(path),
+        device=device,
+        dtype="bfloat16",
+        attention_backend="triton",
+        block_size=16,
+        max_num_seqs=w.num_requests,
+        max_num_batched_tokens=8192,
+        max_model_len=w.prompt_len + w.max_tokens,
+        kv_cache_memory_bytes=16 << 30 if device != "cpu" else 64 << 20,
+    )
 
 
 def _ms(seconds: float | None) -> float | None:

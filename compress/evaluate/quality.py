@@ -28,6 +28,10 @@ dtype), which works the same on float, INT8 and bitsandbytes layers; ONNX checkp
 it. Those metrics describe the adapted model, so they are not merged into the checkpoints'
 manifests.
 
+A served model (``--served URL``, ``compress.evaluate.served``) gets a row of its own: its perplexity on
+the same records and scored tokens, through the OpenAI ``/v1/completions`` echo + prompt logprobs (KL and
+same top-1 need the whole distribution, which the API does not return).
+
 Checkpoint kinds (``checkpoint_kind``): ``pytorch`` (float safetensors), ``int8``
 (``engine.quant.int8`` format: ``int8-weight-only``, ``w8a8`` and the former ``dynamic``), ``llm-int8``
 (bitsandbytes), ``onnx`` (fp32 or INT8 ONNX, run with
@@ -59,6 +63,7 @@ import torch
 
 from compress.data import records as records_module
 from compress.data.records import default_split_records
+from compress.evaluate.served import served_model_name, served_quality
 from compress.quantize.methods import load_int8_model, load_llm_int8_model
 from compress.quantize.onnx import onnx_num_parameters
 from engine import LLM
@@ -100,6 +105,8 @@ class EvaluationError(LmforgeError, ValueError):
 
 #: The kind of a checkpoint evaluated on the lmforge engine (``--kv-cache-dtype``).
 ENGINE_KIND = "engine"
+#: The kind of the row of a served model (``--served``: perplexity only, ``compress.evaluate.served``).
+SERVED_KIND = "served"
 
 
 # --------------------------------------------------------------------------------------------
@@ -746,16 +753,20 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         f"{'KL mean':>8} {'KL p99':>7} {'top-1':>6} {'agree':>6} {'ms/tok':>8} {'speed':>6}"
     )
     lines = [header, "-" * len(header)]
+
+    def cell(m: dict, key: str, spec: str, scale: float = 1.0) -> str:  # "-": not measured (a served row)
+        return "-" if m.get(key) is None else format(m[key] * scale, spec)
+
     for path, m in rows:
-        name = Path(path).name[-28:]
+        name = (m["served_url"].split("://")[-1] if m["kind"] == SERVED_KIND else Path(path).name)[-28:]
         dppl = (m["perplexity"] / base["perplexity"] - 1) * 100
         ms = m.get("decode_ms_per_token")
         speed = f"{base['decode_ms_per_token'] / ms:.2f}x" if ms and base.get("decode_ms_per_token") else "-"
         lines.append(
-            f"{name:<28} {m['kind']:<9} {m['size_bytes'] / 2**20:>9.1f} {m['linear_weight_bytes'] / 2**20:>10.1f} "
-            f"{m['perplexity']:>9.3f} {dppl:>+7.2f}% {m['kl_mean']:>8.4f} {m['kl_p99']:>7.3f} "
-            f"{m['same_top1'] * 100:>5.1f}% "
-            f"{m['greedy_agreement']:>6.3f} {(f'{ms:.2f}' if ms else '-'):>8} {speed:>6}"
+            f"{name:<28} {m['kind']:<9} {cell(m, 'size_bytes', '.1f', 2**-20):>9} "
+            f"{cell(m, 'linear_weight_bytes', '.1f', 2**-20):>10} {m['perplexity']:>9.3f} {dppl:>+7.2f}% "
+            f"{cell(m, 'kl_mean', '.4f'):>8} {cell(m, 'kl_p99', '.3f'):>7} {cell(m, 'same_top1', '.1%'):>6} "
+            f"{cell(m, 'greedy_agreement', '.3f'):>6} {(f'{ms:.2f}' if ms else '-'):>8} {speed:>6}"
         )
     return "\n".join(lines)
 
@@ -808,8 +819,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a LoRA adapter (PEFT format) run on every checkpoint and the reference: judges adapter-on-compressed-"
         "base against adapter-on-parent (metrics then go to --json and the table, not into the manifests)",
     )
+    parser.add_argument(
+        "--served",
+        default=None,
+        metavar="URL",
+        help="also score the model an OpenAI-compatible server serves at URL (e.g. http://127.0.0.1:9000 of "
+        "`lmforge serve --openai-port`) on the same records, through /v1/completions echo + prompt logprobs: "
+        "perplexity only (KL and top-1 need the whole distribution); it must share the first checkpoint's tokenizer "
+        "($LMFORGE_API_KEY: its key)",
+    )
+    parser.add_argument(
+        "--served-model", default=None, help="the served model's name (default: the one GET /v1/models lists)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--no-write", action="store_true", help="do not write metrics into the manifests")
+
+
+def served_row(args: argparse.Namespace, records: list[dict[str, Any]], data_name: str, max_length: int) -> dict:
+    """The metrics of the model served at ``args.served`` (``compress.evaluate.served``) on ``records``, scored
+    with the first checkpoint's tokenizer."""
+    # optional or heavy dependency: imported only on the path that needs it
+    from transformers import AutoTokenizer
+
+    api_key = os.environ.get("LMFORGE_API_KEY")
+    model = args.served_model or served_model_name(args.served, api_key)
+    print(f"evaluating {model} served at {args.served} ...")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(args.checkpoints[0]))
+    quality = served_quality(args.served, model, tokenizer, records, max_length=max_length, api_key=api_key)
+    return {
+        "kind": SERVED_KIND,
+        **{k: round(v, 6) if isinstance(v, float) else v for k, v in quality.items()},
+        "served_url": args.served,
+        "served_model": model,
+        "eval_data": data_name,
+        "eval_records": len(records),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -823,11 +867,11 @@ def run(args: argparse.Namespace) -> int:
         measure_latency=not args.no_latency,
         num_threads=args.threads,
     )
-    records = read_records(args.data) if args.data else None
+    records, data_name = (read_records(args.data), args.data) if args.data else default_heldout_records()
     results = evaluate(
         args.checkpoints,
         records=records,
-        data_name=args.data,
+        data_name=data_name,
         reference=args.reference,
         config=config,
         write=not args.no_write,
@@ -835,6 +879,9 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_dtypes=[d.strip() for d in (args.kv_cache_dtype or "").split(",") if d.strip()] or None,
         engine_dtype=args.engine_dtype,
     )
+    if args.served:
+        records = records[: config.max_records]
+        results[f"{SERVED_KIND} {args.served}"] = served_row(args, records, data_name, config.max_length)
     print(format_table(results))
     if args.json:
         write_output_file(args.json, json.dumps(results, indent=2) + "\n", flag="--json")

@@ -72,6 +72,23 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(OpenAIError(405, message, code="method_not_allowed"))
 
 
+def add_lora_routes(app: FastAPI, serving_models: OpenAIServingModels, auth: list) -> None:
+    """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's), one at a time."""
+    lora_lock = asyncio.Lock()  # one load or unload at a time (each rewrites multi_lora.json)
+
+    @app.post("/v1/load_lora_adapter", dependencies=auth)
+    async def load_lora_adapter(request: Request):
+        body = await request.body()
+        async with lora_lock:  # the adapter is read and checked on a worker thread, off the event loop
+            return PlainTextResponse(await asyncio.to_thread(serving_models.load_lora_adapter, body))
+
+    @app.post("/v1/unload_lora_adapter", dependencies=auth)
+    async def unload_lora_adapter(request: Request):
+        body = await request.body()
+        async with lora_lock:
+            return PlainTextResponse(serving_models.unload_lora_adapter(body))
+
+
 def create_app(
     models: dict[str, ServedModel],
     grpc_url: str,
@@ -146,20 +163,7 @@ def create_app(
     async def tokenizer_info(model: str | None = None):
         return serving_tokenization.tokenizer_info(model)
 
-    lora_lock = asyncio.Lock()  # one load or unload at a time (each rewrites multi_lora.json)
-
-    @app.post("/v1/load_lora_adapter", dependencies=auth)
-    async def load_lora_adapter(request: Request):
-        body = await request.body()
-        async with lora_lock:  # the adapter is read and checked on a worker thread, off the event loop
-            return PlainTextResponse(await asyncio.to_thread(serving_models.load_lora_adapter, body))
-
-    @app.post("/v1/unload_lora_adapter", dependencies=auth)
-    async def unload_lora_adapter(request: Request):
-        body = await request.body()
-        async with lora_lock:
-            return PlainTextResponse(serving_models.unload_lora_adapter(body))
-
+    add_lora_routes(app, serving_models, auth)
     return app
 
 

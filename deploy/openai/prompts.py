@@ -126,6 +126,29 @@ def template_dicts(messages) -> list[dict]:
     return out
 
 
+def render_chat(model: ServedModel, messages: list[dict], tools: ToolPlan | None, fix: str, **kwargs):
+    """``messages`` (``template_dicts``) and ``tools`` through the model's chat template, tools rendered as
+    ``template_messages`` says; ``kwargs`` go to ``apply_chat_template`` (its answer is returned).
+
+    Raises:
+        OpenAIError: 400 the model has no chat template (``fix`` says what to send instead) or the
+            template refuses the messages.
+    """
+    if model.tokenizer.chat_template is None:
+        raise OpenAIError(400, f"model {model.name} has no chat template; {fix}", param="messages")
+    template = model.tokenizer.chat_template
+    messages, template_tools = template_messages(
+        messages,
+        tools,
+        template if isinstance(template, str) else json.dumps(template),
+        TOOL_PARSERS[model.tool_call_parser],
+    )
+    try:
+        return model.tokenizer.apply_chat_template(messages, tools=template_tools, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a template that refuses these messages (e.g. role order)
+        raise OpenAIError(400, f"messages: the chat template refused them ({exc})", param="messages") from exc
+
+
 def chat_prompt(request: ChatCompletionRequest, model: ServedModel, tools: ToolPlan | None = None) -> list[int]:
     messages = template_dicts(request.messages)
     _limited(model.limits.check_choices, 1, request.n)
@@ -137,21 +160,7 @@ def chat_prompt(request: ChatCompletionRequest, model: ServedModel, tools: ToolP
             "shorten them",
             param="messages",
         )
-    if model.tokenizer.chat_template is None:
-        raise OpenAIError(400, f"model {model.name} has no chat template; use /v1/completions", param="messages")
-    template = model.tokenizer.chat_template
-    messages, template_tools = template_messages(
-        messages,
-        tools,
-        template if isinstance(template, str) else json.dumps(template),
-        TOOL_PARSERS[model.tool_call_parser],
-    )
-    try:
-        ids = model.tokenizer.apply_chat_template(
-            messages, tools=template_tools, add_generation_prompt=True, tokenize=True
-        )
-    except Exception as exc:  # noqa: BLE001 - a template that refuses these messages (e.g. role order)
-        raise OpenAIError(400, f"messages: the chat template refused them ({exc})", param="messages") from exc
+    ids = render_chat(model, messages, tools, "use /v1/completions", add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict):  # BatchEncoding in some transformers versions
         ids = ids["input_ids"]
     return _check_prompt_ids(list(ids), model, "messages")

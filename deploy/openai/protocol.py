@@ -160,13 +160,9 @@ class NamedToolChoice(_Strict):
     function: ToolChoiceFunction
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``; ``tools`` and ``tool_choice`` are checked in ``deploy.openai.tools``."""
+class _ToolFields(_Strict):
+    """The tool fields of a chat request (checked in ``deploy.openai.tools``)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
     tools: list[ChatCompletionTool] | None = None
     # none, auto, required (checked with the tools) or a function: a dict is read as the function form only
     tool_choice: (
@@ -177,6 +173,15 @@ class ChatCompletionRequest(_SamplingFields):
         | None
     ) = None
     parallel_tool_calls: bool = True
+
+
+class ChatCompletionRequest(_SamplingFields, _ToolFields):
+    """``POST /v1/chat/completions``; ``tools`` and ``tool_choice`` are checked in ``deploy.openai.tools``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
 
 
 class EmbeddingRequest(_Strict):
@@ -198,8 +203,9 @@ class TokenizeCompletionRequest(_Strict):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Strict):
-    """``POST /tokenize`` of chat messages through the model's chat template (vLLM's body)."""
+class TokenizeChatRequest(_ToolFields):
+    """``POST /tokenize`` of chat messages through the model's chat template (vLLM's body), with the
+    ``tools`` rendered as ``/v1/chat/completions`` renders them."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)

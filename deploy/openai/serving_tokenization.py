@@ -3,8 +3,8 @@ frontend itself uses for the served LLM (so the ids are those ``/v1/completions`
 ``/v1/chat/completions`` send to the engine).
 
 * ``{"model", "prompt", "add_special_tokens"}`` -> ``{"count", "max_model_len", "tokens", "token_strs"}``;
-* ``{"model", "messages", "add_generation_prompt", ...}``: the messages through the model's chat
-  template first (as the chat endpoint renders them);
+* ``{"model", "messages", "add_generation_prompt", "tools", "tool_choice", ...}``: the messages and
+  tools through the model's chat template first (as the chat endpoint renders them);
 * ``{"model", "tokens"}`` -> ``{"prompt"}``;
 * ``GET /tokenizer_info``: the tokenizer's special tokens, chat template and ``model_max_length``
   (what lm-evaluation-harness' remote tokenizer reads before it tokenizes through ``/tokenize``).
@@ -19,7 +19,7 @@ import orjson
 from pydantic import ValidationError
 
 from deploy.openai.models import ServedModel
-from deploy.openai.prompts import template_dicts
+from deploy.openai.prompts import render_chat, template_dicts
 from deploy.openai.protocol import (
     DetokenizeRequest,
     OpenAIError,
@@ -27,6 +27,7 @@ from deploy.openai.protocol import (
     TokenizeCompletionRequest,
     validation_error,
 )
+from deploy.openai.tools import tool_plan
 
 
 class OpenAIServingTokenization:
@@ -103,23 +104,21 @@ class OpenAIServingTokenization:
 
     @staticmethod
     def _render_chat(request: TokenizeChatRequest, model: ServedModel) -> str:
-        """The messages through the model's chat template, as text (tokenized after, like vLLM)."""
-        if model.tokenizer.chat_template is None:
-            raise OpenAIError(400, f"model {model.name} has no chat template; send `prompt`", param="messages")
+        """The messages and tools through the model's chat template (as the chat endpoint renders them), as
+        text (tokenized after, like vLLM)."""
         if request.add_generation_prompt and request.continue_final_message:
             raise OpenAIError(
                 400,
                 "continue_final_message: set add_generation_prompt=false with it (both cannot hold)",
                 param="continue_final_message",
             )
-        messages = template_dicts(request.messages)
-        try:
-            return model.tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                tokenize=False,
-                **(request.chat_template_kwargs or {}),
-            )
-        except Exception as exc:  # noqa: BLE001 - a template that refuses these messages (e.g. role order)
-            raise OpenAIError(400, f"messages: the chat template refused them ({exc})", param="messages") from exc
+        return render_chat(
+            model,
+            template_dicts(request.messages),
+            tool_plan(request, model.tool_call_parser),
+            "send `prompt`",
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            tokenize=False,
+            **(request.chat_template_kwargs or {}),
+        )

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import json
 
-from deploy.openai.protocol import ChatCompletionRequest, OpenAIError
+from deploy.openai.protocol import ChatCompletionRequest, OpenAIError, TokenizeChatRequest
 from deploy.openai.tool_parsers import (
     TOOL_PARSERS,
     JsonArrayToolParser,
@@ -76,7 +76,7 @@ def _schema_error(schema_json: str) -> str:
     return llguidance.LLMatcher.validate_grammar(grammar)
 
 
-def _check_tools(request: ChatCompletionRequest) -> list[dict]:
+def _check_tools(request: ChatCompletionRequest | TokenizeChatRequest) -> list[dict]:
     if not request.tools:
         raise OpenAIError(400, "tools: empty list; give at least one function or leave tools out", param="tools")
     seen: dict[str, int] = {}
@@ -127,7 +127,7 @@ def _required_schema(tools: list[dict], parallel: bool) -> dict:
     return schema
 
 
-def tool_plan(request: ChatCompletionRequest, parser_name: str) -> ToolPlan | None:
+def tool_plan(request: ChatCompletionRequest | TokenizeChatRequest, parser_name: str) -> ToolPlan | None:
     """The request's tool calling (``None``: it has neither tools nor a ``tool_choice``).
 
     Raises:

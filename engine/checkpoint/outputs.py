@@ -96,6 +96,7 @@ TRAINING_CHECKPOINT = OutputKind("lmforge training checkpoint", ("trainer_state.
 SERVING_REPORT = OutputKind("lmforge serving benchmark directory", ("serving.json", "serving.md"))
 LOADTEST_REPORT = OutputKind("lmforge load-test report", ("summary.json", "locust.log"))
 DEMO = OutputKind("lmforge demo directory", ("report.json", "data/data_report.json", "finetune/run.json"))
+BENCH_STRUCTURED = OutputKind("lmforge structured-output benchmark directory", ("structured.json", "structured.md"))
 BENCH_COMPRESSION = OutputKind("lmforge compression benchmark directory", ("compression.json", "dynamic/lmforge.json"))
 RENDERED = OutputKind("`lmforge render` output", ("compose.yaml", "kustomization.yaml"), _rendered_by_lmforge)
 TRITON_MODEL = OutputKind("Triton model directory", ("config.pbtxt",))

@@ -44,7 +44,7 @@
 
 #include "common.h"
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -315,6 +315,37 @@ inline float top_k_floor(const uint16_t* row, int64_t n, float m, int64_t k) {
   return -std::numeric_limits<float>::infinity();
 }
 
+// The largest value of row[0 .. n) (NaNs ignored; -inf for none): per-lane maxima over 32-wide chunks, which
+// vectorize where one running maximum does not.
+inline float row_max(const uint16_t* row, int64_t n) {
+  constexpr int W = 32;
+  float lanes[W];
+  for (int l = 0; l < W; ++l) lanes[l] = -std::numeric_limits<float>::infinity();
+  int64_t c = 0;
+  for (; c + W <= n; c += W)
+    for (int l = 0; l < W; ++l) {
+      const float v = bf16_to_float(row[c + l]);
+      lanes[l] = v > lanes[l] ? v : lanes[l];
+    }
+  float m = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < W; ++l) m = lanes[l] > m ? lanes[l] : m;
+  for (; c < n; ++c) {
+    const float v = bf16_to_float(row[c]);
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
+// Entries refine_logits tests at once before looking at any one of them.
+constexpr int64_t kRefineChunk = 64;
+
+// Whether any of row[0 .. kRefineChunk) is >= t (a branch-free loop that vectorizes; NaN entries compare false).
+inline bool any_at_least(const uint16_t* row, float t) {
+  int32_t hits = 0;
+  for (int64_t c = 0; c < kRefineChunk; ++c) hits |= static_cast<int32_t>(bf16_to_float(row[c]) >= t);
+  return hits != 0;
+}
+
 at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight, bool to_float,
                          int64_t top_k) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1 &&
@@ -335,20 +366,11 @@ at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at:
   at::parallel_for(0, rows, grain(cols, 1 << 17), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       uint16_t* row = lp + r * stride;
-      float m = -std::numeric_limits<float>::infinity();
       if (op) {
         float* orow = op + r * cols;
-        for (int64_t c = 0; c < cols; ++c) {
-          const float v = bf16_to_float(row[c]);
-          orow[c] = v;
-          m = v > m ? v : m;
-        }
-      } else {
-        for (int64_t c = 0; c < cols; ++c) {
-          const float v = bf16_to_float(row[c]);
-          m = v > m ? v : m;
-        }
+        for (int64_t c = 0; c < cols; ++c) orow[c] = bf16_to_float(row[c]);
       }
+      const float m = row_max(row, cols);
       if (!std::isfinite(m)) continue;  // NaN / inf rows: nothing to refine
       // true values round to within half a bf16 step each, so the true maximum lies within two steps of m
       float threshold = m - 2.0f * bf16_step(m);
@@ -361,6 +383,10 @@ at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at:
       float best = -std::numeric_limits<float>::infinity();
       int64_t best_index = -1, first_max = -1;
       for (int64_t c = 0; c < cols; ++c) {
+        if ((c & (kRefineChunk - 1)) == 0 && c + kRefineChunk <= cols && !any_at_least(row + c, threshold)) {
+          c += kRefineChunk - 1;  // no candidate in this chunk (the common case: one vectorized test)
+          continue;
+        }
         const float v = bf16_to_float(row[c]);
         if (v < threshold) continue;
         if (first_max < 0 && v == m) first_max = c;
@@ -388,18 +414,35 @@ constexpr int kMaxGroup = 16;
 
 // The keys lo .. seq_len - 1 of one sequence's KV head, walked block by block through its block table:
 // each(base, f) calls f(row, t) with the row of key lo + t in the K or V half starting at base.
+constexpr int64_t kPrefetchBlocks = 2;  // blocks of rows asked for ahead of the one being read
+
 struct KeyWalk {
   const int64_t* table;
-  int64_t max_blocks, lo, seq_len, block_size, c_block, c_tok, head_off;
+  int64_t max_blocks, lo, seq_len, block_size, c_block, c_tok, head_off, row_elems;
+
+  // Asks for the next block's rows of this head while the current block is read: the rows of one head are a
+  // strided third (or less) of each token's row, which the hardware prefetchers follow late.
+  template <typename raw_t>
+  inline void prefetch_block(const raw_t* first) const {
+    const int64_t bytes = static_cast<int64_t>(sizeof(raw_t)) * row_elems;
+    const char* r = reinterpret_cast<const char*>(first);
+    for (int64_t k = 0; k < block_size; ++k, r += c_tok * static_cast<int64_t>(sizeof(raw_t)))
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 3);
+  }
 
   template <typename raw_t, typename F>
   inline void each(const raw_t* base, F&& f) const {
     int64_t t = 0;
+    const int64_t last = (seq_len - 1) / block_size;
+    for (int64_t b = lo / block_size; b <= std::min(last, lo / block_size + kPrefetchBlocks - 1); ++b)
+      prefetch_block(base + table[std::min(b, max_blocks - 1)] * c_block + head_off);
     for (int64_t p = lo; p < seq_len;) {
       const int64_t logical = p / block_size;
       const int64_t block = table[std::min(logical, max_blocks - 1)];
       const int64_t stop = std::min(seq_len, (logical + 1) * block_size);
       const raw_t* row = base + block * c_block + (p % block_size) * c_tok + head_off;
+      if (logical + kPrefetchBlocks <= last)
+        prefetch_block(base + table[std::min(logical + kPrefetchBlocks, max_blocks - 1)] * c_block + head_off);
       for (; p < stop; ++p, ++t, row += c_tok) f(row, t);
     }
   }
@@ -511,17 +554,56 @@ inline vf16 load16<float>(const float* src) {
 
 typedef int8_t vb16 __attribute__((vector_size(16)));
 
+// Sign extension and one vector conversion (GCC turns a generic int8 -> float vector conversion into one
+// scalar conversion per lane).
 template <>
 inline vf16 load16<int8_t>(const int8_t* src) {
+  vf16 f;
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  std::memcpy(&f, &v, sizeof(f));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
+  std::memcpy(&f, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&f) + sizeof(lo), &hi, sizeof(hi));
+#else
   vb16 b;
   std::memcpy(&b, src, sizeof(b));
-  return __builtin_convertvector(b, vf16);
+  f = __builtin_convertvector(b, vf16);
+#endif
+  return f;
 }
 
-inline float hsum(vf16 v) {
-  float s = 0.f;
-  for (int e = 0; e < 16; ++e) s += v[e];
-  return s;
+// r[i] = the sum of the lanes of p[i], for 16 vectors at once: four rounds that each add two shuffles of pairs
+// of vectors, halving the lanes every vector's partial sums take (16 -> 8 -> 4 -> 2 -> 1).
+inline vf16 reduce16(const vf16* p) {
+  vf16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// The largest of x[0 .. n) (NaNs ignored; -inf for none), per lane over 16-wide chunks so that it vectorizes.
+inline float lane_max(const float* x, int64_t n) {
+  float lanes[16];
+  for (int e = 0; e < 16; ++e) lanes[e] = -std::numeric_limits<float>::infinity();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16)
+    for (int e = 0; e < 16; ++e) lanes[e] = x[k + e] > lanes[e] ? x[k + e] : lanes[e];
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int e = 0; e < 16; ++e) mx = lanes[e] > mx ? lanes[e] : mx;
+  for (; k < n; ++k) mx = x[k] > mx ? x[k] : mx;
+  return mx;
 }
 
 template <typename T, int HD, int G>
@@ -543,21 +625,41 @@ struct DecodeItemVec {
     for (int64_t j = 0; j < g; ++j)
       for (int c = 0; c < C; ++c) std::memcpy(&qv[j][c], &qf[j][c * 16], sizeof(vf16));
     // Pass 1: scores q . k (head j's scores contiguous: scores[j * n + t]).
-    keys.each(kp, [&](const raw_t* krow, int64_t t) {
+    // Each key's products stay a 16-lane vector until 16 keys are in; reduce16 then sums the 16 vectors at once
+    // (a quarter of the shuffles of one horizontal sum per key).
+    vf16 part[GM][16];
+    int filled = 0;
+    int64_t first = 0;
+    auto store = [&](int count) {
+      for (int64_t j = 0; j < g; ++j) {
+        const vf16 r = reduce16(part[j]);
+        std::memcpy(scores.data() + j * n + first, &r, sizeof(float) * count);
+      }
+    };
+    keys.each(kp, [&](const raw_t* krow, int64_t /*t*/) {
       vf16 k[C];
       for (int c = 0; c < C; ++c) k[c] = load16<T>(krow + c * 16);
       const float ks = row_scale<T>(krow, HD);
       for (int64_t j = 0; j < g; ++j) {
         vf16 s = qv[j][0] * k[0];
         for (int c = 1; c < C; ++c) s += qv[j][c] * k[c];
-        scores[j * n + t] = hsum(s) * ks;
+        part[j][filled] = s * ks;
+      }
+      if (++filled == 16) {
+        store(16);
+        first += 16;
+        filled = 0;
       }
     });
+    if (filled > 0) {
+      for (int64_t j = 0; j < g; ++j)
+        for (int e = filled; e < 16; ++e) part[j][e] = vf16{};
+      store(filled);
+    }
     float corr[GM];
     for (int64_t j = 0; j < g; ++j) {
       float* sj = scores.data() + j * n;
-      float mx = m[j];
-      for (int64_t k = 0; k < n; ++k) mx = sj[k] > mx ? sj[k] : mx;
+      const float mx = std::max(m[j], lane_max(sj, n));
       corr[j] = l[j] > 0.f ? std::exp(m[j] - mx) : 0.f;
       float sum = 0.f;
       for (int64_t k = 0; k < n; ++k) sj[k] = exp_nonpositive(sj[k] - mx);
@@ -661,7 +763,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
           l[j] = 0.f;
         }
       }
-      const KeyWalk keys{btp + i * bt_s0, max_blocks, lo, seq_len, block_size, c_block, c_tok, h * c_head};
+      const KeyWalk keys{btp + i * bt_s0, max_blocks, lo, seq_len, block_size, c_block, c_tok, h * c_head, kv_cache.size(4)};
       DecodeItemFor<CacheT, HD, G>::run(kp, vp, keys, g, hd, qf, acc, m, l, scores);
       for (int64_t j = 0; j < g; ++j) {
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;

@@ -197,6 +197,33 @@ def test_tokenize_messages_follow_the_chat_template(openai_frontend, client, llm
     assert completion.usage.prompt_tokens == with_prompt["count"]
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tokenize_messages_render_the_tools_as_the_chat_endpoint_does(openai_frontend, client, llm_tokenizer):
+    body = {"model": "llm", "messages": MESSAGES[1:], "tools": [WEATHER_TOOL]}
+    answer = post(openai_frontend, "/tokenize", body).json()
+    bare = post(openai_frontend, "/tokenize", {"model": "llm", "messages": MESSAGES[1:]}).json()
+    # SmolLM2's template ignores tools: the frontend writes them into a system prompt before the user turn
+    text = llm_tokenizer.decode(answer["tokens"])
+    assert "get_weather" in text and '"city"' in text and answer["tokens"][-12:] == bare["tokens"][-12:]
+    assert answer["count"] > bare["count"] + 10
+    completion = client.chat.completions.create(
+        model="llm", messages=MESSAGES[1:], tools=[WEATHER_TOOL], max_tokens=1, temperature=0
+    )
+    assert completion.usage.prompt_tokens == answer["count"]
+    # tool_choice none leaves the tools out of the prompt, as the chat endpoint does
+    none = post(openai_frontend, "/tokenize", {**body, "tool_choice": "none"}).json()
+    assert none["tokens"] == bare["tokens"]
+
+
 @pytest.mark.parametrize(
     "path, body, status, param",
     [
@@ -207,6 +234,10 @@ def test_tokenize_messages_follow_the_chat_template(openai_frontend, client, llm
         ("/tokenize", {"model": "llm", "messages": []}, 400, "messages"),
         ("/tokenize", {"model": "llm", "messages": MESSAGES, "continue_final_message": True}, 400,
          "continue_final_message"),
+        ("/tokenize", {"model": "llm", "messages": MESSAGES, "tools": [WEATHER_TOOL],
+                       "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+         "tool_choice.function.name"),
+        ("/tokenize", {"model": "llm", "messages": MESSAGES, "tools": []}, 400, "tools"),
     ],
 )  # fmt: skip
 def test_bad_tokenize_request_names_the_field(openai_frontend, path, body, status, param):

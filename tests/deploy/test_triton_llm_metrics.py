@@ -99,3 +99,24 @@ def test_speculative_counters_and_gauges(triton_llm):
     assert value["lmforge_spec_decode_acceptance_rate"] == pytest.approx(18 / 24)
     assert value["lmforge_spec_decode_mean_accepted_length"] == pytest.approx(1 + 18 / 6)
     assert value["lmforge_num_preemptions_total"] == 2  # counted once over two snapshots
+
+
+def test_structured_output_cost_counters(triton_llm):
+    metrics = triton_llm.LLMMetrics({"model": "m", "version": "1"})
+    for compile_s, mask_s, steps, tokens in ((0.004, 0.25, 10, 30), (0.004, 0.5, 20, 70)):
+        metrics.update_stats(
+            _stats(
+                structured_output_num_compiles_total=1,
+                structured_output_compile_seconds_total=compile_s,
+                structured_output_mask_seconds_total=mask_s,
+                structured_output_num_mask_steps_total=steps,
+                structured_output_num_masked_tokens_total=tokens,
+            )
+        )
+    value = {name: family.metric.value for name, family in FakeFamily.created.items() if hasattr(family, "metric")}
+    assert FakeFamily.created["lmforge_structured_output_mask_seconds_total"].kind == "counter"
+    assert value["lmforge_structured_output_compiles_total"] == 1
+    assert value["lmforge_structured_output_compile_seconds_total"] == pytest.approx(0.004)
+    assert value["lmforge_structured_output_mask_seconds_total"] == pytest.approx(0.5)
+    assert value["lmforge_structured_output_mask_steps_total"] == 20
+    assert value["lmforge_structured_output_masked_tokens_total"] == 70

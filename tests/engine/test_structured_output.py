@@ -232,6 +232,25 @@ def test_compiled_once_per_constraint(llm):
     assert compiler.num_compiles == before + 1
 
 
+def test_cost_counters_count_each_compile_and_each_masked_token(llm):
+    schema = {"type": "object", "properties": {"z": {"enum": ["p", "q"]}}, "required": ["z"]}
+    before = llm.engine.get_stats()
+    outs = llm.generate(["a", "b"], SamplingParams(**constrained(json=schema, temperature=0)))
+    outs += llm.generate(["c"], SamplingParams(**constrained(choice=["yes", "no"], temperature=0)))
+    after = llm.engine.get_stats()
+    field = "structured_output_{}_total".format
+
+    def delta(name: str) -> float:
+        return getattr(after, field(name)) - getattr(before, field(name))
+
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert delta("num_compiles") == 2
+    assert delta("compile_seconds") > 0 and delta("mask_seconds") > 0
+    # every sampled token was masked first; the two schema requests share their steps (one step masks both rows)
+    assert delta("num_masked_tokens") == sum(lengths)
+    assert delta("num_mask_steps") == max(lengths[:2]) + lengths[2]
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
