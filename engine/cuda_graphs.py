@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -216,13 +217,15 @@ class StaticDecodeModelRunner(ModelRunner):
         torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, float_logits: bool = True) -> torch.Tensor:
-        """Decode steps that fit a bucket run from the static buffers (float32 logits); the rest, and steps with
-        LoRA rows, as ``ModelRunner.execute``."""
+    def execute(
+        self, out: SchedulerOutput, float_logits: bool = True, mask: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """Decode steps that fit a bucket run from the static buffers (float32 logits, ``mask`` applied to
+        them); the rest, and steps with LoRA rows, as ``ModelRunner.execute``."""
         base_only = all(item.seq.lora_request is None for item in out.scheduled)
         batch = bucket_for(len(out.scheduled), self.sizes) if base_only and is_decode_step(out) else None
         if batch is None:
-            return super().execute(out, float_logits)
+            return super().execute(out, float_logits, mask)
         self.copy_kv_slots(out.kv_copies)
         n = self.staging.fill(out, batch)
         if batch in self.graphs:
@@ -230,4 +233,7 @@ class StaticDecodeModelRunner(ModelRunner):
             graph.replay()
         else:
             logits = self._decode_logits(batch)
-        return logits[:n]  # [n, vocab]; overwritten by the next replay, read by the sampler before it
+        logits = logits[:n]  # [n, vocab]; overwritten by the next replay, read by the sampler before it
+        if mask is not None:
+            mask(logits)
+        return logits

@@ -8,6 +8,7 @@ of finished requests. The data flow follows nano-vllm and vLLM's v1 engine core.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import random
@@ -470,9 +471,14 @@ class LLMEngine:
         # logits, with or without speculation, so a speculative engine picks exactly the tokens of a
         # plain one wherever the forward is the same (the float32 copy is exact, but costs a pass).
         scoring = any(item.prompt_logprob_positions for item in out.scheduled)
-        greedy = Sampler.is_plain_greedy([item.seq for item in items]) and not scoring
+        seqs = [item.seq for item in items]
+        greedy = Sampler.is_plain_greedy(seqs) and not scoring
+        # Greedy rows under grammars: masked before the bf16 refinement, so they stay on the argmax path
+        # (no float32 copy of every row) and the refined winner is an allowed token.
+        masked = not greedy and not scoring and self.speculator is None and Sampler.is_masked_greedy(seqs)
+        mask = functools.partial(Sampler.apply_grammars, seqs=seqs) if masked else None
         logits = self.runner.execute(
-            out, float_logits=not greedy
+            out, float_logits=not (greedy or masked), mask=mask
         )  # [R + P, vocab]: 1 row per sampling item, 1 + m per speculative one, then the prompt-logprob rows
         if self.speculator is not None:
             self.speculator.observe_step(out, time.perf_counter() - start)
@@ -483,7 +489,7 @@ class LLMEngine:
         if self.speculator is not None:
             new_tokens, new_logprobs = self.speculator.sample(self.sampler, logits, items)
         else:
-            result = self.sampler(logits, [item.seq for item in items])
+            result = self.sampler(logits, seqs, masked=masked)
             new_tokens, new_logprobs = [[t] for t in result.token_ids], [[lp] for lp in result.logprobs]
         for i, item in enumerate(items):
             if item.seq.params.max_tokens == 0:  # scores its prompt only: nothing is generated

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -595,9 +596,13 @@ class Model:
             norms += [lw.input_norm, lw.post_norm]
         return weights, scales, biases, norms
 
-    def compute_logits(self, hidden: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, float_logits: bool = True, mask: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
         """``[S, hidden]`` last hidden states -> logits ``[S, vocab]`` (final norm, lm head), float32
-        unless ``float_logits=False`` (then in the model dtype, for an argmax).
+        unless ``float_logits=False`` (then in the model dtype, for an argmax). ``mask`` (e.g. structured
+        output's grammar masks) sets disallowed entries of the lm head's output to -inf, in place, before
+        the refinement below, so the exact winner it finds is an allowed token.
 
         In bf16 the entries near each row's maximum are recomputed in float32 (``cpu_ops.refine_logits``):
         the GEMM's rounding to bf16 would otherwise tie or swap close candidates, and greedy output would
@@ -608,6 +613,8 @@ class Model:
         s = hidden.shape[0]
         hidden = rms_norm(pad_rows(hidden, self.min_rows), self.norm, self.spec.rms_norm_eps)
         logits = self.lm_head(hidden)[:s]
+        if mask is not None:
+            mask(logits)
         head = self.lm_head
         if logits.dtype == torch.bfloat16 and head.int8_layer is None and head.bias is None and head.weight is not None:
             return cpu_ops.refine_logits(logits, hidden[:s], head.weight, to_float=float_logits, top_k=EXACT_TOP_LOGITS)

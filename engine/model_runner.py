@@ -11,6 +11,7 @@ and ``prepare`` maps each row to its adapter's slot.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -235,13 +236,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden)  # [T, vocab]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, float_logits: bool = True) -> torch.Tensor:
+    def execute(
+        self, out: SchedulerOutput, float_logits: bool = True, mask: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
         """Run one step; return logits ``[S + P, vocab]``: the sampled rows (in ``out.scheduled`` order), then the
         prompt-logprob rows (``StepInputs.logits_index``); float32 unless ``float_logits=False`` (the model dtype:
-        enough for greedy picks, and no copy of the whole row)."""
+        enough for greedy picks, and no copy of the whole row). ``mask`` edits the raw logits in place first
+        (``Model.compute_logits``)."""
         self.copy_kv_slots(out.kv_copies)
         inputs = self.prepare(out)
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_cache, self.attn, inputs.attn_metadata, inputs.lora
         )  # [N, hidden]
-        return self.model.compute_logits(hidden[inputs.logits_index], float_logits)  # [S + P, vocab]
+        return self.model.compute_logits(hidden[inputs.logits_index], float_logits, mask)  # [S + P, vocab]

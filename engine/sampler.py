@@ -45,8 +45,25 @@ class Sampler:
         """Every request takes the argmax of unchanged logits without logprobs (any logits dtype will do)."""
         return all(s.params.greedy and not s.params.changes_logits and s.params.logprobs is None for s in seqs)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        if self.is_plain_greedy(seqs):
+    @staticmethod
+    def is_masked_greedy(seqs: list[Sequence]) -> bool:
+        """Every request takes the argmax without logprobs, and grammar masks (``apply_grammars``) are all
+        that change the logits: the masks can go on the model-dtype logits before ``Model.compute_logits``
+        refines them, and the pick stays an argmax."""
+        return all(s.params.greedy and not s.params.adjusts_logits and s.params.logprobs is None for s in seqs)
+
+    @staticmethod
+    def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Set the entries of ``logits [S, vocab]`` that row ``i``'s grammar disallows to -inf, in place."""
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:
+            grammars = [seqs[i].grammar for i in constrained]
+            grammars[0].compiler.mask_logits(logits, grammars, constrained)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masked: bool = False) -> SampleResult:
+        """Pick each row's token. ``masked``: ``logits`` already hold the grammar masks and the rows are
+        masked greedy (``is_masked_greedy``), so each row takes its argmax."""
+        if masked or self.is_plain_greedy(seqs):
             # one pass over each row in its own dtype (engine.cpu_ops.argmax: ~5x torch.max on [64, 49152] bf16)
             return SampleResult(cpu_ops.argmax(logits).tolist(), [None] * len(seqs))
         logits = self.process_logits(logits, seqs)
@@ -71,10 +88,7 @@ class Sampler:
             return logits
         logits = logits.clone()
         vocab = logits.shape[-1]
-        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if constrained:
-            grammars = [seqs[i].grammar for i in constrained]
-            grammars[0].compiler.mask_logits(logits, grammars, constrained)
+        self.apply_grammars(logits, seqs)
         for i, seq in enumerate(seqs):
             p = seq.params
             if not p.changes_logits:

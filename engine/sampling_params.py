@@ -319,14 +319,18 @@ class SamplingParams:
 
     @property
     def changes_logits(self) -> bool:
-        """Whether any penalty or bias changes the logits before the token is chosen."""
+        """Whether any penalty, bias or grammar changes the logits before the token is chosen."""
+        return self.adjusts_logits or self.structured_outputs is not None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty, a bias or ``min_tokens`` changes the logits (a grammar's mask aside)."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
             or self.min_tokens > 0
-            or self.structured_outputs is not None
         )
 
     @classmethod

@@ -130,11 +130,11 @@ def test_fault_in_sampler_and_in_one_detokenizer(llm, tiny_llama_dir, monkeypatc
     sampler = engine.sampler
     state = {"failed": False}
 
-    def sample_failing_once(logits, seqs):
+    def sample_failing_once(logits, seqs, **kwargs):
         if not state["failed"]:
             state["failed"] = True
             raise IndexError("injected sampler fault")
-        return sampler(logits, seqs)
+        return sampler(logits, seqs, **kwargs)
 
     monkeypatch.setattr(engine, "sampler", sample_failing_once)
     out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=5))[0].outputs[0]

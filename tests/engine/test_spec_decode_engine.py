@@ -507,8 +507,8 @@ def test_bf16_speculative_engine_takes_the_plain_argmax_path(target_dir, prompts
     seen: list[bool] = []
     for llm in (off, on):
         execute = llm.engine.runner.execute
-        llm.engine.runner.execute = lambda out, float_logits=True, execute=execute: (
-            seen.append(float_logits) or execute(out, float_logits)
+        llm.engine.runner.execute = lambda out, float_logits=True, mask=None, execute=execute: (
+            seen.append(float_logits) or execute(out, float_logits, mask)
         )
     assert tokens(off.generate(prompts["untied"], GREEDY)) == want
     assert off.engine.get_stats().spec_decode_num_drafts_total == 0

@@ -413,3 +413,35 @@ def test_real_smollm2_json_schema_regex_and_json_object(smollm2_dir):
     assert all(re.fullmatch(PHONE, c.text) for c in outs[2].outputs + outs[3].outputs)
     assert outs[4].outputs[0].finish_reason == "stop"
     assert isinstance(json.loads(outs[4].outputs[0].text), dict)
+
+
+def test_masked_greedy_rows_pick_the_tokens_of_the_float_path(smollm2_dir, monkeypatch):
+    """Greedy constrained rows without logprobs are masked on the bf16 logits before their refinement and take the
+    argmax (no float32 copy); the same requests asking for a logprob take float32 logits, masked, then the argmax:
+    the same tokens. (No prefix cache: the second run must compute the prompts as the first did.)"""
+    llm = LLM(
+        str(smollm2_dir),
+        dtype="bfloat16",
+        max_model_len=1024,
+        num_kv_blocks=256,
+        block_size=16,
+        enable_prefix_caching=False,
+    )
+    runner, masks = llm.engine.runner, []
+    execute = runner.execute
+
+    def spy(out, float_logits=True, mask=None):
+        masks.append(mask is not None)
+        return execute(out, float_logits, mask)
+
+    monkeypatch.setattr(runner, "execute", spy)
+    asks = ["a fictional person", "a retired sailor", "a young chemist"]
+    prompts = [llm.apply_chat_template(f"Reply with a JSON object describing {who}.") for who in asks]
+    fast = llm.generate(prompts, SamplingParams(**constrained(json=PERSON, temperature=0, max_tokens=100)))
+    assert masks and all(masks)
+    masks.clear()
+    slow = llm.generate(prompts, SamplingParams(**constrained(json=PERSON, temperature=0, max_tokens=100, logprobs=1)))
+    assert not any(masks)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in slow]
+    for o in fast:
+        assert_person(o.outputs[0].text)
