@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import http.client
 import importlib.util
 import json
 import os
@@ -270,7 +271,7 @@ def http_json(
     None)``.
 
     Raises:
-        OSError: the server is unreachable (connection refused, timeout).
+        OSError: the server is unreachable (connection refused, timeout, or closed mid-answer).
     """
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
@@ -281,6 +282,8 @@ def http_json(
             status, raw = response.status, response.read()
     except urllib.error.HTTPError as exc:
         status, raw = exc.code, exc.read()
+    except http.client.HTTPException as exc:  # e.g. IncompleteRead: the server died while answering
+        raise ConnectionError(f"{url}: {exc!r}") from exc
     if not raw:
         return status, None
     try:
@@ -594,7 +597,7 @@ class TritonServer:
                 f"{self.http_url}/v2/repository/models/{name}/unload",
                 method="POST",
                 body={},
-                timeout_s=timeout_s,
+                timeout_s=max(1.0, deadline - time.monotonic()),
                 headers=self.headers,
             )
             if status != 200:
@@ -650,37 +653,113 @@ class TritonServer:
 #: Seconds between two checks of ``ModelSupervisor``: a check is one repository-index request and a scan of the
 #: server's child processes (milliseconds), and a killed stub's recovery starts at the next one.
 SUPERVISOR_INTERVAL_S = 0.25
+#: Default bound of one model (re)load request the supervisor sends: a generous multiple of the ~10 s a small LLM
+#: takes on a busy machine, finite so that a server that stops answering cannot hold the supervisor.
+SUPERVISOR_LOAD_TIMEOUT_S = 120.0
+#: Default seconds without an answer from ``/v2/health/live`` after which a running server counts as hung.
+SUPERVISOR_HANG_AFTER_S = 10.0
+#: Consecutive unanswered liveness probes needed as well (one slow answer on a busy machine is not a hang), and
+#: the fewer needed after the log printed ``TERMINATE_MARKER``.
+HANG_MIN_PROBES = 3
+HANG_MIN_PROBES_AFTER_TERMINATE = 2
+#: What a C++ exception escaping a thread prints before ``abort()``; Triton 2.51 can hang right after it
+#: (``boost::interprocess::lock_exception`` when a stub dies mid-request) instead of exiting.
+TERMINATE_MARKER = "terminate called"
+
+
+class LivenessWatch:
+    """Counts a server's unanswered liveness probes and says when it counts as hung.
+
+    A server is hung when it has not answered for ``hang_after_s`` over at least ``HANG_MIN_PROBES``
+    consecutive probes, or sooner, after ``HANG_MIN_PROBES_AFTER_TERMINATE`` unanswered probes, when its log
+    printed ``TERMINATE_MARKER`` since its last answer (or its start: the log is read from the offset it had
+    then, so an older line, say of a stub that died and was reloaded, never counts).
+    """
+
+    def __init__(self, log_path: Path, hang_after_s: float) -> None:
+        self.log_path = log_path
+        self.hang_after_s = hang_after_s
+        self.failures = 0
+        self.last_answer = time.monotonic()
+        self.log_offset = 0  # bytes of the log (fresh at each server start) written before the last answer
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def observe(self, answered: bool) -> str | None:
+        """Record one probe; returns why the server counts as hung (``"stopped answering for X s..."``) or None."""
+        if answered:
+            self.failures, self.last_answer, self.log_offset = 0, time.monotonic(), self._log_size()
+            return None
+        self.failures += 1
+        silent_s = time.monotonic() - self.last_answer
+        terminate = self._new_terminate_line() if self.failures >= HANG_MIN_PROBES_AFTER_TERMINATE else ""
+        if terminate or (self.failures >= HANG_MIN_PROBES and silent_s >= self.hang_after_s):
+            return f"stopped answering for {silent_s:.1f} s" + (f" after {terminate!r} in its log" if terminate else "")
+        return None
+
+    def _new_terminate_line(self) -> str:
+        """The last ``terminate called ...`` line the log gained since the last answer ('' if none); reads at
+        most the last 64 KiB of that part."""
+        try:
+            with open(self.log_path, "rb") as log:
+                size = log.seek(0, os.SEEK_END)
+                log.seek(max(self.log_offset, size - 65536))
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return ""
+        lines = [line.strip() for line in text.splitlines() if TERMINATE_MARKER in line]
+        return lines[-1][:200] if lines else ""
 
 
 class ModelSupervisor:
-    """Keeps a started server's models served, on a background thread.
+    """Keeps a started server's models served, on two background threads.
 
     Triton 2.51 neither restarts a Python-backend stub that died (``kill -9``, out of memory:
     every request then fails with "Stub process ... is not healthy" while the model still reads
     READY) nor reloads a model that unloaded itself (the LLM model does when its engine dies);
     and a stub killed while requests are in flight can take the whole server down with it
-    (``boost::interprocess::lock_exception``, signal 6). Every ``interval_s`` this checks each
-    served model (its state in the repository index; for Python-backend models, that its stub
-    processes are alive) and reloads a broken one; a server that exited without being asked to
-    (not status 0, no SIGINT/SIGTERM in its log) is started again on the same ports, at most
-    ``max_restarts`` times, its log kept as ``LOG.N``. ``finished`` is set when the server
-    stopped for good; ``exit_status`` is its last status.
+    (``boost::interprocess::lock_exception``, signal 6), or leave it hung after "terminate called"
+    with no endpoint answering. Every ``interval_s`` this checks each served model (its state in the
+    repository index; for Python-backend models, that its stub processes are alive) and reloads a
+    broken one, each load bounded by ``load_timeout_s``. A watchdog thread probes ``/v2/health/live``
+    as often (``LivenessWatch``) and SIGKILLs the process group of a server it started that stopped
+    answering. A server that exited without being asked to (not status 0, no SIGINT/SIGTERM in its
+    log), or was killed as hung, is started again on the same ports, at most ``max_restarts`` times,
+    its log kept as ``LOG.N``. ``finished`` is set when the server stopped for good; ``exit_status``
+    is its last status.
 
     Args:
-        server: a started ``TritonServer``.
-        interval_s: seconds between checks.
-        report: called with one line per event (problem found, reloaded, restarted, gave up).
-        max_restarts: server restarts allowed.
+        server: a started ``TritonServer``; the only process this ever kills is the one it started.
+        interval_s: seconds between checks (and between liveness probes).
+        report: called with one line per event (problem found, reloaded, hung, restarted, gave up).
+        max_restarts: server restarts allowed (exits and hangs together).
+        load_timeout_s: bound of one unload + load of a model (Triton goes on loading past it; the next
+            check sees the model LOADING and waits).
+        hang_after_s: seconds without a liveness answer after which the server counts as hung.
     """
 
     def __init__(
-        self, server: TritonServer, interval_s: float = SUPERVISOR_INTERVAL_S, report=print, max_restarts: int = 5
+        self,
+        server: TritonServer,
+        interval_s: float = SUPERVISOR_INTERVAL_S,
+        report=print,
+        max_restarts: int = 5,
+        load_timeout_s: float = SUPERVISOR_LOAD_TIMEOUT_S,
+        hang_after_s: float = SUPERVISOR_HANG_AFTER_S,
     ) -> None:
+        if load_timeout_s <= 0 or hang_after_s <= 0:
+            raise UsageError(f"load_timeout_s {load_timeout_s}, hang_after_s {hang_after_s}: both must be > 0")
         self.server = server
         self.interval_s = interval_s
         self.report = report
         self.max_restarts = max_restarts
-        self.restarts: list[tuple[str, float]] = []  # (why the server exited, seconds to serve again)
+        self.load_timeout_s = load_timeout_s
+        self.hang_after_s = hang_after_s
+        self.restarts: list[tuple[str, float]] = []  # (why the server exited or was killed, seconds to serve again)
         self.finished = threading.Event()
         self.exit_status: int | None = None
         configs = repository_models(server.repo)
@@ -688,7 +767,10 @@ class ModelSupervisor:
         self.stub_counts = {name: len(server.stub_pids(name)) for name in self.python_models}
         self.reloads: list[tuple[str, str, float]] = []  # (model, problem, seconds to serve again)
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()  # the watchdog's kill against the restart's swap of ``server.process``
+        self._restarting = False
+        self._hung: str | None = None  # why the watchdog killed the server, until the restart reports it
 
     def problems(self) -> dict[str, str]:
         """Served models that cannot answer: name -> why."""
@@ -723,7 +805,7 @@ class ModelSupervisor:
             self.report(f"model {name}: {problem}; loading it again{' beside its live instances' if swap else ''}")
             start = time.monotonic()
             try:
-                self.server.reload(name, swap=swap)
+                self.server.reload(name, timeout_s=self.load_timeout_s, swap=swap)
             except (TritonError, OSError) as exc:
                 self.report(f"model {name}: {exc}")
                 continue
@@ -733,14 +815,15 @@ class ModelSupervisor:
         return took
 
     def start(self) -> "ModelSupervisor":
-        self._thread = threading.Thread(target=self._run, name="lmforge-model-supervisor", daemon=True)
-        self._thread.start()
+        for target, name in ((self._run, "lmforge-model-supervisor"), (self._watch, "lmforge-server-watchdog")):
+            self._threads.append(threading.Thread(target=target, name=name, daemon=True))
+            self._threads[-1].start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        for thread in self._threads:
+            thread.join(timeout=30)
 
     def _run(self) -> None:
         try:
@@ -759,30 +842,72 @@ class ModelSupervisor:
                 self.exit_status = self.server.process.poll()
             self.finished.set()
 
+    def _watch(self) -> None:
+        """Watchdog thread: probe liveness every ``interval_s``; kill the server once ``LivenessWatch`` says hung."""
+        process, watch = None, None
+        probe_timeout_s = min(2.0, max(0.2, self.hang_after_s / HANG_MIN_PROBES))
+        while not self._stop.wait(self.interval_s) and not self.finished.is_set():
+            current = self.server.process
+            if self._restarting or current is None or current.poll() is not None:
+                process = None  # exited (the restart path takes it from here) or starting again
+                continue
+            if current is not process:  # a new server: watch it afresh
+                process, watch = current, LivenessWatch(self.server.log_path, self.hang_after_s)
+            try:
+                http_json(self.server.http_url + "/v2/health/live", timeout_s=probe_timeout_s)
+                answered = True  # any HTTP answer: the server is not hung
+            except OSError:
+                answered = False
+            why = watch.observe(answered)
+            if why is not None:
+                self._kill_hung(process, why)
+
+    def _kill_hung(self, process: subprocess.Popen, why: str) -> None:
+        """SIGKILL the process group of ``process`` (this supervisor's server, still unreaped, so its pid is
+        not reused); the supervisor thread then finds it exited and goes through ``_restart_server``."""
+        with self._lock:
+            if self._restarting or process is not self.server.process or process.poll() is not None:
+                return
+            self._hung = why
+            self.report(f"tritonserver (pid {process.pid}) {why}; killing it")
+            try:
+                own_group = os.getpgid(process.pid) == process.pid  # ``start_new_session``: its stubs go too
+            except ProcessLookupError:
+                return
+            if own_group:
+                _kill_group(process.pid)
+            else:
+                process.kill()
+
     def _restart_server(self) -> bool:
-        """Start a server that exited unasked again; False when it was asked to stop or restarts ran out."""
+        """Start a server that exited unasked (or was killed as hung) again; False when it was asked to stop or
+        restarts ran out."""
         status = self.server.process.returncode
         tail = self.server.log_tail(200)
-        if status == 0 or "Signal (2) received" in tail or "Signal (15) received" in tail:
+        hung, self._hung = self._hung, None
+        if status == 0 or "Signal (2) received" in tail or "Signal (15) received" in tail:  # asked to stop
             return False
         reasons = [line.strip() for line in tail.splitlines() if "what():" in line or "Signal (" in line]
-        why = f"status {status}" + (f": {reasons[-1][:200]}" if reasons else "")
+        why = hung or f"exited (status {status}" + (f": {reasons[-1][:200]})" if reasons else ")")
         if len(self.restarts) >= self.max_restarts:
             self.report(
-                f"tritonserver exited ({why}); not restarting after {self.max_restarts} restarts; log "
-                f"{self.server.log_path}"
+                f"tritonserver {why}; not restarting after {self.max_restarts} restarts; log {self.server.log_path}"
             )
             return False
         _kill_group(self.server.process.pid)  # its stubs, if any survived it
         kept = self.server.log_path.with_name(f"{self.server.log_path.name}.{len(self.restarts) + 1}")
         self.server.log_path.replace(kept)
-        self.report(f"tritonserver exited ({why}; log kept as {kept}); starting it again")
+        self.report(f"tritonserver {why}; log kept as {kept}; restarting it")
         start = time.monotonic()
+        with self._lock:
+            self._restarting = True
         try:
             self.server.start()
         except TritonError as exc:
             self.report(f"restarting tritonserver failed: {exc}")
             return False
+        finally:
+            self._restarting = False
         self.stub_counts = {name: len(self.server.stub_pids(name)) for name in self.python_models}
         self.restarts.append((why, time.monotonic() - start))
         self.report(f"tritonserver serves again after {self.restarts[-1][1]:.1f} s")
