@@ -11,7 +11,8 @@ server, SIGKILL after ``--grace-s``). The server log goes to ``REPO/tritonserver
 ``--log``); the pid to ``REPO/tritonserver.pid``. A model that fails to load (or a ``--models``
 name the repository lacks) is reported with Triton's reason and the command exits 1; busy ports
 exit 1 at once with the ports named. While serving, a model whose Python-backend stub died or
-whose engine died is loaded again, and a server that crashed is started again
+whose engine died is loaded again, and a server that crashed, or hung (its liveness endpoint silent for
+10 s, or "terminate called" in its log and then silence), is killed and started again
 (``deploy.triton.ModelSupervisor``); each event is printed.
 
 With ``--api-key`` (or ``$LMFORGE_API_KEY``) every Triton API but health (inference, model
@@ -41,6 +42,7 @@ from pathlib import Path
 from deploy.openai.models import llm_names
 from deploy.triton import (
     DEFAULT_PORTS,
+    SUPERVISOR_LOAD_TIMEOUT_S,
     ModelSupervisor,
     TritonError,
     TritonServer,
@@ -153,9 +155,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"  OpenAI  http://{args.host}:{args.openai_port}/v1   (log {Path(args.repo) / OPENAI_LOG_FILE})")
     print("Ctrl-C or `lmforge serve --repo {} --stop` to stop".format(args.repo), flush=True)
-    supervisor = ModelSupervisor(server, report=lambda line: print(line, flush=True)).start()
+    supervisor = _supervise(server, args)
     try:
-        while not supervisor.finished.wait(1.0):  # reloads broken models, restarts a crashed server
+        while not supervisor.finished.wait(1.0):  # reloads broken models, restarts a crashed or hung server
             pass
         status = supervisor.exit_status
     except KeyboardInterrupt:
@@ -172,6 +174,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"server exited (status {status}); log {server.log_path}:\n{server.log_tail()}")
     return 1
+
+
+def _supervise(server: TritonServer, args: argparse.Namespace) -> ModelSupervisor:
+    """Start the ``ModelSupervisor`` that prints its events; a reload takes about as long as the first load, so
+    ``--startup-timeout-s`` bounds it too (``SUPERVISOR_LOAD_TIMEOUT_S`` at most)."""
+    load_timeout_s = min(args.startup_timeout_s, SUPERVISOR_LOAD_TIMEOUT_S)
+    return ModelSupervisor(server, report=lambda line: print(line, flush=True), load_timeout_s=load_timeout_s).start()
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:
