@@ -868,6 +868,8 @@ class ModelSupervisor:
         with self._lock:
             if self._restarting or process is not self.server.process or process.poll() is not None:
                 return
+            if _asked_to_stop(self.server.log_tail(200)):  # shutting down: whoever stops it enforces its grace
+                return
             self._hung = why
             self.report(f"tritonserver (pid {process.pid}) {why}; killing it")
             try:
@@ -885,7 +887,7 @@ class ModelSupervisor:
         status = self.server.process.returncode
         tail = self.server.log_tail(200)
         hung, self._hung = self._hung, None
-        if status == 0 or "Signal (2) received" in tail or "Signal (15) received" in tail:  # asked to stop
+        if status == 0 or _asked_to_stop(tail):
             return False
         reasons = [line.strip() for line in tail.splitlines() if "what():" in line or "Signal (" in line]
         why = hung or f"exited (status {status}" + (f": {reasons[-1][:200]})" if reasons else ")")
@@ -912,6 +914,11 @@ class ModelSupervisor:
         self.restarts.append((why, time.monotonic() - start))
         self.report(f"tritonserver serves again after {self.restarts[-1][1]:.1f} s")
         return True
+
+
+def _asked_to_stop(log_tail: str) -> bool:
+    """True when a server log shows the SIGINT or SIGTERM that asks Triton to stop."""
+    return "Signal (2) received" in log_tail or "Signal (15) received" in log_tail
 
 
 def _kill_group(pgid: int) -> None:
