@@ -43,7 +43,7 @@ class Sampler:
     @staticmethod
     def is_plain_greedy(seqs: list[Sequence]) -> bool:
         """Every request takes the argmax of unchanged logits without logprobs (any logits dtype will do)."""
-        return all(s.params.greedy and not s.params.changes_logits and s.params.logprobs is None for s in seqs)
+        return Sampler.is_masked_greedy(seqs) and all(s.params.structured_outputs is None for s in seqs)
 
     @staticmethod
     def is_masked_greedy(seqs: list[Sequence]) -> bool:
