@@ -140,7 +140,7 @@ class LoadTestConfig:
             (bool(self.model), "model is empty; pass the Triton model name (--model)"),
             (
                 self.response_format is None or self.api == "openai",
-                "response_format is an OpenAI API field; use api openai or drop it",
+                "--response-format (response_format) is an OpenAI API field; add --api openai or drop it",
             ),
         ]
         if self.shape == "steps":
@@ -602,11 +602,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated LoRA adapters the requests are spread over: request i runs with the (i mod N)-th "
         "(openai: as the model field; triton: sampling_parameters lora_name)",
     )
+    parser.add_argument(
+        "--response-format",
+        default=None,
+        metavar="JSON|@FILE",
+        help="--api openai: every request's response_format (structured output), as JSON or @file.json",
+    )
     parser.add_argument("--out", default="reports/loadtest", help="report directory (default reports/loadtest)")
 
 
+def parse_response_format(text: str | None) -> dict | None:
+    """The OpenAI ``response_format`` object of ``--response-format``: inline JSON, or ``@PATH`` of a JSON file.
+
+    Raises:
+        LoadTestConfigError: a missing file, text that is not JSON, or JSON that is not an object
+            with a ``type``.
+    """
+    if text is None:
+        return None
+    source = "--response-format"
+    if text.startswith("@"):
+        path = Path(text[1:])
+        source = f"--response-format file {path}"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise LoadTestConfigError(f"{source}: cannot read it ({exc.strerror}); pass an existing JSON file") from exc
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LoadTestConfigError(
+            f"{source} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); pass an object such "
+            'as \'{"type": "json_object"}\' or @file.json'
+        ) from exc
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise LoadTestConfigError(
+            f'{source} must be a JSON object with a "type" (text, json_object or json_schema), '
+            f"got {json.dumps(value)[:80]}"
+        )
+    return value
+
+
 def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
-    """Raises :class:`LoadTestError` for a run time that is not a duration."""
+    """Raises :class:`LoadTestError` for a run time that is not a duration or a bad ``--response-format``."""
     return LoadTestConfig(
         host=args.host,
         model=args.model,
@@ -633,6 +671,7 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         ttft_p90_bound_ms=args.ttft_p90_bound_ms,
         warmup_requests=args.warmup_requests,
         lora_names=[n.strip() for n in (args.lora_names or "").split(",") if n.strip()],
+        response_format=parse_response_format(args.response_format),
     )
 
 

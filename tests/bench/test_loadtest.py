@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -16,7 +17,17 @@ import pytest
 import requests
 
 from bench.harness import percentiles
-from bench.loadtest import LoadTestConfig, LoadTestError, check_host, parse_duration, preflight, run_loadtest
+from bench.loadtest import (
+    LoadTestConfig,
+    LoadTestError,
+    _child_command,
+    add_arguments,
+    check_host,
+    config_from_args,
+    parse_duration,
+    preflight,
+    run_loadtest,
+)
 from bench.metrics import (
     LoadStep,
     RequestSample,
@@ -278,6 +289,66 @@ def test_bad_input_fails_before_the_run():
         preflight(LoadTestConfig(host=host, model="m", api="openai"))
     with pytest.raises(LoadTestError, match="endpoint='generate'"):
         preflight(LoadTestConfig(host=host, model="m", api="openai", endpoint="generate"))
+
+
+def _loadtest_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--host", "http://127.0.0.1:9000", "--model", "m", *argv])
+
+
+# The Locust child (its own process: Locust patches the standard library) parses its command
+# line and prints the body of its first request.
+_CHILD_BODY = """
+import json, sys
+from bench.locust_runner import build_parser
+from bench.locustfile import config_from_options
+config = config_from_options(build_parser().parse_args(sys.argv[1:]))
+print(json.dumps(config.payload(config.prompts[0])))
+"""
+
+
+def test_response_format_flag_reaches_every_locust_request(tmp_path):
+    schema = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "p",
+            "strict": True,
+            "schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        },
+    }
+    inline = config_from_args(_loadtest_args("--api", "openai", "--response-format", json.dumps(schema)))
+    assert inline.response_format == schema and inline.api == "openai" and inline.endpoint == "chat"
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema), encoding="utf-8")
+    config = config_from_args(_loadtest_args("--api", "openai", "--response-format", f"@{schema_file}"))
+    assert config.response_format == schema
+    assert config_from_args(_loadtest_args()).response_format is None
+
+    command = _child_command(config, tmp_path)
+    flag = command.index("--response-format")
+    assert json.loads(command[flag + 1]) == schema
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Who are you?"}) + "\n", encoding="utf-8")
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD_BODY, *command[3:]], capture_output=True, text=True, timeout=120, check=True
+    )
+    body = json.loads(child.stdout.strip().splitlines()[-1])
+    assert body["response_format"] == schema and body["messages"] == [{"role": "user", "content": "Who are you?"}]
+
+
+def test_bad_response_format_names_the_flag(tmp_path):
+    for bad, reason in (
+        ('{"type": "json_schema",', "not valid JSON"),
+        ("[1, 2]", "JSON object with a"),
+        (f"@{tmp_path / 'missing.json'}", "cannot read it"),
+    ):
+        with pytest.raises(LoadTestError, match=reason) as refused:
+            config_from_args(_loadtest_args("--api", "openai", "--response-format", bad))
+        assert "--response-format" in str(refused.value) and refused.value.exit_code == 2
+    triton = config_from_args(_loadtest_args("--response-format", '{"type": "json_object"}'))
+    with pytest.raises(LoadTestError, match="--response-format .* add --api openai") as refused:
+        triton.validate()
+    assert refused.value.exit_code == 2
 
 
 def test_samples_file_tolerates_a_cut_last_line(tmp_path):
