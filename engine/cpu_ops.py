@@ -1,6 +1,6 @@
 """The engine's C++ CPU kernels (``csrc/cpu_ops.cpp``) with their pure-torch equivalents.
 
-``torch.ops.lmforge_engine`` holds four operators that replace several small ATen kernels each
+``torch.ops.lmforge_engine`` holds five operators that replace several small ATen kernels each
 in a bf16 / fp32 step on CPU:
 
 * ``rms_norm``: RMSNorm of ``[N, H]`` rows in one pass (float32 sum of squares, one rounding);
@@ -25,6 +25,7 @@ where they cannot be built every function here runs its torch equivalent, and
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -123,6 +124,32 @@ def refine_logits(
         if int(logits[r].max(dim=-1).indices) != c:
             logits[r, c] = (top[r, 0] + step[r, 0]).to(logits.dtype)  # a bf16 value above the row's maximum
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set ``logits[i, t]`` to -inf where bit ``t`` of ``bitmask[i]`` is 0, in place (a set bit allows its token).
+
+    Args:
+        logits: ``[R, vocab]`` rows (bf16, fp16 or fp32; any device for the torch path).
+        bitmask: ``[R, ceil(vocab / 32)]`` int32 on the CPU, token ``t`` at bit ``t % 32`` of word ``t // 32``
+            (llguidance's and xgrammar's layout; a little-endian host).
+    """
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and bitmask.stride(1) == 1
+        and KERNELS.available
+    ):
+        KERNELS.ops.apply_token_bitmask_(logits, bitmask)
+        return
+    vocab = logits.shape[1]
+    # bytes of the inverted words, little-endian, unpacked little bit first: token t is entry t
+    words = bitmask.contiguous().numpy().view(np.uint8)
+    disallowed = np.unpackbits(np.invert(words), axis=1, bitorder="little")  # [R, W * 32]
+    mask = torch.from_numpy(disallowed.view(np.bool_)[:, :vocab])  # [R, vocab]
+    logits.masked_fill_(mask.to(logits.device), float("-inf"))
 
 
 def decode_kernel_built() -> bool:

@@ -8,7 +8,6 @@ of finished requests. The data flow follows nano-vllm and vLLM's v1 engine core.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import random
@@ -476,10 +475,14 @@ class LLMEngine:
         # Greedy rows under grammars: masked before the bf16 refinement, so they stay on the argmax path
         # (no float32 copy of every row) and the refined winner is an allowed token.
         masked = not greedy and not scoring and self.speculator is None and Sampler.is_masked_greedy(seqs)
-        mask = functools.partial(Sampler.apply_grammars, seqs=seqs) if masked else None
-        logits = self.runner.execute(
-            out, float_logits=not (greedy or masked), mask=mask
-        )  # [R + P, vocab]: 1 row per sampling item, 1 + m per speculative one, then the prompt-logprob rows
+        pending = self._start_masks(seqs) if masked else None  # filled on the mask thread during the forward
+        try:
+            logits = self.runner.execute(
+                out, float_logits=not (greedy or masked), mask=None if pending is None else pending.apply
+            )  # [R + P, vocab]: 1 row per sampling item, 1 + m per speculative one, then the prompt-logprob rows
+        finally:
+            if pending is not None:
+                pending.wait()  # the matchers are this thread's again, even when the forward failed
         if self.speculator is not None:
             self.speculator.observe_step(out, time.perf_counter() - start)
         num_rows = sum(item.num_sampled_rows for item in items)
@@ -496,6 +499,14 @@ class LLMEngine:
                 new_tokens[i], new_logprobs[i] = [], []
         self.scheduler.update_from_output(out, new_tokens)
         return [item.seq for item in items], new_tokens, new_logprobs
+
+    def _start_masks(self, seqs: list[Sequence]):
+        """Start filling the grammar bitmasks of ``seqs``' constrained rows (``GrammarCompiler.start_masks``);
+        ``None`` when no row has a grammar."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return None
+        return self.grammar_compiler.start_masks([seqs[i].grammar for i in rows], rows, len(seqs))
 
     def _score_prompts(self, out, logits: torch.Tensor) -> None:
         """Append the prompt logprobs of this step's prompt positions (``[P, vocab]`` logits, in

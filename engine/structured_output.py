@@ -23,9 +23,9 @@ import json
 import threading
 import time
 
-import numpy as np
 import torch
 
+from engine import cpu_ops
 from engine.errors import UsageError
 from engine.sampling_params import StructuredOutputsParams
 
@@ -135,7 +135,7 @@ class GrammarCompiler:
         self._ll_tokenizer = None
         self._tokenizer_future: concurrent.futures.Future | None = None
         self.tokenizer_ready_at: float | None = None  # time.monotonic() when the llguidance tokenizer was built
-        self._executor = None
+        self._mask_thread: concurrent.futures.ThreadPoolExecutor | None = None
         #: Cost counters (``EngineStats.structured_output_*``): compiles done and their seconds, and
         #: the masking of logits: seconds, steps (``mask_logits`` calls) and rows masked (tokens).
         self.num_compiles = 0
@@ -253,9 +253,33 @@ class GrammarCompiler:
         bitmask = torch.full((logits.shape[0], bitmask_words(logits.shape[-1])), -1, dtype=torch.int32)  # [S, words]
         self.fill_bitmask(grammars, rows, bitmask)
         apply_bitmask(logits, bitmask)
-        self.mask_s_total += time.perf_counter() - start
+        self._count_mask(time.perf_counter() - start, len(rows))
+
+    def start_masks(self, grammars: list[SequenceGrammar], rows: list[int], num_rows: int) -> PendingMasks:
+        """Fill the next-token bitmask of ``grammars`` (row ``rows[j]`` of ``num_rows``) on the mask thread, while
+        the caller runs the model forward; ``PendingMasks.apply`` then masks the logits.
+
+        The grammars' next tokens depend only on the tokens already accepted, so the fill (native code,
+        GIL released) overlaps the forward instead of following it, as vLLM and SGLang overlap grammar masks
+        with the GPU. The matchers belong to the mask thread until ``PendingMasks.wait`` returns.
+        """
+        if self._mask_thread is None:
+            self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmforge-mask")
+        return PendingMasks(self, rows, self._mask_thread.submit(self._fill_new_bitmask, grammars, rows, num_rows))
+
+    def _fill_new_bitmask(
+        self, grammars: list[SequenceGrammar], rows: list[int], num_rows: int
+    ) -> tuple[torch.Tensor, float]:
+        """``(bitmask [num_rows, words] int32, fill seconds)``: unconstrained rows allow every token."""
+        start = time.perf_counter()
+        bitmask = torch.full((num_rows, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        self.fill_bitmask(grammars, rows, bitmask)
+        return bitmask, time.perf_counter() - start
+
+    def _count_mask(self, seconds: float, num_rows: int) -> None:
+        self.mask_s_total += seconds
         self.num_mask_steps += 1
-        self.num_masked_tokens += len(rows)
+        self.num_masked_tokens += num_rows
 
     def stats(self) -> dict[str, float]:
         """The cost counters as ``EngineStats`` fields."""
@@ -271,20 +295,15 @@ class GrammarCompiler:
         """Write row ``rows[i]`` of ``bitmask`` (``[S, ceil(vocab / 32)]`` int32, CPU, contiguous) from
         ``grammars[i]`` (other rows are left as they are).
 
-        Rows are computed in parallel by llguidance's executor (native threads, GIL released). A
-        matcher that fails here (a grammar that exceeds llguidance's per-token limits) allows only
-        end-of-sequence; its request then finishes with its error (``SequenceGrammar.error``).
+        One matcher after another on the calling thread (each call releases the GIL): a row costs tens
+        of microseconds, less than handing the rows to llguidance's thread pool and waiting for its
+        threads, which the forward's own threads (and other processes) keep off the cores. A matcher
+        that fails here (a grammar that exceeds llguidance's per-token limits) allows only end-of-sequence;
+        its request then finishes with its error (``SequenceGrammar.error``).
         """
-        import llguidance
-
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
         row_bytes = bitmask.shape[1] * bitmask.element_size()
-        if len(grammars) == 1:
-            grammars[0].matcher.unsafe_compute_mask_ptr(bitmask[rows[0]].data_ptr(), row_bytes)
-        else:
-            pairs = [(g.matcher, row) for g, row in zip(grammars, rows)]
-            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+        for g, row in zip(grammars, rows):
+            g.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
         for g, row in zip(grammars, rows):
             if g.matcher.is_error():
                 g.error = f"structured output failed: {_short(g.matcher.get_error())}"
@@ -294,6 +313,27 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=False)
+
+
+class PendingMasks:
+    """The bitmask of one step being filled on the mask thread (``GrammarCompiler.start_masks``)."""
+
+    def __init__(self, compiler: GrammarCompiler, rows: list[int], future: concurrent.futures.Future) -> None:
+        self.compiler, self.rows, self.future = compiler, rows, future
+
+    def wait(self) -> torch.Tensor:
+        """The filled ``[S, words]`` bitmask (the matchers are the engine thread's again)."""
+        return self.future.result()[0]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Mask ``logits`` (``[S, vocab]``, in place) once the fill is done; the fill and this go to the cost
+        counters (the fill's seconds ran beside the forward: the counters keep the work, not the added time)."""
+        bitmask, fill_s = self.future.result()
+        start = time.perf_counter()
+        apply_bitmask(logits, bitmask)
+        self.compiler._count_mask(fill_s + time.perf_counter() - start, len(self.rows))
 
 
 class SequenceGrammar:
@@ -361,18 +401,15 @@ def wait_any(grammars: list[SequenceGrammar]) -> None:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set ``logits[i, t]`` to -inf where bit ``t`` of ``bitmask[i]`` is 0, in place.
+    """Set ``logits[i, t]`` to -inf where bit ``t`` of ``bitmask[i]`` is 0, in place
+    (``engine.cpu_ops.apply_token_bitmask``: the C++ kernel, or its torch path).
 
     Args:
         logits: ``[R, vocab]`` float rows.
         bitmask: ``[R, ceil(vocab / 32)]`` int32 on the CPU, token ``t`` at bit ``t % 32`` of word ``t // 32``
             (llguidance's layout; a little-endian host).
     """
-    vocab = logits.shape[1]
-    # bytes of the inverted words, little-endian, unpacked little bit first: token t is entry t
-    disallowed = np.unpackbits(np.invert(bitmask.numpy().view(np.uint8)), axis=1, bitorder="little")  # [R, W * 32]
-    mask = torch.from_numpy(disallowed.view(np.bool_)[:, :vocab])  # [R, vocab]
-    logits.masked_fill_(mask.to(logits.device), float("-inf"))
+    cpu_ops.apply_token_bitmask(logits, bitmask)
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -14,6 +14,12 @@
 //   logprobs a request may read): all entries within two steps below a bf16 value that top_k entries reach.
 //   Otherwise, in place: the exact winner of each row is raised to the next bf16 value above the row's maximum,
 //   so any argmax of the row picks it (greedy decoding reads nothing else).
+// lmforge_engine::apply_token_bitmask_(logits [S, V] bf16 / fp16 / fp32, bitmask [S, W] int32, W * 32 >= V)
+//   structured output's token mask: logits[i, t] = -inf where bit t % 32 of word bitmask[i, t / 32] is 0
+//   (llguidance's and xgrammar's layout: a set bit allows its token), in place; other entries untouched. A word
+//   of 32 allowed tokens (most of a row inside a JSON string) costs one compare, so the pass reads the bitmask and
+//   writes only disallowed entries, on the calling thread: no byte-per-token mask, and no parallel region (its
+//   microseconds of work would wait for cores that other processes hold).
 // lmforge_engine::paged_decode_attention(q [D, Hq, hd], kv_cache [2, num_blocks, block_size, Hkv, hd],
 //     block_tables [D, max_blocks] int64, seq_lens [D] int64, first_block, scale, sliding_window,
 //     prior_out [Hkv, D * g, hd]?, prior_lse [Hkv, D * g]?) -> [D, Hq * hd]
@@ -964,6 +970,58 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
 
 #pragma GCC pop_options
 
+// ------------------------------------------------------------------------------------------------ token bitmask
+
+template <typename raw_t>
+void bitmask_rows(at::Tensor& logits, const at::Tensor& bitmask, raw_t neg_inf) {
+  const int64_t rows = logits.size(0), cols = logits.size(1), stride = logits.stride(0);
+  const int64_t words = bitmask.size(1), word_stride = bitmask.stride(0);
+  raw_t* lp = reinterpret_cast<raw_t*>(logits.data_ptr());
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const int64_t used_words = std::min(words, (cols + 31) / 32);
+  for (int64_t r = 0; r < rows; ++r) {
+    raw_t* row = lp + r * stride;
+    const uint32_t* mask = mp + r * word_stride;
+    for (int64_t w = 0; w < used_words; ++w) {
+      const uint32_t allowed = mask[w];
+      if (allowed == 0xffffffffu) continue;
+      const int64_t base = w * 32;
+      const int64_t n = std::min<int64_t>(32, cols - base);
+      if (allowed == 0u) {
+        std::fill(row + base, row + base + n, neg_inf);
+        continue;
+      }
+      for (uint32_t off = ~allowed; off != 0u; off &= off - 1u) {
+        const int64_t k = __builtin_ctz(off);
+        if (k < n) row[base + k] = neg_inf;
+      }
+    }
+  }
+}
+
+void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1,
+              "apply_token_bitmask_: logits must be a CPU [S, V] tensor with unit last stride");
+  TORCH_CHECK(bitmask.device().is_cpu() && bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt &&
+                  bitmask.stride(1) == 1,
+              "apply_token_bitmask_: bitmask must be a CPU [S, W] int32 tensor with unit last stride");
+  TORCH_CHECK(bitmask.size(0) == logits.size(0) && bitmask.size(1) * 32 >= logits.size(1),
+              "apply_token_bitmask_: bitmask must be [S, ceil(V / 32)] for logits [S, V]");
+  switch (logits.scalar_type()) {
+    case at::kBFloat16:
+      bitmask_rows<uint16_t>(logits, bitmask, 0xff80u);
+      break;
+    case at::kHalf:
+      bitmask_rows<uint16_t>(logits, bitmask, 0xfc00u);
+      break;
+    case at::kFloat:
+      bitmask_rows<uint32_t>(logits, bitmask, 0xff800000u);
+      break;
+    default:
+      TORCH_CHECK(false, "apply_token_bitmask_: logits must be bf16, fp16 or fp32");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lmforge_engine, m) {
@@ -979,4 +1037,5 @@ TORCH_LIBRARY(lmforge_engine, m) {
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int first_block, "
       "float scale, int sliding_window, Tensor? prior_out, Tensor? prior_lse) -> Tensor",
       &paged_decode_attention);
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask) -> ()", &apply_token_bitmask_);
 }

@@ -112,15 +112,25 @@ def test_byte_level_vocabulary_is_read_as_bytes(tiny_llama_dir):
     assert [ll.decode_bytes([i]) for i in ids] == [tokenizer.decode([i]).encode() for i in ids]
 
 
-def test_bitmask_bit_t_of_row_i_allows_token_t():
-    """llguidance's layout: token t is bit t % 32 of int32 word t // 32 (a vocabulary not a multiple of 32)."""
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bitmask_bit_t_of_row_i_allows_token_t(native, dtype):
+    """llguidance's layout: token t is bit t % 32 of int32 word t // 32 (a vocabulary not a multiple of 32);
+    the C++ kernel and the torch path mask the same entries (words of all and of no allowed tokens included)."""
+    from engine import cpu_ops
+
     g = torch.Generator().manual_seed(0)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 3), dtype=torch.int32, generator=g)
-    logits = torch.randn(3, 70, generator=g)
-    masked = logits.clone()
-    apply_bitmask(masked, bitmask)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), dtype=torch.int32, generator=g)
+    bitmask[0, 1], bitmask[1, 0], bitmask[2, 3] = -1, 0, 0  # all allowed; none; none, past the vocabulary
+    wide = torch.randn(3, 128, generator=g).to(dtype)
+    logits, masked = wide[:, :101].clone(), wide.clone()[:, :101]  # masked: rows inside wider ones (stride 128)
+    cpu_ops.use_cpu_kernels(native)
+    try:
+        apply_bitmask(masked, bitmask)
+    finally:
+        cpu_ops.use_cpu_kernels(True)
     for i in range(3):
-        for t in range(70):
+        for t in range(101):
             allowed = (int(bitmask[i, t // 32]) >> (t % 32)) & 1
             assert masked[i, t] == (logits[i, t] if allowed else float("-inf"))
 
