@@ -27,8 +27,9 @@ class EngineStats:
         spec_decode_num_accepted_tokens_total: of those, tokens the target accepted.
         structured_output_num_compiles_total / _compile_seconds_total: grammars compiled and the
             seconds spent compiling them (each constraint compiles once, then comes from the cache).
-        structured_output_mask_seconds_total: seconds spent masking logits to the grammars (bitmask
-            fill and apply, on the engine thread); ``_num_mask_steps_total``: engine steps that masked;
+        structured_output_mask_seconds_total: seconds the engine thread spends masking logits to the
+            grammars (bitmask fill and apply; a fill that ran on the mask thread during the forward counts
+            only as the wait for it); ``_num_mask_steps_total``: engine steps that masked;
             ``_num_masked_tokens_total``: rows masked (one per constrained sequence per step).
     """
 

@@ -6,9 +6,10 @@ thread pool, off the engine step, and keeps compiled grammars in an LRU keyed by
 (``StructuredOutputsParams.key`` with a JSON schema's property order kept); a request waits in
 the scheduler until its grammar is ready (``Sequence.waits_for_grammar``) and fails alone when
 compiling fails or takes longer than ``compile_timeout_s``. Every sequence then owns a copy of
-the compiled matcher (``SequenceGrammar``): the sampler fills one bitmask row per constrained sequence and sets the
-logits of disallowed tokens to -inf (greedy and sampled rows alike); the engine advances the
-matcher with every accepted token and finishes the request when nothing can follow.
+the compiled matcher (``SequenceGrammar``): one bitmask row per constrained sequence is filled and the
+logits of disallowed tokens are set to -inf (greedy and sampled rows alike; for a masked-greedy step
+the fill runs on a mask thread during the model forward, ``GrammarCompiler.start_masks``); the engine
+advances the matcher with every accepted token and finishes the request when nothing can follow.
 
 llguidance (guidance-ai) was chosen over xgrammar on our vocabulary: it compiles a 5-field JSON
 schema in about a millisecond where xgrammar takes about a second, and xgrammar's strings with
@@ -137,7 +138,8 @@ class GrammarCompiler:
         self.tokenizer_ready_at: float | None = None  # time.monotonic() when the llguidance tokenizer was built
         self._mask_thread: concurrent.futures.ThreadPoolExecutor | None = None
         #: Cost counters (``EngineStats.structured_output_*``): compiles done and their seconds, and
-        #: the masking of logits: seconds, steps (``mask_logits`` calls) and rows masked (tokens).
+        #: the masking of logits: seconds the engine thread spends on it (a fill on the mask thread counts
+        #: only where the step waits for it), steps and rows masked (tokens).
         self.num_compiles = 0
         self.compile_s_total = 0.0
         self.mask_s_total = 0.0
@@ -267,14 +269,11 @@ class GrammarCompiler:
             self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmforge-mask")
         return PendingMasks(self, rows, self._mask_thread.submit(self._fill_new_bitmask, grammars, rows, num_rows))
 
-    def _fill_new_bitmask(
-        self, grammars: list[SequenceGrammar], rows: list[int], num_rows: int
-    ) -> tuple[torch.Tensor, float]:
-        """``(bitmask [num_rows, words] int32, fill seconds)``: unconstrained rows allow every token."""
-        start = time.perf_counter()
+    def _fill_new_bitmask(self, grammars: list[SequenceGrammar], rows: list[int], num_rows: int) -> torch.Tensor:
+        """The bitmask ``[num_rows, words]`` int32 of ``grammars`` at ``rows``; other rows allow every token."""
         bitmask = torch.full((num_rows, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
         self.fill_bitmask(grammars, rows, bitmask)
-        return bitmask, time.perf_counter() - start
+        return bitmask
 
     def _count_mask(self, seconds: float, num_rows: int) -> None:
         self.mask_s_total += seconds
@@ -325,15 +324,15 @@ class PendingMasks:
 
     def wait(self) -> torch.Tensor:
         """The filled ``[S, words]`` bitmask (the matchers are the engine thread's again)."""
-        return self.future.result()[0]
+        return self.future.result()
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Mask ``logits`` (``[S, vocab]``, in place) once the fill is done; the fill and this go to the cost
-        counters (the fill's seconds ran beside the forward: the counters keep the work, not the added time)."""
-        bitmask, fill_s = self.future.result()
+        """Mask ``logits`` (``[S, vocab]``, in place) once the fill is done. The cost counters get the time the
+        engine thread spends here (waiting for the fill, then applying): what the masks add to the step, the
+        fill's own time ran beside the forward."""
         start = time.perf_counter()
-        apply_bitmask(logits, bitmask)
-        self.compiler._count_mask(fill_s + time.perf_counter() - start, len(self.rows))
+        apply_bitmask(logits, self.future.result())
+        self.compiler._count_mask(time.perf_counter() - start, len(self.rows))
 
 
 class SequenceGrammar:
