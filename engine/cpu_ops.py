@@ -208,6 +208,39 @@ def rope_and_cache(
     return KERNELS.ops.rope_and_cache(qkv, cos, signed_sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
 
 
+def lora_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    task_bounds: torch.Tensor,
+    task_slots: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    out_splits: torch.Tensor,
+) -> bool:
+    """Add the LoRA deltas of one fused layer to ``y`` in place; ``False`` (nothing done) where the C++ kernel
+    can't run (not CPU, the dtypes differ, or the kernels are off).
+
+    Args:
+        y: ``[N, out]`` the layer's output (changed on the rows listed).
+        x: ``[>= N, in]`` its input, in ``y``'s dtype.
+        rows: ``[M]`` int64 row indices, grouped by task.
+        task_bounds: ``[T + 1]`` int64: task ``t`` holds ``rows[task_bounds[t]:task_bounds[t + 1]]`` (1 to 16 rows,
+            all of one slot).
+        task_slots: ``[T]`` int64 slot of each task.
+        A: ``[S, in, K]`` the slots' stacked ``A^T`` (``engine.lora.SlotStack``), ``B``: ``[S, K, out]`` their
+            block-diagonal ``(s B)^T``; module ``j`` of ``n`` owns rank rows ``[j K/n, (j+1) K/n)`` and output
+            columns ``out_splits[j]:out_splits[j + 1]``.
+
+    ``x A`` and the delta are float32 and ``y`` is rounded once (the torch path rounds ``x A`` and the delta to
+    ``y``'s dtype as well).
+    """
+    if not (_native(x) and y.dtype == x.dtype == A.dtype == B.dtype):
+        return False
+    KERNELS.ops.lora_apply(y, x, rows, task_bounds, task_slots, A, B, out_splits)
+    return True
+
+
 def int8_decode_available() -> bool:
     """Whether ``int8_decode_layers`` runs: the engine's kernels, the INT8 GEMV and this op are built and enabled
     (``use_cpu_kernels(False)`` or ``engine.quant.int8.weight_only_cpu_kernel(False)`` turn it off too)."""
