@@ -977,40 +977,43 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
 
 constexpr int64_t kLoraTaskRows = 16;
 
-// out[r][c] = sum_i xr[r][i] w[i][c] for 4 rows r and NV * 16 columns c: 4 x NV accumulators in registers, each
-// row of w loaded (and widened to float32) once for the 4 rows.
+constexpr int kLoraRowBlock = 8;  // rows per register block: 8 x 3 accumulators + 3 weight vectors fit 32 zmm
+
+// out[r][c] = sum_i xr[r][i] w[i][c] for kLoraRowBlock rows r and NV * 16 columns c: the accumulators stay in
+// registers, and each row of w is loaded (and widened to float32) once for all the rows.
 template <typename T, int NV>
 inline void lora_block(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, int64_t ld, int64_t depth,
                        float* out, int64_t os) {
-  vf16 acc[4][NV];
-  for (int r = 0; r < 4; ++r)
+  vf16 acc[kLoraRowBlock][NV];
+  for (int r = 0; r < kLoraRowBlock; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vf16{} + 0.f;
   for (int64_t i = 0; i < depth; ++i) {
     vf16 a[NV];
     for (int v = 0; v < NV; ++v) a[v] = load16<T>(w + i * ld + v * 16);
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < kLoraRowBlock; ++r) {
       const float xi = xr[r * xs + i];
       for (int v = 0; v < NV; ++v) acc[r][v] += xi * a[v];
     }
   }
-  for (int r = 0; r < 4; ++r)
+  for (int r = 0; r < kLoraRowBlock; ++r)
     for (int v = 0; v < NV; ++v) std::memcpy(out + r * os + v * 16, &acc[r][v], sizeof(vf16));
 }
 
-// out [4, cols] = xr [4, depth] (float32, row stride xs) times w [depth, cols] (T, row stride ld), float32.
+// out [8, cols] = xr [8, depth] (float32, row stride xs) times w [depth, cols] (T, row stride ld), float32.
 template <typename T>
-void lora_gemm4(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, int64_t ld, int64_t depth,
-                int64_t cols, float* out, int64_t os) {
+void lora_gemm(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, int64_t ld, int64_t depth,
+               int64_t cols, float* out, int64_t os) {
   int64_t c = 0;
-  for (; c + 64 <= cols; c += 64) lora_block<T, 4>(xr, xs, w + c, ld, depth, out + c, os);
-  switch ((cols - c) / 16) {
-    case 3: lora_block<T, 3>(xr, xs, w + c, ld, depth, out + c, os); c += 48; break;
-    case 2: lora_block<T, 2>(xr, xs, w + c, ld, depth, out + c, os); c += 32; break;
-    case 1: lora_block<T, 1>(xr, xs, w + c, ld, depth, out + c, os); c += 16; break;
-    default: break;
+  for (; c + 48 <= cols; c += 48) lora_block<T, 3>(xr, xs, w + c, ld, depth, out + c, os);
+  if (cols - c >= 32) {
+    lora_block<T, 2>(xr, xs, w + c, ld, depth, out + c, os);
+    c += 32;
+  } else if (cols - c >= 16) {
+    lora_block<T, 1>(xr, xs, w + c, ld, depth, out + c, os);
+    c += 16;
   }
   for (; c < cols; ++c)
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < kLoraRowBlock; ++r) {
       float sum = 0.f;
       for (int64_t i = 0; i < depth; ++i) sum += xr[r * xs + i] * Elem<T>::load(w[i * ld + c]);
       out[r * os + c] = sum;
@@ -1032,8 +1035,8 @@ void lora_apply_tasks(at::Tensor& y, const at::Tensor& x, const int64_t* rows, c
   int64_t widest = 0;
   for (int64_t j = 0; j < n_mod; ++j) widest = std::max(widest, splits[j + 1] - splits[j]);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    // the task's rows of x and of x A (float32; rows past the task's are zero), and 4 rows of deltas
-    std::vector<float> xs(kLoraTaskRows * in), t(kLoraTaskRows * K), delta(4 * widest);
+    // the task's rows of x and of x A (float32; rows past the task's are zero), and a row block of deltas
+    std::vector<float> xs(kLoraTaskRows * in), t(kLoraTaskRows * K), delta(kLoraRowBlock * widest);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t first = bounds[task], nr = bounds[task + 1] - first;
       const raw_t* a = ap + slots[task] * in * K;
@@ -1041,12 +1044,12 @@ void lora_apply_tasks(at::Tensor& y, const at::Tensor& x, const int64_t* rows, c
       std::fill(xs.begin(), xs.end(), 0.f);
       for (int64_t r = 0; r < nr; ++r)
         for (int64_t i = 0; i < in; ++i) xs[r * in + i] = E::load(xp[rows[first + r] * x_stride + i]);
-      for (int64_t r0 = 0; r0 < nr; r0 += 4) lora_gemm4<T>(&xs[r0 * in], in, a, K, in, K, &t[r0 * K], K);
+      for (int64_t r0 = 0; r0 < nr; r0 += kLoraRowBlock) lora_gemm<T>(&xs[r0 * in], in, a, K, in, K, &t[r0 * K], K);
       for (int64_t j = 0; j < n_mod; ++j) {  // module j: its rank rows times its block of B
         const int64_t c0 = splits[j], width = splits[j + 1] - c0;
-        for (int64_t r0 = 0; r0 < nr; r0 += 4) {
-          lora_gemm4<T>(&t[r0 * K + j * R], K, b + j * R * out + c0, out, R, width, delta.data(), widest);
-          for (int64_t r = r0; r < std::min(nr, r0 + 4); ++r) {
+        for (int64_t r0 = 0; r0 < nr; r0 += kLoraRowBlock) {
+          lora_gemm<T>(&t[r0 * K + j * R], K, b + j * R * out + c0, out, R, width, delta.data(), widest);
+          for (int64_t r = r0; r < std::min(nr, r0 + kLoraRowBlock); ++r) {
             raw_t* yr = yp + rows[first + r] * y_stride + c0;
             const float* dr = delta.data() + (r - r0) * widest;
             for (int64_t c = 0; c < width; ++c) yr[c] = E::store(E::load(yr[c]) + dr[c]);
