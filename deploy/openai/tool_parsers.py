@@ -351,6 +351,15 @@ def _listed(tools: list[dict]) -> str:
     return "\n".join(json.dumps(function, ensure_ascii=False) for function in functions)
 
 
+def _tools_prompt(listed: str, how: str) -> str:
+    """A format's system prompt: the functions (``listed``, in the format's wrapping), then ``how`` to call them."""
+    return (
+        "You can call functions to help answer. These are the functions, each as a JSON schema:\n"
+        f"{listed}\n{how}"
+        "The results come back in a message from the tool. If no function fits, answer in words."
+    )
+
+
 def _proper_prefix_at_end(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -413,13 +422,10 @@ class HermesToolParser(ToolParser):
 
     @classmethod
     def prompt(cls, tools: list[dict]) -> str:
-        listed = _listed(tools)
-        return (
-            "You can call functions to help answer. These are the functions, each as a JSON schema:\n"
-            f"<tools>\n{listed}\n</tools>\n"
+        return _tools_prompt(
+            f"<tools>\n{_listed(tools)}\n</tools>",
             "To call functions, reply with only a list of the calls, in this form:\n"
-            '<tool_call>[{"name": "<function name>", "arguments": {<argument name>: <value>, ...}}]</tool_call>\n'
-            "The results come back in a message from the tool. If no function fits, answer in words."
+            '<tool_call>[{"name": "<function name>", "arguments": {<argument name>: <value>, ...}}]</tool_call>\n',
         )
 
     @classmethod
@@ -479,14 +485,11 @@ class Llama3JsonToolParser(ToolParser):
 
     @classmethod
     def prompt(cls, tools: list[dict]) -> str:
-        listed = _listed(tools)
-        return (
-            "You can call functions to help answer. These are the functions, each as a JSON schema:\n"
-            f"{listed}\n"
+        return _tools_prompt(
+            _listed(tools),
             "To call a function, reply with only a JSON object of this form:\n"
             '{"name": "<function name>", "parameters": {<argument name>: <value>, ...}}\n'
-            "Several calls are separated by ;. The results come back in a message from the tool. "
-            "If no function fits, answer in words."
+            "Several calls are separated by ;. ",
         )
 
     @classmethod
