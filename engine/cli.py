@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.checkpoint.store import DEFAULT_MODEL, check_device, load_causal_lm
+from engine.cli_options import add_engine_dtype_option, config_fields
 from engine.config import KV_CACHE_DTYPES
 from engine.errors import LmforgeError, UsageError
 
@@ -23,11 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     parser.add_argument("--seed", type=int, default=None, help="seed of the request's sampler")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="engine dtype (auto: bfloat16 where the CPU has native bf16, else float32)",
+    add_engine_dtype_option(
+        parser, "--dtype", "engine dtype (auto: bfloat16 where the CPU has native bf16, else float32)"
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -136,13 +134,7 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
         UsageError: a flag value the sampler or the engine refuses (the flag is named).
     """
     try:
-        params = SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-        )
+        params = SamplingParams(**config_fields(SamplingParams, args))
         check_device(args.device)
         llm = LLM(
             args.model,
