@@ -319,6 +319,16 @@ class ToolParser:
             entry = {"index": call.index, "id": call.id, "type": "function", "function": function}
         _add_fragment(self._delta.tool_calls, entry)
 
+    def _next_char(self, final: bool) -> int | None:
+        """The index of the first non-space character from ``pos``; ``None`` while there is none (given up when
+        ``final``: the output ended before the calls began)."""
+        i = _skip_ws(self.text, self.pos)
+        if i < len(self.text):
+            return i
+        if final:
+            self._give_up()
+        return None
+
     def _step_list(self, final: bool) -> str:
         """Inside a JSON list of calls (``pos`` after its ``[``): ``"done"`` after its ``]``, ``"wait"`` for
         more text, ``"bad"`` when malformed (given up)."""
@@ -390,10 +400,8 @@ class HermesToolParser(ToolParser):
                 self._content(self.text[self.pos : found])
                 self.fallback, self.pos, self.state = found, found + len(self.OPEN), "body"
             elif self.state == "body":
-                i = _skip_ws(self.text, self.pos)
-                if i == len(self.text):
-                    if final:
-                        self._give_up()
+                i = self._next_char(final)
+                if i is None:
                     return
                 if self.text[i] == "[":
                     self.pos, self.state = i + 1, "list"
@@ -510,10 +518,8 @@ class JsonArrayToolParser(ToolParser):
 
     def _advance(self, final: bool) -> None:
         if self.state == "start":
-            i = _skip_ws(self.text, self.pos)
-            if i == len(self.text):
-                if final:
-                    self._give_up()
+            i = self._next_char(final)
+            if i is None:
                 return
             if self.text[i] != "[":
                 self._give_up()
