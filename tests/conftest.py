@@ -29,6 +29,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 #: Engine configuration of the LLM the session's Triton server serves (and the in-process reference).
 ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 256, "num_threads": 1}
+#: A two-turn chat record: training labels and evaluation scores cover only its assistant turns.
+DIALOG = {
+    "messages": [
+        {"role": "user", "content": "What is AI?"},
+        {"role": "assistant", "content": "A branch of science."},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "You are welcome."},
+    ]
+}
+#: What the SmolLM2 chat template trains or scores of ``DIALOG``: the assistant turns with their end tokens.
+DIALOG_ASSISTANT_TEXT = "A branch of science.<|im_end|>\nYou are welcome.<|im_end|>\n"
 
 
 @pytest.fixture(scope="session")
