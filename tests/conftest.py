@@ -55,15 +55,17 @@ def lmforge():
 
 
 @pytest.fixture(scope="session")
-def start_frontend():
-    """``start_frontend(repo, grpc_url, log_path, *flags)``: a context manager running ``python -m deploy.openai``
-    for ``repo`` on a free port of 127.0.0.1 (ready once ``/health`` answers, within 300 s: a shared machine can take
-    minutes to import torch), stopped at its end; yields the base URL."""
+def start_frontend(tmp_path_factory):
+    """``start_frontend(repo, server, *flags)``: a context manager running ``python -m deploy.openai`` for ``repo``
+    in front of ``server`` (a ``TritonServer``, over gRPC) on a free port of 127.0.0.1 (ready once ``/health``
+    answers, within 300 s: a shared machine can take minutes to import torch), its log in a fresh temporary
+    directory, stopped at its end; yields the base URL."""
 
     @contextlib.contextmanager
-    def start(repo: Path, grpc_url: str, log_path: Path, *flags: str):
+    def start(repo: Path, server: TritonServer, *flags: str):
+        log_path = tmp_path_factory.mktemp("openai-frontend") / "frontend.log"
         url = f"http://127.0.0.1:{free_ports(1)[0]}"
-        command = [sys.executable, "-m", "deploy.openai", "--repo", repo, "--grpc-url", grpc_url]
+        command = [sys.executable, "-m", "deploy.openai", "--repo", repo, "--grpc-url", server.grpc_url]
         command += ["--port", url.rsplit(":", 1)[1], *flags]
         process = ManagedProcess(
             command,

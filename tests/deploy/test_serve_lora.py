@@ -56,9 +56,8 @@ def lora_server(lora_repo):
 
 
 @pytest.fixture(scope="module")
-def lora_frontend(lora_server, lora_repo, tmp_path_factory, start_frontend):
-    log_path = tmp_path_factory.mktemp("lora-openai") / "frontend.log"
-    with start_frontend(lora_repo, lora_server.grpc_url, log_path, "--models", "llm", "--api-key", API_KEY) as url:
+def lora_frontend(lora_server, lora_repo, start_frontend):
+    with start_frontend(lora_repo, lora_server, "--models", "llm", "--api-key", API_KEY) as url:
         yield url
 
 
