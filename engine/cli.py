@@ -11,7 +11,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.checkpoint.store import DEFAULT_MODEL, check_device, load_causal_lm
 from engine.cli_options import add_engine_dtype_option, config_fields
-from engine.config import KV_CACHE_DTYPES
+from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.errors import LmforgeError, UsageError
 
 
@@ -136,18 +136,9 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
     try:
         params = SamplingParams(**config_fields(SamplingParams, args))
         check_device(args.device)
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
-            device=args.device,
-            max_model_len=args.max_model_len,
-            num_threads=args.num_threads,
-            speculative_method=args.speculative_method,
-            num_speculative_tokens=args.num_speculative_tokens,
-            speculative_model=args.speculative_model,
-            speculative_ngram_corpus=args.speculative_ngram_corpus,
-        )
+        engine_flags = config_fields(EngineConfig, args)
+        del engine_flags["seed"]  # --seed is the request's (SamplingParams.seed), not the engine's default
+        llm = LLM(**engine_flags)
     except ValueError as exc:
         raise flag_error(exc) from exc
     start = time.perf_counter()
