@@ -29,6 +29,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 #: Engine configuration of the LLM the session's Triton server serves (and the in-process reference).
 ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 256, "num_threads": 1}
+#: A short Locust load (``bench.loadtest.LoadTestConfig`` fields): 2 users for 4 s over 8 prompts, EOS ignored.
+SHORT_LOAD = {"users": 2, "spawn_rate": 2.0, "run_time_s": 4.0, "ignore_eos": True, "num_prompts": 8}
 #: A two-turn chat record: training labels and evaluation scores cover only its assistant turns.
 DIALOG = {
     "messages": [

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from bench.loadtest import LoadTestConfig, run_loadtest
 from bench.report import read_samples
 from lmforge_cli import main
+from tests.conftest import SHORT_LOAD
 
 pytestmark = pytest.mark.integration
 
@@ -287,17 +288,7 @@ def test_api_key_is_required_on_v1_routes(frontend):
 
 def test_locust_load_through_the_openai_api(frontend, tmp_path):
     config = LoadTestConfig(
-        host=frontend,
-        model="llm",
-        api="openai",
-        api_key=API_KEY,
-        users=2,
-        spawn_rate=2.0,
-        run_time_s=4.0,
-        max_tokens=8,
-        ignore_eos=True,
-        num_prompts=8,
-        request_timeout_s=30.0,
+        host=frontend, model="llm", api="openai", api_key=API_KEY, max_tokens=8, request_timeout_s=30.0, **SHORT_LOAD
     )
     summary = run_loadtest(config, tmp_path, log=lambda _m: None)
     samples, _ = read_samples(tmp_path / "samples.jsonl")
