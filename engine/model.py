@@ -134,10 +134,12 @@ def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
     return device == "cpu" and dtype == torch.bfloat16 and onednn_bf16_supported()
 
 
-#: Rows (tokens) of an fp32 CPU linear that run on a oneDNN-packed copy of the weight: 1 to 64 (decode,
-#: speculative verification); prefill keeps MKL's ``F.linear`` on the plain weight. MKL's fp32 GEMM re-packs the
-#: weight on every call past 3 rows (the LM head: 26.8 ms vs 14.1 packed at 5 rows; docs/engine.md).
-FP32_PACKED_ROWS = (1, 64)
+#: Rows (tokens) of an fp32 CPU linear that run on a oneDNN-packed copy of the weight: 2 to 64 (decode of a batch,
+#: speculative verification); prefill keeps MKL's ``F.linear`` on the plain weight, which re-packs the weight on
+#: every call past 3 rows (the LM head: 26.8 ms vs 14.1 packed at 5 rows; docs/engine.md). One row (one request
+#: decoding alone) also takes ``F.linear``: MKL's GEMV streams the weights from memory faster than oneDNN's
+#: packed GEMM (docs/engine.md).
+FP32_PACKED_ROWS = (2, 64)
 
 
 #: Fewest rows a step runs its oneDNN-packed float linears with: a decode of 1 to 3 tokens is padded with zero rows
@@ -481,8 +483,9 @@ class Model:
             self.lm_head = Linear(self.embed, pack=loader.pack_rows is not None, pack_rows=loader.pack_rows)
         self.is_int8 = any(k.endswith(INT8_WEIGHT_SUFFIX) for k in tensors)
         # the linears of a packed float model run at least this many rows (INT8 decode kernels read the weights
-        # once per call for any row count, so an INT8 model is never padded)
-        self.min_rows = PACKED_MIN_ROWS if loader.pack_rows is not None and not self.is_int8 else 1
+        # once per call for any row count, so an INT8 model is never padded; an fp32 row alone takes MKL's GEMV)
+        padded = loader.pack_rows is not None and not self.is_int8 and (dtype != torch.float32 or batch_invariant)
+        self.min_rows = PACKED_MIN_ROWS if padded else 1
         del tensors
         if batch_invariant:
             if self.is_int8 or loader.pack_rows is None:
