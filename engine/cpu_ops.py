@@ -11,7 +11,10 @@ in a bf16 / fp32 step on CPU:
   log-sum-exp, so no ``index_select`` copy of the cache and no padded keys;
 * ``rope_and_cache`` (bf16): rotary embedding of q and k in float32 (one rounding to bf16) and the
   store of k and v at their ``slot_mapping`` slots in one pass, bit for bit the torch ops it replaces
-  (quantized to int8 rows for an int8 KV cache).
+  (quantized to int8 rows for an int8 KV cache);
+* ``apply_token_bitmask_``: structured output's grammar mask on the logits, in place, writing only the
+  disallowed entries (the torch path unpacks the bitmask to one byte per token and ``masked_fill_``s
+  every entry).
 
 ``torch.ops.lmforge_decode.int8_decode_layers`` (``csrc/int8_decode_cpu.cpp``, bf16) runs every
 decoder layer of a weight-only INT8 model for a few tokens in one call, through those operators and
@@ -233,6 +236,39 @@ def rope_and_cache(
     if qkv.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, torch.int8) or not _native(qkv):
         return None
     return KERNELS.ops.rope_and_cache(qkv, cos, signed_sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
+
+
+def lora_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    task_bounds: torch.Tensor,
+    task_slots: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    out_splits: torch.Tensor,
+) -> bool:
+    """Add the LoRA deltas of one fused layer to ``y`` in place; ``False`` (nothing done) where the C++ kernel
+    can't run (not CPU, the dtypes differ, or the kernels are off).
+
+    Args:
+        y: ``[N, out]`` the layer's output (changed on the rows listed).
+        x: ``[>= N, in]`` its input, in ``y``'s dtype.
+        rows: ``[M]`` int64 row indices, grouped by task.
+        task_bounds: ``[T + 1]`` int64: task ``t`` holds ``rows[task_bounds[t]:task_bounds[t + 1]]`` (1 to 16 rows,
+            all of one slot).
+        task_slots: ``[T]`` int64 slot of each task.
+        A: ``[S, in, K]`` the slots' stacked ``A^T`` (``engine.lora.SlotStack``), ``B``: ``[S, K, out]`` their
+            block-diagonal ``(s B)^T``; module ``j`` of ``n`` owns rank rows ``[j K/n, (j+1) K/n)`` and output
+            columns ``out_splits[j]:out_splits[j + 1]``.
+
+    ``x A`` and the delta are float32 and ``y`` is rounded once (the torch path rounds ``x A`` and the delta to
+    ``y``'s dtype as well).
+    """
+    if not (_native(x) and y.dtype == x.dtype == A.dtype == B.dtype):
+        return False
+    KERNELS.ops.lora_apply(y, x, rows, task_bounds, task_slots, A, B, out_splits)
+    return True
 
 
 def int8_decode_available() -> bool:

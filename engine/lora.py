@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from engine import cpu_ops
 from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.store import (
     ADAPTER_BASE_FIELDS,
@@ -379,9 +381,11 @@ class SlotStack:
     more every module's delta, whatever the number of modules and slots.
     """
 
-    def __init__(self, capacity: int, in_features: int, out_features: int, rank_rows: int, dtype, device):
+    def __init__(self, capacity: int, in_features: int, out_widths: list[int], rank_rows: int, dtype, device):
         self.A = torch.zeros(capacity, in_features, rank_rows, dtype=dtype, device=device)
-        self.B = torch.zeros(capacity, rank_rows, out_features, dtype=dtype, device=device)
+        self.B = torch.zeros(capacity, rank_rows, sum(out_widths), dtype=dtype, device=device)
+        #: ``[n + 1]`` int64: module ``j``'s output columns are ``out_splits[j]:out_splits[j + 1]``
+        self.out_splits = torch.tensor([0, *itertools.accumulate(out_widths)], dtype=torch.long)
 
     def grow(self, capacity: int) -> None:
         """Hold ``capacity`` slots (the new ones zero)."""
@@ -574,7 +578,7 @@ class LoRAManager:
             stack = SlotStack(
                 self.capacity,
                 self.shapes[modules[0]][0],
-                sum(self.shapes[m][1] for m in modules),
+                [self.shapes[m][1] for m in modules],
                 len(modules) * self.max_lora_rank,
                 self.compute_dtype,
                 self.device,
@@ -619,7 +623,16 @@ class LoRABatch:
     ``inverse [N]`` gives each row its group position (base rows: a padding position, whose delta is
     0), so the deltas come back with one ``index_select`` and one add. When every row of the step
     belongs to one slot, the rows are used in place (no gather, and ``addmm_`` adds the deltas).
+
+    Steps of few rows per slot (decode) instead run ``cpu_ops.lora_apply`` where it can: one C++ call per
+    layer that reads each slot's weights once for its rows (tasks of up to 16 rows) and adds the deltas
+    in place, in place of the ~10 torch ops above and their padding.
     """
+
+    #: Largest group of rows for the C++ path; bigger groups (prefill) take the batched matmuls.
+    KERNEL_MAX_GROUP_ROWS = 64
+    #: Rows per task of the C++ path (its limit).
+    KERNEL_TASK_ROWS = 16
 
     def __init__(
         self, row_slots: list[int], stacks: dict, targets: set, device: str, compute_dtype: torch.dtype
@@ -633,6 +646,9 @@ class LoRABatch:
         G = self.num_groups = max(groups) + 1
         largest = max(len(rows) for rows in groups.values())
         self.only_slot = next(iter(groups)) if len(groups) == 1 and largest == self.num_rows else None
+        self.tasks = None
+        if device == "cpu" and largest <= self.KERNEL_MAX_GROUP_ROWS:
+            self.tasks = self._kernel_tasks(groups)
         if self.only_slot is not None:
             return
         M = self.max_rows = largest + 1
@@ -647,6 +663,17 @@ class LoRABatch:
         self.gather = torch.tensor(gather, dtype=torch.long, device=device)
         self.inverse = torch.tensor(inverse, dtype=torch.long, device=device)
         self.mask = torch.tensor(mask, dtype=compute_dtype, device=device).view(G, M, 1)
+
+    def _kernel_tasks(self, groups: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(rows [M], task_bounds [T + 1], task_slots [T])`` for ``cpu_ops.lora_apply``: each slot's rows in
+        tasks of up to ``KERNEL_TASK_ROWS``."""
+        rows, bounds, slots = [], [0], []
+        for slot, members in groups.items():
+            for start in range(0, len(members), self.KERNEL_TASK_ROWS):
+                rows += members[start : start + self.KERNEL_TASK_ROWS]
+                bounds.append(len(rows))
+                slots.append(slot)
+        return tuple(torch.tensor(v, dtype=torch.long) for v in (rows, bounds, slots))
 
     def has(self, layer: int, fused: str) -> bool:
         """Whether some slot of this step changes ``fused`` of ``layer``."""
@@ -663,6 +690,8 @@ class LoRABatch:
         if key not in self.targets:
             return y
         stack, n, dtype = self.stacks[key], self.num_rows, self.compute_dtype
+        if self.tasks is not None and cpu_ops.lora_apply(y, x, *self.tasks, stack.A, stack.B, stack.out_splits):
+            return y
         if self.only_slot is not None:
             s = self.only_slot
             t = x[:n].to(dtype) @ stack.A[s]  # [N, n_mod * R]

@@ -31,7 +31,7 @@ from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.store import CheckpointError
 from engine.config import SUPPORTED_DTYPES
 from engine.errors import UsageError
-from engine.platform import onednn_bf16_supported
+from engine.platform import mkl_gemv_fast, onednn_bf16_supported
 from engine.quant.int8 import (
     INPUT_HADAMARD_SUFFIX,
     INT8_SCALE_SUFFIX,
@@ -134,10 +134,17 @@ def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
     return device == "cpu" and dtype == torch.bfloat16 and onednn_bf16_supported()
 
 
-#: Rows (tokens) of an fp32 CPU linear that run on a oneDNN-packed copy of the weight: 1 to 64 (decode,
-#: speculative verification); prefill keeps MKL's ``F.linear`` on the plain weight. MKL's fp32 GEMM re-packs the
-#: weight on every call past 3 rows (the LM head: 26.8 ms vs 14.1 packed at 5 rows; docs/engine.md).
+#: Rows (tokens) of an fp32 CPU linear that run on a oneDNN-packed copy of the weight: 1 to 64 (decode, speculative
+#: verification); prefill keeps MKL's ``F.linear`` on the plain weight, which re-packs the weight on every call past
+#: 3 rows (the LM head: 26.8 ms vs 14.1 packed at 5 rows; docs/engine.md). On Intel CPUs one row (one request
+#: decoding alone) takes ``F.linear`` too (``fp32_packed_rows``).
 FP32_PACKED_ROWS = (1, 64)
+
+
+def fp32_packed_rows() -> tuple[int, int]:
+    """``FP32_PACKED_ROWS`` on this CPU: from 2 rows where MKL's GEMV is the faster one-row path
+    (``engine.platform.mkl_gemv_fast``), else from 1."""
+    return (2, FP32_PACKED_ROWS[1]) if mkl_gemv_fast() else FP32_PACKED_ROWS
 
 
 #: Fewest rows a step runs its oneDNN-packed float linears with: a decode of 1 to 3 tokens is padded with zero rows
@@ -157,14 +164,14 @@ BATCH_INVARIANT_TILE_ROWS = 32
 def packed_rows(device: str, dtype: torch.dtype, batch_invariant: bool = False) -> tuple[int, int] | None:
     """``(min, max)`` rows of a float linear that use the oneDNN-packed weight, or ``None`` (never packed).
 
-    bf16 on CPU: every row count (``can_pack_weights``); fp32 on CPU: ``FP32_PACKED_ROWS`` (the plain
+    bf16 on CPU: every row count (``can_pack_weights``); fp32 on CPU: ``fp32_packed_rows()`` (the plain
     weight serves the others), or every row count in batch-invariant mode (no MKL call, whose rows
     depend on the row count); elsewhere ``None``.
     """
     if can_pack_weights(device, dtype):
         return (1, sys.maxsize)
     if device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        return (1, sys.maxsize) if batch_invariant else FP32_PACKED_ROWS
+        return (1, sys.maxsize) if batch_invariant else fp32_packed_rows()
     return None
 
 
@@ -323,7 +330,7 @@ class WeightLoader:
         except ValueError as exc:
             raise CheckpointError(str(exc)) from exc
         self.pack = can_pack_weights(device, dtype)  # every row count; RMSNorm weights folded in
-        self.pack_rows = packed_rows(device, dtype, batch_invariant)  # bf16: every row count; fp32: FP32_PACKED_ROWS
+        self.pack_rows = packed_rows(device, dtype, batch_invariant)  # bf16: every row count; fp32: fp32_packed_rows()
 
     def has(self, name: str) -> bool:
         return name in self.tensors or name.removesuffix(".weight") + INT8_WEIGHT_SUFFIX in self.tensors
@@ -481,8 +488,11 @@ class Model:
             self.lm_head = Linear(self.embed, pack=loader.pack_rows is not None, pack_rows=loader.pack_rows)
         self.is_int8 = any(k.endswith(INT8_WEIGHT_SUFFIX) for k in tensors)
         # the linears of a packed float model run at least this many rows (INT8 decode kernels read the weights
-        # once per call for any row count, so an INT8 model is never padded)
-        self.min_rows = PACKED_MIN_ROWS if loader.pack_rows is not None and not self.is_int8 else 1
+        # once per call for any row count, so an INT8 model is never padded; on Intel an fp32 row alone takes
+        # MKL's GEMV)
+        gemv_row = dtype == torch.float32 and not batch_invariant and mkl_gemv_fast()
+        padded = loader.pack_rows is not None and not self.is_int8 and not gemv_row
+        self.min_rows = PACKED_MIN_ROWS if padded else 1
         del tensors
         if batch_invariant:
             if self.is_int8 or loader.pack_rows is None:

@@ -29,6 +29,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 #: Engine configuration of the LLM the session's Triton server serves (and the in-process reference).
 ENGINE_CONFIG = {"max_model_len": 512, "max_num_seqs": 16, "block_size": 16, "num_kv_blocks": 256, "num_threads": 1}
+#: A short Locust load (``bench.loadtest.LoadTestConfig`` fields): 2 users for 4 s over 8 prompts, EOS ignored.
+SHORT_LOAD = {"users": 2, "spawn_rate": 2.0, "run_time_s": 4.0, "ignore_eos": True, "num_prompts": 8}
+#: A two-turn chat record: training labels and evaluation scores cover only its assistant turns.
+DIALOG = {
+    "messages": [
+        {"role": "user", "content": "What is AI?"},
+        {"role": "assistant", "content": "A branch of science."},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "You are welcome."},
+    ]
+}
+#: What the SmolLM2 chat template trains or scores of ``DIALOG``: the assistant turns with their end tokens.
+DIALOG_ASSISTANT_TEXT = "A branch of science.<|im_end|>\nYou are welcome.<|im_end|>\n"
 
 
 @pytest.fixture(scope="session")
@@ -44,15 +57,17 @@ def lmforge():
 
 
 @pytest.fixture(scope="session")
-def start_frontend():
-    """``start_frontend(repo, grpc_url, log_path, *flags)``: a context manager running ``python -m deploy.openai``
-    for ``repo`` on a free port of 127.0.0.1 (ready once ``/health`` answers, within 300 s: a shared machine can take
-    minutes to import torch), stopped at its end; yields the base URL."""
+def start_frontend(tmp_path_factory):
+    """``start_frontend(repo, server, *flags)``: a context manager running ``python -m deploy.openai`` for ``repo``
+    in front of ``server`` (a ``TritonServer``, over gRPC) on a free port of 127.0.0.1 (ready once ``/health``
+    answers, within 300 s: a shared machine can take minutes to import torch), its log in a fresh temporary
+    directory, stopped at its end; yields the base URL."""
 
     @contextlib.contextmanager
-    def start(repo: Path, grpc_url: str, log_path: Path, *flags: str):
+    def start(repo: Path, server: TritonServer, *flags: str):
+        log_path = tmp_path_factory.mktemp("openai-frontend") / "frontend.log"
         url = f"http://127.0.0.1:{free_ports(1)[0]}"
-        command = [sys.executable, "-m", "deploy.openai", "--repo", repo, "--grpc-url", grpc_url]
+        command = [sys.executable, "-m", "deploy.openai", "--repo", repo, "--grpc-url", server.grpc_url]
         command += ["--port", url.rsplit(":", 1)[1], *flags]
         process = ManagedProcess(
             command,

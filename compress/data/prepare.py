@@ -44,7 +44,7 @@ import yaml
 
 from compress.data.dedup import MinHashConfig, exact_key, near_duplicates, normalize
 from engine.checkpoint.outputs import DATA, check_output_dir, staged_output_dir
-from engine.cli_options import add_config_option
+from engine.cli_options import add_config_option, config_fields
 from engine.errors import UsageError
 from engine.records import DataError, iter_jsonl, read_utf8, validate_record
 
@@ -610,22 +610,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = DataConfig(
-        inputs=args.inputs or [DEFAULT_INPUT],
-        val_fraction=args.val_fraction,
-        seed=args.seed,
-        split_by=args.split_by,
-        min_chars=args.min_chars,
-        max_chars=args.max_chars,
-        max_symbol_ratio=args.max_symbol_ratio,
-        max_non_alpha_ratio=args.max_non_alpha_ratio,
-        max_duplicate_line_fraction=args.max_duplicate_line_fraction,
-        blocklist=None if str(args.blocklist).lower() == "none" else args.blocklist,
-        dedup_threshold=args.dedup_threshold,
-        num_perm=args.num_perm,
-        shingle_size=args.shingle_size,
-        noise_ratio=args.noise_ratio,
-    )
+    blocklist = None if str(args.blocklist).lower() == "none" else args.blocklist
+    config = DataConfig(**config_fields(DataConfig, args, inputs=args.inputs or [DEFAULT_INPUT], blocklist=blocklist))
     prepare(config, args.out)
     print(f"wrote {args.out}/train.jsonl, val.jsonl, data_report.json")
     return 0

@@ -76,7 +76,7 @@ from engine.checkpoint.store import (
     resolve_checkpoint,
     update_metrics,
 )
-from engine.cli_options import add_config_option
+from engine.cli_options import add_config_option, add_engine_dtype_option
 from engine.config import KV_CACHE_DTYPES
 from engine.errors import LmforgeError
 from engine.lora import LORA_TARGETS, LoRARequest, load_adapter
@@ -806,11 +806,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "bfloat16, float32, int8), against the reference at the first one: e.g. bfloat16,int8 judges the int8 KV "
         "cache against bf16's (default: each checkpoint on its own library)",
     )
-    parser.add_argument(
+    add_engine_dtype_option(
+        parser,
         "--engine-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="the engine's dtype with --kv-cache-dtype (default auto: bfloat16 where the CPU has native bf16)",
+        "the engine's dtype with --kv-cache-dtype (default auto: bfloat16 where the CPU has native bf16)",
     )
     parser.add_argument(
         "--lora",

@@ -67,7 +67,7 @@ from compress.train.finetune import add_train_arguments, run_recipe, train_confi
 from compress.train.loop import TrainConfig, TrainingError, TrainingRecipe
 from engine import LLM, SamplingParams
 from engine.checkpoint.store import TOKEN_FREQUENCIES_NAME
-from engine.cli_options import add_config_option
+from engine.cli_options import add_config_option, config_fields
 from engine.errors import UsageError
 from engine.records import read_jsonl
 
@@ -721,26 +721,9 @@ def run(args: argparse.Namespace) -> int:
         student_config = json.loads(args.student_config) if args.student_config else None
     except json.JSONDecodeError as exc:
         raise UsageError(f"--student-config: not JSON ({exc})", fix="write e.g. '{\"num_hidden_layers\": 4}'") from exc
-    kwargs = {
-        **train_config_kwargs(args),
-        "student_layers": args.student_layers,
-        "generate_records": args.generate_records,
-        "generate_tokens": args.generate_tokens,
-        "kd_positions": args.kd_positions,
-    }
+    kwargs = config_fields(DistillConfig, args, **train_config_kwargs(args), student_config=student_config)
     if args.full:
         defaults = DistillConfig()
         kwargs.update({k: v for k, v in FULL_BUDGET.items() if kwargs[k] == getattr(defaults, k)})
-    config = DistillConfig(
-        **kwargs,
-        student_config=student_config,
-        layer_importance=args.layer_importance,
-        calibration_records=args.calibration_records,
-        calibration_select=args.calibration_select,
-        train_embeddings=args.train_embeddings,
-        alpha=args.alpha,
-        beta=args.beta,
-        gamma=args.gamma,
-        temperature=args.temperature,
-    )
+    config = DistillConfig(**kwargs)
     return run_recipe(DistillRecipe, config)

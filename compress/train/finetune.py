@@ -27,7 +27,7 @@ import torch
 
 from compress.train.loop import PRECISIONS, TrainConfig, TrainingRecipe, token_losses
 from engine.checkpoint.store import ADAPTER_BASE_FIELDS, ADAPTER_METHOD
-from engine.cli_options import add_config_option
+from engine.cli_options import add_config_option, config_fields
 from engine.errors import UsageError
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -172,9 +172,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
 
 def train_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``TrainConfig`` keyword arguments from parsed ``add_train_arguments`` flags."""
-    names = [f.name for f in dataclasses.fields(TrainConfig)]
-    kwargs = {n: getattr(args, n) for n in names if hasattr(args, n)}
-    kwargs["progress"] = not args.no_progress
+    kwargs = config_fields(TrainConfig, args, progress=not args.no_progress)
     if kwargs.get("max_grad_norm") == 0:
         kwargs["max_grad_norm"] = None
     return kwargs
@@ -214,13 +212,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    lora_target_modules = [m for m in args.lora_target_modules.split(",") if m]
     config = FinetuneConfig(
-        **train_config_kwargs(args),
-        lora=args.lora,
-        merge=args.merge,
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        lora_target_modules=[m for m in args.lora_target_modules.split(",") if m],
+        **config_fields(FinetuneConfig, args, **train_config_kwargs(args), lora_target_modules=lora_target_modules)
     )
     return run_recipe(FinetuneRecipe, config)

@@ -14,6 +14,20 @@ from deploy.lora_adapters import declared_adapters, runtime_adapters
 from deploy.openai.tool_parsers import DEFAULT_TOOL_PARSER
 
 
+def model_card(name: str, created: int, root: Path, parent: str | None, max_model_len: int) -> dict:
+    """An OpenAI model card (``GET /v1/models``): an LLM, one of its LoRA adapters (``parent``: its base)
+    or a sentence encoder; ``root`` is the directory it is served from, ``created`` a UNIX time."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "lmforge",
+        "root": str(root),
+        "parent": parent,
+        "max_model_len": max_model_len,
+    }
+
+
 @dataclasses.dataclass
 class ServedModel:
     """An LLM of the model repository: its Triton name, tokenizer and context length."""

@@ -26,7 +26,7 @@ import orjson
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from deploy.openai.models import EncoderModel, ServedModel
+from deploy.openai.models import EncoderModel, ServedModel, model_card
 from deploy.openai.protocol import EmbeddingRequest, OpenAIError, validation_error
 from deploy.openai.triton_client import TritonBackend, model_error, transport_error
 
@@ -44,15 +44,7 @@ class OpenAIServingEmbedding:
 
     @staticmethod
     def _card(encoder: EncoderModel) -> dict:
-        return {
-            "id": encoder.name,
-            "object": "model",
-            "created": encoder.created,
-            "owned_by": "lmforge",
-            "root": str(encoder.version_dir),
-            "parent": None,
-            "max_model_len": encoder.max_length,
-        }
+        return model_card(encoder.name, encoder.created, encoder.version_dir, None, encoder.max_length)
 
     def cards(self) -> list[dict]:
         """The encoders' OpenAI model cards (``GET /v1/models`` lists them after the LLMs)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from deploy.lora_adapters import check_adapter_name, write_runtime_adapters
-from deploy.openai.models import ServedModel
+from deploy.openai.models import ServedModel, model_card
 from deploy.openai.protocol import LoadLoRAAdapterRequest, OpenAIError, UnloadLoRAAdapterRequest, validation_error
 from deploy.openai.triton_client import TritonBackend
 
@@ -29,27 +29,12 @@ class OpenAIServingModels:
 
     @staticmethod
     def card(model: ServedModel) -> dict:
-        return {
-            "id": model.name,
-            "object": "model",
-            "created": model.created,
-            "owned_by": "lmforge",
-            "root": str(model.checkpoint),
-            "parent": None,
-            "max_model_len": model.max_model_len,
-        }
+        return model_card(model.name, model.created, model.checkpoint, None, model.max_model_len)
 
     @staticmethod
     def adapter_card(model: ServedModel, name: str) -> dict:
-        return {
-            "id": name,
-            "object": "model",
-            "created": model.adapter_created.get(name, model.created),
-            "owned_by": "lmforge",
-            "root": str(model.adapters[name]),
-            "parent": model.name,
-            "max_model_len": model.max_model_len,
-        }
+        created = model.adapter_created.get(name, model.created)
+        return model_card(name, created, model.adapters[name], model.name, model.max_model_len)
 
     def list(self) -> dict:
         cards = []

@@ -319,6 +319,16 @@ class ToolParser:
             entry = {"index": call.index, "id": call.id, "type": "function", "function": function}
         _add_fragment(self._delta.tool_calls, entry)
 
+    def _next_char(self, final: bool) -> int | None:
+        """The index of the first non-space character from ``pos``; ``None`` while there is none (given up when
+        ``final``: the output ended before the calls began)."""
+        i = _skip_ws(self.text, self.pos)
+        if i < len(self.text):
+            return i
+        if final:
+            self._give_up()
+        return None
+
     def _step_list(self, final: bool) -> str:
         """Inside a JSON list of calls (``pos`` after its ``[``): ``"done"`` after its ``]``, ``"wait"`` for
         more text, ``"bad"`` when malformed (given up)."""
@@ -351,6 +361,15 @@ def _listed(tools: list[dict]) -> str:
     return "\n".join(json.dumps(function, ensure_ascii=False) for function in functions)
 
 
+def _tools_prompt(listed: str, how: str) -> str:
+    """A format's system prompt: the functions (``listed``, in the format's wrapping), then ``how`` to call them."""
+    return (
+        "You can call functions to help answer. These are the functions, each as a JSON schema:\n"
+        f"{listed}\n{how}"
+        "The results come back in a message from the tool. If no function fits, answer in words."
+    )
+
+
 def _proper_prefix_at_end(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -381,10 +400,8 @@ class HermesToolParser(ToolParser):
                 self._content(self.text[self.pos : found])
                 self.fallback, self.pos, self.state = found, found + len(self.OPEN), "body"
             elif self.state == "body":
-                i = _skip_ws(self.text, self.pos)
-                if i == len(self.text):
-                    if final:
-                        self._give_up()
+                i = self._next_char(final)
+                if i is None:
                     return
                 if self.text[i] == "[":
                     self.pos, self.state = i + 1, "list"
@@ -413,13 +430,10 @@ class HermesToolParser(ToolParser):
 
     @classmethod
     def prompt(cls, tools: list[dict]) -> str:
-        listed = _listed(tools)
-        return (
-            "You can call functions to help answer. These are the functions, each as a JSON schema:\n"
-            f"<tools>\n{listed}\n</tools>\n"
+        return _tools_prompt(
+            f"<tools>\n{_listed(tools)}\n</tools>",
             "To call functions, reply with only a list of the calls, in this form:\n"
-            '<tool_call>[{"name": "<function name>", "arguments": {<argument name>: <value>, ...}}]</tool_call>\n'
-            "The results come back in a message from the tool. If no function fits, answer in words."
+            '<tool_call>[{"name": "<function name>", "arguments": {<argument name>: <value>, ...}}]</tool_call>\n',
         )
 
     @classmethod
@@ -479,14 +493,11 @@ class Llama3JsonToolParser(ToolParser):
 
     @classmethod
     def prompt(cls, tools: list[dict]) -> str:
-        listed = _listed(tools)
-        return (
-            "You can call functions to help answer. These are the functions, each as a JSON schema:\n"
-            f"{listed}\n"
+        return _tools_prompt(
+            _listed(tools),
             "To call a function, reply with only a JSON object of this form:\n"
             '{"name": "<function name>", "parameters": {<argument name>: <value>, ...}}\n'
-            "Several calls are separated by ;. The results come back in a message from the tool. "
-            "If no function fits, answer in words."
+            "Several calls are separated by ;. ",
         )
 
     @classmethod
@@ -507,10 +518,8 @@ class JsonArrayToolParser(ToolParser):
 
     def _advance(self, final: bool) -> None:
         if self.state == "start":
-            i = _skip_ws(self.text, self.pos)
-            if i == len(self.text):
-                if final:
-                    self._give_up()
+            i = self._next_char(final)
+            if i is None:
                 return
             if self.text[i] != "[":
                 self._give_up()

@@ -43,6 +43,14 @@
 //   ([2, num_blocks, block_size, Hkv, hd + 2]) stores each rotated k row and each v row quantized from those bf16
 //   values: scale = float16(absmax / 127), q = clamp(round_half_even(x / scale), -127, 127), the scale's two
 //   bytes after the row (engine/attention.py quantize_kv computes the same bytes).
+// lmforge_engine::lora_apply(y [N, out] (a!), x [>= N, in], rows [M] int64, task_bounds [T + 1] int64,
+//     task_slots [T] int64, A [S, in, K], B [S, K, out], out_splits [n + 1] int64) -> y
+//   the LoRA deltas of one fused layer added in place: for task t (rows[task_bounds[t] .. task_bounds[t + 1]), all
+//   of slot task_slots[t]) and each of its rows i, y[i] += (x[i] A[s]) B[s], where module j (of n) owns rank rows
+//   [j K / n, (j + 1) K / n) of B[s] and output columns [out_splits[j], out_splits[j + 1]) (B is block-diagonal:
+//   only those blocks are read). x, y, A, B share one dtype (bf16 or fp32); x A and the delta are float32 and y is
+//   rounded once. A task reads its slot's weights once for all its rows (grouped GEMM over the slots, as Punica's
+//   SGMV, Chen et al. 2023), so one call serves every adapter of the step.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -1022,6 +1030,132 @@ void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask) {
   }
 }
 
+// ------------------------------------------------------------------------------------------------ LoRA
+
+constexpr int64_t kLoraTaskRows = 16;
+
+constexpr int kLoraRowBlock = 8;  // rows per register block: 8 x 3 accumulators + 3 weight vectors fit 32 zmm
+
+// out[r][c] = sum_i xr[r][i] w[i][c] for kLoraRowBlock rows r and NV * 16 columns c: the accumulators stay in
+// registers, and each row of w is loaded (and widened to float32) once for all the rows.
+template <typename T, int NV>
+inline void lora_block(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, int64_t ld, int64_t depth,
+                       float* out, int64_t os) {
+  vf16 acc[kLoraRowBlock][NV];
+  for (int r = 0; r < kLoraRowBlock; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = vf16{} + 0.f;
+  for (int64_t i = 0; i < depth; ++i) {
+    vf16 a[NV];
+    for (int v = 0; v < NV; ++v) a[v] = load16<T>(w + i * ld + v * 16);
+    for (int r = 0; r < kLoraRowBlock; ++r) {
+      const float xi = xr[r * xs + i];
+      for (int v = 0; v < NV; ++v) acc[r][v] += xi * a[v];
+    }
+  }
+  for (int r = 0; r < kLoraRowBlock; ++r)
+    for (int v = 0; v < NV; ++v) std::memcpy(out + r * os + v * 16, &acc[r][v], sizeof(vf16));
+}
+
+// out [8, cols] = xr [8, depth] (float32, row stride xs) times w [depth, cols] (T, row stride ld), float32.
+template <typename T>
+void lora_gemm(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, int64_t ld, int64_t depth,
+               int64_t cols, float* out, int64_t os) {
+  int64_t c = 0;
+  for (; c + 48 <= cols; c += 48) lora_block<T, 3>(xr, xs, w + c, ld, depth, out + c, os);
+  if (cols - c >= 32) {
+    lora_block<T, 2>(xr, xs, w + c, ld, depth, out + c, os);
+    c += 32;
+  } else if (cols - c >= 16) {
+    lora_block<T, 1>(xr, xs, w + c, ld, depth, out + c, os);
+    c += 16;
+  }
+  for (; c < cols; ++c)
+    for (int r = 0; r < kLoraRowBlock; ++r) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < depth; ++i) sum += xr[r * xs + i] * Elem<T>::load(w[i * ld + c]);
+      out[r * os + c] = sum;
+    }
+}
+
+template <typename T>
+void lora_apply_tasks(at::Tensor& y, const at::Tensor& x, const int64_t* rows, const int64_t* bounds,
+                      const int64_t* slots, int64_t tasks, const at::Tensor& A, const at::Tensor& B,
+                      const std::vector<int64_t>& splits) {
+  using E = Elem<T>;
+  using raw_t = typename E::raw_t;
+  const int64_t in = x.size(1), K = A.size(2), n_mod = static_cast<int64_t>(splits.size()) - 1, R = K / n_mod;
+  const raw_t* xp = reinterpret_cast<const raw_t*>(x.data_ptr());
+  raw_t* yp = reinterpret_cast<raw_t*>(y.data_ptr());
+  const raw_t* ap = reinterpret_cast<const raw_t*>(A.data_ptr());
+  const raw_t* bp = reinterpret_cast<const raw_t*>(B.data_ptr());
+  const int64_t x_stride = x.stride(0), y_stride = y.stride(0), out = B.size(2);
+  int64_t widest = 0;
+  for (int64_t j = 0; j < n_mod; ++j) widest = std::max(widest, splits[j + 1] - splits[j]);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    // the task's rows of x and of x A (float32; rows past the task's are zero), and a row block of deltas
+    std::vector<float> xs(kLoraTaskRows * in), t(kLoraTaskRows * K), delta(kLoraRowBlock * widest);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t first = bounds[task], nr = bounds[task + 1] - first;
+      const raw_t* a = ap + slots[task] * in * K;
+      const raw_t* b = bp + slots[task] * K * out;
+      std::fill(xs.begin(), xs.end(), 0.f);
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t i = 0; i < in; ++i) xs[r * in + i] = E::load(xp[rows[first + r] * x_stride + i]);
+      for (int64_t r0 = 0; r0 < nr; r0 += kLoraRowBlock) lora_gemm<T>(&xs[r0 * in], in, a, K, in, K, &t[r0 * K], K);
+      for (int64_t j = 0; j < n_mod; ++j) {  // module j: its rank rows times its block of B
+        const int64_t c0 = splits[j], width = splits[j + 1] - c0;
+        for (int64_t r0 = 0; r0 < nr; r0 += kLoraRowBlock) {
+          lora_gemm<T>(&t[r0 * K + j * R], K, b + j * R * out + c0, out, R, width, delta.data(), widest);
+          for (int64_t r = r0; r < std::min(nr, r0 + kLoraRowBlock); ++r) {
+            raw_t* yr = yp + rows[first + r] * y_stride + c0;
+            const float* dr = delta.data() + (r - r0) * widest;
+            for (int64_t c = 0; c < width; ++c) yr[c] = E::store(E::load(yr[c]) + dr[c]);
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor& lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& task_bounds,
+                       const at::Tensor& task_slots, const at::Tensor& A, const at::Tensor& B,
+                       const at::Tensor& out_splits) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && y.scalar_type() == dtype &&
+                  A.scalar_type() == dtype && B.scalar_type() == dtype,
+              "lora_apply: x, y, A and B must share one dtype, bf16 or float32");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.stride(1) == 1 &&
+                  A.dim() == 3 && B.dim() == 3 && A.is_contiguous() && B.is_contiguous() && A.size(0) == B.size(0) &&
+                  A.size(1) == x.size(1) && A.size(2) == B.size(1) && B.size(2) == y.size(1),
+              "lora_apply: want x [N, in], y [N, out] (unit last strides), A [S, in, K], B [S, K, out] contiguous");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && task_bounds.scalar_type() == at::kLong &&
+                  task_slots.scalar_type() == at::kLong && out_splits.scalar_type() == at::kLong &&
+                  rows.is_contiguous() && task_bounds.is_contiguous() && task_slots.is_contiguous() &&
+                  out_splits.is_contiguous() && task_bounds.numel() == task_slots.numel() + 1,
+              "lora_apply: rows, task_bounds [T + 1], task_slots [T] and out_splits must be contiguous int64");
+  const int64_t tasks = task_slots.numel(), n_mod = out_splits.numel() - 1;
+  TORCH_CHECK(n_mod >= 1 && A.size(2) % n_mod == 0, "lora_apply: K must be a multiple of the module count");
+  const int64_t* bounds = task_bounds.data_ptr<int64_t>();
+  const int64_t* slots = task_slots.data_ptr<int64_t>();
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t nr = bounds[t + 1] - bounds[t];
+    TORCH_CHECK(nr >= 1 && nr <= kLoraTaskRows && bounds[t + 1] <= rows.numel() && slots[t] >= 0 &&
+                    slots[t] < A.size(0),
+                "lora_apply: each task holds 1..16 rows of one slot in range");
+    for (int64_t r = bounds[t]; r < bounds[t + 1]; ++r)
+      TORCH_CHECK(row_ids[r] >= 0 && row_ids[r] < y.size(0) && row_ids[r] < x.size(0), "lora_apply: row out of range");
+  }
+  std::vector<int64_t> splits(out_splits.data_ptr<int64_t>(), out_splits.data_ptr<int64_t>() + n_mod + 1);
+  TORCH_CHECK(splits.front() >= 0 && splits.back() <= y.size(1) && std::is_sorted(splits.begin(), splits.end()),
+              "lora_apply: out_splits must rise within [0, out]");
+  if (dtype == at::kBFloat16)
+    lora_apply_tasks<at::BFloat16>(y, x, row_ids, bounds, slots, tasks, A, B, splits);
+  else
+    lora_apply_tasks<float>(y, x, row_ids, bounds, slots, tasks, A, B, splits);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lmforge_engine, m) {
@@ -1038,4 +1172,8 @@ TORCH_LIBRARY(lmforge_engine, m) {
       "float scale, int sliding_window, Tensor? prior_out, Tensor? prior_lse) -> Tensor",
       &paged_decode_attention);
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask) -> ()", &apply_token_bitmask_);
+  m.def(
+      "lora_apply(Tensor(a!) y, Tensor x, Tensor rows, Tensor task_bounds, Tensor task_slots, Tensor A, Tensor B, "
+      "Tensor out_splits) -> Tensor(a!)",
+      &lora_apply);
 }

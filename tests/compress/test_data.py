@@ -22,6 +22,7 @@ from compress.data.prepare import (
     split_groups,
     split_key,
 )
+from tests.conftest import DIALOG, DIALOG_ASSISTANT_TEXT
 
 BASE = [
     "The quick brown fox jumps over the lazy dog near the river bank every single morning.",
@@ -170,20 +171,12 @@ def test_text_loader_splits_paragraphs(tmp_path):
 
 
 def test_loss_mask_covers_only_assistant_turns(tokenizer):
-    record = {
-        "messages": [
-            {"role": "user", "content": "What is two plus two?"},
-            {"role": "assistant", "content": "Four."},
-            {"role": "user", "content": "And three plus three?"},
-            {"role": "assistant", "content": "Six."},
-        ]
-    }
-    ids, labels = tokenize_record(tokenizer, record, max_length=512)
+    ids, labels = tokenize_record(tokenizer, DIALOG, max_length=512)
     assert len(ids) == len(labels)
     trained = tokenizer.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX])
-    assert trained == "Four.<|im_end|>\nSix.<|im_end|>\n"
+    assert trained == DIALOG_ASSISTANT_TEXT
     assert all(lab in (IGNORE_INDEX, t) for t, lab in zip(ids, labels))
-    assert "What is two plus two?" in tokenizer.decode(ids)  # the prompt is in the input, not the loss
+    assert DIALOG["messages"][0]["content"] in tokenizer.decode(ids)  # the prompt is in the input, not the loss
     text_ids, text_labels = tokenize_record(tokenizer, {"text": "plain text"}, max_length=512)
     assert text_labels == text_ids and text_ids[-1] == tokenizer.eos_token_id
 

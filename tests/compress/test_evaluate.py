@@ -24,16 +24,9 @@ from compress.evaluate.quality import (
     reference_logprobs,
 )
 from engine.checkpoint.store import CheckpointError, read_manifest
+from tests.conftest import DIALOG, DIALOG_ASSISTANT_TEXT
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France, and it is lovely in spring."]
-DIALOG = {
-    "messages": [
-        {"role": "user", "content": "What is AI?"},
-        {"role": "assistant", "content": "A branch of science."},
-        {"role": "user", "content": "Thanks"},
-        {"role": "assistant", "content": "You are welcome."},
-    ]
-}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +51,7 @@ def test_chat_records_score_only_assistant_replies(tiny):
     ids, scored = encode_record(tiny.tokenizer, DIALOG)
     assert len(ids) == len(scored) and not scored[0]
     scored_text = tiny.tokenizer.decode([i for i, s in zip(ids, scored) if s])
-    assert scored_text == "A branch of science.<|im_end|>\nYou are welcome.<|im_end|>\n"
+    assert scored_text == DIALOG_ASSISTANT_TEXT
 
 
 def test_kl_and_same_top1_against_a_direct_computation(tiny, tiny_llama_dir):

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from bench.loadtest import LoadTestConfig, run_loadtest
 from bench.report import read_samples
 from lmforge_cli import main
+from tests.conftest import SHORT_LOAD
 
 pytestmark = pytest.mark.integration
 
@@ -33,10 +34,9 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 
 @pytest.fixture(scope="session")
-def frontend(server, served_repo, tmp_path_factory, start_frontend):
+def frontend(server, served_repo, start_frontend):
     """``python -m deploy.openai`` on a free port; yields its base URL."""
-    log_path = tmp_path_factory.mktemp("openai") / "frontend.log"
-    with start_frontend(served_repo, server.grpc_url, log_path, "--models", "llm", "--api-key", API_KEY) as url:
+    with start_frontend(served_repo, server, "--models", "llm", "--api-key", API_KEY) as url:
         yield url
 
 
@@ -48,6 +48,24 @@ def client(frontend):
 @pytest.fixture(scope="session")
 def tokenizer(tiny_llama_dir):
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def async_client(frontend: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{frontend}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+async def greedy_chat_stream(aclient: openai.AsyncOpenAI, messages: list[dict], max_tokens: int) -> list:
+    """The chunks of a greedy chat stream of exactly ``max_tokens`` tokens (EOS ignored), usage chunk last."""
+    stream = await aclient.chat.completions.create(
+        model="llm",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    return [chunk async for chunk in stream]
 
 
 def chat_ids(tokenizer, messages) -> list[int]:
@@ -133,10 +151,8 @@ def test_chat_async_stream_and_not_equal_engine(frontend, engine_text, tokenizer
     expected, _ = engine_text({"prompt_token_ids": ids}, temperature=0, max_tokens=16, ignore_eos=True)
 
     async def run():
-        async with openai.AsyncOpenAI(
-            base_url=f"{frontend}/v1", api_key=API_KEY, max_retries=0, timeout=120
-        ) as aclient:
-            whole, stream = await asyncio.gather(
+        async with async_client(frontend) as aclient:
+            return await asyncio.gather(
                 aclient.chat.completions.create(
                     model="llm",
                     messages=MESSAGES,
@@ -144,17 +160,8 @@ def test_chat_async_stream_and_not_equal_engine(frontend, engine_text, tokenizer
                     temperature=0,
                     extra_body={"ignore_eos": True},
                 ),
-                aclient.chat.completions.create(
-                    model="llm",
-                    messages=MESSAGES,
-                    max_tokens=16,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True},
-                ),
+                greedy_chat_stream(aclient, MESSAGES, 16),
             )
-            return whole, [chunk async for chunk in stream]
 
     whole, chunks = asyncio.run(run())
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
@@ -281,17 +288,7 @@ def test_api_key_is_required_on_v1_routes(frontend):
 
 def test_locust_load_through_the_openai_api(frontend, tmp_path):
     config = LoadTestConfig(
-        host=frontend,
-        model="llm",
-        api="openai",
-        api_key=API_KEY,
-        users=2,
-        spawn_rate=2.0,
-        run_time_s=4.0,
-        max_tokens=8,
-        ignore_eos=True,
-        num_prompts=8,
-        request_timeout_s=30.0,
+        host=frontend, model="llm", api="openai", api_key=API_KEY, max_tokens=8, request_timeout_s=30.0, **SHORT_LOAD
     )
     summary = run_loadtest(config, tmp_path, log=lambda _m: None)
     samples, _ = read_samples(tmp_path / "samples.jsonl")
@@ -414,24 +411,10 @@ def test_chat_streams_under_load_equal_the_engine_with_every_token_and_cached_to
         [{"prompt_token_ids": ids} for ids in all_ids], temperature=0, max_tokens=24, ignore_eos=True
     )
 
-    async def one(aclient, messages):
-        stream = await aclient.chat.completions.create(
-            model="llm",
-            messages=messages,
-            max_tokens=24,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        return [chunk async for chunk in stream]
-
     async def run():
-        async with openai.AsyncOpenAI(
-            base_url=f"{frontend}/v1", api_key=API_KEY, max_retries=0, timeout=120
-        ) as aclient:
-            await one(aclient, conversations[0])  # fills the prefix cache with the system prompt
-            return await asyncio.gather(*(one(aclient, c) for c in conversations))
+        async with async_client(frontend) as aclient:
+            await greedy_chat_stream(aclient, conversations[0], 24)  # fills the prefix cache with the system prompt
+            return await asyncio.gather(*(greedy_chat_stream(aclient, c, 24) for c in conversations))
 
     common = min(next((i for i, (x, y) in enumerate(zip(all_ids[0], ids)) if x != y), len(ids)) for ids in all_ids[1:])
     for ids, (text, _), chunks in zip(all_ids, expected, asyncio.run(run())):

@@ -114,15 +114,14 @@ def lmeval_python(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def f32_frontend(server, served_repo, tiny_llama_dir, tmp_path_factory, start_frontend):
+def f32_frontend(server, served_repo, tiny_llama_dir, start_frontend):
     """The tiny Llama exported as ``llm_f32`` (float32), loaded into the session's Triton and served by a frontend
     of its own; unloaded and removed from the repository afterwards (other tests list the repository)."""
     export(tiny_llama_dir, served_repo, name=MODEL, engine=ENGINE_F32)
     try:
         loaded = requests.post(f"{server.http_url}/v2/repository/models/{MODEL}/load", json={}, timeout=600)
         assert loaded.status_code == 200, loaded.text
-        log_path = tmp_path_factory.mktemp("openai-f32") / "frontend.log"
-        with start_frontend(served_repo, server.grpc_url, log_path, "--models", MODEL) as url:
+        with start_frontend(served_repo, server, "--models", MODEL) as url:
             yield url
     finally:
         requests.post(f"{server.http_url}/v2/repository/models/{MODEL}/unload", json={}, timeout=120)

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from engine.checkpoint.store import resolve_checkpoint
+from tests.deploy.test_tool_parsers import TOOL
 
 pytestmark = pytest.mark.integration
 
@@ -32,11 +33,10 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 
 @pytest.fixture(scope="module")
-def openai_frontend(server, served_repo, tmp_path_factory, start_frontend):
+def openai_frontend(server, served_repo, start_frontend):
     """``python -m deploy.openai`` serving the session's LLM (``llm``) and encoder (``minilm``), without an API
     key; yields its base URL."""
-    log_path = tmp_path_factory.mktemp("openai-embed") / "frontend.log"
-    with start_frontend(served_repo, server.grpc_url, log_path, "--models", "llm", "minilm") as url:
+    with start_frontend(served_repo, server, "--models", "llm", "minilm") as url:
         yield url
 
 
@@ -197,18 +197,8 @@ def test_tokenize_messages_follow_the_chat_template(openai_frontend, client, llm
     assert completion.usage.prompt_tokens == with_prompt["count"]
 
 
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-
-
 def test_tokenize_messages_render_the_tools_as_the_chat_endpoint_does(openai_frontend, client, llm_tokenizer):
-    body = {"model": "llm", "messages": MESSAGES[1:], "tools": [WEATHER_TOOL]}
+    body = {"model": "llm", "messages": MESSAGES[1:], "tools": [TOOL]}
     answer = post(openai_frontend, "/tokenize", body).json()
     bare = post(openai_frontend, "/tokenize", {"model": "llm", "messages": MESSAGES[1:]}).json()
     # SmolLM2's template ignores tools: the frontend writes them into a system prompt before the user turn
@@ -216,7 +206,7 @@ def test_tokenize_messages_render_the_tools_as_the_chat_endpoint_does(openai_fro
     assert "get_weather" in text and '"city"' in text and answer["tokens"][-12:] == bare["tokens"][-12:]
     assert answer["count"] > bare["count"] + 10
     completion = client.chat.completions.create(
-        model="llm", messages=MESSAGES[1:], tools=[WEATHER_TOOL], max_tokens=1, temperature=0
+        model="llm", messages=MESSAGES[1:], tools=[TOOL], max_tokens=1, temperature=0
     )
     assert completion.usage.prompt_tokens == answer["count"]
     # tool_choice none leaves the tools out of the prompt, as the chat endpoint does
@@ -234,7 +224,7 @@ def test_tokenize_messages_render_the_tools_as_the_chat_endpoint_does(openai_fro
         ("/tokenize", {"model": "llm", "messages": []}, 400, "messages"),
         ("/tokenize", {"model": "llm", "messages": MESSAGES, "continue_final_message": True}, 400,
          "continue_final_message"),
-        ("/tokenize", {"model": "llm", "messages": MESSAGES, "tools": [WEATHER_TOOL],
+        ("/tokenize", {"model": "llm", "messages": MESSAGES, "tools": [TOOL],
                        "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
          "tool_choice.function.name"),
         ("/tokenize", {"model": "llm", "messages": MESSAGES, "tools": []}, 400, "tools"),

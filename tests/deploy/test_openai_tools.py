@@ -201,10 +201,9 @@ def test_auto_finds_a_call_in_free_text_whole_and_streamed(client):
     assert none.usage.prompt_tokens == bare.usage.prompt_tokens
 
 
-def test_llama3_json_parser_flag(server, served_repo, start_frontend, tmp_path, tokenizer):
-    log_path = tmp_path / "frontend.log"
+def test_llama3_json_parser_flag(server, served_repo, start_frontend, tokenizer):
     flags = ("--models", "llm", "--tool-call-parser", "llama3_json")
-    with start_frontend(served_repo, server.grpc_url, log_path, *flags) as url:
+    with start_frontend(served_repo, server, *flags) as url:
         llama_client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         regex = r'\{"name": "get_time", "parameters": \{"zone": "(UTC|CET)"\}\}'
         out = llama_client.chat.completions.create(
@@ -277,16 +276,15 @@ SMOLLM2_ENGINE = {"max_model_len": 1024, "num_threads": 1}
 
 
 @pytest.fixture(scope="module")
-def smollm2_client(server, served_repo, smollm2_dir, start_frontend, tmp_path_factory):
+def smollm2_client(server, served_repo, smollm2_dir, start_frontend):
     """The real SmolLM2-135M-Instruct loaded into the session's Triton as ``smollm2_tools``, behind its own frontend."""
     export(smollm2_dir, served_repo, name="smollm2_tools", engine=SMOLLM2_ENGINE)
     loaded = requests.post(f"{server.http_url}/v2/repository/models/smollm2_tools/load", json={}, timeout=600)
     assert loaded.status_code == 200, loaded.text
     try:
-        log_path = tmp_path_factory.mktemp("openai-smollm2") / "frontend.log"
         # a shared machine can starve the model's heartbeats past the 1 s default while its first grammar builds
         flags = ("--models", "smollm2_tools", "--stall-timeout-s", "30")
-        with start_frontend(served_repo, server.grpc_url, log_path, *flags) as url:
+        with start_frontend(served_repo, server, *flags) as url:
             yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     finally:
         # unloaded and removed from the repository: later tests list every model and check server readiness

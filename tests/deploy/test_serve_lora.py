@@ -19,7 +19,7 @@ import requests
 from deploy.export import export
 from deploy.triton import TritonServer, free_ports
 from engine import LLM, LoRARequest, SamplingParams
-from tests.conftest import ENGINE_CONFIG
+from tests.conftest import ENGINE_CONFIG, SHORT_LOAD
 from tests.engine.test_engine_lora import make_peft_adapter
 
 pytestmark = pytest.mark.integration
@@ -56,9 +56,8 @@ def lora_server(lora_repo):
 
 
 @pytest.fixture(scope="module")
-def lora_frontend(lora_server, lora_repo, tmp_path_factory, start_frontend):
-    log_path = tmp_path_factory.mktemp("lora-openai") / "frontend.log"
-    with start_frontend(lora_repo, lora_server.grpc_url, log_path, "--models", "llm", "--api-key", API_KEY) as url:
+def lora_frontend(lora_server, lora_repo, start_frontend):
+    with start_frontend(lora_repo, lora_server, "--models", "llm", "--api-key", API_KEY) as url:
         yield url
 
 
@@ -170,7 +169,7 @@ def test_loadtest_spreads_requests_over_adapters(lora_frontend, lora_server, ada
     body = {"lora_name": "a2", "lora_path": str(adapters["a2"]), "load_inplace": True}
     assert post(lora_frontend, "load_lora_adapter", body).status_code == 200
     before = {n: lora_metric(lora_server, "lmforge_lora_requests_finished_total", n) for n in ("a1", "a2")}
-    common = dict(users=2, spawn_rate=2.0, run_time_s=4.0, max_tokens=4, ignore_eos=True, num_prompts=8)
+    common = {**SHORT_LOAD, "max_tokens": 4}
     for api, host in (("openai", lora_frontend), ("triton", lora_server.http_url)):
         config = LoadTestConfig(
             host=host,

@@ -224,3 +224,42 @@ def test_refined_float_logits_hold_the_exact_top_k(native):
     assert torch.equal(got.indices, want.indices)
     torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-5)
     assert (got.values[:, :-1] > got.values[:, 1:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lora_apply_adds_each_slots_delta_to_its_rows_only(dtype):
+    """The C++ grouped LoRA kernel against the float64 sum ``y + (x A_s) B_s`` per row, on a block-diagonal
+    three-module B (q, k, v of different widths), 37 rows over 3 slots and base rows, a slot with > 16 rows."""
+    from engine.lora import LoRABatch, SlotStack
+
+    g = torch.Generator().manual_seed(0)
+    widths, rank, slots, n, in_features = [96, 32, 32], 8, 3, 37, 64
+    stack = SlotStack(slots, in_features, widths, 3 * rank, dtype, "cpu")
+    for s in range(slots):
+        stack.A[s] = torch.randn(in_features, 3 * rank, generator=g).to(dtype)
+        for j, first in enumerate(stack.out_splits[:-1].tolist()):
+            block = torch.randn(rank, widths[j], generator=g).to(dtype)
+            stack.B[s, j * rank : (j + 1) * rank, first : first + widths[j]] = block
+    row_slots = [(-1 if i % 5 == 4 else (0 if i < 20 else 1 + i % 2)) for i in range(n)]
+    x = torch.randn(n + 3, in_features, generator=g).to(dtype)  # rows past n: padding, never read
+    y = torch.randn(n, sum(widths), generator=g).to(dtype)
+    expected = y.double().clone()
+    for i, s in enumerate(row_slots):
+        if s >= 0:
+            expected[i] += (x[i].double() @ stack.A[s].double()) @ stack.B[s].double()
+    batch = LoRABatch(row_slots, {(0, "qkv"): stack}, {(0, "qkv")}, "cpu", dtype)
+    assert batch.tasks is not None and max(torch.diff(batch.tasks[1]).tolist()) <= LoRABatch.KERNEL_TASK_ROWS
+    got = batch.apply(0, "qkv", x, y.clone())
+    cpu_ops.use_cpu_kernels(False)
+    try:
+        torch_path = batch.apply(0, "qkv", x, y.clone())
+    finally:
+        cpu_ops.use_cpu_kernels(True)
+    if dtype == torch.bfloat16:  # the kernel rounds once (half a bf16 step); the torch path rounds three times
+        torch.testing.assert_close(got.double(), expected, atol=1e-3, rtol=2**-8)
+        torch.testing.assert_close(torch_path.double(), expected, atol=0.5, rtol=0.02)
+    else:
+        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(torch_path.double(), expected, atol=1e-4, rtol=1e-5)
+    base_rows = [i for i, s in enumerate(row_slots) if s < 0]
+    assert torch.equal(got[base_rows], y[base_rows])

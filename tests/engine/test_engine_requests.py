@@ -283,10 +283,12 @@ def test_cli_generate_uses_the_engine(tiny_llama_dir, capsys):
 
 def test_auto_dtype_is_bf16_where_the_cpu_has_it(tiny_llama_dir, tmp_path):
     from engine.config import CPU_BF16_FLAGS, cpu_flags
+    from engine.platform import cpu_vendor
 
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_bf16 amx_tile\n")
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx512f amx_bf16 amx_tile\n")
     assert {"amx_bf16", "avx512f"} <= cpu_flags(str(info))
+    assert cpu_vendor(str(info)) == "AuthenticAMD" and cpu_vendor(str(tmp_path / "missing")) == ""
     assert cpu_flags(str(tmp_path / "missing")) == set()
     config = {k: v for k, v in CONFIG.items() if k != "dtype"}
     llm = LLM(str(tiny_llama_dir), **config)

@@ -406,7 +406,7 @@ def test_reduced_head_keeps_outlier_channels_and_the_fp32_row_rule():
     """A draft's reduced head is the chosen rows of the whole head: a ``w8a8`` head keeps its outlier
     input channels (same logits as those columns of the whole head); an fp32 head packs only the
     engine's fp32 row range."""
-    from engine.model import FP32_PACKED_ROWS, Linear, packed_rows
+    from engine.model import Linear, fp32_packed_rows, packed_rows
     from engine.quant.int8 import W8A8Linear
     from engine.spec_decode.draft import reduced_head
 
@@ -423,7 +423,7 @@ def test_reduced_head_keeps_outlier_channels_and_the_fp32_row_rule():
     torch.testing.assert_close(head(x), whole(x)[:, ids], rtol=0, atol=0)
 
     fp32 = reduced_head(Linear(torch.randn(96, 64, generator=g)), ids, "cpu", torch.float32)
-    assert fp32.pack_rows == FP32_PACKED_ROWS == packed_rows("cpu", torch.float32)
+    assert fp32.pack_rows == fp32_packed_rows() == packed_rows("cpu", torch.float32)
 
 
 def test_waiting_requests_count_towards_the_disable_batch_size():

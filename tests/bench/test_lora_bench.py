@@ -1,0 +1,54 @@
+"""``lmforge bench lora``'s report and its vLLM peer script (no engine run: the figures are given)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+from bench.lora_bench import format_report
+
+
+def _speed(base: float, spread: float) -> dict:
+    def row(tok_s: float) -> dict:
+        return {"tokens": 4096, "wall_s": 4096 / tok_s, "tok_s": tok_s, "tok_cpu_s": tok_s / 2}
+
+    return {
+        "bf16 base alone": row(base),
+        "bf16 + 8 adapters": row(spread),
+        "int8 + 8 adapters": row(spread * 1.1),
+        "int8 base alone": row(base * 1.2),
+    }
+
+
+MEMORY = {
+    "rss_base_bytes": 100 * 2**20,
+    "rss_1_adapters_bytes": 102 * 2**20,
+    "rss_8_adapters_bytes": 150 * 2**20,
+    "adapter_bytes_8": 28 * 2**20,
+    "slot_bytes_8": 42 * 2**20,
+    "adapter_file_bytes": 7 * 2**20,
+    "base_weight_bytes_bf16": 256 * 2**20,
+}
+
+
+def test_report_gives_ours_over_vllm_with_the_same_adapters():
+    vllm = {"vLLM bf16 base alone": {"tok_s": 500.0}, "vLLM bf16 + 8 adapters": {"tok_s": 200.0}}
+    text = format_report(_speed(1000.0, 800.0), MEMORY, 8, vllm)
+    assert any(line.startswith("bf16 + 8 adapters") and "800.0   0.80x" in line for line in text.splitlines())
+    assert "ours / vLLM with 8 adapters (bf16, wall): 4.00x; base alone: 2.00x" in text
+    assert "8 adapters +50.0 MiB" in text
+
+
+def test_report_says_why_vllm_did_not_run():
+    text = format_report(_speed(1000.0, 800.0), MEMORY, 8, "vLLM not installed: run `make peers`")
+    assert "vLLM-CPU: vLLM not installed: run `make peers`" in text
+    assert "ours / vLLM" not in format_report(_speed(1000.0, 800.0), MEMORY, 8)
+
+
+def test_the_vllm_script_imports_only_the_standard_library_at_module_level():
+    """It runs under vLLM's interpreter, whose venv has none of our dependencies."""
+    tree = ast.parse(Path("bench/lora_peer.py").read_text())
+    top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    top |= {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+    assert top - {"__future__"} <= set(sys.stdlib_module_names)
