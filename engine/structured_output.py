@@ -262,8 +262,9 @@ class GrammarCompiler:
         the caller runs the model forward; ``PendingMasks.apply`` then masks the logits.
 
         The grammars' next tokens depend only on the tokens already accepted, so the fill (native code,
-        GIL released) overlaps the forward instead of following it, as vLLM and SGLang overlap grammar masks
-        with the GPU. The matchers belong to the mask thread until ``PendingMasks.wait`` returns.
+        GIL released) overlaps the forward instead of following it, as SGLang's overlap scheduler fills
+        masks on the CPU while the GPU runs the forward. The matchers belong to the mask thread until
+        ``PendingMasks.wait`` returns.
         """
         if self._mask_thread is None:
             self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmforge-mask")
@@ -322,9 +323,10 @@ class PendingMasks:
     def __init__(self, compiler: GrammarCompiler, rows: list[int], future: concurrent.futures.Future) -> None:
         self.compiler, self.rows, self.future = compiler, rows, future
 
-    def wait(self) -> torch.Tensor:
-        """The filled ``[S, words]`` bitmask (the matchers are the engine thread's again)."""
-        return self.future.result()
+    def wait(self) -> None:
+        """Return once the fill has ended (the matchers are the engine thread's again); a failed fill raises in
+        ``apply``, never here, so it cannot hide the error of a forward that failed first."""
+        concurrent.futures.wait([self.future])
 
     def apply(self, logits: torch.Tensor) -> None:
         """Mask ``logits`` (``[S, vocab]``, in place) once the fill is done. The cost counters get the time the

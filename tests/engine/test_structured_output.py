@@ -18,7 +18,14 @@ import torch
 
 from engine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
-from engine.structured_output import GrammarCompiler, GrammarError, apply_bitmask, byte_level_tokenizer_json
+from engine.structured_output import (
+    GrammarCompiler,
+    GrammarError,
+    SequenceGrammar,
+    apply_bitmask,
+    bitmask_words,
+    byte_level_tokenizer_json,
+)
 
 CONFIG = dict(block_size=4, num_kv_blocks=512, max_num_batched_tokens=256, max_model_len=512, dtype="float32")
 #: Bounded fields, so even a random model ends the object within ``max_tokens``.
@@ -133,6 +140,40 @@ def test_bitmask_bit_t_of_row_i_allows_token_t(native, dtype):
         for t in range(101):
             allowed = (int(bitmask[i, t // 32]) >> (t % 32)) & 1
             assert masked[i, t] == (logits[i, t] if allowed else float("-inf"))
+
+
+def test_mask_thread_masks_as_the_engine_thread_does(tiny_llama_dir):
+    """``start_masks`` (the fill on the mask thread during the forward) masks the same logits as ``mask_logits``,
+    on grammars at different states, and leaves the unconstrained row alone."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    vocab = 49152
+    compiler = GrammarCompiler(tokenizer, vocab, {tokenizer.eos_token_id})
+    try:
+        grammars = [SequenceGrammar(compiler, StructuredOutputsParams(json=PERSON)) for _ in range(3)]
+        for g in grammars:
+            g.future.result(timeout=60)
+            assert g.poll() is None and g.ready
+        for steps, g in enumerate(grammars):  # advance each by 0, 1, 2 allowed tokens
+            for _ in range(steps):
+                bitmask = torch.full((1, bitmask_words(vocab)), -1, dtype=torch.int32)
+                compiler.fill_bitmask([g], [0], bitmask)
+                allowed = [t for t in range(vocab) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+                g.accept(allowed[len(allowed) // 2])
+                assert g.error is None
+        logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        rows = [0, 2, 3]  # row 1 has no grammar
+        expected, masked = logits.clone(), logits.clone()
+        compiler.mask_logits(expected, grammars, rows)
+        pending = compiler.start_masks(grammars, rows, 4)
+        pending.apply(masked)
+        pending.wait()
+        assert torch.equal(masked, expected) and torch.equal(masked[1], logits[1])
+        assert all(bool(torch.isinf(masked[r]).any()) for r in rows)
+        assert compiler.num_mask_steps == 2 and compiler.num_masked_tokens == 6
+    finally:
+        compiler.shutdown()
 
 
 # ---------------------------------------------------------------- outputs
