@@ -373,8 +373,7 @@ def load_adapter(request: LoRARequest, spec: ModelSpec, max_lora_rank: int, dtyp
 class SlotStack:
     """The active slots' weights of one fused layer, stacked for batched matmuls over slots.
 
-    ``A [slots, in, n R]``: module ``j``'s ``A^T`` (times the RMSNorm weight the base folded into its
-    own columns, ``Linear.input_scaled``) in rank columns ``[j R, j R + r_j)``, zeros past its rank
+    ``A [slots, in, n R]``: module ``j``'s ``A^T`` in rank columns ``[j R, j R + r_j)``, zeros past its rank
     (``R = max_lora_rank``, ``n`` modules: q, k, v or gate, up); ``B [slots, n R, out]``: module ``j``'s
     ``(s B)^T`` (scaling folded in) in rank rows ``[j R, j R + r_j)`` and its own output columns, zeros
     elsewhere (block-diagonal). One batched matmul gives every module's ``x A^T`` of every slot and one
@@ -416,8 +415,6 @@ class LoRAManager:
         spec: the base model's shape.
         dtype: activation dtype; ``device``: where the slots live.
         max_loras / max_lora_rank / max_cpu_loras: ``EngineConfig`` limits.
-        input_scales: ``(layer, fused layer) -> [in]`` RMSNorm weight the base folded into that layer's
-            weights (its input then arrives only normalized), folded into the slots' ``A`` likewise.
     """
 
     def __init__(
@@ -428,11 +425,9 @@ class LoRAManager:
         max_loras: int,
         max_lora_rank: int,
         max_cpu_loras: int,
-        input_scales: dict[tuple[int, str], torch.Tensor] | None = None,
     ):
         self.spec, self.dtype, self.device = spec, dtype, device
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
-        self.input_scales = input_scales or {}
         self.shapes = module_shapes(spec)
         self.compute_dtype = dtype  # the deltas run in the activation dtype
         self._lock = threading.RLock()
@@ -560,9 +555,6 @@ class LoRAManager:
             stack = self._stack(layer, fused)
             r = a.shape[0]
             a32 = a.float()
-            scale = self.input_scales.get((layer, fused))
-            if scale is not None:
-                a32 = a32 * scale.float().to(a32.device)
             first = sum(self.shapes[m][1] for m in FUSED_MODULES[fused][:j])  # the module's output columns
             stack.A[slot, :, j * R : j * R + r] = a32.t().to(device=self.device, dtype=self.compute_dtype)
             stack.B[slot, j * R : j * R + r, first : first + b.shape[0]] = (

@@ -97,15 +97,7 @@ class ModelRunner:
 
     def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> LoRAManager:
         """Create the model's ``LoRAManager`` (``EngineConfig`` limits); returns it."""
-        scales = {}
-        for i, layer in enumerate(self.model.layers):
-            if layer.folded_input_norm is not None:
-                scales[(i, "qkv")] = layer.folded_input_norm
-            if layer.folded_post_norm is not None:
-                scales[(i, "gate_up")] = layer.folded_post_norm
-        self.lora_manager = LoRAManager(
-            self.spec, self.dtype, self.device, max_loras, max_lora_rank, max_cpu_loras, input_scales=scales
-        )
+        self.lora_manager = LoRAManager(self.spec, self.dtype, self.device, max_loras, max_lora_rank, max_cpu_loras)
         return self.lora_manager
 
     @property

@@ -155,6 +155,19 @@ def test_real_smollm2_bf16_top_logprobs_have_no_ties_where_fp32_has_none(smollm2
         assert len(set(bf16)) == len(bf16) == 10, f"{prompt}: tied bf16 logprobs {bf16}"
 
 
+@pytest.mark.integration
+def test_real_smollm2_bf16_answers_the_readme_question_as_fp32_does(smollm2_dir):
+    """The question of the README's `lmforge generate` example, chat, greedy: fp32 ranks "The" 0.08 nats above
+    "L" as the first token, so small bf16 differences decide it. With the RMSNorm weights folded into the bf16
+    weights the engine answered "L'Étoile, la Marseillaise, ..."; kept apart, as Hugging Face bf16 does, it
+    answers as fp32 does."""
+    params = SamplingParams(temperature=0, max_tokens=12)
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(str(smollm2_dir), dtype=dtype, max_model_len=256, num_kv_blocks=64)
+        text = llm.generate(["What is the capital of France?"], params, chat=True)[0].outputs[0].text
+        assert text.startswith("The capital of France is Paris"), f"{dtype}: {text!r}"
+
+
 def test_bfloat16_tracks_hf_bfloat16(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
