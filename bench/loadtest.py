@@ -612,6 +612,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="reports/loadtest", help="report directory (default reports/loadtest)")
 
 
+#: The OpenAI ``response_format`` types ``--response-format`` accepts.
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
 def parse_response_format(text: str | None) -> dict | None:
     """The OpenAI ``response_format`` object of ``--response-format``: inline JSON, or ``@PATH`` of a JSON file.
 
@@ -636,10 +640,15 @@ def parse_response_format(text: str | None) -> dict | None:
             f"{source} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); pass an object such "
             'as \'{"type": "json_object"}\' or @file.json'
         ) from exc
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMAT_TYPES:
         raise LoadTestConfigError(
             f'{source} must be a JSON object with a "type" (text, json_object or json_schema), '
             f"got {json.dumps(value)[:80]}"
+        )
+    if value["type"] == "json_schema" and not isinstance(value.get("json_schema"), dict):
+        raise LoadTestConfigError(
+            f'{source}: type "json_schema" needs a "json_schema" object (its "name" and "schema"), as OpenAI\'s '
+            'API takes it: {"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}'
         )
     return value
 

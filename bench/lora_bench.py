@@ -270,8 +270,10 @@ def format_report(speed: dict[str, dict], memory: dict, adapters: int, vllm: dic
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.adapters < 1 or args.rank < 1 or args.requests < 1 or args.tokens < 1 or args.rounds < 1:
-        raise UsageError("--adapters, --rank, --requests, --tokens and --rounds must be >= 1")
+    for flag in ("adapters", "rank", "requests", "tokens", "rounds"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise UsageError(f"--{flag} {value}: it must be >= 1")
     if args.json:
         check_output_file(args.json, flag="--json")
     base = resolve_checkpoint(args.model)

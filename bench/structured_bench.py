@@ -37,6 +37,7 @@ from bench.serving_compare import lmforge_stack, row_from_summary
 from bench.serving_profile import lmforge_counters
 from engine.checkpoint.outputs import BENCH_STRUCTURED, check_output_dir
 from engine.checkpoint.store import resolve_checkpoint
+from engine.errors import UsageError
 
 #: The structured phase's output tok/s over the plain phase's that the benchmark aims for.
 TARGET_RATIO = 0.9
@@ -260,11 +261,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         parse_duration(args.run_time)
     except LoadTestError as exc:
-        print(f"error: {exc}")
-        return 2
-    if args.users < 1 or args.max_tokens < 1:
-        print("error: --users and --max-tokens must be >= 1")
-        return 2
+        raise UsageError(f"--run-time: {exc}") from exc
+    for flag, value in (("--users", args.users), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            raise UsageError(f"{flag} {value}: it must be >= 1")
     out = check_output_dir(args.out, kind=BENCH_STRUCTURED)
     out.mkdir(parents=True, exist_ok=True)
     report = measure(args, out)

@@ -171,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--prompt #{number}: not UTF-8 text (character {exc.start})", fix="pass the prompt as UTF-8"
             ) from exc
+        if not prompt.strip():  # with --chat the template alone would still make a prompt
+            raise UsageError(f"--prompt #{number} is empty", fix="pass some text")
     if args.backend == "hf":
         if args.temperature != 0:
             raise UsageError("--backend hf is the greedy reference", fix="use --temperature 0")

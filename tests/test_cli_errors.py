@@ -246,6 +246,13 @@ def test_non_utf8_inputs_name_the_file(tiny_llama_dir, tmp_path, capsys):
         "--prompt #1: not UTF-8 text",
         capsys=capsys,
     )
+    for chat in ([], ["--chat"]):  # the chat template alone would make a prompt of an empty one
+        _fails(
+            ["generate", "--model", str(tiny_llama_dir), *chat, "--prompt", "  "],
+            2,
+            "--prompt #1 is empty",
+            capsys=capsys,
+        )
     assert not (tmp_path / "d").exists()
 
 

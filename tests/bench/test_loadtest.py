@@ -340,6 +340,8 @@ def test_bad_response_format_names_the_flag(tmp_path):
     for bad, reason in (
         ('{"type": "json_schema",', "not valid JSON"),
         ("[1, 2]", "JSON object with a"),
+        ('{"type": "xml"}', "JSON object with a"),
+        ('{"type": "json_schema"}', 'needs a "json_schema" object'),
         (f"@{tmp_path / 'missing.json'}", "cannot read it"),
     ):
         with pytest.raises(LoadTestError, match=reason) as refused:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import sys
 from pathlib import Path
 
-from bench.lora_bench import format_report
+import pytest
+
+from bench.lora_bench import add_arguments, format_report, run
+from engine.errors import UsageError
 
 
 def _speed(base: float, spread: float) -> dict:
@@ -52,3 +56,12 @@ def test_the_vllm_script_imports_only_the_standard_library_at_module_level():
     top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
     top |= {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
     assert top - {"__future__"} <= set(sys.stdlib_module_names)
+
+
+@pytest.mark.parametrize("flag", ["--adapters", "--rank", "--requests", "--tokens", "--rounds"])
+def test_a_count_below_one_is_a_usage_error_naming_its_flag(flag):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(UsageError, match=f"^{flag} 0: it must be >= 1") as refused:
+        run(parser.parse_args([flag, "0"]))
+    assert refused.value.exit_code == 2

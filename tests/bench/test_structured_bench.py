@@ -7,6 +7,7 @@ are known.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -16,13 +17,16 @@ from bench.serving_compare import row_from_summary
 from bench.structured_bench import (
     TARGET_RATIO,
     Person,
+    add_arguments,
     build_report,
     format_report,
     grammar_costs,
     prompts,
     response_format,
+    run,
     valid_share,
 )
+from engine.errors import UsageError
 
 GOOD = '{"name":"Ana","age":31,"city":"Lisbon","email":"ana@example.com","active":true}'
 
@@ -117,3 +121,15 @@ def test_report_ratio_target_and_table():
     assert "0.80x (misses the >= 0.9x target)" in table
     assert "parse and validate: 90.0% of 10" in table
     assert "4.00 ms over 1 compile(s); mask: 2.000 ms per engine step, 0.500 ms per token" in table
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--users", "0"], "--users 0"), (["--max-tokens", "0"], "--max-tokens 0"), (["--run-time", "abc"], "--run-time")],
+)
+def test_bad_flags_are_usage_errors_naming_the_flag(flags, named, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(UsageError, match=named) as refused:
+        run(parser.parse_args([*flags, "--out", str(tmp_path / "out")]))
+    assert refused.value.exit_code == 2 and not (tmp_path / "out").exists()
