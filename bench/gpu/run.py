@@ -20,8 +20,9 @@ and ratios to the figures issue 14 quotes for transformers 5.17 on an H200 (not 
 Everything lands in ``<out>/gpu_report.json``; the exit status is 1 when a check fails.
 On CPU (``--dry-run``) the engine uses the Triton attention backend under Triton's
 interpreter, so the kernels, the bucket-padded static decode path and the report are all
-exercised; graph capture itself needs CUDA. torch, transformers and the engine are imported inside
-the functions: ``main`` sets ``TRITON_INTERPRET`` for ``--dry-run`` before any of them loads Triton.
+exercised; graph capture itself needs CUDA. torch, transformers and the engine's runtime are imported
+inside the functions (``engine.checkpoint.model_spec`` loads none of them): ``main`` sets
+``TRITON_INTERPRET`` for ``--dry-run`` before any of them loads Triton.
 """
 
 from __future__ import annotations
@@ -38,23 +39,19 @@ import traceback
 from pathlib import Path
 
 from bench.harness import percentiles
+from engine.checkpoint.model_spec import ModelSpec
 
-#: Model shapes (``transformers.LlamaConfig`` fields).
-LLAMA_3_2_1B = dict(
-    hidden_size=2048,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=8192,
-    vocab_size=128256,
-)
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=512,
+#: Model shapes: ``ModelSpec(layers, hidden, heads, KV heads, vocab, intermediate)``.
+LLAMA_3_2_1B = ModelSpec(16, 2048, 32, 8, 128256, 8192)
+TINY = ModelSpec(2, 64, 4, 2, 512, 128)
+#: The ``transformers.LlamaConfig`` fields a shape sets, in the report's order.
+SHAPE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
 )
 #: Log-probability tolerance of bf16 engine vs Hugging Face bf16 (both round activations to bf16).
 BF16_LOGPROB_ATOL = 0.05
@@ -83,8 +80,13 @@ DRY = Workload(num_requests=4, prompt_len=20, shared_prefix_len=16, max_tokens=4
 # ------------------------------------------------------------------------------------ checkpoints
 
 
+def llama_shape(shape: ModelSpec) -> dict:
+    """``shape``'s sizes as ``transformers.LlamaConfig`` keyword arguments (``SHAPE_FIELDS``)."""
+    return {name: getattr(shape, name) for name in SHAPE_FIELDS}
+
+
 def write_random_checkpoint(
-    out_dir: Path, shape: dict, dtype, device: str, seed: int, max_position_embeddings: int
+    out_dir: Path, shape: ModelSpec, dtype, device: str, seed: int, max_position_embeddings: int
 ) -> Path:
     """A Llama checkpoint of ``shape`` with N(0, 0.02) weights (ones for the norms), tied embeddings,
     and a word-level tokenizer ``t<i>`` over the vocabulary. Weights are drawn on ``device``."""
@@ -94,7 +96,7 @@ def write_random_checkpoint(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = LlamaConfig(
-        **shape,
+        **llama_shape(shape),
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
@@ -103,16 +105,15 @@ def write_random_checkpoint(
         pad_token_id=2,
     )  # no EOS: HF never stops early
     cfg.save_pretrained(out_dir)
-    h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-    hd = h // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    h, inter, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
+    q, kv = shape.q_size, shape.kv_size
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*size):
         return (torch.randn(size, generator=gen, device=device) * 0.02).to(dtype).cpu()
 
     tensors = {"model.embed_tokens.weight": rand(v, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
-    for i in range(shape["num_hidden_layers"]):
+    for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}."
         tensors.update(
             {
@@ -182,9 +183,9 @@ def run_checks(work: Path, device: str, dry_run: bool) -> list[dict]:
     path = write_random_checkpoint(work / "tiny", TINY, torch.float32, device, seed=0, max_position_embeddings=256)
     lengths = [1, 5, 17, 33] if dry_run else [1, 5, 17, 33, 64, 100]
     prompts = [
-        p[:n] for p, n in zip(random_prompts(len(lengths), 100, 0, TINY["vocab_size"], seed=1), lengths)
+        p[:n] for p, n in zip(random_prompts(len(lengths), 100, 0, TINY.vocab_size, seed=1), lengths)
     ]  # <= 100 + 12 < max_model_len
-    prompts += random_prompts(2 if dry_run else 4, 40, 32, TINY["vocab_size"], seed=2)  # a shared 32-token prefix
+    prompts += random_prompts(2 if dry_run else 4, 40, 32, TINY.vocab_size, seed=2)  # a shared 32-token prefix
     max_new = 3 if dry_run else 12
     greedy = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     model = hf_model(path, torch.float32, device)
@@ -227,7 +228,7 @@ def run_checks(work: Path, device: str, dry_run: bool) -> list[dict]:
 
     # 16 prompts of 2 blocks fill a pool of 32 blocks of 4 tokens: the first decode step needs a
     # third block per request, so the newest requests are preempted and recomputed
-    packed = random_prompts(16, 8, 0, TINY["vocab_size"], seed=5)
+    packed = random_prompts(16, 8, 0, TINY.vocab_size, seed=5)
     packed_reference = hf_greedy_tokens(model, packed, max_new)
     small = LLM(str(path), num_kv_blocks=32, enable_prefix_caching=False, **{**engine_args, "block_size": 4})
     preempted = engine_tokens(small.generate(packed, greedy))
@@ -283,7 +284,7 @@ def check_bf16_logprobs(path: Path, prompts: list[list[int]], device: str, engin
 # ------------------------------------------------------------------------------------ workload
 
 
-def run_workload(work: Path, device: str, shape: dict, w: Workload) -> dict:
+def run_workload(work: Path, device: str, shape: ModelSpec, w: Workload) -> dict:
     import torch
 
     from engine import SamplingParams
@@ -296,7 +297,7 @@ def run_workload(work: Path, device: str, shape: dict, w: Workload) -> dict:
     t = time.perf_counter()
     llm = _workload_llm(path, device, w)
     load_s = time.perf_counter() - t
-    vocab = shape["vocab_size"]
+    vocab = shape.vocab_size
     prompts = random_prompts(w.num_requests, w.prompt_len, w.shared_prefix_len, vocab, seed=3)
     params = SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True)
     t = time.perf_counter()
@@ -321,7 +322,7 @@ def run_workload(work: Path, device: str, shape: dict, w: Workload) -> dict:
     runner = llm.engine.runner
     result = {
         "workload": dataclasses.asdict(w),
-        "shape": shape,
+        "shape": llama_shape(shape),
         "dtype": "bfloat16",
         "engine_config": {
             k: v for k, v in dataclasses.asdict(llm.engine.config).items() if not k.startswith(("speculative", "ngram"))
@@ -428,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             report["checks"] = run_checks(Path(tmp), device, args.dry_run)
             report["checks_s"] = round(time.perf_counter() - started, 2)
             if not args.skip_workload:
-                shape = {**TINY, "vocab_size": 512} if args.dry_run else LLAMA_3_2_1B
+                shape = TINY if args.dry_run else LLAMA_3_2_1B
                 report["workload"] = run_workload(Path(tmp), device, shape, DRY if args.dry_run else FULL)
         except Exception as exc:  # noqa: BLE001 - the report records what failed, then the exit status says so
             report["error"] = "".join(traceback.format_exception(exc))

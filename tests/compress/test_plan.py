@@ -174,14 +174,7 @@ def test_schedule_simulation_confirms_closed_form_bubble(p, m):
 
 
 def test_kv_bytes_per_token_equal_a_paged_cache_of_that_shape():
-    spec = ModelSpec(
-        num_hidden_layers=3,
-        hidden_size=96,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        vocab_size=100,
-        intermediate_size=128,
-    )
+    spec = ModelSpec(3, 96, 6, 2, 100, 128)  # layers, hidden, heads, KV heads, vocab, MLP
     num_blocks, block_size = 7, 16
     for dtype, nbytes in ((torch.float16, 2), (torch.float32, 4)):
         cache = [
