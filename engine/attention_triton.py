@@ -2,7 +2,8 @@
 
 The kernels read K and V straight from the paged cache ``[num_blocks, block_size, num_kv_heads,
 head_dim]`` through each request's block table; nothing is gathered into a contiguous copy.
-Three kernels, all launched once per layer and step:
+Three launches per layer and step, of two kernels (``paged_decode`` and ``paged_prefill`` run one
+attention kernel, whose tile rows are either the query heads of a KV head or a head's query tokens):
 
 - ``store_kv``: writes each new token's K/V at ``slot_mapping`` (a negative slot is skipped:
   padding rows of a CUDA-graph batch).
@@ -166,77 +167,7 @@ def _attend_keys(
 
 
 @triton.jit
-def _paged_decode_kernel(
-    out_ptr,
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    block_table_ptr,
-    seq_lens_ptr,
-    scale,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_bt,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    ROW: tl.constexpr,
-    SCALE_ROW: tl.constexpr,
-    QUANT: tl.constexpr,
-    PAGE: tl.constexpr,
-    WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    req = tl.program_id(0)
-    kvh = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + req)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    gm = g < GROUP
-    dm = d < HEAD_DIM
-    heads = kvh * GROUP + g
-    q = tl.load(
-        q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
-        mask=gm[:, None] & dm[None, :],
-        other=0.0,
-    )  # [G, D]
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    lo = 0
-    if WINDOW > 0:
-        lo = tl.maximum(seq_len - WINDOW, 0)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    for start in range(lo, seq_len, BLOCK_N):
-        toks = start + tl.arange(0, BLOCK_N)
-        tm = toks < seq_len
-        if WINDOW > 0:
-            tm = tm & (toks >= seq_len - WINDOW)
-        blk = tl.load(block_table_ptr + req * stride_bt + toks // PAGE, mask=tm, other=0)
-        row = (blk.to(tl.int64) * PAGE + toks % PAGE) * NUM_KV_HEADS + kvh  # [N] row of [slots * kv_heads, D]
-        acc, m_i, l_i = _attend_keys(
-            q, acc, m_i, l_i, row, tm, tm[None, :], d, dm, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale,
-            ROW, SCALE_ROW, QUANT, PRECISION,
-        )  # fmt: skip
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + req * stride_o_tok + heads[:, None] * HEAD_DIM + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=gm[:, None] & dm[None, :],
-    )
-
-
-@triton.jit
-def _paged_prefill_kernel(
+def _paged_attention_kernel(
     out_ptr,
     q_ptr,
     k_cache_ptr,
@@ -261,44 +192,61 @@ def _paged_prefill_kernel(
     WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """A tile of ``BLOCK_M`` query rows of request ``program_id(0)`` against its paged keys.
+
+    ``DECODE`` (grid ``(requests, kv_heads)``): the rows are the ``GROUP`` query heads of KV head
+    ``program_id(1)``, all at the request's last position (``query_start_ptr`` is not read). Prefill
+    (grid ``(chunks, heads, query tiles)``): the rows are query tile ``program_id(2)`` of the chunk, head
+    ``program_id(1)``; a tile past the chunk's end does nothing.
+    """
     req = tl.program_id(0)
-    head = tl.program_id(1)
-    tile = tl.program_id(2)
-    q_start = tl.load(query_start_ptr + req)
-    q_len = tl.load(query_start_ptr + req + 1) - q_start
-    if tile * BLOCK_M < q_len:
-        seq_len = tl.load(seq_lens_ptr + req)
-        context = seq_len - q_len  # tokens cached before this chunk
+    seq_len = tl.load(seq_lens_ptr + req)
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HEAD_DIM
+    if DECODE:
+        kvh = tl.program_id(1)
+        heads = kvh * GROUP + r
+        rm = r < GROUP
+        q_offs = req * stride_q_tok + heads * stride_q_head  # [M]
+        o_offs = req * stride_o_tok + heads * HEAD_DIM
+        first = seq_len - 1  # position of the tile's first query
+        q_pos = tl.zeros([BLOCK_M], tl.int32) + first  # [M] positions of the tile's queries
+        hi = seq_len  # past the tile's last query
+    else:
+        head = tl.program_id(1)
         kvh = head // GROUP
-        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        d = tl.arange(0, BLOCK_D)
-        qm = m < q_len
-        dm = d < HEAD_DIM
-        q_pos = context + m  # [M] positions of the tile's queries
-        q = tl.load(
-            q_ptr + (q_start + m)[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
-            mask=qm[:, None] & dm[None, :],
-            other=0.0,
-        )  # [M, D]
+        q_start = tl.load(query_start_ptr + req)
+        q_len = tl.load(query_start_ptr + req + 1) - q_start
+        context = seq_len - q_len  # tokens cached before this chunk
+        m = tl.program_id(2) * BLOCK_M + r
+        rm = m < q_len
+        q_offs = (q_start + m) * stride_q_tok + head * stride_q_head
+        o_offs = (q_start + m) * stride_o_tok + head * HEAD_DIM
+        first = context + tl.program_id(2) * BLOCK_M  # at seq_len or past it: a tile past the chunk's end
+        q_pos = context + m
+        hi = tl.minimum(seq_len, first + BLOCK_M)
+    if first < seq_len:
+        q = tl.load(q_ptr + q_offs[:, None] + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)  # [M, D]
         if DOT_FP32:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        hi = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)  # past the tile's last query
         lo = 0
         if WINDOW > 0:
-            lo = tl.maximum(context + tile * BLOCK_M - WINDOW + 1, 0)
+            lo = tl.maximum(first - WINDOW + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
         for start in range(lo, hi, BLOCK_N):
             toks = start + tl.arange(0, BLOCK_N)
             tm = toks < seq_len
             blk = tl.load(block_table_ptr + req * stride_bt + toks // PAGE, mask=tm, other=0)
-            row = (blk.to(tl.int64) * PAGE + toks % PAGE) * NUM_KV_HEADS + kvh  # [N]
+            row = (blk.to(tl.int64) * PAGE + toks % PAGE) * NUM_KV_HEADS + kvh  # [N] row of [slots * kv_heads, D]
             allowed = tm[None, :] & (toks[None, :] <= q_pos[:, None])
             if WINDOW > 0:
                 allowed = allowed & (toks[None, :] > q_pos[:, None] - WINDOW)
@@ -308,9 +256,7 @@ def _paged_prefill_kernel(
             )  # fmt: skip
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
-            out_ptr + (q_start + m)[:, None] * stride_o_tok + head * HEAD_DIM + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=qm[:, None] & dm[None, :],
+            out_ptr + o_offs[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :]
         )
 
 
@@ -365,16 +311,6 @@ def _scales(cache: torch.Tensor) -> torch.Tensor:
     return cache[..., cache.shape[-1] - KV_SCALE_BYTES :].view(torch.float16)
 
 
-def _cache_args(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
-    """The cache-layout constants of both attention kernels."""
-    return {
-        "HEAD_DIM": q.shape[-1],
-        "ROW": k_cache.shape[-1],
-        "SCALE_ROW": k_cache.shape[-1] // KV_SCALE_BYTES,
-        "QUANT": k_cache.dtype == torch.int8,
-    }
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` with each token's ``[heads, head_dim]`` contiguous (rows may be strided)."""
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
@@ -397,6 +333,62 @@ def _interpreting() -> bool:
     if knobs is not None:
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    max_query_len: int,
+    sliding_window: int | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """``paged_prefill``, or ``paged_decode`` when ``query_start_loc`` is ``None`` (``max_query_len`` unused)."""
+    n, h, hd = q.shape
+    kv = k_cache.shape[2]
+    if out is None:
+        out = torch.empty(n, h * hd, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    decode = query_start_loc is None
+    if decode:  # a tile: the query heads of one KV head
+        grid, block_m = (n, kv), _pow2_at_least_16(h // kv)
+    else:
+        grid, block_m = (block_table.shape[0], h, triton.cdiv(max_query_len, BLOCK_M)), BLOCK_M
+    _paged_attention_kernel[grid](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        _scales(k_cache),
+        _scales(v_cache),
+        block_table,
+        seq_lens,
+        seq_lens if decode else query_start_loc,  # not read by a decode
+        hd**-0.5,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        block_table.stride(0),
+        NUM_KV_HEADS=kv,
+        GROUP=h // kv,
+        HEAD_DIM=hd,
+        ROW=k_cache.shape[-1],
+        SCALE_ROW=k_cache.shape[-1] // KV_SCALE_BYTES,
+        QUANT=k_cache.dtype == torch.int8,
+        PAGE=k_cache.shape[1],
+        WINDOW=sliding_window or 0,
+        PRECISION=_precision(q.dtype),
+        DOT_FP32=_dot_fp32(q.dtype),
+        DECODE=decode,
+        BLOCK_M=block_m,
+        BLOCK_D=_pow2_at_least_16(hd),
+        BLOCK_N=BLOCK_N,
+    )
+    return out
 
 
 def paged_decode(
@@ -422,39 +414,7 @@ def paged_decode(
     Returns:
         ``[B, num_heads * head_dim]`` in ``q``'s dtype.
     """
-    b, h, hd = q.shape
-    kv = k_cache.shape[2]
-    if out is None:
-        out = torch.empty(b, h * hd, dtype=q.dtype, device=q.device)
-    if b == 0:
-        return out
-    group = h // kv
-    _paged_decode_kernel[(b, kv)](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        _scales(k_cache),
-        _scales(v_cache),
-        block_table,
-        seq_lens,
-        hd**-0.5,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        block_table.stride(0),
-        NUM_KV_HEADS=kv,
-        GROUP=group,
-        **_cache_args(q, k_cache),
-        PAGE=k_cache.shape[1],
-        WINDOW=sliding_window or 0,
-        PRECISION=_precision(q.dtype),
-        DOT_FP32=_dot_fp32(q.dtype),
-        BLOCK_G=_pow2_at_least_16(group),
-        BLOCK_D=_pow2_at_least_16(hd),
-        BLOCK_N=BLOCK_N,
-    )
-    return out
+    return _paged_attention(q, k_cache, v_cache, block_table, seq_lens, None, 1, sliding_window, out)
 
 
 def paged_prefill(
@@ -481,41 +441,9 @@ def paged_prefill(
     Returns:
         ``[N, num_heads * head_dim]``.
     """
-    n, h, hd = q.shape
-    kv = k_cache.shape[2]
-    p = block_table.shape[0]
-    if out is None:
-        out = torch.empty(n, h * hd, dtype=q.dtype, device=q.device)
-    if n == 0:
-        return out
-    grid = (p, h, triton.cdiv(max_query_len, BLOCK_M))
-    _paged_prefill_kernel[grid](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        _scales(k_cache),
-        _scales(v_cache),
-        block_table,
-        seq_lens,
-        query_start_loc,
-        hd**-0.5,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        block_table.stride(0),
-        NUM_KV_HEADS=kv,
-        GROUP=h // kv,
-        **_cache_args(q, k_cache),
-        PAGE=k_cache.shape[1],
-        WINDOW=sliding_window or 0,
-        PRECISION=_precision(q.dtype),
-        DOT_FP32=_dot_fp32(q.dtype),
-        BLOCK_M=BLOCK_M,
-        BLOCK_D=_pow2_at_least_16(hd),
-        BLOCK_N=BLOCK_N,
+    return _paged_attention(
+        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, sliding_window, out
     )
-    return out
 
 
 # ------------------------------------------------------------------------------------ backend
