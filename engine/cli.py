@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.checkpoint.store import DEFAULT_MODEL, check_device, load_causal_lm
-from engine.cli_options import add_engine_dtype_option, config_fields
+from engine.cli_options import add_config_option, add_engine_dtype_option, config_fields
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.errors import LmforgeError, UsageError
 
@@ -27,44 +27,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_dtype_option(
         parser, "--dtype", "engine dtype (auto: bfloat16 where the CPU has native bf16, else float32)"
     )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=list(KV_CACHE_DTYPES),
-        help="how the KV cache stores K and V (auto: the engine dtype; int8: per-token, per-head scales, about half "
+    e = EngineConfig()
+    add_config_option(
+        parser,
+        e,
+        "kv_cache_dtype",
+        "how the KV cache stores K and V (auto: the engine dtype; int8: per-token, per-head scales, about half "
         "the bytes of bf16)",
+        choices=list(KV_CACHE_DTYPES),
     )
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output (default: the checkpoint's, capped at 8192)",
+    add_config_option(parser, e, "device", "cpu or cuda")
+    add_config_option(
+        parser, e, "max_model_len", "longest prompt + output (default: the checkpoint's, capped at 8192)", type=int
     )
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_config_option(parser, e, "num_threads", "torch CPU threads (default: torch's choice)", type=int)
     parser.add_argument(
         "--stats", action="store_true", help="print tokens/s, TTFT, prefix-cache and speculation figures"
     )
-    parser.add_argument(
-        "--speculative-method",
+    add_config_option(
+        parser,
+        e,
+        "speculative_method",
+        "speculative decoding: ngram (prompt lookup) or draft (a small model); default off",
         choices=["ngram", "draft"],
-        default=None,
-        help="speculative decoding: ngram (prompt lookup) or draft (a small model); default off",
     )
-    parser.add_argument(
-        "--num-speculative-tokens", type=int, default=None, help="tokens proposed per step (default: 4 ngram, 3 draft)"
+    add_config_option(
+        parser, e, "num_speculative_tokens", "tokens proposed per step (default: 4 ngram, 3 draft)", type=int
     )
-    parser.add_argument(
-        "--speculative-model",
-        default=None,
-        help="draft checkpoint (default: the newest `lmforge distill` output of --model under ./runs)",
+    add_config_option(
+        parser,
+        e,
+        "speculative_model",
+        "draft checkpoint (default: the newest `lmforge distill` output of --model under ./runs)",
     )
-    parser.add_argument(
-        "--speculative-ngram-corpus",
-        default=None,
-        metavar="JSONL",
-        help="chat records whose n-grams the ngram proposer also looks up, e.g. the teacher_generated.jsonl of an "
+    add_config_option(
+        parser,
+        e,
+        "speculative_ngram_corpus",
+        "chat records whose n-grams the ngram proposer also looks up, e.g. the teacher_generated.jsonl of an "
         "`lmforge distill` run (default: prompt lookup only)",
+        metavar="JSONL",
     )
     parser.add_argument(
         "--backend",
