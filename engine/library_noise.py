@@ -4,7 +4,9 @@ Each filter drops one known message at the logger that raises it, and nothing el
 
 * torchao's CPU wheel ships CUDA-only extension files (``_C_mxfp8``, ``_C_cutlass_90a``) and logs a
   warning for each one it cannot load; we use none of them on CPU;
-* torch's pytree logs a deprecation warning when torchao registers its enums as pytree constants.
+* torch's pytree logs a deprecation warning when torchao registers its enums as pytree constants;
+* bitsandbytes (imported by peft for LoRA) logs a warning on CPUs with AVX512-BF16 when the optional
+  ``kernels`` package that would fetch its hub kernel is absent; it falls back to its own CPU kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class _DropMessages(logging.Filter):
 _FILTERS = {
     "torchao": _DropMessages("_C_mxfp8", "_C_cutlass"),
     "torch.utils._pytree": _DropMessages("is an Enum subclass and is now natively supported"),
+    "bitsandbytes.backends.cpu.ops": _DropMessages("Failed to load CPU gemm_4bit_forward from kernels-community"),
 }
 
 

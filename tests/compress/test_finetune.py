@@ -239,6 +239,20 @@ def test_bad_settings_are_rejected(tiny_llama_dir, chat_data, tmp_path):
         FinetuneRecipe(_config(tiny_llama_dir, chat_data, tmp_path / "none", resume=True)).run()
 
 
+def test_lora_command_prints_only_its_own_output(tiny_llama_dir, chat_data, tmp_path):
+    """``lmforge finetune --lora`` imports peft (and with it bitsandbytes): no library warning reaches the terminal."""
+    run_dir = tmp_path / "lora"
+    cmd = [sys.executable, "-m", "lmforge_cli", "finetune", "--model", str(tiny_llama_dir), "--data", str(chat_data)]
+    cmd += ["--run-dir", str(run_dir), "--lora", "--max-steps", "1", "--micro-batch-size", "2", "--max-length", "48"]
+    cmd += ["--eval-every", "0", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == ""
+    assert proc.stdout.startswith("val loss ") and proc.stdout.rstrip().endswith(f"wrote {run_dir / 'final'}")
+    assert len(proc.stdout.splitlines()) == 1
+
+
 def test_ddp_two_cpu_processes(tiny_llama_dir, chat_data, tmp_path):
     """torchrun --nproc_per_node 2 (gloo): both ranks train, rank 0 writes metrics and the model."""
     run_dir = tmp_path / "ddp"
