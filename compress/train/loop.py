@@ -321,6 +321,10 @@ class TrainingRecipe:
         self.model_path = resolve_checkpoint(cfg.model)
         data = Path(cfg.data)
         self.run_dir = check_output_dir(self.run_dir, kind=TRAINING_RUN, sources=(self.model_path, data))
+        self.checkpoints = TrainingCheckpoints(
+            self.run_dir, rank=self.rank, device=self.device, keep=cfg.keep_checkpoints, barrier=self.group.barrier
+        )
+        resume_from = self.checkpoints.latest() if cfg.resume else None  # before anything is written
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.train_data = tokenize_and_pack(self.tokenizer, read_data_file(data / "train.jsonl"), cfg.max_length)
         self.val_data = tokenize_and_pack(self.tokenizer, read_data_file(data / "val.jsonl"), cfg.max_length)
@@ -338,9 +342,6 @@ class TrainingRecipe:
         self.scheduler = cosine_schedule(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
         self.metrics = MetricsLog(self.run_dir, enabled=self.is_main)
-        self.checkpoints = TrainingCheckpoints(
-            self.run_dir, rank=self.rank, device=self.device, keep=cfg.keep_checkpoints, barrier=self.group.barrier
-        )
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             run_info = {
@@ -350,8 +351,8 @@ class TrainingRecipe:
                 "method": self.method,
             }
             (self.run_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
-        if cfg.resume:
-            self.restore_checkpoint(self.checkpoints.latest())
+        if resume_from is not None:
+            self.restore_checkpoint(resume_from)
         else:
             self.metrics.reset()
 

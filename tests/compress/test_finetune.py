@@ -235,8 +235,9 @@ def test_bad_settings_are_rejected(tiny_llama_dir, chat_data, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(TrainingError, match="precision=fp16 needs CUDA"):  # lmforge main: exit 1
             run_recipe(FinetuneRecipe, _config(tiny_llama_dir, chat_data, tmp_path / "fp16", precision="fp16"))
-    with pytest.raises(Exception, match="no checkpoint to resume from"):
+    with pytest.raises(TrainingError, match="no checkpoint to resume from"):
         FinetuneRecipe(_config(tiny_llama_dir, chat_data, tmp_path / "none", resume=True)).run()
+    assert not (tmp_path / "none").exists()  # refused before run.json or anything else is written
 
 
 def test_lora_command_prints_only_its_own_output(tiny_llama_dir, chat_data, tmp_path):
