@@ -191,9 +191,9 @@ def check_host(host: str) -> str:
     return f"http://127.0.0.1:{parsed.port}"
 
 
-def _get(url: str, timeout_s: float = CHECK_TIMEOUT_S) -> tuple[int, bytes]:
+def _get(url: str, timeout_s: float = CHECK_TIMEOUT_S, headers: dict | None = None) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -228,17 +228,31 @@ def preflight(config: LoadTestConfig) -> None:
             f"cannot reach a Triton server at {host} ({reason}); start one with "
             "`lmforge serve --repo model_repository` or fix --host"
         ) from exc
-    model_status, _ = _get(f"{host}/v2/models/{urllib.parse.quote(config.model)}/ready")
+    model_url = f"{host}/v2/models/{urllib.parse.quote(config.model)}/ready"
+    model_status, body = _get(model_url, headers=_auth_headers(config))
+    if model_status in (401, 403):
+        raise LoadTestError(f"GET {model_url}: {_http_error(config, model_status, body)}")
     if status != 200 and model_status != 200:
         raise LoadTestError(f"the server at {host} is not ready (/v2/health/ready: HTTP {status})")
     if model_status != 200:  # (the server may be "not ready" only because another model failed to load)
         raise LoadTestError(
-            f"model {config.model!r} is not ready on {host}; models there: {_models(host)}; fix --model"
+            f"model {config.model!r} is not ready on {host}; models there: {_models(host, config)}; fix --model"
         )
 
 
-def _openai_headers(config: LoadTestConfig) -> dict:
+def _auth_headers(config: LoadTestConfig) -> dict:
+    """``Authorization: Bearer KEY`` (``--api-key``): what our OpenAI frontend, ``vllm serve`` and a Triton
+    served with ``lmforge serve --api-key`` (its restricted APIs) check; empty without a key."""
     return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+
+def _http_error(config: LoadTestConfig, code: int, body: bytes) -> str:
+    """The text of an HTTP error answer; a 401 or 403 says how to pass the API key the server wants."""
+    text = f"HTTP {code}: {body[:300]!r}"
+    if code in (401, 403):
+        fix = "check --api-key (the key the server was started with)" if config.api_key else "pass --api-key KEY"
+        text += f"; the server wants an API key: {fix}"
+    return text
 
 
 def _preflight_openai(config: LoadTestConfig, host: str) -> None:
@@ -252,12 +266,12 @@ def _preflight_openai(config: LoadTestConfig, host: str) -> None:
         ) from exc
     if status != 200:
         raise LoadTestError(f"the server at {host} is not ready (/health: HTTP {status})")
-    request = urllib.request.Request(f"{host}/v1/models", headers=_openai_headers(config))
+    request = urllib.request.Request(f"{host}/v1/models", headers=_auth_headers(config))
     try:
         with urllib.request.urlopen(request, timeout=CHECK_TIMEOUT_S) as response:
             ids = [m.get("id") for m in json.loads(response.read()).get("data", [])]
     except urllib.error.HTTPError as exc:
-        raise LoadTestError(f"GET {host}/v1/models: HTTP {exc.code} {exc.read()[:200]!r}; check --api-key") from exc
+        raise LoadTestError(f"GET {host}/v1/models: {_http_error(config, exc.code, exc.read())}") from exc
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise LoadTestError(f"GET {host}/v1/models failed ({exc})") from exc
     if config.model not in ids:
@@ -273,10 +287,12 @@ def _preflight_openai(config: LoadTestConfig, host: str) -> None:
         )
 
 
-def _models(host: str) -> str:
+def _models(host: str, config: LoadTestConfig) -> str:
     """Names and states from the repository index, for error messages."""
     try:
-        request = urllib.request.Request(f"{host}/v2/repository/index", data=b"{}", method="POST")
+        request = urllib.request.Request(
+            f"{host}/v2/repository/index", data=b"{}", method="POST", headers=_auth_headers(config)
+        )
         with urllib.request.urlopen(request, timeout=CHECK_TIMEOUT_S) as response:
             index = json.loads(response.read())
         return ", ".join(f"{m.get('name')} ({m.get('state', 'unknown')})" for m in index) or "none"
@@ -284,10 +300,8 @@ def _models(host: str) -> str:
         return "unknown (repository index not available)"
 
 
-def write_prompts(config: LoadTestConfig, path: Path) -> list[str]:
-    """Resolve the prompts once (source, limit, system prompt, chat template) into ``path``.
-
-    The load generator then only reads a small JSONL of ``{"prompt"}`` records. Returns them.
+def resolve_prompts(config: LoadTestConfig) -> list[str]:
+    """The prompts of the run, resolved once (source, limit, system prompt, chat template).
 
     Raises:
         LoadTestError: the prompts or the chat template cannot be read.
@@ -300,8 +314,12 @@ def write_prompts(config: LoadTestConfig, path: Path) -> list[str]:
             prompts = with_system_prompt(prompts, config.system_prompt)
     except PromptError as exc:
         raise LoadTestError(str(exc)) from exc
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
     return prompts
+
+
+def write_prompts(prompts: list[str], path: Path) -> None:
+    """Write ``prompts`` to ``path`` as JSONL ``{"prompt"}`` records: all the load generator reads."""
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
 
 
 def warm_up(config: LoadTestConfig, prompts: list[str]) -> None:
@@ -348,13 +366,13 @@ def _warm_up_one(config: LoadTestConfig, prompt: str, index: int = 0) -> str | N
         url = f"{check_host(config.host)}/v2/models/{urllib.parse.quote(config.model)}/generate"
         body = json.dumps(request_payload(prompt, sampling, stream=False)).encode()
     request = urllib.request.Request(
-        url, data=body, method="POST", headers={"Content-Type": "application/json", **_openai_headers(config)}
+        url, data=body, method="POST", headers={"Content-Type": "application/json", **_auth_headers(config)}
     )
     try:
         with urllib.request.urlopen(request, timeout=config.request_timeout_s) as response:
             response.read()
     except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}: {exc.read()[:300]!r}"
+        return _http_error(config, exc.code, exc.read())
     except (urllib.error.URLError, OSError) as exc:
         return str(exc)
     return None
@@ -432,17 +450,20 @@ def _child_command(config: LoadTestConfig, out_dir: Path) -> list[str]:
 def run_loadtest(config: LoadTestConfig, out_dir: str | Path, *, log=print) -> dict:
     """Run one load test and write its report directory; returns the summary (``summary.json``).
 
+    Nothing is written before the checks and the warm-up pass, so a refused run leaves no files.
+
     Raises:
-        LoadTestError: from :func:`preflight` (nothing was sent), or the load generator could
-            not start at all.
+        LoadTestError: from :func:`preflight` (nothing was sent) or :func:`warm_up`, or the load
+            generator could not start at all.
         OutputDirError: ``out_dir`` is unsafe to write (``engine.checkpoint.outputs.check_output_dir``).
     """
     # absolute: the load generator runs in another working directory
     out = check_output_dir(out_dir, kind=LOADTEST_REPORT, sources=(config.prompts,) if config.prompts else ())
     preflight(config)
-    out.mkdir(parents=True, exist_ok=True)
-    prompts = write_prompts(config, out / PROMPTS_FILE)
+    prompts = resolve_prompts(config)
     warm_up(config, prompts)
+    out.mkdir(parents=True, exist_ok=True)
+    write_prompts(prompts, out / PROMPTS_FILE)
     (out / "samples.jsonl").unlink(missing_ok=True)
     log(
         f"load test: {config.users} users ({config.shape}) on {config.model} at {config.host}, "
@@ -556,7 +577,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="triton: generate extension; openai: /v1/chat/completions or /v1/completions (ours, vllm serve, "
         "llama-server)",
     )
-    parser.add_argument("--api-key", default=None, help="bearer token for --api openai")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="send `Authorization: Bearer KEY` (a server started with --api-key; Triton or OpenAI API)",
+    )
     parser.add_argument("--users", type=int, default=2, help="concurrent users (start users for --shape steps)")
     parser.add_argument("--spawn-rate", type=float, default=2.0, help="users started per second")
     parser.add_argument("--run-time", default="60s", help="duration, e.g. 60s, 2m (an upper bound for --shape steps)")

@@ -77,7 +77,7 @@ def add_options(parser) -> None:
         "completions",
     )
     group.add_argument("--no-stream", action="store_true", help="openai: non-streaming requests (E2E only)")
-    group.add_argument("--api-key", default=None, help="openai: bearer token")
+    group.add_argument("--api-key", default=None, help="send `Authorization: Bearer KEY` (Triton or OpenAI API)")
     group.add_argument("--prompts", default=None, help="JSONL of prompts (default: the held-out dialogs)")
     group.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     group.add_argument(

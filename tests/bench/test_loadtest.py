@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -478,3 +480,66 @@ def test_server_that_dies_mid_run_keeps_the_measurements(triton, tmp_path):
     assert summary["server"]["ready_after_run"] is False
     assert any("stopped answering" in note for note in summary["notes"])
     assert time.monotonic() - started < 60  # ended early, not at the 60 s run time
+
+
+class _KeyedTriton(BaseHTTPRequestHandler):
+    """Triton's HTTP API for model ``m`` as ``lmforge serve --api-key k`` restricts it: health open, every other
+    API 403 without ``authorization: Bearer k``; ``/generate`` answers one token. Records each POST's header."""
+
+    seen: list = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _answer(self, status: int, body) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._answer(200 if self.path in ("/v2/health/ready", "/v2/models/m/ready") else 404, {})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.seen.append(self.headers.get("authorization"))
+        if self.headers.get("authorization") != "Bearer k":
+            self._answer(403, {"error": "This API is restricted, expecting header 'authorization'"})
+        elif self.path == "/v2/models/m/generate":
+            self._answer(
+                200, {"text_output": "hi", "finish_reason": "length", "num_input_tokens": 3, "num_output_tokens": 1}
+            )
+        else:
+            self._answer(404, {"error": f"no {self.path}"})
+
+
+@pytest.fixture
+def keyed_triton():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _KeyedTriton)
+    _KeyedTriton.seen = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_api_key_reaches_a_key_protected_triton_and_a_refused_run_writes_nothing(keyed_triton, tmp_path):
+    config = LoadTestConfig(
+        host=keyed_triton, model="m", endpoint="generate", users=1, run_time_s=1.0, max_tokens=1, warmup_requests=1
+    )
+    out = tmp_path / "reports" / "lt"
+    with pytest.raises(LoadTestError, match=r"HTTP 403.*the server wants an API key: pass --api-key KEY"):
+        run_loadtest(config, out, log=lambda _: None)
+    with pytest.raises(LoadTestError, match=r"HTTP 403.*check --api-key"):
+        run_loadtest(dataclasses.replace(config, api_key="wrong"), out, log=lambda _: None)
+    assert not (tmp_path / "reports").exists()  # the warm-up failed before anything was written
+
+    _KeyedTriton.seen = []
+    summary = run_loadtest(dataclasses.replace(config, api_key="k"), out, log=lambda _: None)
+    assert summary["metrics"]["successful"] >= 1 and summary["metrics"]["failed"] == 0
+    assert len(_KeyedTriton.seen) >= 2 and set(_KeyedTriton.seen) == {"Bearer k"}  # warm-up and Locust's requests
+    assert (out / "prompts.jsonl").is_file()
