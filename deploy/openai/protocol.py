@@ -257,12 +257,26 @@ def unavailable(message: str) -> OpenAIError:
     return OpenAIError(503, message, type_="server_error", code="model_unavailable")
 
 
+#: What a JSON value that is not an object is, by the Python type it parses into (for error messages).
+_JSON_KINDS = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+
+
 def validation_error(exc: ValidationError) -> OpenAIError:
     """The first pydantic error as a 400 naming the field."""
     errors = exc.errors(include_url=False)
     first = errors[0]
     if first["type"] == "json_invalid":
         return OpenAIError(400, f"the request body is not valid JSON ({first['msg']})", code="invalid_json")
+    if not first["loc"]:  # the body itself: valid JSON, but an array, a string, a number or null
+        kind = _JSON_KINDS.get(type(first.get("input")), "not an object")
+        return OpenAIError(400, f"the request body must be a JSON object, not {kind}", code="invalid_value")
     loc = [str(part) for part in first["loc"] if not isinstance(part, str) or not _is_type_tag(part)]
     if len(loc) > 1 and loc[0] == "response_format":  # drop the union's tag (the ``type`` it matched)
         del loc[1]

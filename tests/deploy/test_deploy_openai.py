@@ -227,6 +227,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "llm", "prompt": [PROMPT] * 10_000, "n": 2}, 400, "prompt"),  # by count
     ("/v1/completions", {"model": "llm", "prompt": [2**63]}, 400, "prompt"),
     ("/v1/completions", "", 400, None),
+    ("/v1/chat/completions", "[1, 2]", 400, None),  # valid JSON, not an object
 ]
 
 
@@ -254,6 +255,7 @@ BAD_INPUTS = [
         "10000-prompts",
         "token-id-beyond-int64",
         "empty-body",
+        "array-body",
     ],
 )
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(frontend, client, route, body, status, param):

@@ -1,17 +1,24 @@
 """The OpenAI frontend when Triton or a client misbehaves, without a server: Triton's errors mapped to honest
 statuses (503 + Retry-After while a model or Triton recovers, 400 with ``param`` for refusals), a stream that
 goes silent (a dead instance) cancelled with a 503, heartbeats skipped, and clients that leave before their
-answer is ready noticed while the request still waits. The live paths are in tests/deploy/test_deploy_openai.py."""
+answer is ready noticed while the request still waits; request bodies judged before anything is sent (a body
+that is not a JSON object refused, a chat message with empty content taken as OpenAI takes it). The live paths are
+in tests/deploy/test_deploy_openai.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import types
 
 import grpc
 import pytest
+from pydantic import ValidationError
+from transformers import AutoTokenizer
 
-from deploy.openai.protocol import OpenAIError
+from deploy.openai.models import ServedModel
+from deploy.openai.prompts import chat_prompt, completion_prompts
+from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, validation_error
 from deploy.openai.serving_common import ClientGone, unless_disconnected
 from deploy.openai.triton_client import Piece, TritonBackend, is_heartbeat, model_error, transport_error
 
@@ -209,3 +216,34 @@ def test_a_request_that_never_heard_back_is_sent_again_then_answered_503():
     with pytest.raises(OpenAIError) as info:
         asyncio.run(asyncio.wait_for(run(), 10))
     assert info.value.status == 503 and len(calls) == 3 and all(call.cancelled for call in calls)
+
+
+@pytest.mark.parametrize(
+    "body, kind", [("[1, 2]", "an array"), ('"hi"', "a string"), ("null", "null"), ("3", "a number")]
+)
+def test_a_body_that_is_not_a_json_object_is_named_as_such(body, kind):
+    for request_type in (ChatCompletionRequest, CompletionRequest):
+        with pytest.raises(ValidationError) as refused:
+            request_type.model_validate_json(body)
+        error = validation_error(refused.value)
+        assert error.status == 400 and error.param is None
+        assert error.message == f"the request body must be a JSON object, not {kind}"
+
+
+def test_empty_chat_content_is_a_prompt_but_an_empty_completion_prompt_is_refused(tiny_llama_dir):
+    """As OpenAI's API: a chat message may have empty content (the template still makes a prompt of it); a blank
+    completion prompt or an empty messages list is a 400 naming the field."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    model = ServedModel("llm", tiny_llama_dir, tokenizer, max_model_len=256, created=0)
+    messages = [{"role": "user", "content": ""}]
+    ids = chat_prompt(ChatCompletionRequest(model="llm", messages=messages), model)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered.endswith("<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n")  # the template's turns
+    assert ids == tokenizer(rendered, add_special_tokens=False).input_ids
+    for prompt in ("", "  \n"):
+        with pytest.raises(OpenAIError) as refused:
+            completion_prompts(CompletionRequest(model="llm", prompt=prompt), model)
+        assert refused.value.status == 400 and refused.value.param == "prompt" and "empty prompt" in str(refused.value)
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate_json(json.dumps({"model": "llm", "messages": []}))
+    assert validation_error(refused.value).param == "messages"
