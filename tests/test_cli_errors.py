@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoTokenizer
 
 import lmforge_cli
 from bench.loadtest import LoadTestError
@@ -340,12 +341,27 @@ def test_lora_target_modules_are_checked_against_the_model(tiny_llama_dir, tmp_p
 
 @pytest.mark.parametrize(
     "flags, named",
-    [(["--top-p", "0"], "--top-p"), (["--max-tokens", "0"], "--max-tokens"), (["--num-threads", "0"], "--num-threads")],
+    [
+        (["--top-p", "0"], "--top-p"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--num-threads", "0"], "--num-threads"),
+        (["--max-tokens", "100000000"], "--max-tokens"),  # past the context: refused with the prompt, same flag
+    ],
 )
 def test_generate_bad_sampling_and_engine_values_are_usage_errors_naming_the_flag(tiny_llama_dir, flags, named, capsys):
     assert lmforge_cli.main(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and f"change {named}" in err and "Traceback" not in err
+    if flags[1] == "100000000":  # the limit it must stay within: the context left after the prompt
+        max_model_len = AutoConfig.from_pretrained(tiny_llama_dir).max_position_embeddings
+        prompt_tokens = len(AutoTokenizer.from_pretrained(tiny_llama_dir)("hi").input_ids)
+        assert f"set max_tokens <= {max_model_len - prompt_tokens} " in err
+
+
+def test_generate_with_an_empty_model_is_a_usage_error(capsys):
+    _fails(
+        ["generate", "--model", "", "--prompt", "hi"], 2, "--model is empty; pass a checkpoint directory", capsys=capsys
+    )
 
 
 def test_serve_port_outside_the_tcp_range_is_a_usage_error_on_stderr(capsys):
