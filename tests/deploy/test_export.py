@@ -13,6 +13,7 @@ import pytest
 from deploy.export import export, print_check
 from deploy.llm_request import parse_request
 from deploy.model_config import (
+    CONFIG_NAME,
     ConfigCheckError,
     check_repository,
     encoder_ensemble_config,
@@ -154,6 +155,12 @@ def test_committed_repository_parses():
     loadable, skipped = servable_models(REPO_ROOT / "model_repository")
     assert "smollm2_135m" in loadable and "minilm" in loadable
     assert set(skipped) == {"minilm_onnx", "minilm_ensemble"}  # need the full Triton container
+
+
+def test_default_export_renders_the_committed_llm_config_byte_for_byte():
+    """A default `lmforge export` rewrites model_repository/smollm2_135m/config.pbtxt: no diff in the checkout."""
+    committed = (REPO_ROOT / "model_repository" / "smollm2_135m" / CONFIG_NAME).read_text()
+    assert to_text(llm_config("smollm2_135m", instance_count=1)) == committed
 
 
 @pytest.mark.parametrize(
