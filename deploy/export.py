@@ -276,6 +276,7 @@ def export(
     source = resolve_checkpoint(checkpoint, causal_lm=False)
     for model_name in [name] if kind == "llm" else encoder_model_names(name):
         check_output_dir(repo / model_name, kind=TRITON_MODEL, sources=(source,))
+        check_same_kind(repo / model_name, kind, name)
     if kind == "llm":
         return [
             export_llm(
@@ -293,6 +294,54 @@ def export(
     if engine:
         raise ValueError(f"engine flags {sorted(engine)} apply to LLMs only; {checkpoint} is an encoder")
     return export_encoder(checkpoint, repo, name, instances=instances, max_length=max_length)
+
+
+KIND_WORDS = {"llm": "an LLM", "encoder": "an encoder"}
+
+
+def existing_kind(model_dir: Path) -> tuple[str | None, str | None]:
+    """``(kind, source)`` of a model directory an earlier export (or the committed repository) holds: kind
+    ``llm`` or ``encoder`` from ``1/model.json``, else from the serving module its ``model.py`` imports, else
+    from its config (ONNX Runtime models and ensembles are the container half of an encoder); ``source`` is the
+    exported checkpoint (``model.json``'s ``source``) when known. ``(None, None)`` for anything else."""
+    info_path = model_dir / VERSION / MODEL_INFO_NAME
+    try:
+        info = json.loads(info_path.read_text())
+        if isinstance(info, dict) and info.get("kind") in KIND_WORDS:
+            return info["kind"], info.get("source")
+    except (OSError, json.JSONDecodeError):
+        pass
+    try:
+        model_py = (model_dir / VERSION / "model.py").read_text(errors="replace")
+    except OSError:
+        model_py = ""
+    for kind, (module, _) in MODEL_PY_CLASSES.items():
+        if f"from {module} import" in model_py:
+            return ("encoder" if kind == "tokenizer" else kind), None
+    try:
+        config = (model_dir / CONFIG_NAME).read_text(errors="replace")
+    except OSError:
+        return None, None
+    if 'backend: "onnxruntime"' in config or 'platform: "ensemble"' in config:
+        return "encoder", None
+    return None, None
+
+
+def check_same_kind(model_dir: Path, kind: str, name: str) -> None:
+    """Refuse to export ``kind`` over a model directory that holds the other kind (an LLM over an encoder or the
+    reverse): the export would leave a mix of both models' files.
+
+    Raises:
+        UsageError: naming ``--name``, what the directory holds and where it came from, and the fix.
+    """
+    held, source = existing_kind(model_dir)
+    if held is None or held == kind:
+        return
+    origin = f" (exported by `lmforge export --model {source}`)" if source else ""
+    raise UsageError(
+        f"--name {name}: {model_dir} holds {KIND_WORDS[held]} model{origin}, and {KIND_WORDS[kind]} cannot replace it",
+        fix=f"choose another --name or remove {model_dir}",
+    )
 
 
 def write_model_dir(repo: Path, name: str, config, kind: str | None) -> Path:

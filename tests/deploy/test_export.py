@@ -25,6 +25,7 @@ from deploy.model_config import (
     tokenizer_config,
 )
 from deploy.triton import free_ports, port_is_free, servable_models
+from engine.errors import UsageError
 from lmforge_cli import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -161,6 +162,23 @@ def test_default_export_renders_the_committed_llm_config_byte_for_byte():
     """A default `lmforge export` rewrites model_repository/smollm2_135m/config.pbtxt: no diff in the checkout."""
     committed = (REPO_ROOT / "model_repository" / "smollm2_135m" / CONFIG_NAME).read_text()
     assert to_text(llm_config("smollm2_135m", instance_count=1)) == committed
+
+
+def test_export_refuses_an_llm_over_an_encoder_and_the_reverse(tiny_llama_dir, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    export("minilm-l6", repo, name="minilm")
+    export(tiny_llama_dir, repo, name="llm")
+    before = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()}
+    assert main(["export", "--model", str(tiny_llama_dir), "--repo", str(repo), "--name", "minilm"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: --name minilm: {repo / 'minilm'} holds an encoder model (exported by `lmforge export --model "
+        f"minilm-l6`), and an LLM cannot replace it; choose another --name or remove {repo / 'minilm'}"
+    )
+    assert main(["export", "--model", "minilm-l6", "--repo", str(repo), "--name", "llm"]) == 2
+    assert f"error: --name llm: {repo / 'llm'} holds an LLM model (exported by" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="minilm_onnx holds an encoder model"):  # the container half too
+        export(tiny_llama_dir, repo, name="minilm_onnx")
+    assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == before  # nothing written
 
 
 @pytest.mark.parametrize(
