@@ -69,7 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=DEFAULT_PORTS["metrics"], help="Prometheus metrics port (default 8002)"
     )
-    parser.add_argument("--models", nargs="+", help="models to load (default: every model this server can serve)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        help="models to load, separated by spaces or commas (default: every model this server can serve)",
+    )
     parser.add_argument("--log", help="server log file (default REPO/tritonserver.log)")
     parser.add_argument(
         "--startup-timeout-s", type=float, default=600.0, help="deadline for all models to be ready (default 600)"
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             args.http_port,
             args.grpc_port,
             args.metrics_port,
-            models=args.models,
+            models=parse_model_names(args.models),
             log_path=args.log,
             startup_timeout_s=args.startup_timeout_s,
             grace_s=args.grace_s,
@@ -174,6 +178,21 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"server exited (status {status}); log {server.log_path}:\n{server.log_tail()}")
     return 1
+
+
+def parse_model_names(values: list[str] | None) -> list[str] | None:
+    """``--models`` values -> model names: each value may hold several, separated by commas
+    (``--models smollm2,minilm`` as ``--models smollm2 minilm``); repeats dropped.
+
+    Raises:
+        UsageError: a value with no name in it (``--models ,``).
+    """
+    if values is None:
+        return None
+    names = [name.strip() for value in values for name in value.split(",") if name.strip()]
+    if not names:
+        raise UsageError(f"--models {' '.join(values)!r}: no model name", fix="e.g. --models smollm2_135m,minilm")
+    return list(dict.fromkeys(names))
 
 
 def _supervise(server: TritonServer, args: argparse.Namespace) -> ModelSupervisor:

@@ -176,17 +176,43 @@ def repository_models(repo: Path) -> dict[str, Any]:
     return configs
 
 
+#: The serving modules a ``model.py`` written by ``lmforge export`` imports -> the file of its version directory
+#: that only an export writes (the weights' description; a committed ``config.pbtxt`` + ``model.py`` lack it) and
+#: the command that writes it (``{name}``: the model's export name).
+EXPORTED_MARKERS = {
+    "deploy.triton_llm": ("model.json", "lmforge export --model CHECKPOINT --name {name}"),
+    "deploy.triton_encoder": ("encoder.json", "lmforge export --kind encoder --model CHECKPOINT --name {name}"),
+}
+
+
+def unexported_reason(repo: Path, name: str) -> str | None:
+    """Why model ``name`` of ``repo`` cannot load yet: its ``model.py`` comes from ``lmforge export`` but the
+    weights were never exported (``"not exported yet (run `lmforge export ...`)"``); None otherwise."""
+    try:
+        model_py = (Path(repo) / name / "1" / "model.py").read_text(errors="replace")
+    except OSError:
+        return None
+    for module, (marker, command) in EXPORTED_MARKERS.items():
+        if f"from {module} import" in model_py and not (Path(repo) / name / "1" / marker).is_file():
+            export_name = name.removesuffix("_tokenizer") if "TokenizerModel" in model_py else name
+            return f"not exported yet (run `{command.format(name=export_name)}`)"
+    return None
+
+
 def servable_models(repo: Path, backends: tuple[str, ...] = BUNDLED_BACKENDS) -> tuple[list[str], dict[str, str]]:
     """Split the repository's models into those this server can load and those it cannot.
 
     Returns:
         ``(loadable, skipped)``: names to load, and name -> why it is skipped (a backend this
-        server lacks, or an ensemble step that is skipped).
+        server lacks, weights never exported (``unexported_reason``), or an ensemble step that is skipped).
     """
     configs = repository_models(repo)
     skipped: dict[str, str] = {}
     for name, config in configs.items():
-        if config.platform != "ensemble" and config.backend not in backends:
+        unexported = unexported_reason(repo, name)
+        if unexported:
+            skipped[name] = unexported
+        elif config.platform != "ensemble" and config.backend not in backends:
             skipped[name] = (
                 f"backend {config.backend or config.platform!r} is not in this server (only "
                 f"{', '.join(backends)}); serve it in the full Triton container"
@@ -454,6 +480,10 @@ class TritonServer:
         check_ports(self.ports)
         if self.models is None:
             self.models, self.skipped = servable_models(self.repo)
+        for name in self.models:
+            unexported = unexported_reason(self.repo, name)
+            if unexported:
+                raise TritonError(f"--models {name}: {unexported}")
         if not self.models:
             raise TritonError(
                 f"{self.repo}: no model this server can load; export one with `lmforge export --repo {self.repo} ...`"

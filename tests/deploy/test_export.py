@@ -150,18 +150,41 @@ def test_cli_export_and_check(tiny_llama_dir, tmp_path):
     assert main(["export", "--check", "--repo", str(tmp_path)]) == 0
 
 
-def test_committed_repository_parses():
+def committed_repository(root: Path) -> Path:
+    """A copy of the committed model_repository (configs and model.py files only: nothing exported yet)."""
+    source = REPO_ROOT / "model_repository"
+    for path in [*source.glob("*/config.pbtxt"), *source.glob("*/1/model.py")]:
+        target = root / path.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+    return root
+
+
+def test_committed_repository_parses(tmp_path):
     checked, problems = check_repository(REPO_ROOT / "model_repository")
     assert problems == [] and {p.parent.name for p in checked} >= {"smollm2_135m", "minilm"}
-    loadable, skipped = servable_models(REPO_ROOT / "model_repository")
-    assert "smollm2_135m" in loadable and "minilm" in loadable
+    repo = committed_repository(tmp_path)
+    for name in ("smollm2_135m", "minilm", "minilm_tokenizer"):  # what an export adds
+        (repo / name / "1" / ("model.json" if name == "smollm2_135m" else "encoder.json")).write_text("{}")
+    loadable, skipped = servable_models(repo)
+    assert set(loadable) == {"smollm2_135m", "minilm", "minilm_tokenizer"}
     assert set(skipped) == {"minilm_onnx", "minilm_ensemble"}  # need the full Triton container
 
 
-def test_default_export_renders_the_committed_llm_config_byte_for_byte():
-    """A default `lmforge export` rewrites model_repository/smollm2_135m/config.pbtxt: no diff in the checkout."""
-    committed = (REPO_ROOT / "model_repository" / "smollm2_135m" / CONFIG_NAME).read_text()
-    assert to_text(llm_config("smollm2_135m", instance_count=1)) == committed
+def test_serve_skips_models_never_exported_and_refuses_them_by_name(tiny_llama_dir, tmp_path, capsys):
+    repo = committed_repository(tmp_path / "repo")
+    export(tiny_llama_dir, repo, name="smollm2_135m")  # only the LLM exported, as `lmforge export` does by default
+    loadable, skipped = servable_models(repo)
+    assert loadable == ["smollm2_135m"]
+    encoder_hint = "not exported yet (run `lmforge export --kind encoder --model CHECKPOINT --name minilm`)"
+    assert skipped["minilm"] == encoder_hint and skipped["minilm_tokenizer"] == encoder_hint
+    ports = [str(p) for p in free_ports(3)]
+    flags = ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
+    # named explicitly (commas split the names): one clean line, no server started
+    assert main(["serve", "--repo", str(repo), *flags, "--models", "minilm,smollm2_135m"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: --models minilm: {encoder_hint}\n"
+    assert not (repo / "tritonserver.pid").exists() and not (repo / "tritonserver.log").exists()
 
 
 def test_export_refuses_an_llm_over_an_encoder_and_the_reverse(tiny_llama_dir, tmp_path, capsys):
@@ -179,6 +202,12 @@ def test_export_refuses_an_llm_over_an_encoder_and_the_reverse(tiny_llama_dir, t
     with pytest.raises(UsageError, match="minilm_onnx holds an encoder model"):  # the container half too
         export(tiny_llama_dir, repo, name="minilm_onnx")
     assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == before  # nothing written
+
+
+def test_default_export_renders_the_committed_llm_config_byte_for_byte():
+    """A default `lmforge export` rewrites model_repository/smollm2_135m/config.pbtxt: no diff in the checkout."""
+    committed = (REPO_ROOT / "model_repository" / "smollm2_135m" / CONFIG_NAME).read_text()
+    assert to_text(llm_config("smollm2_135m", instance_count=1)) == committed
 
 
 @pytest.mark.parametrize(
