@@ -46,6 +46,7 @@ from deploy.triton import (
     ModelSupervisor,
     TritonError,
     TritonServer,
+    _asked_to_stop,
     _pid_alive,
     check_ports,
     lmforge_source_root,
@@ -145,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
     for name, reason in server.skipped.items():
         print(f"skipped {name}: {reason}")
     print(f"ready in {time.monotonic() - start:.1f} s: {', '.join(server.models)}")
-    print(f"  HTTP    {server.http_url}   (e.g. POST {server.http_url}/v2/models/{server.models[0]}/generate)")
+    print(f"  HTTP    {server.http_url}")
+    for example in endpoint_examples(server):
+        print(f"          e.g. POST {example}")
     print(f"  gRPC    {server.grpc_url}")
     print(f"  metrics {server.metrics_url}")
     print(f"  log     {server.log_path}")
@@ -153,10 +156,14 @@ def run(args: argparse.Namespace) -> int:
     if args.openai_port is not None:
         try:
             frontend = start_openai(args, server)
-        except (TritonError, KeyboardInterrupt) as exc:
+        except TritonError as exc:
             server.stop()
-            print(f"error: {exc}" if isinstance(exc, TritonError) else "interrupted; server stopped")
+            print(f"error: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            server.stop()
+            print("interrupted; server stopped")
+            return 130
         print(f"  OpenAI  http://{args.host}:{args.openai_port}/v1   (log {Path(args.repo) / OPENAI_LOG_FILE})")
     print("Ctrl-C or `lmforge serve --repo {} --stop` to stop".format(args.repo), flush=True)
     supervisor = _supervise(server, args)
@@ -164,17 +171,17 @@ def run(args: argparse.Namespace) -> int:
         while not supervisor.finished.wait(1.0):  # reloads broken models, restarts a crashed or hung server
             pass
         status = supervisor.exit_status
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the frontend ends its streams first, then Triton stops
         supervisor.stop()
         stop_openai(frontend, args)
-        status = server.stop()
-        print(f"server stopped (exit status {status})")
-        return 0
+        server.stop()
+        print("server stopped")
+        return 130
     supervisor.stop()
     stop_openai(frontend, args)
     server.stop()
-    if status == 0 or "Signal (2) received" in server.log_tail(200):  # `--stop` or a SIGINT
-        print(f"server stopped (exit status {status})")
+    if status == 0 or _asked_to_stop(server.log_tail(200)):  # `--stop` (SIGINT; Triton may exit 1 on it)
+        print("server stopped")
         return 0
     print(f"server exited (status {status}); log {server.log_path}:\n{server.log_tail()}")
     return 1
@@ -193,6 +200,15 @@ def parse_model_names(values: list[str] | None) -> list[str] | None:
     if not names:
         raise UsageError(f"--models {' '.join(values)!r}: no model name", fix="e.g. --models smollm2_135m,minilm")
     return list(dict.fromkeys(names))
+
+
+def endpoint_examples(server: TritonServer) -> list[str]:
+    """Example request URLs for the startup message: an LLM's ``generate`` and an encoder's ``infer``."""
+    llms = llm_names(server.repo, server.models)
+    encoders = llm_names(server.repo, server.models, kind="encoder")
+    examples = [f"{server.http_url}/v2/models/{llms[0]}/generate"] if llms else []
+    examples += [f"{server.http_url}/v2/models/{encoders[0]}/infer"] if encoders else []
+    return examples or [f"{server.http_url}/v2/models/{server.models[0]}/infer"]
 
 
 def _supervise(server: TritonServer, args: argparse.Namespace) -> ModelSupervisor:

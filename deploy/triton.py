@@ -829,7 +829,10 @@ class ModelSupervisor:
         version is up. A model with no live stub, or not READY, is unloaded and loaded.
         """
         took = {}
-        for name, problem in self.problems().items():
+        problems = self.problems()
+        if problems and _asked_to_stop(self.server.log_tail(200)):  # unloading for `serve --stop`: not broken
+            return took
+        for name, problem in problems.items():
             alive = len(self.server.stub_pids(name)) if name in self.python_models else 0
             swap = alive > 0 and self.server.model_state(name)[0] == "READY"
             self.report(f"model {name}: {problem}; loading it again{' beside its live instances' if swap else ''}")
@@ -865,7 +868,8 @@ class ModelSupervisor:
                 try:
                     self.check_once()
                 except (TritonError, OSError) as exc:  # the server is stopping or busy: try again later
-                    if self.server.is_running() and not self._stop.is_set():
+                    stopping = self._stop.is_set() or _asked_to_stop(self.server.log_tail(200))  # `serve --stop`
+                    if self.server.is_running() and not stopping:
                         self.report(f"model check failed: {exc}")
         finally:
             if self.server.process is not None:

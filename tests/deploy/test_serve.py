@@ -541,6 +541,8 @@ def test_serve_foreground_then_stop(tmp_path, lmforge):
         stop = lmforge("serve", "--repo", repo, "--stop", timeout=60)
         assert stop.returncode == 0 and "stopped tritonserver" in stop.stdout
         assert process.wait(timeout=60) == 0, process.stdout.read() + (repo / "tritonserver.log").read_text()[-1500:]
+        rest = process.stdout.read()  # a clean stop: no health-check errors once the stop was asked
+        assert rest.strip().splitlines()[-1] == "server stopped" and "model check failed" not in rest, rest
         assert not (repo / "tritonserver.pid").exists()
         with pytest.raises(requests.ConnectionError):
             requests.get(f"http://127.0.0.1:{ports['http']}/v2/health/live", timeout=5)
