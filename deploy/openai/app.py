@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     # uvloop and httptools: the event loop and HTTP parser built for many small writes (SSE)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -228,7 +228,30 @@ def main(argv: list[str] | None = None) -> int:
         loop="uvloop",
         http="httptools",
     )
+    ending_server_class()(config, app.state.backend).run()
     return 0
+
+
+def ending_server_class():
+    """``uvicorn.Server`` that, on SIGINT/SIGTERM, ends the requests in flight before its graceful wait.
+
+    uvicorn stops accepting connections, then waits ``timeout_graceful_shutdown`` for the responses in
+    flight and cancels what is left: a stream cut without an ending. ``TritonBackend.shut_down`` first ends
+    each one with a 503 (a started stream: an error event and ``[DONE]``), so ``lmforge serve`` can stop
+    Triton after the frontend exited.
+    """
+    import uvicorn
+
+    class _EndingServer(uvicorn.Server):
+        def __init__(self, config, backend: TritonBackend) -> None:
+            super().__init__(config)
+            self.backend = backend
+
+        async def shutdown(self, sockets=None) -> None:
+            self.backend.shut_down()
+            await super().shutdown(sockets=sockets)
+
+    return _EndingServer
 
 
 if __name__ == "__main__":

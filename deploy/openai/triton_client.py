@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import json
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -81,6 +82,16 @@ class TritonBackend:
         self.client = None
         self.headers = api_key_headers(api_key, grpc=True) or None
         self.stall_timeout_s = stall_timeout_s
+        self.shutting_down = False
+        self.queues: weakref.WeakSet[PieceQueue] = weakref.WeakSet()  # the requests in flight
+
+    def shut_down(self) -> None:
+        """The server is stopping: every request in flight, and any that arrives now, ends with a 503
+        (``shutting_down_error``): a started stream with an error event and ``[DONE]``, before Triton goes away.
+        Called on the event loop."""
+        self.shutting_down = True
+        for queue in list(self.queues):
+            queue.queue.put_nowait(SHUTTING_DOWN)
 
     async def start(self) -> None:
         # optional or heavy dependency: imported only on the path that needs it
@@ -300,12 +311,21 @@ def _logprobs(text: bytes) -> list[dict[int, float] | None]:
     return [None if entry is None else {int(k): v for k, v in entry.items()} for entry in json.loads(text)]
 
 
+#: Put into every ``PieceQueue`` by ``TritonBackend.shut_down``.
+SHUTTING_DOWN = object()
+
+
+def shutting_down_error() -> OpenAIError:
+    """The 503 of a request the stopping server ends (``lmforge serve`` interrupted or ``--stop``)."""
+    return OpenAIError(503, "the server is shutting down", type_="server_error", code="server_shutting_down")
+
+
 class PieceQueue:
     """The pieces of every prompt of a ``Plan`` as they arrive: one reader task per prompt feeds one queue.
 
     ``drain`` returns every piece already waiting, so a slow consumer sends many steps of a
     completion at once instead of one event per step. ``aclose`` cancels the readers (and
-    with them the Triton requests still running).
+    with them the Triton requests still running). ``TritonBackend.shut_down`` ends it with a 503.
     """
 
     def __init__(self, backend: TritonBackend, plan: Plan) -> None:
@@ -315,6 +335,9 @@ class PieceQueue:
             asyncio.create_task(self._pump(backend.generate(plan.model.name, ids, plan.sampling, i, plan.n)))
             for i, ids in enumerate(plan.prompts)
         ]
+        backend.queues.add(self)
+        if backend.shutting_down:
+            self.queue.put_nowait(SHUTTING_DOWN)
 
     async def _pump(self, pieces: AsyncIterator[Piece]) -> None:
         put = self.queue.put_nowait
@@ -333,13 +356,15 @@ class PieceQueue:
             return None
         if isinstance(item, BaseException):
             raise item
+        if item is SHUTTING_DOWN:
+            raise shutting_down_error()
         return item
 
     async def drain(self) -> list[Piece]:
         """Wait for at least one piece (or the end), then return every piece already queued; [] at the end.
 
         Raises:
-            OpenAIError: a prompt's Triton request failed.
+            OpenAIError: a prompt's Triton request failed, or the server is shutting down (503).
         """
         out: list[Piece] = []
         while self.remaining and not out:

@@ -247,3 +247,40 @@ def test_empty_chat_content_is_a_prompt_but_an_empty_completion_prompt_is_refuse
     with pytest.raises(ValidationError) as refused:
         ChatCompletionRequest.model_validate_json(json.dumps({"model": "llm", "messages": []}))
     assert validation_error(refused.value).param == "messages"
+
+
+def test_a_server_shutting_down_ends_the_requests_in_flight_and_new_ones_with_a_503():
+    from deploy.openai.triton_client import PieceQueue
+
+    class Streaming(TritonBackend):
+        """One piece, then a long generation (the stream is in flight when the server stops)."""
+
+        async def generate(self, model, prompt_ids, sampling, prompt_index, n):
+            yield _piece(text="Hello", token_ids=[7], num_output_tokens=1)
+            await asyncio.sleep(3600)
+
+    backend = Streaming("127.0.0.1:1")
+    plan = types.SimpleNamespace(model=types.SimpleNamespace(name="llm"), prompts=[[1, 2, 3]], sampling={}, n=1)
+
+    async def run():
+        pieces = PieceQueue(backend, plan)
+        first = await pieces.drain()
+        backend.shut_down()
+        try:
+            with pytest.raises(OpenAIError) as in_flight:
+                await pieces.drain()
+        finally:
+            await pieces.aclose()
+        late = PieceQueue(backend, plan)  # a request that arrives while the server stops
+        try:
+            with pytest.raises(OpenAIError) as arriving:
+                await late.drain()
+        finally:
+            await late.aclose()
+        return first, in_flight.value, arriving.value
+
+    first, in_flight, arriving = asyncio.run(asyncio.wait_for(run(), 10))
+    assert [p.text for p in first] == ["Hello"]
+    for error in (in_flight, arriving):
+        assert error.status == 503 and error.message == "the server is shutting down"
+        assert error.body()["error"]["type"] == "server_error" and error.headers == {"Retry-After": "5"}

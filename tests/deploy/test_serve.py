@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -546,6 +547,72 @@ def test_serve_foreground_then_stop(tmp_path, lmforge):
         assert not (repo / "tritonserver.pid").exists()
         with pytest.raises(requests.ConnectionError):
             requests.get(f"http://127.0.0.1:{ports['http']}/v2/health/live", timeout=5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_ctrl_c_ends_the_streams_in_flight_then_stops_with_130(tmp_path, smollm2_dir):
+    """`lmforge serve --openai-port` on a repository whose encoder was never exported: the encoder is skipped, the
+    LLM served; Ctrl-C during a stream ends it with an error event and [DONE], then the server stops (exit 130)."""
+    repo = tmp_path / "repo"
+    export(smollm2_dir, repo, name="llm", engine={"max_model_len": 512, "num_threads": 1})
+    committed = REPO_ROOT / "model_repository" / "minilm"  # its config and model.py, no weights
+    (repo / "minilm" / "1").mkdir(parents=True)
+    (repo / "minilm" / "config.pbtxt").write_bytes((committed / "config.pbtxt").read_bytes())
+    (repo / "minilm" / "1" / "model.py").write_bytes((committed / "1" / "model.py").read_bytes())
+    ports = _free_ports()
+    openai_port = free_ports(1)[0]
+    command = [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), *_port_flags(ports)]
+    process = subprocess.Popen(
+        [*command, "--openai-port", str(openai_port), "--startup-timeout-s", "300"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 420
+        while time.monotonic() < deadline and not any("Ctrl-C" in line for line in lines):
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        assert any("Ctrl-C" in line for line in lines), "".join(lines)
+        startup = "".join(lines)
+        hint = "run `lmforge export --kind encoder --model CHECKPOINT --name minilm`"
+        assert f"skipped minilm: not exported yet ({hint})" in startup
+        assert f"e.g. POST http://127.0.0.1:{ports['http']}/v2/models/llm/generate" in startup
+        assert "/v2/models/minilm/" not in startup
+        body = {
+            "model": "llm",
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 460,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with requests.post(
+            f"http://127.0.0.1:{openai_port}/v1/chat/completions", json=body, stream=True, timeout=120
+        ) as reply:
+            assert reply.status_code == 200, reply.text
+            events = []
+            for line in reply.iter_lines():
+                if line.startswith(b"data: "):
+                    events.append(line[len(b"data: ") :])
+                    if len(events) == 1:
+                        process.send_signal(signal.SIGINT)  # Ctrl-C while the stream is in flight
+        assert events[-1] == b"[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["message"] == "the server is shutting down" and error["type"] == "server_error", error
+        assert all("choices" in json.loads(event) for event in events[:-2])  # tokens until then
+        status = process.wait(timeout=120)
+        rest = process.stdout.read()
+        assert status == 130, startup + rest
+        assert rest.strip().splitlines()[-1] == "server stopped", rest
+        assert "model check failed" not in rest and "Traceback" not in rest, rest
+        assert not (repo / "tritonserver.pid").exists() and not (repo / "openai_server.pid").exists()
     finally:
         if process.poll() is None:
             process.kill()
