@@ -4,16 +4,17 @@
     lmforge serve --repo model_repository --openai-port 9000 [--host 0.0.0.0 --api-key KEY]
     lmforge serve --repo model_repository --stop
 
-Starts the bundled ``tritonserver`` on 127.0.0.1 with explicit model control, loading every
-model of the repository it can serve (``--models`` to choose), waits until they are ready, and
-stays in the foreground until Ctrl-C, SIGTERM or ``lmforge serve --stop`` (SIGINT to the
-server, SIGKILL after ``--grace-s``). The server log goes to ``REPO/tritonserver.log`` (or
-``--log``); the pid to ``REPO/tritonserver.pid``. A model that fails to load (or a ``--models``
-name the repository lacks) is reported with Triton's reason and the command exits 1; busy ports
-exit 1 at once with the ports named. While serving, a model whose Python-backend stub died or
-whose engine died is loaded again, and a server that crashed, or hung (its liveness endpoint silent for
-10 s, or "terminate called" in its log and then silence), is killed and started again
-(``deploy.triton.ModelSupervisor``); each event is printed.
+Starts the bundled ``tritonserver`` on 127.0.0.1 with explicit model control, loading every model of the
+repository it can serve (``--models`` to choose, names separated by spaces or commas; models whose
+weights were never exported are skipped, ``deploy.triton.unexported_reason``), waits until they are
+ready, and stays in the foreground until Ctrl-C or SIGTERM (exit status 130) or ``lmforge serve --stop``
+(SIGINT to the server, SIGKILL after ``--grace-s``). The server log goes to ``REPO/tritonserver.log``
+(or ``--log``); the pid to ``REPO/tritonserver.pid``. A model that fails to load (or a ``--models`` name
+the repository lacks) is reported with Triton's reason and the command exits 1; busy ports exit 1 at
+once with the ports named. While serving, a model whose Python-backend stub died or whose engine died is
+loaded again, and a server that crashed, or hung (its liveness endpoint silent for 10 s, or "terminate
+called" in its log and then silence), is killed and started again (``deploy.triton.ModelSupervisor``);
+each event is printed.
 
 With ``--api-key`` (or ``$LMFORGE_API_KEY``) every Triton API but health (inference, model
 control, metadata, statistics...) answers only requests with ``Authorization: Bearer KEY``, on
@@ -22,8 +23,8 @@ HTTP and gRPC (``deploy.triton.restricted_api_flags``); the health endpoints sta
 With ``--openai-port`` it also starts the OpenAI-compatible frontend (``python -m deploy.openai``,
 its own process, bound to ``--host``, default 127.0.0.1) on the server's LLM and encoder models once
 they are ready; it forwards to Triton over gRPC (so it outlives a supervised server restart on the
-same ports) and stops with it (pid in ``REPO/openai_server.pid``, log in
-``REPO/openai_server.log``).
+same ports) and stops before it, ending the requests in flight with a 503 (a started stream: an error
+event and ``[DONE]``) (pid in ``REPO/openai_server.pid``, log in ``REPO/openai_server.log``).
 """
 
 from __future__ import annotations
