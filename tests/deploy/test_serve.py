@@ -7,6 +7,7 @@ temporary repository and starts one server on free ports of 127.0.0.1 for all te
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import re
@@ -30,7 +31,15 @@ from tritonclient.utils import InferenceServerException
 from compress.quantize.onnx import mean_pool
 from deploy.export import export
 from deploy.model_config import check_repository
-from deploy.triton import ModelSupervisor, PortsBusyError, TritonServer, free_ports
+from deploy.serve import stop_openai_from_pid_file
+from deploy.triton import (
+    ModelSupervisor,
+    PortsBusyError,
+    TritonError,
+    TritonServer,
+    free_ports,
+    stop_from_pid_file,
+)
 from engine import LLM, SamplingParams
 from engine.errors import UsageError
 
@@ -617,6 +626,9 @@ def test_ctrl_c_ends_the_streams_in_flight_then_stops_with_130(tmp_path, smollm2
         if process.poll() is None:
             process.kill()
             process.wait()
+        stop_openai_from_pid_file(repo, grace_s=5)  # what a killed serve left running (own sessions), if any
+        with contextlib.suppress(TritonError):  # no pid file: serve stopped its server
+            stop_from_pid_file(repo, grace_s=5)
 
 
 @pytest.mark.integration
