@@ -520,25 +520,31 @@ def test_serve_models_flag_refuses_a_missing_model(tmp_path, lmforge):
     assert not (repo / "tritonserver.pid").exists()
 
 
+def _popen_serve(command: list[str]) -> subprocess.Popen:
+    """``lmforge serve`` in the foreground, its stdout and stderr merged into one text pipe."""
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+
+
+def _read_until(process: subprocess.Popen, marker: str, timeout_s: float) -> str:
+    """The process's output up to the first line holding ``marker``; fails if it ends or ``timeout_s`` passes first
+    (checked between lines)."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not any(marker in line for line in lines):
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    assert any(marker in line for line in lines), "".join(lines)
+    return "".join(lines)
+
+
 def test_serve_foreground_then_stop(tmp_path, lmforge):
     repo = _echo_repo(tmp_path / "repo", ["echo"])
     ports = _free_ports()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), *_port_flags(ports)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    process = _popen_serve([sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), *_port_flags(ports)])
     try:
-        lines = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any("ready in" in line for line in lines):
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-        assert any("ready in" in line for line in lines), "".join(lines)
+        _read_until(process, "ready in", timeout_s=120)
         with requests.Session() as session:  # closed: an open keep-alive connection delays Triton's exit
             reply = session.post(
                 f"http://127.0.0.1:{ports['http']}/v2/models/echo/infer",
@@ -574,23 +580,9 @@ def test_ctrl_c_ends_the_streams_in_flight_then_stops_with_130(tmp_path, smollm2
     ports = _free_ports()
     openai_port = free_ports(1)[0]
     command = [sys.executable, "-m", "lmforge_cli", "serve", "--repo", str(repo), *_port_flags(ports)]
-    process = subprocess.Popen(
-        [*command, "--openai-port", str(openai_port), "--startup-timeout-s", "300"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    process = _popen_serve([*command, "--openai-port", str(openai_port), "--startup-timeout-s", "300"])
     try:
-        lines = []
-        deadline = time.monotonic() + 420
-        while time.monotonic() < deadline and not any("Ctrl-C" in line for line in lines):
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-        assert any("Ctrl-C" in line for line in lines), "".join(lines)
-        startup = "".join(lines)
+        startup = _read_until(process, "Ctrl-C", timeout_s=420)
         hint = "run `lmforge export --kind encoder --model CHECKPOINT --name minilm`"
         assert f"skipped minilm: not exported yet ({hint})" in startup
         assert f"e.g. POST http://127.0.0.1:{ports['http']}/v2/models/llm/generate" in startup
