@@ -389,7 +389,9 @@ class TorchAttentionBackend(AttentionBackend):
         if k is not None:
             store_kv_rows(kv_cache, k, v, metadata.slot_mapping)
         if metadata.rows is not None:
-            return paged_decode_attention(q, kv_cache, *metadata.rows, sliding_window=self.sliding_window)
+            return paged_decode_attention(
+                q, kv_cache, *metadata.rows, sliding_window=self.sliding_window, group_shared=False
+            )
         outputs = []
         d = metadata.num_decode_tokens
         if metadata.decode is not None:

@@ -173,6 +173,7 @@ def paged_decode_attention(
     first_block: int = 0,
     sliding_window: int | None = None,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
+    group_shared: bool = True,
 ) -> torch.Tensor | None:
     """Decode attention read in place from the paged cache, or ``None`` where the C++ kernel can't run.
 
@@ -189,6 +190,10 @@ def paged_decode_attention(
             of the same queries over the skipped keys (``g = num_heads // num_kv_heads``; row ``i * g + j``
             of KV head ``h`` is query head ``h * g + j`` of sequence ``i``: one attention call over a shared
             prefix returns this layout); merged exactly by log-sum-exp (cascade attention).
+        group_shared: attend the blocks that several sequences' tables start with once for all of them (up to
+            16 query heads a chunk: a prefix of one LoRA adapter's requests, a prefill chunk's rows). A row's
+            result then depends on which other rows share its blocks, in the last bits: batch-invariant
+            decoding turns it off.
 
     Returns:
         ``[D, num_heads * head_dim]`` in q's dtype, scaled by ``head_dim ** -0.5``; softmax in float32.
@@ -206,6 +211,7 @@ def paged_decode_attention(
         sliding_window or 0,
         prior_out,
         prior_lse,
+        group_shared,
     )
 
 

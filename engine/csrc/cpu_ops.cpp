@@ -22,7 +22,7 @@
 //   microseconds of work would wait for cores that other processes hold).
 // lmforge_engine::paged_decode_attention(q [D, Hq, hd], kv_cache [2, num_blocks, block_size, Hkv, hd],
 //     block_tables [D, max_blocks] int64, seq_lens [D] int64, first_block, scale, sliding_window,
-//     prior_out [Hkv, D * g, hd]?, prior_lse [Hkv, D * g]?) -> [D, Hq * hd]
+//     prior_out [Hkv, D * g, hd]?, prior_lse [Hkv, D * g]?, group_shared) -> [D, Hq * hd]
 //   one query token per sequence (its position seq_len - 1) against that sequence's keys at positions
 //   first_block * block_size .. seq_len - 1, read in place through its block table (no gathered copy). The
 //   g = Hq / Hkv query heads of a KV head share each key and value row (grouped-query attention). Softmax in
@@ -33,7 +33,9 @@
 //   acc = out) the kernel starts from (cascade attention, Ye et al. 2024). kv_cache may instead be int8 [2,
 //   num_blocks, block_size, Hkv, hd + 2]: each row's hd int8 values followed by its float16 scale (the int8 KV
 //   cache, engine/attention.py quantize_kv); a key's score is scale * (q . k_int8) and a value row enters the
-//   accumulator weighted by p * scale (the same products as dequantizing first, in another order).
+//   accumulator weighted by p * scale (the same products as dequantizing first, in another order). With
+//   group_shared, sequences whose tables start with the same blocks (past first_block) are attended in chunks of
+//   up to 16 query heads: the chunk's common blocks once for all its heads, then each sequence's own keys.
 // lmforge_engine::rope_and_cache(qkv [N, (Hq + 2 Hkv) * hd] bf16, cos [N, hd] fp32, signed_sin [N, hd] fp32,
 //     kv_cache [2, num_blocks, block_size, Hkv, hd], slot_mapping [N] int64) -> q [N, Hq, hd]
 //   rotary embedding of the q and k heads, x * cos + swap_halves(x) * signed_sin in float32 (the products and the
@@ -681,40 +683,45 @@ struct DecodeItemVec {
       m[j] = mx;
       l[j] = l[j] * corr[j] + sum;
     }
-    // Pass 2: acc_j = corr_j * acc_j + sum_t w_jt v_t, the accumulators in registers.
+    // Pass 2: acc_j = corr_j * acc_j + sum_t w_jt v_t, the accumulators in registers: all G heads at once, or
+    // (G == 0) the g heads in blocks of up to kValueHeads, each V row widened once per block.
     if constexpr (G > 0) {
-      vf16 a[G][C];
-      for (int j = 0; j < G; ++j)
-        for (int c = 0; c < C; ++c) {
-          std::memcpy(&a[j][c], &acc[j][c * 16], sizeof(vf16));
-          a[j][c] *= corr[j];
-        }
-      keys.each(vp, [&](const raw_t* vrow, int64_t t) {
-        vf16 v[C];
-        for (int c = 0; c < C; ++c) v[c] = load16<T>(vrow + c * 16);
-        const float vs = row_scale<T>(vrow, HD);
-        for (int j = 0; j < G; ++j) {
-          const float w = scores[j * n + t] * vs;
-          for (int c = 0; c < C; ++c) a[j][c] += w * v[c];
-        }
-      });
-      for (int j = 0; j < G; ++j)
-        for (int c = 0; c < C; ++c) std::memcpy(&acc[j][c * 16], &a[j][c], sizeof(vf16));
+      accumulate_values<G>(vp, keys, scores.data(), n, corr, acc);
     } else {
-      for (int64_t j = 0; j < g; ++j) {
-        const float* sj = scores.data() + j * n;
-        vf16 a[C];
-        for (int c = 0; c < C; ++c) {
-          std::memcpy(&a[c], &acc[j][c * 16], sizeof(vf16));
-          a[c] *= corr[j];
+      for (int64_t j = 0; j < g; j += kValueHeads) {
+        switch (std::min<int64_t>(kValueHeads, g - j)) {
+          case 1: accumulate_values<1>(vp, keys, scores.data() + j * n, n, corr + j, acc + j); break;
+          case 2: accumulate_values<2>(vp, keys, scores.data() + j * n, n, corr + j, acc + j); break;
+          case 3: accumulate_values<3>(vp, keys, scores.data() + j * n, n, corr + j, acc + j); break;
+          default: accumulate_values<kValueHeads>(vp, keys, scores.data() + j * n, n, corr + j, acc + j); break;
         }
-        keys.each(vp, [&](const raw_t* vrow, int64_t t) {
-          const float w = sj[t] * row_scale<T>(vrow, HD);
-          for (int c = 0; c < C; ++c) a[c] += w * load16<T>(vrow + c * 16);
-        });
-        for (int c = 0; c < C; ++c) std::memcpy(&acc[j][c * 16], &a[c], sizeof(vf16));
       }
     }
+  }
+
+  static constexpr int kValueHeads = 4;
+
+  // acc_j = corr_j * acc_j + sum_t w[j * n + t] v_t for NB heads, their accumulators in registers.
+  template <int NB>
+  static inline void accumulate_values(const raw_t* vp, const KeyWalk& keys, const float* w, int64_t n,
+                                       const float* corr, float (*acc)[kMaxHeadDim]) {
+    vf16 a[NB][C];
+    for (int j = 0; j < NB; ++j)
+      for (int c = 0; c < C; ++c) {
+        std::memcpy(&a[j][c], &acc[j][c * 16], sizeof(vf16));
+        a[j][c] *= corr[j];
+      }
+    keys.each(vp, [&](const raw_t* vrow, int64_t t) {
+      vf16 v[C];
+      for (int c = 0; c < C; ++c) v[c] = load16<T>(vrow + c * 16);
+      const float vs = row_scale<T>(vrow, HD);
+      for (int j = 0; j < NB; ++j) {
+        const float wt = w[j * n + t] * vs;
+        for (int c = 0; c < C; ++c) a[j][c] += wt * v[c];
+      }
+    });
+    for (int j = 0; j < NB; ++j)
+      for (int c = 0; c < C; ++c) std::memcpy(&acc[j][c * 16], &a[j][c], sizeof(vf16));
   }
 };
 
@@ -725,7 +732,7 @@ using DecodeItemFor =
 template <typename T, typename CacheT, int HD, int G>
 void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
-                      const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
+                      const at::Tensor* prior_out, const at::Tensor* prior_lse, bool group_shared, at::Tensor& out) {
   using E = Elem<T>;
   using raw_t = typename E::raw_t;
   using cache_t = typename Elem<CacheT>::raw_t;
@@ -748,10 +755,46 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
   raw_t* op = reinterpret_cast<raw_t*>(out.data_ptr());
   const int64_t first_pos = first_block * block_size;
 
+  // Sequences whose block tables start with the same blocks (the requests of one LoRA adapter over one system
+  // prompt, the rows of one prefill chunk) are attended in chunks of up to kMaxGroup / g: the chunk's common keys
+  // are read once for the query heads of all its sequences, then each sequence's own keys continue its online
+  // softmax (cascade attention within the call; Ye et al. 2024).
+  std::vector<int64_t> order(num_seqs);
+  for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
+  const int64_t chunk_max = sliding_window > 0 || !group_shared ? 1 : std::max<int64_t>(1, kMaxGroup / g);
+  const auto first_of = [&](int64_t i) { return btp[i * bt_s0 + std::min(first_block, max_blocks - 1)]; };
+  if (chunk_max > 1)
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return first_of(a) < first_of(b); });
+  std::vector<int64_t> chunk_start{0}, chunk_shared_end;  // chunk c: order[chunk_start[c] .. chunk_start[c + 1])
+  for (int64_t k = 0; k < num_seqs;) {
+    const int64_t head = order[k];
+    int64_t end = k + 1, min_len = slp[head];
+    if (chunk_max > 1) {
+      int64_t same_first = k + 1;  // the run of sequences with head's first block, split evenly into chunks
+      while (same_first < num_seqs && first_of(order[same_first]) == first_of(head)) ++same_first;
+      const int64_t run = same_first - k, pieces = (run + chunk_max - 1) / chunk_max;
+      end = k + (run + pieces - 1) / pieces;
+    }
+    for (int64_t m = k + 1; m < end; ++m) min_len = std::min(min_len, slp[order[m]]);
+    int64_t shared = 0;  // blocks from first_block equal in every table of the chunk, each query's own key after
+    const int64_t limit = std::min((min_len - 1) / block_size - first_block, max_blocks - first_block);
+    while (end - k > 1 && shared < limit) {
+      const int64_t b = btp[head * bt_s0 + first_block + shared];
+      bool same = true;
+      for (int64_t m = k + 1; m < end && same; ++m) same = btp[order[m] * bt_s0 + first_block + shared] == b;
+      if (!same) break;
+      ++shared;
+    }
+    chunk_shared_end.push_back(first_pos + std::max<int64_t>(0, shared) * block_size);
+    chunk_start.push_back(end);
+    k = end;
+  }
+  const int64_t num_chunks = static_cast<int64_t>(chunk_shared_end.size());
+
   int64_t total_keys = 0;
   for (int64_t i = 0; i < num_seqs; ++i) total_keys += std::max<int64_t>(0, slp[i] - first_pos);
-  const int64_t items = num_seqs * num_kv;
-  const int64_t work_per_item = std::max<int64_t>(1, total_keys / std::max<int64_t>(1, num_seqs)) * g * hd * 2;
+  const int64_t items = num_chunks * num_kv;
+  const int64_t work_per_item = std::max<int64_t>(1, total_keys / std::max<int64_t>(1, num_chunks)) * g * hd * 2;
 
   at::parallel_for(0, items, grain(work_per_item, 1 << 15), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -759,30 +802,43 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
     float acc[kMaxGroup][kMaxHeadDim];
     float m[kMaxGroup], l[kMaxGroup];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / num_kv, h = item % num_kv;
-      const int64_t seq_len = slp[i];
-      int64_t lo = first_pos;
-      if (sliding_window > 0) lo = std::max(lo, seq_len - sliding_window);  // the query sits at seq_len - 1
-      for (int64_t j = 0; j < g; ++j) {
-        const raw_t* src = qp + i * q_s0 + (h * g + j) * q_s1;
-        for (int64_t d = 0; d < hd; ++d) qf[j][d] = E::load(src[d]) * static_cast<float>(scale);
-        if (pop) {
-          const raw_t* prior = pop + h * po_s0 + (i * g + j) * po_s1;
-          for (int64_t d = 0; d < hd; ++d) acc[j][d] = E::load(prior[d]);
-          m[j] = plp[h * pl_s0 + (i * g + j) * pl_s1];
-          l[j] = 1.f;
-        } else {
-          for (int64_t d = 0; d < hd; ++d) acc[j][d] = 0.f;
-          m[j] = -std::numeric_limits<float>::infinity();
-          l[j] = 0.f;
+      const int64_t c = item / num_kv, h = item % num_kv;
+      const int64_t members = chunk_start[c + 1] - chunk_start[c];
+      const int64_t* seqs = order.data() + chunk_start[c];
+      for (int64_t s = 0; s < members; ++s)
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t i = seqs[s], r = s * g + j;
+          const raw_t* src = qp + i * q_s0 + (h * g + j) * q_s1;
+          for (int64_t d = 0; d < hd; ++d) qf[r][d] = E::load(src[d]) * static_cast<float>(scale);
+          if (pop) {
+            const raw_t* prior = pop + h * po_s0 + (i * g + j) * po_s1;
+            for (int64_t d = 0; d < hd; ++d) acc[r][d] = E::load(prior[d]);
+            m[r] = plp[h * pl_s0 + (i * g + j) * pl_s1];
+            l[r] = 1.f;
+          } else {
+            for (int64_t d = 0; d < hd; ++d) acc[r][d] = 0.f;
+            m[r] = -std::numeric_limits<float>::infinity();
+            l[r] = 0.f;
+          }
         }
+      const int64_t shared_end = chunk_shared_end[c];
+      if (shared_end > first_pos) {  // the common keys, once for every query head of the chunk
+        const KeyWalk common{btp + seqs[0] * bt_s0, max_blocks, first_pos, shared_end, block_size,
+                             c_block,             c_tok,      h * c_head, kv_cache.size(4)};
+        DecodeItemFor<CacheT, HD, 0>::run(kp, vp, common, members * g, hd, qf, acc, m, l, scores);
       }
-      const KeyWalk keys{btp + i * bt_s0, max_blocks, lo, seq_len, block_size, c_block, c_tok, h * c_head, kv_cache.size(4)};
-      DecodeItemFor<CacheT, HD, G>::run(kp, vp, keys, g, hd, qf, acc, m, l, scores);
-      for (int64_t j = 0; j < g; ++j) {
-        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-        raw_t* dst = op + i * num_heads * hd + (h * g + j) * hd;
-        for (int64_t d = 0; d < hd; ++d) dst[d] = E::store(acc[j][d] * inv);
+      for (int64_t s = 0; s < members; ++s) {
+        const int64_t i = seqs[s], seq_len = slp[i];
+        int64_t lo = std::max(first_pos, shared_end);
+        if (sliding_window > 0) lo = std::max(lo, seq_len - sliding_window);  // the query sits at seq_len - 1
+        const KeyWalk keys{btp + i * bt_s0, max_blocks, lo, seq_len, block_size, c_block, c_tok, h * c_head, kv_cache.size(4)};
+        DecodeItemFor<CacheT, HD, G>::run(kp, vp, keys, g, hd, qf + s * g, acc + s * g, m + s * g, l + s * g, scores);
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t r = s * g + j;
+          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+          raw_t* dst = op + i * num_heads * hd + (h * g + j) * hd;
+          for (int64_t d = 0; d < hd; ++d) dst[d] = E::store(acc[r][d] * inv);
+        }
       }
     }
   });
@@ -793,11 +849,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
 template <typename T, typename CacheT, int HD>
 void decode_attention_group(int64_t g, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
-                            const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
+                            const at::Tensor* prior_out, const at::Tensor* prior_lse, bool group_shared, at::Tensor& out) {
 #define LMFORGE_GROUP(G_)                                                                                     \
   case G_:                                                                                                    \
     return decode_attention<T, CacheT, HD, G_>(q, kv_cache, block_tables, seq_lens, first_block, scale,       \
-                                               sliding_window, prior_out, prior_lse, out);
+                                               sliding_window, prior_out, prior_lse, group_shared, out);
   switch (HD == 0 ? 0 : g) {
     LMFORGE_GROUP(1)
     LMFORGE_GROUP(2)
@@ -809,7 +865,7 @@ void decode_attention_group(int64_t g, const at::Tensor& q, const at::Tensor& kv
     LMFORGE_GROUP(8)
     default:
       return decode_attention<T, CacheT, HD, 0>(q, kv_cache, block_tables, seq_lens, first_block, scale,
-                                                sliding_window, prior_out, prior_lse, out);
+                                                sliding_window, prior_out, prior_lse, group_shared, out);
   }
 #undef LMFORGE_GROUP
 }
@@ -817,25 +873,25 @@ void decode_attention_group(int64_t g, const at::Tensor& q, const at::Tensor& kv
 template <typename T, typename CacheT>
 void decode_attention_dispatch(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, int64_t first_block, double scale, int64_t sliding_window,
-                               const at::Tensor* prior_out, const at::Tensor* prior_lse, at::Tensor& out) {
+                               const at::Tensor* prior_out, const at::Tensor* prior_lse, bool group_shared, at::Tensor& out) {
   const int64_t g = q.size(1) / kv_cache.size(3);
   switch (q.size(2)) {
     case 64:
       return decode_attention_group<T, CacheT, 64>(g, q, kv_cache, block_tables, seq_lens, first_block, scale,
-                                                   sliding_window, prior_out, prior_lse, out);
+                                                   sliding_window, prior_out, prior_lse, group_shared, out);
     case 128:
       return decode_attention_group<T, CacheT, 128>(g, q, kv_cache, block_tables, seq_lens, first_block, scale,
-                                                    sliding_window, prior_out, prior_lse, out);
+                                                    sliding_window, prior_out, prior_lse, group_shared, out);
     default:
       return decode_attention_group<T, CacheT, 0>(g, q, kv_cache, block_tables, seq_lens, first_block, scale,
-                                                  sliding_window, prior_out, prior_lse, out);
+                                                  sliding_window, prior_out, prior_lse, group_shared, out);
   }
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, int64_t first_block, double scale,
                                   int64_t sliding_window, const c10::optional<at::Tensor>& prior_out,
-                                  const c10::optional<at::Tensor>& prior_lse) {
+                                  const c10::optional<at::Tensor>& prior_lse, bool group_shared) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be CPU [D, Hq, hd]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.stride(4) == 1,
               "paged_decode_attention: kv_cache must be [2, num_blocks, block_size, Hkv, hd]");
@@ -872,16 +928,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const at::Tensor* plp = prior_out.has_value() ? &pl : nullptr;
   if (q.scalar_type() == at::kBFloat16 && quantized) {
     decode_attention_dispatch<at::BFloat16, int8_t>(q, kv_cache, block_tables, seq_lens, first_block, scale,
-                                                    sliding_window, pop, plp, out);
+                                                    sliding_window, pop, plp, group_shared, out);
   } else if (q.scalar_type() == at::kBFloat16) {
     decode_attention_dispatch<at::BFloat16, at::BFloat16>(q, kv_cache, block_tables, seq_lens, first_block, scale,
-                                                          sliding_window, pop, plp, out);
+                                                          sliding_window, pop, plp, group_shared, out);
   } else if (q.scalar_type() == at::kFloat && quantized) {
     decode_attention_dispatch<float, int8_t>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
-                                             pop, plp, out);
+                                             pop, plp, group_shared, out);
   } else if (q.scalar_type() == at::kFloat) {
     decode_attention_dispatch<float, float>(q, kv_cache, block_tables, seq_lens, first_block, scale, sliding_window,
-                                            pop, plp, out);
+                                            pop, plp, group_shared, out);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: q must be bf16 or fp32");
   }
@@ -1169,7 +1225,7 @@ TORCH_LIBRARY(lmforge_engine, m) {
       &rope_and_cache);
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int first_block, "
-      "float scale, int sliding_window, Tensor? prior_out, Tensor? prior_lse) -> Tensor",
+      "float scale, int sliding_window, Tensor? prior_out, Tensor? prior_lse, bool group_shared) -> Tensor",
       &paged_decode_attention);
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask) -> ()", &apply_token_bitmask_);
   m.def(

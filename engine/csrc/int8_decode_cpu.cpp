@@ -47,9 +47,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                                   const at::Tensor& seq_lens, double scale) {
   static const auto op =
       find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
-                         int64_t, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&)>(
+                         int64_t, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, bool)>(
           "lmforge_engine::paged_decode_attention");
-  return op.call(q, kv_cache, block_tables, seq_lens, 0, scale, 0, c10::nullopt, c10::nullopt);
+  // group_shared as the op-by-op forward's calls: a sequence's tokens read their common blocks together
+  return op.call(q, kv_cache, block_tables, seq_lens, 0, scale, 0, c10::nullopt, c10::nullopt, true);
 }
 
 // y = x w^T (+ bias), then the residual add or SwiGLU epilogue; a float weight (scale None) runs at::linear and the

@@ -127,6 +127,59 @@ def test_paged_decode_attention_matches_direct_attention(dtype, num_heads, num_k
     torch.testing.assert_close(windowed.float(), _reference(cache, tables, q, lens, 16, window=7), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(9, 3, 64), (8, 2, 128), (6, 2, 24), (32, 2, 64)])
+def test_paged_decode_attention_reads_blocks_shared_by_a_group_once_and_equals_each_alone(
+    cache_dtype, num_heads, num_kv, head_dim
+):
+    """Sequences whose tables start with the same blocks (a group of 7 on 4 blocks, one of them shorter than the
+    prefix, a group of 3 on 2 blocks whose third member diverges, two alone; the groups mixed through the batch) are
+    attended in chunks that read their common blocks once: each output equals that sequence attended alone and the
+    float64 reference, with and without a prior part (cascade from a prefix of the whole batch)."""
+    from engine.attention import dequantize_kv, quantize_kv
+
+    bs, gen = 16, torch.Generator().manual_seed(1)
+    group_a, group_b = list(range(1, 5)), [5, 6]  # physical blocks of the two common prefixes
+    members = ["a", "b", "x", "a", "a", "b", "a", "y", "a", "b2", "a", "a"]
+    lens = [70, 40, 33, 64 + 17, 100, 37, 65, 20, 90, 45, 40, 66]  # a's 40 < 4 blocks: the chunk's common part shrinks
+    tables, nxt = [], 7
+    for who, n in zip(members, lens):
+        prefix = {"a": group_a, "b": group_b, "b2": group_b[:1]}.get(who, [])
+        own = -(-n // bs) - len(prefix)
+        tables.append((prefix + list(range(nxt, nxt + own)))[: -(-n // bs)])
+        nxt += max(own, 0)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    values = torch.randn(2, nxt, bs, num_kv, head_dim, generator=gen)
+    dtype = torch.bfloat16 if cache_dtype == "bfloat16" else torch.float32
+    cache = quantize_kv(values) if cache_dtype == "int8" else values.to(dtype)
+    dense = dequantize_kv(cache, torch.float32) if cache_dtype == "int8" else cache
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    got = cpu_ops.paged_decode_attention(q, cache, block_tables, torch.tensor(lens))
+    alone = torch.cat(
+        [
+            cpu_ops.paged_decode_attention(q[i : i + 1], cache, block_tables[i : i + 1], torch.tensor(lens[i : i + 1]))
+            for i in range(len(lens))
+        ]
+    )
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), alone.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got.float(), _reference(dense, tables, q, lens, bs), rtol=tol, atol=tol)
+    # the same batch behind one more block (nxt) every sequence shares, attended apart and given as the prior
+    values = torch.cat([values, torch.randn(2, 1, bs, num_kv, head_dim, generator=gen)], dim=1)
+    cache = quantize_kv(values) if cache_dtype == "int8" else values.to(dtype)
+    dense = dequantize_kv(cache, torch.float32) if cache_dtype == "int8" else cache
+    g = num_heads // num_kv
+    k0, v0 = dense[0, nxt].float().transpose(0, 1), dense[1, nxt].float().transpose(0, 1)  # [kv, bs, hd]
+    qs = q.float().view(len(lens), num_kv, g, head_dim).transpose(0, 1).reshape(num_kv, -1, head_dim)
+    scores = qs @ k0.transpose(1, 2) * head_dim**-0.5  # [kv, D g, bs]
+    prior = ((scores.softmax(-1) @ v0).to(dtype), scores.logsumexp(-1))
+    lens_after = [n + bs for n in lens]
+    got = cpu_ops.paged_decode_attention(q, cache, block_tables, torch.tensor(lens), prior=prior)
+    full_tables = [[nxt] + t for t in tables]
+    torch.testing.assert_close(got.float(), _reference(dense, full_tables, q, lens_after, bs), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_backend_with_shared_prefix_equals_the_torch_path(dtype, shared_prefix_block_table):
     """Cascade decode (shared prefix read once, own blocks in place) against the gather + flash path."""
@@ -167,11 +220,11 @@ def test_bad_arguments_name_the_tensor():
     cache = torch.randn(2, 4, 8, 2, 16)
     with pytest.raises(RuntimeError, match="block_tables"):
         cpu_ops.KERNELS.ops.paged_decode_attention(
-            q, cache, torch.zeros(2, 3, dtype=torch.int32), torch.tensor([1, 2]), 0, 0.25, 0, None, None
+            q, cache, torch.zeros(2, 3, dtype=torch.int32), torch.tensor([1, 2]), 0, 0.25, 0, None, None, True
         )
     with pytest.raises(RuntimeError, match="kv_cache must be in q's dtype or int8"):
         cpu_ops.KERNELS.ops.paged_decode_attention(
-            q.bfloat16(), cache, torch.zeros(2, 3, dtype=torch.long), torch.tensor([1, 2]), 0, 0.25, 0, None, None
+            q.bfloat16(), cache, torch.zeros(2, 3, dtype=torch.long), torch.tensor([1, 2]), 0, 0.25, 0, None, None, True
         )
 
 
