@@ -790,6 +790,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
     k = end;
   }
   const int64_t num_chunks = static_cast<int64_t>(chunk_shared_end.size());
+  if (num_chunks == num_seqs)  // nothing shared: the batch's own order (each sequence's keys follow the last's)
+    for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
 
   int64_t total_keys = 0;
   for (int64_t i = 0; i < num_seqs; ++i) total_keys += std::max<int64_t>(0, slp[i] - first_pos);
