@@ -12,6 +12,7 @@ import os
 import secrets
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -198,9 +199,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # optional or heavy dependency: imported only on the path that needs it
-    import uvicorn
-
     parser = argparse.ArgumentParser(description="OpenAI-compatible API in front of a running Triton server")
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -228,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         loop="uvloop",
         http="httptools",
     )
-    ending_server_class()(config, app.state.backend).run()
+    EndingServer(config, app.state.backend).run()
     return 0
 
 
-def ending_server_class():
+class EndingServer(uvicorn.Server):
     """``uvicorn.Server`` that, on SIGINT/SIGTERM, ends the requests in flight before its graceful wait.
 
     uvicorn stops accepting connections, then waits ``timeout_graceful_shutdown`` for the responses in
@@ -240,18 +238,14 @@ def ending_server_class():
     each one with a 503 (a started stream: an error event and ``[DONE]``), so ``lmforge serve`` can stop
     Triton after the frontend exited.
     """
-    import uvicorn
 
-    class _EndingServer(uvicorn.Server):
-        def __init__(self, config, backend: TritonBackend) -> None:
-            super().__init__(config)
-            self.backend = backend
+    def __init__(self, config: uvicorn.Config, backend: TritonBackend) -> None:
+        super().__init__(config)
+        self.backend = backend
 
-        async def shutdown(self, sockets=None) -> None:
-            self.backend.shut_down()
-            await super().shutdown(sockets=sockets)
-
-    return _EndingServer
+    async def shutdown(self, sockets=None) -> None:
+        self.backend.shut_down()
+        await super().shutdown(sockets=sockets)
 
 
 if __name__ == "__main__":

@@ -785,7 +785,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
       if (!same) break;
       ++shared;
     }
-    chunk_shared_end.push_back(first_pos + std::max<int64_t>(0, shared) * block_size);
+    chunk_shared_end.push_back(first_pos + shared * block_size);
     chunk_start.push_back(end);
     k = end;
   }
