@@ -80,7 +80,8 @@ def hf_generate(model_spec: str, prompt: str, *, chat: bool, max_tokens: int) ->
     """Greedy completion with ``transformers`` ``generate`` (the reference path).
 
     Raises:
-        CheckpointError: the model cannot be resolved; ValueError: ``max_tokens < 1``.
+        CheckpointError: the model cannot be resolved; ValueError: ``max_tokens < 1``; UsageError: the prompt
+            and ``max_tokens`` exceed the model's context (``max_position_embeddings``).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}; it must be >= 1")
@@ -91,6 +92,13 @@ def hf_generate(model_spec: str, prompt: str, *, chat: bool, max_tokens: int) ->
         )
     else:
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None and input_ids.shape[1] + max_tokens > context:
+        raise UsageError(
+            f"prompt ({input_ids.shape[1]} tokens) + --max-tokens ({max_tokens}) = {input_ids.shape[1] + max_tokens} "
+            f"> the model's context of {context} tokens",
+            fix=f"pass --max-tokens <= {max(context - input_ids.shape[1], 0)} or shorten the prompt",
+        )
     with torch.inference_mode():
         output = model.generate(
             input_ids,

@@ -358,6 +358,29 @@ def test_generate_bad_sampling_and_engine_values_are_usage_errors_naming_the_fla
         assert f"set max_tokens <= {max_model_len - prompt_tokens} " in err
 
 
+def test_generate_hf_backend_refuses_max_tokens_past_the_context(tiny_llama_dir, capsys):
+    context = AutoConfig.from_pretrained(tiny_llama_dir).max_position_embeddings
+    prompt_tokens = len(AutoTokenizer.from_pretrained(tiny_llama_dir)("hi").input_ids)
+    argv = [
+        "generate",
+        "--backend",
+        "hf",
+        "--model",
+        str(tiny_llama_dir),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "100000000",
+    ]
+    _fails(
+        argv,
+        2,
+        f"> the model's context of {context} tokens",
+        f"pass --max-tokens <= {context - prompt_tokens}",
+        capsys=capsys,
+    )
+
+
 def test_generate_with_an_empty_model_is_a_usage_error(capsys):
     _fails(
         ["generate", "--model", "", "--prompt", "hi"], 2, "--model is empty; pass a checkpoint directory", capsys=capsys
