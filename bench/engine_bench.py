@@ -60,7 +60,7 @@ from bench.engine_bench_report import (
     summarize,
     summarize_single,
 )
-from bench.harness import Peers, align_columns, fmt, report_json
+from bench.harness import Peers, align_columns, report_json
 from bench.peer_runs import BusyProcesses, busy_cores, not_installed, prepare_peer_model, run_config
 from bench.peers import vllm_env
 from bench.workload import WorkloadError, build_workload, single_prompt
@@ -70,6 +70,7 @@ from engine.checkpoint.outputs import check_output_file, write_output_file
 from engine.checkpoint.store import CheckpointError, resolve_checkpoint
 from engine.config import EngineConfig
 from engine.errors import UsageError
+from engine.tables import fmt
 
 #: Seconds a busy process (``--contention``) may outlive its row's ``--timeout-s`` if nothing ends it.
 BUSY_MARGIN_S = 120.0

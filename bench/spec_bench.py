@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 
 from bench.bound import target_result
 from bench.engine_backends import RunSpec
-from bench.harness import Peers, fmt, write_json
+from bench.harness import Peers, write_json
 from bench.peer_runs import not_installed, run_config
 from bench.peers import vllm_env
 from bench.prompts import PromptError, load_prompts
@@ -48,6 +48,7 @@ from engine.checkpoint.store import CheckpointError, load_causal_lm, resolve_che
 from engine.errors import UsageError
 from engine.records import read_records
 from engine.spec_decode import find_distilled_draft
+from engine.tables import fmt
 
 #: Paragraphs of the input-grounded task (written for this benchmark).
 GROUNDED_PARAGRAPHS = (

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pydantic
 
-from bench.harness import fmt, write_json
+from bench.harness import write_json
 from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
 from bench.report import read_samples
 from bench.serving_compare import lmforge_stack, row_from_summary
@@ -38,6 +38,7 @@ from bench.serving_profile import lmforge_counters
 from engine.checkpoint.outputs import BENCH_STRUCTURED, check_output_dir
 from engine.checkpoint.store import resolve_checkpoint
 from engine.errors import UsageError
+from engine.tables import fmt
 
 #: The structured phase's output tok/s over the plain phase's that the benchmark aims for.
 TARGET_RATIO = 0.9
