@@ -54,7 +54,7 @@ from compress.quantize.onnx import export_onnx, mean_pool, quantize_onnx_int8
 from engine import LLM, SamplingParams
 from engine.checkpoint.outputs import BENCH_COMPRESSION, check_output_dir
 from engine.checkpoint.store import Manifest, describe_weights, load_causal_lm, resolve_checkpoint, write_manifest
-from engine.cli_options import add_config_option, config_fields
+from engine.cli_options import add_config_option, add_option, config_fields
 from engine.errors import UsageError
 from engine.quant.int8 import format_microbench, gemm_microbench, model_linear_shapes
 from engine.tables import fmt, table_lines
@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     d = EvalConfig()
     add_config_option(parser, d, "max_records", "held-out records scored (default %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads for every model (default 2)")
+    add_option(parser, "--threads", 2, "CPU threads for every model")
     add_config_option(parser, d, "latency_tokens", "decode tokens timed per repeat (default %(default)s)")
     add_config_option(parser, d, "latency_repeats", "latency repeats, median taken (default %(default)s)")
     parser.add_argument(
@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="requests of the engine throughput workload (default 64; 0 skips the engine)",
     )
-    parser.add_argument("--engine-tokens", type=int, default=64, help="greedy tokens per engine request (default 64)")
+    add_option(parser, "--engine-tokens", 64, "greedy tokens per engine request")
     parser.add_argument("--skip-minilm", action="store_true", help="skip the MiniLM ONNX INT8 comparison")
 
 

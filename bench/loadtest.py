@@ -39,7 +39,7 @@ from bench.prompts import PromptError, load_prompts, render_chat, with_system_pr
 from bench.protocol import OPENAI_PATHS, openai_payload, request_payload
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
 from engine.checkpoint.outputs import LOADTEST_REPORT, check_output_dir
-from engine.cli_options import add_config_option, config_fields
+from engine.cli_options import add_config_option, add_option, config_fields
 from engine.errors import LmforgeError, UsageError
 
 LOCUST_PREFIX = "locust"
@@ -649,7 +649,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="JSON|@FILE",
         help="--api openai: every request's response_format (structured output), as JSON or @file.json",
     )
-    parser.add_argument("--out", default="reports/loadtest", help="report directory (default reports/loadtest)")
+    add_option(parser, "--out", "reports/loadtest", "report directory")
 
 
 #: The OpenAI ``response_format`` types ``--response-format`` accepts.
