@@ -61,6 +61,23 @@ from engine.records import read_records
 from engine.tables import fmt, table_lines
 
 SMOKE_MODEL = "tiny-random"
+#: The ``DemoConfig`` budgets of ``--smoke``: every stage runs, on a few records and steps.
+SMOKE_BUDGET = {
+    "finetune_steps": 2,
+    "distill_steps": 2,
+    "student_layers": "0",
+    "generate_records": 4,
+    "micro_batch_size": 2,
+    "max_length": 64,
+    "eval_records": 8,
+    "loadtest_s": 4.0,
+    "users": 2,
+    "max_tokens": 8,
+    "num_prompts": 16,
+    "batching_compare": False,
+    "stack_users": 2,
+    "baseline_requests": 2,
+}
 
 
 class DemoStageError(LmforgeError, RuntimeError):
@@ -102,26 +119,7 @@ class DemoConfig:
     @classmethod
     def smoke_config(cls, out: str, model: str | None = None, data: list[str] | None = None) -> "DemoConfig":
         """Tiny budgets; ``model`` ``None`` builds a tiny random Llama, else that checkpoint is used."""
-        return cls(
-            model=model or SMOKE_MODEL,
-            data=data,
-            out=out,
-            finetune_steps=2,
-            distill_steps=2,
-            student_layers="0",
-            generate_records=4,
-            micro_batch_size=2,
-            max_length=64,
-            eval_records=8,
-            loadtest_s=4.0,
-            users=2,
-            max_tokens=8,
-            num_prompts=16,
-            batching_compare=False,
-            stack_users=2,
-            baseline_requests=2,
-            smoke=True,
-        )
+        return cls(model=model or SMOKE_MODEL, data=data, out=out, **SMOKE_BUDGET, smoke=True)
 
     def validate(self) -> None:
         """Raises ``UsageError`` (a ``ValueError``) naming the bad field."""
