@@ -63,15 +63,9 @@ OPENAI_LOG_FILE = "openai_server.log"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--repo", "model_repository", "Triton model repository")
-    parser.add_argument(
-        "--http-port", type=int, default=DEFAULT_PORTS["http"], help="HTTP port on 127.0.0.1 (default 8000)"
-    )
-    parser.add_argument(
-        "--grpc-port", type=int, default=DEFAULT_PORTS["grpc"], help="gRPC port on 127.0.0.1 (default 8001)"
-    )
-    parser.add_argument(
-        "--metrics-port", type=int, default=DEFAULT_PORTS["metrics"], help="Prometheus metrics port (default 8002)"
-    )
+    add_option(parser, "--http-port", DEFAULT_PORTS["http"], "HTTP port on 127.0.0.1")
+    add_option(parser, "--grpc-port", DEFAULT_PORTS["grpc"], "gRPC port on 127.0.0.1")
+    add_option(parser, "--metrics-port", DEFAULT_PORTS["metrics"], "Prometheus metrics port")
     parser.add_argument(
         "--models",
         nargs="+",
