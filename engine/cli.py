@@ -9,7 +9,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from engine.checkpoint.store import DEFAULT_MODEL, NAMED_SOURCES, check_device, load_causal_lm
+from engine.checkpoint.store import DEFAULT_MODEL, check_device, load_causal_lm
 from engine.cli_options import add_config_option, add_engine_dtype_option, add_option, config_fields
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.errors import LmforgeError, UsageError
@@ -169,10 +169,6 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.model.strip():
-        raise UsageError(
-            "--model is empty", fix=f"pass a checkpoint directory, a .gguf file, or one of {sorted(NAMED_SOURCES)}"
-        )
     for number, prompt in enumerate(args.prompt, start=1):
         try:
             prompt.encode("utf-8")

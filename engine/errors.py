@@ -42,6 +42,11 @@ class CheckpointError(LmforgeError, ValueError):
     """A checkpoint is missing, corrupt or unsupported; the message names the file and the fix."""
 
 
+class EmptyModelError(UsageError, CheckpointError):
+    """An empty ``--model`` (or model spec): a usage error (exit status 2) that callers catching
+    ``CheckpointError`` still see."""
+
+
 class InvalidRequestError(UsageError):
     """A request the client must change; ``param`` names the offending field (OpenAI's error ``param``).
 

@@ -6,7 +6,8 @@ Each filter drops one known message at the logger that raises it, and nothing el
   warning for each one it cannot load; we use none of them on CPU;
 * torch's pytree logs a deprecation warning when torchao registers its enums as pytree constants;
 * bitsandbytes (imported by peft for LoRA) logs a warning on CPUs with AVX512-BF16 when the optional
-  ``kernels`` package that would fetch its hub kernel is absent; it falls back to its own CPU kernel.
+  ``kernels`` package that would fetch its hub kernel is absent; it falls back to its own CPU kernel;
+* transformers warns that ``torch_dtype`` is deprecated when Optimum's ONNX exporter passes it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _FILTERS = {
     "torchao": _DropMessages("_C_mxfp8", "_C_cutlass"),
     "torch.utils._pytree": _DropMessages("is an Enum subclass and is now natively supported"),
     "bitsandbytes.backends.cpu.ops": _DropMessages("Failed to load CPU gemm_4bit_forward from kernels-community"),
+    "transformers.configuration_utils": _DropMessages("`torch_dtype` is deprecated! Use `dtype` instead!"),
 }
 
 

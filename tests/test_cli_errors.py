@@ -214,7 +214,7 @@ def test_checkpoint_files_are_checked_by_path(tiny_llama_dir, tmp_path, capsys):
         )
     (no_tokenizer / "config.json").write_bytes(b"\xff\xfe{}")
     _fails(["info", "--model", str(no_tokenizer)], 1, "config.json: not valid JSON", capsys=capsys)
-    _fails(["info", "--model", ""], 1, "--model is empty", capsys=capsys)
+    _fails(["info", "--model", ""], 2, "--model is empty", capsys=capsys)
 
 
 def test_non_utf8_inputs_name_the_file(tiny_llama_dir, tmp_path, capsys):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,9 @@ def export_onnx(checkpoint_dir: str | Path, output_dir: str | Path, *, task: str
     config = OnnxExportConfig(task=task, opset=opset)
     source_dir = resolve_checkpoint(checkpoint_dir, causal_lm=EXPORT_TASKS[task])
     output_dir = Path(output_dir)
-    with staged_output_dir(output_dir, kind=CHECKPOINT, sources=(source_dir,)) as tmp:
+    with staged_output_dir(output_dir, kind=CHECKPOINT, sources=(source_dir,)) as tmp, warnings.catch_warnings():
+        # the tracer warns about constants that transformers' mask code builds; the exported graph is checked below
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         main_export(
             str(source_dir),
             tmp,

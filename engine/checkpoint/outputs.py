@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -143,7 +144,8 @@ def check_output_dir(
 
 
 def temp_sibling(output_dir: str | Path) -> Path:
-    """A new empty directory next to ``output_dir`` (same file system, so the swap is a rename).
+    """A new empty directory next to ``output_dir`` (same file system, so the swap is a rename), made by a
+    plain ``mkdir`` so the finished output gets the umask's mode (``mkdtemp``'s is ``0o700``).
 
     Raises:
         OutputDirError: the parent cannot be created or written (names it).
@@ -151,7 +153,12 @@ def temp_sibling(output_dir: str | Path) -> Path:
     out = Path(output_dir)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        for _ in range(16):  # a name already taken (1 in 4 billion a draw): draw again
+            tmp = out.parent / f".{out.name}-{secrets.token_hex(4)}"
+            with contextlib.suppress(FileExistsError):
+                tmp.mkdir()
+                return tmp
+        raise OutputDirError(f"{out.parent}: no free temporary name for the output {out.name}", fix=_FIX)
     except (FileExistsError, NotADirectoryError) as exc:
         raise OutputDirError(f"{out.parent}: not a directory, cannot hold the output {out.name}", fix=_FIX) from exc
     except PermissionError as exc:

@@ -44,7 +44,7 @@ from engine.checkpoint.outputs import (
     staged_output_dir,
     write_atomic,
 )
-from engine.errors import CheckpointError, UsageError
+from engine.errors import CheckpointError, EmptyModelError, UsageError
 
 #: Files of which a checkpoint needs at least one for ``AutoTokenizer`` (fast, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -395,11 +395,12 @@ def resolve_checkpoint(spec: str | Path, *, causal_lm: bool = True) -> Path:
         causal_lm: require a supported causal-LM architecture (set False for encoders).
 
     Raises:
-        CheckpointError: for every missing, corrupt or unsupported input (names the path).
+        CheckpointError: for every missing, corrupt or unsupported input (names the path); an empty
+            ``spec`` raises its subclass ``EmptyModelError``, a usage error (exit status 2).
     """
     spec_str = str(spec)
     if not spec_str.strip():
-        raise CheckpointError(
+        raise EmptyModelError(
             "--model is empty", fix=f"pass a checkpoint directory, a .gguf file, or one of {sorted(NAMED_SOURCES)}"
         )
     source = spec_str

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -270,3 +273,14 @@ def test_port_helpers():
         listener.bind(("127.0.0.1", ports[0]))
         listener.listen()
         assert not port_is_free(ports[0])
+
+
+def test_encoder_export_prints_only_its_own_output(tmp_path):
+    """The ONNX exporter's tracer and config warnings do not reach the terminal of ``lmforge export``."""
+    repo = tmp_path / "repo"
+    cmd = [sys.executable, "-m", "lmforge_cli", "export", "--model", "minilm-l6", "--repo", str(repo), "--name", "enc"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == ""
+    assert proc.stdout.splitlines()[0] == f"wrote {repo / 'enc' / 'config.pbtxt'}"

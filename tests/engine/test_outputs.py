@@ -89,6 +89,14 @@ def test_staged_writer_replaces_an_earlier_output_whole_and_keeps_it_on_failure(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary sibling left
 
 
+def test_a_staged_output_gets_the_mode_of_a_plain_mkdir(tmp_path):
+    """The output is readable by whoever may read its parent, as ``mkdir`` would make it (not 0o700)."""
+    (tmp_path / "plain").mkdir()
+    with staged_output_dir(tmp_path / "out") as tmp:
+        (tmp / "lmforge.json").write_text("{}")
+    assert (tmp_path / "out").stat().st_mode == (tmp_path / "plain").stat().st_mode
+
+
 def test_quantize_cli_refuses_foreign_cwd_and_input(tiny_llama_dir, precious, monkeypatch, capsys):
     before = sorted(p.name for p in tiny_llama_dir.iterdir())
     for out, reason in [
