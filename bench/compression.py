@@ -54,9 +54,10 @@ from compress.quantize.onnx import export_onnx, mean_pool, quantize_onnx_int8
 from engine import LLM, SamplingParams
 from engine.checkpoint.outputs import BENCH_COMPRESSION, check_output_dir
 from engine.checkpoint.store import Manifest, describe_weights, load_causal_lm, resolve_checkpoint, write_manifest
-from engine.cli_options import add_config_option, config_fields
+from engine.cli_options import add_config_option, add_option, config_fields
 from engine.errors import UsageError
 from engine.quant.int8 import format_microbench, gemm_microbench, model_linear_shapes
+from engine.tables import fmt, table_lines
 
 TARGET_LINEAR_REDUCTION = 3.5
 TARGET_MINILM_COSINE = 0.99
@@ -85,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     d = EvalConfig()
     add_config_option(parser, d, "max_records", "held-out records scored (default %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads for every model (default 2)")
+    add_option(parser, "--threads", 2, "CPU threads for every model")
     add_config_option(parser, d, "latency_tokens", "decode tokens timed per repeat (default %(default)s)")
     add_config_option(parser, d, "latency_repeats", "latency repeats, median taken (default %(default)s)")
     parser.add_argument(
@@ -94,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="requests of the engine throughput workload (default 64; 0 skips the engine)",
     )
-    parser.add_argument("--engine-tokens", type=int, default=64, help="greedy tokens per engine request (default 64)")
+    add_option(parser, "--engine-tokens", 64, "greedy tokens per engine request")
     parser.add_argument("--skip-minilm", action="store_true", help="skip the MiniLM ONNX INT8 comparison")
 
 
@@ -327,21 +328,45 @@ def format_report(report: dict[str, Any]) -> str:
             f"{base['perplexity_tokens']} scored tokens, "
             f"{base['num_threads']} CPU thread(s), load average {load}"
         )
-        head = (
-            f"{'method':<16} {'linear MiB':>10} {'file MiB':>9} {'ppl':>8} {'Δppl':>8} {'KL mean':>8} {'KL p99':>7} "
-            f"{'top-1':>6} {'agree':>6} {'HF ms/tok':>9} {'eng 1seq':>9} {'eng batch':>9}  targets"
-        )
-        lines += [head, "-" * len(head)]
+        columns = [
+            ("method", "<16"),
+            ("linear MiB", ">10"),
+            ("file MiB", ">9"),
+            ("ppl", ">8"),
+            ("Δppl", ">8"),
+            ("KL mean", ">8"),
+            ("KL p99", ">7"),
+            ("top-1", ">6"),
+            ("agree", ">6"),
+            ("HF ms/tok", ">9"),
+            ("eng 1seq", ">9"),
+            ("eng batch", ">9"),
+            ("", ""),  # two spaces before the free-text column
+            ("targets", ""),
+        ]
         rows = [("fp32", {**base, "perplexity_change_pct": 0.0, "targets": ""})] + list(lm["methods"].items())
+        cells = []
         for method, m in rows:
             e = m.get("engine") or {}
-            lines.append(
-                f"{method:<16} {m['linear_weight_bytes'] / 2**20:>10.1f} {m['size_bytes'] / 2**20:>9.1f} "
-                f"{m['perplexity']:>8.3f} {m['perplexity_change_pct']:>+7.2f}% {m['kl_mean']:>8.4f} "
-                f"{m['kl_p99']:>7.3f} "
-                f"{m['same_top1'] * 100:>5.1f}% {m['greedy_agreement']:>6.3f} {m.get('decode_ms_per_token', 0):>9.2f} "
-                f"{e.get('one_seq_tok_s', 0):>9.1f} {e.get('batch_tok_s', 0):>9.1f}  {m['targets']}"
+            cells.append(
+                [
+                    method,
+                    fmt(m["linear_weight_bytes"], ".1f", 2**-20),
+                    fmt(m["size_bytes"], ".1f", 2**-20),
+                    f"{m['perplexity']:.3f}",
+                    f"{m['perplexity_change_pct']:+.2f}%",
+                    f"{m['kl_mean']:.4f}",
+                    f"{m['kl_p99']:.3f}",
+                    f"{m['same_top1'] * 100:.1f}%",
+                    f"{m['greedy_agreement']:.3f}",
+                    f"{m.get('decode_ms_per_token', 0):.2f}",
+                    f"{e.get('one_seq_tok_s', 0):.1f}",
+                    f"{e.get('batch_tok_s', 0):.1f}",
+                    "",
+                    m["targets"],
+                ]
             )
+        lines += table_lines(columns, cells)
         for method, m in lm["methods"].items():
             if m.get("engine_vs_bf16") and method != "bf16":
                 r = m["engine_vs_bf16"]
@@ -357,14 +382,20 @@ def format_report(report: dict[str, Any]) -> str:
     mini = report.get("minilm")
     if mini:
         lines.append(f"\nall-MiniLM-L6-v2: {mini['sentences']} sentences, batch 1, {mini['threads']} CPU thread(s)")
-        head = f"{'model':<14} {'MiB':>7} {'ms/sent':>8} {'cos mean':>9} {'cos min':>8}"
-        lines += [head, "-" * len(head)]
+        columns = [("model", "<14"), ("MiB", ">7"), ("ms/sent", ">8"), ("cos mean", ">9"), ("cos min", ">8")]
+        cells = []
         for name in ("pytorch-fp32", "onnx-fp32", "onnx-int8"):
             m = mini[name]
-            lines.append(
-                f"{name:<14} {m['size_bytes'] / 2**20:>7.1f} {m['ms_per_sentence']:>8.2f} "
-                f"{m['cosine_mean']:>9.5f} {m['cosine_min']:>8.5f}"
+            cells.append(
+                [
+                    name,
+                    fmt(m["size_bytes"], ".1f", 2**-20),
+                    f"{m['ms_per_sentence']:.2f}",
+                    f"{m['cosine_mean']:.5f}",
+                    f"{m['cosine_min']:.5f}",
+                ]
             )
+        lines += table_lines(columns, cells)
         i8 = mini["onnx-int8"]
         lines.append(
             f"onnx-int8 vs pytorch-fp32: {i8['size_reduction']:.2f}x smaller, latency ratio "

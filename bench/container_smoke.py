@@ -52,6 +52,7 @@ from deploy.export import default_name, export
 from deploy.render import COMMITTED, QUEUE_METRIC, SUCCESS_METRIC, DeployValues, model_ready_path, render_deploy
 from deploy.triton import TritonServer, free_ports
 from engine import LLM, SamplingParams
+from engine.cli_options import add_option
 from engine.errors import UsageError
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -417,8 +418,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--model", help="the LLM of --repo (default: its only one)")
         p.add_argument("--out", default=f"reports/container-{name}", help="working and report directory")
         if name == "smoke":
-            p.add_argument("--run-time", default="30s", help="Locust run time (default 30s)")
-            p.add_argument("--users", type=int, default=4, help="Locust users (default 4)")
+            add_option(p, "--run-time", "30s", "Locust run time")
+            add_option(p, "--users", 4, "Locust users")
             p.add_argument("--compare-host", action="store_true", help="also load `lmforge serve` on the host")
     for p in sub.choices.values():
         p.add_argument("--image", default=ctr.IMAGE, help=f"image tag (default {ctr.IMAGE})")

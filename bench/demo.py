@@ -44,7 +44,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.compression import bf16_copy
-from bench.harness import fmt, write_json
+from bench.harness import write_json
 from bench.loadtest import LoadTestConfig, run_loadtest
 from compress.data.prepare import DEFAULT_INPUT, DataConfig, prepare
 from compress.evaluate import quality as evaluation
@@ -58,8 +58,26 @@ from engine.checkpoint.store import DEFAULT_MODEL, make_tiny_llama, resolve_chec
 from engine.cli_options import add_config_option, config_fields
 from engine.errors import LmforgeError, UsageError
 from engine.records import read_records
+from engine.tables import fmt, table_lines
 
 SMOKE_MODEL = "tiny-random"
+#: The ``DemoConfig`` budgets of ``--smoke``: every stage runs, on a few records and steps.
+SMOKE_BUDGET = {
+    "finetune_steps": 2,
+    "distill_steps": 2,
+    "student_layers": "0",
+    "generate_records": 4,
+    "micro_batch_size": 2,
+    "max_length": 64,
+    "eval_records": 8,
+    "loadtest_s": 4.0,
+    "users": 2,
+    "max_tokens": 8,
+    "num_prompts": 16,
+    "batching_compare": False,
+    "stack_users": 2,
+    "baseline_requests": 2,
+}
 
 
 class DemoStageError(LmforgeError, RuntimeError):
@@ -101,26 +119,7 @@ class DemoConfig:
     @classmethod
     def smoke_config(cls, out: str, model: str | None = None, data: list[str] | None = None) -> "DemoConfig":
         """Tiny budgets; ``model`` ``None`` builds a tiny random Llama, else that checkpoint is used."""
-        return cls(
-            model=model or SMOKE_MODEL,
-            data=data,
-            out=out,
-            finetune_steps=2,
-            distill_steps=2,
-            student_layers="0",
-            generate_records=4,
-            micro_batch_size=2,
-            max_length=64,
-            eval_records=8,
-            loadtest_s=4.0,
-            users=2,
-            max_tokens=8,
-            num_prompts=16,
-            batching_compare=False,
-            stack_users=2,
-            baseline_requests=2,
-            smoke=True,
-        )
+        return cls(model=model or SMOKE_MODEL, data=data, out=out, **SMOKE_BUDGET, smoke=True)
 
     def validate(self) -> None:
         """Raises ``UsageError`` (a ``ValueError``) naming the bad field."""
@@ -620,17 +619,30 @@ def batching_rows(results: dict) -> dict | None:
 
 def format_final_table(report: dict) -> str:
     """The one table of the demo: fp32 vs INT8, then batching on vs off."""
-    lines = [
-        f"  {'model':<13} {'size MiB':>9} {'perplexity':>11} {'KL mean':>8} {'top-1':>6} {'tok/s':>8} "
-        f"{'TTFT p50 ms':>12} {'TTFT p99 ms':>12}"
+    columns = [
+        ("model", "<13"),
+        ("size MiB", ">9"),
+        ("perplexity", ">11"),
+        ("KL mean", ">8"),
+        ("top-1", ">6"),
+        ("tok/s", ">8"),
+        ("TTFT p50 ms", ">12"),
+        ("TTFT p99 ms", ">12"),
     ]
-    for r in report["comparison"]:
-        top1 = "-" if r["same_top1"] is None else f"{r['same_top1'] * 100:.1f}%"
-        lines.append(
-            f"  {r['model']:<13} {fmt(r['size_mib']):>9} {fmt(r['perplexity'], '.2f'):>11} "
-            f"{fmt(r['kl_mean'], '.4f'):>8} {top1:>6} "
-            f"{fmt(r['output_tok_s']):>8} {fmt(r['ttft_p50_ms'], '.0f'):>12} {fmt(r['ttft_p99_ms'], '.0f'):>12}"
-        )
+    cells = [
+        [
+            r["model"],
+            fmt(r["size_mib"]),
+            fmt(r["perplexity"], ".2f"),
+            fmt(r["kl_mean"], ".4f"),
+            fmt(r["same_top1"], ".1%"),
+            fmt(r["output_tok_s"]),
+            fmt(r["ttft_p50_ms"], ".0f"),
+            fmt(r["ttft_p99_ms"], ".0f"),
+        ]
+        for r in report["comparison"]
+    ]
+    lines = table_lines(columns, cells, indent="  ", rule=False)
     b = report.get("batching")
     if b:
         lines.append(

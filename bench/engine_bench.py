@@ -60,7 +60,7 @@ from bench.engine_bench_report import (
     summarize,
     summarize_single,
 )
-from bench.harness import Peers, align_columns, fmt, report_json
+from bench.harness import Peers, align_columns, report_json
 from bench.peer_runs import BusyProcesses, busy_cores, not_installed, prepare_peer_model, run_config
 from bench.peers import vllm_env
 from bench.workload import WorkloadError, build_workload, single_prompt
@@ -68,8 +68,10 @@ from compress.quantize.methods import quantize
 from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import check_output_file, write_output_file
 from engine.checkpoint.store import CheckpointError, resolve_checkpoint
+from engine.cli_options import add_option
 from engine.config import EngineConfig
 from engine.errors import UsageError
+from engine.tables import fmt
 
 #: Seconds a busy process (``--contention``) may outlive its row's ``--timeout-s`` if nothing ends it.
 BUSY_MARGIN_S = 120.0
@@ -92,14 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, the requests, the configurations and their rounds."""
-    parser.add_argument("--model", default="smollm2-135m", help="checkpoint name or directory (default smollm2-135m)")
-    parser.add_argument("--num-requests", type=int, default=64, help="requests in the workload (default 64)")
-    parser.add_argument(
-        "--max-tokens", type=int, default=64, help="new tokens per request, greedy, EOS ignored (default 64)"
-    )
-    parser.add_argument(
-        "--systems", type=int, default=1, help="distinct system prompts, assigned round-robin (default 1)"
-    )
+    add_option(parser, "--model", "smollm2-135m", "checkpoint name or directory")
+    add_option(parser, "--num-requests", 64, "requests in the workload")
+    add_option(parser, "--max-tokens", 64, "new tokens per request, greedy, EOS ignored")
+    add_option(parser, "--systems", 1, "distinct system prompts, assigned round-robin")
     parser.add_argument(
         "--user-tokens",
         type=int,
@@ -110,20 +108,16 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--configs", default=",".join(BACKENDS), help=f"comma-separated subset of: {', '.join(BACKENDS)}"
     )
-    parser.add_argument(
-        "--single-prompt-tokens", type=int, default=160, help="prompt tokens of the one-request-alone run (default 160)"
-    )
-    parser.add_argument(
-        "--single-max-tokens", type=int, default=64, help="new tokens of the one-request-alone run (default 64)"
-    )
+    add_option(parser, "--single-prompt-tokens", 160, "prompt tokens of the one-request-alone run")
+    add_option(parser, "--single-max-tokens", 64, "new tokens of the one-request-alone run")
     parser.add_argument("--no-single", action="store_true", help="skip the one-request-alone run (the *_single rows)")
-    parser.add_argument(
+    add_option(
+        parser,
         "--rounds",
-        type=int,
-        default=1,
-        help="run every configuration this many times, alternating them (each round in the reverse order of the "
+        1,
+        "run every configuration this many times, alternating them (each round in the reverse order of the "
         "one before); the table shows each configuration's median round and each target the median of its "
-        "per-round ratios; --profile profiles the first round (default 1)",
+        "per-round ratios; --profile profiles the first round",
     )
 
 
@@ -188,9 +182,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch / llama.cpp / vLLM threads (default: library default)"
     )
-    parser.add_argument(
-        "--timeout-s", type=float, default=3600.0, help="limit for each configuration's process (default 3600)"
-    )
+    add_option(parser, "--timeout-s", 3600.0, "limit for each configuration's process")
     parser.add_argument(
         "--contention",
         type=int,
@@ -213,7 +205,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"tiny run to check the harness: {SMOKE['num_requests']} requests x {SMOKE['max_tokens']} tokens",
     )
-    parser.add_argument("--out", default="engine_bench.json", help="JSON report path (default engine_bench.json)")
+    add_option(parser, "--out", "engine_bench.json", "JSON report path")
 
 
 def parse_configs(text: str) -> list[str]:

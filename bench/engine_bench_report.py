@@ -12,7 +12,8 @@ from typing import Callable
 
 from bench.bound import ratio
 from bench.engine_backends import BACKENDS
-from bench.harness import align_columns, fmt, percentiles
+from bench.harness import align_columns, percentiles
+from engine.tables import fmt
 
 #: Ratio columns (``x <baseline>``): output tok/s of the row / the baseline's. ``llama_cpp_best``
 #: is the faster of the ``llama_cpp_server_*`` rows; ``openvino_same_dtype`` is the

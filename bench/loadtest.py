@@ -39,7 +39,7 @@ from bench.prompts import PromptError, load_prompts, render_chat, with_system_pr
 from bench.protocol import OPENAI_PATHS, openai_payload, request_payload
 from bench.report import PLOT_FILES, format_table, plot_report, read_samples
 from engine.checkpoint.outputs import LOADTEST_REPORT, check_output_dir
-from engine.cli_options import config_fields
+from engine.cli_options import add_config_option, add_option, config_fields
 from engine.errors import LmforgeError, UsageError
 
 LOCUST_PREFIX = "locust"
@@ -567,60 +567,75 @@ def format_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def add_request_options(parser) -> None:
+    """The options that shape every request: prompts and ``SamplingParams`` fields, defaults from
+    :class:`LoadTestConfig`. ``parser`` is an ``argparse.ArgumentParser`` or one of its groups:
+    ``lmforge loadtest`` takes them and passes them on to the locustfile, which takes them too."""
+    d = LoadTestConfig(host="", model="")
+    add_config_option(parser, d, "prompts", "JSONL of prompts (default: the held-out chatterbot dialogs)")
+    add_config_option(parser, d, "num_prompts", "use only the first N prompts", type=int)
+    add_config_option(
+        parser,
+        d,
+        "system_prompt",
+        "shared prefix put before every prompt (prefix reuse); openai chat: a system message",
+    )
+    add_config_option(parser, d, "max_tokens", "SamplingParams.max_tokens (default %(default)s)")
+    add_config_option(parser, d, "temperature", "SamplingParams.temperature (0 = greedy)")
+    add_config_option(parser, d, "top_p", "SamplingParams.top_p")
+    add_config_option(parser, d, "ignore_eos", "always generate max_tokens (fixed output length)", action="store_true")
+    add_config_option(parser, d, "seed", "prompt order and sampling seed")
+    add_config_option(parser, d, "request_timeout_s", "read timeout per request")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = LoadTestConfig(host="", model="")
     parser.add_argument("--host", required=True, help="server HTTP endpoint, http://127.0.0.1:PORT")
     parser.add_argument("--model", required=True, help="the model name (Triton's, or the OpenAI server's)")
-    parser.add_argument(
-        "--api",
+    add_config_option(
+        parser,
+        d,
+        "api",
+        "triton: generate extension; openai: /v1/chat/completions or /v1/completions (ours, vllm serve, llama-server)",
         choices=["triton", "openai"],
-        default="triton",
-        help="triton: generate extension; openai: /v1/chat/completions or /v1/completions (ours, vllm serve, "
-        "llama-server)",
     )
-    parser.add_argument(
-        "--api-key",
-        default=None,
-        help="send `Authorization: Bearer KEY` (a server started with --api-key; Triton or OpenAI API)",
+    add_config_option(
+        parser, d, "api_key", "send `Authorization: Bearer KEY` (a server started with --api-key; Triton or OpenAI API)"
     )
-    parser.add_argument("--users", type=int, default=2, help="concurrent users (start users for --shape steps)")
-    parser.add_argument("--spawn-rate", type=float, default=2.0, help="users started per second")
+    add_config_option(parser, d, "users", "concurrent users (start users for --shape steps)")
+    add_config_option(parser, d, "spawn_rate", "users started per second")
     parser.add_argument("--run-time", default="60s", help="duration, e.g. 60s, 2m (an upper bound for --shape steps)")
-    parser.add_argument(
-        "--shape",
+    add_config_option(
+        parser,
+        d,
+        "shape",
+        "steps: add users until TTFT p90 passes --ttft-p90-bound-ms, report goodput",
         choices=["constant", "steps"],
-        default="constant",
-        help="steps: add users until TTFT p90 passes --ttft-p90-bound-ms, report goodput",
     )
-    parser.add_argument("--step-users", type=int, default=2, help="users added per step")
+    add_config_option(parser, d, "step_users", "users added per step")
     parser.add_argument("--step-time", default="10s", help="duration of each step")
-    parser.add_argument("--max-users", type=int, default=32, help="stop stepping at this many users")
-    parser.add_argument("--ttft-p90-bound-ms", type=float, default=1000.0, help="latency objective for goodput")
+    add_config_option(parser, d, "max_users", "stop stepping at this many users")
+    add_config_option(parser, d, "ttft_p90_bound_ms", "latency objective for goodput")
     parser.add_argument(
         "--endpoint",
         choices=["generate_stream", "generate", "chat", "completions"],
         default=None,
         help="triton: generate_stream (default) or generate; openai: chat (default) or completions",
     )
-    parser.add_argument("--prompts", default=None, help="JSONL of prompts (default: held-out chatterbot dialogs)")
-    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
-    parser.add_argument("--system-prompt", default=None, help="shared prefix before every prompt (prefix reuse)")
-    parser.add_argument(
-        "--chat-template",
-        default=None,
+    add_request_options(parser)
+    add_config_option(
+        parser,
+        d,
+        "chat_template",
+        "render prompts with this checkpoint's chat template (instruct models)",
         metavar="CKPT",
-        help="render prompts with this checkpoint's chat template (instruct models)",
     )
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--request-timeout-s", type=float, default=120.0)
-    parser.add_argument(
-        "--warmup-requests",
+    add_config_option(
+        parser,
+        d,
+        "warmup_requests",
+        "unmeasured requests sent first, up to --users at once (default: one per user)",
         type=int,
-        default=None,
-        help="unmeasured requests sent first, up to --users at once (default: one per user)",
     )
     parser.add_argument(
         "--lora-names",
@@ -634,7 +649,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="JSON|@FILE",
         help="--api openai: every request's response_format (structured output), as JSON or @file.json",
     )
-    parser.add_argument("--out", default="reports/loadtest", help="report directory (default reports/loadtest)")
+    add_option(parser, "--out", "reports/loadtest", "report directory")
 
 
 #: The OpenAI ``response_format`` types ``--response-format`` accepts.

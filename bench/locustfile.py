@@ -44,6 +44,7 @@ import gevent
 import requests
 from locust import HttpUser, constant, events, task
 
+from bench.loadtest import add_request_options
 from bench.metrics import RequestSample
 from bench.prompts import load_prompts, with_system_prompt
 from bench.protocol import (
@@ -78,19 +79,7 @@ def add_options(parser) -> None:
     )
     group.add_argument("--no-stream", action="store_true", help="openai: non-streaming requests (E2E only)")
     group.add_argument("--api-key", default=None, help="send `Authorization: Bearer KEY` (Triton or OpenAI API)")
-    group.add_argument("--prompts", default=None, help="JSONL of prompts (default: the held-out dialogs)")
-    group.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    group.add_argument(
-        "--system-prompt",
-        default=None,
-        help="shared prefix put before every prompt (prefix reuse); openai chat: a system message",
-    )
-    group.add_argument("--max-tokens", type=int, default=64, help="SamplingParams.max_tokens (default 64)")
-    group.add_argument("--temperature", type=float, default=0.0, help="SamplingParams.temperature (0 = greedy)")
-    group.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p")
-    group.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (fixed output length)")
-    group.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed")
-    group.add_argument("--request-timeout-s", type=float, default=120.0, help="read timeout per request")
+    add_request_options(group)
     group.add_argument("--samples-out", default=None, help="append one JSON line per request to this file")
     group.add_argument(
         "--bad-share", type=float, default=0.0, help="share of requests replaced by bad ones (expect HTTP 400)"

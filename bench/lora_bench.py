@@ -54,6 +54,7 @@ from engine import LLM, LoRARequest, SamplingParams
 from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import cache_dir, check_output_file, write_output_file
 from engine.checkpoint.store import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, describe_weights, resolve_checkpoint
+from engine.cli_options import add_option
 from engine.errors import UsageError
 from engine.lora import LORA_TARGETS, module_shapes
 
@@ -68,12 +69,12 @@ TARGETS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="the base (name, .gguf or directory)")
-    parser.add_argument("--adapters", type=int, default=8, help="adapters the requests are spread over (default 8)")
-    parser.add_argument("--rank", type=int, default=16, help="rank of the generated adapters (default 16)")
+    add_option(parser, "--adapters", 8, "adapters the requests are spread over")
+    add_option(parser, "--rank", 16, "rank of the generated adapters")
     parser.add_argument("--targets", choices=sorted(TARGETS), default="attn", help="projections adapted")
     parser.add_argument("--lora", action="append", default=[], metavar="DIR", help="use these adapters (repeatable)")
-    parser.add_argument("--requests", type=int, default=64, help="requests per row (default 64)")
-    parser.add_argument("--tokens", type=int, default=64, help="new tokens per request (default 64)")
+    add_option(parser, "--requests", 64, "requests per row")
+    add_option(parser, "--tokens", 64, "new tokens per request")
     parser.add_argument("--int8-method", choices=["w8a8", "int8-weight-only"], default="w8a8")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds; each row's best is kept")
     parser.add_argument("--threads", type=int, default=None, help="EngineConfig.num_threads (default: torch's)")

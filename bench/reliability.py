@@ -51,6 +51,7 @@ from bench.report import read_samples
 from deploy.export import export
 from deploy.triton import ModelSupervisor, TritonError, TritonServer, free_ports
 from engine.checkpoint.store import CheckpointError, make_tiny_llama, resolve_checkpoint
+from engine.cli_options import add_option
 from engine.errors import LmforgeError
 
 #: Engine of the served model: room for 16 users' prompts and outputs without preemption.
@@ -69,30 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="tiny",
         help="tiny (random 2-layer Llama, default) or a checkpoint name/dir, e.g. smollm2-135m",
     )
-    parser.add_argument("--duration", default="3m", help="soak duration, e.g. 90s, 3m (default 3m)")
-    parser.add_argument("--users", type=int, default=16, help="concurrent Locust users (default 16)")
-    parser.add_argument("--bad-share", type=float, default=0.1, help="share of bad requests (default 0.1)")
-    parser.add_argument(
-        "--disconnect-share",
-        type=float,
-        default=0.1,
-        help="share of streams closed after the first event (default 0.1)",
-    )
-    parser.add_argument(
-        "--kill-at",
-        type=float,
-        default=0.6,
-        help="kill -9 the model stub at this fraction of the duration; 0 = never (default 0.6)",
-    )
-    parser.add_argument(
-        "--warmup-fraction",
-        type=float,
-        default=0.25,
-        help="share of the pre-kill time before the RSS baseline (default 0.25)",
-    )
-    parser.add_argument(
-        "--max-tokens", type=int, default=32, help="SamplingParams.max_tokens of the good requests (default 32)"
-    )
+    add_option(parser, "--duration", "3m", "soak duration, e.g. 90s, 3m")
+    add_option(parser, "--users", 16, "concurrent Locust users")
+    add_option(parser, "--bad-share", 0.1, "share of bad requests")
+    add_option(parser, "--disconnect-share", 0.1, "share of streams closed after the first event")
+    add_option(parser, "--kill-at", 0.6, "kill -9 the model stub at this fraction of the duration; 0 = never")
+    add_option(parser, "--warmup-fraction", 0.25, "share of the pre-kill time before the RSS baseline")
+    add_option(parser, "--max-tokens", 32, "SamplingParams.max_tokens of the good requests")
     parser.add_argument(
         "--request-timeout-s",
         type=float,
@@ -102,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-threads", type=int, default=None, help="torch threads of the served engine (default: torch's)"
     )
-    parser.add_argument("--out", default="reports/reliability", help="report directory (default reports/reliability)")
+    add_option(parser, "--out", "reports/reliability", "report directory")
     parser.add_argument(
         "--cases",
         default="all",

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import fmt
 from bench.metrics import RequestSample, latency_by_concurrency, throughput_timeline
 from engine.errors import LmforgeError
 from engine.records import read_jsonl
+from engine.tables import fmt
 
 PLOT_FILES = ("ttft_cdf.png", "e2e_cdf.png", "output_tok_s_over_time.png", "concurrency_vs_latency.png")
 

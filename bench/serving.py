@@ -31,6 +31,7 @@ from deploy.export import export, parse_lora_flags
 from deploy.triton import TritonServer, free_ports
 from engine.checkpoint.outputs import check_output_file, write_output_file
 from engine.checkpoint.store import resolve_checkpoint
+from engine.cli_options import add_option
 
 PROMPTS = [
     "Explain why the sky is blue in one paragraph.",
@@ -213,16 +214,14 @@ def format_table(engine: list[LevelResult], triton: list[LevelResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m", help="causal LM checkpoint (default smollm2-135m)")
+    add_option(parser, "--model", "smollm2-135m", "causal LM checkpoint")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="concurrency levels (default 1 16)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    add_option(parser, "--max-tokens", 64, "output tokens per request")
     parser.add_argument("--requests-per-level", type=int, help="requests per level (default max(4, 2 x concurrency))")
     parser.add_argument("--num-threads", type=int, help="EngineConfig.num_threads for both (default: torch's)")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="EngineConfig.max_num_seqs (default 16)")
-    parser.add_argument("--max-model-len", type=int, default=512, help="EngineConfig.max_model_len (default 512)")
-    parser.add_argument(
-        "--rounds", type=int, default=2, help="alternating rounds; each backend's best is reported (default 2)"
-    )
+    add_option(parser, "--max-num-seqs", 16, "EngineConfig.max_num_seqs")
+    add_option(parser, "--max-model-len", 512, "EngineConfig.max_model_len")
+    add_option(parser, "--rounds", 2, "alternating rounds; each backend's best is reported")
     parser.add_argument(
         "--lora",
         action="append",

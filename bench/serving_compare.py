@@ -60,6 +60,7 @@ from deploy.serve import start_openai, stop_openai
 from deploy.triton import TritonServer, free_ports
 from engine.checkpoint.outputs import SERVING_REPORT, check_output_dir
 from engine.checkpoint.store import resolve_checkpoint
+from engine.cli_options import add_option
 
 DEFAULT_USERS = (1, 4, 16, 64)
 PEER_START_TIMEOUT_S = 600.0
@@ -357,12 +358,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--in-process", action="store_true", help="also run the engine in process on the same prompts (ratio column)"
     )
-    parser.add_argument(
-        "--in-process-requests-per-stream", type=int, default=3, help="in-process greedy requests per user (default 3)"
-    )
-    parser.add_argument(
-        "--checkpoint", default="smollm2-135m", help="checkpoint the peers serve (default smollm2-135m)"
-    )
+    add_option(parser, "--in-process-requests-per-stream", 3, "in-process greedy requests per user")
+    add_option(parser, "--checkpoint", "smollm2-135m", "checkpoint the peers serve")
     parser.add_argument("--peer-model-name", default="smollm2_135m", help="model name the peers answer to")
     parser.add_argument(
         "--peer-endpoint", choices=["chat", "completions"], default="completions", help="OpenAI route used on the peers"
@@ -377,13 +374,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--users", type=int, nargs="+", default=list(DEFAULT_USERS), help="user counts (default 1 4 16 64)"
     )
-    parser.add_argument("--run-time", default="30s", help="measured time per endpoint and user count (default 30s)")
+    add_option(parser, "--run-time", "30s", "measured time per endpoint and user count")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (EOS ignored)")
     parser.add_argument("--prompts", default=None, help="JSONL of prompts (default: the held-out dialogs)")
     parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
-    parser.add_argument("--ttft-bound-ms", type=float, default=2000.0, help="TTFT objective for goodput (default 2000)")
+    add_option(parser, "--ttft-bound-ms", 2000.0, "TTFT objective for goodput")
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
-    parser.add_argument("--out", default="reports/serving", help="report directory (default reports/serving)")
+    add_option(parser, "--out", "reports/serving", "report directory")
 
 
 def run(args: argparse.Namespace) -> int:

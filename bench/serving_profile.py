@@ -49,6 +49,7 @@ from bench.metrics import RequestSample, summarize
 from bench.workload import system_prompt, user_turns
 from deploy.serve import start_openai, stop_openai
 from deploy.triton import TritonServer, free_ports
+from engine.cli_options import add_option
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 USER_TURN_TOKENS = 100
@@ -663,14 +664,14 @@ def format_level(level: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api", choices=["openai", "triton"], default="openai", help="served path (default openai)")
-    parser.add_argument("--checkpoint", default="smollm2-135m", help="causal LM checkpoint (default smollm2-135m)")
-    parser.add_argument("--dtype", default="bfloat16", help="EngineConfig.dtype (default bfloat16)")
+    add_option(parser, "--checkpoint", "smollm2-135m", "causal LM checkpoint")
+    add_option(parser, "--dtype", "bfloat16", "EngineConfig.dtype")
     parser.add_argument("--streams", type=int, nargs="+", default=[16, 64], help="concurrent streams (default 16 64)")
-    parser.add_argument("--requests-per-stream", type=int, default=3, help="measured requests per stream (default 3)")
+    add_option(parser, "--requests-per-stream", 3, "measured requests per stream")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
-    parser.add_argument("--max-model-len", type=int, default=512, help="EngineConfig.max_model_len (default 512)")
+    add_option(parser, "--max-model-len", 512, "EngineConfig.max_model_len")
     parser.add_argument("--py-spy", action="store_true", help="also profile each level with py-spy (a second pass)")
-    parser.add_argument("--py-spy-seconds", type=float, default=20.0, help="py-spy record duration (default 20)")
+    add_option(parser, "--py-spy-seconds", 20.0, "py-spy record duration")
     parser.add_argument(
         "--in-process", action="store_true", help="also run the in-process engine on the same prompts (a child process)"
     )

@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 
 from bench.bound import target_result
 from bench.engine_backends import RunSpec
-from bench.harness import Peers, fmt, write_json
+from bench.harness import Peers, write_json
 from bench.peer_runs import not_installed, run_config
 from bench.peers import vllm_env
 from bench.prompts import PromptError, load_prompts
@@ -45,9 +45,11 @@ from bench.workload import WorkloadError, build_workload
 from compress.train.distill import build_student
 from engine import LLM, SamplingParams
 from engine.checkpoint.store import CheckpointError, load_causal_lm, resolve_checkpoint
+from engine.cli_options import add_option
 from engine.errors import UsageError
 from engine.records import read_records
 from engine.spec_decode import find_distilled_draft
+from engine.tables import fmt
 
 #: Paragraphs of the input-grounded task (written for this benchmark).
 GROUNDED_PARAGRAPHS = (
@@ -144,15 +146,9 @@ def add_arguments(parser) -> None:
         help="draft checkpoint (default: newest `lmforge distill` output of --model under ./runs, else a layer "
         "subset made here)",
     )
-    group.add_argument(
-        "--draft-layers",
-        default="0,1,2,27,28,29",
-        help="teacher layers of the draft made here when there is none (default 0,1,2,27,28,29)",
-    )
-    group.add_argument("--spec-prompts", type=int, default=6, help="prompts per prompt set (default 6)")
-    group.add_argument(
-        "--spec-repeats", type=int, default=2, help="rotations of the configurations; the fastest counts (default 2)"
-    )
+    add_option(group, "--draft-layers", "0,1,2,27,28,29", "teacher layers of the draft made here when there is none")
+    add_option(group, "--spec-prompts", 6, "prompts per prompt set")
+    add_option(group, "--spec-repeats", 2, "rotations of the configurations; the fastest counts")
     group.add_argument(
         "--spec-dtypes", default=",".join(DTYPES), help="comma-separated dtypes (default float32,bfloat16)"
     )

@@ -30,14 +30,16 @@ from pathlib import Path
 
 import pydantic
 
-from bench.harness import fmt, write_json
+from bench.harness import write_json
 from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_loadtest
 from bench.report import read_samples
 from bench.serving_compare import lmforge_stack, row_from_summary
 from bench.serving_profile import lmforge_counters
 from engine.checkpoint.outputs import BENCH_STRUCTURED, check_output_dir
 from engine.checkpoint.store import resolve_checkpoint
+from engine.cli_options import add_option
 from engine.errors import UsageError
+from engine.tables import fmt
 
 #: The structured phase's output tok/s over the plain phase's that the benchmark aims for.
 TARGET_RATIO = 0.9
@@ -238,14 +240,14 @@ def measure(args, out: Path) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", default="smollm2-135m", help="causal LM checkpoint (default smollm2-135m)")
+    add_option(parser, "--checkpoint", "smollm2-135m", "causal LM checkpoint")
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="engine dtype (default bf16)"
     )
     parser.add_argument("--users", type=int, default=16, help="concurrent streams (default 16; max_num_seqs too)")
-    parser.add_argument("--run-time", default="30s", help="measured time of each phase (default 30s)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
-    parser.add_argument("--max-model-len", type=int, default=1024, help="EngineConfig.max_model_len (default 1024)")
+    add_option(parser, "--run-time", "30s", "measured time of each phase")
+    add_option(parser, "--max-tokens", 64, "max_tokens of every request")
+    add_option(parser, "--max-model-len", 1024, "EngineConfig.max_model_len")
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument(
         "--stall-timeout-s",
@@ -254,7 +256,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the OpenAI frontend's --stall-timeout-s (default: its own); raise it on a machine whose cores are "
         "shared with other work, where an engine step can outlast it",
     )
-    parser.add_argument("--out", default="reports/structured", help="report directory (default reports/structured)")
+    add_option(parser, "--out", "reports/structured", "report directory")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,17 +16,18 @@ import time
 
 from bench.workload import build_workload
 from engine import LLM, SamplingParams
+from engine.cli_options import add_option
 from engine.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("teacher", help="reference checkpoint (name, .gguf or directory)")
     parser.add_argument("students", nargs="+", help="checkpoints compared with the teacher")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of the workload per model (default 3)")
-    parser.add_argument("--requests", type=int, default=64, help="requests of the workload (default 64)")
-    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per request (default 64)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--dtype", default="bfloat16", help="engine dtype (default bfloat16)")
+    add_option(parser, "--rounds", 3, "runs of the workload per model")
+    add_option(parser, "--requests", 64, "requests of the workload")
+    add_option(parser, "--tokens", 64, "greedy tokens per request")
+    add_option(parser, "--threads", 1, "torch threads")
+    add_option(parser, "--dtype", "bfloat16", "engine dtype")
 
 
 def measure(

@@ -49,6 +49,7 @@ from engine import EngineConfig
 from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import COPIED_CHECKPOINT, TRITON_MODEL, check_copy, check_output_dir, staged_output_dir
 from engine.checkpoint.store import SUPPORTED_CAUSAL_LM_TYPES, check_device, resolve_checkpoint
+from engine.cli_options import add_option
 from engine.errors import UsageError
 from engine.lora import LoRARequest, load_adapter
 
@@ -106,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", help="checkpoint: name (smollm2-135m, minilm-l6), .gguf, directory, or an ONNX export"
     )
-    parser.add_argument("--repo", default="model_repository", help="Triton model repository (default model_repository)")
+    add_option(parser, "--repo", "model_repository", "Triton model repository")
     parser.add_argument("--name", help="model name in the repository (default: from the checkpoint)")
     parser.add_argument(
         "--kind",

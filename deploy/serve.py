@@ -54,6 +54,7 @@ from deploy.triton import (
     stop_from_pid_file,
     stop_process,
 )
+from engine.cli_options import add_option
 from engine.errors import UsageError
 
 OPENAI_PID_FILE = "openai_server.pid"
@@ -61,33 +62,23 @@ OPENAI_LOG_FILE = "openai_server.log"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repo", default="model_repository", help="Triton model repository (default model_repository)")
-    parser.add_argument(
-        "--http-port", type=int, default=DEFAULT_PORTS["http"], help="HTTP port on 127.0.0.1 (default 8000)"
-    )
-    parser.add_argument(
-        "--grpc-port", type=int, default=DEFAULT_PORTS["grpc"], help="gRPC port on 127.0.0.1 (default 8001)"
-    )
-    parser.add_argument(
-        "--metrics-port", type=int, default=DEFAULT_PORTS["metrics"], help="Prometheus metrics port (default 8002)"
-    )
+    add_option(parser, "--repo", "model_repository", "Triton model repository")
+    add_option(parser, "--http-port", DEFAULT_PORTS["http"], "HTTP port on 127.0.0.1")
+    add_option(parser, "--grpc-port", DEFAULT_PORTS["grpc"], "gRPC port on 127.0.0.1")
+    add_option(parser, "--metrics-port", DEFAULT_PORTS["metrics"], "Prometheus metrics port")
     parser.add_argument(
         "--models",
         nargs="+",
         help="models to load, separated by spaces or commas (default: every model this server can serve)",
     )
     parser.add_argument("--log", help="server log file (default REPO/tritonserver.log)")
-    parser.add_argument(
-        "--startup-timeout-s", type=float, default=600.0, help="deadline for all models to be ready (default 600)"
-    )
-    parser.add_argument(
-        "--grace-s", type=float, default=15.0, help="seconds between SIGINT and SIGKILL when stopping (default 15)"
-    )
+    add_option(parser, "--startup-timeout-s", 600.0, "deadline for all models to be ready")
+    add_option(parser, "--grace-s", 15.0, "seconds between SIGINT and SIGKILL when stopping")
     parser.add_argument("--stop", action="store_true", help="stop the server `lmforge serve` started on --repo")
     parser.add_argument(
         "--openai-port", type=int, help="also serve the OpenAI-compatible API on this port (default: off)"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address the OpenAI API binds (default 127.0.0.1)")
+    add_option(parser, "--host", "127.0.0.1", "address the OpenAI API binds")
     parser.add_argument(
         "--tool-call-parser",
         choices=("hermes", "llama3_json"),

@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.checkpoint.store import DEFAULT_MODEL, check_device, load_causal_lm
-from engine.cli_options import add_config_option, add_engine_dtype_option, config_fields
+from engine.cli_options import add_config_option, add_engine_dtype_option, add_option, config_fields
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.errors import LmforgeError, UsageError
 
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or checkpoint directory")
     parser.add_argument("--prompt", required=True, action="append", help="the prompt text (repeat for a batch)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
-    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens to generate (default 64)")
+    add_option(parser, "--max-tokens", 64, "new tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")

@@ -14,6 +14,23 @@ def add_engine_dtype_option(parser: Any, flag: str, help: str) -> None:
     parser.add_argument(flag, default="auto", choices=list(ENGINE_DTYPES), help=help)
 
 
+def default_text(value: Any) -> str:
+    """How a help text names a default: ``600.0`` as ``600``, anything else as ``str`` writes it."""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def add_option(parser: Any, flag: str, default: Any, help: str, **kwargs: Any) -> None:
+    """Add ``flag`` with ``default``, which ``help`` gets at its end as ``(default X)`` (see
+    :func:`default_text`), so the value is written once.
+
+    ``parser`` is an ``argparse.ArgumentParser`` or one of its groups. Without ``type``, ``choices`` or
+    ``action``, an int or float default gives the option its type.
+    """
+    if not {"type", "choices", "action"} & kwargs.keys() and type(default) in (int, float):
+        kwargs["type"] = type(default)
+    parser.add_argument(flag, default=default, help=f"{help} (default {default_text(default)})", **kwargs)
+
+
 def add_config_option(parser: Any, config: Any, field: str, help: str | None = None, **kwargs: Any) -> None:
     """Add ``--field-name`` (the field's underscores as dashes) whose default is ``config.field``.
 

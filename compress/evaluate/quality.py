@@ -85,6 +85,7 @@ from engine.quant.int8 import INT8_WEIGHT_SUFFIX
 from engine.records import encode_record
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence as EngineSequence
+from engine.tables import fmt, table_lines
 
 #: Fixed prompts of the greedy-agreement metric (chat-formatted).
 AGREEMENT_PROMPTS: tuple[str, ...] = (
@@ -748,27 +749,43 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     if not rows:
         return ""
     base = rows[0][1]
-    header = (
-        f"{'checkpoint':<28} {'kind':<9} {'size MiB':>9} {'linear MiB':>10} {'ppl':>9} {'Δppl':>8} "
-        f"{'KL mean':>8} {'KL p99':>7} {'top-1':>6} {'agree':>6} {'ms/tok':>8} {'speed':>6}"
-    )
-    lines = [header, "-" * len(header)]
-
-    def cell(m: dict, key: str, spec: str, scale: float = 1.0) -> str:  # "-": not measured (a served row)
-        return "-" if m.get(key) is None else format(m[key] * scale, spec)
-
-    for path, m in rows:
+    columns = [
+        ("checkpoint", "<28"),
+        ("kind", "<9"),
+        ("size MiB", ">9"),
+        ("linear MiB", ">10"),
+        ("ppl", ">9"),
+        ("Δppl", ">8"),
+        ("KL mean", ">8"),
+        ("KL p99", ">7"),
+        ("top-1", ">6"),
+        ("agree", ">6"),
+        ("ms/tok", ">8"),
+        ("speed", ">6"),
+    ]
+    cells = []
+    for path, m in rows:  # "-": not measured (a served row)
         name = (m["served_url"].split("://")[-1] if m["kind"] == SERVED_KIND else Path(path).name)[-28:]
         dppl = (m["perplexity"] / base["perplexity"] - 1) * 100
         ms = m.get("decode_ms_per_token")
         speed = f"{base['decode_ms_per_token'] / ms:.2f}x" if ms and base.get("decode_ms_per_token") else "-"
-        lines.append(
-            f"{name:<28} {m['kind']:<9} {cell(m, 'size_bytes', '.1f', 2**-20):>9} "
-            f"{cell(m, 'linear_weight_bytes', '.1f', 2**-20):>10} {m['perplexity']:>9.3f} {dppl:>+7.2f}% "
-            f"{cell(m, 'kl_mean', '.4f'):>8} {cell(m, 'kl_p99', '.3f'):>7} {cell(m, 'same_top1', '.1%'):>6} "
-            f"{cell(m, 'greedy_agreement', '.3f'):>6} {(f'{ms:.2f}' if ms else '-'):>8} {speed:>6}"
+        cells.append(
+            [
+                name,
+                m["kind"],
+                fmt(m.get("size_bytes"), ".1f", 2**-20),
+                fmt(m.get("linear_weight_bytes"), ".1f", 2**-20),
+                f"{m['perplexity']:.3f}",
+                f"{dppl:+.2f}%",
+                fmt(m.get("kl_mean"), ".4f"),
+                fmt(m.get("kl_p99"), ".3f"),
+                fmt(m.get("same_top1"), ".1%"),
+                fmt(m.get("greedy_agreement"), ".3f"),
+                f"{ms:.2f}" if ms else "-",
+                speed,
+            ]
         )
-    return "\n".join(lines)
+    return "\n".join(table_lines(columns, cells))
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from deploy.openai.serving_models import OpenAIServingModels
 from deploy.openai.serving_tokenization import OpenAIServingTokenization
 from deploy.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from deploy.openai.triton_client import STALL_TIMEOUT_S, TritonBackend
+from engine.cli_options import add_option
 
 
 def error_response(exc: OpenAIError) -> JSONResponse:
@@ -172,14 +173,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repo", default="model_repository", help="Triton model repository (its LLMs' model.json name the checkpoints)"
     )
-    parser.add_argument("--grpc-url", default="127.0.0.1:8001", help="Triton's gRPC address (default 127.0.0.1:8001)")
+    add_option(parser, "--grpc-url", "127.0.0.1:8001", "Triton's gRPC address")
     parser.add_argument(
         "--models",
         nargs="+",
         help="models to serve: LLMs and sentence encoders (/v1/embeddings) (default: every one of the repository)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=9000, help="HTTP port (default 9000)")
+    add_option(parser, "--host", "127.0.0.1", "address to bind")
+    add_option(parser, "--port", 9000, "HTTP port")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes (also $LMFORGE_API_KEY)")
     parser.add_argument(
         "--stall-timeout-s",
@@ -195,7 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the format the models write tool calls in: hermes (<tool_call> blocks: SmolLM2, Hermes, Qwen) or "
         f"llama3_json (Llama 3.x JSON calls); default {DEFAULT_TOOL_PARSER}",
     )
-    parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    add_option(parser, "--log-level", "warning", "uvicorn log level")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,18 +6,14 @@ import dataclasses
 from typing import Any
 
 from deploy.render.server import API_KEY_ENV, CLIENT_PORTS, model_ready_path, triton_args
-from deploy.render.values import LOCUST_PORTS, TRITON_PORTS, DeployValues
+from deploy.render.values import IMAGE_PACKAGES, IMAGE_SOURCE_FILES, LOCUST_PORTS, TRITON_PORTS, DeployValues
 
 #: The source tree both images install (the build context is the repository root).
-_COPY_SOURCES = """\
-WORKDIR /opt/lmforge
-COPY pyproject.toml README.md Makefile ./
-COPY lmforge_cli.py ./
-COPY compress ./compress
-COPY engine ./engine
-COPY deploy ./deploy
-COPY bench ./bench
-"""
+_COPY_SOURCES = (
+    "WORKDIR /opt/lmforge\n"
+    + "".join(f"COPY {files} ./\n" for files in IMAGE_SOURCE_FILES)
+    + "".join(f"COPY {package} ./{package}\n" for package in IMAGE_PACKAGES)
+)
 
 DOCKERFILE_GPU = (
     """\

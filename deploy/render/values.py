@@ -27,6 +27,10 @@ IMAGE_EXTRAS = ("serve", "bench")
 #: pyproject dependencies the CPU image leaves out: the Triton compiler (about 1 GB; it only builds
 #: the CUDA paged-attention kernels).
 IMAGE_SKIPPED_DEPENDENCIES = ("triton",)
+#: What both images copy from the source tree and install: the files ``pip install .`` reads and
+#: the project's packages (those pyproject's ``packages.find`` includes), each into its own directory.
+IMAGE_SOURCE_FILES = ("pyproject.toml README.md Makefile", "lmforge_cli.py")
+IMAGE_PACKAGES = ("compress", "engine", "deploy", "bench")
 #: The non-root user the CPU image runs as (uid = gid).
 IMAGE_UID = 1000
 #: Python the CPU image runs to build the C++ CPU kernels (those ``make venv`` builds); it fails

@@ -18,7 +18,6 @@ from bench.harness import (
     Peers,
     ProcessStartError,
     align_columns,
-    fmt,
     peers_dir,
     percentiles,
     run_process,
@@ -133,7 +132,6 @@ def test_percentiles_are_exact_and_reports_are_written(tmp_path):
     assert percentiles([7.0], (50, 99.9)) == {"p50": 7.0, "p99_9": 7.0}
     path = write_json(tmp_path / "report.json", {"rows": [{"tok_s": 1.5}], "model": tmp_path})
     assert json.loads(path.read_text()) == {"rows": [{"tok_s": 1.5}], "model": str(tmp_path)}
-    assert fmt(None) == "-" and fmt(0.1234, ".1f", 100.0) == "12.3"
     lines = [["engine_fp32", "fp32", "123.4"], ["vllm_bf16", "not installed"], ["hf", "bf16", "9.0"]]
     assert align_columns(["config", "dtype", "tok/s"], lines).splitlines() == [
         "config       dtype  tok/s",

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -45,6 +45,7 @@ from bench.report import PLOT_FILES, read_samples
 from bench.serving_compare import Endpoint, goodput_tok_s
 from deploy.export import export
 from deploy.triton import TritonServer, free_ports
+from tests.fakes.json_http import JSONHandler
 
 
 def _sample(start, ttft, itls, tokens, error=None, concurrency=1):
@@ -482,37 +483,26 @@ def test_server_that_dies_mid_run_keeps_the_measurements(triton, tmp_path):
     assert time.monotonic() - started < 60  # ended early, not at the 60 s run time
 
 
-class _KeyedTriton(BaseHTTPRequestHandler):
+class _KeyedTriton(JSONHandler):
     """Triton's HTTP API for model ``m`` as ``lmforge serve --api-key k`` restricts it: health open, every other
     API 403 without ``authorization: Bearer k``; ``/generate`` answers one token. Records each POST's header."""
 
     seen: list = []
 
-    def log_message(self, *args) -> None:
-        pass
-
-    def _answer(self, status: int, body) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def do_GET(self) -> None:
-        self._answer(200 if self.path in ("/v2/health/ready", "/v2/models/m/ready") else 404, {})
+        self.send_json(200 if self.path in ("/v2/health/ready", "/v2/models/m/ready") else 404, {})
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.seen.append(self.headers.get("authorization"))
         if self.headers.get("authorization") != "Bearer k":
-            self._answer(403, {"error": "This API is restricted, expecting header 'authorization'"})
+            self.send_json(403, {"error": "This API is restricted, expecting header 'authorization'"})
         elif self.path == "/v2/models/m/generate":
-            self._answer(
+            self.send_json(
                 200, {"text_output": "hi", "finish_reason": "length", "num_input_tokens": 3, "num_output_tokens": 1}
             )
         else:
-            self._answer(404, {"error": f"no {self.path}"})
+            self.send_json(404, {"error": f"no {self.path}"})
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ import yaml
 from deploy.render import (
     COMMITTED,
     HPA_METRIC,
+    IMAGE_PACKAGES,
     QUEUE_METRIC,
     SUCCESS_METRIC,
     TRITON_IMAGE,
@@ -56,6 +57,16 @@ def test_committed_files_are_the_rendered_defaults(tmp_path):
         rendered = render_files(target, dataclasses.replace(DeployValues(), **values))
         committed = {p.name: p.read_text() for p in (ROOT / rel).iterdir() if p.is_file()}
         assert committed == rendered, f"{rel} is stale; run python -m deploy.render"
+
+
+def test_images_copy_every_package_pyproject_installs():
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert list(IMAGE_PACKAGES) == [pattern.rstrip("*") for pattern in include]
+    for name in ("Dockerfile", "Dockerfile.cpu"):
+        text = (ROOT / "deploy" / "docker" / name).read_text()
+        assert all(f"COPY {package} ./{package}\n" in text for package in IMAGE_PACKAGES), name
 
 
 def test_every_yaml_under_deploy_parses():

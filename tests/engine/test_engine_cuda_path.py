@@ -17,11 +17,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (pip install 'lmforge[gpu]')")
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import SamplingParams  # noqa: E402
 from engine.cuda_graphs import DecodeStaging, StaticDecodeModelRunner, bucket_for, capture_sizes  # noqa: E402
 from engine.scheduler import ScheduledSequence, SchedulerOutput  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
-from tests.engine.test_engine_greedy import hf_greedy, random_prompts, tokens  # noqa: E402
+from tests.engine.test_engine_greedy import hf_greedy, make_llm, random_prompts, tokens  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -83,16 +83,9 @@ def reference(tiny_llama_dir, prompts):
 
 
 def _llm(model_dir, **overrides):
-    config = dict(
-        block_size=4,
-        num_kv_blocks=64,
-        max_num_batched_tokens=64,
-        max_model_len=64,
-        max_num_seqs=8,
-        attention_backend="triton",
-    )
-    config.update(overrides)
-    return LLM(str(model_dir), **config)
+    """``make_llm`` on the ``triton`` attention backend, in the engine's own dtype, 64 tokens at most."""
+    small = dict(num_kv_blocks=64, max_num_batched_tokens=64, max_model_len=64, max_num_seqs=8, dtype="auto")
+    return make_llm(model_dir, **{**small, "attention_backend": "triton", **overrides})
 
 
 def test_triton_backend_greedy_equals_hf_with_prefix_cache_cold_and_warm(tiny_llama_dir, prompts, reference):

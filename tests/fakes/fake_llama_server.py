@@ -12,21 +12,20 @@ import json
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
+
+from json_http import JSONHandler  # beside this file: run as a script, its directory is on sys.path
 
 REQUIRED = {"temperature": 0.0, "top_k": 1, "ignore_eos": True, "return_tokens": True, "stream": True}
 
 
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
+class Handler(JSONHandler):
     def do_GET(self):
         if self.path != "/health":
             self.send_error(404)
             return
-        self._json(200, {"status": "ok"})
+        self.send_json(200, {"status": "ok"})
 
     def do_POST(self):
         if self.path != "/completion":
@@ -35,7 +34,7 @@ class Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         wrong = {k: body.get(k) for k, v in REQUIRED.items() if body.get(k) != v}
         if wrong:
-            self._json(400, {"error": {"message": f"unexpected fields {wrong}"}})
+            self.send_json(400, {"error": {"message": f"unexpected fields {wrong}"}})
             return
         prompt = body["prompt"]
         base = len(prompt) if isinstance(prompt, str) else sum(int(t) for t in prompt)
@@ -50,14 +49,6 @@ class Handler(BaseHTTPRequestHandler):
     def _event(self, data):
         self.wfile.write(f"data: {json.dumps(data)}\n\n".encode())
         self.wfile.flush()
-
-    def _json(self, code, data):
-        raw = json.dumps(data).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
 
 
 def main() -> int:
