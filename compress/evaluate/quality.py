@@ -749,8 +749,9 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     if not rows:
         return ""
     base = rows[0][1]
+    names = [m["served_url"].split("://")[-1] if m["kind"] == SERVED_KIND else Path(path).name for path, m in rows]
     columns = [
-        ("checkpoint", "<28"),
+        ("checkpoint", f"<{max(28, *map(len, names))}"),  # whole names: two checkpoints often differ only at the end
         ("kind", "<9"),
         ("size MiB", ">9"),
         ("linear MiB", ">10"),
@@ -764,8 +765,7 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         ("speed", ">6"),
     ]
     cells = []
-    for path, m in rows:  # "-": not measured (a served row)
-        name = (m["served_url"].split("://")[-1] if m["kind"] == SERVED_KIND else Path(path).name)[-28:]
+    for name, (_, m) in zip(names, rows):  # "-": not measured (a served row)
         dppl = (m["perplexity"] / base["perplexity"] - 1) * 100
         ms = m.get("decode_ms_per_token")
         speed = f"{base['decode_ms_per_token'] / ms:.2f}x" if ms and base.get("decode_ms_per_token") else "-"
