@@ -56,10 +56,21 @@ class FinetuneConfig(TrainConfig):
         super().validate()
         if self.merge and not self.lora:
             raise UsageError("--merge without --lora", fix="add --lora (merge applies to LoRA adapters)")
-        if self.lora and self.lora_r < 1:
-            raise ValueError(f"lora_r={self.lora_r}: must be >= 1")
-        if self.lora and self.fsdp:
-            raise ValueError("lora with fsdp is not supported; use DDP (drop --fsdp) for LoRA runs")
+        if not self.lora:
+            return
+        if self.lora_r < 1:
+            raise UsageError(f"--lora-r {self.lora_r}: must be >= 1")
+        if self.lora_alpha <= 0:
+            raise UsageError(f"--lora-alpha {self.lora_alpha}: must be > 0")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise UsageError(f"--lora-dropout {self.lora_dropout}: must be in [0, 1)")
+        if not self.lora_target_modules:
+            raise UsageError(
+                "--lora-target-modules is empty",
+                fix=f"name modules separated by commas, e.g. {','.join(DEFAULT_LORA_TARGETS)}",
+            )
+        if self.fsdp:
+            raise UsageError("--lora with --fsdp is not supported", fix="use DDP (drop --fsdp) for LoRA runs")
 
 
 class FinetuneRecipe(TrainingRecipe):

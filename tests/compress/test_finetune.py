@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from compress.train.finetune import FinetuneConfig, FinetuneRecipe, run_recipe
 from compress.train.loop import TrainConfig, TrainingError, clip_gradients, cosine_schedule
 from compress.train.monitor import read_metrics
+from engine.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -196,6 +197,23 @@ def test_lora_keeps_the_adapter_in_the_peft_format_with_a_manifest_naming_its_ba
         assert torch.allclose(peft_model(ids).logits, trained(ids).logits, atol=1e-5)
     with pytest.raises(CheckpointError, match="a LoRA adapter"):
         resolve_checkpoint(final)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("lora_r", 0, "--lora-r 0: must be >= 1"),
+        ("lora_alpha", 0, "--lora-alpha 0: must be > 0"),
+        ("lora_dropout", 2.0, r"--lora-dropout 2.0: must be in \[0, 1\)"),
+        ("lora_target_modules", [], "--lora-target-modules is empty; name modules"),
+        ("fsdp", True, "--lora with --fsdp is not supported; use DDP"),
+    ],
+)
+def test_bad_lora_settings_are_usage_errors(tiny_llama_dir, chat_data, tmp_path, field, value, message):
+    """Each bad LoRA flag is refused before the model loads, as a usage error (exit 2) naming the flag."""
+    with pytest.raises(UsageError, match=message):
+        _config(tiny_llama_dir, chat_data, tmp_path / "run", lora=True, **{field: value}).validate()
+    assert not (tmp_path / "run").exists()
 
 
 def test_merge_needs_lora(tiny_llama_dir, chat_data, tmp_path):
