@@ -106,7 +106,7 @@ def create_app(
     for model in models.values():
         model.tool_call_parser = tool_call_parser
     backend = TritonBackend(grpc_url, api_key, stall_timeout_s)
-    serving_models = OpenAIServingModels(models, backend)
+    serving_models = OpenAIServingModels(models, backend, encoders or {})
     serving_completion = OpenAIServingCompletion(models, backend)
     serving_chat = OpenAIServingChat(models, backend)
     serving_embedding = OpenAIServingEmbedding(encoders or {}, backend, models)

@@ -11,6 +11,7 @@ there (requests already running finish on its weights; new ones get 404).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -24,8 +25,10 @@ from deploy.openai.triton_client import TritonBackend
 class OpenAIServingModels:
     """The served models (and their adapters) as OpenAI model cards, and whether Triton has them ready."""
 
-    def __init__(self, models: dict[str, ServedModel], backend: TritonBackend) -> None:
+    def __init__(self, models: dict[str, ServedModel], backend: TritonBackend, other_names: Iterable[str] = ()) -> None:
+        """``other_names``: the other models the API serves (the encoders), whose names no adapter may take."""
         self.models, self.backend = models, backend
+        self.other_names = frozenset(other_names)
 
     @staticmethod
     def card(model: ServedModel) -> dict:
@@ -77,7 +80,7 @@ class OpenAIServingModels:
             raise validation_error(exc) from exc
         name = _adapter_name(request.lora_name)
         model = self._base_for_load(request.base_model_name)
-        if name in self.models:
+        if name in self.models or name in self.other_names:
             raise OpenAIError(400, f"lora_name={name!r} is the name of a served model; pick another", param="lora_name")
         current = self.base_of(name)
         if current is not None and not request.load_inplace:
