@@ -30,9 +30,11 @@ event and ``[DONE]``) (pid in ``REPO/openai_server.pid``, log in ``REPO/openai_s
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -91,7 +93,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before anything starts, the flag values the server would only fail on later.
+
+    Raises:
+        UsageError: a negative ``--grace-s``, a ``--startup-timeout-s`` that is not positive, an ``--openai-port``
+            equal to a Triton port, or a ``--host`` that is not an address of this machine.
+    """
+    if args.grace_s < 0:
+        raise UsageError(f"--grace-s {args.grace_s:g}: must be >= 0", fix="e.g. --grace-s 15")
+    if args.startup_timeout_s <= 0:
+        raise UsageError(
+            f"--startup-timeout-s {args.startup_timeout_s:g}: must be > 0", fix="e.g. --startup-timeout-s 600"
+        )
+    if args.openai_port is None:
+        return
+    for kind in ("http", "grpc", "metrics"):
+        if getattr(args, f"{kind}_port") == args.openai_port:
+            raise UsageError(
+                f"--openai-port {args.openai_port}: also the --{kind}-port", fix="give each server a port of its own"
+            )
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((args.host, 0))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(exc, socket.gaierror):
+                raise UsageError(
+                    f"--host {args.host}: not an address of this machine ({exc.strerror or exc})",
+                    fix="use 127.0.0.1, 0.0.0.0 or one of this machine's addresses",
+                ) from None
+
+
 def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
     if args.stop:
         frontend_pid = stop_openai_from_pid_file(args.repo, grace_s=args.grace_s)
         if frontend_pid is not None:

@@ -387,6 +387,24 @@ def test_generate_with_an_empty_model_is_a_usage_error(capsys):
     )
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--grace-s", "-1"], "--grace-s -1: must be >= 0; e.g. --grace-s 15"),
+        (["--startup-timeout-s", "0"], "--startup-timeout-s 0: must be > 0"),
+        (["--http-port", "23999", "--openai-port", "23999"], "--openai-port 23999: also the --http-port; give each"),
+        (["--openai-port", "8002"], "--openai-port 8002: also the --metrics-port"),
+        (["--openai-port", "23998", "--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine"),
+    ],
+)
+def test_serve_flags_refused_before_anything_starts(tmp_path, capsys, flags, message):
+    """Each is a usage error (exit 2) on stderr, before a server starts or a file is written in the repository."""
+    assert lmforge_cli.main(["serve", "--repo", str(tmp_path), *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: {message}") and captured.err.count("\n") == 1 and captured.out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_serve_port_outside_the_tcp_range_is_a_usage_error_on_stderr(capsys):
     assert lmforge_cli.main(["serve", "--repo", "model_repository", "--openai-port", "99999"]) == 2
     captured = capsys.readouterr()
