@@ -169,36 +169,33 @@ def run(args: argparse.Namespace) -> int:
     except TritonError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    for name, reason in server.skipped.items():
-        print(f"skipped {name}: {reason}")
-    print(f"ready in {time.monotonic() - start:.1f} s: {', '.join(server.models)}")
-    print(f"  HTTP    {server.http_url}")
-    for example in endpoint_examples(server):
-        print(f"          e.g. POST {example}")
-    print(f"  gRPC    {server.grpc_url}")
-    print(f"  metrics {server.metrics_url}")
-    print(f"  log     {server.log_path}")
-    frontend = None
-    if args.openai_port is not None:
-        try:
-            frontend = start_openai(args, server)
-        except TritonError as exc:
-            server.stop()
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            server.stop()
-            print("interrupted; server stopped")
-            return 130
-        print(f"  OpenAI  http://{args.host}:{args.openai_port}/v1   (log {Path(args.repo) / OPENAI_LOG_FILE})")
-    print("Ctrl-C or `lmforge serve --repo {} --stop` to stop".format(args.repo), flush=True)
-    supervisor = _supervise(server, args)
-    try:
+    frontend = supervisor = None
+    try:  # Ctrl-C (or SIGTERM) from here on: the frontend ends its streams first, then Triton stops
+        for name, reason in server.skipped.items():
+            print(f"skipped {name}: {reason}")
+        print(f"ready in {time.monotonic() - start:.1f} s: {', '.join(server.models)}")
+        print(f"  HTTP    {server.http_url}")
+        for example in endpoint_examples(server):
+            print(f"          e.g. POST {example}")
+        print(f"  gRPC    {server.grpc_url}")
+        print(f"  metrics {server.metrics_url}")
+        print(f"  log     {server.log_path}")
+        if args.openai_port is not None:
+            try:
+                frontend = start_openai(args, server)
+            except TritonError as exc:
+                server.stop()
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+            print(f"  OpenAI  http://{args.host}:{args.openai_port}/v1   (log {Path(args.repo) / OPENAI_LOG_FILE})")
+        print("Ctrl-C or `lmforge serve --repo {} --stop` to stop".format(args.repo), flush=True)
+        supervisor = _supervise(server, args)
         while not supervisor.finished.wait(1.0):  # reloads broken models, restarts a crashed or hung server
             pass
         status = supervisor.exit_status
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the frontend ends its streams first, then Triton stops
-        supervisor.stop()
+    except KeyboardInterrupt:
+        if supervisor is not None:
+            supervisor.stop()
         stop_openai(frontend, args)
         server.stop()
         print("server stopped")
@@ -289,20 +286,24 @@ def start_openai(args: argparse.Namespace, server: TritonServer, timeout_s: floa
     (repo / OPENAI_PID_FILE).write_text(json.dumps({"pid": process.pid, "port": args.openai_port}))
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            (repo / OPENAI_PID_FILE).unlink(missing_ok=True)
-            raise TritonError(
-                f"the OpenAI API exited (status {process.returncode}); log "
-                f"{repo / OPENAI_LOG_FILE}:\n{(repo / OPENAI_LOG_FILE).read_text()[-2000:]}"
-            )
-        try:
-            with urllib.request.urlopen(f"http://{host}:{args.openai_port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return process
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                (repo / OPENAI_PID_FILE).unlink(missing_ok=True)
+                raise TritonError(
+                    f"the OpenAI API exited (status {process.returncode}); log "
+                    f"{repo / OPENAI_LOG_FILE}:\n{(repo / OPENAI_LOG_FILE).read_text()[-2000:]}"
+                )
+            try:
+                with urllib.request.urlopen(f"http://{host}:{args.openai_port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return process
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+    except KeyboardInterrupt:  # its own session: Ctrl-C does not reach it
+        stop_openai(process, args)
+        raise
     stop_openai(process, args)
     raise TritonError(f"the OpenAI API was not ready within {timeout_s:.0f} s; log {repo / OPENAI_LOG_FILE}")
 
