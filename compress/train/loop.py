@@ -55,7 +55,7 @@ from compress.data.prepare import read_data_file
 from compress.train.checkpoints import TrainingCheckpoints, TrainingError, TrainState
 from compress.train.distributed import ProcessGroup, local_shard
 from compress.train.monitor import MetricsLog
-from engine.checkpoint.outputs import CHECKPOINT, TRAINING_RUN, check_output_dir, staged_output_dir
+from engine.checkpoint.outputs import TRAINING_FINAL, TRAINING_RUN, check_output_dir, staged_output_dir
 from engine.checkpoint.store import Manifest, describe_weights, read_manifest, resolve_checkpoint, write_manifest
 from engine.config import resolve_dtype
 from engine.errors import UsageError
@@ -587,7 +587,7 @@ class TrainingRecipe:
             )
         if self.is_main:
             model = self.export_model() if full_state is None else self._model_from_state(full_state)
-            with staged_output_dir(out, kind=CHECKPOINT, sources=(self.model_path,)) as tmp:
+            with staged_output_dir(out, kind=TRAINING_FINAL, sources=(self.model_path,)) as tmp:
                 self.write_final(model, tmp)
                 parent_manifest = None
                 try:

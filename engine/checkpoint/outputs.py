@@ -74,6 +74,12 @@ def _made_by_lmforge(manifest: Path) -> bool:
     return isinstance(method, str) and method != IMPORTED_METHOD
 
 
+def _checkpoint_made_by_lmforge(manifest: Path) -> bool:
+    """A checkpoint lmforge wrote, not a LoRA adapter (``finetune --lora``, marked by PEFT's
+    ``adapter_config.json``): a checkpoint output (``quantize --out``) must not replace an adapter."""
+    return _made_by_lmforge(manifest) and not (manifest.parent / "adapter_config.json").exists()
+
+
 def _rendered_by_lmforge(path: Path) -> bool:
     with path.open("rb") as f:
         return b"lmforge render" in f.read(4096)
@@ -85,7 +91,9 @@ MANIFEST_NAME = "lmforge.json"
 #: ``Manifest.method`` of a directory lmforge did not write (see ``_made_by_lmforge``).
 IMPORTED_METHOD = "import"
 
-CHECKPOINT = OutputKind("lmforge checkpoint", (MANIFEST_NAME,), _made_by_lmforge)
+CHECKPOINT = OutputKind("lmforge checkpoint", (MANIFEST_NAME,), _checkpoint_made_by_lmforge)
+#: ``RUN_DIR/final`` of a training run: a checkpoint, or with ``--lora`` an adapter.
+TRAINING_FINAL = OutputKind("lmforge checkpoint or LoRA adapter", (MANIFEST_NAME,), _made_by_lmforge)
 #: A checkpoint copied inside an output lmforge wrote (``export --copy-weights``): its manifest
 #: is the source's, whatever its method.
 COPIED_CHECKPOINT = OutputKind("copy of a checkpoint", (MANIFEST_NAME,))

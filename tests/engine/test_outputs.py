@@ -15,6 +15,7 @@ from compress.quantize.onnx import export_onnx
 from engine.checkpoint.outputs import (
     CHECKPOINT,
     DATA,
+    TRAINING_FINAL,
     OutputDirError,
     check_copy,
     check_output_dir,
@@ -257,6 +258,24 @@ def test_a_users_checkpoint_that_lmforge_only_read_is_never_replaced(tiny_llama_
     (tmp_path / "corrupt" / "lmforge.json").write_text("{not json")
     with pytest.raises(OutputDirError, match="corrupt: not empty"):
         check_output_dir(tmp_path / "corrupt")
+
+
+def test_a_lora_adapter_is_not_replaced_by_a_checkpoint(tiny_llama_dir, tmp_path, capsys):
+    """``quantize --out`` an adapter ``finetune --lora`` wrote is refused (its lmforge.json is not a
+    checkpoint's); only a training run may replace its own ``final/`` adapter."""
+    adapter = tmp_path / "run" / "final"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    (adapter / "lmforge.json").write_text(json.dumps({"method": "finetune-lora", "parent": str(tiny_llama_dir)}))
+    before = {p.name: p.read_bytes() for p in adapter.iterdir()}
+    assert (
+        lmforge_cli.main(["quantize", "--model", str(tiny_llama_dir), "--method", "w8a8", "--out", str(adapter)]) == 2
+    )
+    assert f"error: {adapter}: not empty and not an earlier lmforge checkpoint" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in adapter.iterdir()} == before
+    assert not CHECKPOINT.is_earlier_output(adapter) and TRAINING_FINAL.is_earlier_output(adapter)
+    assert CHECKPOINT.is_earlier_output(tiny_llama_dir) and TRAINING_FINAL.is_earlier_output(tiny_llama_dir)
 
 
 def test_output_files_replace_only_what_lmforge_wrote(tmp_path, precious, monkeypatch, capsys):
