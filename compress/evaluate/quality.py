@@ -78,7 +78,7 @@ from engine.checkpoint.store import (
 )
 from engine.cli_options import add_config_option, add_engine_dtype_option
 from engine.config import KV_CACHE_DTYPES
-from engine.errors import LmforgeError
+from engine.errors import LmforgeError, UsageError
 from engine.lora import LORA_TARGETS, LoRARequest, load_adapter
 from engine.model import read_model_spec
 from engine.quant.int8 import INT8_WEIGHT_SUFFIX
@@ -588,11 +588,11 @@ class EvalConfig:
     def __post_init__(self) -> None:
         for name in ("max_length", "agreement_tokens", "latency_tokens", "latency_repeats"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+                raise UsageError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads={self.num_threads}: must be >= 1 (or None for the library default)")
+            raise UsageError(f"num_threads={self.num_threads}: must be >= 1 (or None for the library default)")
         if self.max_records is not None and self.max_records < 1:
-            raise ValueError(f"max_records={self.max_records}: must be >= 1 (or None for all)")
+            raise UsageError(f"max_records={self.max_records}: must be >= 1 (or None for all)")
 
 
 def evaluate_checkpoint(
