@@ -150,6 +150,8 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.repo.strip():
+        raise UsageError("--repo is empty", fix="pass a model repository directory, e.g. --repo model_repository")
     repo = Path(args.repo)
     if args.model is None and not args.check:
         raise UsageError("--model is required", fix="or pass --check to check a repository")
