@@ -43,6 +43,7 @@ import urllib.request
 from pathlib import Path
 
 from deploy.openai.models import llm_names
+from deploy.openai.triton_client import STALL_TIMEOUT_S
 from deploy.triton import (
     DEFAULT_PORTS,
     SUPERVISOR_LOAD_TIMEOUT_S,
@@ -82,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_option(parser, "--host", "127.0.0.1", "address the OpenAI API binds")
     parser.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        help="with --openai-port: a request that hears nothing from Triton (no token, no heartbeat) this long is "
+        f"answered 503 (its model instance died; default: the frontend's, {STALL_TIMEOUT_S:g} s)",
+    )
+    parser.add_argument(
         "--tool-call-parser",
         choices=("hermes", "llama3_json"),
         help="with --openai-port: the format the models write tool calls in (default: the frontend's, hermes)",
@@ -97,7 +104,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, before anything starts, the flag values the server would only fail on later.
 
     Raises:
-        UsageError: a negative ``--grace-s``, a ``--startup-timeout-s`` that is not positive, an ``--openai-port``
+        UsageError: a negative ``--grace-s``, a ``--startup-timeout-s`` or ``--stall-timeout-s`` that is not positive,
+            an ``--openai-port``
             equal to a Triton port, or a ``--host`` that is not an address of this machine.
     """
     if args.grace_s < 0:
@@ -106,6 +114,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--startup-timeout-s {args.startup_timeout_s:g}: must be > 0", fix="e.g. --startup-timeout-s 600"
         )
+    if args.stall_timeout_s is not None and args.stall_timeout_s <= 0:
+        raise UsageError(f"--stall-timeout-s {args.stall_timeout_s:g}: must be > 0", fix="e.g. --stall-timeout-s 5")
     if args.openai_port is None:
         return
     for kind in ("http", "grpc", "metrics"):

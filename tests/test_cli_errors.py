@@ -396,6 +396,7 @@ def test_generate_with_an_empty_model_is_a_usage_error(capsys):
     [
         (["--grace-s", "-1"], "--grace-s -1: must be >= 0; e.g. --grace-s 15"),
         (["--startup-timeout-s", "0"], "--startup-timeout-s 0: must be > 0"),
+        (["--openai-port", "23997", "--stall-timeout-s", "0"], "--stall-timeout-s 0: must be > 0"),
         (["--http-port", "23999", "--openai-port", "23999"], "--openai-port 23999: also the --http-port; give each"),
         (["--openai-port", "8002"], "--openai-port 8002: also the --metrics-port"),
         (["--openai-port", "23998", "--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine"),
