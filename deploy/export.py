@@ -260,7 +260,8 @@ def export(
 
     Raises:
         CheckpointError: missing/corrupt checkpoint. ValueError: a bad name, instance count,
-        ``EngineConfig`` field or adapter (names it).
+        ``EngineConfig`` field or adapter (names it); UsageError: an adapter named as this model or as another
+        model of ``repo``.
     """
     if instances < 1:
         raise UsageError(f"--instances {instances}: it must be >= 1")
@@ -276,6 +277,13 @@ def export(
         raise UsageError(
             f"--repo {repo}: exists and is not a directory", fix="pass a Triton model repository directory"
         )
+    for adapter in loras or {}:  # the OpenAI `model` field names a model or an adapter: one name, one meaning
+        if adapter == name or (repo / adapter / "config.pbtxt").is_file():
+            other = "the --name of this export" if adapter == name else f"{repo / adapter} is a model"
+            raise UsageError(
+                f"--lora {adapter}: {other} too, and a request's `model` could not tell them apart",
+                fix="give the adapter another name",
+            )
     source = resolve_checkpoint(checkpoint, causal_lm=False)
     for model_name in [name] if kind == "llm" else encoder_model_names(name):
         check_output_dir(repo / model_name, kind=TRITON_MODEL, sources=(source,))

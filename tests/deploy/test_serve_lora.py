@@ -160,6 +160,12 @@ def test_export_checks_the_adapters_against_the_base(tiny_llama_dir, adapters, t
     assert info["lora_adapters"] == {"a1": "loras/a1", "a2": "loras/a2"}
     assert info["engine"]["enable_lora"] is True and info["engine"]["max_loras"] == 2
     assert (tmp_path / "repo" / "llm" / "1" / "loras" / "a2" / "adapter_model.safetensors").is_file()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(UsageError, match="--lora llm2: the --name of this export too"):
+        export(tiny_llama_dir, tmp_path / "repo", name="llm2", loras={"llm2": adapters["a1"]})
+    with pytest.raises(UsageError, match=r"--lora llm: .*repo/llm is a model too, and a request's `model` could not"):
+        export(tiny_llama_dir, tmp_path / "repo", name="llm2", loras={"llm": adapters["a1"]})
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
 
 
 def test_loadtest_spreads_requests_over_adapters(lora_frontend, lora_server, adapters, tmp_path):
