@@ -419,9 +419,8 @@ class TritonServer:
             raise UsageError(f"ports {self.ports}: HTTP, gRPC and metrics need three different ports")
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
-            raise TritonError(
-                f"{self.repo}: model repository not found; create one with `lmforge export --repo {repo} ...`"
-            )
+            what = "is a file, not a model repository" if self.repo.exists() else "model repository not found"
+            raise TritonError(f"{self.repo}: {what}; create one with `lmforge export --repo DIR ...` and pass that DIR")
         self.models = models
         self.skipped: dict[str, str] = {}
         self.log_path = Path(log_path) if log_path else self.repo / LOG_FILE_NAME

@@ -174,7 +174,8 @@ def adapter_cache_key(request: LoRARequest) -> int:
 def _read_adapter_config(path: Path) -> dict:
     config_path = path / ADAPTER_CONFIG_NAME
     if not path.is_dir():
-        raise LoRAError(f"lora_path={str(path)!r}: no such adapter directory", fix="pass a PEFT LoRA adapter directory")
+        what = "is a file, not an adapter directory" if path.exists() else "no such adapter directory"
+        raise LoRAError(f"lora_path={str(path)!r}: {what}", fix="pass a PEFT LoRA adapter directory")
     if not config_path.is_file():
         raise LoRAError(
             f"lora_path={str(path)!r}: no {ADAPTER_CONFIG_NAME}",

@@ -414,3 +414,14 @@ def test_serve_port_outside_the_tcp_range_is_a_usage_error_on_stderr(capsys):
     assert lmforge_cli.main(["serve", "--repo", "model_repository", "--openai-port", "99999"]) == 2
     captured = capsys.readouterr()
     assert "--openai-port 99999: not a TCP port" in captured.err and captured.out == ""
+
+
+def test_a_path_of_the_wrong_kind_is_named_as_such(tmp_path, capsys):
+    """A directory where a file is wanted (and the reverse) is not reported as missing; nothing is written."""
+    file, folder, out = tmp_path / "file.txt", tmp_path / "folder", str(tmp_path / "d")
+    file.write_text("hello\n")
+    folder.mkdir()
+    _fails(["data", "--input", str(folder), "--out", out], 1, f"--input {str(folder)!r}: a directory", capsys=capsys)
+    _fails(["data", "--input", "", "--out", out], 1, "--input '': empty; pass chatterbot:LANG", capsys=capsys)
+    _fails(["serve", "--repo", str(file)], 1, f"{file}: is a file, not a model repository", capsys=capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "folder"]

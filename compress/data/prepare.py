@@ -243,8 +243,9 @@ def load_input(spec: str, skipped: list[tuple[Record, str]] | None = None) -> li
             records.extend(load_chatterbot_file(file, skipped))
         return records
     path = Path(spec)
-    if not path.is_file():
-        raise DataError(f"{path}: input file not found; pass chatterbot:LANG, a .yml, .jsonl or text file")
+    if not spec.strip() or not path.is_file():
+        what = "empty" if not spec.strip() else "a directory, not a file" if path.is_dir() else "input file not found"
+        raise DataError(f"--input {spec!r}: {what}; pass chatterbot:LANG, a .yml, .jsonl or text file")
     if path.suffix in (".yml", ".yaml"):
         records = load_chatterbot_file(path)
     elif path.suffix == ".jsonl":

@@ -284,6 +284,12 @@ def bad_missing(adapters, tmp_path, tiny):
     return LoRARequest("gone", 5, str(tmp_path / "nowhere")), ("lora_path=", "no such adapter directory")
 
 
+def bad_a_file(adapters, tmp_path, tiny):
+    path = tmp_path / "adapter_model.safetensors"
+    path.write_bytes((Path(adapters["a1"].lora_path) / "adapter_model.safetensors").read_bytes())
+    return LoRARequest("file", 5, str(path)), ("lora_path=", "is a file, not an adapter directory")
+
+
 def bad_pickle_only(adapters, tmp_path, tiny):
     path = _copy(adapters["a1"], tmp_path, "pickled")
     (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
@@ -315,7 +321,18 @@ def bad_id(adapters, tmp_path, tiny):
 
 @pytest.mark.parametrize(
     "make",
-    [bad_rank, bad_hidden_size, bad_vocab, bad_missing, bad_pickle_only, bad_truncated, bad_config, bad_module, bad_id],
+    [
+        bad_rank,
+        bad_hidden_size,
+        bad_vocab,
+        bad_missing,
+        bad_a_file,
+        bad_pickle_only,
+        bad_truncated,
+        bad_config,
+        bad_module,
+        bad_id,
+    ],
 )
 def test_a_bad_adapter_fails_alone_naming_the_field(make, tiny_llama_dir, adapters, prompts, reference, tmp_path):
     llm = lora_llm(tiny_llama_dir)
