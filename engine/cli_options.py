@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
+from collections.abc import Iterator
 from typing import Any
+
+from engine.errors import UsageError
 
 #: The engine dtypes a command offers (``auto``: bfloat16 where the CPU has native bf16 units, else float32).
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
@@ -50,3 +55,17 @@ def config_fields(config_cls: Any, args: Any, **overrides: Any) -> dict[str, Any
     kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls) if hasattr(args, f.name)}
     kwargs.update(overrides)
     return kwargs
+
+
+@contextlib.contextmanager
+def errors_name_flags(flags: dict[str, str]) -> Iterator[None]:
+    """Inside: a ``UsageError`` of a config's own check, ``"field=value: why"``, is raised again as
+    ``"--flag value: why"`` for a ``field`` in ``flags`` (``{field: flag}``), so a command's error names the
+    flag the user typed, not the dataclass field behind it."""
+    try:
+        yield
+    except UsageError as exc:
+        match = re.match(r"(\w+)=(.*?): (.*)", exc.message, re.S)
+        if match is None or match[1] not in flags:
+            raise
+        raise UsageError(f"{flags[match[1]]} {match[2]}: {match[3]}", fix=exc.fix) from exc

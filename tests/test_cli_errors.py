@@ -282,11 +282,12 @@ def test_flags_out_of_range_are_usage_errors(tiny_llama_dir, tmp_path, capsys):
         ),
         (["generate", "--model", model, "--prompt", "hi", "--device", "tpu"], "--device 'tpu': not a device"),
         ([*train("finetune"), "--lr", "-1"], "lr=-1.0: must be > 0"),
-        (["data", "--val-fraction", "2", "--out", str(tmp_path / "d")], "val_fraction=2.0: must be in (0, 1)"),
-        (["evaluate", model, "--max-records", "0"], "max_records=0: must be >= 1"),
+        (["data", "--val-fraction", "2", "--out", str(tmp_path / "d")], "--val-fraction 2.0: must be in (0, 1)"),
+        (["evaluate", model, "--max-records", "0"], "--max-records 0: must be >= 1"),
         (["export", "--model", model, "--repo", ""], "--repo is empty; pass a model repository directory"),
         (["export", "--check", "--repo", " "], "--repo is empty"),
-        (["evaluate", model, "--threads", "0"], "num_threads=0: must be >= 1"),
+        (["evaluate", model, "--threads", "0"], "--threads 0: must be >= 1"),
+        (["data", "--dedup-threshold", "2", "--out", str(tmp_path / "d")], "--dedup-threshold 2.0: must be in (0, 1]"),
     ]
     for argv, message in cases:
         _fails(argv, 2, message, capsys=capsys)

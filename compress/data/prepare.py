@@ -44,7 +44,7 @@ import yaml
 
 from compress.data.dedup import MinHashConfig, exact_key, near_duplicates, normalize
 from engine.checkpoint.outputs import DATA, check_output_dir, staged_output_dir
-from engine.cli_options import add_config_option, config_fields
+from engine.cli_options import add_config_option, config_fields, errors_name_flags
 from engine.errors import UsageError
 from engine.records import DataError, iter_jsonl, read_utf8, validate_record
 
@@ -612,7 +612,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     blocklist = None if str(args.blocklist).lower() == "none" else args.blocklist
-    config = DataConfig(**config_fields(DataConfig, args, inputs=args.inputs or [DEFAULT_INPUT], blocklist=blocklist))
-    prepare(config, args.out)
+    flags = {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(DataConfig)}
+    with errors_name_flags({**flags, "inputs": "--input", "threshold": "--dedup-threshold"}):
+        config = DataConfig(
+            **config_fields(DataConfig, args, inputs=args.inputs or [DEFAULT_INPUT], blocklist=blocklist)
+        )
+        prepare(config, args.out)
     print(f"wrote {args.out}/train.jsonl, val.jsonl, data_report.json")
     return 0

@@ -76,7 +76,7 @@ from engine.checkpoint.store import (
     resolve_checkpoint,
     update_metrics,
 )
-from engine.cli_options import add_config_option, add_engine_dtype_option
+from engine.cli_options import add_config_option, add_engine_dtype_option, errors_name_flags
 from engine.config import KV_CACHE_DTYPES
 from engine.errors import LmforgeError, UsageError
 from engine.lora import LORA_TARGETS, LoRARequest, load_adapter
@@ -875,14 +875,16 @@ def served_row(args: argparse.Namespace, records: list[dict[str, Any]], data_nam
 def run(args: argparse.Namespace) -> int:
     if args.json:
         check_output_file(args.json, flag="--json")
-    config = EvalConfig(
-        max_records=args.max_records,
-        max_length=args.max_length,
-        agreement_tokens=args.agreement_tokens,
-        latency_tokens=args.latency_tokens,
-        measure_latency=not args.no_latency,
-        num_threads=args.threads,
-    )
+    flags = {f: "--" + f.replace("_", "-") for f in ("max_records", "max_length", "agreement_tokens", "latency_tokens")}
+    with errors_name_flags({**flags, "num_threads": "--threads"}):
+        config = EvalConfig(
+            max_records=args.max_records,
+            max_length=args.max_length,
+            agreement_tokens=args.agreement_tokens,
+            latency_tokens=args.latency_tokens,
+            measure_latency=not args.no_latency,
+            num_threads=args.threads,
+        )
     records, data_name = (read_records(args.data), args.data) if args.data else default_heldout_records()
     results = evaluate(
         args.checkpoints,
