@@ -434,7 +434,7 @@ class TrainingRecipe:
         bar = tqdm(
             total=cfg.max_steps,
             initial=self.state.step,
-            disable=not (cfg.progress and self.is_main),
+            disable=None if cfg.progress and self.is_main else True,  # None: off where stderr is not a terminal
             desc=self.method,
             unit="step",
         )

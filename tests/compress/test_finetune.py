@@ -263,7 +263,7 @@ def test_lora_command_prints_only_its_own_output(tiny_llama_dir, chat_data, tmp_
     run_dir = tmp_path / "lora"
     cmd = [sys.executable, "-m", "lmforge_cli", "finetune", "--model", str(tiny_llama_dir), "--data", str(chat_data)]
     cmd += ["--run-dir", str(run_dir), "--lora", "--max-steps", "1", "--micro-batch-size", "2", "--max-length", "48"]
-    cmd += ["--eval-every", "0", "--no-progress"]
+    cmd += ["--eval-every", "0"]  # no --no-progress: the bar stays off when stderr is not a terminal
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
