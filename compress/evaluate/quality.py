@@ -785,7 +785,10 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
                 speed,
             ]
         )
-    return "\n".join(table_lines(columns, cells))
+    lines = table_lines(columns, cells)
+    if base.get("lora"):  # every row ran with it (``evaluate(lora=...)``)
+        lines.append(f"each checkpoint with the LoRA adapter {base['lora']}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------

@@ -185,6 +185,7 @@ def test_evaluate_judges_an_adapter_on_the_int8_base_against_it_on_the_fp32_base
     plain_ppl, _ = perplexity(peft_model(base, None), load_for_eval(base).tokenizer, records)
     assert ref["perplexity"] == pytest.approx(peft_ppl, rel=1e-4) and abs(plain_ppl / peft_ppl - 1) > 1e-3
     assert ref["kl_mean"] == 0 and ref["same_top1"] == 1.0 and ref["lora"] == str(adapter)
+    assert format_table(results).splitlines()[-1] == f"each checkpoint with the LoRA adapter {adapter}"
     assert int8["kind"] == "int8" and 0 < int8["kl_mean"] < 0.5 and 0.5 <= int8["same_top1"] <= 1.0
     assert "perplexity" not in read_manifest(base).metrics  # the adapted model's figures stay out of the manifests
     other = make_tiny_llama(tmp_path / "wide", seed=1, hidden_size=64)
