@@ -484,8 +484,9 @@ def prepare(config: DataConfig, out: str | Path, *, verbose: bool = True) -> dic
     check_output_dir(out, kind=DATA, sources=sources)  # before the work, not after it
     records, loaded, skipped = [], {}, []
     for spec in config.inputs:
+        before = len(skipped)
         got = load_input(spec, skipped)
-        loaded[spec] = len(got)
+        loaded[spec] = len(got) + len(skipped) - before  # malformed ones too: the "malformed" step removes them
         records.extend(got)
     final, steps, removals = _run_filters(records, config)
     malformed = FilterStep("malformed")

@@ -131,7 +131,7 @@ def test_nothing_left_after_filtering_names_file_and_lines(tmp_path):
 
 def test_chatterbot_english_default_and_chinese(tmp_path):
     report = prepare(DataConfig(), tmp_path / "en", verbose=False)
-    assert report["loaded"] == {"chatterbot:english": 2025}
+    assert report["loaded"] == {"chatterbot:english": 2026} and report["total_loaded"] == 2026
     assert report["filters"]["malformed"]["removed"] == 1  # trivia.yml:35 of the shipped corpus
     assert report["filters"]["exact_duplicate"]["removed"] > 1000
     assert report["kept"] == report["train"] + report["val"] and report["val"] == math.ceil(0.05 * report["kept"])
