@@ -21,7 +21,7 @@ from deploy.openai.protocol import OpenAIError
 from deploy.openai.serving_chat import OpenAIServingChat
 from deploy.openai.serving_completions import OpenAIServingCompletion
 from deploy.openai.serving_embedding import OpenAIServingEmbedding
-from deploy.openai.serving_models import OpenAIServingModels
+from deploy.openai.serving_models import OpenAIServingModels, check_unique_names
 from deploy.openai.serving_tokenization import OpenAIServingTokenization
 from deploy.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from deploy.openai.triton_client import STALL_TIMEOUT_S, TritonBackend
@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         encoders = discover_encoders(args.repo, args.models)
         llms = None if args.models is None else [name for name in args.models if name not in encoders]
         models = discover_models(args.repo, llms)
+        check_unique_names(models, encoders)
     except ValueError as exc:
         print(f"error: {exc}", flush=True)
         return 1

@@ -153,6 +153,29 @@ class OpenAIServingModels:
         return model
 
 
+def check_unique_names(models: dict[str, ServedModel], other_names: Iterable[str] = ()) -> None:
+    """Refuse to serve an adapter named as a model or as another model's adapter (one left in an older
+    ``multi_lora.json``, say): a request's ``model`` could not tell them apart.
+
+    Raises:
+        ValueError: names the adapter, what else holds its name, and the fix.
+    """
+    holder = {name: "a served model" for name in [*models, *other_names]}
+    for model in models.values():
+        for adapter in sorted(model.adapters):
+            if adapter in holder:
+                where = (
+                    "its export (--lora)"
+                    if adapter in model.declared_adapters
+                    else f"{model.version_dir}/multi_lora.json"
+                )
+                raise ValueError(
+                    f"adapter {adapter!r} of {model.name} has the name of {holder[adapter]}; "
+                    f"rename or remove it in {where}"
+                )
+            holder[adapter] = f"an adapter of {model.name}"
+
+
 def _adapter_name(name: str) -> str:
     try:
         return check_adapter_name(name)
