@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import attention
 from engine.attention import CommonAttentionMetadata, TorchAttentionBackend
 
 
@@ -66,3 +67,12 @@ def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol, lens, 
         torch.testing.assert_close(out[row : row + n].float(), ref.reshape(n, -1), atol=tol, rtol=tol)
         torch.testing.assert_close(short[row : row + n].float(), ref.reshape(n, -1), atol=tol, rtol=tol)
         row += n
+
+
+@pytest.mark.parametrize("flags, native, cascade", [({"amx_bf16"}, True, True), (set(), True, False), (set(), False, True)])
+def test_decodes_cascade_where_the_flash_call_pays(monkeypatch, flags, native, cascade):
+    """The shared-prefix flash call for decodes is the default on AMX and wherever the C++ kernel is off;
+    elsewhere the kernel reads every block itself."""
+    monkeypatch.setattr(attention, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(attention, "decode_kernel_built", lambda: native)
+    assert TorchAttentionBackend(6, 2, 16).cascade_decodes == cascade

@@ -180,9 +180,11 @@ def test_paged_decode_attention_reads_blocks_shared_by_a_group_once_and_equals_e
     torch.testing.assert_close(got.float(), _reference(dense, full_tables, q, lens_after, bs), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("cascade", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_backend_with_shared_prefix_equals_the_torch_path(dtype, shared_prefix_block_table):
-    """Cascade decode (shared prefix read once, own blocks in place) against the gather + flash path."""
+def test_decode_backend_with_shared_prefix_equals_the_torch_path(dtype, cascade, shared_prefix_block_table):
+    """Cascade decode (shared prefix read once, own blocks in place), and the kernel reading every block
+    (the default without AMX), against the gather + flash path."""
     torch.manual_seed(0)
     num_heads, num_kv, head_dim, bs = 9, 3, 64, 16
     lens = [50, 63, 64, 65, 90]
@@ -202,8 +204,9 @@ def test_decode_backend_with_shared_prefix_equals_the_torch_path(dtype, shared_p
         block_size=bs,
     )
     backend = TorchAttentionBackend(num_heads, num_kv, head_dim)
+    backend.cascade_decodes = cascade
     group = backend.build(common).decode
-    assert group.shared_blocks is not None and len(group.shared_blocks) == 3
+    assert (group.shared_blocks is not None and len(group.shared_blocks) == 3) if cascade else group.shared_blocks is None
     native = backend._decode_attention(q, cache, group)
     cpu_ops.use_cpu_kernels(False)
     try:

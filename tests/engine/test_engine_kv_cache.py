@@ -96,10 +96,11 @@ def test_decode_kernel_on_int8_rows_equals_attention_over_the_dequantized_cache(
         torch.testing.assert_close(got[i].float(), (p @ v).reshape(-1), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("cascade", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_paths_on_an_int8_cache_agree(dtype, shared_prefix_block_table):
+def test_backend_paths_on_an_int8_cache_agree(dtype, cascade, shared_prefix_block_table):
     """A step of decodes behind a shared prefix and of prefill chunks, on an int8 cache: the C++ kernels
-    (cascade decode, prefill rows) equal the torch paths (dequantized gather + flash) within the dtype's
+    (cascade decode or the kernel over every block, prefill rows) equal the torch paths (dequantized gather + flash) within the dtype's
     rounding, and the torch store writes ``quantize_kv``'s bytes."""
     torch.manual_seed(0)
     num_heads, num_kv, hd, bs = 9, 3, 64, 16
@@ -123,8 +124,9 @@ def test_backend_paths_on_an_int8_cache_agree(dtype, shared_prefix_block_table):
         block_size=bs,
     )
     backend = TorchAttentionBackend(num_heads, num_kv, hd)
+    backend.cascade_decodes = cascade
     meta = backend.build(common)
-    assert meta.decode.shared_blocks is not None and meta.short_prefill is not None
+    assert (meta.decode.shared_blocks is not None) == cascade and meta.short_prefill is not None
     n = sum(qlens)
     q = torch.randn(n, num_heads, hd).to(dtype)
     k, v = torch.randn(n, num_kv, hd).to(dtype), torch.randn(n, num_kv, hd).to(dtype)
