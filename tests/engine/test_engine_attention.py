@@ -69,7 +69,9 @@ def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol, lens, 
         row += n
 
 
-@pytest.mark.parametrize("flags, native, cascade", [({"amx_bf16"}, True, True), (set(), True, False), (set(), False, True)])
+@pytest.mark.parametrize(
+    "flags, native, cascade", [({"amx_bf16"}, True, True), (set(), True, False), (set(), False, True)]
+)
 def test_decodes_cascade_where_the_flash_call_pays(monkeypatch, flags, native, cascade):
     """The shared-prefix flash call for decodes is the default on AMX and wherever the C++ kernel is off;
     elsewhere the kernel reads every block itself."""

@@ -206,7 +206,8 @@ def test_decode_backend_with_shared_prefix_equals_the_torch_path(dtype, cascade,
     backend = TorchAttentionBackend(num_heads, num_kv, head_dim)
     backend.cascade_decodes = cascade
     group = backend.build(common).decode
-    assert (group.shared_blocks is not None and len(group.shared_blocks) == 3) if cascade else group.shared_blocks is None
+    shared = group.shared_blocks
+    assert (shared is not None and len(shared) == 3) if cascade else shared is None
     native = backend._decode_attention(q, cache, group)
     cpu_ops.use_cpu_kernels(False)
     try:

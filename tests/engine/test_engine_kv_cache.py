@@ -100,8 +100,8 @@ def test_decode_kernel_on_int8_rows_equals_attention_over_the_dequantized_cache(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_paths_on_an_int8_cache_agree(dtype, cascade, shared_prefix_block_table):
     """A step of decodes behind a shared prefix and of prefill chunks, on an int8 cache: the C++ kernels
-    (cascade decode or the kernel over every block, prefill rows) equal the torch paths (dequantized gather + flash) within the dtype's
-    rounding, and the torch store writes ``quantize_kv``'s bytes."""
+    (cascade decode or the kernel over every block, prefill rows) equal the torch paths (dequantized
+    gather + flash) within the dtype's rounding, and the torch store writes ``quantize_kv``'s bytes."""
     torch.manual_seed(0)
     num_heads, num_kv, hd, bs = 9, 3, 64, 16
     decode_lens, chunks = [50, 63, 65], [(48, 5), (49, 12)]  # (computed, new) of the prefill chunks
