@@ -235,11 +235,11 @@ def test_w8a8_few_rows_without_amx_run_the_weight_only_kernel(dtype, amx_restore
 
 def _amx_expected() -> bool:
     """Whether this machine should run the AMX kernels (CPU flags and a successful build)."""
+    if forced_cpu_kernel_path() not in ("auto", "amx"):  # held off before the CPU flags are even read
+        assert not amx_cpu_kernel() and "forbidden" in amx_cpu_kernel_reason()
+        return False
     if "amx_int8" not in cpu_int8_flags():
         assert not amx_cpu_kernel() and "lacks" in amx_cpu_kernel_reason()  # the fallback is chosen, and said why
-        return False
-    if forced_cpu_kernel_path() not in ("auto", "amx"):
-        assert not amx_cpu_kernel() and "forbidden" in amx_cpu_kernel_reason()
         return False
     if not amx_cpu_kernel():
         pytest.fail(f"the CPU has AMX-INT8 but the AMX kernels are not in use: {amx_cpu_kernel_reason()}")
