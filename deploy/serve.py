@@ -104,9 +104,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, before anything starts, the flag values the server would only fail on later.
 
     Raises:
-        UsageError: a negative ``--grace-s``, a ``--startup-timeout-s`` or ``--stall-timeout-s`` that is not positive,
-            an ``--openai-port``
-            equal to a Triton port, or a ``--host`` that is not an address of this machine.
+        UsageError: a negative ``--grace-s``, a ``--startup-timeout-s`` or ``--stall-timeout-s`` that is not
+            positive, an ``--openai-port`` equal to a Triton port, or a ``--host`` that is not an address of this
+            machine.
     """
     if args.grace_s < 0:
         raise UsageError(f"--grace-s {args.grace_s:g}: must be >= 0", fix="e.g. --grace-s 15")

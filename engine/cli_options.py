@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from engine.errors import UsageError
@@ -31,9 +31,17 @@ def add_option(parser: Any, flag: str, default: Any, help: str, **kwargs: Any) -
     ``parser`` is an ``argparse.ArgumentParser`` or one of its groups. Without ``type``, ``choices`` or
     ``action``, an int or float default gives the option its type.
     """
+    parser.add_argument(
+        flag, default=default, help=f"{help} (default {default_text(default)})", **_typed(default, kwargs)
+    )
+
+
+def _typed(default: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` of ``add_argument`` with ``type`` taken from an int or float ``default`` where none of
+    ``type``, ``choices`` or ``action`` is given."""
     if not {"type", "choices", "action"} & kwargs.keys() and type(default) in (int, float):
-        kwargs["type"] = type(default)
-    parser.add_argument(flag, default=default, help=f"{help} (default {default_text(default)})", **kwargs)
+        return {**kwargs, "type": type(default)}
+    return kwargs
 
 
 def add_config_option(parser: Any, config: Any, field: str, help: str | None = None, **kwargs: Any) -> None:
@@ -44,9 +52,7 @@ def add_config_option(parser: Any, config: Any, field: str, help: str | None = N
     ``%(default)s`` (argparse fills it in), so one value is written once.
     """
     default = getattr(config, field)
-    if not {"type", "choices", "action"} & kwargs.keys() and type(default) in (int, float):
-        kwargs["type"] = type(default)
-    parser.add_argument("--" + field.replace("_", "-"), default=default, help=help, **kwargs)
+    parser.add_argument("--" + field.replace("_", "-"), default=default, help=help, **_typed(default, kwargs))
 
 
 def config_fields(config_cls: Any, args: Any, **overrides: Any) -> dict[str, Any]:
@@ -58,10 +64,11 @@ def config_fields(config_cls: Any, args: Any, **overrides: Any) -> dict[str, Any
 
 
 @contextlib.contextmanager
-def errors_name_flags(flags: dict[str, str]) -> Iterator[None]:
+def errors_name_flags(fields: Iterable[str], renames: dict[str, str] | None = None) -> Iterator[None]:
     """Inside: a ``UsageError`` of a config's own check, ``"field=value: why"``, is raised again as
-    ``"--flag value: why"`` for a ``field`` in ``flags`` (``{field: flag}``), so a command's error names the
-    flag the user typed, not the dataclass field behind it."""
+    ``"--flag value: why"`` for a ``field`` in ``fields``, so a command's error names the flag the user
+    typed, not the dataclass field behind it. The flag is ``--field-name`` unless ``renames`` gives it."""
+    flags = {field: "--" + field.replace("_", "-") for field in fields} | (renames or {})
     try:
         yield
     except UsageError as exc:

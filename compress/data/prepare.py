@@ -613,8 +613,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     blocklist = None if str(args.blocklist).lower() == "none" else args.blocklist
-    flags = {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(DataConfig)}
-    with errors_name_flags({**flags, "inputs": "--input", "threshold": "--dedup-threshold"}):
+    fields = [f.name for f in dataclasses.fields(DataConfig)]
+    with errors_name_flags(fields, {"inputs": "--input", "threshold": "--dedup-threshold"}):
         config = DataConfig(
             **config_fields(DataConfig, args, inputs=args.inputs or [DEFAULT_INPUT], blocklist=blocklist)
         )

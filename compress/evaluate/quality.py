@@ -878,8 +878,8 @@ def served_row(args: argparse.Namespace, records: list[dict[str, Any]], data_nam
 def run(args: argparse.Namespace) -> int:
     if args.json:
         check_output_file(args.json, flag="--json")
-    flags = {f: "--" + f.replace("_", "-") for f in ("max_records", "max_length", "agreement_tokens", "latency_tokens")}
-    with errors_name_flags({**flags, "num_threads": "--threads"}):
+    fields = ("max_records", "max_length", "agreement_tokens", "latency_tokens", "num_threads")
+    with errors_name_flags(fields, {"num_threads": "--threads"}):
         config = EvalConfig(
             max_records=args.max_records,
             max_length=args.max_length,
