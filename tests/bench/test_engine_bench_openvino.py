@@ -388,13 +388,31 @@ def test_busy_processes_die_with_the_benchmark_process():
     assert _wait_gone([pid])
 
 
+def _busy_children(timeout_s: float = 5.0) -> list[int]:
+    """The pids of this process's running busy-loop children.
+
+    A child that has just passed ``exec`` can show an empty ``/proc/<pid>/cmdline`` for a moment
+    (the kernel fills in its arguments after the close-on-exec pipe that ``Popen`` waits on has
+    closed), so this waits until no running child reads empty, within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = {}
+        for child in psutil.Process().children():
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    lines[child.pid] = child.cmdline()
+            except psutil.NoSuchProcess:
+                pass
+        if all(lines.values()) or time.monotonic() > deadline:
+            return [pid for pid, line in lines.items() if "-c" in line and "sys.argv[1]" in " ".join(line)]
+        time.sleep(0.02)
+
+
 def test_every_row_runs_beside_busy_processes_and_a_failing_row_leaves_none(monkeypatch, tmp_path):
-    me = psutil.Process()
     seen: list[list[int]] = []
 
     def fake_run_one(config, *args, **kwargs):
-        busy = [c.pid for c in me.children() if "-c" in c.cmdline() and "sys.argv[1]" in " ".join(c.cmdline())]
-        seen.append(busy)
+        seen.append(_busy_children())
         if config == "engine_bf16":
             raise RuntimeError("the row's process could not start")
         return {"config": config, "status": "failed", "reason": "stand-in"}
