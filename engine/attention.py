@@ -229,10 +229,11 @@ class TorchAttentionMetadata:
         prefill: attention group of the prefill chunks (or ``None``).
         block_size: tokens per KV block.
         short_prefill: when every chunk has at most ``SHORT_QUERY_TOKENS`` tokens (speculative
-            verification, a chunked prompt's tail) or attends at most ``ROW_KERNEL_MAX_OWN_KEYS``
-            keys past the prefill group's shared blocks, each of their tokens as a decode row for the
-            C++ kernel: ``(block_tables [n, own blocks] of the row's request from its first block
-            after the shared ones, seq_lens [n] = position + 1 - shared tokens)``.
+            verification, a chunked prompt's tail) or attends at most the backend's
+            ``row_kernel_max_own_keys`` (``None``: any number) keys past the prefill group's shared
+            blocks, each of their tokens as a decode row for the C++ kernel: ``(block_tables [n, own
+            blocks] of the row's request from its first block after the shared ones, seq_lens [n] =
+            position + 1 - shared tokens)``.
         rows: batch-invariant mode: every token of the step as a row of the C++ kernel over all its keys,
             ``(block_tables [N, max_blocks], seq_lens [N] = position + 1)``; ``decode`` and ``prefill`` are
             then ``None``.
@@ -255,7 +256,8 @@ SHORT_QUERY_TOKENS = 16
 #: blocks the whole batch shares: those shared blocks go through one flash call for every row (its
 #: output and log-sum-exp start the kernel's softmax) and each row then reads only its own few
 #: keys in place. This is the suffix prefill of many requests behind one cached system prompt,
-#: where a padded flash call over gathered keys spent most of its time on padding.
+#: where a padded flash call over gathered keys spent most of its time on padding. On CPUs where
+#: the flash call does not pay (``TorchAttentionBackend.cascade_decodes`` off) every chunk runs as rows.
 ROW_KERNEL_MAX_OWN_KEYS = 64
 
 
@@ -276,6 +278,12 @@ class TorchAttentionBackend(AttentionBackend):
             wherever the C++ kernel is not built); elsewhere the kernel alone is faster (an AVX-512 BF16
             AMD EPYC, 64 requests behind one system prompt, alternated in one process: bf16 1.07x, fp32
             1.04x tok/s).
+        row_kernel_max_own_keys: prefill chunks attending at most this many keys past the blocks all
+            chunks share run as rows of the C++ kernel (``ROW_KERNEL_MAX_OWN_KEYS``), the rest as a padded
+            flash call; ``None`` (where ``cascade_decodes`` is off): every chunk. Without AMX the flash call
+            runs its bf16 products in float32 and, padded, does more of them: on the AMD EPYC above, bf16,
+            rows took 0.82-0.89x the step time of a flash call for 1 to 8 prompts of 100 to 1,400 tokens
+            (fp32 about even) and 0.87x for the prefill steps of 64 chat requests behind one system prompt.
 
     Raises:
         UsageError: ``batch_invariant`` where the C++ kernel cannot run (not built, or head_dim > 256).
@@ -294,6 +302,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
         self.batch_invariant = batch_invariant
         self.cascade_decodes = not decode_kernel_built() or "amx_bf16" in cpu_flags()
+        self.row_kernel_max_own_keys = ROW_KERNEL_MAX_OWN_KEYS if self.cascade_decodes else None
         if batch_invariant and not (decode_kernel_built() and head_dim <= 256):
             raise UsageError(
                 "batch_invariant=True runs attention in the engine's C++ CPU kernel, which is not available here "
@@ -315,7 +324,8 @@ class TorchAttentionBackend(AttentionBackend):
             bs = common.block_size
             shared = 0 if prefill.shared_blocks is None else prefill.shared_blocks.numel()
             own_keys = max(common.seq_lens_cpu[d:]) - shared * bs
-            if max(common.query_lens_cpu[d:]) <= SHORT_QUERY_TOKENS or own_keys <= ROW_KERNEL_MAX_OWN_KEYS:
+            limit = self.row_kernel_max_own_keys
+            if max(common.query_lens_cpu[d:]) <= SHORT_QUERY_TOKENS or limit is None or own_keys <= limit:
                 first_row = common.query_start_loc[d]
                 lens = torch.tensor(common.query_lens_cpu[d:], device=common.positions.device)
                 request_of_row = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)  # [n]

@@ -28,6 +28,7 @@ def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol, lens, 
     bs, num_heads, num_kv_heads, hd, shared = 4, 6, 2, 16, 3
     computed = [12, 14, 12, 13]  # cached tokens before each chunk; the first 3 blocks are common
     backend = TorchAttentionBackend(num_heads, num_kv_heads, hd)
+    backend.row_kernel_max_own_keys = attention.ROW_KERNEL_MAX_OWN_KEYS  # both paths on every CPU
     k_cache = torch.randn(80, bs, num_kv_heads, hd, generator=g).to(dtype)
     v_cache = torch.randn(80, bs, num_kv_heads, hd, generator=g).to(dtype)
     tables, next_block = [], 20
@@ -77,4 +78,42 @@ def test_decodes_cascade_where_the_flash_call_pays(monkeypatch, flags, native, c
     elsewhere the kernel reads every block itself."""
     monkeypatch.setattr(attention, "cpu_flags", lambda: flags)
     monkeypatch.setattr(attention, "decode_kernel_built", lambda: native)
-    assert TorchAttentionBackend(6, 2, 16).cascade_decodes == cascade
+    backend = TorchAttentionBackend(6, 2, 16)
+    assert backend.cascade_decodes == cascade
+    # where the flash call does not pay, prefill chunks of any length run as rows of the kernel
+    assert backend.row_kernel_max_own_keys == (attention.ROW_KERNEL_MAX_OWN_KEYS if cascade else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefill_chunks_as_kernel_rows_match_the_flash_call(dtype):
+    """With no limit on own keys (CPUs without AMX) a step of long fresh prompts runs as kernel rows, and
+    equals the padded flash call."""
+    g = torch.Generator().manual_seed(1)
+    bs, num_heads, num_kv_heads, hd = 4, 6, 2, 16
+    lens = [90, 1, 37]
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, hd)
+    backend.row_kernel_max_own_keys = None
+    kv_cache = torch.randn(2, 64, bs, num_kv_heads, hd, generator=g).to(dtype)
+    tables, first = [], 1
+    for n in lens:
+        tables.append(list(range(first, first + -(-n // bs))))
+        first += len(tables[-1])
+    width = max(map(len, tables))
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()),
+        seq_lens=torch.tensor(lens),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.zeros(sum(lens), dtype=torch.long),
+        positions=torch.cat([torch.arange(n) for n in lens]),
+        query_lens_cpu=lens,
+        seq_lens_cpu=lens,
+        num_decodes=0,
+        block_size=bs,
+    )
+    metadata = backend.build(common)
+    q = torch.randn(sum(lens), num_heads, hd, generator=g).to(dtype)
+    flash = backend._prefill_attention(q, kv_cache, metadata.prefill)
+    rows = backend.forward(q, None, None, kv_cache, metadata)
+    assert metadata.short_prefill is not None and metadata.prefill.shared_blocks is None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(rows.float(), flash.float(), atol=tol, rtol=tol)
