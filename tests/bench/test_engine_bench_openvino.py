@@ -391,9 +391,9 @@ def test_busy_processes_die_with_the_benchmark_process():
 def _busy_children(timeout_s: float = 5.0) -> list[int]:
     """The pids of this process's running busy-loop children.
 
-    A child that has just passed ``exec`` can show an empty ``/proc/<pid>/cmdline`` for a moment
-    (the kernel fills in its arguments after the close-on-exec pipe that ``Popen`` waits on has
-    closed), so this waits until no running child reads empty, within ``timeout_s``."""
+    A child that ``Popen`` has just started can read an empty ``/proc/<pid>/cmdline`` for a moment on
+    a loaded machine (seen once in CI), so this waits until no running child reads empty, within
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         lines = {}

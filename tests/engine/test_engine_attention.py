@@ -14,6 +14,24 @@ from engine import attention
 from engine.attention import CommonAttentionMetadata, TorchAttentionBackend
 
 
+def _prefill_step(tables: list[list[int]], computed: list[int], lens: list[int], bs: int) -> CommonAttentionMetadata:
+    """A step of prefill chunks only: chunk i has ``lens[i]`` new tokens after ``computed[i]`` cached ones,
+    its blocks ``tables[i]`` (K/V already in the cache, so no slots are written)."""
+    width = max(map(len, tables))
+    seq_lens = [c + n for c, n in zip(computed, lens)]
+    return CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()),
+        seq_lens=torch.tensor(seq_lens),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.zeros(sum(lens), dtype=torch.long),
+        positions=torch.cat([torch.arange(c, c + n) for c, n in zip(computed, lens)]),
+        query_lens_cpu=lens,
+        seq_lens_cpu=seq_lens,
+        num_decodes=0,
+        block_size=bs,
+    )
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(
     "lens, rows",
@@ -36,20 +54,7 @@ def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol, lens, 
         own = -(-(c + n) // bs) - shared
         tables.append([7, 8, 9] + list(range(next_block, next_block + own)))
         next_block += own + 1
-    width = max(map(len, tables))
-    seq_lens = [c + n for c, n in zip(computed, lens)]
-    common = CommonAttentionMetadata(
-        query_start_loc=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()),
-        seq_lens=torch.tensor(seq_lens),
-        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        slot_mapping=torch.zeros(sum(lens), dtype=torch.long),
-        positions=torch.cat([torch.arange(c, c + n) for c, n in zip(computed, lens)]),
-        query_lens_cpu=lens,
-        seq_lens_cpu=seq_lens,
-        num_decodes=0,
-        block_size=bs,
-    )
-    metadata = backend.build(common)
+    metadata = backend.build(_prefill_step(tables, computed, lens, bs))
     assert metadata.prefill.shared_blocks.tolist() == [7, 8, 9]
     q = torch.randn(sum(lens), num_heads, hd, generator=g).to(dtype)
     kv_cache = torch.stack((k_cache, v_cache))
@@ -98,19 +103,7 @@ def test_long_prefill_chunks_as_kernel_rows_match_the_flash_call(dtype):
     for n in lens:
         tables.append(list(range(first, first + -(-n // bs))))
         first += len(tables[-1])
-    width = max(map(len, tables))
-    common = CommonAttentionMetadata(
-        query_start_loc=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()),
-        seq_lens=torch.tensor(lens),
-        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        slot_mapping=torch.zeros(sum(lens), dtype=torch.long),
-        positions=torch.cat([torch.arange(n) for n in lens]),
-        query_lens_cpu=lens,
-        seq_lens_cpu=lens,
-        num_decodes=0,
-        block_size=bs,
-    )
-    metadata = backend.build(common)
+    metadata = backend.build(_prefill_step(tables, [0] * len(lens), lens, bs))
     q = torch.randn(sum(lens), num_heads, hd, generator=g).to(dtype)
     flash = backend._prefill_attention(q, kv_cache, metadata.prefill)
     rows = backend.forward(q, None, None, kv_cache, metadata)
