@@ -154,8 +154,9 @@ class AsyncLLMEngine:
         await asyncio.wait([asyncio.wrap_future(compiler.tokenizer_future())])  # a failed build fails the compile
         remaining = compiler.deadline(submitted) - time.monotonic()
         try:  # shielded: the compile is shared with other requests of the same constraint
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), max(remaining, 0.0))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(max(remaining, 0.0)):  # keeps a cancellation that meets the result (3.11)
+                await asyncio.shield(asyncio.wrap_future(future))
+        except TimeoutError:
             raise compiler.timeout_error(params.structured_outputs.key) from None
 
     async def abort(self, request_id: str) -> None:

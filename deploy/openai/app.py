@@ -228,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         loop="uvloop",
         http="httptools",
     )
-    EndingServer(config, app.state.backend).run()
+    try:
+        EndingServer(config, app.state.backend).run()
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again once its graceful shutdown is done
+        return 130
     return 0
 
 

@@ -166,11 +166,14 @@ class TritonBackend:
         try:
             while True:
                 try:
-                    result, error = await asyncio.wait_for(anext(stream), self.stall_timeout_s)
+                    # not asyncio.wait_for: on Python 3.11 it returns a response that arrives together with a
+                    # cancellation and drops the cancellation, so a request whose client left ran to its end
+                    async with asyncio.timeout(self.stall_timeout_s):
+                        result, error = await anext(stream)
                     heard = True
                 except StopAsyncIteration:
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     stalled = unavailable(
                         f"the model {model} stopped answering this request ({self.stall_timeout_s:.1f} s without a "
                         "response or heartbeat: its instance died or is stuck); it is being reloaded, retry"

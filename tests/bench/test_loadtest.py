@@ -404,7 +404,9 @@ def test_locust_streams_from_triton_with_plausible_metrics(triton, tmp_path):
     for s in samples:
         assert 0 < s.ttft_s <= s.e2e_s
         assert s.output_tokens == MAX_TOKENS and s.input_tokens > 0 and s.finish_reason == "length"
-        assert len(s.itl_s) >= 1 and all(gap > 0 for gap in s.itl_s)
+        # a response can carry several tokens (the backend sends what the engine made since its last send)
+        assert len(s.itl_s) <= MAX_TOKENS - 1 and all(gap > 0 for gap in s.itl_s)
+    assert any(s.itl_s for s in samples)
     m = summary["metrics"]
     assert m["failed"] == 0 and m["output_throughput_tok_s"] > 0
     assert m["ttft_ms"]["p50"] <= m["e2e_ms"]["p50"] and m["itl_ms"]["p50"] > 0

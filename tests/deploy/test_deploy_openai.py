@@ -444,6 +444,8 @@ sock.close()
 
 
 def test_a_non_streaming_client_that_leaves_gets_its_request_aborted(frontend, server, client, tokenizer):
+    # an earlier test's request still winding down would read as this one running: start from an idle engine
+    assert wait_for(lambda: metric(server, "lmforge_num_requests_running") == 0)
     aborted_before = (
         metric(server, "lmforge_requests_aborted_total")
         if "lmforge_requests_aborted_total{" in requests.get(server.metrics_url, timeout=10).text

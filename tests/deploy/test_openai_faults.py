@@ -101,24 +101,24 @@ class SilentCall:
         self.cancelled = True
 
 
-def test_a_request_on_a_dead_instance_fails_with_a_503_and_is_cancelled():
+def heartbeat_response(index=0):
+    """What ``stream_infer`` yields for a heartbeat of completion ``index``: (result, error)."""
     import numpy as np
 
-    def response(index=0):
-        names = ["text_output", "index", "num_input_tokens", "num_output_tokens", "output_token_ids"]
-        contents = [
-            (0).to_bytes(4, "little"),
-            index.to_bytes(4, "little"),
-            (3).to_bytes(4, "little"),
-            (0).to_bytes(4, "little"),
-            np.array([], dtype="<i8").tobytes(),
-        ]
-        proto = types.SimpleNamespace(
-            outputs=[types.SimpleNamespace(name=n) for n in names], raw_output_contents=contents
-        )
-        return types.SimpleNamespace(get_response=lambda: proto), None
+    names = ["text_output", "index", "num_input_tokens", "num_output_tokens", "output_token_ids"]
+    contents = [
+        (0).to_bytes(4, "little"),
+        index.to_bytes(4, "little"),
+        (3).to_bytes(4, "little"),
+        (0).to_bytes(4, "little"),
+        np.array([], dtype="<i8").tobytes(),
+    ]
+    proto = types.SimpleNamespace(outputs=[types.SimpleNamespace(name=n) for n in names], raw_output_contents=contents)
+    return types.SimpleNamespace(get_response=lambda: proto), None
 
-    call = SilentCall(response())
+
+def test_a_request_on_a_dead_instance_fails_with_a_503_and_is_cancelled():
+    call = SilentCall(heartbeat_response())
     backend = TritonBackend("127.0.0.1:1", stall_timeout_s=0.2)
     backend.client = types.SimpleNamespace(stream_infer=lambda requests, headers=None: call)
 
@@ -129,6 +129,49 @@ def test_a_request_on_a_dead_instance_fails_with_a_503_and_is_cancelled():
         asyncio.run(asyncio.wait_for(run(), 10))
     assert info.value.status == 503 and "stopped answering" in info.value.message
     assert call.cancelled
+
+
+class ChattyCall:
+    """A gRPC stream with a response ready at every read (a busy request: one per engine step)."""
+
+    def __init__(self):
+        self.reads, self.cancelled = 0, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0)
+        self.reads += 1
+        return heartbeat_response()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_cancel_that_meets_a_response_still_ends_the_request():
+    """Closing a request (its client left, the server stops) cancels the task reading its stream. A response
+    that is ready in the same turn of the event loop must not swallow that cancellation: the request would
+    run to its end while its client is gone (Python 3.11's ``asyncio.wait_for`` did)."""
+    backend = TritonBackend("127.0.0.1:1", stall_timeout_s=5.0)
+
+    async def run(turns_before_cancel: int) -> ChattyCall:
+        call = ChattyCall()
+        backend.client = types.SimpleNamespace(stream_infer=lambda requests, headers=None: call)
+        reader = asyncio.create_task(anext(backend.generate("llm", [1, 2, 3], {"max_tokens": 4}, 0, 1)))
+        for _ in range(turns_before_cancel):
+            await asyncio.sleep(0)
+        reader.cancel()
+        done, _ = await asyncio.wait({reader}, timeout=2.0)
+        if not done:  # the cancellation was lost: end the endless stream for the next try
+            call.__anext__ = None
+            reader.cancel()
+        assert done and reader.cancelled(), f"cancelled after {turns_before_cancel} turns: still reading"
+        return call
+
+    for turns in range(1, 41):
+        call = asyncio.run(run(turns))
+        assert call.cancelled and call.reads <= turns
 
 
 def test_a_client_that_leaves_while_its_request_waits_is_noticed():

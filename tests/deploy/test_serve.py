@@ -31,7 +31,7 @@ from tritonclient.utils import InferenceServerException
 from compress.quantize.onnx import mean_pool
 from deploy.export import export
 from deploy.model_config import check_repository
-from deploy.serve import stop_openai_from_pid_file
+from deploy.serve import OPENAI_LOG_FILE, stop_openai_from_pid_file
 from deploy.triton import (
     ModelSupervisor,
     PortsBusyError,
@@ -614,6 +614,8 @@ def test_ctrl_c_ends_the_streams_in_flight_then_stops_with_130(tmp_path, smollm2
         assert rest.strip().splitlines()[-1] == "server stopped", rest
         assert "model check failed" not in rest and "Traceback" not in rest, rest
         assert not (repo / "tritonserver.pid").exists() and not (repo / "openai_server.pid").exists()
+        frontend_log = (repo / OPENAI_LOG_FILE).read_text()
+        assert "Traceback" not in frontend_log and "timeout graceful shutdown" not in frontend_log, frontend_log
     finally:
         if process.poll() is None:
             process.kill()
