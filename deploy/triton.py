@@ -44,7 +44,7 @@ from typing import Any
 import psutil
 
 from deploy.model_config import ConfigCheckError, parse_config_file
-from engine.checkpoint.store import cache_dir
+from engine.checkpoint.outputs import cache_dir
 from engine.errors import LmforgeError, UsageError
 
 HOST = "127.0.0.1"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.data.prepare import DataConfig, prepare
-from engine.checkpoint.store import cache_dir
+from engine.checkpoint.outputs import cache_dir
 from engine.records import DataError, read_records
 
 SPLITS = ("train", "val")
