@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 import types
 
 import pytest
@@ -426,3 +428,11 @@ def test_a_path_of_the_wrong_kind_is_named_as_such(tmp_path, capsys):
     _fails(["data", "--input", "", "--out", out], 1, "--input '': empty; pass chatterbot:LANG", capsys=capsys)
     _fails(["serve", "--repo", str(file)], 1, f"{file}: is a file, not a model repository", capsys=capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "folder"]
+
+
+@pytest.mark.parametrize("module", ["deploy.serve", "deploy.render", "compress.data.prepare", "compress.scale.diagnose"])
+def test_commands_that_need_no_model_import_neither_torch_nor_transformers(module):
+    """`lmforge serve` (`--help`, `--stop`), `render`, `data` and `diagnose` answer in a fraction of a second."""
+    probe = f"import sys, {module}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout
