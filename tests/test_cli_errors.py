@@ -430,7 +430,10 @@ def test_a_path_of_the_wrong_kind_is_named_as_such(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "folder"]
 
 
-@pytest.mark.parametrize("module", ["deploy.serve", "deploy.render", "compress.data.prepare", "compress.scale.diagnose"])
+LIGHT_COMMAND_MODULES = ["deploy.serve", "deploy.render", "compress.data.prepare", "compress.scale.diagnose"]
+
+
+@pytest.mark.parametrize("module", LIGHT_COMMAND_MODULES)
 def test_commands_that_need_no_model_import_neither_torch_nor_transformers(module):
     """`lmforge serve` (`--help`, `--stop`), `render`, `data` and `diagnose` answer in a fraction of a second."""
     probe = f"import sys, {module}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
