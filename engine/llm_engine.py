@@ -600,9 +600,12 @@ class LLMEngine:
                 return
         status = self._stop_status(seq, token, text_before)
         if status is not None:
+            seq.stop_holdback_chars = 0
             self._finish(seq, status)
             seq.finished_time = now
             self.num_requests_finished_total += 1
+        elif seq.params.stop:
+            seq.stop_holdback_chars = stop_prefix_length(seq.output_text, seq.params.stop)
 
     def _stop_status(self, seq: Sequence, token: int, text_before: int) -> SequenceStatus | None:
         p = seq.params
@@ -628,7 +631,7 @@ class LLMEngine:
         completions = [
             CompletionOutput(
                 seq.index,
-                seq.output_text,
+                seq.output_text[: len(seq.output_text) - seq.stop_holdback_chars],
                 seq.output_token_ids,
                 seq.status.finish_reason,
                 None if seq.logprobs is None else list(seq.logprobs),
@@ -846,3 +849,20 @@ def _as_prompt_list(prompts, chat: bool) -> list:
     if not isinstance(prompts, list) or not prompts:
         raise ValueError("prompts must be a non-empty string, token-id list, or list of prompts")
     return prompts
+
+
+def stop_prefix_length(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that begins one of ``stops`` (0 if none).
+
+    A streamed completion withholds those characters until the next token shows whether the stop
+    string completes (then they are cut with it) or not, so a client never receives text that the
+    finished completion does not contain (as vLLM holds back possible stop-string prefixes).
+    """
+    longest = 0
+    for stop in stops:
+        first = stop[0]
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text[-k] == first and text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest

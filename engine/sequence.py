@@ -64,6 +64,8 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.status = SequenceStatus.WAITING
         self.output_text = ""
+        #: trailing characters of ``output_text`` that may begin a stop string: not shown until the next token
+        self.stop_holdback_chars = 0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None

@@ -101,6 +101,18 @@ def test_health_and_models(frontend, client):
     assert [m.id for m in models.data] == ["llm"]
 
 
+def test_a_stop_string_across_tokens_is_cut_whole_streamed_or_not(client, engine_text):
+    """The served text ends before the stop string, as the engine's does: nothing of it was streamed first."""
+    full, _ = engine_text(PROMPT, temperature=0, max_tokens=24, ignore_eos=True)
+    stop = full[len(full) // 2 - 1 : len(full) // 2 + 2]
+    expected, _ = engine_text(PROMPT, temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    assert expected == full[: full.index(stop)]
+    whole = client.completions.create(model="llm", prompt=PROMPT, stop=[stop], **GREEDY).choices[0]
+    assert (whole.text, whole.finish_reason) == (expected, "stop")
+    chunks = list(client.completions.create(model="llm", prompt=PROMPT, stop=[stop], stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+
+
 def test_completions_greedy_equals_engine_with_exact_usage(client, engine_text, tokenizer):
     expected, num_tokens = engine_text(PROMPT, temperature=0, max_tokens=24, ignore_eos=True)
     out = client.completions.create(model="llm", prompt=PROMPT, **GREEDY)

@@ -10,6 +10,7 @@ import torch
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.checkpoint.store import hf_greedy_tokens
 from engine.detokenizer import IncrementalDetokenizer
+from engine.llm_engine import stop_prefix_length
 from tests.engine.test_engine_greedy import hf_greedy, random_prompts
 
 CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=64, max_model_len=128, dtype="float32")
@@ -58,6 +59,43 @@ def test_stop_string_truncates_text(llm):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop=[stop, "zzzz-never"]))[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.index(stop)]
+
+
+def test_streamed_text_never_shows_what_a_stop_string_cuts(llm):
+    """Every step's text is a prefix of the finished text: the start of a stop string that spans
+    tokens is held back until the next token shows whether it completes (the stop is cut with it)."""
+    prompt = "The weather today is"
+
+    def stream(request_id: str, **params) -> list:
+        engine, seen = llm.engine, []
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=24, **params))
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            seen += [out.outputs[0] for out in engine.step() if out.request_id == request_id]
+        return seen
+
+    steps = stream("no-stop")
+    text, ends = steps[-1].text, [len(step.text) for step in steps]  # where each token's text ends
+
+    def spans_tokens(stop: str) -> bool:  # its first occurrence begins in one token's text and ends in another's
+        start = text.index(stop)
+        return any(start < end < start + len(stop) for end in ends)
+
+    candidates = [text[end - 1 : end + 2] for end in ends[1:] if end < len(text) - 2]
+    stop = next(c for c in candidates if spans_tokens(c))
+    seen = stream("stop", stop=[stop, stop[0] + "never-this"])
+    final = seen[-1]
+    assert final.finish_reason == "stop" and final.text == text[: text.index(stop)]
+    assert all(final.text.startswith(step.text) for step in seen), [step.text for step in seen]
+
+
+def test_stop_prefix_length_is_the_longest_end_that_begins_a_stop():
+    assert stop_prefix_length("1, 2, 3,", [", 7"]) == 1
+    assert stop_prefix_length("1, 2, 3, ", [", 7", "3, 9"]) == 3
+    assert stop_prefix_length("abc", ["x", "bcd"]) == 2
+    assert stop_prefix_length("abc", ["abc"]) == 0  # a whole stop string is the stop itself, not a prefix
+    assert stop_prefix_length("", [", 7"]) == 0
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
