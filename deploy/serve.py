@@ -105,9 +105,14 @@ def check_arguments(args: argparse.Namespace) -> None:
 
     Raises:
         UsageError: a negative ``--grace-s``, a ``--startup-timeout-s`` or ``--stall-timeout-s`` that is not
-            positive, an ``--openai-port`` equal to a Triton port, or a ``--host`` that is not an address of this
-            machine.
+            positive, an ``--openai-port`` equal to a Triton port, a ``--host`` that is not an address of this
+            machine, or an empty ``--api-key`` (``--api-key "$KEY"`` with ``KEY`` unset would serve without one).
     """
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError(
+            "--api-key is empty: the server would accept every client",
+            fix="give the key (e.g. --api-key \"$(openssl rand -hex 16)\"), or leave the flag out to serve without one",
+        )
     if args.grace_s < 0:
         raise UsageError(f"--grace-s {args.grace_s:g}: must be >= 0", fix="e.g. --grace-s 15")
     if args.startup_timeout_s <= 0:

@@ -403,6 +403,8 @@ def test_generate_with_an_empty_model_is_a_usage_error(capsys):
         (["--http-port", "23999", "--openai-port", "23999"], "--openai-port 23999: also the --http-port; give each"),
         (["--openai-port", "8002"], "--openai-port 8002: also the --metrics-port"),
         (["--openai-port", "23998", "--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine"),
+        (["--openai-port", "23996", "--api-key", ""], "--api-key is empty: the server would accept every client"),
+        (["--api-key", "  "], "--api-key is empty"),
     ],
 )
 def test_serve_flags_refused_before_anything_starts(tmp_path, capsys, flags, message):

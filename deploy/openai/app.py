@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="OpenAI-compatible API in front of a running Triton server")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key is empty: the server would accept every client; give the key or leave the flag out")
     try:
         encoders = discover_encoders(args.repo, args.models)
         llms = None if args.models is None else [name for name in args.models if name not in encoders]
