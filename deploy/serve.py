@@ -111,7 +111,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError(
             "--api-key is empty: the server would accept every client",
-            fix="give the key (e.g. --api-key \"$(openssl rand -hex 16)\"), or leave the flag out to serve without one",
+            fix='give the key (e.g. --api-key "$(openssl rand -hex 16)"), or leave the flag out to serve without one',
         )
     if args.grace_s < 0:
         raise UsageError(f"--grace-s {args.grace_s:g}: must be >= 0", fix="e.g. --grace-s 15")
