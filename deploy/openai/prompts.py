@@ -303,7 +303,15 @@ def _sampling(
         "logit_bias": request.logit_bias,
     }
     sampling.update({k: v for k, v in optional.items() if v is not None})
-    _limited(model.limits.check_params, sampling)  # sizes first (a huge logit_bias is refused by its count)
+    try:
+        _limited(model.limits.check_params, sampling)  # sizes first (a huge logit_bias is refused by its count)
+    except OpenAIError as exc:
+        if exc.param == "logprobs" and isinstance(request, ChatCompletionRequest):  # chat names it top_logprobs
+            limit = model.limits.max_logprobs
+            raise OpenAIError(
+                400, f"top_logprobs={logprobs} is over the limit of {limit}", param="top_logprobs"
+            ) from exc
+        raise
     echo = getattr(request, "echo", False)
     if max_tokens == 0 and not echo:
         raise OpenAIError(

@@ -240,6 +240,13 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "llm", "prompt": [2**63]}, 400, "prompt"),
     ("/v1/completions", "", 400, None),
     ("/v1/chat/completions", "[1, 2]", 400, None),  # valid JSON, not an object
+    (
+        "/v1/chat/completions",
+        {"model": "llm", "messages": MESSAGES, "logprobs": True, "top_logprobs": 50},
+        400,
+        "top_logprobs",
+    ),
+    ("/v1/completions", {"model": "llm", "prompt": PROMPT, "logprobs": 50}, 400, "logprobs"),
 ]
 
 
@@ -268,6 +275,8 @@ BAD_INPUTS = [
         "token-id-beyond-int64",
         "empty-body",
         "array-body",
+        "chat-top-logprobs-over-limit",
+        "completion-logprobs-over-limit",
     ],
 )
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(frontend, client, route, body, status, param):
