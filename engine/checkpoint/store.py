@@ -330,10 +330,39 @@ def named_source_path(name: str) -> Path:
     return path
 
 
+#: Version of what ``convert_gguf`` writes: part of the cache key, so a fix to the conversion replaces old copies.
+GGUF_CONVERSION_VERSION = 2
+
+
 def _gguf_cache_key(gguf_path: Path) -> str:
     stat = gguf_path.stat()
-    digest = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    return f"{gguf_path.stem}-{digest[:12]}"
+    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{GGUF_CONVERSION_VERSION}"
+    return f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _gguf_scalar(reader: GGUFReader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.parts[field.data[0]].tolist()[0]
+
+
+def gguf_tokenizer(gguf_path: Path):
+    """The GGUF's tokenizer as ``transformers`` reads it, with its special tokens as the GGUF's metadata says.
+
+    ``transformers`` builds a Llama tokenizer that adds a BOS token and takes the BOS as EOS, whatever
+    ``tokenizer.ggml.add_bos_token`` / ``eos_token_id`` say (SmolLM2's: no BOS, EOS ``<|im_end|>``): text
+    prompts then began with ``<|im_start|>``. The GGUF's own fields are applied here.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    reader = GGUFReader(str(gguf_path))
+    for flag in ("add_bos_token", "add_eos_token"):
+        value = _gguf_scalar(reader, f"tokenizer.ggml.{flag}")
+        if value is not None and hasattr(tokenizer, flag):
+            setattr(tokenizer, flag, bool(value))
+    for name, key in (("eos_token", "eos_token_id"), ("bos_token", "bos_token_id"), ("pad_token", "padding_token_id")):
+        token_id = _gguf_scalar(reader, f"tokenizer.ggml.{key}")
+        if token_id is not None and 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(int(token_id)))
+    return tokenizer
 
 
 def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str | None = None) -> Path:
@@ -353,7 +382,7 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
 
     with staged_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,)) as tmp:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            tokenizer = gguf_tokenizer(gguf_path)
             model = AutoModelForCausalLM.from_pretrained(
                 gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
             )
@@ -525,11 +554,11 @@ def tiny_llama_config(**overrides: Any):
 
 def default_tokenizer_dir() -> Path:
     """A directory holding only the SmolLM2 tokenizer (and chat template), extracted once from the GGUF."""
-    target = cache_dir() / "tokenizers" / "smollm2"
+    target = cache_dir() / "tokenizers" / f"smollm2-{GGUF_CONVERSION_VERSION}"
     if not (target / "tokenizer.json").is_file():
         gguf_path = named_source_path(DEFAULT_MODEL)
         with staged_output_dir(target, kind=TOKENIZER) as tmp:
-            AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+            gguf_tokenizer(gguf_path).save_pretrained(tmp)
     return target
 
 
