@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 
 import torch
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_config_option(parser, e, "num_threads", "torch CPU threads (default: torch's choice)", type=int)
     parser.add_argument(
-        "--stats", action="store_true", help="print tokens/s, TTFT, prefix-cache and speculation figures"
+        "--stats", action="store_true", help="print tokens/s, TTFT, prefix-cache and speculation figures (stderr)"
     )
     add_config_option(
         parser,
@@ -164,14 +165,16 @@ def engine_generate(args: argparse.Namespace) -> list[str]:
         print(
             f"[engine] {num_tokens} tokens in {elapsed_s:.2f} s = {num_tokens / elapsed_s:.1f} tok/s; "
             f"TTFT max {max(ttft):.3f} s; prefix cache hits {stats.prefix_cache_hits_tokens_total}/"
-            f"{stats.prefix_cache_queries_tokens_total} tokens"
+            f"{stats.prefix_cache_queries_tokens_total} tokens",
+            file=sys.stderr,  # stdout stays the completions (`> out.txt`)
         )
         if args.speculative_method:
             print(
                 f"[engine] speculative ({args.speculative_method}): {stats.spec_decode_num_accepted_tokens_total}/"
                 f"{stats.spec_decode_num_draft_tokens_total} proposed tokens accepted "
                 f"({stats.spec_decode_acceptance_rate:.0%}), "
-                f"{stats.spec_decode_mean_accepted_length:.2f} tokens per verifying step"
+                f"{stats.spec_decode_mean_accepted_length:.2f} tokens per verifying step",
+                file=sys.stderr,
             )
     return [o.outputs[0].text for o in outputs]
 

@@ -441,3 +441,10 @@ def test_commands_that_need_no_model_import_neither_torch_nor_transformers(modul
     probe = f"import sys, {module}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert loaded.stdout.strip() == "[]", loaded.stdout
+
+
+def test_generate_stats_go_to_stderr_so_stdout_is_the_completion(tiny_llama_dir, capsys):
+    args = ["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", "--max-tokens", "2", "--stats"]
+    assert lmforge_cli.main(args) == 0
+    captured = capsys.readouterr()
+    assert "[engine]" in captured.err and "[engine]" not in captured.out and captured.out.strip()
