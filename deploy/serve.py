@@ -106,7 +106,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     Raises:
         UsageError: a negative ``--grace-s``, a ``--startup-timeout-s`` or ``--stall-timeout-s`` that is not
             positive, an ``--openai-port`` equal to a Triton port, a ``--host`` that is not an address of this
-            machine, or an empty ``--api-key`` (``--api-key "$KEY"`` with ``KEY`` unset would serve without one).
+            machine, an empty ``--api-key`` (``--api-key "$KEY"`` with ``KEY`` unset would serve without one), or
+            an OpenAI-frontend flag (``--stall-timeout-s``, ``--tool-call-parser``) without ``--openai-port``.
     """
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError(
@@ -122,6 +123,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.stall_timeout_s is not None and args.stall_timeout_s <= 0:
         raise UsageError(f"--stall-timeout-s {args.stall_timeout_s:g}: must be > 0", fix="e.g. --stall-timeout-s 5")
     if args.openai_port is None:
+        for flag, value in (("--stall-timeout-s", args.stall_timeout_s), ("--tool-call-parser", args.tool_call_parser)):
+            if value is not None:
+                raise UsageError(
+                    f"{flag} {value}: it sets the OpenAI API, which runs only with --openai-port",
+                    fix=f"add --openai-port PORT, or leave {flag} out",
+                )
         return
     for kind in ("http", "grpc", "metrics"):
         if getattr(args, f"{kind}_port") == args.openai_port:

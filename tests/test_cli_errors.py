@@ -405,6 +405,11 @@ def test_generate_with_an_empty_model_is_a_usage_error(capsys):
         (["--openai-port", "23998", "--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine"),
         (["--openai-port", "23996", "--api-key", ""], "--api-key is empty: the server would accept every client"),
         (["--api-key", "  "], "--api-key is empty"),
+        (
+            ["--stall-timeout-s", "5"],
+            "--stall-timeout-s 5.0: it sets the OpenAI API, which runs only with --openai-port",
+        ),
+        (["--tool-call-parser", "hermes"], "--tool-call-parser hermes: it sets the OpenAI API"),
     ],
 )
 def test_serve_flags_refused_before_anything_starts(tmp_path, capsys, flags, message):
