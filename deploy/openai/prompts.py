@@ -151,6 +151,14 @@ def render_chat(model: ServedModel, messages: list[dict], tools: ToolPlan | None
 
 def chat_prompt(request: ChatCompletionRequest, model: ServedModel, tools: ToolPlan | None = None) -> list[int]:
     messages = template_dicts(request.messages)
+    for i, message in enumerate(messages):  # OpenAI's API refuses these too; the chat template would fail on them
+        if message.get("content") is None and not (message.get("role") == "assistant" and message.get("tool_calls")):
+            raise OpenAIError(
+                400,
+                f"messages.{i}.content: missing or null; a {message.get('role')} message needs content (a string "
+                "or a list of text parts; an assistant message may have tool_calls instead)",
+                param=f"messages.{i}.content",
+            )
     _limited(model.limits.check_choices, 1, request.n)
     num_chars = sum(len(m.get("content") or "") for m in messages)
     if num_chars > model.limits.max_prompt_chars:

@@ -247,6 +247,12 @@ BAD_INPUTS = [
         "top_logprobs",
     ),
     ("/v1/completions", {"model": "llm", "prompt": PROMPT, "logprobs": 50}, 400, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {"model": "llm", "messages": [{"role": "user", "content": None}]},
+        400,
+        "messages.0.content",
+    ),
 ]
 
 
@@ -277,6 +283,7 @@ BAD_INPUTS = [
         "array-body",
         "chat-top-logprobs-over-limit",
         "completion-logprobs-over-limit",
+        "null-user-content",
     ],
 )
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(frontend, client, route, body, status, param):
