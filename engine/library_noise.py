@@ -7,7 +7,9 @@ Each filter drops one known message at the logger that raises it, and nothing el
 * torch's pytree logs a deprecation warning when torchao registers its enums as pytree constants;
 * bitsandbytes (imported by peft for LoRA) logs a warning on CPUs with AVX512-BF16 when the optional
   ``kernels`` package that would fetch its hub kernel is absent; it falls back to its own CPU kernel;
-* transformers warns that ``torch_dtype`` is deprecated when Optimum's ONNX exporter passes it.
+* transformers warns that ``torch_dtype`` is deprecated when Optimum's ONNX exporter passes it;
+* transformers' Llama tokenizer explains its ``legacy`` behaviour when built from a GGUF file (its own
+  message says to ignore it there).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ _FILTERS = {
     "torch.utils._pytree": _DropMessages("is an Enum subclass and is now natively supported"),
     "bitsandbytes.backends.cpu.ops": _DropMessages("Failed to load CPU gemm_4bit_forward from kernels-community"),
     "transformers.configuration_utils": _DropMessages("`torch_dtype` is deprecated! Use `dtype` instead!"),
+    "transformers.models.llama.tokenization_llama_fast": _DropMessages("You are using the default legacy behaviour"),
+    "transformers.models.llama.tokenization_llama": _DropMessages("You are using the default legacy behaviour"),
 }
 
 

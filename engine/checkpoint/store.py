@@ -25,13 +25,22 @@ import importlib.util
 import json
 import os
 import struct
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from gguf import GGUFReader
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+from tqdm.auto import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    modeling_gguf_pytorch_utils,
+)
 
 from engine.checkpoint.model_spec import ARCHITECTURES, check_architecture_supported
 from engine.checkpoint.outputs import (
@@ -380,7 +389,11 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
     check_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,))  # cheap, so first
     check_gguf(gguf_path)
 
+    print(f"converting {gguf_path.name} into {output_dir} (once)", file=sys.stderr, flush=True)
     with staged_output_dir(output_dir, kind=CHECKPOINT, sources=(gguf_path,)) as tmp:
+        # transformers draws a progress bar per tensor batch (tqdm.auto, no switch): the line above says it instead
+        library_tqdm = modeling_gguf_pytorch_utils.tqdm
+        modeling_gguf_pytorch_utils.tqdm = lambda iterable, **kwargs: tqdm(iterable, disable=True, **kwargs)
         try:
             tokenizer = gguf_tokenizer(gguf_path)
             model = AutoModelForCausalLM.from_pretrained(
@@ -390,6 +403,8 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, source: str |
             raise CheckpointError(
                 f"{gguf_path}: cannot convert ({exc}); supported causal LMs: {', '.join(SUPPORTED_CAUSAL_LM_TYPES)}"
             ) from exc
+        finally:
+            modeling_gguf_pytorch_utils.tqdm = library_tqdm
         if model.config.model_type not in SUPPORTED_CAUSAL_LM_TYPES:
             raise CheckpointError(
                 f"{gguf_path}: unsupported architecture {model.config.model_type!r}; supported: "

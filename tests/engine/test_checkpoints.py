@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.checkpoint.store import (
     CheckpointError,
@@ -133,3 +136,18 @@ def test_cli_help_lists_subcommands(capsys):
     out = capsys.readouterr().out
     for name in ("info", "generate"):
         assert name in out
+
+
+def test_a_fresh_gguf_conversion_prints_one_line_and_keeps_the_ggufs_special_tokens(tmp_path):
+    """`lmforge info` on an empty cache converts the embedded GGUF: stderr is our one line (no progress bar
+    or tokenizer notice of transformers'), and the tokenizer is the GGUF's: no BOS added, EOS <|im_end|>."""
+    env = {**os.environ, "LMFORGE_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "lmforge_cli", "info", "--model", "smollm2-135m"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=True)
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("converting SmolLM2-135M-Instruct") and "(once)" in lines[0]
+    checkpoint = Path(done.stdout.splitlines()[0].removeprefix("checkpoint: "))
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    hello = tokenizer("Hello world").input_ids
+    assert hello == tokenizer("Hello world", add_special_tokens=False).input_ids and len(hello) == 2
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
