@@ -12,6 +12,7 @@ import json
 import types
 
 import grpc
+import numpy as np
 import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
@@ -103,8 +104,6 @@ class SilentCall:
 
 def heartbeat_response(index=0):
     """What ``stream_infer`` yields for a heartbeat of completion ``index``: (result, error)."""
-    import numpy as np
-
     names = ["text_output", "index", "num_input_tokens", "num_output_tokens", "output_token_ids"]
     contents = [
         (0).to_bytes(4, "little"),
@@ -163,9 +162,9 @@ def test_a_cancel_that_meets_a_response_still_ends_the_request():
             await asyncio.sleep(0)
         reader.cancel()
         done, _ = await asyncio.wait({reader}, timeout=2.0)
-        if not done:  # the cancellation was lost: end the endless stream for the next try
-            call.__anext__ = None
+        if not done:  # the cancellation was lost: cancel again so the loop can close, then fail
             reader.cancel()
+            await asyncio.wait({reader}, timeout=2.0)
         assert done and reader.cancelled(), f"cancelled after {turns_before_cancel} turns: still reading"
         return call
 
