@@ -16,6 +16,10 @@ in a bf16 / fp32 step on CPU:
   disallowed entries (the torch path unpacks the bitmask to one byte per token and ``masked_fill_``s
   every entry).
 
+``torch.ops.lmforge_float_gemv.mm`` (``csrc/float_gemv_cpu.cpp``, ``float_gemv``) multiplies 1 to 4 rows by a
+plain fp32 or bf16 weight, reading each weight row once for all of them, with the residual-add and SwiGLU
+epilogues of the packed linears.
+
 ``torch.ops.lmforge_decode.int8_decode_layers`` (``csrc/int8_decode_cpu.cpp``, bf16) runs every
 decoder layer of a weight-only INT8 model for a few tokens in one call, through those operators and
 the INT8 GEMV: a small draft model's forward is otherwise as much Python and op dispatch as
@@ -43,6 +47,12 @@ KERNELS = NativeKernels("lmforge_engine", KERNEL_SOURCE, "rope_and_cache", cflag
 DECODE_KERNEL_SOURCE = CSRC / "int8_decode_cpu.cpp"
 DECODE_KERNELS = NativeKernels("lmforge_decode", DECODE_KERNEL_SOURCE, "int8_decode_layers", cflags=vector_cflags())
 _DTYPES = (torch.bfloat16, torch.float32)
+#: ``torch.ops.lmforge_float_gemv``: few-row float linears on the plain weight (``float_gemv``). Default flags (no
+#: reassociation): a row's sums are added in one fixed order whatever the row count.
+FLOAT_GEMV_SOURCE = CSRC / "float_gemv_cpu.cpp"
+FLOAT_GEMV_KERNELS = NativeKernels("lmforge_float_gemv", FLOAT_GEMV_SOURCE, "mm")
+#: Most rows ``float_gemv`` takes.
+FLOAT_GEMV_MAX_ROWS = 4
 
 
 def use_cpu_kernels(enable: bool | None = None) -> bool:
@@ -67,6 +77,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         return KERNELS.ops.rms_norm(x, weight, eps)
     out = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
     return out if weight is None else weight * out
+
+
+def float_gemv_available() -> bool:
+    """Whether ``float_gemv`` runs its C++ kernel (built on the first call)."""
+    return FLOAT_GEMV_KERNELS.available
+
+
+def float_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K]^T (+ bias)`` for ``M <= FLOAT_GEMV_MAX_ROWS``, summed in float32, rounded once
+    to ``x.dtype`` (fp32 or bf16, ``weight``'s too).
+
+    ``residual [M, N]`` gives ``round(residual + y)``; ``silu_mul`` (``weight`` is ``[gate; up]``, ``[2 I, K]``)
+    gives ``[M, I]`` ``round(round(silu(gate)) * up)``: the roundings of oneDNN's post-ops on the packed weight.
+    Each row's sums are added in the same order whatever ``M`` is. Without the C++ kernel, the same in torch ops.
+
+    Raises:
+        RuntimeError: more than ``FLOAT_GEMV_MAX_ROWS`` rows, or mismatched shapes or dtypes (from the kernel).
+    """
+    if FLOAT_GEMV_KERNELS.available:
+        return FLOAT_GEMV_KERNELS.ops.mm(x, weight, bias, residual, silu_mul)
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    if silu_mul:
+        gate, up = y.chunk(2, dim=-1)
+        return (F.silu(gate).to(x.dtype).float() * up).to(x.dtype)
+    return (y if residual is None else y + residual.float()).to(x.dtype)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

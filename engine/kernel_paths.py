@@ -31,7 +31,7 @@ _FORBIDDEN = {
     "amx": (),
     "vnni": ("amx",),
     "onednn": ("amx", "fused", "gemv", "decode"),
-    "torch": ("amx", "fused", "gemv", "decode", "engine"),
+    "torch": ("amx", "fused", "gemv", "decode", "engine", "float_gemv"),
 }
 
 
@@ -42,6 +42,7 @@ def _kernels() -> dict:
         "gemv": int8._GEMV,
         "decode": cpu_ops.DECODE_KERNELS,
         "engine": cpu_ops.KERNELS,
+        "float_gemv": cpu_ops.FLOAT_GEMV_KERNELS,
     }
 
 

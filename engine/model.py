@@ -31,7 +31,7 @@ from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.store import CheckpointError
 from engine.config import SUPPORTED_DTYPES
 from engine.errors import UsageError
-from engine.platform import mkl_gemv_fast, onednn_bf16_supported
+from engine.platform import float_gemv_fast, mkl_gemv_fast, onednn_bf16_supported
 from engine.quant.int8 import (
     INPUT_HADAMARD_SUFFIX,
     INT8_SCALE_SUFFIX,
@@ -161,6 +161,21 @@ PACKED_MIN_ROWS = 4
 BATCH_INVARIANT_TILE_ROWS = 32
 
 
+#: Most rows of a float linear that run on the engine's GEMV (``cpu_ops.float_gemv``) where it is the faster path
+#: (``float_gemv_fast``). Medians of 5, ms for a step's 120 layer linears of SmolLM2-135M streamed from memory on a
+#: 2-core AMD EPYC (docs/engine.md), GEMV at 1 / 2 / 3 / 4 rows against oneDNN's packed GEMM at 4 rows: fp32 15.4 /
+#: 15.1 / 16.9 / 24.2 vs 19.4; bf16 7.6 / 8.6 / 10.2 / 10.6 vs 16.3.
+FLOAT_GEMV_ROWS = {torch.float32: 3, torch.bfloat16: 4}
+
+
+def float_gemv_rows(device: str, dtype: torch.dtype) -> int:
+    """Rows up to which a float linear runs ``cpu_ops.float_gemv`` on its plain weight (``FLOAT_GEMV_ROWS``), or 0
+    where oneDNN stays the faster path (``float_gemv_fast``) or the kernel cannot be built. Builds it on first use."""
+    if device != "cpu" or dtype not in FLOAT_GEMV_ROWS or not float_gemv_fast():
+        return 0
+    return FLOAT_GEMV_ROWS[dtype] if cpu_ops.float_gemv_available() else 0
+
+
 def packed_rows(device: str, dtype: torch.dtype, batch_invariant: bool = False) -> tuple[int, int] | None:
     """``(min, max)`` rows of a float linear that use the oneDNN-packed weight, or ``None`` (never packed).
 
@@ -193,7 +208,9 @@ class Linear:
 
     ``pack_rows=(lo, hi)`` (with ``pack``; default every row count) runs inputs of ``lo`` to ``hi``
     rows on the packed weight and the others with ``F.linear`` on the plain one (fp32:
-    ``FP32_PACKED_ROWS``, where MKL's fp32 GEMM re-packs the weight per call).
+    ``FP32_PACKED_ROWS``, where MKL's fp32 GEMM re-packs the weight per call). After
+    ``use_float_gemv(rows)``, inputs of at most ``rows`` rows run the engine's GEMV on the plain weight
+    (``cpu_ops.float_gemv``, with the same epilogues) before any of that.
     """
 
     def __init__(
@@ -210,6 +227,7 @@ class Linear:
         self.pack_rows = pack_rows or (1, sys.maxsize)
         self.tile_rows: int | None = None  # batch-invariant mode: rows per call (``invariant_tiles``)
         self.min_rows = 1
+        self.gemv_rows = 0  # inputs of at most this many rows run cpu_ops.float_gemv (``use_float_gemv``)
         self.packed = None
         self.packed_halves = None  # (gate, up, gate bias, up bias) of a packed gated layer
         if pack and weight is not None:
@@ -228,6 +246,11 @@ class Linear:
         """Whether ``x`` (``[N, in]``) runs on the packed weight: one is held and ``N`` is in ``pack_rows``."""
         lo, hi = self.pack_rows
         return lo <= x.shape[0] <= hi or self.weight is None
+
+    def use_float_gemv(self, rows: int) -> None:
+        """Run inputs of 1 to ``rows`` rows (0: none) on ``cpu_ops.float_gemv`` over the plain float weight (an INT8
+        layer, or one held only packed, keeps its own path)."""
+        self.gemv_rows = rows if self.weight is not None and self.int8_layer is None else 0
 
     def invariant_tiles(self, tile_rows: int, min_rows: int) -> None:
         """Batch-invariant mode: every call runs in calls of at most ``tile_rows`` rows, each padded with zero
@@ -258,6 +281,8 @@ class Linear:
     def _call(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer(x)
+        if x.shape[0] <= self.gemv_rows:
+            return cpu_ops.float_gemv(x, self.weight, self.bias)
         if self.packed is not None and self._on_packed(x):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.packed_halves is not None and self._on_packed(x):
@@ -275,6 +300,8 @@ class Linear:
     def _add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer.add(x, residual)
+        if x.shape[0] <= self.gemv_rows:
+            return cpu_ops.float_gemv(x, self.weight, self.bias, residual=residual)
         if self.packed is not None and self._on_packed(x):
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         return residual + self._call(x)
@@ -288,6 +315,8 @@ class Linear:
     def _silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer.silu_mul(x)
+        if x.shape[0] <= self.gemv_rows:
+            return cpu_ops.float_gemv(x, self.weight, self.bias, silu_mul=True)
         if self.packed_halves is not None and self._on_packed(x):
             gate, up, gate_bias, up_bias = self.packed_halves
             linear = torch.ops.mkldnn._linear_pointwise
@@ -475,6 +504,10 @@ class Model:
         gemv_row = dtype == torch.float32 and not batch_invariant and mkl_gemv_fast()
         padded = loader.pack_rows is not None and not self.is_int8 and not gemv_row
         self.min_rows = PACKED_MIN_ROWS if padded else 1
+        # steps of at most this many tokens run every float linear on the engine's GEMV, unpadded
+        self.gemv_rows = 0 if batch_invariant else float_gemv_rows(device, dtype)
+        for linear in [lin for lw in self.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [self.lm_head]:
+            linear.use_float_gemv(self.gemv_rows)
         del tensors
         if batch_invariant:
             if self.is_int8 or loader.pack_rows is None:
@@ -521,7 +554,8 @@ class Model:
         cos2, sin2 = self.rope_cos[positions], self.rope_signed_sin[positions]  # [N, head_dim]
         cos, sin = cos2[:, None, :], sin2[:, None, :]  # [N, 1, head_dim]
         slot_mapping = getattr(attn_metadata, "slot_mapping", None)
-        h = pad_rows(self.embed[input_ids], self.min_rows)  # [R, hidden], R = max(N, min_rows); rows past N are 0
+        pad_to = self.pad_target(n)
+        h = pad_rows(self.embed[input_ids], pad_to)  # [R, hidden], R = max(N, pad_to); rows past N are 0
         for layer_idx, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)[:n]  # [N, q_size + 2 * kv_size]
@@ -538,7 +572,7 @@ class Model:
                 q, k = qk[:, :num_heads], qk[:, num_heads:]
                 v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, s.head_dim)
             out = attn.forward(q, k, v, kv_cache[layer_idx], attn_metadata)  # [N, q_size]
-            h = layer.o.add(pad_rows(out, self.min_rows), h)  # [R, hidden]
+            h = layer.o.add(pad_rows(out, pad_to), h)  # [R, hidden]
             if lora is not None:
                 h = lora.apply(layer_idx, "o", out, h)
             x = rms_norm(h, layer.post_norm, eps)
@@ -553,6 +587,11 @@ class Model:
             if lora is not None:
                 h = lora.apply(layer_idx, "down", act, h)
         return h[:n]
+
+    def pad_target(self, n: int) -> int:
+        """Rows a step of ``n`` tokens runs its linears with: ``n`` where the GEMV takes it (``gemv_rows``), else at
+        least ``min_rows`` (zero rows added)."""
+        return 1 if n <= self.gemv_rows else self.min_rows
 
     def int8_decode_weights(self) -> tuple[list, list, list, list] | None:
         """``(weights, scales, biases, norms)`` of every layer for ``cpu_ops.int8_decode_layers``, or ``None`` where
@@ -603,7 +642,7 @@ class Model:
         sampler keeps). With ``float_logits=False`` the exact winner is made the row's unique maximum.
         """
         s = hidden.shape[0]
-        hidden = rms_norm(pad_rows(hidden, self.min_rows), self.norm, self.spec.rms_norm_eps)
+        hidden = rms_norm(pad_rows(hidden, self.pad_target(s)), self.norm, self.spec.rms_norm_eps)
         logits = self.lm_head(hidden)[:s]
         if mask is not None:
             mask(logits)

@@ -320,3 +320,63 @@ def test_lora_apply_adds_each_slots_delta_to_its_rows_only(dtype):
         torch.testing.assert_close(torch_path.double(), expected, atol=1e-4, rtol=1e-5)
     base_rows = [i for i, s in enumerate(row_slots) if s < 0]
     assert torch.equal(got[base_rows], y[base_rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_gemv_matches_float32_sums_with_the_packed_linears_roundings(dtype):
+    """``float_gemv`` (the C++ kernel where it builds) against float32 sums rounded once, with its residual-add
+    and SwiGLU epilogues rounded as oneDNN's post-ops; rows 1 to 4 of one input agree bit for bit, whatever the
+    row count of the call, and an odd ``K`` (a tail past the vector loop) and a bias are summed too."""
+    if cpu_ops.FLOAT_GEMV_KERNELS.forbidden:
+        pytest.skip("--cpu-kernel-path=torch holds the float GEMV off")
+    assert cpu_ops.float_gemv_available(), cpu_ops.FLOAT_GEMV_KERNELS.reason
+    gen = torch.Generator().manual_seed(4)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-4}
+    for k, n, bias in ((576, 3072, False), (1536, 576, False), (101, 70, True)):
+        w = torch.randn(n, k, generator=gen).to(dtype) / k**0.5
+        b = torch.randn(n, generator=gen) if bias else None
+        x4 = torch.randn(4, k, generator=gen).to(dtype)
+        full = cpu_ops.float_gemv(x4, w, b)
+        for m in (1, 2, 3, 4):
+            x = x4[:m]
+            sums = x.float() @ w.float().T + (0 if b is None else b)
+            got = cpu_ops.float_gemv(x, w, b)
+            assert got.dtype == dtype and got.shape == (m, n)
+            assert torch.equal(got, full[:m]), (k, m)
+            torch.testing.assert_close(got.float(), sums.to(dtype).float(), **tol)
+            residual = torch.randn(m, n, generator=gen).to(dtype)
+            with_residual = cpu_ops.float_gemv(x, w, b, residual=residual)
+            torch.testing.assert_close(with_residual.float(), (sums + residual.float()).to(dtype).float(), **tol)
+            gate, up = sums.chunk(2, dim=-1)
+            swiglu = (F.silu(gate).to(dtype).float() * up).to(dtype)
+            torch.testing.assert_close(cpu_ops.float_gemv(x, w, b, silu_mul=True).float(), swiglu.float(), **tol)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        cpu_ops.float_gemv(torch.randn(5, 8).to(dtype), torch.randn(6, 8).to(dtype))
+    with pytest.raises(RuntimeError, match="w must be contiguous"):
+        cpu_ops.float_gemv(torch.randn(2, 8).to(dtype), torch.randn(6, 9).to(dtype))
+
+
+def test_linears_run_few_rows_on_the_float_gemv_and_more_on_their_own_path():
+    """``Linear.use_float_gemv(rows)``: inputs of 1 to ``rows`` rows take ``cpu_ops.float_gemv`` (its residual and
+    SwiGLU epilogues too), larger ones the packed or plain weight; an INT8 layer never does."""
+    from engine.model import Linear
+
+    if cpu_ops.FLOAT_GEMV_KERNELS.forbidden:
+        pytest.skip("--cpu-kernel-path=torch holds the float GEMV off")
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 32, generator=gen).bfloat16()
+    layer = Linear(w, gated=True)
+    layer.use_float_gemv(3)
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 32, generator=gen).bfloat16()
+        on_gemv = rows <= 3
+        expected = cpu_ops.float_gemv(x, w) if on_gemv else F.linear(x, w)
+        assert torch.equal(layer(x), expected), rows
+        gate, up = (x.float() @ w.float().T).chunk(2, dim=-1)
+        swiglu = (F.silu(gate).bfloat16().float() * up).bfloat16()
+        torch.testing.assert_close(layer.silu_mul(x).float(), swiglu.float(), rtol=2e-2, atol=2e-2)
+        if on_gemv:
+            assert torch.equal(layer.silu_mul(x), cpu_ops.float_gemv(x, w, silu_mul=True))
+    held = Linear(None, int8_layer=object(), dtype=torch.bfloat16)
+    held.use_float_gemv(3)
+    assert held.gemv_rows == 0
