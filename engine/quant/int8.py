@@ -483,6 +483,9 @@ class W8A8Linear(_Int8Linear):
         ``[N, in]``, ``[N, out]`` -> ``[N, out]``."""
         x = self._rotate(x)
         if (xg := self._gemv_input(x)) is not None:
+            if residual.dtype == x.dtype and residual.shape == (xg.shape[0], self.out_features):
+                # the weight-only kernel's residual epilogue: the two roundings of ``residual + y``
+                return _GEMV.ops.weight_only_mm(xg, self.weight_int8, self.weight_scale, self.bias, residual)
             return residual + self._gemv(xg).reshape(residual.shape)
         x2 = self._amx_input(x)
         if x2 is None and residual.dtype == x.dtype and (xf := self._fused_input(x)) is not None:
@@ -509,8 +512,9 @@ class W8A8Linear(_Int8Linear):
             raise ValueError(f"silu_mul needs a [gate; up] layer with even out_features, got {self.out_features}")
         x = self._rotate(x)
         if (xg := self._gemv_input(x)) is not None:
-            gate, up = self._gemv(xg).reshape(*x.shape[:-1], self.out_features).chunk(2, dim=-1)
-            return F.silu(gate) * up
+            # the weight-only kernel's SwiGLU epilogue, with the roundings of ``silu(gate) * up``
+            y = _GEMV.ops.weight_only_mm(xg, self.weight_int8, self.weight_scale, self.bias, None, True)
+            return y.reshape(*x.shape[:-1], self.out_features // 2)
         x2 = self._amx_input(x)
         if x2 is None:
             xf = self._fused_input(x)
