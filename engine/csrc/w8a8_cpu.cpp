@@ -14,6 +14,13 @@
 //   the same GEMM with the layer's element-wise work done on the float32 accumulators before the one rounding:
 //   residual: y [M, N] = acc * x_scale (+ bias) + residual; silu_mul (a [gate; up] layer, N even):
 //   y [M, N / 2] = silu(gate) * up. Replaces the separate add / silu / mul ops (and their roundings).
+// lmforge_int8::w8a8_gemv(x [M, K], w [N, K] int8, w_sum [N] int32, w_scale [N], bias [N]?, residual?, silu_mul)
+//   -> y, M <= 4: `w8a8_linear` / `w8a8_linear_epilogue` (residual or silu_mul) for a decode step of a few rows
+//   on the plain int8 weight: the same quantize_per_token (q + 128 as u8), the int32 sums by VNNI's u8 x s8 dot
+//   product (VPDPBUSD, 64 weights an instruction) less 128 * w_sum (the zero point), float(acc) * w_scale, then
+//   the same epilogue. A step of one sequence is bound by reading the weights, and oneDNN's int8 GEMM of one row
+//   is slower than that; widening int8 weights to float (the weight-only GEMV) is bound by those instructions.
+//   Without AVX512-VNNI the sums run as a scalar loop (the engine calls it only on VNNI CPUs).
 // lmforge_int8::block_hadamard(x [M, K] bf16 / fp32, int block) -> [M, K] in x's dtype: each run of `block`
 //   consecutive elements of a row times the unnormalized Sylvester Hadamard matrix H_block (entries +-1,
 //   H H^T = block I), by the fast Walsh-Hadamard butterflies in float32 (stages of stride 1, 2, 4, ...), rounded
@@ -276,20 +283,18 @@ std::tuple<at::Tensor, at::Tensor> onednn_accumulate(const at::Tensor& x, const 
   return {acc, scale};
 }
 
-// acc * x_scale (+ bias) (+ residual, or silu(gate) * up) in x's dtype, after the int8 GEMM (`epilogue_rows`).
-at::Tensor linear_with_epilogue(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
-                                const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias,
-                                const std::optional<at::Tensor>& residual, bool silu_mul) {
-  auto [acc, scale] = onednn_accumulate(x, w_packed, w_scale, w_zero_point);
+// acc [M, N] float32 * x_scale (+ bias) (+ residual, or silu(gate) * up) in x's dtype (`epilogue_rows`); `op` names
+// the caller in errors.
+at::Tensor finish(const char* op, const at::Tensor& x, const at::Tensor& acc, const at::Tensor& scale,
+                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual, bool silu_mul) {
   const int64_t rows = acc.size(0), acc_cols = acc.size(1);
-  TORCH_CHECK(!silu_mul || acc_cols % 2 == 0, "w8a8_linear_epilogue: silu_mul needs an even out_features, got ",
-              acc_cols);
+  TORCH_CHECK(!silu_mul || acc_cols % 2 == 0, op, ": silu_mul needs an even out_features, got ", acc_cols);
   const int64_t cols = silu_mul ? acc_cols / 2 : acc_cols;
   at::Tensor res;
   if (residual.has_value() && residual->defined()) {
     TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->dim() == 2 && residual->size(0) == rows &&
                     residual->size(1) == cols,
-                "w8a8_linear_epilogue: residual must be [", rows, ", ", cols, "] in x's dtype");
+                op, ": residual must be [", rows, ", ", cols, "] in x's dtype");
     res = residual->contiguous();
   }
   auto y = at::empty({rows, cols}, x.options());
@@ -308,6 +313,14 @@ at::Tensor linear_with_epilogue(const at::Tensor& x, const at::Tensor& w_packed,
   return y;
 }
 
+// The oneDNN int8 GEMM, then `finish`.
+at::Tensor linear_with_epilogue(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
+                                const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& residual, bool silu_mul) {
+  auto [acc, scale] = onednn_accumulate(x, w_packed, w_scale, w_zero_point);
+  return finish("w8a8_linear_epilogue", x, acc, scale, bias, residual, silu_mul);
+}
+
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
                        const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias) {
   return linear_with_epilogue(x, w_packed, w_scale, w_zero_point, bias, std::nullopt, false);
@@ -319,6 +332,72 @@ at::Tensor w8a8_linear_epilogue(const at::Tensor& x, const at::Tensor& w_packed,
   const bool has_residual = residual.has_value() && residual->defined();
   TORCH_CHECK(has_residual != silu_mul, "w8a8_linear_epilogue: give a residual or silu_mul=True, not both or neither");
   return linear_with_epilogue(x, w_packed, w_scale, w_zero_point, bias, residual, silu_mul);
+}
+
+// ---------------------------------------------------------------------------------------------- few-row GEMV
+
+// acc[m * n + r] = float(sum_k u[m, k] * w[r, k] - 128 * w_sum[r]) * w_scale[r] for rows r in [r_begin, r_end).
+template <int M>
+void w8a8_gemv_rows(const uint8_t* u, int64_t k, const int8_t* w, const int32_t* w_sum, const float* w_scale,
+                    int64_t r_begin, int64_t r_end, float* acc, int64_t n) {
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const int8_t* row = w + r * k;
+    int32_t sums[M];
+    int64_t c = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    __m512i a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_si512();
+    for (; c + 128 <= k; c += 128) {
+      const __m512i w0 = _mm512_loadu_si512(row + c), w1 = _mm512_loadu_si512(row + c + 64);
+      for (int m = 0; m < M; ++m) {
+        a0[m] = _mm512_dpbusd_epi32(a0[m], _mm512_loadu_si512(u + m * k + c), w0);
+        a1[m] = _mm512_dpbusd_epi32(a1[m], _mm512_loadu_si512(u + m * k + c + 64), w1);
+      }
+    }
+    if (c + 64 <= k) {
+      const __m512i w0 = _mm512_loadu_si512(row + c);
+      for (int m = 0; m < M; ++m) a0[m] = _mm512_dpbusd_epi32(a0[m], _mm512_loadu_si512(u + m * k + c), w0);
+      c += 64;
+    }
+    for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_epi32(_mm512_add_epi32(a0[m], a1[m]));
+#else
+    for (int m = 0; m < M; ++m) sums[m] = 0;
+#endif
+    for (; c < k; ++c)
+      for (int m = 0; m < M; ++m) sums[m] += static_cast<int32_t>(u[m * k + c]) * static_cast<int32_t>(row[c]);
+    for (int m = 0; m < M; ++m) acc[m * n + r] = static_cast<float>(sums[m] - 128 * w_sum[r]) * w_scale[r];
+  }
+}
+
+at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_sum, const at::Tensor& w_scale,
+                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual, bool silu_mul) {
+  check_input(x);
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(m >= 1 && m <= 4, "w8a8_gemv: x must have 1 to 4 rows, got ", m);
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.size(1) == k && w.is_contiguous(),
+              "w8a8_gemv: w must be contiguous int8 [N, K] with K = x's columns");
+  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.numel() == n && w_sum.is_contiguous(),
+              "w8a8_gemv: w_sum must be contiguous int32 [N] (each weight row's sum)");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == n && w_scale.is_contiguous(),
+              "w8a8_gemv: w_scale must be contiguous float32 [N]");
+  TORCH_CHECK(!(residual.has_value() && residual->defined() && silu_mul),
+              "w8a8_gemv: give residual or silu_mul, not both");
+  auto [q, scale] = quantize_per_token_as<uint8_t>(x, at::kByte);  // q + 128
+  at::Tensor acc = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const uint8_t* up = q.const_data_ptr<uint8_t>();
+  const int8_t* wp = w.const_data_ptr<int8_t>();
+  const int32_t* sp = w_sum.const_data_ptr<int32_t>();
+  const float* scp = w_scale.const_data_ptr<float>();
+  float* ap = acc.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    switch (m) {
+      case 1: return w8a8_gemv_rows<1>(up, k, wp, sp, scp, begin, end, ap, n);
+      case 2: return w8a8_gemv_rows<2>(up, k, wp, sp, scp, begin, end, ap, n);
+      case 3: return w8a8_gemv_rows<3>(up, k, wp, sp, scp, begin, end, ap, n);
+      default: return w8a8_gemv_rows<4>(up, k, wp, sp, scp, begin, end, ap, n);
+    }
+  });
+  return finish("w8a8_gemv", x, acc, scale, bias, residual, silu_mul);
 }
 
 // ---------------------------------------------------------------------------------------------- block Hadamard
@@ -432,5 +511,9 @@ TORCH_LIBRARY(lmforge_int8, m) {
       "w8a8_linear_epilogue(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_zero_point, Tensor? bias, "
       "Tensor? residual, bool silu_mul) -> Tensor",
       &w8a8_linear_epilogue);
+  m.def(
+      "w8a8_gemv(Tensor x, Tensor w, Tensor w_sum, Tensor w_scale, Tensor? bias, Tensor? residual=None, "
+      "bool silu_mul=False) -> Tensor",
+      &w8a8_gemv);
   m.def("block_hadamard(Tensor x, int block) -> Tensor", &block_hadamard);
 }

@@ -207,7 +207,10 @@ def amx_restored(int8_activations_at_every_row_count):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_w8a8_few_rows_without_amx_run_the_weight_only_kernel(dtype, amx_restored, monkeypatch):
+def test_w8a8_few_rows_without_amx_run_a_gemv_on_the_plain_weight(dtype, amx_restored, monkeypatch):
+    """Without AMX, 1 to ``W8A8_GEMV_MAX_ROWS`` rows run ``w8a8_gemv`` where the CPU has VNNI (the oneDNN path's
+    quantized activations and int32 sums: its numbers bit for bit, epilogues included), else the weight-only
+    kernel (float activations); more rows run the oneDNN path."""
     monkeypatch.setattr(int8, "W8A8_GEMV_MAX_ROWS", 4)
     torch.manual_seed(2)
     half, in_features = 37, 130
@@ -217,13 +220,14 @@ def test_w8a8_few_rows_without_amx_run_the_weight_only_kernel(dtype, amx_restore
     float_weight = (w8.double() * scale.double()[:, None]).T  # [in, 2 half]
     tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
     gemv = weight_only_cpu_kernel() and not amx_cpu_kernel()
+    vnni = gemv and int8._use_fused() and int8._vnni_cpu()
     for rows in (1, 4, 5):
         x = (torch.randn(rows, in_features) * 3).to(dtype)
         residual = torch.randn(rows, 2 * half).to(dtype)
         exact = x.double() @ float_weight + b.double()  # float activations: what the weight-only kernel computes
         xq, x_scale = quantize_per_token(x)
         exact_w8a8 = (xq.double() @ w8.double().T) * x_scale.double() * scale.double() + b.double()
-        expected = exact if gemv and rows <= 4 else exact_w8a8
+        expected = exact if gemv and rows <= 4 and not vnni else exact_w8a8
         for got, ref in (
             (layer(x), expected),
             (layer.add(x, residual), expected + residual.double()),
@@ -231,6 +235,11 @@ def test_w8a8_few_rows_without_amx_run_the_weight_only_kernel(dtype, amx_restore
         ):
             assert got.dtype == dtype
             torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+        if vnni and rows <= 4:  # the same numbers as the fused oneDNN-path ops, which more rows run
+            monkeypatch.setattr(int8, "W8A8_GEMV_MAX_ROWS", 0)
+            fused = (layer(x), layer.add(x, residual), layer.silu_mul(x))
+            monkeypatch.setattr(int8, "W8A8_GEMV_MAX_ROWS", 4)
+            assert all(torch.equal(a, e) for a, e in zip((layer(x), layer.add(x, residual), layer.silu_mul(x)), fused))
 
 
 def _amx_expected() -> bool:
@@ -417,3 +426,16 @@ def test_w8a8_input_hadamard_rotates_once_on_every_path(dtype, amx_restored, mon
             W8A8Linear(w8, scale, b, input_hadamard=bad)
     with pytest.raises(ValueError, match="w8a8 scheme only"):
         int8_linear("weight-only", w8, scale, b, input_hadamard=block)
+
+
+def test_w8a8_gemv_refuses_inputs_it_cannot_take():
+    if not int8._use_fused():
+        pytest.skip(f"fused INT8 kernels not in use: {int8.fused_cpu_kernels_reason()}")
+    w8 = torch.ones(6, 8, dtype=torch.int8)
+    args = (w8, w8.sum(1, dtype=torch.int32), torch.ones(6), None)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        torch.ops.lmforge_int8.w8a8_gemv(torch.randn(5, 8), *args)
+    with pytest.raises(RuntimeError, match="w_sum must be contiguous int32"):
+        torch.ops.lmforge_int8.w8a8_gemv(torch.randn(2, 8), w8, torch.ones(6), torch.ones(6), None)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        torch.ops.lmforge_int8.w8a8_gemv(torch.randn(2, 8), *args, torch.randn(2, 5))
