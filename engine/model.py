@@ -249,7 +249,7 @@ class Linear:
 
     def use_float_gemv(self, rows: int) -> None:
         """Run inputs of 1 to ``rows`` rows (0: none) on ``cpu_ops.float_gemv`` over the plain float weight (an INT8
-        layer, or one held only packed, keeps its own path)."""
+        layer, or one held only packed, keeps its own path; an input of no rows takes the usual one)."""
         self.gemv_rows = rows if self.weight is not None and self.int8_layer is None else 0
 
     def invariant_tiles(self, tile_rows: int, min_rows: int) -> None:
@@ -281,7 +281,7 @@ class Linear:
     def _call(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer(x)
-        if x.shape[0] <= self.gemv_rows:
+        if 0 < x.shape[0] <= self.gemv_rows:
             return cpu_ops.float_gemv(x, self.weight, self.bias)
         if self.packed is not None and self._on_packed(x):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -300,7 +300,7 @@ class Linear:
     def _add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer.add(x, residual)
-        if x.shape[0] <= self.gemv_rows:
+        if 0 < x.shape[0] <= self.gemv_rows:
             return cpu_ops.float_gemv(x, self.weight, self.bias, residual=residual)
         if self.packed is not None and self._on_packed(x):
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
@@ -315,7 +315,7 @@ class Linear:
     def _silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_layer is not None:
             return self.int8_layer.silu_mul(x)
-        if x.shape[0] <= self.gemv_rows:
+        if 0 < x.shape[0] <= self.gemv_rows:
             return cpu_ops.float_gemv(x, self.weight, self.bias, silu_mul=True)
         if self.packed_halves is not None and self._on_packed(x):
             gate, up, gate_bias, up_bias = self.packed_halves

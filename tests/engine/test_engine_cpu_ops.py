@@ -377,6 +377,7 @@ def test_linears_run_few_rows_on_the_float_gemv_and_more_on_their_own_path():
         torch.testing.assert_close(layer.silu_mul(x).float(), swiglu.float(), rtol=2e-2, atol=2e-2)
         if on_gemv:
             assert torch.equal(layer.silu_mul(x), cpu_ops.float_gemv(x, w, silu_mul=True))
+    assert layer(torch.randn(0, 32).bfloat16()).shape == (0, 64)  # no rows: the plain path, not the kernel
     held = Linear(None, int8_layer=object(), dtype=torch.bfloat16)
     held.use_float_gemv(3)
     assert held.gemv_rows == 0
