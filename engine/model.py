@@ -591,7 +591,7 @@ class Model:
     def pad_target(self, n: int) -> int:
         """Rows a step of ``n`` tokens runs its linears with: ``n`` where the GEMV takes it (``gemv_rows``), else at
         least ``min_rows`` (zero rows added)."""
-        return 1 if n <= self.gemv_rows else self.min_rows
+        return 1 if 0 < n <= self.gemv_rows else self.min_rows
 
     def int8_decode_weights(self) -> tuple[list, list, list, list] | None:
         """``(weights, scales, biases, norms)`` of every layer for ``cpu_ops.int8_decode_layers``, or ``None`` where
