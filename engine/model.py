@@ -134,17 +134,19 @@ def can_pack_weights(device: str, dtype: torch.dtype) -> bool:
     return device == "cpu" and dtype == torch.bfloat16 and onednn_bf16_supported()
 
 
-#: Rows (tokens) of an fp32 CPU linear that run on a oneDNN-packed copy of the weight: 1 to 64 (decode, speculative
-#: verification); prefill keeps MKL's ``F.linear`` on the plain weight, which re-packs the weight on every call past
-#: 3 rows (the LM head: 26.8 ms vs 14.1 packed at 5 rows; docs/engine.md). On Intel CPUs one row (one request
-#: decoding alone) takes ``F.linear`` too (``fp32_packed_rows``).
-FP32_PACKED_ROWS = (1, 64)
+#: Rows (tokens) of an fp32 CPU linear that run on a oneDNN-packed copy of the weight on Intel CPUs: 2 to 64 (decode,
+#: speculative verification); prefill keeps MKL's ``F.linear`` on the plain weight, which re-packs the weight on every
+#: call past 3 rows (the LM head: 26.8 ms vs 14.1 packed at 5 rows; docs/engine.md), and so does one row (one request
+#: decoding alone), where MKL's GEMV streams the weight faster (``fp32_packed_rows``).
+FP32_PACKED_ROWS = (2, 64)
 
 
 def fp32_packed_rows() -> tuple[int, int]:
-    """``FP32_PACKED_ROWS`` on this CPU: from 2 rows where MKL's GEMV is the faster one-row path
-    (``engine.platform.mkl_gemv_fast``), else from 1."""
-    return (2, FP32_PACKED_ROWS[1]) if mkl_gemv_fast() else FP32_PACKED_ROWS
+    """Rows of an fp32 linear that run on the oneDNN-packed weight on this CPU: ``FP32_PACKED_ROWS`` where MKL runs
+    its own fastest kernels (``engine.platform.mkl_gemv_fast``: Intel); elsewhere every row count, prefill included:
+    on a 2-core AMD EPYC MKL was the slower path at every size measured (a step's 120 layer linears at 160 / 512 rows
+    192 / 609 ms vs 159 / 513 packed; docs/engine.md)."""
+    return FP32_PACKED_ROWS if mkl_gemv_fast() else (1, sys.maxsize)
 
 
 #: Fewest rows a step runs its oneDNN-packed float linears with: a decode of 1 to 3 tokens is padded with zero rows
@@ -208,7 +210,7 @@ class Linear:
 
     ``pack_rows=(lo, hi)`` (with ``pack``; default every row count) runs inputs of ``lo`` to ``hi``
     rows on the packed weight and the others with ``F.linear`` on the plain one (fp32:
-    ``FP32_PACKED_ROWS``, where MKL's fp32 GEMM re-packs the weight per call). After
+    ``fp32_packed_rows()``, where MKL is the faster path for the others). After
     ``use_float_gemv(rows)``, inputs of at most ``rows`` rows run the engine's GEMV on the plain weight
     (``cpu_ops.float_gemv``, with the same epilogues) before any of that.
     """
