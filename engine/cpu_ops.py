@@ -9,7 +9,7 @@ in a bf16 / fp32 step on CPU:
 * ``paged_decode_attention``: one query token per sequence against its keys read in place
   through its block table, merged with a prior partial result (a shared prefix) by its
   log-sum-exp, so no ``index_select`` copy of the cache and no padded keys;
-* ``rope_and_cache`` (bf16): rotary embedding of q and k in float32 (one rounding to bf16) and the
+* ``rope_and_cache`` (bf16, float32): rotary embedding of q and k in float32 (one rounding to the dtype) and the
   store of k and v at their ``slot_mapping`` slots in one pass, bit for bit the torch ops it replaces
   (quantized to int8 rows for an int8 KV cache);
 * ``apply_token_bitmask_``: structured output's grammar mask on the logits, in place, writing only the
@@ -265,22 +265,26 @@ def rope_and_cache(
     num_heads: int,
     num_kv_heads: int,
 ) -> torch.Tensor | None:
-    """Rotate q and k and store k, v in the cache; ``None`` where the C++ kernel can't run (not bf16 on CPU).
+    """Rotate q and k and store k, v in the cache; ``None`` where the C++ kernel can't run (not bf16 or float32 on
+    CPU, or a cache of another dtype).
 
     Args:
-        qkv: ``[N, (num_heads + 2 * num_kv_heads) * head_dim]`` the fused projection's output.
+        qkv: ``[N, (num_heads + 2 * num_kv_heads) * head_dim]`` the fused projection's output, bf16 or float32.
         cos, signed_sin: ``[N, head_dim]`` float32 rotary tables at each token's position (``engine.model``:
             ``x * cos + swap_halves(x) * signed_sin`` is Hugging Face's rotary embedding), applied to float32
-            copies of q and k and rounded once to bf16 (``engine.model.rotate``).
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's bf16 cache (written), or an
-            int8 one (``[..., head_dim + 2]``): the rotated k and the v rows are then quantized as
+            copies of q and k and rounded once to ``qkv``'s dtype (``engine.model.rotate``; float32: the same
+            three roundings as the torch ops).
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` this layer's cache in ``qkv``'s dtype
+            (written), or an int8 one (``[..., head_dim + 2]``): the rotated k and the v rows are then quantized as
             ``engine.attention.quantize_kv`` does (the same bytes).
         slot_mapping: ``[N]`` int64 slot ``block * block_size + offset`` of each token (negative: not stored).
 
     Returns:
         The rotated queries ``[N, num_heads, head_dim]``, bit-identical to ``engine.model.rotate``.
     """
-    if qkv.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, torch.int8) or not _native(qkv):
+    if qkv.dtype not in (torch.bfloat16, torch.float32) or kv_cache.dtype not in (qkv.dtype, torch.int8):
+        return None
+    if not _native(qkv):
         return None
     return KERNELS.ops.rope_and_cache(qkv, cos, signed_sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
 

@@ -565,7 +565,7 @@ class Model:
                 qkv = lora.apply(layer_idx, "qkv", x, qkv)
             q = None
             if slot_mapping is not None and attn.stores_kv_separately:
-                # bf16 on CPU: rotary on q and k and the k, v store in one C++ pass (else None)
+                # bf16 or fp32 on CPU: rotary on q and k and the k, v store in one C++ pass (else None)
                 q = cpu_ops.rope_and_cache(qkv, cos2, sin2, kv_cache[layer_idx], slot_mapping, num_heads, num_kv_heads)
             if q is not None:
                 k = v = None  # already in the cache

@@ -36,13 +36,13 @@
 //   accumulator weighted by p * scale (the same products as dequantizing first, in another order). With
 //   group_shared, sequences whose tables start with the same blocks (past first_block) are attended in chunks of
 //   up to 16 query heads: the chunk's common blocks once for all its heads, then each sequence's own keys.
-// lmforge_engine::rope_and_cache(qkv [N, (Hq + 2 Hkv) * hd] bf16, cos [N, hd] fp32, signed_sin [N, hd] fp32,
-//     kv_cache [2, num_blocks, block_size, Hkv, hd], slot_mapping [N] int64) -> q [N, Hq, hd]
+// lmforge_engine::rope_and_cache(qkv [N, (Hq + 2 Hkv) * hd] bf16 or fp32, cos [N, hd] fp32, signed_sin [N, hd]
+//     fp32, kv_cache [2, num_blocks, block_size, Hkv, hd] (qkv's dtype), slot_mapping [N] int64) -> q [N, Hq, hd]
 //   rotary embedding of the q and k heads, x * cos + swap_halves(x) * signed_sin in float32 (the products and the
-//   sum rounded to float32 apart, no fused multiply-add: the torch ops on float32 copies) and rounded once to bf16,
-//   and the rotated k and the v heads stored at each token's slot (a negative slot: padding, not stored). One pass
-//   instead of a dozen small ops per layer. An int8 kv_cache
-//   ([2, num_blocks, block_size, Hkv, hd + 2]) stores each rotated k row and each v row quantized from those bf16
+//   sum rounded to float32 apart, no fused multiply-add: the torch ops on float32 copies) and rounded once to qkv's
+//   dtype, and the rotated k and the v heads stored at each token's slot (a negative slot: padding, not stored).
+//   One pass instead of a dozen small ops per layer. An int8 kv_cache
+//   ([2, num_blocks, block_size, Hkv, hd + 2]) stores each rotated k row and each v row quantized from those
 //   values: scale = float16(absmax / 127), q = clamp(round_half_even(x / scale), -127, 127), the scale's two
 //   bytes after the row (engine/attention.py quantize_kv computes the same bytes).
 // lmforge_engine::lora_apply(y [N, out] (a!), x [>= N, in], rows [M] int64, task_bounds [T + 1] int64,
@@ -951,35 +951,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 // No fused multiply-add in the rotation: the products and the sum round apart, as the torch ops do.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
-                          const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv) {
-  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 2 && qkv.stride(1) == 1,
-              "rope_and_cache: qkv must be a CPU bf16 [N, (Hq + 2 Hkv) * hd] tensor with unit last stride");
+template <typename T>
+void rope_and_cache_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                         const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv, at::Tensor& q) {
+  using E = Elem<T>;
+  using raw_t = typename E::raw_t;
   const bool quantized = kv_cache.scalar_type() == at::kChar;
-  TORCH_CHECK((kv_cache.scalar_type() == at::kBFloat16 || quantized) && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
-                  kv_cache.size(3) == num_kv && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4),
-              "rope_and_cache: kv_cache must be bf16 [2, num_blocks, block_size, Hkv, hd] or int8 [..., hd + 2] with "
-              "contiguous tokens");
   const int64_t n = qkv.size(0), row = kv_cache.size(4), hd = quantized ? row - kScaleBytes : row;
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv) * hd, "rope_and_cache: qkv width is not (Hq + 2 Hkv) * hd");
-  TORCH_CHECK(hd % 2 == 0 && hd <= kMaxHeadDim, "rope_and_cache: head_dim must be even and <= 256");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
-                  sin.dim() == 2 && cos.size(0) == n && sin.size(0) == n && cos.size(1) == hd && sin.size(1) == hd &&
-                  cos.stride(1) == 1 && sin.stride(1) == 1,
-              "rope_and_cache: cos and signed_sin must be float32 [N, hd]");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
-                  slot_mapping.is_contiguous(),
-              "rope_and_cache: slot_mapping must be contiguous int64 [N]");
-  at::Tensor q = at::empty({n, num_heads, hd}, qkv.options());
-  using E = Elem<at::BFloat16>;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
+  const raw_t* xp = reinterpret_cast<const raw_t*>(qkv.data_ptr());
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  // the cache in bytes (int8 rows, or bf16 rows of 2 bytes per value)
-  const int64_t esize = quantized ? 1 : 2;
+  // the cache in bytes (int8 rows, or rows of sizeof(raw_t) bytes per value)
+  const int64_t esize = quantized ? 1 : static_cast<int64_t>(sizeof(raw_t));
   char* kp = reinterpret_cast<char*>(kv_cache.data_ptr());
   char* vp = kp + kv_cache.stride(0) * esize;
-  uint16_t* qp = reinterpret_cast<uint16_t*>(q.data_ptr());
+  raw_t* qp = reinterpret_cast<raw_t*>(q.data_ptr());
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t x_stride = qkv.stride(0), c_stride = cos.stride(0), s_stride = sin.stride(0);
   const int64_t block_size = kv_cache.size(2), c_block = kv_cache.stride(1) * esize,
@@ -987,9 +973,9 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   const int64_t half = hd / 2, num_rot = num_heads + num_kv;
   at::parallel_for(0, n, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
     float c[kMaxHeadDim], sn[kMaxHeadDim], vals[kMaxHeadDim];
-    uint16_t rotated[kMaxHeadDim];
+    raw_t rotated[kMaxHeadDim];
     for (int64_t t = begin; t < end; ++t) {
-      const uint16_t* x = xp + t * x_stride;
+      const raw_t* x = xp + t * x_stride;
       for (int64_t d = 0; d < hd; ++d) {
         c[d] = cp[t * c_stride + d];
         sn[d] = sp[t * s_stride + d];
@@ -998,12 +984,12 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
       char* k_dst = slot >= 0 ? kp + (slot / block_size) * c_block + (slot % block_size) * c_tok : nullptr;
       char* v_dst = slot >= 0 ? vp + (slot / block_size) * c_block + (slot % block_size) * c_tok : nullptr;
       for (int64_t h = 0; h < num_rot; ++h) {
-        const uint16_t* src = x + h * hd;
+        const raw_t* src = x + h * hd;
         const bool is_k = h >= num_heads;
         if (is_k && !k_dst) continue;
         char* k_row = is_k ? k_dst + (h - num_heads) * row_bytes : nullptr;
-        uint16_t* dst = !is_k ? qp + (t * num_heads + h) * hd
-                              : (quantized ? rotated : reinterpret_cast<uint16_t*>(k_row));
+        raw_t* dst = !is_k ? qp + (t * num_heads + h) * hd : (quantized ? rotated : reinterpret_cast<raw_t*>(k_row));
+        // each product and the sum rounded to float32 apart (fp-contract off): torch's three ops
         for (int64_t d = 0; d < half; ++d) {  // the two halves apart, so both loops vectorize
           const float a = E::load(src[d]) * c[d];
           const float b = E::load(src[d + half]) * sn[d];
@@ -1020,9 +1006,9 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
         }
       }
       if (!v_dst) continue;
-      const uint16_t* v_src = x + num_rot * hd;
+      const raw_t* v_src = x + num_rot * hd;
       if (!quantized) {
-        std::memcpy(v_dst, v_src, static_cast<size_t>(num_kv * hd) * sizeof(uint16_t));
+        std::memcpy(v_dst, v_src, static_cast<size_t>(num_kv * hd) * sizeof(raw_t));
         continue;
       }
       for (int64_t h = 0; h < num_kv; ++h) {
@@ -1031,6 +1017,35 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
       }
     }
   });
+}
+
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                          const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv) {
+  const bool bf16 = qkv.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(qkv.device().is_cpu() && (bf16 || qkv.scalar_type() == at::kFloat) && qkv.dim() == 2 &&
+                  qkv.stride(1) == 1,
+              "rope_and_cache: qkv must be a CPU bf16 or float32 [N, (Hq + 2 Hkv) * hd] tensor with unit last stride");
+  const bool quantized = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((kv_cache.scalar_type() == qkv.scalar_type() || quantized) && kv_cache.dim() == 5 &&
+                  kv_cache.size(0) == 2 && kv_cache.size(3) == num_kv && kv_cache.stride(4) == 1 &&
+                  kv_cache.stride(3) == kv_cache.size(4),
+              "rope_and_cache: kv_cache must be [2, num_blocks, block_size, Hkv, hd] in qkv's dtype or int8 "
+              "[..., hd + 2] with contiguous tokens");
+  const int64_t n = qkv.size(0), row = kv_cache.size(4), hd = quantized ? row - kScaleBytes : row;
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv) * hd, "rope_and_cache: qkv width is not (Hq + 2 Hkv) * hd");
+  TORCH_CHECK(hd % 2 == 0 && hd <= kMaxHeadDim, "rope_and_cache: head_dim must be even and <= 256");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
+                  sin.dim() == 2 && cos.size(0) == n && sin.size(0) == n && cos.size(1) == hd && sin.size(1) == hd &&
+                  cos.stride(1) == 1 && sin.stride(1) == 1,
+              "rope_and_cache: cos and signed_sin must be float32 [N, hd]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
+                  slot_mapping.is_contiguous(),
+              "rope_and_cache: slot_mapping must be contiguous int64 [N]");
+  at::Tensor q = at::empty({n, num_heads, hd}, qkv.options());
+  if (bf16)
+    rope_and_cache_rows<at::BFloat16>(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv, q);
+  else
+    rope_and_cache_rows<float>(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv, q);
   return q;
 }
 

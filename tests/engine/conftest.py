@@ -15,21 +15,21 @@ from engine.model import rotate
 
 @pytest.fixture
 def rope_and_cache_step():
-    """``step(cache)``: ``cpu_ops.rope_and_cache`` of 7 bf16 tokens (9 query heads, 3 KV heads, head_dim 64, one
-    padding slot ``-1``) into ``cache`` (``[2, 6, 4, 3, D]``, D >= 64); returns the inputs, the kernel's query
-    and the torch path's rotation of queries and keys (``rotated [7, 12, 64]``, same roundings)."""
+    """``step(cache, dtype=bf16)``: ``cpu_ops.rope_and_cache`` of 7 tokens of ``dtype`` (9 query heads, 3 KV heads,
+    head_dim 64, one padding slot ``-1``) into ``cache`` (``[2, 6, 4, 3, D]``, D >= 64); returns the inputs, the
+    kernel's query and the torch path's rotation of queries and keys (``rotated [7, 12, 64]``, same roundings)."""
 
-    def step(cache: torch.Tensor) -> types.SimpleNamespace:
+    def step(cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> types.SimpleNamespace:
         torch.manual_seed(0)
         n, num_heads, num_kv, hd = 7, 9, 3, 64
-        qkv = torch.randn(n, (num_heads + 2 * num_kv) * hd).bfloat16()
+        qkv = torch.randn(n, (num_heads + 2 * num_kv) * hd).to(dtype)
         angles = torch.rand(n, hd // 2) * 6
         cos = torch.cat((angles.cos(), angles.cos()), -1)  # float32 tables, as the model holds them
         sin = torch.cat((-angles.sin(), angles.sin()), -1)
         slots = torch.tensor([0, 5, 6, 13, 22, -1, 9])  # -1: padding, not stored
         q = cpu_ops.rope_and_cache(qkv, cos, sin, cache, slots, num_heads, num_kv)
         qk = qkv[:, : (num_heads + num_kv) * hd].view(n, num_heads + num_kv, hd)
-        rotated = rotate(qk, cos[:, None], sin[:, None])  # float32, one rounding to bf16
+        rotated = rotate(qk, cos[:, None], sin[:, None])  # float32, one rounding to dtype
         v = qkv[:, (num_heads + num_kv) * hd :].view(n, num_kv, hd)
         return types.SimpleNamespace(
             qkv=qkv, cos=cos, sin=sin, slots=slots, q=q, rotated=rotated, v=v, num_heads=num_heads, num_kv=num_kv

@@ -232,9 +232,10 @@ def test_bad_arguments_name_the_tensor():
         )
 
 
-def test_rope_and_cache_is_bit_identical_to_the_torch_ops(rope_and_cache_step):
-    cache = torch.zeros(2, 6, 4, 3, 64).bfloat16()
-    r = rope_and_cache_step(cache)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_and_cache_is_bit_identical_to_the_torch_ops(rope_and_cache_step, dtype):
+    cache = torch.zeros(2, 6, 4, 3, 64, dtype=dtype)
+    r = rope_and_cache_step(cache, dtype)
     assert torch.equal(r.q, r.rotated[:, : r.num_heads])
     flat = cache.view(2, -1, r.num_kv, 64)
     stored = r.slots >= 0
@@ -243,8 +244,9 @@ def test_rope_and_cache_is_bit_identical_to_the_torch_ops(rope_and_cache_step):
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
     untouched[r.slots[stored]] = False
     assert not flat[:, untouched].any()
-    fp32 = cpu_ops.rope_and_cache(r.qkv.float(), r.cos, r.sin, cache, r.slots, r.num_heads, r.num_kv)
-    assert fp32 is None  # fp32: torch ops
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    mixed = cpu_ops.rope_and_cache(r.qkv.to(other), r.cos, r.sin, cache, r.slots, r.num_heads, r.num_kv)
+    assert mixed is None  # a cache of another dtype: the torch ops
 
 
 def test_fp32_linear_uses_the_packed_weight_only_for_its_row_range():

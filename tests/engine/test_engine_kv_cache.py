@@ -46,9 +46,10 @@ def test_quantize_kv_rows_scales_and_error_bound():
     assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
 
 
-def test_rope_and_cache_writes_the_bytes_of_quantize_kv(rope_and_cache_step):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_and_cache_writes_the_bytes_of_quantize_kv(rope_and_cache_step, dtype):
     cache = torch.zeros(2, 6, 4, 3, 64 + KV_SCALE_BYTES, dtype=torch.int8)
-    r = rope_and_cache_step(cache)
+    r = rope_and_cache_step(cache, dtype)
     assert torch.equal(r.q, r.rotated[:, : r.num_heads])  # the torch path's roundings
     flat = cache.view(2, -1, r.num_kv, 64 + KV_SCALE_BYTES)
     stored = r.slots >= 0
