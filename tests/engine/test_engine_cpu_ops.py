@@ -30,6 +30,21 @@ def test_rms_norm_matches_torch_in_bf16_and_fp32():
     assert torch.equal(cpu_ops.rms_norm(wide[:, :576], None, 1e-6), cpu_ops.rms_norm(wide[:, :576].clone(), None, 1e-6))
 
 
+def test_model_fp32_norm_is_one_pass_only_off_intel():
+    """fp32 ``engine.model.rms_norm`` runs the C++ kernel where fp32 prefill is on oneDNN anyway (off Intel), else
+    Hugging Face's exact ops."""
+    from engine.model import fp32_one_pass_norm, rms_norm
+    from engine.platform import cpu_vendor
+
+    assert fp32_one_pass_norm() == (cpu_vendor() != "GenuineIntel")
+    torch.manual_seed(1)
+    x, weight = torch.randn(5, 576), torch.randn(576)
+    hf = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    expected = cpu_ops.rms_norm(x, weight, 1e-5) if fp32_one_pass_norm() else hf
+    assert torch.equal(rms_norm(x, weight, 1e-5), expected)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-5), hf, rtol=1e-6, atol=1e-6)
+
+
 def test_argmax_is_the_first_maximum_as_torch():
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
