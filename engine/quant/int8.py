@@ -421,6 +421,7 @@ class W8A8Linear(_Int8Linear):
         self._parts = None  # the two halves as W8A8Linear layers, for the paths without AMX
         self._weight_float = None  # float32 copy of weight_int8 on CPUs without exact int8 GEMMs
         self._weight_sum = None  # int32 [out]: each weight row's sum, for w8a8_gemv's zero point (``_gemv``)
+        self._gemv_args = None  # plain references to the buffers ``_gemv`` reads (``_gemv_weights``)
 
     def _channels(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._split is None:
@@ -494,7 +495,7 @@ class W8A8Linear(_Int8Linear):
         ``[N, in]``, ``[N, out]`` -> ``[N, out]``."""
         x = self._rotate(x)
         if (xg := self._gemv_input(x)) is not None:
-            if residual.dtype == x.dtype and residual.shape == (xg.shape[0], self.out_features):
+            if residual.dtype == x.dtype and residual.shape == (xg.shape[0], self._gemv_weights()[4]):
                 return self._gemv(xg, residual=residual)  # the kernel's residual epilogue
             return residual + self._gemv(xg).reshape(residual.shape)
         x2 = self._amx_input(x)
@@ -518,12 +519,13 @@ class W8A8Linear(_Int8Linear):
         Raises:
             ValueError: ``out_features`` is odd (not a ``[gate; up]`` layer).
         """
-        if self.out_features % 2:
-            raise ValueError(f"silu_mul needs a [gate; up] layer with even out_features, got {self.out_features}")
+        out_features = self._buffers["weight_int8"].shape[0]
+        if out_features % 2:
+            raise ValueError(f"silu_mul needs a [gate; up] layer with even out_features, got {out_features}")
         x = self._rotate(x)
         if (xg := self._gemv_input(x)) is not None:
             y = self._gemv(xg, silu_mul=True)  # the kernel's SwiGLU epilogue
-            return y.reshape(*x.shape[:-1], self.out_features // 2)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features // 2)
         x2 = self._amx_input(x)
         if x2 is None:
             xf = self._fused_input(x)
@@ -549,19 +551,29 @@ class W8A8Linear(_Int8Linear):
             or not _GEMV.available
         ):
             return None
-        return x.reshape(-1, x.shape[-1])
+        return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+    def _gemv_weights(self) -> tuple:
+        """``(weight_int8, its row sums or None, weight_scale, bias, out_features)`` as plain references, made again
+        when the buffers were replaced: a decode step calls ``_gemv`` 120 times, and each buffer read through
+        ``nn.Module.__getattr__`` cost ~0.7 us of a ~7 us kernel call (SmolLM2-135M's o projection)."""
+        buffers = self._buffers
+        weight, scale, bias = buffers["weight_int8"], buffers["weight_scale"], buffers["bias"]
+        args = self._gemv_args
+        if args is None or args[0] is not weight or args[2] is not scale or args[3] is not bias:
+            self._weight_sum = None if buffers["outlier_channels"] is not None else weight.sum(1, dtype=torch.int32)
+            args = (weight, self._weight_sum, scale, bias, weight.shape[0])
+            self._gemv_args = args
+        return args
 
     def _gemv(self, x2: torch.Tensor, residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
         """``[M, in] -> [M, out]`` (``[M, out / 2]`` with ``silu_mul``; ``residual [M, out]`` added) on the plain int8
-        weight: ``w8a8_gemv`` (the oneDNN path's numbers) where it runs, else the weight-only kernel (float
-        activations; its epilogues round ``y`` first, as the separate torch ops do)."""
-        if self.outlier_channels is None and _use_fused() and _vnni_cpu():
-            if self._weight_sum is None:
-                self._weight_sum = self.weight_int8.sum(1, dtype=torch.int32)
-            return _FUSED.ops.w8a8_gemv(
-                x2, self.weight_int8, self._weight_sum, self.weight_scale, self.bias, residual, silu_mul
-            )
-        return _GEMV.ops.weight_only_mm(x2, self.weight_int8, self.weight_scale, self.bias, residual, silu_mul)
+        weight: ``w8a8_gemv`` (the oneDNN path's numbers) where it runs (no outlier channels, VNNI), else the
+        weight-only kernel (float activations; its epilogues round ``y`` first, as the separate torch ops do)."""
+        weight, weight_sum, scale, bias, _ = self._gemv_weights()
+        if weight_sum is not None and _use_fused() and _vnni_cpu():
+            return _FUSED.ops.w8a8_gemv(x2, weight, weight_sum, scale, bias, residual, silu_mul)
+        return _GEMV.ops.weight_only_mm(x2, weight, scale, bias, residual, silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(self._rotate(x))
@@ -569,7 +581,8 @@ class W8A8Linear(_Int8Linear):
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` of an input already rotated (``_rotate``): ``[..., in] -> [..., out]`` in x's dtype."""
         if (xg := self._gemv_input(x)) is not None:
-            return self._gemv(xg).reshape(*x.shape[:-1], self.out_features)
+            y = self._gemv(xg)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
         x2 = self._amx_input(x)
         if x2 is not None:
             xm, packed, xo, packed_outlier = self._amx_args(x2)

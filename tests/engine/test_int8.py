@@ -242,6 +242,23 @@ def test_w8a8_few_rows_without_amx_run_a_gemv_on_the_plain_weight(dtype, amx_res
             assert all(torch.equal(a, e) for a, e in zip((layer(x), layer.add(x, residual), layer.silu_mul(x)), fused))
 
 
+def test_w8a8_gemv_follows_replaced_weights(amx_restored):
+    """The few-row path keeps plain references to the layer's buffers; a buffer replaced after a call (another tensor
+    set in its place) is what the next call reads. (Weights are never changed in place after the first call: the
+    oneDNN-packed copy is made once too.)"""
+    torch.manual_seed(4)
+    w8, scale = quantize_weight_per_channel(torch.randn(24, 64))
+    layer = W8A8Linear(w8, scale, None)
+    if not weight_only_cpu_kernel():
+        return  # no GEMV kernel built here: the few-row path is the oneDNN one
+    x = torch.randn(1, 64)
+    first = layer._gemv(x)
+    other8, other_scale = quantize_weight_per_channel(torch.randn(24, 64))
+    layer.weight_int8, layer.weight_scale = other8.clone(), other_scale.clone()
+    torch.testing.assert_close(layer._gemv(x), W8A8Linear(other8, other_scale, None)._gemv(x), rtol=0, atol=0)
+    assert not torch.equal(layer._gemv(x), first)
+
+
 def _amx_expected() -> bool:
     """Whether this machine should run the AMX kernels (CPU flags and a successful build)."""
     if forced_cpu_kernel_path() not in ("auto", "amx"):  # held off before the CPU flags are even read
