@@ -180,8 +180,12 @@ def run(args: argparse.Namespace) -> int:
     except (TritonError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code  # 2 for a flag the user must change, 1 for a server that would not start
-    # SIGTERM behaves like Ctrl-C: stop the server cleanly.
+    # SIGTERM behaves like Ctrl-C: stop the server cleanly. SIGINT gets the same handler whatever this process
+    # inherited (a parent that ignored or blocked SIGINT, as a non-interactive shell's `&` does, would otherwise
+    # leave Python without its Ctrl-C handler and `serve` deaf to it).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     start = time.monotonic()
     try:
         server.start()

@@ -40,10 +40,11 @@ def test_ctrl_c_before_the_serving_loop_stops_the_server(monkeypatch, tmp_path, 
     monkeypatch.setattr(serve, "TritonServer", _Server)
     monkeypatch.setattr(serve, "endpoint_examples", lambda server: [])
     monkeypatch.setattr(serve, where, _interrupt)
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
         assert serve.run(args) == 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
     assert _Server.instances[-1].stopped
     assert capsys.readouterr().out.endswith("server stopped\n")
