@@ -282,9 +282,7 @@ def rope_and_cache(
     Returns:
         The rotated queries ``[N, num_heads, head_dim]``, bit-identical to ``engine.model.rotate``.
     """
-    if qkv.dtype not in (torch.bfloat16, torch.float32) or kv_cache.dtype not in (qkv.dtype, torch.int8):
-        return None
-    if not _native(qkv):
+    if kv_cache.dtype not in (qkv.dtype, torch.int8) or not _native(qkv):  # _native: bf16 or float32 on CPU
         return None
     return KERNELS.ops.rope_and_cache(qkv, cos, signed_sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
 

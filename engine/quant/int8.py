@@ -495,7 +495,7 @@ class W8A8Linear(_Int8Linear):
         ``[N, in]``, ``[N, out]`` -> ``[N, out]``."""
         x = self._rotate(x)
         if (xg := self._gemv_input(x)) is not None:
-            if residual.dtype == x.dtype and residual.shape == (xg.shape[0], self._gemv_weights()[4]):
+            if residual.dtype == x.dtype and residual.shape == (xg.shape[0], self._buffers["weight_int8"].shape[0]):
                 return self._gemv(xg, residual=residual)  # the kernel's residual epilogue
             return residual + self._gemv(xg).reshape(residual.shape)
         x2 = self._amx_input(x)
@@ -554,7 +554,7 @@ class W8A8Linear(_Int8Linear):
         return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
     def _gemv_weights(self) -> tuple:
-        """``(weight_int8, its row sums or None, weight_scale, bias, out_features)`` as plain references, made again
+        """``(weight_int8, its row sums or None, weight_scale, bias)`` as plain references, made again
         when the buffers were replaced: a decode step calls ``_gemv`` 120 times, and each buffer read through
         ``nn.Module.__getattr__`` cost ~0.7 us of a ~7 us kernel call (SmolLM2-135M's o projection)."""
         buffers = self._buffers
@@ -562,7 +562,7 @@ class W8A8Linear(_Int8Linear):
         args = self._gemv_args
         if args is None or args[0] is not weight or args[2] is not scale or args[3] is not bias:
             self._weight_sum = None if buffers["outlier_channels"] is not None else weight.sum(1, dtype=torch.int32)
-            args = (weight, self._weight_sum, scale, bias, weight.shape[0])
+            args = (weight, self._weight_sum, scale, bias)
             self._gemv_args = args
         return args
 
@@ -570,7 +570,7 @@ class W8A8Linear(_Int8Linear):
         """``[M, in] -> [M, out]`` (``[M, out / 2]`` with ``silu_mul``; ``residual [M, out]`` added) on the plain int8
         weight: ``w8a8_gemv`` (the oneDNN path's numbers) where it runs (no outlier channels, VNNI), else the
         weight-only kernel (float activations; its epilogues round ``y`` first, as the separate torch ops do)."""
-        weight, weight_sum, scale, bias, _ = self._gemv_weights()
+        weight, weight_sum, scale, bias = self._gemv_weights()
         if weight_sum is not None and _use_fused() and _vnni_cpu():
             return _FUSED.ops.w8a8_gemv(x2, weight, weight_sum, scale, bias, residual, silu_mul)
         return _GEMV.ops.weight_only_mm(x2, weight, scale, bias, residual, silu_mul)
