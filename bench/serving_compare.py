@@ -53,7 +53,7 @@ from bench.loadtest import LoadTestConfig, LoadTestError, parse_duration, run_lo
 from bench.peers import vllm_env
 from bench.prompts import load_prompts
 from bench.report import read_samples
-from bench.serving_profile import format_in_process, in_process_levels
+from bench.serving_profile import format_in_process, in_process_levels, prompts_needed
 from bench.workload import system_prompt, user_turns
 from deploy.export import export
 from deploy.serve import start_openai, stop_openai
@@ -65,7 +65,7 @@ from engine.cli_options import add_option
 DEFAULT_USERS = (1, 4, 16, 64)
 PEER_START_TIMEOUT_S = 600.0
 #: Distinct user turns written for ``--shared-system-prompt`` (more than a run sends, so none repeats).
-SHARED_SYSTEM_TURNS = 1024
+SHARED_SYSTEM_TURNS = 4096
 IN_PROCESS = "in-process engine"
 
 
@@ -297,7 +297,7 @@ def in_process_rows(args, prompts_path: Path | None, system: str | None) -> list
     texts = load_prompts(prompts_path, limit=args.num_prompts)
     head = [{"role": "system", "content": system}] if system else []
     per_stream = args.in_process_requests_per_stream
-    needed = max(args.users) * per_stream
+    needed = prompts_needed(args.users, per_stream)
     ids = [
         tokenizer.apply_chat_template(head + [{"role": "user", "content": t}], add_generation_prompt=True)
         for t in (texts * (needed // len(texts) + 1))[:needed]
@@ -412,7 +412,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(args, endpoints: list[Endpoint], run_time_s: float, out: Path, system, rows: list, notes: list) -> None:
-    """Each user count, each endpoint in turn (so load from other processes spreads over all of them)."""
+    """Each user count, each endpoint in turn (so load from other processes spreads over all of them). Each run
+    starts at the first prompt no earlier run sent (``seed`` offsets the prompt order): our two endpoints share
+    one engine, and a prompt sent again would be served from its prefix cache."""
+    first = 0
     for users in args.users:
         for ep in endpoints:
             config = LoadTestConfig(
@@ -432,6 +435,7 @@ def _measure(args, endpoints: list[Endpoint], run_time_s: float, out: Path, syst
                 ignore_eos=True,
                 request_timeout_s=args.request_timeout_s,
                 lora_names=[n for n in (ep.loras or "").split("|") if n],
+                seed=first,
             )
             run_dir = out / ep.name / f"u{users}"
             print(f"{ep.name}: {users} users for {run_time_s:g} s ...", flush=True)
@@ -442,6 +446,7 @@ def _measure(args, endpoints: list[Endpoint], run_time_s: float, out: Path, syst
                 print(f"  skipped: {exc}")
                 continue
             samples, _ = read_samples(run_dir / "samples.jsonl")
+            first += len(samples) + users  # the finished requests and at most one in flight per user
             rows.append(row_from_summary(ep.name, users, summary, samples, args.ttft_bound_ms))
             r = rows[-1]
             print(

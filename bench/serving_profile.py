@@ -247,8 +247,11 @@ def _finish(sample: RequestSample, start: float, times: list[float]) -> RequestS
     return sample
 
 
-async def run_streams(target: dict, conversations: list, prompts: list[str], streams: int, per_stream: int, max_tokens):
-    """``streams`` closed-loop streams, ``per_stream`` requests each; returns (samples, counts, wall s)."""
+async def run_streams(
+    target: dict, conversations: list, prompts: list[str], streams: int, per_stream: int, max_tokens, first: int = 0
+):
+    """``streams`` closed-loop streams, ``per_stream`` requests each, on the prompts from index ``first`` on;
+    returns (samples, counts, wall s)."""
     # optional or heavy dependency: imported only on the path that needs it
     import aiohttp
 
@@ -259,7 +262,7 @@ async def run_streams(target: dict, conversations: list, prompts: list[str], str
         async def stream(s: int) -> list[RequestSample]:
             out = []
             for r in range(per_stream):
-                i = (s * per_stream + r) % len(conversations)
+                i = (first + s * per_stream + r) % len(conversations)
                 if target["api"] == "openai":
                     out.append(
                         await _openai_request(
@@ -416,7 +419,15 @@ def lmforge_counters(metrics_url: str) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-async def _engine_streams(engine, prompts: list[list[int]], streams: int, per_stream: int, max_tokens: int):
+def prompts_needed(streams: list[int], per_stream: int) -> int:
+    """Prompts for a warm-up request per stream and ``per_stream`` measured ones at each stream count, none sent
+    twice (a repeated prompt would be served from the prefix cache)."""
+    return sum(s * (per_stream + 1) for s in streams)
+
+
+async def _engine_streams(
+    engine, prompts: list[list[int]], streams: int, per_stream: int, max_tokens: int, first: int = 0
+):
     # torch-heavy: imported on use, so importing this module stays light
     from engine import SamplingParams
 
@@ -434,7 +445,7 @@ async def _engine_streams(engine, prompts: list[list[int]], streams: int, per_st
         return _finish(sample, start, times)
 
     async def stream(s: int) -> list[RequestSample]:
-        return [await one(prompts[(s * per_stream + r) % len(prompts)]) for r in range(per_stream)]
+        return [await one(prompts[(first + s * per_stream + r) % len(prompts)]) for r in range(per_stream)]
 
     start = time.perf_counter()
     results = await asyncio.gather(*(stream(s) for s in range(streams)))
@@ -448,14 +459,18 @@ def in_process_child(spec_path: str) -> int:
     from engine import AsyncLLMEngine, EngineConfig
 
     spec = json.loads(Path(spec_path).read_text())
+    first = 0  # each run on prompts no earlier run sent: a repeat would find its whole prompt in the prefix cache
+
+    def run(streams: int, per_stream: int):
+        nonlocal first
+        start, first = first, first + streams * per_stream
+        return asyncio.run(_engine_streams(engine, spec["prompts"], streams, per_stream, spec["max_tokens"], start))
+
     with AsyncLLMEngine(EngineConfig(model=spec["checkpoint"], **spec["engine"])) as engine:
         for streams in spec["streams"]:
-            run = lambda per_stream: asyncio.run(  # noqa: E731
-                _engine_streams(engine, spec["prompts"], streams, per_stream, spec["max_tokens"])
-            )
-            run(1)  # warm-up at this batch size
+            run(streams, 1)  # warm-up at this batch size
             cpu = sum(os.times()[:2])
-            samples, wall = run(spec["requests_per_stream"])
+            samples, wall = run(streams, spec["requests_per_stream"])
             cpu = sum(os.times()[:2]) - cpu
             summary = summarize(samples, duration_s=wall)
             tokens = summary["total_output_tokens"] or 1
@@ -520,7 +535,7 @@ def profile(args) -> dict:
 
     checkpoint = str(resolve_checkpoint(args.checkpoint))
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    most = max(args.streams) * args.requests_per_stream
+    most = prompts_needed(args.streams, args.requests_per_stream)
     conversations = chat_load(tokenizer, most)
     prompts = [render(tokenizer, c) for c in conversations]
     engine = {"dtype": args.dtype, "max_num_seqs": max(args.streams), "max_model_len": args.max_model_len}
@@ -550,8 +565,10 @@ def profile(args) -> dict:
                     {"tritonserver": server.process.pid, "model stub": stub, "frontend": frontend and frontend.pid},
                     stub,
                 )
+                first = 0
                 for streams in args.streams:
-                    level = _level(args, target, server, meter, conversations, prompts, streams, tmp)
+                    level = _level(args, target, server, meter, conversations, prompts, streams, tmp, first)
+                    first += streams * (args.requests_per_stream + 1)
                     reference = report.get("in_process", {}).get(streams)
                     if reference and reference["output_tok_s"] and level["output_tok_s"]:
                         level["served_over_in_process_tok_s"] = level["output_tok_s"] / reference["output_tok_s"]
@@ -563,14 +580,15 @@ def profile(args) -> dict:
     return report
 
 
-def _level(args, target, server, meter: CpuMeter, conversations, prompts, streams: int, tmp: str) -> dict:
-    run = lambda per_stream: asyncio.run(  # noqa: E731
-        run_streams(target, conversations, prompts, streams, per_stream, args.max_tokens)
+def _level(args, target, server, meter: CpuMeter, conversations, prompts, streams: int, tmp: str, first: int) -> dict:
+    """One stream count on the prompts from index ``first`` on (``streams * (requests_per_stream + 1)`` of them)."""
+    run = lambda per_stream, at: asyncio.run(  # noqa: E731
+        run_streams(target, conversations, prompts, streams, per_stream, args.max_tokens, at)
     )
-    run(1)  # warm-up at this batch size (not measured)
+    run(1, first)  # warm-up at this batch size (not measured)
     counters_before, before = lmforge_counters(server.metrics_url), meter.snapshot()
     with GaugeSampler(server.metrics_url) as gauges:
-        samples, count, wall = run(args.requests_per_stream)
+        samples, count, wall = run(args.requests_per_stream, first + streams)
     after, counters_after = meter.snapshot(), lmforge_counters(server.metrics_url)
     processes, stub_threads = meter.delta(before, after)
     summary = summarize(samples, duration_s=wall)

@@ -188,7 +188,8 @@ def build_workload(
 
 def user_turns(tokenizer, num_requests: int, num_tokens: int = 100) -> list[str]:
     """``num_requests`` distinct user turns of about ``num_tokens`` tokens: corpus questions joined
-    until long enough, each turn starting at another question (a stride of 7 mixes topics).
+    until long enough, each turn starting at another question (a stride of 7 mixes topics; past the
+    corpus' length the stride grows by one each round, so later turns do not repeat earlier ones).
 
     Raises:
         WorkloadError: a count is < 1.
@@ -198,12 +199,12 @@ def user_turns(tokenizer, num_requests: int, num_tokens: int = 100) -> list[str]
     questions = load_questions()
     turns = []
     for i in range(num_requests):
-        parts, count, j = [], 0, i
+        parts, count, j, stride = [], 0, i, 7 + i // len(questions)
         while count < num_tokens:
             question = questions[j % len(questions)]
             parts.append(question)
             count += len(tokenizer(" " + question, add_special_tokens=False).input_ids)
-            j += 7
+            j += stride
         turns.append(" ".join(parts))
     return turns
 

@@ -163,6 +163,56 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// 16-float vectors (GCC / Clang vector extensions: one zmm register with AVX-512, two ymm with AVX2) and loads of
+// 16 cache or activation values widened to float32.
+typedef float vf16 __attribute__((vector_size(64)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+
+template <typename T>
+inline vf16 load16(const typename Elem<T>::raw_t* src);
+
+template <>
+inline vf16 load16<at::BFloat16>(const uint16_t* src) {
+  vh16 h;
+  std::memcpy(&h, src, sizeof(h));
+  vu16 u = __builtin_convertvector(h, vu16) << 16;
+  vf16 f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+template <>
+inline vf16 load16<float>(const float* src) {
+  vf16 f;
+  std::memcpy(&f, src, sizeof(f));
+  return f;
+}
+
+typedef int8_t vb16 __attribute__((vector_size(16)));
+
+// Sign extension and one vector conversion (GCC turns a generic int8 -> float vector conversion into one
+// scalar conversion per lane).
+template <>
+inline vf16 load16<int8_t>(const int8_t* src) {
+  vf16 f;
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  std::memcpy(&f, &v, sizeof(f));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
+  std::memcpy(&f, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&f) + sizeof(lo), &hi, sizeof(hi));
+#else
+  vb16 b;
+  std::memcpy(&b, src, sizeof(b));
+  f = __builtin_convertvector(b, vf16);
+#endif
+  return f;
+}
+
 // ------------------------------------------------------------------------------------------------ rms_norm
 
 template <typename T>
@@ -178,15 +228,18 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* weight, double eps, at
     std::vector<float> buf(cols);
     for (int64_t r = begin; r < end; ++r) {
       const raw_t* row = xp + r * x_stride;
-      float lanes[16] = {0};
+      // Lane l sums the squares of elements l, l + 16, ...: a vector the compiler cannot re-split by the alignment
+      // of row or buf (a peeled loop would add them in another order, and a row's norm would then depend on
+      // which rows share the call and on the buffer's address; batch-invariant decoding relies on it not to).
+      vf16 squares = {};
       int64_t c = 0;
       for (; c + 16 <= cols; c += 16) {
-        for (int l = 0; l < 16; ++l) {
-          const float v = E::load(row[c + l]);
-          buf[c + l] = v;
-          lanes[l] += v * v;
-        }
+        const vf16 v = load16<T>(row + c);
+        std::memcpy(buf.data() + c, &v, sizeof(v));
+        squares += v * v;
       }
+      float lanes[16];
+      std::memcpy(lanes, &squares, sizeof(lanes));
       float sum = 0.f;
       for (; c < cols; ++c) {
         const float v = E::load(row[c]);
@@ -544,54 +597,6 @@ struct DecodeItem {
 
 // The same item on 16-float vectors (GCC / Clang vector extensions: one zmm register with AVX-512, two ymm with
 // AVX2) for head dims that are multiples of 16; each query head's accumulator stays in registers over the keys.
-typedef float vf16 __attribute__((vector_size(64)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
-
-template <typename T>
-inline vf16 load16(const typename Elem<T>::raw_t* src);
-
-template <>
-inline vf16 load16<at::BFloat16>(const uint16_t* src) {
-  vh16 h;
-  std::memcpy(&h, src, sizeof(h));
-  vu16 u = __builtin_convertvector(h, vu16) << 16;
-  vf16 f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-template <>
-inline vf16 load16<float>(const float* src) {
-  vf16 f;
-  std::memcpy(&f, src, sizeof(f));
-  return f;
-}
-
-typedef int8_t vb16 __attribute__((vector_size(16)));
-
-// Sign extension and one vector conversion (GCC turns a generic int8 -> float vector conversion into one
-// scalar conversion per lane).
-template <>
-inline vf16 load16<int8_t>(const int8_t* src) {
-  vf16 f;
-#if defined(__AVX512F__)
-  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-  std::memcpy(&f, &v, sizeof(f));
-#elif defined(__AVX2__)
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
-  std::memcpy(&f, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&f) + sizeof(lo), &hi, sizeof(hi));
-#else
-  vb16 b;
-  std::memcpy(&b, src, sizeof(b));
-  f = __builtin_convertvector(b, vf16);
-#endif
-  return f;
-}
-
 // r[i] = the sum of the lanes of p[i], for 16 vectors at once: four rounds that each add two shuffles of pairs
 // of vectors, halving the lanes every vector's partial sums take (16 -> 8 -> 4 -> 2 -> 1).
 inline vf16 reduce16(const vf16* p) {
@@ -677,9 +682,13 @@ struct DecodeItemVec {
       float* sj = scores.data() + j * n;
       const float mx = std::max(m[j], lane_max(sj, n));
       corr[j] = l[j] > 0.f ? std::exp(m[j] - mx) : 0.f;
-      float sum = 0.f;
       for (int64_t k = 0; k < n; ++k) sj[k] = exp_nonpositive(sj[k] - mx);
-      for (int64_t k = 0; k < n; ++k) sum += sj[k];
+      vf16 lanes = {};  // lane e sums weights e, e + 16, ... whatever the address of scores (see rms_norm_rows)
+      int64_t k = 0;
+      for (; k + 16 <= n; k += 16) lanes += load16<float>(sj + k);
+      float sum = 0.f;
+      for (; k < n; ++k) sum += sj[k];
+      for (int e = 0; e < 16; ++e) sum += lanes[e];
       m[j] = mx;
       l[j] = l[j] * corr[j] + sum;
     }

@@ -225,6 +225,20 @@ def test_workload_is_deterministic_and_shares_the_system_prompt(tiny_llama_dir):
     assert len(set(map(tuple, long.prompts))) == 4 and long.shared_prefix_lens[0] >= 130
 
 
+def test_user_turns_stay_distinct_past_the_corpus_and_serving_runs_never_repeat_a_prompt(tiny_llama_dir):
+    """The served load sends each prompt once: a repeat would be answered from the prefix cache."""
+    from transformers import AutoTokenizer
+
+    from bench.serving_profile import prompts_needed
+    from bench.workload import load_questions, user_turns
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    count = len(load_questions()) + 50
+    turns = user_turns(tokenizer, count, num_tokens=20)
+    assert len(set(turns)) == count
+    assert prompts_needed([4, 16, 64], 3) == 4 * 4 + 16 * 4 + 64 * 4  # a warm-up request per stream, then 3
+
+
 def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path, lmforge):
     out = tmp_path / "bench.json"
     configs = "hf_sequential,hf_static,engine_fp32"

@@ -30,6 +30,21 @@ def test_rms_norm_matches_torch_in_bf16_and_fp32():
     assert torch.equal(cpu_ops.rms_norm(wide[:, :576], None, 1e-6), cpu_ops.rms_norm(wide[:, :576].clone(), None, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_rows_do_not_depend_on_the_batch_or_the_address(dtype):
+    """A row's norm is the same bits alone, among 256 rows split over the threads, and at any address (batch-invariant
+    decoding relies on it: a sum the compiler split by alignment once made rows depend on their batch)."""
+    torch.manual_seed(0)
+    x = (torch.randn(256, 576) * torch.logspace(-2, 2, 576)).to(dtype)
+    weight = torch.randn(576).to(dtype)
+    whole = cpu_ops.rms_norm(x, weight, 1e-5)
+    for offset in range(1, 16):  # every element offset within a 64-byte line
+        moved = torch.empty(x.numel() + offset, dtype=dtype)[offset:].view_as(x)
+        moved.copy_(x)
+        assert torch.equal(cpu_ops.rms_norm(moved, weight, 1e-5), whole), offset
+        assert torch.equal(cpu_ops.rms_norm(moved[offset : offset + 1], weight, 1e-5)[0], whole[offset]), offset
+
+
 def test_model_fp32_norm_is_one_pass_only_off_intel():
     """fp32 ``engine.model.rms_norm`` runs the C++ kernel where fp32 prefill is on oneDNN anyway (off Intel), else
     Hugging Face's exact ops."""
