@@ -419,10 +419,10 @@ def lmforge_counters(metrics_url: str) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def prompts_needed(streams: list[int], per_stream: int) -> int:
-    """Prompts for a warm-up request per stream and ``per_stream`` measured ones at each stream count, none sent
-    twice (a repeated prompt would be served from the prefix cache)."""
-    return sum(s * (per_stream + 1) for s in streams)
+def prompts_needed(streams: list[int], per_stream: int, passes: int = 1) -> int:
+    """Prompts for a warm-up request per stream and ``passes`` x ``per_stream`` measured ones at each stream count,
+    none sent twice (a repeated prompt would be served from the prefix cache)."""
+    return sum(s * (1 + per_stream * passes) for s in streams)
 
 
 async def _engine_streams(
@@ -535,7 +535,8 @@ def profile(args) -> dict:
 
     checkpoint = str(resolve_checkpoint(args.checkpoint))
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    most = prompts_needed(args.streams, args.requests_per_stream)
+    passes = 2 if args.py_spy else 1
+    most = prompts_needed(args.streams, args.requests_per_stream, passes)
     conversations = chat_load(tokenizer, most)
     prompts = [render(tokenizer, c) for c in conversations]
     engine = {"dtype": args.dtype, "max_num_seqs": max(args.streams), "max_model_len": args.max_model_len}
@@ -568,7 +569,7 @@ def profile(args) -> dict:
                 first = 0
                 for streams in args.streams:
                     level = _level(args, target, server, meter, conversations, prompts, streams, tmp, first)
-                    first += streams * (args.requests_per_stream + 1)
+                    first += prompts_needed([streams], args.requests_per_stream, passes)
                     reference = report.get("in_process", {}).get(streams)
                     if reference and reference["output_tok_s"] and level["output_tok_s"]:
                         level["served_over_in_process_tok_s"] = level["output_tok_s"] / reference["output_tok_s"]
@@ -581,7 +582,7 @@ def profile(args) -> dict:
 
 
 def _level(args, target, server, meter: CpuMeter, conversations, prompts, streams: int, tmp: str, first: int) -> dict:
-    """One stream count on the prompts from index ``first`` on (``streams * (requests_per_stream + 1)`` of them)."""
+    """One stream count on the prompts from index ``first`` on (``prompts_needed([streams], ...)`` of them)."""
     run = lambda per_stream, at: asyncio.run(  # noqa: E731
         run_streams(target, conversations, prompts, streams, per_stream, args.max_tokens, at)
     )
@@ -617,11 +618,12 @@ def _level(args, target, server, meter: CpuMeter, conversations, prompts, stream
         "cached_tokens_reported": count.cached_tokens,
     }
     if args.py_spy:
-        level["py_spy_stages"] = _py_spy_pass(args, run, server, meter, streams, tmp)
+        again = lambda: run(args.requests_per_stream, first + streams * (1 + args.requests_per_stream))  # noqa: E731
+        level["py_spy_stages"] = _py_spy_pass(args, again, server, meter, streams, tmp)
     return level
 
 
-def _py_spy_pass(args, run, server, meter: CpuMeter, streams: int, tmp: str) -> dict:
+def _py_spy_pass(args, run_again, server, meter: CpuMeter, streams: int, tmp: str) -> dict:
     """The same load again under ``py-spy record`` on the stub and the frontend: samples per stage."""
     duration = max(5, int(args.py_spy_seconds))
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -631,7 +633,7 @@ def _py_spy_pass(args, run, server, meter: CpuMeter, streams: int, tmp: str) -> 
         if pid:
             path = Path(args.out) / f"py-spy-{name.replace(' ', '-')}-{streams}.txt"
             recorders[name] = (start_py_spy(pid, path, duration), path)
-    run(args.requests_per_stream)
+    run_again()
     stages = {}
     for name, (process, path) in recorders.items():
         try:
