@@ -234,7 +234,7 @@ def test_user_turns_stay_distinct_past_the_corpus_and_serving_runs_never_repeat_
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     count = len(load_questions()) + 50
-    turns = user_turns(tokenizer, count, num_tokens=20)
+    turns = user_turns(tokenizer, count)
     assert len(set(turns)) == count
     assert prompts_needed([4, 16, 64], 3) == 4 * 4 + 16 * 4 + 64 * 4  # a warm-up request per stream, then 3
 
