@@ -213,6 +213,19 @@ inline vf16 load16<int8_t>(const int8_t* src) {
   return f;
 }
 
+// The sum of x[0 .. n): lane e of a vector sums x[e], x[e + 16], ..., then the lanes and the tail in order. An
+// explicit vector, so the order never depends on x's address (a loop the compiler may peel for alignment would
+// make a row's result depend on the buffer it sits in, and batch-invariant decoding on the rows beside it).
+inline float lane_sum(const float* x, int64_t n) {
+  vf16 lanes = {};
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) lanes += load16<float>(x + k);
+  float sum = 0.f;
+  for (int e = 0; e < 16; ++e) sum += lanes[e];
+  for (; k < n; ++k) sum += x[k];
+  return sum;
+}
+
 // ------------------------------------------------------------------------------------------------ rms_norm
 
 template <typename T>
@@ -527,10 +540,9 @@ struct DecodeItem {
 
   static inline float dot(const float* a, const float* b, int64_t hd) {
     const int64_t n = HD > 0 ? HD : hd;
-    if ((HD > 0 ? HD : hd) % 16 == 0) {
-      float lanes[16] = {0};
-      for (int64_t d = 0; d < n; d += 16)
-        for (int e = 0; e < 16; ++e) lanes[e] += a[d + e] * b[d + e];
+    if ((HD > 0 ? HD : hd) % 16 == 0) {  // lanes as lane_sum's, whatever the addresses of a and b
+      vf16 lanes = {};
+      for (int64_t d = 0; d < n; d += 16) lanes += load16<float>(a + d) * load16<float>(b + d);
       float s = 0.f;
       for (int e = 0; e < 16; ++e) s += lanes[e];
       return s;
@@ -572,15 +584,8 @@ struct DecodeItem {
       for (; k < n; ++k) mx = sj[k] > mx ? sj[k] : mx;
       const float corr = l[j] > 0.f ? std::exp(m[j] - mx) : 0.f;
       for (int64_t k2 = 0; k2 < n; ++k2) sj[k2] = exp_nonpositive(sj[k2] - mx);
-      float sums[16] = {0};
-      k = 0;
-      for (; k + 16 <= n; k += 16)
-        for (int e = 0; e < 16; ++e) sums[e] += sj[k + e];
-      float sum = 0.f;
-      for (int e = 0; e < 16; ++e) sum += sums[e];
-      for (; k < n; ++k) sum += sj[k];
       m[j] = mx;
-      l[j] = l[j] * corr + sum;
+      l[j] = l[j] * corr + lane_sum(sj, n);
       for (int64_t d = 0; d < hd; ++d) acc[j][d] *= corr;
     }
     // Pass 2: acc += w * v.
@@ -683,14 +688,8 @@ struct DecodeItemVec {
       const float mx = std::max(m[j], lane_max(sj, n));
       corr[j] = l[j] > 0.f ? std::exp(m[j] - mx) : 0.f;
       for (int64_t k = 0; k < n; ++k) sj[k] = exp_nonpositive(sj[k] - mx);
-      vf16 lanes = {};  // lane e sums weights e, e + 16, ... whatever the address of scores (see rms_norm_rows)
-      int64_t k = 0;
-      for (; k + 16 <= n; k += 16) lanes += load16<float>(sj + k);
-      float sum = 0.f;
-      for (; k < n; ++k) sum += sj[k];
-      for (int e = 0; e < 16; ++e) sum += lanes[e];
       m[j] = mx;
-      l[j] = l[j] * corr[j] + sum;
+      l[j] = l[j] * corr[j] + lane_sum(sj, n);
     }
     // Pass 2: acc_j = corr_j * acc_j + sum_t w_jt v_t, the accumulators in registers: all G heads at once, or
     // (G == 0) the g heads in blocks of up to kValueHeads, each V row widened once per block.
