@@ -37,7 +37,8 @@ lint: venv
 
 # The tests of the CPU kernels and the INT8 / bf16 layers under every kernel path this CPU can run
 # (engine/kernel_paths.py): a test cannot pass only on the path the CPU picks.
-KERNEL_TESTS := tests/engine/test_engine_cpu_ops.py tests/engine/test_int8.py tests/engine/test_engine_int8.py tests/engine/test_engine_greedy.py
+KERNEL_TESTS := tests/engine/test_engine_cpu_ops.py tests/engine/test_int8.py tests/engine/test_engine_int8.py tests/engine/test_engine_greedy.py \
+  tests/engine/test_fused_decode.py
 test-kernel-paths: venv
 	for path in $$(grep -q amx_int8 /proc/cpuinfo && echo amx) vnni onednn torch; do \
 	  echo "== --cpu-kernel-path=$$path"; \

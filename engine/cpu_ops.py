@@ -24,6 +24,9 @@ epilogues of the packed linears.
 decoder layer of a weight-only INT8 model for a few tokens in one call, through those operators and
 the INT8 GEMV: a small draft model's forward is otherwise as much Python and op dispatch as
 reading its weights.
+``torch.ops.lmforge_decode.decode_layers`` (same source) does the same for the engine's own decode steps of a few
+tokens with float, weight-only INT8 and ``w8a8`` linears, each on the kernel the op-by-op forward runs it on
+(``engine.model.Model.fused_decode_rows``).
 
 They are built on first use (``engine.native.NativeKernels``, 15-25 s once, cached);
 where they cannot be built every function here runs its torch equivalent, and
@@ -373,6 +376,74 @@ def int8_decode_layers(
         weights,
         scales,
         biases,
+        norms,
+        kv_cache,
+        cos,
+        signed_sin,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        eps,
+    )
+
+
+def decode_layers_available() -> bool:
+    """Whether ``decode_layers`` can run: the engine's kernels and this op are built and enabled (each linear's own
+    kernel is checked by the caller, ``engine.model.Model.fused_decode_weights``)."""
+    return KERNELS.available and DECODE_KERNELS.available
+
+
+def decode_layers(
+    h: torch.Tensor,
+    weights: list[torch.Tensor],
+    weight_sums: list[torch.Tensor | None],
+    scales: list[torch.Tensor | None],
+    biases: list[torch.Tensor | None],
+    hadamard_blocks: list[int],
+    norms: list[torch.Tensor | None],
+    kv_cache: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """Every decoder layer of the engine's own decode step of a few tokens in one C++ call.
+
+    The ops, arguments and order of ``engine.model.Model.forward`` for such a step (RMSNorm, each linear on the
+    kernel it runs at that row count with its residual-add or SwiGLU epilogue, ``rope_and_cache``,
+    ``paged_decode_attention``), so the same bits; the Python and op dispatch between them are what it saves.
+
+    Args:
+        h: ``[N, hidden]`` embeddings in the model dtype (bf16 or float32), ``1 <= N <= 8``.
+        weights, weight_sums, scales, biases, hadamard_blocks: per layer ``qkv, o, [gate; up], down``
+            (``4 * num_layers`` each): a ``w8a8`` linear has its int8 ``[out, in]`` weight, int32 row sums,
+            float32 scales, bias and input Hadamard block (0: none; ``lmforge_int8::w8a8_gemv``); a weight-only
+            INT8 one its weight, ``None``, scales, bias, 0 (``weight_only_mm``); a float one its plain weight,
+            ``None``, ``None``, bias, 0 (``float_gemv``).
+        norms: per layer the input and post-attention RMSNorm weights (``[hidden]`` or ``None``).
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in h's dtype, or int8 ``[...,
+            head_dim + 2]`` (written).
+        cos, signed_sin: ``[N, head_dim]`` float32 rotary tables at the tokens' positions.
+        slot_mapping: ``[N]`` int64 cache slot of each token.
+        block_tables: ``[N, max_blocks]`` int64 block table of each token's sequence.
+        seq_lens: ``[N]`` int64 each token's position + 1.
+
+    Returns:
+        ``[N, hidden]`` hidden states after the last layer (before the final norm), in h's dtype.
+    """
+    return DECODE_KERNELS.ops.decode_layers(
+        h,
+        weights,
+        weight_sums,
+        scales,
+        biases,
+        hadamard_blocks,
         norms,
         kv_cache,
         cos,

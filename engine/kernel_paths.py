@@ -1,7 +1,7 @@
 """Force one CPU kernel path for the whole process, so each path's tests run on any machine that can run it.
 
 The engine picks its CPU kernels by what the CPU reports (``engine.platform``): AMX-INT8 tiles, the
-AVX-512 VNNI kernels (fused W8A8 epilogues, the weight-only INT8 GEMV, the one-call INT8 decoder), oneDNN's
+AVX-512 VNNI kernels (fused W8A8 epilogues, the weight-only INT8 GEMV, the one-call decoder), oneDNN's
 own int8 and bf16 ops, or plain torch ops. ``force_cpu_kernel_path`` holds every kernel above the chosen
 path off (``NativeKernels.forbid``): a later ``enable(True)`` does not bring it back.
 

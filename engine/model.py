@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_ops
+from engine.attention import TorchAttentionMetadata
 from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.store import CheckpointError
 from engine.config import SUPPORTED_DTYPES
@@ -164,6 +165,10 @@ PACKED_MIN_ROWS = 4
 BATCH_INVARIANT_TILE_ROWS = 32
 
 
+#: Most tokens of a decode step that ``cpu_ops.decode_layers`` runs (its limit; each linear's few-row kernel may take
+#: fewer: ``Model.fused_decode_rows``).
+FUSED_DECODE_MAX_ROWS = 8
+
 #: Most rows of a float linear that run on the engine's GEMV (``cpu_ops.float_gemv``) where it is the faster path
 #: (``float_gemv_fast``). Medians of 5, ms for a step's 120 layer linears of SmolLM2-135M streamed from memory on a
 #: 2-core AMD EPYC (docs/engine.md), GEMV at 1 / 2 / 3 / 4 rows against oneDNN's packed GEMM at 4 rows: fp32 15.4 /
@@ -254,6 +259,19 @@ class Linear:
         """Run inputs of 1 to ``rows`` rows (0: none) on ``cpu_ops.float_gemv`` over the plain float weight (an INT8
         layer, or one held only packed, keeps its own path; an input of no rows takes the usual one)."""
         self.gemv_rows = rows if self.weight is not None and self.int8_layer is None else 0
+
+    def decode_gemv_args(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """``(weight, row sums, scale, bias, input Hadamard block)`` of this linear for ``cpu_ops.decode_layers``
+        where inputs of ``rows`` rows run a kernel that op calls (the INT8 layer's own answer; a float layer's
+        ``float_gemv``), else ``None``."""
+        if self.tile_rows is not None:
+            return None
+        if self.int8_layer is not None:
+            fn = getattr(self.int8_layer, "decode_gemv_args", None)
+            return None if fn is None else fn(rows, dtype)
+        if rows > self.gemv_rows or self.weight is None or self.weight.dtype != dtype:
+            return None
+        return (self.weight, None, None, self.bias, 0)
 
     def invariant_tiles(self, tile_rows: int, min_rows: int) -> None:
         """Batch-invariant mode: every call runs in calls of at most ``tile_rows`` rows, each padded with zero
@@ -533,6 +551,7 @@ class Model:
         sin = emb.sin()
         self.rope_signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device)
         self._int8_decode: tuple | bool | None = None  # int8_decode_weights(), collected on first use
+        self._decode_args: tuple | None = None  # (rows, decode_layers' weight lists), by fused_decode_rows()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn, attn_metadata, lora=None
@@ -552,6 +571,22 @@ class Model:
         s = self.spec
         eps = s.rms_norm_eps
         n = input_ids.shape[0]
+        fused = self._fused_decode(n, kv_cache, attn, attn_metadata, lora)
+        if fused is not None:
+            block_tables, seq_lens = fused
+            return cpu_ops.decode_layers(
+                self.embed[input_ids],
+                *self._decode_args[1],
+                kv_cache,
+                self.rope_cos[positions],
+                self.rope_signed_sin[positions],
+                attn_metadata.slot_mapping,
+                block_tables,
+                seq_lens,
+                s.num_attention_heads,
+                s.num_key_value_heads,
+                eps,
+            )
         q_size, kv_size = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
         num_heads, num_kv_heads = s.num_attention_heads, s.num_key_value_heads
         cos2, sin2 = self.rope_cos[positions], self.rope_signed_sin[positions]  # [N, head_dim]
@@ -590,6 +625,44 @@ class Model:
             if lora is not None:
                 h = lora.apply(layer_idx, "down", act, h)
         return h[:n]
+
+    def _fused_decode(self, n: int, kv_cache: torch.Tensor, attn, attn_metadata, lora) -> tuple | None:
+        """``(block_tables [n, blocks], seq_lens [n])`` when this step runs every layer in one
+        ``cpu_ops.decode_layers`` call, else ``None``: ``n`` single-token decodes, no LoRA, each attending every
+        key of its own table (no shared-prefix split), and every op of the layer on the C++ kernel ``forward``
+        would call for ``n`` rows (so the same bits; ``fused_decode_rows``)."""
+        if lora is not None or n > self.fused_decode_rows() or not isinstance(attn_metadata, TorchAttentionMetadata):
+            return None
+        group = attn_metadata.decode
+        if (
+            group is None
+            or attn_metadata.prefill is not None
+            or attn_metadata.rows is not None
+            or attn_metadata.num_decode_tokens != n
+            or group.shared_blocks is not None
+            or attn.sliding_window is not None
+            or kv_cache.dtype not in (self.dtype, torch.int8)
+            or not attn.stores_kv_separately
+        ):
+            return None
+        return group.block_tables, group.seq_lens
+
+    def fused_decode_rows(self) -> int:
+        """Most tokens a decode step may have to run in one ``cpu_ops.decode_layers`` call (0: never): where every
+        linear's few-row kernel, the C++ RMSNorm, rotary and attention run, and the rows need no padding."""
+        if self._decode_args is None:
+            self._decode_args = (0, None)
+            dtype = self.dtype
+            norm_kernel = dtype == torch.bfloat16 or (dtype == torch.float32 and fp32_one_pass_norm())
+            if self.device == "cpu" and norm_kernel and self.spec.head_dim <= 256 and cpu_ops.decode_layers_available():
+                linears = [lin for lw in self.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+                for rows in range(FUSED_DECODE_MAX_ROWS, 0, -1):
+                    args = [lin.decode_gemv_args(rows, dtype) for lin in linears]
+                    if all(a is not None for a in args) and self.pad_target(rows) == 1:
+                        norms = [norm for lw in self.layers for norm in (lw.input_norm, lw.post_norm)]
+                        self._decode_args = (rows, [list(column) for column in zip(*args)] + [norms])
+                        break
+        return self._decode_args[0]
 
     def pad_target(self, n: int) -> int:
         """Rows a step of ``n`` tokens runs its linears with: ``n`` where the GEMV takes it (``gemv_rows``), else at

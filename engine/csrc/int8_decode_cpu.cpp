@@ -16,6 +16,15 @@
 //   lmforge_int8_gemv::weight_only_mm (with its residual and silu_mul epilogues) must be loaded. A source of its
 //   own, so that adding it does not change how the compiler builds (and rounds in) those kernels. The switches
 //   engine.cpu_ops.use_cpu_kernels / weight_only_cpu_kernel are checked by its Python caller, not here.
+// lmforge_decode::decode_layers(h [N, H] bf16 / fp32, weights, weight_sums, scales, biases, hadamard_blocks, norms,
+//     kv_cache, cos, signed_sin, slot_mapping, block_tables, seq_lens, num_heads, num_kv, eps) -> [N, H]
+//   the same layer loop for the engine's own decode steps of N <= 8 tokens (each a row of the decode kernel), with
+//   each linear run as engine/model.py's op-by-op forward runs it at that row count: a w8a8 layer (a weight_sums
+//   entry: its int8 weight's row sums) by lmforge_int8::w8a8_gemv, after lmforge_int8::block_hadamard of its input
+//   where hadamard_blocks gives a block (> 0); a weight-only INT8 layer (a scale, no row sums) by
+//   lmforge_int8_gemv::weight_only_mm; a float layer (no scale) by lmforge_float_gemv::mm, each with its residual or
+//   SwiGLU epilogue. The same ops, arguments and order as the op-by-op forward, so the same bits; what it saves is
+//   the Python and dispatch between ~10 ops a layer (docs/engine.md). The ops it names must be loaded.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -76,6 +85,91 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   return op.call(x, w, *scale, bias, residual, silu_mul);
 }
 
+at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_sum, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, bool silu_mul) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, bool)>(
+          "lmforge_int8::w8a8_gemv");
+  return op.call(x, w, w_sum, scale, bias, residual, silu_mul);
+}
+
+at::Tensor block_hadamard(const at::Tensor& x, int64_t block) {
+  static const auto op = find_op<at::Tensor(const at::Tensor&, int64_t)>("lmforge_int8::block_hadamard");
+  return op.call(x, block);
+}
+
+at::Tensor float_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                      const c10::optional<at::Tensor>& residual, bool silu_mul) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                         const c10::optional<at::Tensor>&, bool)>("lmforge_float_gemv::mm");
+  return op.call(x, w, bias, residual, silu_mul);
+}
+
+// One linear of decode_layers, as the op-by-op forward runs it (see the header).
+at::Tensor engine_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& w_sum,
+                         const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias,
+                         int64_t hadamard, const c10::optional<at::Tensor>& residual, bool silu_mul) {
+  if (w_sum.has_value()) {
+    TORCH_CHECK(scale.has_value(), "decode_layers: a w8a8 layer needs its scale");
+    return w8a8_gemv(hadamard > 0 ? block_hadamard(x, hadamard) : x, w, *w_sum, *scale, bias, residual, silu_mul);
+  }
+  TORCH_CHECK(hadamard == 0, "decode_layers: an input rotation belongs to a w8a8 layer");
+  if (scale.has_value()) {
+    static const auto op =
+        find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                           const c10::optional<at::Tensor>&, bool)>("lmforge_int8_gemv::weight_only_mm");
+    return op.call(x, w, *scale, bias, residual, silu_mul);
+  }
+  return float_gemv(x, w, bias, residual, silu_mul);
+}
+
+at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights,
+                         const c10::List<c10::optional<at::Tensor>>& weight_sums,
+                         const c10::List<c10::optional<at::Tensor>>& scales,
+                         const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef hadamard_blocks,
+                         const c10::List<c10::optional<at::Tensor>>& norms, const at::Tensor& kv_cache,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv,
+                         double eps) {
+  const int64_t num_layers = static_cast<int64_t>(weights.size()) / 4;
+  const auto count = static_cast<size_t>(4 * num_layers);
+  TORCH_CHECK((h_in.scalar_type() == at::kBFloat16 || h_in.scalar_type() == at::kFloat) && h_in.dim() == 2 &&
+                  h_in.size(0) >= 1 && h_in.size(0) <= 8,
+              "decode_layers: h must be bf16 or float32 [N, H] with 1 <= N <= 8");
+  TORCH_CHECK(num_layers >= 1 && weights.size() == count && weight_sums.size() == count && scales.size() == count &&
+                  biases.size() == count && hadamard_blocks.size() == count &&
+                  static_cast<int64_t>(norms.size()) == 2 * num_layers,
+              "decode_layers: give 4 weights, row sums, scales, biases and Hadamard blocks and 2 norms per layer");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers && kv_cache.size(1) == 2,
+              "decode_layers: kv_cache must be [L, 2, num_blocks, block_size, Hkv, hd] (int8: hd + 2)");
+  TORCH_CHECK(cos.dim() == 2, "decode_layers: cos must be [N, hd]");
+  // head_dim ** -0.5 as Python computes it (engine.cpu_ops.paged_decode_attention)
+  const double scale = std::pow(static_cast<double>(cos.size(1)), -0.5);
+  static const auto attention_op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
+                         int64_t, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, bool)>(
+          "lmforge_engine::paged_decode_attention");
+  at::Tensor h = h_in.contiguous();
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor cache = kv_cache.select(0, l);  // [2, num_blocks, block_size, Hkv, hd]
+    auto linear = [&](int64_t j, const at::Tensor& x, const c10::optional<at::Tensor>& residual, bool silu_mul) {
+      const int64_t i = 4 * l + j;
+      return engine_linear(x, weights[i], weight_sums.get(i), scales.get(i), biases.get(i), hadamard_blocks[i],
+                           residual, silu_mul);
+    };
+    at::Tensor x = rms_norm(h, norms.get(2 * l), eps);
+    const at::Tensor q = rope_and_cache(linear(0, x, c10::nullopt, false), cos, sin, cache, slot_mapping, num_heads, num_kv);
+    const at::Tensor attn =
+        attention_op.call(q, cache, block_tables, seq_lens, 0, scale, 0, c10::nullopt, c10::nullopt, true);
+    h = linear(1, attn, h, false);
+    x = rms_norm(h, norms.get(2 * l + 1), eps);
+    h = linear(3, linear(2, x, c10::nullopt, true), h, false);
+  }
+  return h;
+}
+
 at::Tensor int8_decode_layers(const at::Tensor& h_in, at::TensorList weights,
                               const c10::List<c10::optional<at::Tensor>>& scales,
                               const c10::List<c10::optional<at::Tensor>>& biases,
@@ -120,4 +214,9 @@ TORCH_LIBRARY(lmforge_decode, m) {
       "Tensor(a!) kv_cache, Tensor cos, Tensor signed_sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "int num_heads, int num_kv, float eps) -> Tensor",
       &int8_decode_layers);
+  m.def(
+      "decode_layers(Tensor h, Tensor[] weights, Tensor?[] weight_sums, Tensor?[] scales, Tensor?[] biases, "
+      "int[] hadamard_blocks, Tensor?[] norms, Tensor(a!) kv_cache, Tensor cos, Tensor signed_sin, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv, float eps) -> Tensor",
+      &decode_layers);
 }

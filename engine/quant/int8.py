@@ -81,6 +81,8 @@ WEIGHT_ONLY_MAX_ROWS = 8
 #: ``w8a8`` inputs of at most this many rows run the weight-only kernel on CPUs without AMX-INT8 (see
 #: ``W8A8Linear``): oneDNN's int8 GEMM of one row is slower than the packed bf16 GEMV there.
 W8A8_GEMV_MAX_ROWS = 4
+#: Activation dtypes of the CPU kernels (the few-row GEMVs, ``block_hadamard``).
+CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,6 +330,13 @@ class Int8WeightOnlyLinear(_Int8Linear):
             and _GEMV.available
         )
 
+    def decode_gemv_args(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """``(weight_int8, None, weight_scale, bias, 0)`` for ``engine.cpu_ops.decode_layers`` where inputs of ``rows``
+        rows in ``dtype`` run ``weight_only_mm`` here (``forward``, ``add`` and ``silu_mul`` all do), else ``None``."""
+        if rows > WEIGHT_ONLY_MAX_ROWS or self.weight_int8.device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES:
+            return None
+        return (self.weight_int8, None, self.weight_scale, self.bias, 0) if _GEMV.available else None
+
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)`` (``[N, in]``, ``[N, out]`` in x's dtype); in the decode kernel's epilogue where it
         runs (the same two roundings)."""
@@ -540,6 +549,24 @@ class W8A8Linear(_Int8Linear):
         xm, packed, xo, packed_outlier = self._amx_args(x2, gated=True)
         y = _AMX.ops.linear_silu_mul(xm, packed, self.weight_scale, self.bias, half, xo, packed_outlier)
         return y.reshape(*x.shape[:-1], half)
+
+    def decode_gemv_args(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """``(weight_int8, row sums, weight_scale, bias, input Hadamard block or 0)`` for
+        ``engine.cpu_ops.decode_layers`` where inputs of ``rows`` rows in ``dtype`` run ``w8a8_gemv`` here (after the
+        C++ ``block_hadamard``), else ``None``: the conditions of ``_gemv_input``, ``_gemv`` and ``block_hadamard``."""
+        if (
+            rows > W8A8_GEMV_MAX_ROWS
+            or self.weight_int8.device.type != "cpu"
+            or dtype not in CPU_KERNEL_DTYPES
+            or _use_amx()
+            or not _GEMV.available
+            or not (_use_fused() and _vnni_cpu())
+        ):
+            return None
+        weight, weight_sum, scale, bias = self._gemv_weights()
+        if weight_sum is None:  # outlier channels: the weight-only kernel runs instead
+            return None
+        return weight, weight_sum, scale, bias, self.input_hadamard or 0
 
     def _gemv_input(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x`` as ``[M, in]`` when it runs the weight-only kernel (few rows, CPU without AMX), else None."""
