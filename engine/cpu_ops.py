@@ -20,13 +20,10 @@ in a bf16 / fp32 step on CPU:
 plain fp32 or bf16 weight, reading each weight row once for all of them, with the residual-add and SwiGLU
 epilogues of the packed linears.
 
-``torch.ops.lmforge_decode.int8_decode_layers`` (``csrc/int8_decode_cpu.cpp``, bf16) runs every
-decoder layer of a weight-only INT8 model for a few tokens in one call, through those operators and
-the INT8 GEMV: a small draft model's forward is otherwise as much Python and op dispatch as
-reading its weights.
-``torch.ops.lmforge_decode.decode_layers`` (same source) does the same for the engine's own decode steps of a few
-tokens with float, weight-only INT8 and ``w8a8`` linears, each on the kernel the op-by-op forward runs it on
-(``engine.model.Model.fused_decode_rows``).
+``torch.ops.lmforge_decode.decode_layers`` (``csrc/int8_decode_cpu.cpp``) runs every decoder layer of a decode step
+of a few tokens in one call, through those operators and the few-row GEMVs of each linear (float, weight-only INT8,
+``w8a8``): such a step is otherwise as much Python and op dispatch as reading the weights. The engine's steps
+(``engine.model.Model.fused_decode_rows``) and an INT8 draft's forwards (``engine.spec_decode``) use it.
 
 They are built on first use (``engine.native.NativeKernels``, 15-25 s once, cached);
 where they cannot be built every function here runs its torch equivalent, and
@@ -41,14 +38,14 @@ import torch.nn.functional as F
 
 from engine.native import CSRC, NativeKernels
 from engine.platform import vector_cflags
-from engine.quant.int8 import weight_only_cpu_kernel
+from engine.quant.int8 import cpu_kernel_switches, weight_only_cpu_kernel
 
 #: The C++ source of ``torch.ops.lmforge_engine``.
 KERNEL_SOURCE = CSRC / "cpu_ops.cpp"
 KERNELS = NativeKernels("lmforge_engine", KERNEL_SOURCE, "rope_and_cache", cflags=vector_cflags())
-#: ``torch.ops.lmforge_decode``: the decoder layers of a weight-only INT8 model in one call (``int8_decode_layers``).
+#: ``torch.ops.lmforge_decode``: the decoder layers of a decode step of a few tokens in one call (``decode_layers``).
 DECODE_KERNEL_SOURCE = CSRC / "int8_decode_cpu.cpp"
-DECODE_KERNELS = NativeKernels("lmforge_decode", DECODE_KERNEL_SOURCE, "int8_decode_layers", cflags=vector_cflags())
+DECODE_KERNELS = NativeKernels("lmforge_decode", DECODE_KERNEL_SOURCE, "decode_layers", cflags=vector_cflags())
 _DTYPES = (torch.bfloat16, torch.float32)
 #: ``torch.ops.lmforge_float_gemv``: few-row float linears on the plain weight (``float_gemv``). Default flags (no
 #: reassociation): a row's sums are added in one fixed order whatever the row count.
@@ -324,69 +321,15 @@ def lora_apply(
 
 
 def int8_decode_available() -> bool:
-    """Whether ``int8_decode_layers`` runs: the engine's kernels, the INT8 GEMV and this op are built and enabled
-    (``use_cpu_kernels(False)`` or ``engine.quant.int8.weight_only_cpu_kernel(False)`` turn it off too)."""
+    """Whether an INT8 draft's ``decode_layers`` runs: the engine's kernels, the INT8 GEMV and this op are built and
+    enabled (``use_cpu_kernels(False)`` or ``engine.quant.int8.weight_only_cpu_kernel(False)`` turn it off too)."""
     return KERNELS.available and weight_only_cpu_kernel() and DECODE_KERNELS.available
 
 
-def int8_decode_layers(
-    h: torch.Tensor,
-    weights: list[torch.Tensor],
-    scales: list[torch.Tensor | None],
-    biases: list[torch.Tensor | None],
-    norms: list[torch.Tensor | None],
-    kv_cache: torch.Tensor,
-    cos: torch.Tensor,
-    signed_sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    eps: float,
-) -> torch.Tensor:
-    """All decoder layers of a Llama-style model with weight-only INT8 linears, for a few tokens, in C++.
-
-    The same ops and bf16 roundings as ``engine.model.Model.forward`` (RMSNorm, the INT8 GEMV of
-    ``engine.quant.int8`` with its residual-add and SwiGLU epilogues, ``rope_and_cache``,
-    ``paged_decode_attention``), without a Python call between them: bit for bit where every linear is
-    INT8. A linear the quantizer kept in float runs ``F.linear`` on its plain weight (the engine's
-    unpacked path), where the engine runs oneDNN's packed weight with fused post-ops: the same
-    function, other roundings. Callers check
-    ``int8_decode_available()`` (``Model.int8_decode_weights`` does).
-
-    Args:
-        h: ``[N, hidden]`` bf16 embeddings, ``1 <= N <= 8``.
-        weights, scales, biases: per layer ``qkv, o, [gate; up], down``: int8 ``[out, in]``, float32
-            ``[out]`` and float32 ``[out]`` or ``None`` (``4 * num_layers`` each); a linear kept in float
-            has its bf16 ``[out, in]`` weight, scale ``None`` and a bf16 bias or ``None`` (``F.linear``).
-        norms: per layer the input and post-attention RMSNorm weights (``[hidden]`` bf16 or ``None``).
-        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` bf16, or int8 ``[...,
-            head_dim + 2]`` (written).
-        cos, signed_sin: ``[N, head_dim]`` float32 rotary tables at the tokens' positions.
-        slot_mapping: ``[N]`` int64 cache slot of each token.
-        block_tables: ``[N, max_blocks]`` int64: the block table of each token's sequence.
-        seq_lens: ``[N]`` int64: each token's position + 1 (it attends to the keys before it and itself).
-
-    Returns:
-        ``[N, hidden]`` bf16 hidden states after the last layer (before the final norm).
-    """
-    return DECODE_KERNELS.ops.int8_decode_layers(
-        h,
-        weights,
-        scales,
-        biases,
-        norms,
-        kv_cache,
-        cos,
-        signed_sin,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        num_heads,
-        num_kv_heads,
-        eps,
-    )
+def kernel_switches() -> tuple[bool | None, ...]:
+    """The state of each of the engine's C++ kernel sets (``use_cpu_kernels`` and the INT8 layers' switches; ``None``:
+    not loaded yet), read without loading any."""
+    return (KERNELS.state, DECODE_KERNELS.state, FLOAT_GEMV_KERNELS.state, *cpu_kernel_switches())
 
 
 def decode_layers_available() -> bool:
@@ -412,8 +355,9 @@ def decode_layers(
     num_heads: int,
     num_kv_heads: int,
     eps: float,
+    float_aten: bool = False,
 ) -> torch.Tensor:
-    """Every decoder layer of the engine's own decode step of a few tokens in one C++ call.
+    """Every decoder layer of a decode step of a few tokens in one C++ call.
 
     The ops, arguments and order of ``engine.model.Model.forward`` for such a step (RMSNorm, each linear on the
     kernel it runs at that row count with its residual-add or SwiGLU epilogue, ``rope_and_cache``,
@@ -425,7 +369,8 @@ def decode_layers(
             (``4 * num_layers`` each): a ``w8a8`` linear has its int8 ``[out, in]`` weight, int32 row sums,
             float32 scales, bias and input Hadamard block (0: none; ``lmforge_int8::w8a8_gemv``); a weight-only
             INT8 one its weight, ``None``, scales, bias, 0 (``weight_only_mm``); a float one its plain weight,
-            ``None``, ``None``, bias, 0 (``float_gemv``).
+            ``None``, ``None``, bias, 0 (``float_gemv``; with ``float_aten`` ``F.linear`` and the add or SwiGLU as
+            torch ops: the unpacked path of an INT8 draft's float-kept layers).
         norms: per layer the input and post-attention RMSNorm weights (``[hidden]`` or ``None``).
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in h's dtype, or int8 ``[...,
             head_dim + 2]`` (written).
@@ -454,4 +399,5 @@ def decode_layers(
         num_heads,
         num_kv_heads,
         eps,
+        float_aten,
     )

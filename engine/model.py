@@ -271,7 +271,7 @@ class Linear:
             return None if fn is None else fn(rows, dtype)
         if rows > self.gemv_rows or self.weight is None or self.weight.dtype != dtype:
             return None
-        return (self.weight, None, None, self.bias, 0)
+        return (self.weight, None, None, self.bias, 0) if cpu_ops.float_gemv_available() else None
 
     def invariant_tiles(self, tile_rows: int, min_rows: int) -> None:
         """Batch-invariant mode: every call runs in calls of at most ``tile_rows`` rows, each padded with zero
@@ -551,7 +551,8 @@ class Model:
         sin = emb.sin()
         self.rope_signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device)
         self._int8_decode: tuple | bool | None = None  # int8_decode_weights(), collected on first use
-        self._decode_args: tuple | None = None  # (rows, decode_layers' weight lists), by fused_decode_rows()
+        # (rows, decode_layers' weight lists, the kernel switches they were chosen under), by fused_decode_rows()
+        self._decode_args: tuple | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn, attn_metadata, lora=None
@@ -649,19 +650,26 @@ class Model:
 
     def fused_decode_rows(self) -> int:
         """Most tokens a decode step may have to run in one ``cpu_ops.decode_layers`` call (0: never): where every
-        linear's few-row kernel, the C++ RMSNorm, rotary and attention run, and the rows need no padding."""
-        if self._decode_args is None:
-            self._decode_args = (0, None)
+        linear's few-row kernel, the C++ RMSNorm, rotary and attention run, and the rows need no padding. Chosen
+        again when a kernel switch changes (``cpu_ops.use_cpu_kernels(False)`` turns it off)."""
+        switches = cpu_ops.kernel_switches()
+        if self._decode_args is None or self._decode_args[2] != switches:
+            self._decode_args = (0, None, switches)
             dtype = self.dtype
             norm_kernel = dtype == torch.bfloat16 or (dtype == torch.float32 and fp32_one_pass_norm())
-            if self.device == "cpu" and norm_kernel and self.spec.head_dim <= 256 and cpu_ops.decode_layers_available():
+            if self.device == "cpu" and norm_kernel and self.spec.head_dim <= 256:
                 linears = [lin for lw in self.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
                 for rows in range(FUSED_DECODE_MAX_ROWS, 0, -1):
                     args = [lin.decode_gemv_args(rows, dtype) for lin in linears]
+                    # the op itself is built only once every linear has a few-row kernel here
                     if all(a is not None for a in args) and self.pad_target(rows) == 1:
-                        norms = [norm for lw in self.layers for norm in (lw.input_norm, lw.post_norm)]
-                        self._decode_args = (rows, [list(column) for column in zip(*args)] + [norms])
+                        if cpu_ops.decode_layers_available():
+                            norms = [norm for lw in self.layers for norm in (lw.input_norm, lw.post_norm)]
+                            columns = [list(column) for column in zip(*args)] + [norms]
+                            self._decode_args = (rows, columns, cpu_ops.kernel_switches())
                         break
+            if not self._decode_args[0]:  # as loaded by the look above
+                self._decode_args = (0, None, cpu_ops.kernel_switches())
         return self._decode_args[0]
 
     def pad_target(self, n: int) -> int:
@@ -669,17 +677,18 @@ class Model:
         least ``min_rows`` (zero rows added)."""
         return 1 if 0 < n <= self.gemv_rows else self.min_rows
 
-    def int8_decode_weights(self) -> tuple[list, list, list, list] | None:
-        """``(weights, scales, biases, norms)`` of every layer for ``cpu_ops.int8_decode_layers``, or ``None`` where
-        it cannot run this model: not bf16 on CPU, no weight-only INT8 linear or a ``w8a8`` one, a sliding window,
-        or the C++ kernels (the engine's, the INT8 GEMV, the op itself) not built or disabled."""
+    def int8_decode_weights(self) -> tuple[list, ...] | None:
+        """``(weights, row sums, scales, biases, Hadamard blocks, norms)`` of every layer for an INT8 draft's
+        ``cpu_ops.decode_layers`` (with ``float_aten``: a float-kept layer on ``F.linear``), or ``None`` where it cannot
+        run this model: not bf16 on CPU, no weight-only INT8 linear or a ``w8a8`` one, a sliding window, or the C++
+        kernels (the engine's, the INT8 GEMV, the op itself) not built or disabled."""
         if self._int8_decode is None:
             self._int8_decode = self._collect_int8_decode() or False
         if not self._int8_decode or not cpu_ops.int8_decode_available():
             return None
         return self._int8_decode
 
-    def _collect_int8_decode(self) -> tuple[list, list, list, list] | None:
+    def _collect_int8_decode(self) -> tuple[list, ...] | None:
         if self.device != "cpu" or self.dtype != torch.bfloat16 or self.spec.sliding_window is not None:
             return None
         layers = [(lw.qkv, lw.o, lw.gate_up, lw.down) for lw in self.layers]
@@ -701,7 +710,8 @@ class Model:
                     scales.append(int8.weight_scale)
                     biases.append(int8.bias)
             norms += [lw.input_norm, lw.post_norm]
-        return weights, scales, biases, norms
+        n = len(weights)
+        return weights, [None] * n, scales, biases, [0] * n, norms
 
     def compute_logits(
         self, hidden: torch.Tensor, float_logits: bool = True, mask: Callable[[torch.Tensor], None] | None = None

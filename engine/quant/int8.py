@@ -228,6 +228,13 @@ def _use_fused() -> bool:
     return _FUSED.available
 
 
+def cpu_kernel_switches() -> tuple[bool | None, ...]:
+    """The state of the weight-only GEMV, the fused ``w8a8`` and the AMX kernels (``None``: not loaded yet; reading it
+    loads nothing): a caller that caches a choice made from them (``engine.model.Model.fused_decode_rows``) makes it
+    again when one changes."""
+    return _GEMV.state, _FUSED.state, _AMX.state, _amx_tiles_granted
+
+
 def fused_cpu_kernels_reason() -> str:
     """Why the fused kernels are not in use ("" when they are, or were not tried yet)."""
     return _FUSED.reason
@@ -349,7 +356,7 @@ class Int8WeightOnlyLinear(_Int8Linear):
         """``silu(gate) * up`` of a ``[gate; up]`` layer (``[N, in] -> [N, out / 2]``); in the decode kernel's
         epilogue where it runs (the roundings of the torch ops; its SiLU's exp may differ from ATen's in the
         last float bit, which rarely moves a bf16 result), so the engine's op-by-op forward and
-        ``engine.cpu_ops.int8_decode_layers`` compute the same numbers."""
+        ``engine.cpu_ops.decode_layers`` compute the same numbers."""
         x2 = x.reshape(-1, x.shape[-1])
         if self.out_features % 2 == 0 and self._kernel_runs(x2):
             return _GEMV.ops.weight_only_mm(x2, self.weight_int8, self.weight_scale, self.bias, None, True)

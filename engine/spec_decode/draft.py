@@ -280,7 +280,7 @@ class DraftProposer:
         return self.head(rms_norm(hidden, r.model.norm, r.spec.rms_norm_eps)).float()
 
     def _fused_hidden(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Last hidden states ``[S, hidden]`` of the sampled rows from ``cpu_ops.int8_decode_layers``, or ``None``
+        """Last hidden states ``[S, hidden]`` of the sampled rows from ``cpu_ops.decode_layers``, or ``None``
         where it does not run (a float or ``w8a8`` draft, not bf16 on CPU, more than ``WEIGHT_ONLY_MAX_ROWS``
         tokens, e.g. a prompt's first catch-up).
 
@@ -317,7 +317,7 @@ class DraftProposer:
         device = self.runner.device
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         spec = model.spec
-        hidden = cpu_ops.int8_decode_layers(
+        hidden = cpu_ops.decode_layers(
             model.embed[torch.tensor(ids, dtype=torch.long, device=device)],
             *weights,
             self.runner.kv_cache,
@@ -329,6 +329,7 @@ class DraftProposer:
             spec.num_attention_heads,
             spec.num_key_value_heads,
             spec.rms_norm_eps,
+            float_aten=True,  # a float-kept layer as the draft's unpacked op-by-op path runs it
         )  # [N, hidden]
         return hidden if len(last) == len(ids) else hidden[torch.tensor(last, device=device)]
 

@@ -8,6 +8,7 @@ import pytest
 from engine import LLM, SamplingParams, cpu_ops
 from engine.checkpoint.store import make_tiny_llama
 from engine.model import Model
+from engine.quant.int8 import weight_only_cpu_kernel
 from tests.engine.test_engine_greedy import random_prompts
 from tests.engine.test_engine_int8 import write_int8_checkpoint
 
@@ -90,3 +91,18 @@ def test_a_step_that_also_prefills_keeps_the_op_by_op_forward(tmp_path, monkeypa
         engine.step()
     assert 2 in calls
     engine.check_invariants()
+
+
+def test_switching_the_cpu_kernels_off_turns_the_one_call_decode_off(tmp_path, kernel_path_allows):
+    kernel_path_allows("engine", "gemv", "decode")
+    src = make_tiny_llama(tmp_path / "fp32", seed=5, hidden_size=128, intermediate_size=256)
+    write_int8_checkpoint(src, tmp_path / "int8", "weight-only")
+    model = LLM(str(tmp_path / "int8"), dtype="bfloat16", **ENGINE).engine.runner.model
+    assert model.fused_decode_rows() == 8
+    for switch in (cpu_ops.use_cpu_kernels, weight_only_cpu_kernel):
+        try:
+            switch(False)
+            assert model.fused_decode_rows() == 0
+        finally:
+            switch(True)
+        assert model.fused_decode_rows() == 8

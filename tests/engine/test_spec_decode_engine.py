@@ -388,7 +388,7 @@ def test_int8_draft_keeps_a_reduced_int8_head(target_dir, noisy_draft_dir, promp
 
 def check_one_call_equals_op_by_op(int8_dir, monkeypatch, kv_cache_dtype: str | None = None) -> None:
     """A bf16 INT8 draft's forward of 3 requests with 1, 2 and 3 new tokens (crossing a block, one request
-    not sampling) through ``cpu_ops.int8_decode_layers`` gives the logits and KV writes of the op-by-op
+    not sampling) through ``cpu_ops.decode_layers`` gives the logits and KV writes of the op-by-op
     forward bit for bit (float layers unpacked there, as the op runs them), with a bf16 or an int8 KV cache."""
     from engine import cpu_ops
     from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -429,7 +429,7 @@ def test_bf16_int8_draft_runs_its_decoder_in_one_call_with_the_same_numbers(
     target_dir, noisy_draft_dir, prompts, reference, tmp_path, monkeypatch
 ):
     """A bf16 int8-weight-only draft runs its forwards of up to 8 tokens (steady rounds: a token or two per
-    request) through ``cpu_ops.int8_decode_layers`` with the numbers of the op-by-op forward (its float
+    request) through ``cpu_ops.decode_layers`` with the numbers of the op-by-op forward (its float
     unit kept); a prompt's catch-up keeps the op-by-op path. Greedy output stays the target's."""
     from compress.quantize.methods import quantize
     from engine import cpu_ops
@@ -439,8 +439,8 @@ def test_bf16_int8_draft_runs_its_decoder_in_one_call_with_the_same_numbers(
     check_one_call_equals_op_by_op(int8, monkeypatch)
 
     calls = []
-    op = cpu_ops.int8_decode_layers
-    monkeypatch.setattr(cpu_ops, "int8_decode_layers", lambda *args: calls.append(args[0].shape[0]) or op(*args))
+    op = cpu_ops.decode_layers
+    monkeypatch.setattr(cpu_ops, "decode_layers", lambda *args: calls.append(args[0].shape[0]) or op(*args))
     llm = spec_llm(target_dir, "draft", int8, speculative_draft_dtype="bfloat16")
     assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
     assert calls and max(calls) <= 8
@@ -462,7 +462,8 @@ def test_one_call_draft_with_qkv_biases_and_every_linear_int8_and_its_switches(t
     check_one_call_equals_op_by_op(int8, monkeypatch, kv_cache_dtype="int8")  # the int8 KV cache read and written
     model = Model(int8, torch.bfloat16, "cpu", 64)
     weights = model.int8_decode_weights()
-    assert all(s is not None for s in weights[1]) and all(b is not None for b in weights[2][0::4])
+    _, _, scales, biases, _, _ = weights  # (weights, row sums, scales, biases, Hadamard blocks, norms)
+    assert all(s is not None for s in scales) and all(b is not None for b in biases[0::4])
     for switch in (weight_only_cpu_kernel, cpu_ops.use_cpu_kernels):
         try:
             switch(False)
