@@ -334,7 +334,7 @@ def kernel_switches() -> tuple[bool | None, ...]:
 
 def decode_layers_available() -> bool:
     """Whether ``decode_layers`` can run: the engine's kernels and this op are built and enabled (each linear's own
-    kernel is checked by the caller, ``engine.model.Model.fused_decode_weights``)."""
+    kernel is checked by the caller, ``engine.model.Model.fused_decode_rows``)."""
     return KERNELS.available and DECODE_KERNELS.available
 
 

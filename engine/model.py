@@ -574,10 +574,10 @@ class Model:
         n = input_ids.shape[0]
         fused = self._fused_decode(n, kv_cache, attn, attn_metadata, lora)
         if fused is not None:
-            block_tables, seq_lens = fused
+            layer_args, block_tables, seq_lens = fused
             return cpu_ops.decode_layers(
                 self.embed[input_ids],
-                *self._decode_args[1],
+                *layer_args,
                 kv_cache,
                 self.rope_cos[positions],
                 self.rope_signed_sin[positions],
@@ -628,8 +628,8 @@ class Model:
         return h[:n]
 
     def _fused_decode(self, n: int, kv_cache: torch.Tensor, attn, attn_metadata, lora) -> tuple | None:
-        """``(block_tables [n, blocks], seq_lens [n])`` when this step runs every layer in one
-        ``cpu_ops.decode_layers`` call, else ``None``: ``n`` single-token decodes, no LoRA, each attending every
+        """``(the layers' weight lists, block_tables [n, blocks], seq_lens [n])`` when this step runs every layer in
+        one ``cpu_ops.decode_layers`` call, else ``None``: ``n`` single-token decodes, no LoRA, each attending every
         key of its own table (no shared-prefix split), and every op of the layer on the C++ kernel ``forward``
         would call for ``n`` rows (so the same bits; ``fused_decode_rows``)."""
         if lora is not None or n > self.fused_decode_rows() or not isinstance(attn_metadata, TorchAttentionMetadata):
@@ -646,15 +646,14 @@ class Model:
             or not attn.stores_kv_separately
         ):
             return None
-        return group.block_tables, group.seq_lens
+        return self._decode_args[1], group.block_tables, group.seq_lens
 
     def fused_decode_rows(self) -> int:
         """Most tokens a decode step may have to run in one ``cpu_ops.decode_layers`` call (0: never): where every
         linear's few-row kernel, the C++ RMSNorm, rotary and attention run, and the rows need no padding. Chosen
         again when a kernel switch changes (``cpu_ops.use_cpu_kernels(False)`` turns it off)."""
-        switches = cpu_ops.kernel_switches()
-        if self._decode_args is None or self._decode_args[2] != switches:
-            self._decode_args = (0, None, switches)
+        if self._decode_args is None or self._decode_args[2] != cpu_ops.kernel_switches():
+            rows_and_args = (0, None)
             dtype = self.dtype
             norm_kernel = dtype == torch.bfloat16 or (dtype == torch.float32 and fp32_one_pass_norm())
             if self.device == "cpu" and norm_kernel and self.spec.head_dim <= 256:
@@ -665,11 +664,10 @@ class Model:
                     if all(a is not None for a in args) and self.pad_target(rows) == 1:
                         if cpu_ops.decode_layers_available():
                             norms = [norm for lw in self.layers for norm in (lw.input_norm, lw.post_norm)]
-                            columns = [list(column) for column in zip(*args)] + [norms]
-                            self._decode_args = (rows, columns, cpu_ops.kernel_switches())
+                            rows_and_args = (rows, [list(column) for column in zip(*args)] + [norms])
                         break
-            if not self._decode_args[0]:  # as loaded by the look above
-                self._decode_args = (0, None, cpu_ops.kernel_switches())
+            # the switches as the look above left them (it may have loaded kernels)
+            self._decode_args = (*rows_and_args, cpu_ops.kernel_switches())
         return self._decode_args[0]
 
     def pad_target(self, n: int) -> int:
