@@ -47,9 +47,11 @@ def mkl_gemv_fast() -> bool:
 def float_gemv_fast() -> bool:
     """Whether the engine's float GEMV (``engine.cpu_ops.float_gemv``) streams a decode step's weights faster than
     oneDNN's packed GEMM: on AMD CPUs with AVX-512, where a step's linears at one row took 15.4 vs 19.4 ms in fp32 and
-    7.6 vs 16.3 in bf16 (2-core AMD EPYC, ``engine.model.FLOAT_GEMV_ROWS``); Intel CPUs keep oneDNN (and MKL's fp32
-    GEMV), not yet measured against it."""
-    return cpu_vendor() == "AuthenticAMD" and "avx512f" in cpu_flags()
+    7.6 vs 16.3 in bf16 (2-core AMD EPYC, ``engine.model.FLOAT_GEMV_ROWS``), and with AVX2 + FMA only, where one fp32
+    request alone decoded at 30.9 against 61.9 ms a token (2-core AVX2-only AMD EPYC, alternated in one process);
+    Intel CPUs keep oneDNN (and MKL's fp32 GEMV), not yet measured against it."""
+    flags = cpu_flags()
+    return cpu_vendor() == "AuthenticAMD" and ("avx512f" in flags or {"avx2", "fma"} <= flags)
 
 
 def onednn_bf16_supported() -> bool:

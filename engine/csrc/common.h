@@ -68,3 +68,26 @@ inline __m512 silu(__m512 g) {
 }  // namespace lmforge_vec
 
 #endif
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+namespace lmforge_vec {
+
+// The sum of the 8 floats of v: halves, then pairs, then the last two (one fixed order).
+inline float hsum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// The sum of the 8 int32 of v.
+inline int32_t hsum8_epi32(__m256i v) {
+  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i f = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(f, _mm_shuffle_epi32(f, 0xB1)));
+}
+
+}  // namespace lmforge_vec
+
+#endif

@@ -228,6 +228,34 @@ inline float lane_sum(const float* x, int64_t n) {
 
 // ------------------------------------------------------------------------------------------------ rms_norm
 
+// sum_k row[k]^2 in float32, the row as float32 into buf [cols]. Lane l of a 16-float vector sums the squares of
+// elements l, l + 16, ...: a vector the compiler cannot re-split by the alignment of row or buf (a peeled loop would
+// add them in another order, and a row's norm would then depend on which rows share the call and on the buffer's
+// address; batch-invariant decoding relies on it not to). Not inlined: one instance for every caller, since GCC
+// contracted these products and adds into FMAs differently where it inlined the loop into the calling thread's
+// path and into the OpenMP workers' (AVX2: a row's norm differed by an ulp alone and among other rows).
+template <typename T>
+__attribute__((noinline)) float row_sum_squares(const typename Elem<T>::raw_t* row, int64_t cols, float* buf) {
+  using E = Elem<T>;
+  vf16 squares = {};
+  int64_t c = 0;
+  for (; c + 16 <= cols; c += 16) {
+    const vf16 v = load16<T>(row + c);
+    std::memcpy(buf + c, &v, sizeof(v));
+    squares += v * v;
+  }
+  float lanes[16];
+  std::memcpy(lanes, &squares, sizeof(lanes));
+  float sum = 0.f;
+  for (; c < cols; ++c) {
+    const float v = E::load(row[c]);
+    buf[c] = v;
+    sum += v * v;
+  }
+  for (int l = 0; l < 16; ++l) sum += lanes[l];
+  return sum;
+}
+
 template <typename T>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor* weight, double eps, at::Tensor& out) {
   using E = Elem<T>;
@@ -241,25 +269,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* weight, double eps, at
     std::vector<float> buf(cols);
     for (int64_t r = begin; r < end; ++r) {
       const raw_t* row = xp + r * x_stride;
-      // Lane l sums the squares of elements l, l + 16, ...: a vector the compiler cannot re-split by the alignment
-      // of row or buf (a peeled loop would add them in another order, and a row's norm would then depend on
-      // which rows share the call and on the buffer's address; batch-invariant decoding relies on it not to).
-      vf16 squares = {};
-      int64_t c = 0;
-      for (; c + 16 <= cols; c += 16) {
-        const vf16 v = load16<T>(row + c);
-        std::memcpy(buf.data() + c, &v, sizeof(v));
-        squares += v * v;
-      }
-      float lanes[16];
-      std::memcpy(lanes, &squares, sizeof(lanes));
-      float sum = 0.f;
-      for (; c < cols; ++c) {
-        const float v = E::load(row[c]);
-        buf[c] = v;
-        sum += v * v;
-      }
-      for (int l = 0; l < 16; ++l) sum += lanes[l];
+      const float sum = row_sum_squares<T>(row, cols, buf.data());
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(cols) + static_cast<float>(eps));
       raw_t* orow = op + r * o_stride;
       if (wp) {

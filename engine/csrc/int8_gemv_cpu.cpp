@@ -5,7 +5,8 @@
 //     -> [M, N] in x's dtype, M <= 8
 //   y[m, n] = (sum_k x[m, k] * w[n, k]) * w_scale[n] (+ bias[n]), accumulated in float32 and rounded once. Each
 //   weight row is read once for all M rows of x, 64 int8 values per step widened to float32 in registers: decoding
-//   a few sequences is bound by reading the weights, and these are half the bytes of bf16.
+//   a few sequences is bound by reading the weights, and these are half the bytes of bf16. With AVX-512 16 and
+//   with AVX2 + FMA 8 weights a vector; without either, a scalar loop.
 //   Optional epilogues, with the roundings of the torch ops they replace (x's dtype after each op):
 //   residual [M, N] -> round(residual + round(y)) (a residual add); silu_mul -> w holds [gate; up] ([2 I, K]) and
 //   the result is [M, I], round(round(silu(round(gate))) * round(up)) (SwiGLU).
@@ -19,7 +20,7 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -83,8 +84,36 @@ void gemv_rows(const float* x, int64_t k, const int8_t* w, int64_t n_begin, int6
       y[m * n + r + 1] = t1;
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // AVX2 (16 vector registers): one weight row at a time, 8 int8 weights widened to float32 per vector, U
+  // independent accumulators per input row (U * M <= 8), the next rows prefetched as above.
+  constexpr int U = M == 1 ? 4 : (M <= 3 ? 2 : 1);
+  const int64_t step = 8 * U;
+  const int64_t k_vec = k / step * step;
+  for (; r < n_end; ++r) {
+    const int8_t* row = w + r * k;
+    __m256 acc[M][U];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
+    const int8_t* ahead = row + kPrefetchRows * k;
+    for (int64_t c = 0; c < k_vec; c += step) {
+      if (c % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
+      for (int u = 0; u < U; ++u) {
+        const __m256 wv = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c + 8 * u))));
+        for (int m = 0; m < M; ++m) acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + c + 8 * u), wv, acc[m][u]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      __m256 s = acc[m][0];
+      for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[m][u]);
+      float t = lmforge_vec::hsum8(s);
+      for (int64_t c = k_vec; c < k; ++c) t += x[m * k + c] * static_cast<float>(row[c]);
+      y[m * n + r] = t;
+    }
+  }
 #endif
-  for (; r < n_end; ++r) {  // the portable loop (vectorized by the compiler), and an odd last row
+  for (; r < n_end; ++r) {  // the portable loop, and an odd last row
     const int8_t* row = w + r * k;
     float acc[M] = {};
     for (int64_t c = 0; c < k; ++c) {

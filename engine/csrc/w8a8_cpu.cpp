@@ -20,7 +20,10 @@
 //   product (VPDPBUSD, 64 weights an instruction) less 128 * w_sum (the zero point), float(acc) * w_scale, then
 //   the same epilogue. A step of one sequence is bound by reading the weights, and oneDNN's int8 GEMM of one row
 //   is slower than that; widening int8 weights to float (the weight-only GEMV) is bound by those instructions.
-//   Without AVX512-VNNI the sums run as a scalar loop (the engine calls it only on VNNI CPUs).
+//   With AVX2 and no AVX512-VNNI the activations stay signed int8 q and the same int32 sums come from VPMADDUBSW
+//   on |w| (u8) x sign(w) * q (s8), whose pairs (<= 2 * 127 * 127) cannot saturate int16, then VPMADDWD by ones
+//   (32 weights a step): oneDNN's own AVX2 int8 GEMM multiplies u8 q + 128 by w and does saturate. Without either,
+//   a scalar loop.
 // lmforge_int8::block_hadamard(x [M, K] bf16 / fp32, int block) -> [M, K] in x's dtype: each run of `block`
 //   consecutive elements of a row times the unnormalized Sylvester Hadamard matrix H_block (entries +-1,
 //   H H^T = block I), by the fast Walsh-Hadamard butterflies in float32 (stages of stride 1, 2, 4, ...), rounded
@@ -46,6 +49,13 @@
 #include <immintrin.h>
 
 #define LMFORGE_W8A8_AVX512 1
+#endif
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#include <immintrin.h>
+
+// w8a8_gemv reads signed activations q (the AVX2 sums above), not q + 128
+#define LMFORGE_W8A8_GEMV_SIGNED 1
 #endif
 
 namespace {
@@ -336,6 +346,35 @@ at::Tensor w8a8_linear_epilogue(const at::Tensor& x, const at::Tensor& w_packed,
 
 // ---------------------------------------------------------------------------------------------- few-row GEMV
 
+#ifdef LMFORGE_W8A8_GEMV_SIGNED
+// acc[m * n + r] = float(sum_k q[m, k] * w[r, k]) * w_scale[r] for rows r in [r_begin, r_end), q signed int8.
+template <int M>
+void w8a8_gemv_rows_signed(const int8_t* q, int64_t k, const int8_t* w, const float* w_scale, int64_t r_begin,
+                           int64_t r_end, float* acc, int64_t n) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const int8_t* row = w + r * k;
+    __m256i a[M];
+    for (int m = 0; m < M; ++m) a[m] = _mm256_setzero_si256();
+    int64_t c = 0;
+    for (; c + 32 <= k; c += 32) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+      const __m256i w_abs = _mm256_abs_epi8(wv);  // |w| <= 127: no -128 in a stored weight
+      for (int m = 0; m < M; ++m) {
+        const __m256i qs =
+            _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * k + c)), wv);
+        a[m] = _mm256_add_epi32(a[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, qs), ones));
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      int32_t sum = lmforge_vec::hsum8_epi32(a[m]);
+      for (int64_t j = c; j < k; ++j) sum += static_cast<int32_t>(q[m * k + j]) * static_cast<int32_t>(row[j]);
+      acc[m * n + r] = static_cast<float>(sum) * w_scale[r];
+    }
+  }
+}
+#endif
+
 // acc[m * n + r] = float(sum_k u[m, k] * w[r, k] - 128 * w_sum[r]) * w_scale[r] for rows r in [r_begin, r_end).
 template <int M>
 void w8a8_gemv_rows(const uint8_t* u, int64_t k, const int8_t* w, const int32_t* w_sum, const float* w_scale,
@@ -382,13 +421,25 @@ at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
               "w8a8_gemv: w_scale must be contiguous float32 [N]");
   TORCH_CHECK(!(residual.has_value() && residual->defined() && silu_mul),
               "w8a8_gemv: give residual or silu_mul, not both");
-  auto [q, scale] = quantize_per_token_as<uint8_t>(x, at::kByte);  // q + 128
   at::Tensor acc = at::empty({m, n}, x.options().dtype(at::kFloat));
-  const uint8_t* up = q.const_data_ptr<uint8_t>();
   const int8_t* wp = w.const_data_ptr<int8_t>();
-  const int32_t* sp = w_sum.const_data_ptr<int32_t>();
   const float* scp = w_scale.const_data_ptr<float>();
   float* ap = acc.data_ptr<float>();
+#ifdef LMFORGE_W8A8_GEMV_SIGNED
+  auto [q, scale] = quantize_per_token_as<int8_t>(x, at::kChar);
+  const int8_t* qp = q.const_data_ptr<int8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    switch (m) {
+      case 1: return w8a8_gemv_rows_signed<1>(qp, k, wp, scp, begin, end, ap, n);
+      case 2: return w8a8_gemv_rows_signed<2>(qp, k, wp, scp, begin, end, ap, n);
+      case 3: return w8a8_gemv_rows_signed<3>(qp, k, wp, scp, begin, end, ap, n);
+      default: return w8a8_gemv_rows_signed<4>(qp, k, wp, scp, begin, end, ap, n);
+    }
+  });
+#else
+  auto [q, scale] = quantize_per_token_as<uint8_t>(x, at::kByte);  // q + 128
+  const uint8_t* up = q.const_data_ptr<uint8_t>();
+  const int32_t* sp = w_sum.const_data_ptr<int32_t>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     switch (m) {
       case 1: return w8a8_gemv_rows<1>(up, k, wp, sp, scp, begin, end, ap, n);
@@ -397,6 +448,7 @@ at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
       default: return w8a8_gemv_rows<4>(up, k, wp, sp, scp, begin, end, ap, n);
     }
   });
+#endif
   return finish("w8a8_gemv", x, acc, scale, bias, residual, silu_mul);
 }
 

@@ -219,9 +219,11 @@ def fused_cpu_kernels(enable: bool | None = None) -> bool:
 
 
 @functools.cache
-def _vnni_cpu() -> bool:
-    """Whether the CPU has AVX512-VNNI (``w8a8_gemv``'s dot product), read once."""
-    return "avx512_vnni" in cpu_flags()
+def _int8_gemv_cpu() -> bool:
+    """Whether ``w8a8_gemv`` sums its int8 products with vector instructions here, read once: AVX512-VNNI's
+    u8 x s8 dot product, or AVX2's ``VPMADDUBSW`` on |w| x sign(w) * q (exact; ``csrc/w8a8_cpu.cpp``)."""
+    flags = cpu_flags()
+    return "avx512_vnni" in flags or "avx2" in flags
 
 
 def _use_fused() -> bool:
@@ -567,7 +569,7 @@ class W8A8Linear(_Int8Linear):
             or dtype not in CPU_KERNEL_DTYPES
             or _use_amx()
             or not _GEMV.available
-            or not (_use_fused() and _vnni_cpu())
+            or not (_use_fused() and _int8_gemv_cpu())
         ):
             return None
         weight, weight_sum, scale, bias = self._gemv_weights()
@@ -605,7 +607,7 @@ class W8A8Linear(_Int8Linear):
         weight: ``w8a8_gemv`` (the oneDNN path's numbers) where it runs (no outlier channels, VNNI), else the
         weight-only kernel (float activations; its epilogues round ``y`` first, as the separate torch ops do)."""
         weight, weight_sum, scale, bias = self._gemv_weights()
-        if weight_sum is not None and _use_fused() and _vnni_cpu():
+        if weight_sum is not None and _use_fused() and _int8_gemv_cpu():
             return _FUSED.ops.w8a8_gemv(x2, weight, weight_sum, scale, bias, residual, silu_mul)
         return _GEMV.ops.weight_only_mm(x2, weight, scale, bias, residual, silu_mul)
 
@@ -672,7 +674,8 @@ class W8A8Linear(_Int8Linear):
         if self._weight_float is None:
             self._weight_float = self.weight_int8.float()  # [out, in]
         xq, x_scale = quantize_per_token(x2)  # int8 [M, in], [M, 1]
-        y = F.linear(xq.float(), self._weight_float) * x_scale * self.weight_scale
+        # acc * s_w, then * s_x: the order of the oneDNN path and of w8a8_gemv, so a decode step agrees bit for bit
+        y = F.linear(xq.float(), self._weight_float) * self.weight_scale * x_scale
         if self.bias is not None:
             y = y + self.bias
         return y.to(x2.dtype)

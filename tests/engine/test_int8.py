@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernel_paths import forced_cpu_kernel_path
+from engine.platform import exact_int8_gemm_cpu
 from engine.quant import int8
 from engine.quant.int8 import (
     Int8WeightOnlyLinear,
@@ -181,13 +182,15 @@ def test_w8a8_fused_epilogues_round_once_where_the_aten_path_rounds_twice(
         torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
         # one rounding of the float32 result against the ATen path's rounding of the GEMM output first
         assert (got.double() - exact).abs().mean() <= (unfused.double() - exact).abs().mean() * 1.01
+    # the op's argument checks (on an AVX2-only CPU the layers above ran the fp32 GEMM and packed nothing)
+    packed = torch.ops.onednn.qlinear_prepack(square.weight_int8, None)
     with pytest.raises(RuntimeError, match="residual must be"):
         torch.ops.lmforge_int8.w8a8_linear_epilogue(
-            x, square._packed, square.weight_scale, square._zero_points, None, residual[:, :5], False
+            x, packed, square.weight_scale, square._zero_points, None, residual[:, :5], False
         )
     with pytest.raises(RuntimeError, match="not both or neither"):
         torch.ops.lmforge_int8.w8a8_linear_epilogue(
-            x, square._packed, square.weight_scale, square._zero_points, None, None, False
+            x, packed, square.weight_scale, square._zero_points, None, None, False
         )
 
 
@@ -208,9 +211,10 @@ def amx_restored(int8_activations_at_every_row_count):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_w8a8_few_rows_without_amx_run_a_gemv_on_the_plain_weight(dtype, amx_restored, monkeypatch):
-    """Without AMX, 1 to ``W8A8_GEMV_MAX_ROWS`` rows run ``w8a8_gemv`` where the CPU has VNNI (the oneDNN path's
-    quantized activations and int32 sums: its numbers bit for bit, epilogues included), else the weight-only
-    kernel (float activations); more rows run the oneDNN path."""
+    """Without AMX, 1 to ``W8A8_GEMV_MAX_ROWS`` rows run ``w8a8_gemv`` where the CPU has VNNI or AVX2 (the quantized
+    activations and exact int32 sums of the path more rows run: with VNNI the oneDNN path's numbers bit for bit,
+    epilogues included; AVX2-only, the fp32 GEMM's for the plain product, whose add and SwiGLU round twice),
+    else the weight-only kernel (float activations)."""
     monkeypatch.setattr(int8, "W8A8_GEMV_MAX_ROWS", 4)
     torch.manual_seed(2)
     half, in_features = 37, 130
@@ -220,14 +224,14 @@ def test_w8a8_few_rows_without_amx_run_a_gemv_on_the_plain_weight(dtype, amx_res
     float_weight = (w8.double() * scale.double()[:, None]).T  # [in, 2 half]
     tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
     gemv = weight_only_cpu_kernel() and not amx_cpu_kernel()
-    vnni = gemv and int8._use_fused() and int8._vnni_cpu()
+    w8a8_gemv = gemv and int8._use_fused() and int8._int8_gemv_cpu()
     for rows in (1, 4, 5):
         x = (torch.randn(rows, in_features) * 3).to(dtype)
         residual = torch.randn(rows, 2 * half).to(dtype)
         exact = x.double() @ float_weight + b.double()  # float activations: what the weight-only kernel computes
         xq, x_scale = quantize_per_token(x)
         exact_w8a8 = (xq.double() @ w8.double().T) * x_scale.double() * scale.double() + b.double()
-        expected = exact if gemv and rows <= 4 and not vnni else exact_w8a8
+        expected = exact if gemv and rows <= 4 and not w8a8_gemv else exact_w8a8
         for got, ref in (
             (layer(x), expected),
             (layer.add(x, residual), expected + residual.double()),
@@ -235,11 +239,13 @@ def test_w8a8_few_rows_without_amx_run_a_gemv_on_the_plain_weight(dtype, amx_res
         ):
             assert got.dtype == dtype
             torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
-        if vnni and rows <= 4:  # the same numbers as the fused oneDNN-path ops, which more rows run
+        if w8a8_gemv and rows <= 4:  # the same numbers as the path more rows run
             monkeypatch.setattr(int8, "W8A8_GEMV_MAX_ROWS", 0)
-            fused = (layer(x), layer.add(x, residual), layer.silu_mul(x))
+            wide = (layer(x), layer.add(x, residual), layer.silu_mul(x))
             monkeypatch.setattr(int8, "W8A8_GEMV_MAX_ROWS", 4)
-            assert all(torch.equal(a, e) for a, e in zip((layer(x), layer.add(x, residual), layer.silu_mul(x)), fused))
+            few = (layer(x), layer.add(x, residual), layer.silu_mul(x))
+            compared = 3 if exact_int8_gemm_cpu() else 1
+            assert all(torch.equal(a, e) for a, e in zip(few[:compared], wide[:compared]))
 
 
 def test_w8a8_gemv_follows_replaced_weights(amx_restored):
@@ -456,3 +462,28 @@ def test_w8a8_gemv_refuses_inputs_it_cannot_take():
         torch.ops.lmforge_int8.w8a8_gemv(torch.randn(2, 8), w8, torch.ones(6), torch.ones(6), None)
     with pytest.raises(RuntimeError, match="residual must be"):
         torch.ops.lmforge_int8.w8a8_gemv(torch.randn(2, 8), *args, torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("in_features", [32, 100, 576, 1536])
+def test_w8a8_gemv_sums_equal_the_exact_integer_products(in_features, kernel_path_allows):
+    """``w8a8_gemv``'s int32 sums are the exact ones on whichever instructions this CPU compiled it for (VNNI u8 x s8,
+    AVX2 |w| x sign(w) q, scalar), weights and activations at +-127 included (where a saturating int16 pair sum of
+    u8 q + 128 x w would go wrong): ``float(sum) * w_scale * x_scale`` rounded once, bit for bit."""
+    kernel_path_allows("fused")
+    if not int8._use_fused():
+        pytest.fail(f"fused w8a8 CPU kernels did not build: {int8.fused_cpu_kernels_reason()}")
+    torch.manual_seed(5)
+    n = 70
+    w8 = torch.randint(-127, 128, (n, in_features), dtype=torch.int8)
+    w8[0] = 127
+    w8[1] = -127
+    scale = torch.rand(n) * 0.01 + 1e-3
+    for rows in (1, 2, 3, 4):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, in_features)
+            x[0, ::2], x[0, 1::2] = 5.0, -5.0  # quantizes to +-127
+            x = x.to(dtype)
+            got = torch.ops.lmforge_int8.w8a8_gemv(x, w8, w8.sum(1, dtype=torch.int32), scale, None)
+            xq, x_scale = quantize_per_token(x)
+            sums = xq.long() @ w8.long().T  # [rows, n], exact
+            assert torch.equal(got, (sums.float() * scale * x_scale).to(dtype))

@@ -440,7 +440,7 @@ def test_bf16_int8_draft_runs_its_decoder_in_one_call_with_the_same_numbers(
 
     calls = []
     op = cpu_ops.decode_layers
-    monkeypatch.setattr(cpu_ops, "decode_layers", lambda *args: calls.append(args[0].shape[0]) or op(*args))
+    monkeypatch.setattr(cpu_ops, "decode_layers", lambda *args, **kw: calls.append(args[0].shape[0]) or op(*args, **kw))
     llm = spec_llm(target_dir, "draft", int8, speculative_draft_dtype="bfloat16")
     assert tokens(llm.generate(prompts["untied"], GREEDY)) == reference["untied"]
     assert calls and max(calls) <= 8
