@@ -76,17 +76,24 @@ def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol, lens, 
 
 
 @pytest.mark.parametrize(
-    "flags, native, cascade", [({"amx_bf16"}, True, True), (set(), True, False), (set(), False, True)]
+    "flags, native, cascade, all_rows",
+    [
+        ({"amx_bf16", "avx512f"}, True, True, False),
+        ({"avx512f"}, True, False, True),
+        ({"avx2"}, True, False, False),
+        (set(), False, True, False),
+    ],
 )
-def test_decodes_cascade_where_the_flash_call_pays(monkeypatch, flags, native, cascade):
+def test_decodes_cascade_where_the_flash_call_pays(monkeypatch, flags, native, cascade, all_rows):
     """The shared-prefix flash call for decodes is the default on AMX and wherever the C++ kernel is off;
     elsewhere the kernel reads every block itself."""
     monkeypatch.setattr(attention, "cpu_flags", lambda: flags)
     monkeypatch.setattr(attention, "decode_kernel_built", lambda: native)
     backend = TorchAttentionBackend(6, 2, 16)
     assert backend.cascade_decodes == cascade
-    # where the flash call does not pay, prefill chunks of any length run as rows of the kernel
-    assert backend.row_kernel_max_own_keys == (attention.ROW_KERNEL_MAX_OWN_KEYS if cascade else None)
+    # prefill chunks of any length run as rows of the kernel with AVX-512 and no AMX (measured to pay there);
+    # elsewhere those with many keys of their own take the flash call
+    assert backend.row_kernel_max_own_keys == (None if all_rows else attention.ROW_KERNEL_MAX_OWN_KEYS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
