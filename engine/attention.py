@@ -275,12 +275,14 @@ class TorchAttentionBackend(AttentionBackend):
             C++ kernel reads each request's own (see ``_decode_attention``). Without it the kernel reads
             every block in place, walking blocks that several requests' tables start with once for up to
             16 query heads. The flash call pays where it runs on AMX (``amx_bf16``: the default there, and
-            wherever the C++ kernel is not built); elsewhere the kernel alone is faster (an AVX-512 BF16
-            AMD EPYC, 64 requests behind one system prompt, alternated in one process: bf16 1.07x, fp32
-            1.04x tok/s).
+            wherever the C++ kernel is not built) and on CPUs without AVX-512, where the kernel's 16-float
+            vectors take two registers each and a group's accumulators spill (a 2-core AVX2-only AMD EPYC,
+            64 requests behind one system prompt, alternated in one process: fp32 1.17-1.23x, ``w8a8``
+            1.05-1.15x tok/s); with AVX-512 and no AMX the kernel alone is faster (an AVX-512 BF16 AMD EPYC,
+            same load: bf16 1.07x, fp32 1.04x tok/s).
         row_kernel_max_own_keys: prefill chunks attending at most this many keys past the blocks all
             chunks share run as rows of the C++ kernel (``ROW_KERNEL_MAX_OWN_KEYS``), the rest as a padded
-            flash call; ``None`` (where ``cascade_decodes`` is off): every chunk. Without AMX the flash call
+            flash call; ``None`` (where ``cascade_decodes`` is off): every chunk. With AVX-512 and no AMX the flash call
             runs its bf16 products in float32 and, padded, does more of them: on the AMD EPYC above, bf16,
             rows took 0.82-0.89x the step time of a flash call for 1 to 8 prompts of 100 to 1,400 tokens
             (fp32 about even) and 0.87x for the prefill steps of 64 chat requests behind one system prompt.
@@ -304,9 +306,10 @@ class TorchAttentionBackend(AttentionBackend):
     ):
         super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
         self.batch_invariant = batch_invariant
-        self.cascade_decodes = not decode_kernel_built() or "amx_bf16" in cpu_flags()
+        flags = cpu_flags()
+        self.cascade_decodes = not decode_kernel_built() or "amx_bf16" in flags or "avx512f" not in flags
         # rows for every prefill chunk only where that was measured to pay: AVX-512 without AMX
-        rows_pay = not self.cascade_decodes and "avx512f" in cpu_flags()
+        rows_pay = not self.cascade_decodes
         self.row_kernel_max_own_keys = None if rows_pay else ROW_KERNEL_MAX_OWN_KEYS
         if batch_invariant and not (decode_kernel_built() and head_dim <= 256):
             raise UsageError(

@@ -24,6 +24,9 @@
 //   on |w| (u8) x sign(w) * q (s8), whose pairs (<= 2 * 127 * 127) cannot saturate int16, then VPMADDWD by ones
 //   (32 weights a step): oneDNN's own AVX2 int8 GEMM multiplies u8 q + 128 by w and does saturate. Without either,
 //   a scalar loop.
+// lmforge_int8::pack_weight_i16(w [N, K] int8) -> int16 panels; lmforge_int8::w8a8_gemm_i16(x [M, K], w_packed,
+//   w_scale [N], bias?, residual?, silu_mul) -> y: `w8a8_linear_epilogue`'s arithmetic for CPUs whose oneDNN int8 GEMM
+//   saturates (AVX2 without VNNI), the exact int32 sums by VPMADDWD on int16 copies of q and w (see below).
 // lmforge_int8::block_hadamard(x [M, K] bf16 / fp32, int block) -> [M, K] in x's dtype: each run of `block`
 //   consecutive elements of a row times the unnormalized Sylvester Hadamard matrix H_block (entries +-1,
 //   H H^T = block I), by the fast Walsh-Hadamard butterflies in float32 (stages of stride 1, 2, 4, ...), rounded
@@ -51,8 +54,11 @@
 #define LMFORGE_W8A8_AVX512 1
 #endif
 
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 
 // w8a8_gemv reads signed activations q (the AVX2 sums above), not q + 128
 #define LMFORGE_W8A8_GEMV_SIGNED 1
@@ -452,6 +458,119 @@ at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return finish("w8a8_gemv", x, acc, scale, bias, residual, silu_mul);
 }
 
+// ---------------------------------------------------------------------------------------------- int16 GEMM
+
+// Columns of one packed weight panel (`pack_weight_i16`) and rows of one register tile of `w8a8_gemm_i16`.
+constexpr int64_t kPanelCols = 16;
+constexpr int kTileRows = 4;
+
+// w [N, K] int8 -> int16 [ceil(N / 16), ceil(K / 2), 16, 2]: panel b, pair p, column c holds (w[16 b + c, 2 p],
+// w[16 b + c, 2 p + 1]), zeros past N and K. A pair of one column is what VPMADDWD multiplies by a pair of
+// activations, and 8 columns' pairs fill a 256-bit register.
+at::Tensor pack_weight_i16(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2, "pack_weight_i16: w must be int8 [N, K]");
+  const auto wc = w.contiguous();
+  const int64_t n = wc.size(0), k = wc.size(1), panels = (n + kPanelCols - 1) / kPanelCols, pairs = (k + 1) / 2;
+  auto packed = at::zeros({panels, pairs, kPanelCols, 2}, wc.options().dtype(at::kShort));
+  const int8_t* src = wc.const_data_ptr<int8_t>();
+  int16_t* dst = packed.data_ptr<int16_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t c = 0; c < kPanelCols && b * kPanelCols + c < n; ++c) {
+        const int8_t* row = src + (b * kPanelCols + c) * k;
+        int16_t* out = dst + b * pairs * kPanelCols * 2 + c * 2;
+        for (int64_t j = 0; j < k; ++j) out[(j / 2) * kPanelCols * 2 + (j % 2)] = row[j];
+      }
+  });
+  return packed;
+}
+
+// acc[m, col0 + c] = float(sum_k a[m, k] w[col0 + c, k]) * w_scale[col0 + c] for the R rows of `a` (int16 pairs
+// as int32 [R, pairs]) and the `cols` (<= 16) valid columns of one panel. The int32 sums are exact (each pair's
+// products <= 2 * 127 * 127, K / 2 pairs). AVX2: VPMADDWD multiplies 16 int16 pairs an instruction, twice the
+// products of one fp32 FMA, into an R x 16 tile of int32 held in 2 R registers; elsewhere, a scalar loop.
+template <int R>
+void gemm_i16_tile(const int32_t* a, int64_t pairs, const int16_t* panel, const float* w_scale, int64_t col0,
+                   int64_t cols, float* acc, int64_t n) {
+#if defined(__AVX2__)
+  __m256i t0[R], t1[R];
+  for (int r = 0; r < R; ++r) t0[r] = t1[r] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + p * 32));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + p * 32 + 16));
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_set1_epi32(a[r * pairs + p]);
+      t0[r] = _mm256_add_epi32(t0[r], _mm256_madd_epi16(w0, x));
+      t1[r] = _mm256_add_epi32(t1[r], _mm256_madd_epi16(w1, x));
+    }
+  }
+  alignas(32) int32_t sums[R][kPanelCols];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums[r]), t0[r]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums[r] + 8), t1[r]);
+  }
+#else
+  int32_t sums[R][kPanelCols] = {};
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int r = 0; r < R; ++r) {
+      const int32_t pair = a[r * pairs + p];
+      const int32_t lo = static_cast<int16_t>(pair & 0xffff), hi = static_cast<int16_t>(pair >> 16);
+      for (int64_t c = 0; c < kPanelCols; ++c)
+        sums[r][c] += lo * panel[p * 32 + 2 * c] + hi * panel[p * 32 + 2 * c + 1];
+    }
+#endif
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      acc[r * n + col0 + c] = static_cast<float>(sums[r][c]) * w_scale[col0 + c];
+}
+
+// lmforge_int8::w8a8_gemm_i16(x [M, K], w_packed (pack_weight_i16 of w [N, K]), w_scale [N], bias?, residual?,
+// silu_mul) -> y: `w8a8_linear` / `w8a8_linear_epilogue` for CPUs whose oneDNN int8 GEMM saturates (AVX2 without
+// VNNI): the same quantize_per_token, the same int32 sums of q x w (exact, by VPMADDWD on int16 copies of both),
+// float(acc) * w_scale, then the same epilogue (`finish`). The weight is read as int16 (2x its int8 bytes,
+// half of a float32 copy's).
+at::Tensor w8a8_gemm_i16(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
+                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+                         bool silu_mul) {
+  check_input(x);
+  const int64_t m = x.size(0), k = x.size(1), n = w_scale.numel(), pairs = (k + 1) / 2;
+  TORCH_CHECK(w_packed.scalar_type() == at::kShort && w_packed.dim() == 4 && w_packed.is_contiguous() &&
+                  w_packed.size(0) == (n + kPanelCols - 1) / kPanelCols && w_packed.size(1) == pairs &&
+                  w_packed.size(2) == kPanelCols && w_packed.size(3) == 2,
+              "w8a8_gemm_i16: w_packed must be pack_weight_i16 of an int8 [N, K] weight with K = x's columns and "
+              "N = w_scale's length");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(),
+              "w8a8_gemm_i16: w_scale must be contiguous float32 [N]");
+  TORCH_CHECK(!(residual.has_value() && residual->defined() && silu_mul),
+              "w8a8_gemm_i16: give residual or silu_mul, not both");
+  auto [q, scale] = quantize_per_token_as<int8_t>(x, at::kChar);
+  // the activations as int16 pairs (a zero after an odd K), one 32-bit broadcast per pair
+  auto a = at::zeros({m, 2 * pairs}, x.options().dtype(at::kShort));
+  a.narrow(1, 0, k).copy_(q);
+  const int32_t* ap = reinterpret_cast<const int32_t*>(a.const_data_ptr<int16_t>());
+  const int16_t* wp = w_packed.const_data_ptr<int16_t>();
+  const float* sp = w_scale.const_data_ptr<float>();
+  at::Tensor acc = at::empty({m, n}, x.options().dtype(at::kFloat));
+  float* accp = acc.data_ptr<float>();
+  const int64_t panels = w_packed.size(0);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int16_t* panel = wp + b * pairs * kPanelCols * 2;
+      const int64_t col0 = b * kPanelCols, cols = std::min(kPanelCols, n - col0);
+      int64_t r = 0;
+      for (; r + kTileRows <= m; r += kTileRows)
+        gemm_i16_tile<kTileRows>(ap + r * pairs, pairs, panel, sp, col0, cols, accp + r * n, n);
+      switch (m - r) {
+        case 1: gemm_i16_tile<1>(ap + r * pairs, pairs, panel, sp, col0, cols, accp + r * n, n); break;
+        case 2: gemm_i16_tile<2>(ap + r * pairs, pairs, panel, sp, col0, cols, accp + r * n, n); break;
+        case 3: gemm_i16_tile<3>(ap + r * pairs, pairs, panel, sp, col0, cols, accp + r * n, n); break;
+        default: break;
+      }
+    }
+  });
+  return finish("w8a8_gemm_i16", x, acc, scale, bias, residual, silu_mul);
+}
+
 // ---------------------------------------------------------------------------------------------- block Hadamard
 
 // In place: v [n] (n a power of two) times H_n, by butterflies of stride 1, 2, ..., n / 2.
@@ -567,5 +686,10 @@ TORCH_LIBRARY(lmforge_int8, m) {
       "w8a8_gemv(Tensor x, Tensor w, Tensor w_sum, Tensor w_scale, Tensor? bias, Tensor? residual=None, "
       "bool silu_mul=False) -> Tensor",
       &w8a8_gemv);
+  m.def("pack_weight_i16(Tensor w) -> Tensor", &pack_weight_i16);
+  m.def(
+      "w8a8_gemm_i16(Tensor x, Tensor w_packed, Tensor w_scale, Tensor? bias, Tensor? residual=None, "
+      "bool silu_mul=False) -> Tensor",
+      &w8a8_gemm_i16);
   m.def("block_hadamard(Tensor x, int block) -> Tensor", &block_hadamard);
 }

@@ -226,6 +226,13 @@ def _int8_gemv_cpu() -> bool:
     return "avx512_vnni" in flags or "avx2" in flags
 
 
+@functools.cache
+def _int16_gemm_cpu() -> bool:
+    """Whether ``W8A8Linear`` sums its int8 products by ``lmforge_int8::w8a8_gemm_i16`` (``VPMADDWD`` on int16 copies
+    of q and w: exact) where oneDNN's int8 GEMM is not exact (``exact_int8_gemm_cpu``): CPUs with AVX2, read once."""
+    return "avx2" in cpu_flags() and not exact_int8_gemm_cpu()
+
+
 def _use_fused() -> bool:
     return _FUSED.available
 
@@ -397,7 +404,9 @@ class W8A8Linear(_Int8Linear):
     as the oneDNN path, bit for bit, at ~19 GB/s of weights; else the weight-only kernel
     (``weight_only_mm``: the same int8 weights and scales, float activations, so no activation rounding),
     which widens each weight to float and reads ~13 GB/s (a step's 120 layer GEMVs of SmolLM2-135M at one
-    row, 2-core AMD EPYC: 5.5 vs 8.8 ms).
+    row, 2-core AMD EPYC: 5.5 vs 8.8 ms). With AVX2 and no VNNI, whose oneDNN int8 GEMM saturates, wider inputs
+    run ``lmforge_int8::w8a8_gemm_i16`` (the same exact int32 sums, by ``VPMADDWD`` on an int16 copy of the
+    weight, with the same epilogues; ``_int16_input``).
 
     ``outlier_channels`` (int64 ``[n]``, optional): input channels whose activations are quantized
     with a per-token scale of their own, ``s2 = max|x_row[outliers]| / 127``, while the other
@@ -437,7 +446,8 @@ class W8A8Linear(_Int8Linear):
         self._zero_points = torch.zeros(weight_int8.shape[0], dtype=torch.long)
         self._split = None  # (rest channels [in - n], outlier channels [n]) when outlier_channels is set
         self._parts = None  # the two halves as W8A8Linear layers, for the paths without AMX
-        self._weight_float = None  # float32 copy of weight_int8 on CPUs without exact int8 GEMMs
+        self._weight_float = None  # float32 copy of weight_int8 on CPUs without exact int8 GEMMs or AVX2
+        self._packed_i16 = None  # int16 [ceil(out / 16), ceil(in / 2), 16, 2] (lmforge_int8.pack_weight_i16)
         self._weight_sum = None  # int32 [out]: each weight row's sum, for w8a8_gemv's zero point (``_gemv``)
         self._gemv_args = None  # plain references to the buffers ``_gemv`` reads (``_gemv_weights``)
 
@@ -470,6 +480,22 @@ class W8A8Linear(_Int8Linear):
             return None
         if self._packed is None:
             self._packed = torch.ops.onednn.qlinear_prepack(self.weight_int8, None)
+        return x.reshape(-1, x.shape[-1])
+
+    def _int16_input(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` as ``[M, in]`` when ``lmforge_int8::w8a8_gemm_i16`` takes it (CPU input in bf16 / fp32, the fused
+        kernels built, no outlier split, an AVX2 CPU whose oneDNN int8 GEMM is not exact), else None; the weight
+        is packed for it on first use (int16, 2x the int8 bytes)."""
+        if (
+            x.device.type != "cpu"
+            or x.dtype not in CPU_KERNEL_DTYPES
+            or self.outlier_channels is not None
+            or not _int16_gemm_cpu()
+            or not _use_fused()
+        ):
+            return None
+        if self._packed_i16 is None:
+            self._packed_i16 = torch.ops.lmforge_int8.pack_weight_i16(self.weight_int8)
         return x.reshape(-1, x.shape[-1])
 
     def _pack(self, weight_int8: torch.Tensor, gated: bool) -> torch.Tensor:
@@ -517,6 +543,10 @@ class W8A8Linear(_Int8Linear):
                 return self._gemv(xg, residual=residual)  # the kernel's residual epilogue
             return residual + self._gemv(xg).reshape(residual.shape)
         x2 = self._amx_input(x)
+        if x2 is None and residual.dtype == x.dtype and (xi := self._int16_input(x)) is not None:
+            residual2 = residual.reshape(-1, self.out_features)
+            y = torch.ops.lmforge_int8.w8a8_gemm_i16(xi, self._packed_i16, self.weight_scale, self.bias, residual2)
+            return y.reshape(residual.shape)
         if x2 is None and residual.dtype == x.dtype and (xf := self._fused_input(x)) is not None:
             residual2 = residual.reshape(-1, self.out_features)
             y = torch.ops.lmforge_int8.w8a8_linear_epilogue(
@@ -545,6 +575,9 @@ class W8A8Linear(_Int8Linear):
             y = self._gemv(xg, silu_mul=True)  # the kernel's SwiGLU epilogue
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features // 2)
         x2 = self._amx_input(x)
+        if x2 is None and (xi := self._int16_input(x)) is not None:
+            y = torch.ops.lmforge_int8.w8a8_gemm_i16(xi, self._packed_i16, self.weight_scale, self.bias, None, True)
+            return y.reshape(*x.shape[:-1], self.out_features // 2)
         if x2 is None:
             xf = self._fused_input(x)
             if xf is None:
@@ -626,6 +659,9 @@ class W8A8Linear(_Int8Linear):
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.outlier_channels is not None:
             return self._split_forward(x)
+        if (x2 := self._int16_input(x)) is not None:
+            y = torch.ops.lmforge_int8.w8a8_gemm_i16(x2, self._packed_i16, self.weight_scale, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if (x2 := self._fused_input(x)) is not None:
             y = torch.ops.lmforge_int8.w8a8_linear(x2, self._packed, self.weight_scale, self._zero_points, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features)

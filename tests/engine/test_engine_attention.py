@@ -80,13 +80,13 @@ def test_prefill_after_shared_prefix_matches_direct_attention(dtype, tol, lens, 
     [
         ({"amx_bf16", "avx512f"}, True, True, False),
         ({"avx512f"}, True, False, True),
-        ({"avx2"}, True, False, False),
+        ({"avx2"}, True, True, False),
         (set(), False, True, False),
     ],
 )
 def test_decodes_cascade_where_the_flash_call_pays(monkeypatch, flags, native, cascade, all_rows):
-    """The shared-prefix flash call for decodes is the default on AMX and wherever the C++ kernel is off;
-    elsewhere the kernel reads every block itself."""
+    """The shared-prefix flash call for decodes is the default on AMX, without AVX-512 and wherever the C++
+    kernel is off; with AVX-512 and no AMX the kernel reads every block itself."""
     monkeypatch.setattr(attention, "cpu_flags", lambda: flags)
     monkeypatch.setattr(attention, "decode_kernel_built", lambda: native)
     backend = TorchAttentionBackend(6, 2, 16)

@@ -464,20 +464,78 @@ def test_w8a8_gemv_refuses_inputs_it_cannot_take():
         torch.ops.lmforge_int8.w8a8_gemv(torch.randn(2, 8), *args, torch.randn(2, 5))
 
 
+def _fused_kernels_and_extreme_weight(kernel_path_allows, in_features: int, seed: int):
+    """The fused w8a8 kernels built (else the test fails), and ``(w8 [70, in] int8, w_scale [70])`` seeded, its first
+    rows all +127 and all -127 (where a saturating int16 pair sum would go wrong)."""
+    kernel_path_allows("fused")
+    if not int8._use_fused():
+        pytest.fail(f"fused w8a8 CPU kernels did not build: {int8.fused_cpu_kernels_reason()}")
+    torch.manual_seed(seed)
+    w8 = torch.randint(-127, 128, (70, in_features), dtype=torch.int8)
+    w8[0] = 127
+    w8[1] = -127
+    return w8, torch.rand(70) * 0.01 + 1e-3
+
+
+@pytest.mark.parametrize("in_features", [5, 32, 101, 576, 1536])
+def test_w8a8_gemm_i16_sums_equal_the_exact_integer_products(in_features, kernel_path_allows):
+    """``w8a8_gemm_i16`` (the AVX2 int16 GEMM, a scalar loop elsewhere) sums q x w exactly for any row count (tiles of
+    4 rows and their tails), column count (panels of 16 and a part) and odd ``in`` (a zero pair), +-127 included:
+    ``float(sum) * w_scale * x_scale`` rounded once, bit for bit; the residual and SwiGLU epilogues round once too."""
+    w8, scale = _fused_kernels_and_extreme_weight(kernel_path_allows, in_features, seed=6)
+    n = w8.shape[0]
+    bias = torch.randn(n)
+    packed = torch.ops.lmforge_int8.pack_weight_i16(w8)
+    assert packed.shape == (5, (in_features + 1) // 2, 16, 2) and packed.dtype == torch.int16
+    for rows in (1, 3, 4, 9, 64):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, in_features)
+            x[0, ::2], x[0, 1::2] = 5.0, -5.0  # quantizes to +-127
+            x = x.to(dtype)
+            xq, x_scale = quantize_per_token(x)
+            plain = (xq.long() @ w8.long().T).float() * scale * x_scale  # [rows, n], exact sums
+            got = torch.ops.lmforge_int8.w8a8_gemm_i16(x, packed, scale, None)
+            assert torch.equal(got, plain.to(dtype))
+            residual = torch.randn(rows, n).to(dtype)
+            got = torch.ops.lmforge_int8.w8a8_gemm_i16(x, packed, scale, bias, residual)
+            assert torch.equal(got, (plain + bias + residual.float()).to(dtype))
+            got = torch.ops.lmforge_int8.w8a8_gemm_i16(x, packed, scale, bias, None, True)
+            gate, up = (plain + bias).chunk(2, dim=-1)
+            tol = 1e-5 if dtype == torch.float32 else 8e-3
+            torch.testing.assert_close(got, (F.silu(gate) * up).to(dtype), rtol=tol, atol=1e-6)
+    with pytest.raises(RuntimeError, match="pack_weight_i16 of an int8"):
+        torch.ops.lmforge_int8.w8a8_gemm_i16(torch.randn(2, in_features + 2), packed, scale, None)
+
+
+def test_w8a8_layer_runs_the_int16_gemm_where_onednn_is_not_exact(monkeypatch, kernel_path_allows):
+    """Without an exact oneDNN int8 GEMM (AVX2 and no VNNI) a ``W8A8Linear`` of more rows than the GEMV takes runs
+    ``w8a8_gemm_i16`` on an int16 copy of its weight (no float32 copy) with the same numbers as the exact products;
+    ``add`` and ``silu_mul`` take its epilogues."""
+    kernel_path_allows("fused")
+    if not int8._use_fused():
+        pytest.fail(f"fused w8a8 CPU kernels did not build: {int8.fused_cpu_kernels_reason()}")
+    monkeypatch.setattr(int8, "_int16_gemm_cpu", lambda: True)
+    torch.manual_seed(7)
+    w8 = torch.randint(-127, 128, (48, 40), dtype=torch.int8)
+    scale = torch.rand(48) * 0.01 + 1e-3
+    layer = W8A8Linear(w8, scale)
+    x = torch.randn(2, 6, 40)
+    xq, x_scale = quantize_per_token(x.reshape(12, 40))
+    plain = ((xq.long() @ w8.long().T).float() * scale * x_scale).reshape(2, 6, 48)
+    assert torch.equal(layer(x), plain)
+    assert layer._packed_i16 is not None and layer._weight_float is None
+    residual = torch.randn(2, 6, 48)
+    assert torch.equal(layer.add(x, residual), plain + residual)
+    gate, up = plain.chunk(2, dim=-1)
+    torch.testing.assert_close(layer.silu_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("in_features", [32, 100, 576, 1536])
 def test_w8a8_gemv_sums_equal_the_exact_integer_products(in_features, kernel_path_allows):
     """``w8a8_gemv``'s int32 sums are the exact ones on whichever instructions this CPU compiled it for (VNNI u8 x s8,
     AVX2 |w| x sign(w) q, scalar), weights and activations at +-127 included (where a saturating int16 pair sum of
     u8 q + 128 x w would go wrong): ``float(sum) * w_scale * x_scale`` rounded once, bit for bit."""
-    kernel_path_allows("fused")
-    if not int8._use_fused():
-        pytest.fail(f"fused w8a8 CPU kernels did not build: {int8.fused_cpu_kernels_reason()}")
-    torch.manual_seed(5)
-    n = 70
-    w8 = torch.randint(-127, 128, (n, in_features), dtype=torch.int8)
-    w8[0] = 127
-    w8[1] = -127
-    scale = torch.rand(n) * 0.01 + 1e-3
+    w8, scale = _fused_kernels_and_extreme_weight(kernel_path_allows, in_features, seed=5)
     for rows in (1, 2, 3, 4):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(rows, in_features)
