@@ -743,8 +743,8 @@ struct DecodeItemVec {
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
   // AVX2: the loop below on 8-float registers. GCC splits the 16-float vector type into ymm halves but builds its
-  // scalar-times-vector broadcasts through the stack and moves those halves through general registers (a 64-request
-  // decode step spent 2-3x the time of this loop there). The head dim runs in pieces of R ymm, the keys walked once
+  // scalar-times-vector broadcasts through the stack and moves those halves through general registers (64 sequences x
+  // 84 keys, fp32: 2.4-2.7 ms a call, against 0.63 ms with this loop). The head dim runs in pieces of R ymm, the keys walked once
   // a piece, so that NB x R accumulators stay in registers; the same fused multiply-adds in the same order.
   static constexpr int run8(int most) {
     while ((2 * C) % most != 0) --most;
