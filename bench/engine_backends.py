@@ -2,7 +2,7 @@
 
 ``python -m bench.engine_backends SPEC.json RESULT.json`` loads one configuration, measures its
 start-up (construction to the first token of a short warm-up prompt), runs the whole workload
-once, then (``single_prompt`` in the workload) one request alone, and writes a ``RunResult`` as
+once, then (``single_prompts`` in the workload) one request alone per prompt, and writes a ``RunResult`` as
 JSON. One process per configuration keeps their peak RSS apart. The vLLM and OpenVINO GenAI
 configurations run this same module under their own venv's interpreter (``--vllm-python``,
 ``--openvino-python``): it imports only the standard library at module level, and each backend
@@ -82,17 +82,20 @@ class RunSpec:
 
 @dataclasses.dataclass
 class SingleResult:
-    """One request alone, after the workload (``single_prompt`` of the workload file).
+    """One request alone, after the workload (``single_prompts`` of the workload file): the repeat of median
+    ``elapsed_s`` (the host's speed swings from one 2-second run to the next), the first prompt's tokens.
 
     Attributes:
         elapsed_s: from submission to the last token.
         ttft_s: from submission to the first token.
-        token_ids: the generated token ids.
+        token_ids: the generated token ids (of the first prompt, the one compared across configurations).
+        repeats_elapsed_s: ``elapsed_s`` of every repeat, in run order.
     """
 
     elapsed_s: float
     ttft_s: float
     token_ids: list[int]
+    repeats_elapsed_s: list[float] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -110,7 +113,7 @@ class RunResult:
         peak_rss_bytes: peak resident set size of the process (load + warm-up + run).
         load_s: time to load the model (construct the ``LLM``, start the server).
         startup_s: from the start of loading to the first token of the warm-up prompt.
-        single: one request alone (``None`` when the workload has no ``single_prompt`` or the
+        single: one request alone (``None`` when the workload has no ``single_prompts`` or the
             configuration has no one-request path).
         prefix_hit_rate: prompt tokens served from the prefix cache / prompt tokens (engine only).
         token_ids: per request, the generated token ids (checked against HF sequential).
@@ -135,6 +138,16 @@ class RunResult:
     alone: list[SingleResult] = dataclasses.field(default_factory=list)
 
 
+def run_singles(work: Work, run_one: Callable[[int, list[int]], SingleResult]) -> SingleResult | None:
+    """``run_one(i, prompt)`` for each of ``work.single_prompts`` in turn: the run of median ``elapsed_s``
+    (the lower middle of an even count) with the first prompt's tokens; ``None`` when there are no prompts."""
+    runs = [run_one(i, prompt) for i, prompt in enumerate(work.single_prompts)]
+    if not runs:
+        return None
+    middle = sorted(runs, key=lambda r: r.elapsed_s)[(len(runs) - 1) // 2]
+    return SingleResult(middle.elapsed_s, middle.ttft_s, runs[0].token_ids, [r.elapsed_s for r in runs])
+
+
 class Unavailable(Exception):
     """The configuration cannot run here; the message says why (reported, not raised further)."""
 
@@ -150,15 +163,16 @@ class Work:
     Attributes:
         prompts: per request, the prompt token ids.
         max_tokens: new tokens per request (greedy, EOS ignored).
-        single_prompt: token ids of the one-request-alone run; ``None``: no such run.
-        single_max_tokens: new tokens of that run.
+        single_prompts: token ids of the one-request-alone runs, one request alone each, one after the other
+            (``bench.workload.single_prompts``: no shared prefix); empty: no such run.
+        single_max_tokens: new tokens of each.
         alone_prompts: token ids of requests run one at a time after the rest, each ending at EOS
             or ``max_tokens`` (``lmforge bench engine --speculative``'s peer rows; vLLM only).
     """
 
     prompts: list[list[int]]
     max_tokens: int
-    single_prompt: list[int] | None = None
+    single_prompts: list[list[int]] = dataclasses.field(default_factory=list)
     single_max_tokens: int = 64
     alone_prompts: list[list[int]] = dataclasses.field(default_factory=list)
 
@@ -240,8 +254,9 @@ def run_hf_sequential(spec: RunSpec, work: Work, result: RunResult) -> None:
         result.ttft_s.append(one.ttft_s)
         result.token_ids.append(one.token_ids)
     result.elapsed_s = time.perf_counter() - start
-    if work.single_prompt is not None:
-        result.single = _hf_one(model, _greedy_config(tokenizer, work.single_max_tokens), work.single_prompt)
+    result.single = run_singles(
+        work, lambda _, prompt: _hf_one(model, _greedy_config(tokenizer, work.single_max_tokens), prompt)
+    )
 
 
 def left_pad(prompts: list[list[int]], pad_id: int):
@@ -353,7 +368,7 @@ def run_llama_cpp_server(spec: RunSpec, work: Work, result: RunResult) -> None:
         raise NotInstalled(f"llama-server {NOT_INSTALLED}")
     if spec.gguf is None:
         raise Unavailable("no GGUF for this model (the conversion did not run)")
-    lens = [len(p) for p in work.prompts] + ([len(work.single_prompt)] if work.single_prompt is not None else [])
+    lens = [len(p) for p in work.prompts] + [len(p) for p in work.single_prompts]
     ctx_per_slot = max(lens) + max(work.max_tokens, work.single_max_tokens) + 16
     warm_ids = _tokenize_warmup(spec.model)
     log = Path(spec.log_dir or ".") / f"{spec.config}.server.log"
@@ -379,10 +394,13 @@ def run_llama_cpp_server(spec: RunSpec, work: Work, result: RunResult) -> None:
                 )
         result.ttft_s = [c.first_token_time - start for c in done]
         result.token_ids = [c.token_ids for c in done]
-        if work.single_prompt is not None:
+
+        def one_alone(_: int, prompt: list[int]) -> SingleResult:
             t0 = time.perf_counter()
-            one = stream_completion(server.base_url, work.single_prompt, work.single_max_tokens)
-            result.single = SingleResult(one.end_time - t0, one.first_token_time - t0, one.token_ids)
+            one = stream_completion(server.base_url, prompt, work.single_max_tokens)
+            return SingleResult(one.end_time - t0, one.first_token_time - t0, one.token_ids)
+
+        result.single = run_singles(work, one_alone)
         result.peak_rss_bytes = sampler.stop()
 
 
@@ -492,9 +510,12 @@ def _vllm_run(spec: RunSpec, work: Work, result: RunResult, dtype: str) -> None:
     result.ttft_basis = "all submitted at once; from submission to the request's first token (engine step loop)"
     if work.prompts:
         result.elapsed_s, result.ttft_s, result.token_ids = _vllm_generate(llm, work.prompts, work.max_tokens, "run")
-    if work.single_prompt is not None:
-        elapsed, ttft, tokens = _vllm_generate(llm, [work.single_prompt], work.single_max_tokens, "single")
-        result.single = SingleResult(elapsed, ttft[0], tokens[0])
+
+    def one_alone(i: int, prompt: list[int]) -> SingleResult:
+        elapsed, ttft, tokens = _vllm_generate(llm, [prompt], work.single_max_tokens, f"single-{i}")
+        return SingleResult(elapsed, ttft[0], tokens[0])
+
+    result.single = run_singles(work, one_alone)
     for i, prompt in enumerate(work.alone_prompts):
         elapsed, ttft, tokens = _vllm_generate(llm, [prompt], work.max_tokens, f"alone-{i}", ignore_eos=False)
         result.alone.append(SingleResult(elapsed, ttft[0], tokens[0]))
@@ -627,11 +648,14 @@ def _openvino_run(spec: RunSpec, work: Work, result: RunResult, precision_hint: 
         result.elapsed_s, result.ttft_s, result.token_ids = _openvino_generate(
             pipe, work.prompts, greedy(work.max_tokens), tensor, 1
         )
-    if work.single_prompt is not None:
+
+    def one_alone(i: int, prompt: list[int]) -> SingleResult:
         elapsed, ttft, tokens = _openvino_generate(
-            pipe, [work.single_prompt], greedy(work.single_max_tokens), tensor, 1 + len(work.prompts)
+            pipe, [prompt], greedy(work.single_max_tokens), tensor, 1 + len(work.prompts) + i
         )
-        result.single = SingleResult(elapsed, ttft[0], tokens[0])
+        return SingleResult(elapsed, ttft[0], tokens[0])
+
+    result.single = run_singles(work, one_alone)
 
 
 def run_openvino_fp32(spec: RunSpec, work: Work, result: RunResult) -> None:
@@ -687,13 +711,15 @@ def _engine_run(
     result.ttft_s = [o.metrics.ttft_s for o in outputs]
     result.token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     result.prefix_hit_rate = _prefix_hit_rate(llm, outputs, stats_before)
-    if work.single_prompt is not None:
+
+    def one_alone(_: int, prompt: list[int]) -> SingleResult:
         t0 = time.perf_counter()
         one = llm.generate(
-            [list(work.single_prompt)],
-            SamplingParams(temperature=0.0, max_tokens=work.single_max_tokens, ignore_eos=True),
+            [list(prompt)], SamplingParams(temperature=0.0, max_tokens=work.single_max_tokens, ignore_eos=True)
         )[0]
-        result.single = SingleResult(time.perf_counter() - t0, one.metrics.ttft_s, list(one.outputs[0].token_ids))
+        return SingleResult(time.perf_counter() - t0, one.metrics.ttft_s, list(one.outputs[0].token_ids))
+
+    result.single = run_singles(work, one_alone)
     if spec.profile:
         result.peak_rss_bytes = peak_rss_bytes()  # before the profiler's own memory
         result.profile_top = _profile(lambda: llm.generate([list(p) for p in work.prompts], params))

@@ -63,7 +63,7 @@ from bench.engine_bench_report import (
 from bench.harness import Peers, align_columns, report_json
 from bench.peer_runs import BusyProcesses, busy_cores, not_installed, prepare_peer_model, run_config
 from bench.peers import vllm_env
-from bench.workload import WorkloadError, build_workload, single_prompt
+from bench.workload import WorkloadError, build_workload, single_prompts
 from compress.quantize.methods import quantize
 from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import check_output_file, write_output_file
@@ -110,6 +110,13 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_option(parser, "--single-prompt-tokens", 160, "prompt tokens of the one-request-alone run")
     add_option(parser, "--single-max-tokens", 64, "new tokens of the one-request-alone run")
+    add_option(
+        parser,
+        "--single-repeats",
+        3,
+        "one-request-alone runs per configuration and round, each on its own prompt (no shared prefix); the row "
+        "reports the run of median time",
+    )
     parser.add_argument("--no-single", action="store_true", help="skip the one-request-alone run (the *_single rows)")
     add_option(
         parser,
@@ -297,7 +304,7 @@ class _Inputs:
     model_dir: Path
     shape: ModelSpec
     workload: object  # bench.workload.Workload
-    single: list[int] | None
+    single: list[list[int]]  # the one-request-alone prompts (empty: --no-single)
 
 
 @dataclasses.dataclass
@@ -372,6 +379,8 @@ def _load_inputs(args: argparse.Namespace) -> _Inputs:
         raise UsageError(f"--sequential-requests {args.sequential_requests}; it must be >= 1 (or left out for all)")
     if args.single_max_tokens < 1:
         raise UsageError(f"--single-max-tokens {args.single_max_tokens}; it must be >= 1")
+    if args.single_repeats < 1:
+        raise UsageError(f"--single-repeats {args.single_repeats}; it must be >= 1 (or --no-single for none)")
     if args.rounds < 1:
         raise UsageError(f"--rounds {args.rounds}; it must be >= 1 (1: every configuration once)")
     check_contention(args.contention)
@@ -386,7 +395,7 @@ def _load_inputs(args: argparse.Namespace) -> _Inputs:
         num_systems=args.systems,
         user_tokens=args.user_tokens,
     )
-    single = None if args.no_single else single_prompt(tokenizer, args.single_prompt_tokens)
+    single = [] if args.no_single else single_prompts(tokenizer, args.single_prompt_tokens, args.single_repeats)
     shape = ModelSpec.from_config(json.loads((model_dir / "config.json").read_text()))
     return _Inputs(configs, engine_args, model_dir, shape, workload, single)
 
@@ -400,8 +409,9 @@ def _print_workload(args: argparse.Namespace, inputs: _Inputs, summary: dict, lo
         "each, greedy, EOS ignored"
         + (
             ""
-            if single is None
-            else f"; single: one request of {len(single)} prompt tokens, {args.single_max_tokens} new tokens"
+            if not single
+            else f"; single: one request of {len(single[0])} prompt tokens, {args.single_max_tokens} new tokens "
+            f"({len(single)} runs)"
         )
     )
     print(f"model: {inputs.model_dir}")
@@ -457,7 +467,9 @@ def _report(
     single = inputs.single
     return {
         "workload": summary,
-        "single": None if single is None else {"prompt_tokens": len(single), "max_tokens": args.single_max_tokens},
+        "single": None
+        if not single
+        else {"prompt_tokens": len(single[0]), "max_tokens": args.single_max_tokens, "repeats": len(single)},
         "sequential_requests": args.sequential_requests or summary["num_requests"],
         "model": str(inputs.model_dir),
         "threads": _threads(),
@@ -502,7 +514,7 @@ def _run_systems(
                 {
                     "prompts": inputs.workload.prompts,
                     "max_tokens": inputs.workload.max_tokens,
-                    "single_prompt": inputs.single,
+                    "single_prompts": inputs.single,
                     "single_max_tokens": args.single_max_tokens,
                 }
             )
@@ -567,8 +579,8 @@ def _print_tables(
         print(agreement)
     if singles:
         print(
-            f"\none request alone ({len(inputs.single)} prompt tokens, {args.single_max_tokens} new tokens; tok/s "
-            "from submission to the last token):"
+            f"\none request alone ({len(inputs.single[0])} prompt tokens, {args.single_max_tokens} new tokens; tok/s "
+            f"from submission to the last token; the median of {len(inputs.single)} runs, each on its own prompt):"
         )
         print(format_single_table(singles))
     print()

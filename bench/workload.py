@@ -209,19 +209,22 @@ def user_turns(tokenizer, num_requests: int, num_tokens: int = 100) -> list[str]
     return turns
 
 
-def single_prompt(tokenizer, num_tokens: int = 160) -> list[int]:
-    """The prompt of the one-request-alone run: the first ``num_tokens`` tokens of the corpus
-    questions in reverse order, as plain text (no chat template, so it shares no prefix with the
-    workload's prompts and hits no prefix cache).
+def single_prompts(tokenizer, num_tokens: int = 160, count: int = 1) -> list[list[int]]:
+    """Prompts of the one-request-alone run, one per repeat: windows of ``num_tokens`` tokens of the corpus
+    questions in reverse order, as plain text (no chat template, so none shares a prefix with the workload's
+    prompts, and no two share a prefix-cache block: each repeat prefills from a cold cache, where one prompt
+    repeated would find itself cached). Fewer than ``count`` where the corpus runs out.
 
     Raises:
-        WorkloadError: ``num_tokens`` < 1, or the corpus is too short.
+        WorkloadError: ``num_tokens`` or ``count`` < 1, or the corpus is too short for one prompt.
     """
     if num_tokens < 1:
         raise WorkloadError(f"single prompt num_tokens={num_tokens}; it must be >= 1")
+    if count < 1:
+        raise WorkloadError(f"single prompt count={count}; it must be >= 1")
     ids = tokenizer(" ".join(reversed(load_questions())), add_special_tokens=False).input_ids
     if len(ids) < num_tokens:
         raise WorkloadError(
             f"the corpus questions give {len(ids)} tokens, fewer than the {num_tokens} asked for the single prompt"
         )
-    return ids[:num_tokens]
+    return [ids[i * num_tokens : (i + 1) * num_tokens] for i in range(min(count, len(ids) // num_tokens))]

@@ -225,6 +225,21 @@ def test_workload_is_deterministic_and_shares_the_system_prompt(tiny_llama_dir):
     assert len(set(map(tuple, long.prompts))) == 4 and long.shared_prefix_lens[0] >= 130
 
 
+def test_single_prompts_share_no_prefix_block(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    from bench.workload import WorkloadError, single_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    prompts = single_prompts(tokenizer, 160, 3)
+    assert len(prompts) == 3 and all(len(p) == 160 for p in prompts)
+    assert len({tuple(p[:16]) for p in prompts}) == 3  # each repeat prefills from a cold prefix cache
+    assert single_prompts(tokenizer, 160, 1) == prompts[:1]
+    assert len(single_prompts(tokenizer, 2_000, 50)) < 50  # as many as the corpus holds
+    with pytest.raises(WorkloadError, match="count=0"):
+        single_prompts(tokenizer, 160, 0)
+
+
 def test_user_turns_stay_distinct_past_the_corpus_and_serving_runs_never_repeat_a_prompt(tiny_llama_dir):
     """The served load sends each prompt once: a repeat would be answered from the prefix cache."""
     from transformers import AutoTokenizer
@@ -262,6 +277,7 @@ def test_smoke_run_of_the_harness(tiny_llama_dir, tmp_path, lmforge):
     singles = {r["config"]: r for r in report["single_rows"]}
     assert set(singles) == {"hf_sequential_single", "engine_fp32_single"}
     assert singles["engine_fp32_single"]["same_tokens_as_hf"] is True
+    assert report["single"]["repeats"] == 3  # --single-repeats' default: three prompts alone, the median one shown
     assert set(report["bound"]["output_tok_s"]) == {"fp32", "bf16", "int8"}
     assert "hf_static" in proc.stdout and "compute bound" in proc.stdout and "one request alone" in proc.stdout
     # two rounds, the second in the reverse order, each configuration's tok/s in each

@@ -30,11 +30,11 @@ def _work(
     tmp_path: Path,
     prompts: list[list[int]],
     max_tokens: int,
-    single: list[int] | None = None,
+    singles: list[list[int]] | None = None,
     alone: list[list[int]] | None = None,
 ) -> Path:
     path = tmp_path / "workload.json"
-    work = {"prompts": prompts, "max_tokens": max_tokens, "single_prompt": single, "single_max_tokens": 3}
+    work = {"prompts": prompts, "max_tokens": max_tokens, "single_prompts": singles or [], "single_max_tokens": 3}
     path.write_text(json.dumps(dict(work, alone_prompts=alone or [])))
     return path
 
@@ -67,7 +67,7 @@ def test_llama_server_adapter_against_a_fake_server(tiny_llama_dir, tmp_path):
     spec = RunSpec(
         config="llama_cpp_server_f32",
         model=str(tiny_llama_dir),
-        workload_path=str(_work(tmp_path, prompts, 5, single=[4, 4])),
+        workload_path=str(_work(tmp_path, prompts, 5, singles=[[4, 4], [9]])),
         gguf=str(gguf),
         llama_server=str(FAKE_SERVER),
         threads=2,
@@ -77,7 +77,9 @@ def test_llama_server_adapter_against_a_fake_server(tiny_llama_dir, tmp_path):
     assert result.status == "ok", result.reason
     assert result.token_ids == [_fake_tokens(p, 5) for p in prompts]  # token-id prompts arrived intact, one stream each
     assert len(result.ttft_s) == 3 and all(0 < t <= result.elapsed_s for t in result.ttft_s)
+    # two prompts alone, one after the other: the first's tokens, the median run's times
     assert result.single.token_ids == _fake_tokens([4, 4], 3) and 0 < result.single.ttft_s <= result.single.elapsed_s
+    assert len(result.single.repeats_elapsed_s) == 2 and result.single.elapsed_s == min(result.single.repeats_elapsed_s)
     assert 0 < result.load_s <= result.startup_s
     assert result.peak_rss_bytes > 1_000_000  # the server process's, sampled
 
@@ -114,7 +116,7 @@ def test_vllm_adapter_runs_under_another_interpreter(tiny_llama_dir, tmp_path):
     results = {}
     for config in ("vllm_fp32", "vllm_bf16"):
         spec = RunSpec(
-            config=config, model=str(tiny_llama_dir), workload_path=str(_work(tmp_path, prompts, 4, single=[3]))
+            config=config, model=str(tiny_llama_dir), workload_path=str(_work(tmp_path, prompts, 4, singles=[[3]]))
         )
         results[config] = run_config(spec, tmp_path, timeout_s=120, python=Path(sys.executable), env=env)
     fp32, bf16 = results["vllm_fp32"], results["vllm_bf16"]
