@@ -110,6 +110,39 @@ def float_gemv(
     return (y if residual is None else y + residual.float()).to(x.dtype)
 
 
+def pack_float_panels(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """fp32 ``weight [N, K]`` packed for ``float_gemm_panels``: ``[ceil(N / 16), K, 16]``, 16 output columns a panel
+    (``gated``: ``[gate; up]`` halves of a multiple of 16 rows, their panels alternating).
+
+    Raises:
+        RuntimeError: not fp32 ``[N, K]``, a gated weight of other halves, or the kernel is not built.
+    """
+    if not FLOAT_GEMV_KERNELS.available:
+        raise RuntimeError(f"the float GEMV kernels are not built here: {FLOAT_GEMV_KERNELS.reason}")
+    return FLOAT_GEMV_KERNELS.ops.pack_panels(weight, gated)
+
+
+def float_gemm_panels(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int,
+    gated: bool = False,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """fp32 ``x [M, K] @ weight^T (+ bias)`` on ``pack_float_panels(weight, gated)``, ``weight [out_features, K]``:
+    ``[M, out_features]`` in the weight's column order, or with ``silu_mul`` (gated panels) ``[M, out_features / 2]``
+    ``silu(gate) * up``; ``residual [M, out_features]`` gives ``residual + y``. Each output is one float32 sum over
+    ``K`` in order, so a row's result does not depend on the other rows of the call (register tiles of 6 rows x 16
+    columns; ``csrc/float_gemv_cpu.cpp``).
+
+    Raises:
+        RuntimeError: mismatched shapes or dtypes, ``silu_mul`` without gated panels (from the kernel).
+    """
+    return FLOAT_GEMV_KERNELS.ops.gemm_panels(x, panels, out_features, gated, bias, residual, silu_mul)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``[S, V] -> [S]`` int64: index of the first maximum of each row (a NaN counts as the maximum)."""
     if logits.dim() == 2 and logits.stride(1) == 1 and _native(logits):

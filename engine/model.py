@@ -33,7 +33,7 @@ from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.store import CheckpointError
 from engine.config import SUPPORTED_DTYPES
 from engine.errors import UsageError
-from engine.platform import float_gemv_fast, mkl_gemv_fast, onednn_bf16_supported
+from engine.platform import float_gemv_fast, float_panels_fast, mkl_gemv_fast, onednn_bf16_supported
 from engine.quant.int8 import (
     INPUT_HADAMARD_SUFFIX,
     INT8_SCALE_SUFFIX,
@@ -184,6 +184,19 @@ def float_gemv_rows(device: str, dtype: torch.dtype) -> int:
     return FLOAT_GEMV_ROWS[dtype] if cpu_ops.float_gemv_available() else 0
 
 
+def float_panels(device: str, dtype: torch.dtype, batch_invariant: bool = False) -> bool:
+    """Whether fp32 linears keep their weight packed for the engine's panel GEMM (``cpu_ops.float_gemm_panels``) in
+    place of oneDNN's packed copy, for every row count past ``float_gemv_rows``: where it is the faster path
+    (``float_panels_fast``) and its kernel builds; batch-invariant mode keeps oneDNN's tiles."""
+    return (
+        device == "cpu"
+        and dtype == torch.float32
+        and not batch_invariant
+        and float_panels_fast()
+        and cpu_ops.float_gemv_available()
+    )
+
+
 def packed_rows(device: str, dtype: torch.dtype, batch_invariant: bool = False) -> tuple[int, int] | None:
     """``(min, max)`` rows of a float linear that use the oneDNN-packed weight, or ``None`` (never packed).
 
@@ -218,7 +231,9 @@ class Linear:
     rows on the packed weight and the others with ``F.linear`` on the plain one (fp32:
     ``fp32_packed_rows()``, where MKL is the faster path for the others). After
     ``use_float_gemv(rows)``, inputs of at most ``rows`` rows run the engine's GEMV on the plain weight
-    (``cpu_ops.float_gemv``, with the same epilogues) before any of that.
+    (``cpu_ops.float_gemv``, with the same epilogues) before any of that. With ``panels=True`` (fp32, in place of
+    ``pack``) the weight is also held packed for ``cpu_ops.float_gemm_panels``, which runs every other row count
+    (a gated layer's halves in alternating panels where they are multiples of 16 rows, so ``silu_mul`` is one call).
     """
 
     def __init__(
@@ -230,6 +245,7 @@ class Linear:
         pack: bool = False,
         gated: bool = False,
         pack_rows: tuple[int, int] | None = None,
+        panels: bool = False,
     ):
         self.weight, self.bias, self.int8_layer, self.dtype = weight, bias, int8_layer, dtype
         self.pack_rows = pack_rows or (1, sys.maxsize)
@@ -238,7 +254,12 @@ class Linear:
         self.gemv_rows = 0  # inputs of at most this many rows run cpu_ops.float_gemv (``use_float_gemv``)
         self.packed = None
         self.packed_halves = None  # (gate, up, gate bias, up bias) of a packed gated layer
-        if pack and weight is not None:
+        self.panels = None  # [ceil(out / 16), in, 16] fp32 for cpu_ops.float_gemm_panels
+        self.panels_gated = False
+        if panels and weight is not None:
+            self.panels_gated = gated and weight.shape[0] % 32 == 0
+            self.panels = cpu_ops.pack_float_panels(weight, self.panels_gated)
+        elif pack and weight is not None:
             reorder = torch.ops.mkldnn._reorder_linear_weight
             if gated:
                 gate, up = weight.chunk(2)
@@ -304,6 +325,8 @@ class Linear:
             return self.int8_layer.forward(x)  # no hooks on it: skips nn.Module.__call__ (~2 us of a decode GEMV)
         if 0 < x.shape[0] <= self.gemv_rows:
             return cpu_ops.float_gemv(x, self.weight, self.bias)
+        if self.panels is not None:
+            return cpu_ops.float_gemm_panels(x, self.panels, self.weight.shape[0], self.panels_gated, self.bias)
         if self.packed is not None and self._on_packed(x):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.packed_halves is not None and self._on_packed(x):
@@ -323,6 +346,10 @@ class Linear:
             return self.int8_layer.add(x, residual)
         if 0 < x.shape[0] <= self.gemv_rows:
             return cpu_ops.float_gemv(x, self.weight, self.bias, residual=residual)
+        if self.panels is not None:
+            return cpu_ops.float_gemm_panels(
+                x, self.panels, self.weight.shape[0], self.panels_gated, self.bias, residual=residual
+            )
         if self.packed is not None and self._on_packed(x):
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         return residual + self._call(x)
@@ -338,6 +365,8 @@ class Linear:
             return self.int8_layer.silu_mul(x)
         if 0 < x.shape[0] <= self.gemv_rows:
             return cpu_ops.float_gemv(x, self.weight, self.bias, silu_mul=True)
+        if self.panels_gated:
+            return cpu_ops.float_gemm_panels(x, self.panels, self.weight.shape[0], True, self.bias, silu_mul=True)
         if self.packed_halves is not None and self._on_packed(x):
             gate, up, gate_bias, up_bias = self.packed_halves
             linear = torch.ops.mkldnn._linear_pointwise
@@ -379,7 +408,9 @@ class WeightLoader:
         except ValueError as exc:
             raise CheckpointError(str(exc)) from exc
         self.pack = can_pack_weights(device, dtype)  # every row count; RMSNorm weights folded in
-        self.pack_rows = packed_rows(device, dtype, batch_invariant)  # bf16: every row count; fp32: fp32_packed_rows()
+        self.panels = float_panels(device, dtype, batch_invariant)  # fp32 on the engine's panel GEMM, not oneDNN
+        # bf16: every row count; fp32: fp32_packed_rows(), or never beside the panels
+        self.pack_rows = None if self.panels else packed_rows(device, dtype, batch_invariant)
 
     def has(self, name: str) -> bool:
         return name in self.tensors or name.removesuffix(".weight") + INT8_WEIGHT_SUFFIX in self.tensors
@@ -423,6 +454,7 @@ class WeightLoader:
             pack=self.pack_rows is not None,
             gated=gated,
             pack_rows=self.pack_rows,
+            panels=self.panels,
         )
         return layer
 
@@ -517,7 +549,9 @@ class Model:
         if loader.is_int8("lm_head") or (loader.has("lm_head.weight") and not spec.tie_word_embeddings):
             self.lm_head = loader.linear(["lm_head"])
         else:
-            self.lm_head = Linear(self.embed, pack=loader.pack_rows is not None, pack_rows=loader.pack_rows)
+            self.lm_head = Linear(
+                self.embed, pack=loader.pack_rows is not None, pack_rows=loader.pack_rows, panels=loader.panels
+            )
         self.is_int8 = any(k.endswith(INT8_WEIGHT_SUFFIX) for k in tensors)
         # the linears of a packed float model run at least this many rows (INT8 decode kernels read the weights
         # once per call for any row count, so an INT8 model is never padded; on Intel an fp32 row alone takes

@@ -54,6 +54,16 @@ def float_gemv_fast() -> bool:
     return cpu_vendor() == "AuthenticAMD" and ("avx512f" in flags or {"avx2", "fma"} <= flags)
 
 
+def float_panels_fast() -> bool:
+    """Whether fp32 linears of 4 or more rows run the engine's panel GEMM (``engine.cpu_ops.float_gemm_panels``)
+    instead of oneDNN's packed GEMM: on AMD CPUs with AVX2 + FMA and no AVX-512, where a decode step's SmolLM2-135M
+    layer linears took 38 / 39 / 56 / 164 against 70 / 71 / 80 / 192 ms at 4 / 8 / 16 / 64 rows and the same at 160
+    and 512 (2-core AVX2-only AMD EPYC, 2 threads; docs/engine.md). oneDNN's AVX-512 kernels are not measured
+    against it."""
+    flags = cpu_flags()
+    return cpu_vendor() == "AuthenticAMD" and {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
 def onednn_bf16_supported() -> bool:
     """Whether this CPU runs oneDNN's bf16 kernels (packed weights, ``mkldnn._linear_pointwise``).
 

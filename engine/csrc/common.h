@@ -88,6 +88,41 @@ inline int32_t hsum8_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(f, _mm_shuffle_epi32(f, 0xB1)));
 }
 
+#if defined(__FMA__)
+// e^x for x <= 0 on 8 floats: the AVX-512 version's reduction and polynomial, 2^n built in the exponent bits
+// (n >= -126 after the clamp at -87).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// silu(g) = g / (1 + e^-g) on 8 floats, as the AVX-512 version: t = e^-|g|, the reciprocal of 1 + t by VRCPPS and
+// two Newton steps.
+inline __m256 silu8(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+  const __m256 abs_g = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g);
+  const __m256 t = exp_nonpositive8(_mm256_sub_ps(_mm256_setzero_ps(), abs_g));
+  const __m256 d = _mm256_add_ps(one, t);
+  __m256 inv = _mm256_rcp_ps(d);
+  inv = _mm256_mul_ps(inv, _mm256_fnmadd_ps(d, inv, two));
+  inv = _mm256_mul_ps(inv, _mm256_fnmadd_ps(d, inv, two));
+  const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, t), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+  return _mm256_mul_ps(num, inv);
+}
+#endif
+
 }  // namespace lmforge_vec
 
 #endif

@@ -388,6 +388,79 @@ def test_float_gemv_matches_float32_sums_with_the_packed_linears_roundings(dtype
         cpu_ops.float_gemv(torch.randn(2, 8).to(dtype), torch.randn(6, 9).to(dtype))
 
 
+def test_float_gemm_panels_sum_each_output_in_order_with_the_gemvs_epilogues():
+    """``float_gemm_panels`` against float64 sums for 1 to 64 rows (full and partial 6-row tiles), a column count
+    that is no multiple of 16 and an odd ``K``, a bias, the residual add and SwiGLU (gated panels, whose plain
+    output keeps the weight's column order); a row's result is the same bits in any call, alone or in a batch."""
+    if cpu_ops.FLOAT_GEMV_KERNELS.forbidden:
+        pytest.skip("--cpu-kernel-path=torch holds the float GEMV off")
+    assert cpu_ops.float_gemv_available(), cpu_ops.FLOAT_GEMV_KERNELS.reason
+    gen = torch.Generator().manual_seed(6)
+    for k, n, bias, gated in (
+        (576, 960, False, False),
+        (101, 70, True, False),
+        (576, 3072, True, True),
+        (37, 64, False, True),
+    ):
+        w = torch.randn(n, k, generator=gen) / k**0.5
+        b = torch.randn(n, generator=gen) if bias else None
+        panels = cpu_ops.pack_float_panels(w, gated)
+        assert panels.shape == ((n + 15) // 16, k, 16)
+        x64 = torch.randn(64, k, generator=gen)
+        full = cpu_ops.float_gemm_panels(x64, panels, n, gated, b)
+        for m in (1, 4, 6, 7, 13, 64):
+            x = x64[-m:]
+            sums = x.double() @ w.double().T + (0 if b is None else b.double())
+            got = cpu_ops.float_gemm_panels(x, panels, n, gated, b)
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            assert torch.equal(got, full[-m:]), (k, n, m)  # the same bits whatever the rows around it
+            torch.testing.assert_close(got.double(), sums, rtol=1e-5, atol=1e-4)
+            residual = torch.randn(m, n, generator=gen)
+            with_residual = cpu_ops.float_gemm_panels(x, panels, n, gated, b, residual=residual)
+            torch.testing.assert_close(with_residual.double(), sums + residual.double(), rtol=1e-5, atol=1e-4)
+            if gated:
+                gate, up = sums.chunk(2, dim=-1)
+                swiglu = cpu_ops.float_gemm_panels(x, panels, n, True, b, silu_mul=True)
+                assert swiglu.shape == (m, n // 2)
+                torch.testing.assert_close(swiglu.double(), F.silu(gate) * up, rtol=1e-5, atol=1e-4)
+    assert cpu_ops.float_gemm_panels(torch.randn(0, 37), panels, 64, True).shape == (0, 64)
+    with pytest.raises(RuntimeError, match="silu_mul needs panels packed with gated"):
+        cpu_ops.float_gemm_panels(torch.randn(2, 8), cpu_ops.pack_float_panels(torch.randn(32, 8)), 32, silu_mul=True)
+    with pytest.raises(RuntimeError, match="multiple of 16 rows"):
+        cpu_ops.pack_float_panels(torch.randn(48, 8), gated=True)
+    with pytest.raises(RuntimeError, match="K = x's columns"):
+        cpu_ops.float_gemm_panels(torch.randn(2, 9), cpu_ops.pack_float_panels(torch.randn(32, 8)), 32)
+
+
+def test_linears_on_panels_run_few_rows_on_the_float_gemv_and_the_rest_on_the_panels():
+    """``Linear(panels=True)``: 1 to ``gemv_rows`` rows on ``float_gemv``, any other count on the panel GEMM (its
+    residual and SwiGLU epilogues too); a gated layer whose halves are no multiple of 16 rows still gives SwiGLU."""
+    from engine.model import Linear
+
+    if cpu_ops.FLOAT_GEMV_KERNELS.forbidden:
+        pytest.skip("--cpu-kernel-path=torch holds the float GEMV off")
+    gen = torch.Generator().manual_seed(7)
+    for out_features in (64, 48):
+        w = torch.randn(out_features, 32, generator=gen)
+        layer = Linear(w, gated=True, panels=True)
+        layer.use_float_gemv(3)
+        assert layer.panels is not None and layer.panels_gated == (out_features % 32 == 0)
+        for rows in (1, 3, 4, 9):
+            x = torch.randn(rows, 32, generator=gen)
+            on_gemv = rows <= 3
+            expected = (
+                cpu_ops.float_gemv(x, w)
+                if on_gemv
+                else cpu_ops.float_gemm_panels(x, layer.panels, out_features, layer.panels_gated)
+            )
+            assert torch.equal(layer(x), expected), rows
+            torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+            residual = torch.randn(rows, out_features, generator=gen)
+            torch.testing.assert_close(layer.add(x, residual), F.linear(x, w) + residual, rtol=1e-5, atol=1e-5)
+            gate, up = F.linear(x, w).chunk(2, dim=-1)
+            torch.testing.assert_close(layer.silu_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
 def test_linears_run_few_rows_on_the_float_gemv_and_more_on_their_own_path():
     """``Linear.use_float_gemv(rows)``: inputs of 1 to ``rows`` rows take ``cpu_ops.float_gemv`` (its residual and
     SwiGLU epilogues too), larger ones the packed or plain weight; an INT8 layer never does."""

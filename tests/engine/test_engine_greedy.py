@@ -51,8 +51,19 @@ def reference(tiny_llama_dir, prompts):
     return hf_greedy(tiny_llama_dir, prompts, GREEDY.max_tokens)
 
 
-def test_greedy_batch_equals_hf(tiny_llama_dir, prompts, reference):
+@pytest.mark.parametrize("panels", [False, True], ids=["cpu-default", "fp32-panels"])
+def test_greedy_batch_equals_hf(tiny_llama_dir, prompts, reference, panels, monkeypatch):
+    """fp32-panels: the fp32 linears on the engine's panel GEMM whatever the CPU picks (AVX2-only AMD picks it)."""
+    import engine.model
+    from engine import cpu_ops
+
+    if panels:
+        if not cpu_ops.float_gemv_available():
+            pytest.skip("the float GEMV kernels are held off or not built here")
+        monkeypatch.setattr(engine.model, "float_panels_fast", lambda: True)
     llm = make_llm(tiny_llama_dir)
+    if panels:
+        assert llm.engine.runner.model.layers[0].gate_up.panels_gated and llm.engine.runner.model.min_rows == 1
     outputs = llm.generate(prompts, GREEDY)
     assert tokens(outputs) == reference
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
@@ -191,8 +202,8 @@ def test_decode_pads_its_packed_linears_to_the_fast_row_count(tiny_llama_dir, dt
     """A model with oneDNN-packed float linears runs steps of 1 to 3 tokens with zero rows up to
     ``PACKED_MIN_ROWS`` (oneDNN's kernels below that are slower); the real rows' logits are those of the
     unpadded step, and the padded rows are never stored in the KV cache. fp32 on Intel is not padded (one
-    row takes MKL's GEMV on the plain weight)."""
-    from engine.model import PACKED_MIN_ROWS, packed_rows, pad_rows
+    row takes MKL's GEMV on the plain weight), nor where fp32 runs the engine's panel GEMM (``float_panels``)."""
+    from engine.model import PACKED_MIN_ROWS, float_panels, packed_rows, pad_rows
     from engine.platform import mkl_gemv_fast
     from engine.scheduler import ScheduledSequence, SchedulerOutput
     from engine.sequence import Sequence
@@ -201,7 +212,8 @@ def test_decode_pads_its_packed_linears_to_the_fast_row_count(tiny_llama_dir, dt
     assert torch.equal(pad_rows(x, 4), torch.cat((x, torch.zeros(2, 3)))) and pad_rows(x, 2) is x
     llm = make_llm(tiny_llama_dir, dtype=dtype)
     runner = llm.engine.runner
-    if packed_rows("cpu", getattr(torch, dtype)) is None or (dtype == "float32" and mkl_gemv_fast()):
+    fp32_unpadded = dtype == "float32" and (mkl_gemv_fast() or float_panels("cpu", torch.float32))
+    if packed_rows("cpu", getattr(torch, dtype)) is None or fp32_unpadded:
         assert runner.model.min_rows == 1
         return
     assert runner.model.min_rows == PACKED_MIN_ROWS
