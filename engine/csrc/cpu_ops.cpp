@@ -1187,15 +1187,16 @@ constexpr int64_t kLoraTaskRows = 16;
 // runs late (a layer's 8 rank-16 q/k/v slots with cold weights: 1.1x faster).
 constexpr int64_t kLoraPrefetchRows = 48;
 
-constexpr int kLoraRowBlock = 8;  // rows per register block: 8 x 3 accumulators + 3 weight vectors fit 32 zmm
+constexpr int kLoraRowBlock = 8;  // rows of one lora_gemm call
 
-// out[r][c] = sum_i xr[r][i] w[i][c] for kLoraRowBlock rows r and NV * 16 columns c: the accumulators stay in
-// registers, and each row of w is loaded (and widened to float32) once for all the rows.
-template <typename T, int NV>
+// out[r][c] = sum_i xr[r][i] w[i][c] for RB rows r and NV * 16 columns c: the accumulators stay in registers, and
+// each row of w is loaded (and widened to float32) once for all the rows. RB x NV x 16 floats of accumulators must
+// fit the register file with the NV weight vectors: 8 x 3 (24 of 32 zmm) with AVX-512.
+template <typename T, int RB, int NV>
 inline void lora_block(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, int64_t ld, int64_t depth,
                        float* out, int64_t os) {
-  vf16 acc[kLoraRowBlock][NV];
-  for (int r = 0; r < kLoraRowBlock; ++r)
+  vf16 acc[RB][NV];
+  for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vf16{} + 0.f;
   for (int64_t i = 0; i < depth; ++i) {
     vf16 a[NV];
@@ -1204,28 +1205,76 @@ inline void lora_block(const float* xr, int64_t xs, const typename Elem<T>::raw_
       for (size_t b = 0; b < NV * 16 * sizeof(*w); b += 64) __builtin_prefetch(ahead + b, 0, 3);
     }
     for (int v = 0; v < NV; ++v) a[v] = load16<T>(w + i * ld + v * 16);
-    for (int r = 0; r < kLoraRowBlock; ++r) {
+    for (int r = 0; r < RB; ++r) {
       const float xi = xr[r * xs + i];
       for (int v = 0; v < NV; ++v) acc[r][v] += xi * a[v];
     }
   }
-  for (int r = 0; r < kLoraRowBlock; ++r)
+  for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) std::memcpy(out + r * os + v * 16, &acc[r][v], sizeof(vf16));
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// lora_block for 4 rows x 16 columns in ymm registers: 8 named accumulators, two weight vectors and a broadcast.
+// The 16-float vector type of lora_block, 2 ymm each on AVX2, went through the stack on every FMA (GCC 13), and
+// so did an 8 x 3 block of them (64 rows over 8 rank-16 q/k/v slots: 1.37 ms a call, then 0.50 ms as 4 x 1).
+template <typename T>
+inline void lora_block4_avx2(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, int64_t ld,
+                             int64_t depth, float* out, int64_t os) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+  for (int64_t i = 0; i < depth; ++i) {
+    if (i + kLoraPrefetchRows < depth) {
+      const char* ahead = reinterpret_cast<const char*>(w + (i + kLoraPrefetchRows) * ld);
+      for (size_t b = 0; b < 16 * sizeof(*w); b += 64) __builtin_prefetch(ahead + b, 0, 3);
+    }
+    const __m256 w0 = load8<T>(w + i * ld), w1 = load8<T>(w + i * ld + 8);
+    __m256 x = _mm256_broadcast_ss(xr + i);
+    a00 = _mm256_fmadd_ps(x, w0, a00);
+    a01 = _mm256_fmadd_ps(x, w1, a01);
+    x = _mm256_broadcast_ss(xr + xs + i);
+    a10 = _mm256_fmadd_ps(x, w0, a10);
+    a11 = _mm256_fmadd_ps(x, w1, a11);
+    x = _mm256_broadcast_ss(xr + 2 * xs + i);
+    a20 = _mm256_fmadd_ps(x, w0, a20);
+    a21 = _mm256_fmadd_ps(x, w1, a21);
+    x = _mm256_broadcast_ss(xr + 3 * xs + i);
+    a30 = _mm256_fmadd_ps(x, w0, a30);
+    a31 = _mm256_fmadd_ps(x, w1, a31);
+  }
+  _mm256_storeu_ps(out, a00);
+  _mm256_storeu_ps(out + 8, a01);
+  _mm256_storeu_ps(out + os, a10);
+  _mm256_storeu_ps(out + os + 8, a11);
+  _mm256_storeu_ps(out + 2 * os, a20);
+  _mm256_storeu_ps(out + 2 * os + 8, a21);
+  _mm256_storeu_ps(out + 3 * os, a30);
+  _mm256_storeu_ps(out + 3 * os + 8, a31);
+}
+#endif
 
 // out [8, cols] = xr [8, depth] (float32, row stride xs) times w [depth, cols] (T, row stride ld), float32.
 template <typename T>
 void lora_gemm(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, int64_t ld, int64_t depth,
                int64_t cols, float* out, int64_t os) {
   int64_t c = 0;
-  for (; c + 48 <= cols; c += 48) lora_block<T, 3>(xr, xs, w + c, ld, depth, out + c, os);
+#if defined(__AVX512F__)
+  for (; c + 48 <= cols; c += 48) lora_block<T, kLoraRowBlock, 3>(xr, xs, w + c, ld, depth, out + c, os);
   if (cols - c >= 32) {
-    lora_block<T, 2>(xr, xs, w + c, ld, depth, out + c, os);
+    lora_block<T, kLoraRowBlock, 2>(xr, xs, w + c, ld, depth, out + c, os);
     c += 32;
   } else if (cols - c >= 16) {
-    lora_block<T, 1>(xr, xs, w + c, ld, depth, out + c, os);
+    lora_block<T, kLoraRowBlock, 1>(xr, xs, w + c, ld, depth, out + c, os);
     c += 16;
   }
+#elif defined(__AVX2__)
+  static_assert(kLoraRowBlock == 8, "two blocks of 4 rows");
+  for (; c + 16 <= cols; c += 16) {
+    lora_block4_avx2<T>(xr, xs, w + c, ld, depth, out + c, os);
+    lora_block4_avx2<T>(xr + 4 * xs, xs, w + c, ld, depth, out + 4 * os + c, os);
+  }
+#else
+  for (; c + 16 <= cols; c += 16) lora_block<T, kLoraRowBlock, 1>(xr, xs, w + c, ld, depth, out + c, os);
+#endif
   for (; c < cols; ++c)
     for (int r = 0; r < kLoraRowBlock; ++r) {
       float sum = 0.f;

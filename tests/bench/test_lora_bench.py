@@ -13,13 +13,13 @@ from bench.lora_bench import add_arguments, format_report, run
 from engine.errors import UsageError
 
 
-def _speed(base: float, spread: float) -> dict:
+def _speed(base: float, spread: float, label: str = "bf16") -> dict:
     def row(tok_s: float) -> dict:
         return {"tokens": 4096, "wall_s": 4096 / tok_s, "tok_s": tok_s, "tok_cpu_s": tok_s / 2}
 
     return {
-        "bf16 base alone": row(base),
-        "bf16 + 8 adapters": row(spread),
+        f"{label} base alone": row(base),
+        f"{label} + 8 adapters": row(spread),
         "int8 + 8 adapters": row(spread * 1.1),
         "int8 base alone": row(base * 1.2),
     }
@@ -32,7 +32,7 @@ MEMORY = {
     "adapter_bytes_8": 28 * 2**20,
     "slot_bytes_8": 42 * 2**20,
     "adapter_file_bytes": 7 * 2**20,
-    "base_weight_bytes_bf16": 256 * 2**20,
+    "base_weight_bytes": 256 * 2**20,
 }
 
 
@@ -42,6 +42,14 @@ def test_report_gives_ours_over_vllm_with_the_same_adapters():
     assert any(line.startswith("bf16 + 8 adapters") and "800.0   0.80x" in line for line in text.splitlines())
     assert "ours / vLLM with 8 adapters (bf16, wall): 4.00x; base alone: 2.00x" in text
     assert "8 adapters +50.0 MiB" in text
+
+
+def test_report_names_the_fp32_base_where_the_cpu_has_no_native_bf16():
+    vllm = {"vLLM fp32 base alone": {"tok_s": 250.0}, "vLLM fp32 + 8 adapters": {"tok_s": 100.0}}
+    text = format_report(_speed(400.0, 320.0, "fp32"), MEMORY, 8, vllm, "fp32")
+    assert any(line.startswith("fp32 + 8 adapters") and "320.0   0.80x" in line for line in text.splitlines())
+    assert "ours / vLLM with 8 adapters (fp32, wall): 3.20x; base alone: 1.60x" in text
+    assert "int8 / fp32 with 8 adapters" in text and "MiB in fp32" in text
 
 
 def test_report_says_why_vllm_did_not_run():
