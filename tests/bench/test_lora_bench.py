@@ -52,6 +52,19 @@ def test_report_names_the_fp32_base_where_the_cpu_has_no_native_bf16():
     assert "int8 / fp32 with 8 adapters" in text and "MiB in fp32" in text
 
 
+def test_report_gives_the_targets_round_by_round_and_their_medians():
+    speed = _speed(1000.0, 800.0)
+    for name, per_round in {
+        "bf16 base alone": [1000.0, 900.0, 950.0],
+        "bf16 + 8 adapters": [700.0, 810.0, 800.0],
+        "int8 + 8 adapters": [770.0, 800.0, 880.0],
+    }.items():
+        speed[name]["rounds_tok_s"] = per_round
+    text = format_report(speed, MEMORY, 8)
+    assert "bf16 + 8 adapters / bf16 base alone, round by round: 0.70x, 0.90x, 0.84x (median 0.84x)" in text
+    assert "int8 + 8 adapters / bf16 + 8 adapters, round by round: 1.10x, 0.99x, 1.10x (median 1.10x)" in text
+
+
 def test_report_says_why_vllm_did_not_run():
     text = format_report(_speed(1000.0, 800.0), MEMORY, 8, "vLLM not installed: run `make peers`")
     assert "vLLM-CPU: vLLM not installed: run `make peers`" in text
