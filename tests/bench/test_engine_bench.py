@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+import bench.engine_bench
 from bench.bound import ratio, workload_flops
 from bench.engine_backends import BACKENDS, left_pad
-from bench.engine_bench import parse_configs, parse_engine_args
+from bench.engine_bench import find_int8, parse_configs, parse_engine_args
 from bench.engine_bench_report import (
     engine_targets,
     median_results,
@@ -326,3 +327,19 @@ def test_spec_bench_compares_tokens_repeat_by_repeat_and_filters_the_corpus(tmp_
     assert len(path.read_text().splitlines()) == 2 and "1 with a benchmark prompt left out" in note
     args.spec_ngram_corpus = "none"
     assert ngram_corpus(args, tmp_path / "final", set(), tmp_path)[0] is None
+
+
+def test_the_default_int8_row_quantizes_the_lm_head_too_as_the_peers_8_bit_rows_do(monkeypatch, tmp_path):
+    calls = []
+
+    def quantize(model_dir, out, *, method, **config):
+        calls.append((model_dir, out, method, config))
+        return out
+
+    monkeypatch.setattr(bench.engine_bench, "quantize", quantize)
+    path, note = find_int8(None, tmp_path / "model", tmp_path / "work")
+    assert calls == [
+        (tmp_path / "model", tmp_path / "work" / "int8-w8a8", "w8a8", {"skip_modules": (), "outlier_channels": 32})
+    ]
+    assert path == str(tmp_path / "work" / "int8-w8a8") and "LM head INT8" in note
+    assert find_int8("given-dir", tmp_path, tmp_path) == ("given-dir", "given: given-dir") and len(calls) == 1
