@@ -166,6 +166,7 @@ def measure_speed(
     for llm in engines.values():  # warm-up: kernels, adapters in memory and in their slots
         llm.generate([{"prompt_token_ids": p} for p in prompts[: len(loras)]], params, lora_request=loras)
     best: dict[str, dict] = {}
+    per_round: dict[str, list[float]] = {}  # wall tok/s of each round, for the round-by-round ratios
     for round_index in range(args.rounds):
         for name, (engine, row_loras) in rows.items():
             result = _row(engines[engine], prompts, params, row_loras)
@@ -174,10 +175,11 @@ def measure_speed(
                 "tok/CPU-s",
                 flush=True,
             )
-            rounds = best[name]["rounds_tok_s"] if name in best else []
+            per_round.setdefault(name, []).append(result["tok_s"])
             if name not in best or result["tok_cpu_s"] > best[name]["tok_cpu_s"]:
                 best[name] = result
-            best[name]["rounds_tok_s"] = [*rounds, result["tok_s"]]
+    for name, row in best.items():
+        row["rounds_tok_s"] = per_round[name]
     return best
 
 

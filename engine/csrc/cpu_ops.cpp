@@ -1187,16 +1187,15 @@ constexpr int64_t kLoraTaskRows = 16;
 // runs late (a layer's 8 rank-16 q/k/v slots with cold weights: 1.1x faster).
 constexpr int64_t kLoraPrefetchRows = 48;
 
-constexpr int kLoraRowBlock = 8;  // rows of one lora_gemm call
+constexpr int kLoraRowBlock = 8;  // rows per register block: 8 x 3 accumulators + 3 weight vectors fit 32 zmm
 
-// out[r][c] = sum_i xr[r][i] w[i][c] for RB rows r and NV * 16 columns c: the accumulators stay in registers, and
-// each row of w is loaded (and widened to float32) once for all the rows. RB x NV x 16 floats of accumulators must
-// fit the register file with the NV weight vectors: 8 x 3 (24 of 32 zmm) with AVX-512.
-template <typename T, int RB, int NV>
+// out[r][c] = sum_i xr[r][i] w[i][c] for kLoraRowBlock rows r and NV * 16 columns c: the accumulators stay in
+// registers, and each row of w is loaded (and widened to float32) once for all the rows.
+template <typename T, int NV>
 inline void lora_block(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, int64_t ld, int64_t depth,
                        float* out, int64_t os) {
-  vf16 acc[RB][NV];
-  for (int r = 0; r < RB; ++r)
+  vf16 acc[kLoraRowBlock][NV];
+  for (int r = 0; r < kLoraRowBlock; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vf16{} + 0.f;
   for (int64_t i = 0; i < depth; ++i) {
     vf16 a[NV];
@@ -1205,19 +1204,19 @@ inline void lora_block(const float* xr, int64_t xs, const typename Elem<T>::raw_
       for (size_t b = 0; b < NV * 16 * sizeof(*w); b += 64) __builtin_prefetch(ahead + b, 0, 3);
     }
     for (int v = 0; v < NV; ++v) a[v] = load16<T>(w + i * ld + v * 16);
-    for (int r = 0; r < RB; ++r) {
+    for (int r = 0; r < kLoraRowBlock; ++r) {
       const float xi = xr[r * xs + i];
       for (int v = 0; v < NV; ++v) acc[r][v] += xi * a[v];
     }
   }
-  for (int r = 0; r < RB; ++r)
+  for (int r = 0; r < kLoraRowBlock; ++r)
     for (int v = 0; v < NV; ++v) std::memcpy(out + r * os + v * 16, &acc[r][v], sizeof(vf16));
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // lora_block for 4 rows x 16 columns in ymm registers: 8 named accumulators, two weight vectors and a broadcast.
-// The 16-float vector type of lora_block, 2 ymm each on AVX2, went through the stack on every FMA (GCC 13), and
-// so did an 8 x 3 block of them (64 rows over 8 rank-16 q/k/v slots: 1.37 ms a call, then 0.50 ms as 4 x 1).
+// lora_block's 16-float vectors take 2 ymm each on AVX2, and GCC 13 kept its 8 x 3 block of them on the stack,
+// storing and reloading around every FMA (64 rows over 8 rank-16 q/k/v slots: 1.37 ms a call, 0.11 ms here).
 template <typename T>
 inline void lora_block4_avx2(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, int64_t ld,
                              int64_t depth, float* out, int64_t os) {
@@ -1258,12 +1257,12 @@ void lora_gemm(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, in
                int64_t cols, float* out, int64_t os) {
   int64_t c = 0;
 #if defined(__AVX512F__)
-  for (; c + 48 <= cols; c += 48) lora_block<T, kLoraRowBlock, 3>(xr, xs, w + c, ld, depth, out + c, os);
+  for (; c + 48 <= cols; c += 48) lora_block<T, 3>(xr, xs, w + c, ld, depth, out + c, os);
   if (cols - c >= 32) {
-    lora_block<T, kLoraRowBlock, 2>(xr, xs, w + c, ld, depth, out + c, os);
+    lora_block<T, 2>(xr, xs, w + c, ld, depth, out + c, os);
     c += 32;
   } else if (cols - c >= 16) {
-    lora_block<T, kLoraRowBlock, 1>(xr, xs, w + c, ld, depth, out + c, os);
+    lora_block<T, 1>(xr, xs, w + c, ld, depth, out + c, os);
     c += 16;
   }
 #elif defined(__AVX2__)
@@ -1273,7 +1272,7 @@ void lora_gemm(const float* xr, int64_t xs, const typename Elem<T>::raw_t* w, in
     lora_block4_avx2<T>(xr + 4 * xs, xs, w + c, ld, depth, out + 4 * os + c, os);
   }
 #else
-  for (; c + 16 <= cols; c += 16) lora_block<T, kLoraRowBlock, 1>(xr, xs, w + c, ld, depth, out + c, os);
+  for (; c + 16 <= cols; c += 16) lora_block<T, 1>(xr, xs, w + c, ld, depth, out + c, os);
 #endif
   for (; c < cols; ++c)
     for (int r = 0; r < kLoraRowBlock; ++r) {
