@@ -679,6 +679,9 @@ struct DecodeItemVec {
     const int64_t n = std::max<int64_t>(0, keys.seq_len - keys.lo);
     if (n == 0) return;
     scores.resize(static_cast<size_t>(n * g));
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    scores_avx2(kp, keys, g, n, qf, scores.data());
+#else
     vf16 qv[GM][C];
     for (int64_t j = 0; j < g; ++j)
       for (int c = 0; c < C; ++c) std::memcpy(&qv[j][c], &qf[j][c * 16], sizeof(vf16));
@@ -714,6 +717,7 @@ struct DecodeItemVec {
         for (int e = filled; e < 16; ++e) part[j][e] = vf16{};
       store(filled);
     }
+#endif
     float corr[GM];
     for (int64_t j = 0; j < g; ++j) {
       float* sj = scores.data() + j * n;
@@ -738,6 +742,59 @@ struct DecodeItemVec {
       }
     }
   }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // AVX2 pass 1: scores[j * n + t] = q_j . k_t (times the row's scale for int8), 8 keys at a time. The 16-float
+  // vectors of run's generic loop (a query head's 4 and each key's 16 partial sums) do not fit 16 ymm registers and
+  // GCC kept them on the stack; here each head's query is read in pieces of 4 ymm against 8 named accumulators
+  // (one per key), and reduce8 sums each key's 8 lanes in the same tree whatever the keys beside it.
+  static inline __m256 reduce8(const __m256* a) {
+    const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+  }
+
+  static void scores_avx2(const raw_t* kp, const KeyWalk& keys, int64_t g, int64_t n, float (*qf)[kMaxHeadDim],
+                          float* scores) {
+    constexpr int R = 2 * C, RH = R >= 8 ? 4 : R;  // ymm per head row; ymm of the query held at once
+    const raw_t* rows[8];
+    alignas(32) float ks[8];
+    int64_t first = 0;
+    int filled = 0;
+    auto flush = [&](int count) {
+      for (int e = count; e < 8; ++e) rows[e] = rows[0];  // padding lanes: read a real row, never stored
+      for (int64_t j = 0; j < g; ++j) {
+        __m256 acc[8];
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+        for (int r0 = 0; r0 < R; r0 += RH) {
+          __m256 qv[RH];
+          for (int r = 0; r < RH; ++r) qv[r] = _mm256_loadu_ps(&qf[j][(r0 + r) * 8]);
+          for (int t = 0; t < 8; ++t)
+            for (int r = 0; r < RH; ++r) acc[t] = _mm256_fmadd_ps(qv[r], load8<T>(rows[t] + (r0 + r) * 8), acc[t]);
+        }
+        __m256 s = reduce8(acc);
+        if constexpr (std::is_same<T, int8_t>::value) s = _mm256_mul_ps(s, _mm256_load_ps(ks));
+        if (count == 8) {
+          _mm256_storeu_ps(scores + j * n + first, s);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, s);
+          std::memcpy(scores + j * n + first, tmp, sizeof(float) * count);
+        }
+      }
+    };
+    keys.each(kp, [&](const raw_t* krow, int64_t /*t*/) {
+      rows[filled] = krow;
+      ks[filled] = row_scale<T>(krow, HD);
+      if (++filled == 8) {
+        flush(8);
+        first += 8;
+        filled = 0;
+      }
+    });
+    if (filled > 0) flush(filled);
+  }
+#endif
 
   static constexpr int kValueHeads = 4;
 

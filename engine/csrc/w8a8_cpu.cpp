@@ -31,7 +31,8 @@
 //   consecutive elements of a row times the unnormalized Sylvester Hadamard matrix H_block (entries +-1,
 //   H H^T = block I), by the fast Walsh-Hadamard butterflies in float32 (stages of stride 1, 2, 4, ...), rounded
 //   once. The online half of the w8a8 input rotation (W8A8Linear.input_hadamard); with AVX-512 the strides below
-//   16 run as lane permutes inside a vector, with the scalar loop's results bit for bit (the same adds, same order).
+//   16 (AVX2: below 8) run as lane permutes inside a vector, with the scalar loop's results bit for bit (the same
+//   adds, same order).
 // With AVX-512 (F, BW) the passes over rows run 16 elements at a time, with the scalar loops' results (the same
 // division, round-half-even and clamp; the SiLU by the polynomial exp of common.h, within ~2e-7 of expf).
 #include <ATen/ATen.h>
@@ -573,9 +574,10 @@ at::Tensor w8a8_gemm_i16(const at::Tensor& x, const at::Tensor& w_packed, const 
 
 // ---------------------------------------------------------------------------------------------- block Hadamard
 
-// In place: v [n] (n a power of two) times H_n, by butterflies of stride 1, 2, ..., n / 2.
-inline void fwht_scalar(float* v, int64_t n) {
-  for (int64_t h = 1; h < n; h *= 2)
+// In place: v [n] (n a power of two) times H_n, by butterflies of stride 1, 2, ..., n / 2 (from first_stride: the
+// smaller strides already done).
+inline void fwht_scalar(float* v, int64_t n, int64_t first_stride = 1) {
+  for (int64_t h = first_stride; h < n; h *= 2)
     for (int64_t i = 0; i < n; i += 2 * h)
       for (int64_t j = i; j < i + h; ++j) {
         const float a = v[j], b = v[j + h];
@@ -583,6 +585,25 @@ inline void fwht_scalar(float* v, int64_t n) {
         v[j + h] = a - b;
       }
 }
+
+#if defined(__AVX2__) && !defined(LMFORGE_W8A8_AVX512)
+// fwht_scalar with its strides 1, 2, 4 as lane permutes inside 8-float vectors (n a power of two >= 8; lane i gets
+// a_i * sign + a_{i^h}: the butterfly's a + b and a - b, the product by +-1 exact, so the scalar loop's results
+// bit for bit), then its loop for the strides of 8 and up.
+inline void fwht_avx2(float* v, int64_t n) {
+  const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+  const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+  const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+  for (int64_t k = 0; k < n; k += 8) {
+    __m256 a = _mm256_loadu_ps(v + k);
+    a = _mm256_fmadd_ps(a, s1, _mm256_permute_ps(a, 0xB1));          // swap neighbours
+    a = _mm256_fmadd_ps(a, s2, _mm256_permute_ps(a, 0x4E));          // swap pairs
+    a = _mm256_fmadd_ps(a, s4, _mm256_permute2f128_ps(a, a, 0x01));  // swap 128-bit halves
+    _mm256_storeu_ps(v + k, a);
+  }
+  fwht_scalar(v, n, 8);  // runs of 8 and more contiguous lanes: the compiler vectorizes them
+}
+#endif
 
 #ifdef LMFORGE_W8A8_AVX512
 // 16 floats times H_16: strides 1, 2, 4, 8 inside the vector (lanes i and i ^ h: a_i * sign + a_{i^h}, sign +1
@@ -646,7 +667,12 @@ void hadamard_rows(const typename Row::raw_t* x, int64_t rows, int64_t cols, int
         }
 #endif
         for (int64_t k = 0; k < block; ++k) v[k] = Row::load(in[k]);
-        fwht_scalar(v, block);
+#if defined(__AVX2__) && !defined(LMFORGE_W8A8_AVX512)
+        if (block % 8 == 0)
+          fwht_avx2(v, block);
+        else
+#endif
+          fwht_scalar(v, block);
         for (int64_t k = 0; k < block; ++k) out[k] = Row::store(v[k]);
       }
     }

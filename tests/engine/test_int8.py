@@ -392,8 +392,22 @@ def test_w8a8_outlier_channels_get_their_own_per_token_scale(dtype, amx_restored
             W8A8Linear(w8, scale, None, bad.long())
 
 
+def _butterflies(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x [M, K]`` float32 times H_block on each run of ``block``: the fast Walsh-Hadamard stages of stride 1, 2,
+    ... in float32, the adds of the C++ scalar loop in its order."""
+    v = x.reshape(-1, block)
+    h = 1
+    while h < block:
+        pairs = v.view(v.shape[0], block // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        v = torch.stack((a + b, a - b), dim=2).reshape(v.shape)
+        h *= 2
+    return v.reshape(x.shape)
+
+
+# 2 and 4: the scalar butterflies; 8 and up: AVX2's lane permutes; 16 and up: AVX-512's, where built
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block", [2, 8, 64, 256])  # below 16: the scalar butterflies; 16 and up: AVX-512 where built
+@pytest.mark.parametrize("block", [2, 4, 8, 64, 256])
 def test_block_hadamard_equals_the_matrix_product(dtype, block, aten_path_restored):
     h = hadamard_matrix(block)
     assert torch.equal(h @ h.T, block * torch.eye(block)) and torch.equal(h, h.T)
@@ -406,6 +420,8 @@ def test_block_hadamard_equals_the_matrix_product(dtype, block, aten_path_restor
         got = block_hadamard(x, block)
         assert got.dtype == dtype and got.shape == x.shape
         torch.testing.assert_close(got.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+        if fused and fused_cpu_kernels():  # every vector path: the scalar loop's float32 adds, bit for bit
+            assert torch.equal(got, _butterflies(x.float(), block).to(dtype))
     with pytest.raises(ValueError, match="power of two"):
         hadamard_matrix(12)
 
