@@ -785,7 +785,7 @@ struct DecodeItemVec {
     };
     keys.each(kp, [&](const raw_t* krow, int64_t /*t*/) {
       rows[filled] = krow;
-      ks[filled] = row_scale<T>(krow, HD);
+      if constexpr (std::is_same<T, int8_t>::value) ks[filled] = row_scale<T>(krow, HD);  // float rows: 1
       if (++filled == 8) {
         flush(8);
         first += 8;
