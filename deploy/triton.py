@@ -23,12 +23,15 @@ then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import http.client
 import importlib.util
 import json
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -430,6 +433,7 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
         self.process: subprocess.Popen | None = None
+        self.shm_prefix: str | None = None  # this process's Python-backend shared memory (set by ``start``)
 
     # URLs -----------------------------------------------------------------------------------
 
@@ -469,6 +473,7 @@ class TritonServer:
             "--allow-cpu-metrics=true",
             f"--log-verbose={self.log_verbose}",
             *(restricted_api_flags(self.api_key) if self.api_key else []),
+            *([f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"] if self.shm_prefix else []),
         ]
         return cmd
 
@@ -488,6 +493,7 @@ class TritonServer:
                 f"{self.repo}: no model this server can load; export one with `lmforge export --repo {self.repo} ...`"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.shm_prefix = new_shm_prefix()
         log = open(self.log_path, "wb")
         try:
             self.process = subprocess.Popen(
@@ -502,7 +508,15 @@ class TritonServer:
             log.close()
         if self.pid_path is not None:
             self.pid_path.write_text(
-                json.dumps({"pid": self.process.pid, "ports": self.ports, "log": str(self.log_path)}) + "\n"
+                json.dumps(
+                    {
+                        "pid": self.process.pid,
+                        "ports": self.ports,
+                        "log": str(self.log_path),
+                        "shm_prefix": self.shm_prefix,
+                    }
+                )
+                + "\n"
             )
         try:
             self._wait_ready()
@@ -660,6 +674,7 @@ class TritonServer:
         else:
             returncode = self.process.returncode
         _kill_group(self.process.pid)  # stubs left behind, if any
+        remove_shm_regions(self.shm_prefix)
         if self.pid_path is not None and self.pid_path.is_file():
             try:
                 if json.loads(self.pid_path.read_text()).get("pid") == self.process.pid:
@@ -930,6 +945,7 @@ class ModelSupervisor:
             )
             return False
         _kill_group(self.server.process.pid)  # its stubs, if any survived it
+        remove_shm_regions(self.server.shm_prefix)
         kept = self.server.log_path.with_name(f"{self.server.log_path.name}.{len(self.restarts) + 1}")
         self.server.log_path.replace(kept)
         self.report(f"tritonserver {why}; log kept as {kept}; restarting it")
@@ -952,6 +968,36 @@ class ModelSupervisor:
 def _asked_to_stop(log_tail: str) -> bool:
     """True when a server log shows the SIGINT or SIGTERM that asks Triton to stop."""
     return "Signal (2) received" in log_tail or "Signal (15) received" in log_tail
+
+
+#: Where POSIX shared memory (``shm_open``) lives on Linux.
+SHM_DIR = Path("/dev/shm")
+_SHM_PREFIX_RE = re.compile(r"lmforge_triton_[0-9a-f]{12}_")
+
+
+def new_shm_prefix() -> str:
+    """A fresh name prefix for one server process's Python-backend shared memory regions.
+
+    Triton's Python backend names each stub's region ``PREFIX<uuid>`` in ``/dev/shm``
+    (``--backend-config=python,shm-region-prefix-name``) and leaves it there when the server or a stub
+    is killed; a prefix of our own lets ``remove_shm_regions`` delete exactly this process's regions, so
+    that killed servers do not fill a small ``/dev/shm`` (64 MiB in a default container), where every
+    later model load fails ("Unable to initialize shared memory key ... No space left on device").
+    """
+    return f"lmforge_triton_{secrets.token_hex(6)}_"
+
+
+def remove_shm_regions(prefix: str | None) -> int:
+    """Delete the ``/dev/shm`` regions named ``prefix*`` (a prefix from ``new_shm_prefix`` only; anything
+    else is left alone). Call it once the server's process group is gone. Returns how many were removed."""
+    if not prefix or not _SHM_PREFIX_RE.fullmatch(prefix) or not SHM_DIR.is_dir():
+        return 0
+    removed = 0
+    for region in SHM_DIR.glob(prefix + "*"):
+        with contextlib.suppress(OSError):
+            region.unlink()
+            removed += 1
+    return removed
 
 
 def _kill_group(pgid: int) -> None:
@@ -1019,7 +1065,12 @@ def stop_from_pid_file(repo: str | Path, grace_s: float = 15.0) -> int:
     if not _is_tritonserver(pid):
         pid_path.unlink(missing_ok=True)
         raise TritonError(f"{pid_path}: process {pid} is not a running tritonserver (stale pid file removed)")
+    try:
+        shm_prefix = json.loads(pid_path.read_text()).get("shm_prefix")
+    except (OSError, ValueError, AttributeError):
+        shm_prefix = None
     stop_process(pid, grace_s)
+    remove_shm_regions(shm_prefix)
     pid_path.unlink(missing_ok=True)
     return pid
 

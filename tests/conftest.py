@@ -131,6 +131,11 @@ def server(served_repo):
         served_repo, http, grpc, metrics, models=["llm", "minilm"], startup_timeout_s=600, exit_timeout_s=3
     ) as triton:
         yield triton
+        if not triton.is_running():  # tests that used it failed on a closed connection: say why
+            pytest.fail(
+                f"the session's tritonserver exited during the tests (status {triton.process.returncode}); "
+                f"log tail:\n{triton.log_tail(80)}"
+            )
 
 
 @pytest.fixture(scope="session")
@@ -169,7 +174,12 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    return f"cpu kernel path: {config.getoption('--cpu-kernel-path')}"
+    lines = [f"cpu kernel path: {config.getoption('--cpu-kernel-path')}"]
+    with contextlib.suppress(OSError):  # the Python backend's stubs map their regions there
+        shm = os.statvfs("/dev/shm")
+        free_mib, size_mib = (n * shm.f_frsize / 2**20 for n in (shm.f_bavail, shm.f_blocks))
+        lines.append(f"/dev/shm: {free_mib:.0f} of {size_mib:.0f} MiB free")
+    return lines
 
 
 @pytest.fixture

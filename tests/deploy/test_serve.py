@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import re
 import signal
@@ -33,6 +34,7 @@ from deploy.export import export
 from deploy.model_config import check_repository
 from deploy.serve import OPENAI_LOG_FILE, stop_openai_from_pid_file
 from deploy.triton import (
+    SHM_DIR,
     ModelSupervisor,
     PortsBusyError,
     TritonError,
@@ -507,6 +509,25 @@ def test_serve_reports_load_failure_reason_and_exits_nonzero(tmp_path, lmforge):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "broken: " in result.stderr and "weights missing: run lmforge export first" in result.stderr
     assert not (repo / "tritonserver.pid").exists()
+
+
+def test_a_killed_server_leaves_no_python_backend_shared_memory(tmp_path):
+    """Killed stubs and servers leave their /dev/shm regions behind; ``stop`` removes this server's (only)."""
+    repo = _echo_repo(tmp_path / "repo", ["echo"])
+    ports = _free_ports()
+    foreign = SHM_DIR / "lmforge_triton_000000000000_not-this-servers"
+    foreign.write_bytes(b"x")
+    try:
+        server = TritonServer(repo, *ports.values(), models=["echo"], write_pid_file=False, startup_timeout_s=120)
+        with server:
+            regions = sorted(SHM_DIR.glob(server.shm_prefix + "*"))
+            assert len(regions) >= 1  # the echo stub's
+            os.killpg(server.process.pid, signal.SIGKILL)  # as a crash would: nothing is cleaned up
+            server.process.wait(timeout=30)
+            assert all(region.exists() for region in regions)
+        assert not any(SHM_DIR.glob(server.shm_prefix + "*")) and foreign.exists()
+    finally:
+        foreign.unlink(missing_ok=True)
 
 
 def test_serve_models_flag_refuses_a_missing_model(tmp_path, lmforge):
