@@ -355,7 +355,19 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert good.status_code == 200 and good.json()["num_output_tokens"] == 4
 
 
-def test_killed_model_stub_is_loaded_again_by_the_supervisor(server, engine_text):
+@pytest.fixture
+def own_llm_server(served_repo, tmp_path):
+    """A server of its own for a test that kills a stub: Triton 2.51 can crash later after one died (see
+    docs/serving.md, "Supervision"), which must not take the session's server down with it."""
+    ports = _free_ports()
+    with TritonServer(
+        served_repo, *ports.values(), models=["llm"], write_pid_file=False, log_path=tmp_path / "own.log"
+    ) as triton:
+        yield triton
+
+
+def test_killed_model_stub_is_loaded_again_by_the_supervisor(own_llm_server, engine_text):
+    server = own_llm_server
     supervisor = ModelSupervisor(server, report=lambda line: None)
     (stub,) = server.stub_pids("llm")
     psutil.Process(stub).kill()  # kill -9 of the model's Python backend stub
