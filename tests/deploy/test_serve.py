@@ -361,7 +361,13 @@ def own_llm_server(served_repo, tmp_path):
     docs/serving.md, "Supervision"), which must not take the session's server down with it."""
     ports = _free_ports()
     with TritonServer(
-        served_repo, *ports.values(), models=["llm"], write_pid_file=False, log_path=tmp_path / "own.log"
+        served_repo,
+        *ports.values(),
+        models=["llm"],
+        write_pid_file=False,
+        log_path=tmp_path / "own.log",
+        exit_timeout_s=3,
+        grace_s=5,
     ) as triton:
         yield triton
 
