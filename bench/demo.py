@@ -250,7 +250,7 @@ class Demo:
             max_val_batches=4,
             precision=c.precision,
             device="cpu",
-            progress=sys.stderr.isatty(),
+            progress=True,  # a bar on a terminal, else a line a minute
         )
         result, final = FinetuneRecipe(config).run()
         if result.status != "completed" or final is None:
@@ -271,7 +271,7 @@ class Demo:
                 "eval_every": 0,
                 "max_val_batches": 4,
                 "device": "cpu",
-                "progress": sys.stderr.isatty(),
+                "progress": True,
                 **(
                     {"micro_batch_size": 2, "max_length": 64, "generate_tokens": 8, "calibration_records": 4}
                     if c.smoke
@@ -720,13 +720,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
-    if args.smoke:
-        return DemoConfig.smoke_config(
+    fields = config_fields(DemoConfig, args, batching_compare=not args.no_batching_compare)
+    if args.smoke:  # the smoke budgets, then every flag the user set (``--threads 1``, ``--finetune-steps 3``...)
+        config = DemoConfig.smoke_config(
             args.out if args.out != DemoConfig.out else "reports/demo-smoke",
             model=None if args.model == DEFAULT_MODEL else args.model,
             data=args.data,
         )
-    return DemoConfig(**config_fields(DemoConfig, args, batching_compare=not args.no_batching_compare))
+        defaults = DemoConfig()
+        given = {
+            name: value
+            for name, value in fields.items()
+            if name not in ("out", "model", "data") and value != getattr(defaults, name)
+        }
+        return dataclasses.replace(config, **given)
+    return DemoConfig(**fields)
 
 
 def run(args: argparse.Namespace) -> int:

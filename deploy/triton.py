@@ -485,6 +485,12 @@ class TritonServer:
         if self.models is None:
             self.models, self.skipped = servable_models(self.repo)
         for name in self.models:
+            if not (self.repo / name).is_dir():  # refused before Triton starts: one line, no server log to read
+                present = sorted(d.name for d in self.repo.iterdir() if (d / "config.pbtxt").is_file())
+                raise TritonError(
+                    f"--models {name}: no model directory {self.repo / name}; the repository has: "
+                    f"{', '.join(present) or 'nothing'}"
+                )
             unexported = unexported_reason(self.repo, name)
             if unexported:
                 raise TritonError(f"--models {name}: {unexported}")

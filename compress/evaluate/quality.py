@@ -743,13 +743,28 @@ def evaluate(
     return results
 
 
+def _distinct_tails(paths: list[str]) -> list[str]:
+    """Each path's last component, or as many last components as it takes to tell it from the others
+    (``runs/finetune/final`` and ``runs/distill/final`` read ``finetune/final`` and ``distill/final``)."""
+    parts = [Path(path).parts or (path,) for path in paths]
+    depth = [1] * len(paths)
+    for _ in range(max(map(len, parts), default=1)):
+        tails = [str(Path(*p[-d:])) for p, d in zip(parts, depth)]
+        clashes = {tail for tail in tails if tails.count(tail) > 1}
+        if not clashes:
+            return tails
+        depth = [d + (tail in clashes and d < len(p)) for p, d, tail in zip(parts, depth, tails)]
+    return [str(Path(*p[-d:])) for p, d in zip(parts, depth)]
+
+
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """A comparison table; ratios are against the first row, KL and top-1 against the reference."""
     rows = list(results.items())
     if not rows:
         return ""
     base = rows[0][1]
-    names = [m["served_url"].split("://")[-1] if m["kind"] == SERVED_KIND else Path(path).name for path, m in rows]
+    names = [m["served_url"].split("://")[-1] if m["kind"] == SERVED_KIND else path for path, m in rows]
+    names = _distinct_tails(names)
     columns = [
         ("checkpoint", f"<{max(28, *map(len, names))}"),  # whole names: two checkpoints often differ only at the end
         ("kind", "<9"),

@@ -40,6 +40,7 @@ import json
 import math
 import random
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,8 @@ from engine.errors import UsageError
 __all__ = ["TrainConfig", "TrainResult", "TrainState", "TrainingError", "TrainingRecipe", "token_losses"]
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+#: Seconds between two progress lines on stderr where there is no terminal for the progress bar (logs, CI, pipes).
+PROGRESS_LINE_EVERY_S = 60.0
 
 
 def resolve_precision(device: str) -> str:
@@ -426,6 +429,7 @@ class TrainingRecipe:
         """
         cfg = self.config
         start_time = time.monotonic() - self.state.elapsed_s
+        self._first_step, self._run_start = self.state.step, time.monotonic()
         if self.state.step == 0 and self.state.val_loss_before is None:
             self.state.val_loss_before = self.evaluate()
             self.state.val_loss_last = self.state.val_loss_before
@@ -438,6 +442,8 @@ class TrainingRecipe:
             desc=self.method,
             unit="step",
         )
+        lines = cfg.progress and self.is_main and bar.disable  # no terminal: a line a minute instead of the bar
+        last_line = time.monotonic()
         self.model.train()
         try:
             while self.state.step < end:
@@ -448,6 +454,9 @@ class TrainingRecipe:
                 self._log(record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+                if lines and time.monotonic() - last_line >= PROGRESS_LINE_EVERY_S:
+                    last_line = time.monotonic()
+                    print(self._progress_line(record, start_time), file=sys.stderr, flush=True)
                 step = self.state.step
                 if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
                     self.state.val_loss_last = self.evaluate()
@@ -463,6 +472,15 @@ class TrainingRecipe:
                 "stopped", self.state.step, f"stopped after step {self.state.step} (stop_after); continue with --resume"
             )
         return TrainResult("completed", self.state.step)
+
+    def _progress_line(self, record: dict[str, Any], start_time: float) -> str:
+        """``"distill: step 120/400 (30%), loss 2.3141, 312 s, ~728 s left"`` (the time left at this run's pace)."""
+        step, total = self.state.step, self.config.max_steps
+        elapsed_s = time.monotonic() - start_time
+        done, pace_s = step - self._first_step, time.monotonic() - self._run_start  # this run's steps (after a resume)
+        left = f", ~{pace_s / done * (total - step):.0f} s left" if done > 0 and step < total else ""
+        loss = record["loss"]
+        return f"{self.method}: step {step}/{total} ({step / total:.0%}), loss {loss:.4f}, {elapsed_s:.0f} s{left}"
 
     def _optimizer_step(self) -> dict[str, Any] | None:
         """One optimizer step over ``grad_accum_steps`` micro-batches; ``None`` on a non-finite loss."""

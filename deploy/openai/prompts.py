@@ -206,14 +206,20 @@ def _max_tokens(
     param = "max_completion_tokens" if chat and request.max_completion_tokens else "max_tokens"
     longest = max(len(p) for p in prompts)
     _check_prompt_length(longest, model, "messages" if chat else "prompt")
-    if max_tokens is None:
+    defaulted = max_tokens is None
+    if defaulted:
         max_tokens = model.max_model_len - longest if chat else 16
     if longest + max_tokens > model.max_model_len:
+        why = (
+            f": the default max_tokens of /v1/completions); shorten the prompt or pass a smaller {param}"
+            if defaulted
+            else f"); reduce {param}"
+        )
         raise OpenAIError(
             400,
             f"this model's maximum context length is {model.max_model_len} tokens; you requested "
             f"{longest + max_tokens} "
-            f"({longest} in the prompt, {max_tokens} in the completion); reduce {param}",
+            f"({longest} in the prompt, {max_tokens} in the completion{why}",
             param=param,
             code="context_length_exceeded",
         )

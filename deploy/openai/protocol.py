@@ -11,6 +11,7 @@ sampling fields (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, `
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
@@ -285,7 +286,10 @@ def validation_error(exc: ValidationError) -> OpenAIError:
         return OpenAIError(400, f"unrecognized request argument supplied: {param}", param=param, code="unknown_field")
     if first["type"] == "missing":
         return OpenAIError(400, f"{param}: missing required field", param=param, code="missing_field")
-    shown = repr(first.get("input"))[:80]
+    value = first.get("input")
+    if isinstance(value, float) and not math.isfinite(value):  # a bound check would read "<= 2 (got nan)"
+        return OpenAIError(400, f"{param}: must be a finite number (got {value})", param=param, code="invalid_value")
+    shown = repr(value)[:80]
     return OpenAIError(400, f"{param}: {first['msg']} (got {shown})", param=param, code="invalid_value")
 
 

@@ -80,3 +80,16 @@ def test_demo_stops_at_the_failing_stage(tiny_llama_dir, tmp_path, capsys):
 def test_demo_rejects_bad_budgets(capsys):
     assert main(["demo", "--users", "0"]) == 2
     assert "users=0" in capsys.readouterr().err
+
+
+def test_smoke_keeps_every_flag_the_user_set():
+    import argparse
+
+    from bench.demo import SMOKE_BUDGET, add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(["--smoke", "--threads", "1", "--finetune-steps", "3"]))
+    assert (config.smoke, config.threads, config.finetune_steps) == (True, 1, 3)
+    assert config.distill_steps == SMOKE_BUDGET["distill_steps"] and config.out == "reports/demo-smoke"
+    assert config_from_args(parser.parse_args(["--smoke"])).threads is None

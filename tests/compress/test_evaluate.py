@@ -204,3 +204,12 @@ def test_the_table_prints_whole_checkpoint_names_that_differ_only_at_the_end():
     lines = format_table({names[0]: row(10.0), names[1]: row(10.5)}).splitlines()
     assert [line.split()[0] for line in lines[2:]] == [n.rsplit("/", 1)[1] for n in names]
     assert len({len(line) for line in lines}) == 1  # one column width for every row and the head
+
+
+def test_the_table_tells_apart_checkpoints_of_the_same_folder_name():
+    def row(ppl: float) -> dict:
+        return {"kind": "causal-lm", "perplexity": ppl, "size_bytes": 2**20, "decode_ms_per_token": 10.0}
+
+    names = ["/runs/demo/finetune/final", "/runs/demo/distill/final", "/runs/demo/w8a8"]
+    lines = format_table({name: row(10.0 + i) for i, name in enumerate(names)}).splitlines()
+    assert [line.split()[0] for line in lines[2:]] == ["finetune/final", "distill/final", "w8a8"]

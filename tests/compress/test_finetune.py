@@ -72,6 +72,17 @@ def test_clipping_bounds_the_gradient_norm(tiny_llama_dir):
     assert clip_gradients(params, None) == pytest.approx(after, rel=1e-4)  # no clipping: unchanged
 
 
+def test_without_a_terminal_progress_comes_as_lines(tiny_llama_dir, chat_data, tmp_path, monkeypatch, capsys):
+    from compress.train import loop
+
+    monkeypatch.setattr(loop, "PROGRESS_LINE_EVERY_S", 0.0)  # a line every step (one a minute by default)
+    result, _ = FinetuneRecipe(_config(tiny_llama_dir, chat_data, tmp_path / "run", max_steps=3, progress=True)).run()
+    assert result.status == "completed"
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("finetune: step")]
+    assert [line.split(",")[0] for line in lines] == [f"finetune: step {k}/3 ({k / 3:.0%})" for k in (1, 2, 3)]
+    assert "s left" in lines[0] and "s left" not in lines[-1]
+
+
 def test_finetune_lowers_val_loss_and_resume_matches_uninterrupted(tiny_llama_dir, chat_data, tmp_path):
     """A 6-step run with accumulation vs the same run stopped after step 3 and resumed."""
     base = dict(grad_accum_steps=2, warmup_ratio=0.2, eval_every=3)

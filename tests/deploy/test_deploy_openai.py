@@ -305,6 +305,25 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(frontend, c
     assert client.completions.create(model="llm", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_errors_say_what_the_client_sent_or_left_to_the_default(frontend):
+    def post(route: str, data: str) -> dict:
+        headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+        response = requests.post(f"{frontend}{route}", data=data, headers=headers, timeout=60)
+        assert response.status_code == 400, response.text
+        return response.json()["error"]
+
+    nan = post(
+        "/v1/chat/completions", '{"model": "llm", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    )
+    assert nan["param"] == "temperature" and nan["message"] == "temperature: must be a finite number (got nan)"
+    # no max_tokens: /v1/completions gives 16 (as OpenAI's legacy API), which 500 prompt tokens leave no room for
+    default = post("/v1/completions", json.dumps({"model": "llm", "prompt": [5] * 500}))
+    assert default["param"] == "max_tokens" and default["message"].endswith(
+        "(500 in the prompt, 16 in the completion: the default max_tokens of /v1/completions); "
+        "shorten the prompt or pass a smaller max_tokens"
+    )
+
+
 def test_api_key_is_required_on_v1_routes(frontend):
     for key in ("wrong", None):
         headers = {} if key is None else {"Authorization": f"Bearer {key}"}
