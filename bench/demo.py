@@ -187,6 +187,7 @@ class Demo:
             raise DemoStageError(name, exc) from exc
         self.results[name] = value
         self._record(StageRecord(name, "done", time.perf_counter() - t, _describe(value)), number)
+        self.write_report()  # after every stage: a demo stopped from outside keeps what it measured
         return value
 
     def _record(self, record: StageRecord, number: int) -> None:
