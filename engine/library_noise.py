@@ -9,12 +9,15 @@ Each filter drops one known message at the logger that raises it, and nothing el
   ``kernels`` package that would fetch its hub kernel is absent; it falls back to its own CPU kernel;
 * transformers warns that ``torch_dtype`` is deprecated when Optimum's ONNX exporter passes it;
 * transformers' Llama tokenizer explains its ``legacy`` behaviour when built from a GGUF file (its own
-  message says to ignore it there).
+  message says to ignore it there);
+* peft releases after the pinned one warn (a ``FutureWarning``, not a log record) that the transformers
+  version we pin (4.57, held by optimum-onnx) will lose support in a later peft.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 
 class _DropMessages(logging.Filter):
@@ -39,12 +42,20 @@ _FILTERS = {
 }
 
 
+# (message regex, category) of library warnings raised through the ``warnings`` module
+_WARNINGS = [
+    (r"Support for Transformers < [0-9.]+ is deprecated in PEFT", FutureWarning),
+]
+
+
 def quiet_library_noise() -> None:
-    """Install the filters (idempotent)."""
+    """Install the filters (idempotent: ``warnings.filterwarnings`` drops a duplicate entry)."""
     for name, record_filter in _FILTERS.items():
         logger = logging.getLogger(name)
         if record_filter not in logger.filters:
             logger.addFilter(record_filter)
+    for message, category in _WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
 
 
 quiet_library_noise()

@@ -342,3 +342,17 @@ def test_precision_auto_trains_in_bf16_only_where_the_cpu_computes_it_natively(t
         assert (recipe.autocast().__class__ is torch.autocast) == native
     finally:
         recipe.close()
+
+
+def test_the_peft_transformers_deprecation_warning_is_dropped_and_other_warnings_stay():
+    """A later peft warns (``FutureWarning``) about the pinned transformers 4.57 at import: that one line is
+    dropped once ``engine`` is imported; any other warning of the same class still reaches stderr."""
+    code = (
+        "import warnings, engine\n"
+        "warnings.warn('Support for Transformers < 5.6 is deprecated in PEFT and will be removed', FutureWarning)\n"
+        "warnings.warn('another library change', FutureWarning)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "another library change" in proc.stderr
+    assert "PEFT" not in proc.stderr
