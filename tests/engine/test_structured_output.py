@@ -309,6 +309,7 @@ def test_cost_counters_count_each_compile_and_each_masked_token(llm):
         ({"json": {"$ref": "#/definitions/missing"}}, "structured_outputs.json: "),
         ({"regex": "a(b"}, "structured_outputs.regex: "),
         ({"regex": "a[^\\x00-\\U0010FFFF]b"}, "structured_outputs.regex: "),
+        ({"regex": "[a&&b]"}, "structured_outputs.regex: the regex matches no text; fix it"),
         ({"grammar": "root ::= ("}, "structured_outputs.grammar: "),
     ],
 )
