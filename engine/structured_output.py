@@ -235,11 +235,12 @@ class GrammarCompiler:
         tokenizer = self.tokenizer_future().result()  # raises its GrammarError when the build failed
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         mask = b"" if matcher.is_error() else matcher.compute_bitmask()
+        error = matcher.get_error() if matcher.is_error() else None  # the first mask can fail too (its lexer)
         # llguidance names an empty start state (a regex such as ``[a&&b]``) by its internal error
         # ``NoExtensionBias``: that is "matches no text", said as below
-        if matcher.is_error() and "NoExtensionBias" not in matcher.get_error():
-            raise GrammarError(f"structured_outputs.{kind}: {_short(matcher.get_error())}; fix the {_WHAT[kind]}")
-        if matcher.is_error() or not any(mask):
+        if error and "NoExtensionBias" not in error:
+            raise GrammarError(f"structured_outputs.{kind}: {_short(error)}; fix the {_WHAT[kind]}")
+        if error or not any(mask):
             raise GrammarError(f"structured_outputs.{kind}: the {_WHAT[kind]} matches no text; fix it")
         compile_s = time.perf_counter() - start
         with self._lock:  # compiles finish on several pool threads
