@@ -30,6 +30,7 @@ from engine.lora import LoRAError, LoRARequest, adapter_cache_key
 from engine.model import read_model_spec
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.platform import reuse_freed_tensor_memory
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -64,6 +65,8 @@ class LLMEngine:
 
         if config.num_threads is not None and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            reuse_freed_tensor_memory()
         self.thread_governor = (
             ThreadGovernor(torch.get_num_threads())
             if config.device == "cpu" and config.adaptive_threads and proc_stat_readable()
