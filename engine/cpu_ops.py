@@ -150,6 +150,69 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices  # the first maximum too, and on CPU ~4x faster than argmax
 
 
+#: bf16's unit roundoff (8 significant bits, round to nearest).
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
+
+def screen_bound_coefficients(hidden_size: int) -> tuple[float, float]:
+    """``(rel, out)`` of ``screen_logits``' bound ``|exact_v - a_v| <= rel * |x| |w_v| + out * |a_v|``.
+
+    ``a_v`` sums the products of ``x`` and ``w_v`` rounded to bf16 (each product off by at most ``2u + u^2`` of
+    ``|x_i w_vi|``, ``u`` bf16's unit roundoff) in float32 and rounds the sum to bf16 (``u`` of it, ``2u`` for an
+    output truncated instead of rounded); the float32 reference sums ``x_i w_vi`` in another order. Each float32
+    sum of ``H`` terms is off by at most ``gamma_H = H 2^-24 / (1 - H 2^-24)`` of ``sum |x_i w_vi|``, which is at
+    most ``|x| |w_v|`` (Cauchy-Schwarz); counted twice for each, with a 5% margin on the whole."""
+    u = BF16_UNIT_ROUNDOFF
+    gamma = hidden_size * 2.0**-24 / (1 - hidden_size * 2.0**-24)
+    return 1.05 * (2 * u + u * u + 4 * gamma * (1 + 2 * u)), 1.05 * 2 * u
+
+
+def screen_logits(
+    logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, weight_norms: torch.Tensor
+) -> torch.Tensor:
+    """The greedy pick of a float32 lm head, read from the same head run on bf16 copies of its operands.
+
+    A float32 lm head reads 4 bytes a weight (113 MB for SmolLM2's 49,152 x 576) and runs at float32 speed; its
+    bf16 copy reads half and runs on the CPU's bf16 units. Every screened entry lies within a bound of its
+    float32 value (``screen_bound_coefficients``), so only the entries whose upper bound reaches the largest lower
+    bound of their row can be the float32 argmax: those are recomputed in float32 and the first of the largest is
+    made the row's unique maximum, in place. Greedy rows read nothing else; sampling and logprobs take the float32
+    head.
+
+    Args:
+        logits: ``[S, V]`` bf16, the head's output for ``hidden`` and ``weight`` rounded to bf16 (no bias);
+            ``-inf`` entries (masked tokens) are never picked.
+        hidden: ``[S, H]`` float32 head input.
+        weight: ``[V, H]`` float32 head weight.
+        weight_norms: ``[V]`` float32 Euclidean norms of ``weight``'s rows.
+
+    Returns:
+        ``logits``, whose argmax per row is the float32 head's (the first of its maxima).
+    """
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    if logits.stride(1) == 1 and _native(logits):
+        return KERNELS.ops.screen_logits(logits, hidden, weight, weight_norms)
+    rel, out = screen_bound_coefficients(hidden.shape[1])
+    a = logits.float()
+    bound = rel * hidden.norm(dim=1, keepdim=True) * weight_norms[None, :] + out * a.abs() + 1e-6
+    finite = torch.isfinite(a)
+    floor = torch.where(finite, a - bound, float("-inf")).amax(dim=1, keepdim=True)
+    rows, cols = (finite & (a + bound >= floor)).nonzero(as_tuple=True)
+    exact = torch.einsum("nh,nh->n", hidden[rows], weight[cols])
+    best = torch.full((a.shape[0],), float("-inf")).scatter_reduce(0, rows, exact, "amax")
+    top = a.max(dim=1).values
+    is_best = exact == best[rows]
+    winner = {}
+    for r, c in zip(rows[is_best].tolist(), cols[is_best].tolist()):
+        winner.setdefault(r, c)  # the lowest index among exact ties, as the kernel keeps
+    for r, c in winner.items():
+        m = top[r]
+        if bool(torch.isfinite(m)) and int(logits[r].max(dim=-1).indices) != c:
+            step = torch.exp2(torch.floor(torch.log2(m.abs().clamp_min(torch.finfo(torch.float32).tiny))) - 7)
+            logits[r, c] = (m + step).to(logits.dtype)  # a bf16 value above the row's maximum
+    return logits
+
+
 def refine_logits(
     logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, to_float: bool, top_k: int = 0
 ) -> torch.Tensor:

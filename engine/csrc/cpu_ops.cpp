@@ -14,6 +14,14 @@
 //   logprobs a request may read): all entries within two steps below a bf16 value that top_k entries reach.
 //   Otherwise, in place: the exact winner of each row is raised to the next bf16 value above the row's maximum,
 //   so any argmax of the row picks it (greedy decoding reads nothing else).
+// lmforge_engine::screen_logits(logits [S, V] bf16, hidden [S, H] fp32, weight [V, H] fp32, weight_norms [V] fp32)
+//     -> logits
+//   the greedy pick of a float32 lm head from a bf16 one: logits are the lm head's output computed on bf16 copies
+//   of hidden and weight; each entry lies within rel * |x| |w_v| + out * |a_v| of the float32 dot product (the
+//   operands' roundings, both accumulations, the output's rounding; Cauchy-Schwarz for the sum of |x_i w_vi|), so
+//   every entry whose upper bound reaches the largest lower bound of its row is recomputed in float32, and the
+//   first of the largest exact values is raised in place to the next bf16 value above the row's maximum: any
+//   argmax of the row picks the token a float32 head's argmax picks. -inf entries (masked tokens) stay out.
 // lmforge_engine::apply_token_bitmask_(logits [S, V] bf16 / fp16 / fp32, bitmask [S, W] int32, W * 32 >= V)
 //   structured output's token mask: logits[i, t] = -inf where bit t % 32 of word bitmask[i, t / 32] is 0
 //   (llguidance's and xgrammar's layout: a set bit allows its token), in place; other entries untouched. A word
@@ -519,6 +527,110 @@ at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at:
     }
   });
   return out;
+}
+
+// ------------------------------------------------------------------------------------------------ screen_logits
+
+// sum_i a[i] * b[i] in float32 over 16 lanes (one fixed order whatever the row or the step).
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int e = 0; e < 16; ++e) lanes[e] += a[i + e] * b[i + e];
+  float s = 0.f;
+  for (int e = 0; e < 16; ++e) s += lanes[e];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+at::Tensor screen_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight,
+                         const at::Tensor& weight_norms) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1 &&
+                  logits.scalar_type() == at::kBFloat16,
+              "screen_logits: logits must be a CPU bf16 [S, V] tensor with unit last stride");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == logits.size(0) && hidden.is_contiguous() &&
+                  hidden.scalar_type() == at::kFloat,
+              "screen_logits: hidden must be a contiguous float32 [S, H] tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == logits.size(1) && weight.size(1) == hidden.size(1) &&
+                  weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "screen_logits: weight must be a contiguous float32 [V, H] tensor");
+  TORCH_CHECK(weight_norms.dim() == 1 && weight_norms.size(0) == logits.size(1) && weight_norms.is_contiguous() &&
+                  weight_norms.scalar_type() == at::kFloat,
+              "screen_logits: weight_norms must be a contiguous float32 [V] tensor");
+  const int64_t rows = logits.size(0), cols = logits.size(1), h = hidden.size(1), stride = logits.stride(0);
+  uint16_t* lp = reinterpret_cast<uint16_t*>(logits.data_ptr());
+  const float* hp = hidden.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* np_ = weight_norms.data_ptr<float>();
+  // |exact - screened| <= rel * |x| |w_v| + out * |screened| (see engine/cpu_ops.py screen_logits)
+  const double u = 1.0 / 256, g = h * std::ldexp(1.0, -24) / (1.0 - h * std::ldexp(1.0, -24));
+  const double rel = 1.05 * (2 * u + u * u + 4 * g * (1 + 2 * u)), out = 1.05 * 2 * u;
+  at::parallel_for(0, rows, grain(cols, 1 << 17), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* row = lp + r * stride;
+      const float* x = hp + r * h;
+      double sq = 0.0;
+      for (int64_t i = 0; i < h; ++i) sq += static_cast<double>(x[i]) * x[i];
+      const float c = static_cast<float>(rel * std::sqrt(sq)), o = static_cast<float>(out), tiny = 1e-6f;
+      // the largest lower bound of an entry (the exact maximum is at least this) and the row's maximum
+      constexpr int W = 32;
+      const float inf = std::numeric_limits<float>::infinity();
+      float lanes[W], tops[W];
+      for (int l = 0; l < W; ++l) lanes[l] = tops[l] = -inf;
+      int64_t k = 0;
+      for (; k + W <= cols; k += W)
+        for (int l = 0; l < W; ++l) {
+          const float a = bf16_to_float(row[k + l]);
+          const float lo = a - (c * np_[k + l] + o * std::fabs(a) + tiny);
+          lanes[l] = lo > lanes[l] ? lo : lanes[l];
+          tops[l] = a > tops[l] ? a : tops[l];
+        }
+      float floor = -inf, m = -inf;
+      for (int l = 0; l < W; ++l) {
+        floor = lanes[l] > floor ? lanes[l] : floor;
+        m = tops[l] > m ? tops[l] : m;
+      }
+      for (; k < cols; ++k) {
+        const float a = bf16_to_float(row[k]);
+        const float lo = a - (c * np_[k] + o * std::fabs(a) + tiny);
+        floor = lo > floor ? lo : floor;
+        m = a > m ? a : m;
+      }
+      if (!std::isfinite(floor) || !std::isfinite(m)) continue;  // no finite entry, or an infinite one
+      // candidates: entries whose upper bound reaches it; the first of the largest exact values wins
+      float best = -inf;
+      int64_t best_index = -1;
+      for (int64_t q = 0; q < cols; ++q) {
+        if ((q & (kRefineChunk - 1)) == 0 && q + kRefineChunk <= cols) {
+          int32_t hits = 0;  // one vectorized test of the whole chunk (the common case: no candidate in it)
+          for (int64_t e = 0; e < kRefineChunk; ++e) {
+            const float a = bf16_to_float(row[q + e]);
+            hits |= static_cast<int32_t>(a + (c * np_[q + e] + o * std::fabs(a) + tiny) >= floor);
+          }
+          if (hits == 0) {
+            q += kRefineChunk - 1;
+            continue;
+          }
+        }
+        const float a = bf16_to_float(row[q]);
+        if (!std::isfinite(a) || !(a + (c * np_[q] + o * std::fabs(a) + tiny) >= floor)) continue;
+        const float exact = dot_f32(x, wp + q * h, h);
+        if (exact > best) {
+          best = exact;
+          best_index = q;
+        }
+      }
+      if (best_index < 0) continue;
+      // the winner alone at the top, unless an argmax already picks it: the next bf16 value above the maximum
+      bool picked = bf16_to_float(row[best_index]) == m;
+      for (int64_t q = 0; q < best_index && picked; ++q) picked = bf16_to_float(row[q]) != m;
+      if (!picked) {
+        const uint16_t bits = float_to_bf16(m);
+        row[best_index] = m == 0.f ? uint16_t{0x0001} : static_cast<uint16_t>(m > 0.f ? bits + 1 : bits - 1);
+      }
+    }
+  });
+  return logits;
 }
 
 // ------------------------------------------------------------------------------------------------ attention
@@ -1423,6 +1535,8 @@ at::Tensor& lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& row
 TORCH_LIBRARY(lmforge_engine, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
   m.def("argmax(Tensor logits) -> Tensor", &argmax);
+  m.def("screen_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, Tensor weight_norms) -> Tensor",
+        &screen_logits);
   m.def("refine_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, bool to_float, int top_k) -> Tensor",
         &refine_logits);
   m.def(

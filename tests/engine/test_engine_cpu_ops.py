@@ -300,6 +300,38 @@ def test_fp32_linear_uses_the_packed_weight_only_for_its_row_range():
 
 
 @pytest.mark.parametrize("native", [True, False])
+def test_screened_logits_pick_the_float32_heads_argmax(native):
+    """A float32 head screened through its bf16 copy picks the float32 argmax: rows with near-duplicate weight rows
+    (float32 values 1e-4 apart that bf16 ties or swaps), a row whose float32 maximum is tied (the first index wins,
+    as an argmax of the float32 logits), masked entries (-inf) that would win unmasked, and a row masked whole."""
+    g = torch.Generator().manual_seed(5)
+    rows, vocab, hidden = 16, 4000, 96
+    h = torch.randn(rows, hidden, generator=g) * 2
+    w = torch.randn(vocab, hidden, generator=g) * 0.3
+    w[:50] = w[50:100] + torch.randn(50, hidden, generator=g) * 1e-4  # near-duplicates of the likely winners
+    w[100:150] = w[50:100]  # exact duplicates: float32 ties, first index wins
+    h[:8] = (w[50:58] * 5).float()  # rows 0..7 aim at the duplicated rows
+    exact = h @ w.T
+    logits = (h.bfloat16() @ w.bfloat16().T).bfloat16()
+    masked_win = exact[8].argmax()
+    logits[8, masked_win] = float("-inf")
+    exact[8, masked_win] = float("-inf")
+    logits[9] = float("-inf")
+    norms = w.norm(dim=1)
+    assert not torch.equal(cpu_ops.argmax(logits)[:8], exact.argmax(-1)[:8])  # bf16 alone picks other tokens
+    cpu_ops.use_cpu_kernels(native)
+    try:
+        screened = cpu_ops.screen_logits(logits.clone(), h, w, norms)
+    finally:
+        cpu_ops.use_cpu_kernels(True)
+    assert screened.dtype == torch.bfloat16
+    picked = cpu_ops.argmax(screened)
+    want = exact.argmax(-1)
+    assert torch.equal(picked[torch.arange(rows) != 9], want[torch.arange(rows) != 9])
+    assert int(picked[8]) != int(masked_win) and torch.isinf(screened[9]).all()
+
+
+@pytest.mark.parametrize("native", [True, False])
 def test_refined_float_logits_hold_the_exact_top_k(native):
     """With ``top_k`` the float copy holds the exact sums of every entry that may be among the k largest, so the
     top-k values and their order are the float32 GEMM's (no rounding ties among them)."""

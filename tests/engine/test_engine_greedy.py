@@ -51,20 +51,30 @@ def reference(tiny_llama_dir, prompts):
     return hf_greedy(tiny_llama_dir, prompts, GREEDY.max_tokens)
 
 
-@pytest.mark.parametrize("panels", [False, True], ids=["cpu-default", "fp32-panels"])
-def test_greedy_batch_equals_hf(tiny_llama_dir, prompts, reference, panels, monkeypatch):
-    """fp32-panels: the fp32 linears on the engine's panel GEMM whatever the CPU picks (AVX2-only AMD picks it)."""
+@pytest.mark.parametrize("path", ["cpu-default", "fp32-panels", "screened-head"])
+def test_greedy_batch_equals_hf(tiny_llama_dir, prompts, reference, path, monkeypatch):
+    """fp32-panels: the fp32 linears on the engine's panel GEMM whatever the CPU picks (AVX2-only AMD picks it).
+    screened-head: greedy picks read from the lm head's bf16 copy and recomputed in float32 where they can win
+    (``engine.model.head_screen``; CPUs with bf16 units pick it), whatever the CPU."""
     import engine.model
     from engine import cpu_ops
 
-    if panels:
+    if path == "fp32-panels":
         if not cpu_ops.float_gemv_available():
             pytest.skip("the float GEMV kernels are held off or not built here")
         monkeypatch.setattr(engine.model, "float_panels_fast", lambda: True)
     llm = make_llm(tiny_llama_dir)
-    if panels:
-        assert llm.engine.runner.model.layers[0].gate_up.panels_gated and llm.engine.runner.model.min_rows == 1
+    model = llm.engine.runner.model
+    if path == "fp32-panels":
+        assert model.layers[0].gate_up.panels_gated and model.min_rows == 1
+    if path == "screened-head":
+        model.head_screen = engine.model.build_head_screen(model.lm_head.weight)
+        calls = []
+        screen_logits = cpu_ops.screen_logits
+        monkeypatch.setattr(cpu_ops, "screen_logits", lambda *a: calls.append(1) or screen_logits(*a))
     outputs = llm.generate(prompts, GREEDY)
+    if path == "screened-head":
+        assert calls
     assert tokens(outputs) == reference
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
     llm.engine.check_invariants()
