@@ -757,9 +757,8 @@ class Model:
     ) -> torch.Tensor:
         """``[S, hidden]`` last hidden states -> logits ``[S, vocab]`` (final norm, lm head), float32
         unless ``float_logits=False`` (then for an argmax: in the model dtype, or bf16 from ``head_screen``).
-        ``mask`` (e.g. structured
-        output's grammar masks) sets disallowed entries of the lm head's output to -inf, in place, before
-        the refinement below, so the exact winner it finds is an allowed token.
+        ``mask`` (e.g. structured output's grammar masks) sets disallowed entries of the lm head's output to
+        -inf, in place, before the refinement below, so the exact winner it finds is an allowed token.
 
         In bf16 the entries near each row's maximum are recomputed in float32 (``cpu_ops.refine_logits``):
         the GEMM's rounding to bf16 would otherwise tie or swap close candidates, and greedy output would
@@ -791,9 +790,9 @@ def head_screen(head: Linear, dtype: torch.dtype, device: str, batch_invariant: 
     """``(bf16 copy of the lm head, [V] float32 norms of its weight rows)`` for ``cpu_ops.screen_logits``, or ``None``.
 
     A greedy step of a float32 model needs only each row's argmax; reading the head's weight in bf16 reads half
-    the bytes (56 of SmolLM2's 113 MB at one row) and runs on the CPU's bf16 units (a 64-row head in 5 ms against
-    about 18 in float32 on a 2-core AMD EPYC with AVX-512 BF16), and the float32 recomputation of the few entries
-    that can win keeps the pick the float32 head's. Built for a float32 CPU model whose head is a plain float
+    the bytes (56 of SmolLM2's 113 MB) and runs on the CPU's bf16 units (the head and its pick at 1 / 64 rows in
+    1.3 / 7.2 ms against 2.4 / 10.6 in float32 on a 2-core AMD EPYC Zen 5), and the float32 recomputation of the few
+    entries that can win keeps the pick the float32 head's. Built for a float32 CPU model whose head is a plain float
     weight without bias, where the CPU multiplies bf16 in hardware (``bf16_dot_products``) and the C++ kernels
     build; not in batch-invariant mode. Costs a bf16 copy of the head (and oneDNN's packed copy of it).
     """
