@@ -152,6 +152,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 #: bf16's unit roundoff (8 significant bits, round to nearest).
 BF16_UNIT_ROUNDOFF = 2.0**-8
+#: An absolute term added to ``screen_logits``' bound (covers values flushed to zero by bf16 units).
+SCREEN_BOUND_FLOOR = 1e-6
 
 
 def screen_bound_coefficients(hidden_size: int) -> tuple[float, float]:
@@ -190,26 +192,33 @@ def screen_logits(
         ``logits``, whose argmax per row is the float32 head's (the first of its maxima).
     """
     hidden, weight = hidden.contiguous(), weight.contiguous()
-    if logits.stride(1) == 1 and _native(logits):
-        return KERNELS.ops.screen_logits(logits, hidden, weight, weight_norms)
     rel, out = screen_bound_coefficients(hidden.shape[1])
+    if logits.stride(1) == 1 and _native(logits):
+        return KERNELS.ops.screen_logits(logits, hidden, weight, weight_norms, rel, out, SCREEN_BOUND_FLOOR)
     a = logits.float()
-    bound = rel * hidden.norm(dim=1, keepdim=True) * weight_norms[None, :] + out * a.abs() + 1e-6
+    bound = rel * hidden.norm(dim=1, keepdim=True) * weight_norms[None, :] + out * a.abs() + SCREEN_BOUND_FLOOR
     finite = torch.isfinite(a)
     floor = torch.where(finite, a - bound, float("-inf")).amax(dim=1, keepdim=True)
     rows, cols = (finite & (a + bound >= floor)).nonzero(as_tuple=True)
     exact = torch.einsum("nh,nh->n", hidden[rows], weight[cols])
-    best = torch.full((a.shape[0],), float("-inf")).scatter_reduce(0, rows, exact, "amax")
-    top = a.max(dim=1).values
+    return _lift_exact_winners(logits, rows, cols, exact)
+
+
+def _lift_exact_winners(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, exact: torch.Tensor):
+    """Raise, in place, each row's first largest ``exact`` value among its candidates ``(rows, cols)`` to the next
+    bf16 value above the row's maximum (unless an argmax of the row already picks it); returns ``logits``."""
+    if rows.numel() == 0:
+        return logits
+    best = torch.full((logits.shape[0],), float("-inf")).scatter_reduce(0, rows, exact, "amax")
     is_best = exact == best[rows]
     winner = {}
     for r, c in zip(rows[is_best].tolist(), cols[is_best].tolist()):
         winner.setdefault(r, c)  # the lowest index among exact ties, as the kernel keeps
     for r, c in winner.items():
-        m = top[r]
-        if bool(torch.isfinite(m)) and int(logits[r].max(dim=-1).indices) != c:
-            step = torch.exp2(torch.floor(torch.log2(m.abs().clamp_min(torch.finfo(torch.float32).tiny))) - 7)
-            logits[r, c] = (m + step).to(logits.dtype)  # a bf16 value above the row's maximum
+        top = logits[r].float().max()
+        if bool(torch.isfinite(top)) and int(logits[r].max(dim=-1).indices) != c:  # the kernels skip inf / NaN rows
+            step = torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(torch.finfo(torch.float32).tiny))) - 7)
+            logits[r, c] = (top + step).to(logits.dtype)  # a bf16 value above the row's maximum
     return logits
 
 
@@ -255,15 +264,7 @@ def refine_logits(
     if to_float:
         out[rows, cols] = exact
         return out
-    best = torch.full_like(top[:, 0], float("-inf")).scatter_reduce(0, rows, exact, "amax")
-    is_best = exact == best[rows]
-    winner = {}
-    for r, c in zip(rows[is_best].tolist(), cols[is_best].tolist()):
-        winner.setdefault(r, c)  # the lowest index among exact ties, as the kernel keeps
-    for r, c in winner.items():
-        if int(logits[r].max(dim=-1).indices) != c:
-            logits[r, c] = (top[r, 0] + step[r, 0]).to(logits.dtype)  # a bf16 value above the row's maximum
-    return logits
+    return _lift_exact_winners(logits, rows, cols, exact)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

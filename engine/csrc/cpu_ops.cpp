@@ -14,11 +14,11 @@
 //   logprobs a request may read): all entries within two steps below a bf16 value that top_k entries reach.
 //   Otherwise, in place: the exact winner of each row is raised to the next bf16 value above the row's maximum,
 //   so any argmax of the row picks it (greedy decoding reads nothing else).
-// lmforge_engine::screen_logits(logits [S, V] bf16, hidden [S, H] fp32, weight [V, H] fp32, weight_norms [V] fp32)
-//     -> logits
+// lmforge_engine::screen_logits(logits [S, V] bf16, hidden [S, H] fp32, weight [V, H] fp32, weight_norms [V] fp32,
+//     rel, out, absolute) -> logits
 //   the greedy pick of a float32 lm head from a bf16 one: logits are the lm head's output computed on bf16 copies
-//   of hidden and weight; each entry lies within rel * |x| |w_v| + out * |a_v| of the float32 dot product (the
-//   operands' roundings, both accumulations, the output's rounding; Cauchy-Schwarz for the sum of |x_i w_vi|), so
+//   of hidden and weight; each entry lies within rel * |x| |w_v| + out * |a_v| + absolute of the float32 dot product
+//   (the coefficients from engine/cpu_ops.py screen_bound_coefficients), so
 //   every entry whose upper bound reaches the largest lower bound of its row is recomputed in float32, and the
 //   first of the largest exact values is raised in place to the next bf16 value above the row's maximum: any
 //   argmax of the row picks the token a float32 head's argmax picks. -inf entries (masked tokens) stay out.
@@ -458,6 +458,12 @@ inline float row_max(const uint16_t* row, int64_t n) {
   return m;
 }
 
+// *entry = the next bf16 value above m (m a finite bf16 value, not the largest): any argmax of its row picks it.
+inline void lift_above(uint16_t* entry, float m) {
+  const uint16_t bits = float_to_bf16(m);
+  *entry = m == 0.f ? uint16_t{0x0001} : static_cast<uint16_t>(m > 0.f ? bits + 1 : bits - 1);
+}
+
 // Entries refine_logits tests at once before looking at any one of them.
 constexpr int64_t kRefineChunk = 64;
 
@@ -519,11 +525,7 @@ at::Tensor refine_logits(at::Tensor& logits, const at::Tensor& hidden, const at:
           best_index = c;
         }
       }
-      if (!op && best_index >= 0 && best_index != first_max) {
-        // the next bf16 value above m (m finite and not the largest bf16)
-        const uint16_t bits = float_to_bf16(m);
-        row[best_index] = m == 0.f ? uint16_t{0x0001} : static_cast<uint16_t>(m > 0.f ? bits + 1 : bits - 1);
-      }
+      if (!op && best_index >= 0 && best_index != first_max) lift_above(row + best_index, m);
     }
   });
   return out;
@@ -544,7 +546,7 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 }
 
 at::Tensor screen_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight,
-                         const at::Tensor& weight_norms) {
+                         const at::Tensor& weight_norms, double rel, double out, double absolute) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1 &&
                   logits.scalar_type() == at::kBFloat16,
               "screen_logits: logits must be a CPU bf16 [S, V] tensor with unit last stride");
@@ -562,16 +564,15 @@ at::Tensor screen_logits(at::Tensor& logits, const at::Tensor& hidden, const at:
   const float* hp = hidden.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   const float* np_ = weight_norms.data_ptr<float>();
-  // |exact - screened| <= rel * |x| |w_v| + out * |screened| (see engine/cpu_ops.py screen_logits)
-  const double u = 1.0 / 256, g = h * std::ldexp(1.0, -24) / (1.0 - h * std::ldexp(1.0, -24));
-  const double rel = 1.05 * (2 * u + u * u + 4 * g * (1 + 2 * u)), out = 1.05 * 2 * u;
+  // |exact - screened| <= rel * |x| |w_v| + out * |screened| + absolute (engine/cpu_ops.py screen_logits)
   at::parallel_for(0, rows, grain(cols, 1 << 17), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       uint16_t* row = lp + r * stride;
       const float* x = hp + r * h;
       double sq = 0.0;
       for (int64_t i = 0; i < h; ++i) sq += static_cast<double>(x[i]) * x[i];
-      const float c = static_cast<float>(rel * std::sqrt(sq)), o = static_cast<float>(out), tiny = 1e-6f;
+      const float c = static_cast<float>(rel * std::sqrt(sq)), o = static_cast<float>(out),
+                  tiny = static_cast<float>(absolute);
       // the largest lower bound of an entry (the exact maximum is at least this) and the row's maximum
       constexpr int W = 32;
       const float inf = std::numeric_limits<float>::infinity();
@@ -624,10 +625,7 @@ at::Tensor screen_logits(at::Tensor& logits, const at::Tensor& hidden, const at:
       // the winner alone at the top, unless an argmax already picks it: the next bf16 value above the maximum
       bool picked = bf16_to_float(row[best_index]) == m;
       for (int64_t q = 0; q < best_index && picked; ++q) picked = bf16_to_float(row[q]) != m;
-      if (!picked) {
-        const uint16_t bits = float_to_bf16(m);
-        row[best_index] = m == 0.f ? uint16_t{0x0001} : static_cast<uint16_t>(m > 0.f ? bits + 1 : bits - 1);
-      }
+      if (!picked) lift_above(row + best_index, m);
     }
   });
   return logits;
@@ -1535,8 +1533,10 @@ at::Tensor& lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& row
 TORCH_LIBRARY(lmforge_engine, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
   m.def("argmax(Tensor logits) -> Tensor", &argmax);
-  m.def("screen_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, Tensor weight_norms) -> Tensor",
-        &screen_logits);
+  m.def(
+      "screen_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, Tensor weight_norms, float rel, float out, "
+      "float absolute) -> Tensor",
+      &screen_logits);
   m.def("refine_logits(Tensor(a!) logits, Tensor hidden, Tensor weight, bool to_float, int top_k) -> Tensor",
         &refine_logits);
   m.def(
